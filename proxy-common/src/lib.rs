@@ -342,8 +342,11 @@ pub mod iface_flags {
     pub const POD: u32 = 1 << 0;
 }
 
-/// Per-CPU counters, indexed by these codes. Every packet the programs see is
-/// counted under exactly one code, so the sum is the number of packets seen.
+/// Per-CPU packet counters, indexed by these codes. Every packet the programs
+/// see is counted once under its verdict (`PASS_*`, `FWD_*`, `REJECT_*`,
+/// `DROP_*`); a translated packet is counted once more under how it was
+/// delivered (`REDIRECT*`, `PASS_FIB_MISS`, `PASS_TTL`); `HAIRPIN` and
+/// `CT_INSERT_FAILED` are extra marks on packets already counted.
 pub mod stat {
     /// Not IPv4 (ARP, IPv6, ...): passed untouched.
     pub const PASS_NOT_IPV4: u32 = 1;
@@ -386,11 +389,14 @@ pub mod stat {
     pub const PASS_TTL: u32 = 18;
     /// The datapath is not configured yet (no agent has written the config map).
     pub const PASS_UNCONFIGURED: u32 = 19;
-    /// ICMP or another protocol to a frontend address: passed untouched.
+    /// Neither TCP nor UDP: passed untouched.
     pub const PASS_OTHER_PROTO: u32 = 20;
+    /// An IPv4 header or L4 ports that cannot be read (truncated, bad version
+    /// or header length), not for a frontend: passed untouched; the stack drops it.
+    pub const PASS_MALFORMED: u32 = 21;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 21] = [
+    pub const NAMES: [&str; 22] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -412,6 +418,7 @@ pub mod stat {
         "pass_ttl",
         "pass_unconfigured",
         "pass_other_proto",
+        "pass_malformed",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }
