@@ -1,1 +1,206 @@
-//! TODO
+//! The agent's run loop: load and pin the datapath, attach it to pod
+//! interfaces as they appear, and keep the maps equal to the desired state of
+//! the source, with kube-proxy's minimum sync period.
+use std::{
+    net::Ipv4Addr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt;
+use netlink_packet_core::NetlinkPayload;
+use netlink_packet_route::{
+    link::{LinkAttribute, LinkMessage},
+    RouteNetlinkMessage,
+};
+use proxy_common::Config;
+use rtnetlink::{new_multicast_connection, MulticastGroup};
+use tokio::sync::mpsc;
+use tracing::{debug, error, info, warn};
+
+use crate::{
+    bpf::{self, Attacher, BpfDataplane, BpfError, MapSizes},
+    dataplane::Writer,
+    manifests, model,
+};
+
+/// Log line printed after every sync; the lab and tests wait for it.
+pub const SYNC_COMPLETE: &str = "sync complete";
+
+/// Everything `run` needs, from flags (and later the config file).
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub manifests: Vec<PathBuf>,
+    pub node_name: String,
+    pub bpffs: PathBuf,
+    pub pod_interfaces: Vec<glob::Pattern>,
+    pub hairpin_snat_ip: Ipv4Addr,
+    pub min_sync_period: Duration,
+    pub sync_period: Duration,
+    pub map_sizes: MapSizes,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Bpf(#[from] BpfError),
+    #[error("dataplane: {0}")]
+    Dataplane(#[from] crate::dataplane::DataplaneError),
+    #[error("watching the manifests {paths:?}: {source}")]
+    Watch {
+        paths: Vec<PathBuf>,
+        source: notify::Error,
+    },
+    #[error("netlink: {0}")]
+    Netlink(std::io::Error),
+    #[error("signal handler: {0}")]
+    Signal(std::io::Error),
+}
+
+fn matches(patterns: &[glob::Pattern], name: &str) -> bool {
+    patterns.iter().any(|p| p.matches(name))
+}
+
+fn link_name(msg: &LinkMessage) -> Option<&str> {
+    msg.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(n) => Some(n.as_str()),
+        _ => None,
+    })
+}
+
+fn on_new_link(attacher: &Mutex<Attacher>, patterns: &[glob::Pattern], msg: &LinkMessage) {
+    let index = msg.header.index;
+    let Some(name) = link_name(msg) else { return };
+    if !matches(patterns, name) {
+        return;
+    }
+    let mut a = attacher.lock().expect("attacher lock");
+    if a.is_attached(index) {
+        return;
+    }
+    match a.attach(index, name) {
+        Ok(()) => info!(interface = name, ifindex = index, "attached pod program"),
+        // The interface may be gone already (a pod deleted right after creation).
+        Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach pod program"),
+    }
+}
+
+/// Attaches to every interface matching the patterns, now and as they appear;
+/// forgets interfaces as they disappear.
+async fn watch_links(
+    attacher: Arc<Mutex<Attacher>>,
+    patterns: Vec<glob::Pattern>,
+) -> Result<(), AgentError> {
+    // Subscribe before listing, so that no interface falls between the two.
+    let (conn, handle, mut events) =
+        new_multicast_connection(&[MulticastGroup::Link]).map_err(AgentError::Netlink)?;
+    tokio::spawn(conn);
+    let mut links = handle.link().get().execute();
+    while let Some(msg) = links.next().await {
+        match msg {
+            Ok(msg) => on_new_link(&attacher, &patterns, &msg),
+            Err(e) => warn!(error = %e, "listing links"),
+        }
+    }
+    while let Some((msg, _)) = events.next().await {
+        match msg.payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
+                on_new_link(&attacher, &patterns, &m)
+            }
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
+                let mut a = attacher.lock().expect("attacher lock");
+                if a.is_attached(m.header.index) {
+                    a.detach(m.header.index);
+                    info!(ifindex = m.header.index, "interface gone, link released");
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// One sync: read the source, compute the desired state, write the difference.
+fn sync_once(cfg: &RunConfig, writer: &mut Writer<BpfDataplane>) {
+    let started = Instant::now();
+    let (snapshot, errors) = manifests::load_paths(&cfg.manifests);
+    for e in &errors {
+        error!("{e}");
+    }
+    let (desired, warnings) = model::desired_state(&snapshot, &cfg.node_name);
+    for w in &warnings {
+        warn!("{w}");
+    }
+    let report = writer.sync(&desired);
+    for (what, e) in &report.errors {
+        error!(frontend = %what, error = %e, "cannot program");
+    }
+    info!(
+        frontends = desired.frontends.len(),
+        manifest_errors = errors.len(),
+        program_errors = report.errors.len(),
+        elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+        "{SYNC_COMPLETE}: {report:?}"
+    );
+}
+
+/// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
+/// maps stay, so a restarted agent adopts conntrack and ids.
+pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
+    let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
+    info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
+    let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
+    dp.set_config(Config::default().with_hairpin_addr(cfg.hairpin_snat_ip))?;
+    let mut writer = Writer::adopt(dp)?;
+
+    let (tx, mut changes) = mpsc::unbounded_channel();
+    let _watcher =
+        manifests::watch(cfg.manifests.clone(), tx).map_err(|source| AgentError::Watch {
+            paths: cfg.manifests.clone(),
+            source,
+        })?;
+
+    // Program the maps before attaching, so the first packets find them.
+    sync_once(&cfg, &mut writer);
+    let mut last_sync = Instant::now();
+
+    let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
+    let links = tokio::spawn(watch_links(attacher.clone(), cfg.pod_interfaces.clone()));
+
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(AgentError::Signal)?;
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(AgentError::Signal)?;
+    let mut pending = false;
+    loop {
+        // kube-proxy's minSyncPeriod: a change right after a sync waits for the
+        // rest of the period; one after a quiet period is applied at once.
+        let wake = if pending {
+            last_sync + cfg.min_sync_period
+        } else {
+            last_sync + cfg.sync_period
+        };
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {
+                sync_once(&cfg, &mut writer);
+                last_sync = Instant::now();
+                pending = false;
+            }
+            Some(()) = changes.recv() => {
+                debug!("manifests changed");
+                pending = true;
+            }
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+        if links.is_finished() {
+            error!("the interface watcher stopped; new pod interfaces would be missed");
+            break;
+        }
+    }
+    links.abort();
+    attacher.lock().expect("attacher lock").detach_all();
+    info!("detached; maps stay pinned under {}", cfg.bpffs.display());
+    Ok(())
+}

@@ -1,1 +1,405 @@
-//! TODO
+//! The BPF side of the agent: loading the embedded object with its maps pinned
+//! under a bpffs directory (a restarted agent adopts them), the [`Dataplane`]
+//! implementation over those maps, and attaching the tc program to pod
+//! interfaces.
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, HashMap, MapData, MapError, PerCpuArray},
+    programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType},
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    capacity, iface_flags, map_names, stat, Backend4, Config, Ct4Key, Ct4Value, Iface, RevNat4,
+    Svc4Key, Svc4Value,
+};
+
+use crate::dataplane::{Dataplane, DataplaneError, Programmed};
+
+/// The kernel object built from `proxy-ebpf` by `build.rs`.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
+
+/// Name of the tc program for pod interfaces (the function name in `proxy-ebpf`).
+pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BpfError {
+    #[error("cannot prepare the pin directory {path}: {source}")]
+    PinDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not on a bpffs mount (mount one with `mount -t bpf bpf {path}` or pass --bpffs under /sys/fs/bpf)")]
+    NotBpffs { path: PathBuf },
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        source: MapError,
+    },
+    #[error("map {0} missing from the object")]
+    MissingMap(&'static str),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+}
+
+/// Map sizes, from the agent's configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub rev_nat: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: capacity::SERVICES,
+            backends: capacity::BACKENDS,
+            rev_nat: capacity::REV_NAT,
+            conntrack: capacity::CONNTRACK,
+        }
+    }
+}
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+fn ensure_bpffs_dir(dir: &Path) -> Result<(), BpfError> {
+    std::fs::create_dir_all(dir).map_err(|source| BpfError::PinDir {
+        path: dir.into(),
+        source,
+    })?;
+    let st = nix::sys::statfs::statfs(dir).map_err(|e| BpfError::PinDir {
+        path: dir.into(),
+        source: std::io::Error::from_raw_os_error(e as i32),
+    })?;
+    if st.filesystem_type().0 as i64 != BPF_FS_MAGIC {
+        return Err(BpfError::NotBpffs { path: dir.into() });
+    }
+    Ok(())
+}
+
+/// The loaded object: programs (for attaching) and the maps, pinned.
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub pin_dir: PathBuf,
+}
+
+/// Loads the embedded object. Every map is pinned as `<pin_dir>/<MAP_NAME>`; a
+/// map already pinned there (by an earlier agent) is reused, with its entries,
+/// so established flows keep their conntrack state across restarts.
+pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
+    ensure_bpffs_dir(pin_dir)?;
+    let paths: Vec<(&'static str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|n| (*n, pin_dir.join(n)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(map_names::SERVICES, sizes.services)
+        .map_max_entries(map_names::BACKENDS, sizes.backends)
+        .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
+        .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(POD_INGRESS_PROGRAM)
+        .ok_or(BpfError::Program {
+            name: POD_INGRESS_PROGRAM,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(|source| BpfError::Program {
+            name: POD_INGRESS_PROGRAM,
+            source,
+        })?;
+    prog.load().map_err(|source| BpfError::Program {
+        name: POD_INGRESS_PROGRAM,
+        source,
+    })?;
+    Ok(Loaded {
+        ebpf,
+        pin_dir: pin_dir.to_owned(),
+    })
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, BpfError> {
+    ebpf.take_map(name).ok_or(BpfError::MissingMap(name))
+}
+
+fn map_err(name: &'static str) -> impl Fn(MapError) -> BpfError {
+    move |source| BpfError::Map { name, source }
+}
+
+/// The maps the agent writes, taken out of the loaded object.
+pub struct BpfDataplane {
+    services: HashMap<MapData, Svc4Key, Svc4Value>,
+    backends: HashMap<MapData, u32, Backend4>,
+    rev_nat: HashMap<MapData, u16, RevNat4>,
+    config: Array<MapData, Config>,
+    sizes: MapSizes,
+}
+
+impl BpfDataplane {
+    pub fn new(ebpf: &mut Ebpf, sizes: MapSizes) -> Result<Self, BpfError> {
+        Ok(Self {
+            services: HashMap::try_from(take_map(ebpf, map_names::SERVICES)?)
+                .map_err(map_err(map_names::SERVICES))?,
+            backends: HashMap::try_from(take_map(ebpf, map_names::BACKENDS)?)
+                .map_err(map_err(map_names::BACKENDS))?,
+            rev_nat: HashMap::try_from(take_map(ebpf, map_names::REV_NAT)?)
+                .map_err(map_err(map_names::REV_NAT))?,
+            config: Array::try_from(take_map(ebpf, map_names::CONFIG)?)
+                .map_err(map_err(map_names::CONFIG))?,
+            sizes,
+        })
+    }
+
+    /// Writes the datapath configuration (index 0 of the config map).
+    pub fn set_config(&mut self, cfg: Config) -> Result<(), BpfError> {
+        self.config
+            .set(0, cfg, 0)
+            .map_err(map_err(map_names::CONFIG))
+    }
+}
+
+fn op_err(map: &'static str, op: &'static str, capacity: u32, e: MapError) -> DataplaneError {
+    if let MapError::SyscallError(s) = &e {
+        if s.io_error.raw_os_error() == Some(libc::E2BIG)
+            || s.io_error.raw_os_error() == Some(libc::ENOMEM)
+        {
+            return DataplaneError::Full { map, capacity };
+        }
+    }
+    DataplaneError::Op {
+        map,
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// Deleting an absent key is not an error: the state wanted is reached.
+fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
+    match r {
+        Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+impl Dataplane for BpfDataplane {
+    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
+        let cap = self.sizes.backends;
+        self.backends
+            .insert(id, backend, 0)
+            .map_err(|e| op_err(map_names::BACKENDS, "insert", cap, e))
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let cap = self.sizes.backends;
+        ignore_missing(self.backends.remove(&id))
+            .map_err(|e| op_err(map_names::BACKENDS, "delete", cap, e))
+    }
+    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        let cap = self.sizes.services;
+        self.services
+            .insert(key, value, 0)
+            .map_err(|e| op_err(map_names::SERVICES, "insert", cap, e))
+    }
+    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+        let cap = self.sizes.services;
+        ignore_missing(self.services.remove(&key))
+            .map_err(|e| op_err(map_names::SERVICES, "delete", cap, e))
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
+        self.rev_nat
+            .insert(id, value, 0)
+            .map_err(|e| op_err(map_names::REV_NAT, "insert", cap, e))
+    }
+    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
+        ignore_missing(self.rev_nat.remove(&id))
+            .map_err(|e| op_err(map_names::REV_NAT, "delete", cap, e))
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        let d = |map: &'static str| {
+            move |e: MapError| DataplaneError::Op {
+                map,
+                op: "dump",
+                reason: e.to_string(),
+            }
+        };
+        let mut p = Programmed::default();
+        for kv in self.services.iter() {
+            let (k, v) = kv.map_err(d(map_names::SERVICES))?;
+            p.services.insert(k, v);
+        }
+        for kv in self.backends.iter() {
+            let (k, v) = kv.map_err(d(map_names::BACKENDS))?;
+            p.backends.insert(k, v);
+        }
+        for kv in self.rev_nat.iter() {
+            let (k, v) = kv.map_err(d(map_names::REV_NAT))?;
+            p.rev_nat.insert(k, v);
+        }
+        Ok(p)
+    }
+}
+
+/// Read-only views of pinned maps, for `inspect` and tests.
+pub struct PinnedMaps {
+    pub dir: PathBuf,
+}
+
+impl PinnedMaps {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    fn open(&self, name: &'static str) -> Result<aya::maps::Map, BpfError> {
+        let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+        Ok(match name {
+            n if n == map_names::STATS => aya::maps::Map::PerCpuArray(data),
+            n if n == map_names::CONNTRACK => aya::maps::Map::LruHashMap(data),
+            n if n == map_names::CONFIG => aya::maps::Map::Array(data),
+            _ => aya::maps::Map::HashMap(data),
+        })
+    }
+
+    /// Counters summed over CPUs, by code.
+    pub fn stats(&self) -> Result<BTreeMap<u32, u64>, BpfError> {
+        let m: PerCpuArray<MapData, u64> = PerCpuArray::try_from(self.open(map_names::STATS)?)
+            .map_err(map_err(map_names::STATS))?;
+        let mut out = BTreeMap::new();
+        for code in 1..stat::NAMES.len() as u32 {
+            let v = m.get(&code, 0).map_err(map_err(map_names::STATS))?;
+            out.insert(code, v.iter().sum());
+        }
+        Ok(out)
+    }
+
+    pub fn conntrack(&self) -> Result<Vec<(Ct4Key, Ct4Value)>, BpfError> {
+        let m: HashMap<MapData, Ct4Key, Ct4Value> =
+            HashMap::try_from(self.open(map_names::CONNTRACK)?)
+                .map_err(map_err(map_names::CONNTRACK))?;
+        m.iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(map_names::CONNTRACK))
+    }
+
+    pub fn programmed(&self) -> Result<Programmed, BpfError> {
+        let services: HashMap<MapData, Svc4Key, Svc4Value> =
+            HashMap::try_from(self.open(map_names::SERVICES)?)
+                .map_err(map_err(map_names::SERVICES))?;
+        let backends: HashMap<MapData, u32, Backend4> =
+            HashMap::try_from(self.open(map_names::BACKENDS)?)
+                .map_err(map_err(map_names::BACKENDS))?;
+        let rev_nat: HashMap<MapData, u16, RevNat4> =
+            HashMap::try_from(self.open(map_names::REV_NAT)?)
+                .map_err(map_err(map_names::REV_NAT))?;
+        let mut p = Programmed::default();
+        for kv in services.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::SERVICES))?;
+            p.services.insert(k, v);
+        }
+        for kv in backends.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::BACKENDS))?;
+            p.backends.insert(k, v);
+        }
+        for kv in rev_nat.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::REV_NAT))?;
+            p.rev_nat.insert(k, v);
+        }
+        Ok(p)
+    }
+}
+
+/// Attaches and detaches the pod program, one tcx link per interface, and
+/// keeps the interfaces map (pod interfaces, delivered to with
+/// `bpf_redirect_peer`) equal to the set of attached interfaces.
+pub struct Attacher {
+    ebpf: Ebpf,
+    ifaces: HashMap<MapData, u32, Iface>,
+    links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+}
+
+impl Attacher {
+    /// Takes the interfaces map out of `ebpf` and forgets its old entries
+    /// (interfaces are learned again from netlink).
+    pub fn new(mut ebpf: Ebpf) -> Result<Self, BpfError> {
+        let mut ifaces: HashMap<MapData, u32, Iface> =
+            HashMap::try_from(take_map(&mut ebpf, map_names::IFACES)?)
+                .map_err(map_err(map_names::IFACES))?;
+        let stale: Vec<u32> = ifaces.keys().filter_map(Result::ok).collect();
+        for k in stale {
+            let _ = ifaces.remove(&k);
+        }
+        Ok(Self {
+            ebpf,
+            ifaces,
+            links: BTreeMap::new(),
+        })
+    }
+
+    fn program(&mut self) -> &mut SchedClassifier {
+        self.ebpf
+            .program_mut(POD_INGRESS_PROGRAM)
+            .expect("program checked at load")
+            .try_into()
+            .expect("program type checked at load")
+    }
+
+    pub fn is_attached(&self, ifindex: u32) -> bool {
+        self.links.contains_key(&ifindex)
+    }
+
+    /// Attaches at tc ingress (tcx) of `name`.
+    pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), BpfError> {
+        let id = self
+            .program()
+            .attach(name, TcAttachType::Ingress)
+            .map_err(|source| BpfError::Program {
+                name: POD_INGRESS_PROGRAM,
+                source,
+            })?;
+        self.links.insert(ifindex, (name.to_owned(), id));
+        self.ifaces
+            .insert(
+                ifindex,
+                Iface {
+                    flags: iface_flags::POD,
+                },
+                0,
+            )
+            .map_err(map_err(map_names::IFACES))
+    }
+
+    /// Forgets (and detaches, if it still exists) the link on `ifindex`.
+    pub fn detach(&mut self, ifindex: u32) {
+        if let Some((_, id)) = self.links.remove(&ifindex) {
+            let _ = self.program().detach(id);
+        }
+        let _ = self.ifaces.remove(&ifindex);
+    }
+
+    pub fn detach_all(&mut self) {
+        let all: Vec<u32> = self.links.keys().copied().collect();
+        for i in all {
+            self.detach(i);
+        }
+    }
+
+    pub fn attached(&self) -> impl Iterator<Item = (u32, &str)> {
+        self.links.iter().map(|(i, (n, _))| (*i, n.as_str()))
+    }
+}

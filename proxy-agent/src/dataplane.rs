@@ -1,1 +1,900 @@
-//! TODO
+//! The dataplane seen from the agent: a small set of map operations
+//! ([`Dataplane`]), implemented over the BPF maps (`crate::bpf::BpfDataplane`)
+//! and in memory ([`InMemory`], for tests), and the [`Writer`] that diffs the
+//! desired state against what is programmed and writes in make-before-break
+//! order.
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Key, Svc4Value};
+
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
+
+/// A failed map operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    /// The map has no room for a new entry.
+    #[error("map {map} is full ({capacity} entries)")]
+    Full { map: &'static str, capacity: u32 },
+    /// Any other failure of the map operation.
+    #[error("map {map}: {op} failed: {reason}")]
+    Op {
+        map: &'static str,
+        op: &'static str,
+        reason: String,
+    },
+}
+
+/// Everything the maps hold that the writer manages (conntrack excluded).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Programmed {
+    pub services: BTreeMap<Svc4Key, Svc4Value>,
+    pub backends: BTreeMap<u32, Backend4>,
+    pub rev_nat: BTreeMap<u16, RevNat4>,
+}
+
+/// Map operations. Keys and values are the shared kernel types; ids are host
+/// order. Each operation either takes effect whole or fails.
+pub trait Dataplane {
+    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError>;
+    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError>;
+    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError>;
+    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
+    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
+    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
+    /// Reads back everything programmed (used to adopt pinned maps on start).
+    fn dump(&self) -> Result<Programmed, DataplaneError>;
+}
+
+// ---------------------------------------------------------------------------
+// In-memory dataplane (tests)
+// ---------------------------------------------------------------------------
+
+/// One applied map operation, as recorded by [`InMemory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    PutBackend(u32, Backend4),
+    DeleteBackend(u32),
+    PutService(Svc4Key, Svc4Value),
+    DeleteService(Svc4Key),
+    PutRevNat(u16, RevNat4),
+    DeleteRevNat(u16),
+}
+
+/// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
+/// injectable failure, and a check after every operation of the invariant a
+/// packet relies on (see [`InMemory::violations`]).
+#[derive(Clone, Debug)]
+pub struct InMemory {
+    state: Programmed,
+    cap_services: u32,
+    cap_backends: u32,
+    cap_rev_nat: u32,
+    ops: Vec<Op>,
+    violations: Vec<String>,
+    /// Operations to let through before failing `fail_count` of them.
+    fail_skip: usize,
+    fail_count: usize,
+}
+
+impl Default for InMemory {
+    fn default() -> Self {
+        use proxy_common::capacity;
+        Self::with_capacity(capacity::SERVICES, capacity::BACKENDS, capacity::REV_NAT)
+    }
+}
+
+impl InMemory {
+    pub fn with_capacity(services: u32, backends: u32, rev_nat: u32) -> Self {
+        Self {
+            state: Programmed::default(),
+            cap_services: services,
+            cap_backends: backends,
+            cap_rev_nat: rev_nat,
+            ops: Vec::new(),
+            violations: Vec::new(),
+            fail_skip: 0,
+            fail_count: 0,
+        }
+    }
+
+    /// The maps' contents.
+    pub fn programmed(&self) -> &Programmed {
+        &self.state
+    }
+
+    /// Every applied operation, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// Returns and clears the op log.
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        std::mem::take(&mut self.ops)
+    }
+
+    /// Invariant violations seen after any operation: a frontend whose count
+    /// covers a missing slot, a slot naming a missing backend, or a frontend
+    /// whose reverse-NAT entry is missing or names another address.
+    pub fn violations(&self) -> &[String] {
+        &self.violations
+    }
+
+    /// Makes the next `n` operations fail (without effect); 0 cancels.
+    pub fn fail_next(&mut self, n: usize) {
+        self.fail_after(0, n);
+    }
+
+    /// Lets `skip` operations through, then makes the `n` following fail.
+    pub fn fail_after(&mut self, skip: usize, n: usize) {
+        self.fail_skip = skip;
+        self.fail_count = n;
+    }
+
+    fn injected(&mut self, map: &'static str, op: &'static str) -> Result<(), DataplaneError> {
+        if self.fail_count == 0 {
+            return Ok(());
+        }
+        if self.fail_skip > 0 {
+            self.fail_skip -= 1;
+            return Ok(());
+        }
+        self.fail_count -= 1;
+        Err(DataplaneError::Op {
+            map,
+            op,
+            reason: "injected failure".into(),
+        })
+    }
+
+    fn record(&mut self, op: Op) {
+        self.ops.push(op);
+        for (key, value) in self.state.services.iter().filter(|(k, _)| k.slot == 0) {
+            for slot in 1..=value.count {
+                match self.state.services.get(&key.with_slot(slot)) {
+                    None => self.violations.push(format!(
+                        "after {op:?}: {key:?} count {} but slot {slot} missing",
+                        value.count
+                    )),
+                    Some(s) if !self.state.backends.contains_key(&s.backend_id) => {
+                        self.violations.push(format!(
+                            "after {op:?}: {key:?} slot {slot} names missing backend {}",
+                            s.backend_id
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            match self.state.rev_nat.get(&value.rev_nat_id) {
+                Some(r) if r.addr() == key.addr() && r.port() == key.port() => {}
+                other => self.violations.push(format!(
+                    "after {op:?}: {key:?} rev_nat_id {} has entry {other:?}",
+                    value.rev_nat_id
+                )),
+            }
+        }
+    }
+}
+
+fn check_capacity<K: Ord, V>(
+    map: &BTreeMap<K, V>,
+    key: &K,
+    capacity: u32,
+    name: &'static str,
+) -> Result<(), DataplaneError> {
+    if !map.contains_key(key) && map.len() >= capacity as usize {
+        return Err(DataplaneError::Full {
+            map: name,
+            capacity,
+        });
+    }
+    Ok(())
+}
+
+impl Dataplane for InMemory {
+    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
+        self.injected(map_names::BACKENDS, "put")?;
+        check_capacity(
+            &self.state.backends,
+            &id,
+            self.cap_backends,
+            map_names::BACKENDS,
+        )?;
+        self.state.backends.insert(id, backend);
+        self.record(Op::PutBackend(id, backend));
+        Ok(())
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
+        self.injected(map_names::BACKENDS, "delete")?;
+        self.state.backends.remove(&id);
+        self.record(Op::DeleteBackend(id));
+        Ok(())
+    }
+    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        self.injected(map_names::SERVICES, "put")?;
+        check_capacity(
+            &self.state.services,
+            &key,
+            self.cap_services,
+            map_names::SERVICES,
+        )?;
+        self.state.services.insert(key, value);
+        self.record(Op::PutService(key, value));
+        Ok(())
+    }
+    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+        self.injected(map_names::SERVICES, "delete")?;
+        self.state.services.remove(&key);
+        self.record(Op::DeleteService(key));
+        Ok(())
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+        self.injected(map_names::REV_NAT, "put")?;
+        check_capacity(
+            &self.state.rev_nat,
+            &id,
+            self.cap_rev_nat,
+            map_names::REV_NAT,
+        )?;
+        self.state.rev_nat.insert(id, value);
+        self.record(Op::PutRevNat(id, value));
+        Ok(())
+    }
+    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+        self.injected(map_names::REV_NAT, "delete")?;
+        self.state.rev_nat.remove(&id);
+        self.record(Op::DeleteRevNat(id));
+        Ok(())
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        Ok(self.state.clone())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Writer
+// ---------------------------------------------------------------------------
+
+/// What one [`Writer::sync`] did.
+#[derive(Default)]
+pub struct SyncReport {
+    pub frontends_added: usize,
+    pub frontends_updated: usize,
+    pub frontends_removed: usize,
+    pub backends_added: usize,
+    pub backends_removed: usize,
+    /// Map operations that took effect (puts and deletes).
+    pub writes: usize,
+    /// What could not be programmed (a frontend, `service frontend`, or a
+    /// backend) and why. Everything else was; a later sync retries these.
+    pub errors: Vec<(String, DataplaneError)>,
+}
+
+impl SyncReport {
+    /// Whether the sync wrote nothing and failed nowhere.
+    pub fn is_noop(&self) -> bool {
+        self.writes == 0 && self.errors.is_empty()
+    }
+}
+
+impl fmt::Debug for SyncReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "frontends +{} ~{} -{}, backends +{} -{}, {} writes, {} errors",
+            self.frontends_added,
+            self.frontends_updated,
+            self.frontends_removed,
+            self.backends_added,
+            self.backends_removed,
+            self.writes,
+            self.errors.len()
+        )
+    }
+}
+
+/// One frontend's entries in the services map, as programmed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct FrontendEntries {
+    /// Slot 0.
+    slot0: Option<Svc4Value>,
+    /// Slots ≥ 1 → backend id.
+    slots: BTreeMap<u16, u32>,
+}
+
+impl FrontendEntries {
+    /// The number of slots packets may read.
+    fn live_count(&self) -> u16 {
+        self.slot0.map_or(0, |v| v.count)
+    }
+}
+
+fn svc_key(key: &FrontendKey, slot: u16) -> Svc4Key {
+    Svc4Key::new(key.addr, key.port, key.proto, key.scope, slot)
+}
+
+fn frontend_key(key: &Svc4Key) -> FrontendKey {
+    FrontendKey {
+        addr: key.addr(),
+        port: key.port(),
+        proto: key.proto,
+        scope: key.scope,
+    }
+}
+
+fn backend_addr(b: &Backend4) -> BackendAddr {
+    BackendAddr {
+        addr: b.addr(),
+        port: b.port(),
+        proto: b.proto,
+    }
+}
+
+fn frontend_label(key: &FrontendKey, fe: Option<&Frontend>) -> String {
+    match fe {
+        Some(fe) => format!("{} {key}", fe.service),
+        None => key.to_string(),
+    }
+}
+
+/// Keeps a [`Dataplane`] equal to a [`DesiredState`]: owns the dataplane, the
+/// backend ids (one per [`BackendAddr`], shared by every frontend using it,
+/// never 0, allocated monotonically and never reused while in use), the
+/// reverse-NAT ids (one per [`FrontendKey`], never 0) and a mirror of what is
+/// programmed, and writes only differences, in make-before-break order.
+pub struct Writer<D: Dataplane> {
+    dp: D,
+    frontends: BTreeMap<FrontendKey, FrontendEntries>,
+    backends: BTreeMap<u32, Backend4>,
+    rev_nat: BTreeMap<u16, RevNat4>,
+    backend_ids: BTreeMap<BackendAddr, u32>,
+    rev_nat_ids: BTreeMap<FrontendKey, u16>,
+    rev_nat_owner: BTreeMap<u16, FrontendKey>,
+    next_backend_id: u32,
+    next_rev_nat_id: u16,
+}
+
+impl<D: Dataplane> Writer<D> {
+    /// Takes over `dp`, adopting what it already holds (pinned maps of a
+    /// previous agent): backend ids and reverse-NAT ids stay as they are, so
+    /// established flows keep working. Leftovers (slots beyond a frontend's
+    /// count, unreferenced backends or reverse-NAT entries, frontends no longer
+    /// desired) are deleted by the first [`Writer::sync`].
+    pub fn adopt(dp: D) -> Result<Self, DataplaneError> {
+        let programmed = dp.dump()?;
+        let mut frontends: BTreeMap<FrontendKey, FrontendEntries> = BTreeMap::new();
+        for (key, value) in &programmed.services {
+            let entries = frontends.entry(frontend_key(key)).or_default();
+            if key.slot == 0 {
+                entries.slot0 = Some(*value);
+            } else {
+                entries.slots.insert(key.slot, value.backend_id);
+            }
+        }
+        // Backend ids packets may use now win over duplicates.
+        let live: BTreeSet<u32> = frontends
+            .values()
+            .flat_map(|e| {
+                e.slots
+                    .iter()
+                    .filter(|(s, _)| **s <= e.live_count())
+                    .map(|(_, id)| *id)
+            })
+            .collect();
+        let mut backend_ids = BTreeMap::new();
+        let (used, unused): (Vec<_>, Vec<_>) = programmed
+            .backends
+            .iter()
+            .partition(|(id, _)| live.contains(id));
+        for (id, b) in used.into_iter().chain(unused) {
+            backend_ids.entry(backend_addr(b)).or_insert(*id);
+        }
+        let mut rev_nat_ids = BTreeMap::new();
+        let mut rev_nat_owner = BTreeMap::new();
+        for (key, entries) in &frontends {
+            if let Some(v) = entries.slot0 {
+                if v.rev_nat_id != 0 && !rev_nat_owner.contains_key(&v.rev_nat_id) {
+                    rev_nat_ids.insert(*key, v.rev_nat_id);
+                    rev_nat_owner.insert(v.rev_nat_id, *key);
+                }
+            }
+        }
+        let max_backend = programmed
+            .backends
+            .keys()
+            .copied()
+            .chain(frontends.values().flat_map(|e| e.slots.values().copied()))
+            .max();
+        let max_rev_nat = programmed
+            .rev_nat
+            .keys()
+            .copied()
+            .chain(
+                frontends
+                    .values()
+                    .filter_map(|e| e.slot0.map(|v| v.rev_nat_id)),
+            )
+            .max();
+        tracing::debug!(
+            frontends = frontends.len(),
+            backends = programmed.backends.len(),
+            rev_nat = programmed.rev_nat.len(),
+            "writer: adopted programmed state"
+        );
+        Ok(Self {
+            dp,
+            frontends,
+            backends: programmed.backends,
+            rev_nat: programmed.rev_nat,
+            backend_ids,
+            rev_nat_ids,
+            rev_nat_owner,
+            next_backend_id: max_backend.map_or(1, |m| m.wrapping_add(1).max(1)),
+            next_rev_nat_id: max_rev_nat.map_or(1, |m| m.wrapping_add(1).max(1)),
+        })
+    }
+
+    pub fn dataplane(&self) -> &D {
+        &self.dp
+    }
+
+    pub fn dataplane_mut(&mut self) -> &mut D {
+        &mut self.dp
+    }
+
+    pub fn into_dataplane(self) -> D {
+        self.dp
+    }
+
+    /// The backend id of every programmed backend.
+    pub fn backend_ids(&self) -> &BTreeMap<BackendAddr, u32> {
+        &self.backend_ids
+    }
+
+    /// The reverse-NAT id of every frontend that has one.
+    pub fn rev_nat_ids(&self) -> &BTreeMap<FrontendKey, u16> {
+        &self.rev_nat_ids
+    }
+
+    /// The backend ids in a frontend's slots `1..=count`, as programmed.
+    pub fn programmed_slots(&self, key: &FrontendKey) -> Option<Vec<u32>> {
+        let e = self.frontends.get(key)?;
+        e.slot0?;
+        Some(
+            (1..=e.live_count())
+                .filter_map(|s| e.slots.get(&s).copied())
+                .collect(),
+        )
+    }
+
+    /// A free backend id: not in the map and not in any slot (`referenced`).
+    fn allocate_backend_id(&mut self, referenced: &BTreeSet<u32>) -> Option<u32> {
+        let start = self.next_backend_id;
+        let mut id = start;
+        loop {
+            if id != 0 && !self.backends.contains_key(&id) && !referenced.contains(&id) {
+                self.next_backend_id = id.wrapping_add(1).max(1);
+                return Some(id);
+            }
+            id = id.wrapping_add(1).max(1);
+            if id == start {
+                return None;
+            }
+        }
+    }
+
+    fn allocate_rev_nat_id(&mut self) -> Option<u16> {
+        let start = self.next_rev_nat_id.max(1);
+        let mut id = start;
+        loop {
+            if !self.rev_nat.contains_key(&id) && !self.rev_nat_owner.contains_key(&id) {
+                self.next_rev_nat_id = id.wrapping_add(1).max(1);
+                return Some(id);
+            }
+            id = id.wrapping_add(1).max(1);
+            if id == start {
+                return None;
+            }
+        }
+    }
+
+    /// Deletes slots of a frontend that failed to program, beyond what packets
+    /// may read, and its reverse-NAT entry if no slot 0 uses it, so that a
+    /// failure leaves nothing behind but the previous working state.
+    fn clean_failed(&mut self, key: &FrontendKey, report: &mut SyncReport) {
+        let Some(entries) = self.frontends.get(key) else {
+            return;
+        };
+        let live = entries.live_count();
+        let extra: Vec<u16> = entries
+            .slots
+            .keys()
+            .copied()
+            .filter(|s| *s > live)
+            .collect();
+        let has_slot0 = entries.slot0.is_some();
+        for slot in extra {
+            if self.dp.delete_service(svc_key(key, slot)).is_ok() {
+                report.writes += 1;
+                if let Some(e) = self.frontends.get_mut(key) {
+                    e.slots.remove(&slot);
+                }
+            }
+        }
+        if !has_slot0 {
+            if let Some(id) = self.rev_nat_ids.get(key).copied() {
+                if self.dp.delete_rev_nat(id).is_ok() {
+                    report.writes += 1;
+                    self.rev_nat.remove(&id);
+                    self.rev_nat_ids.remove(key);
+                    self.rev_nat_owner.remove(&id);
+                }
+            }
+        }
+        self.forget_if_empty(key);
+    }
+
+    fn forget_if_empty(&mut self, key: &FrontendKey) {
+        if self
+            .frontends
+            .get(key)
+            .is_some_and(|e| e.slot0.is_none() && e.slots.is_empty())
+        {
+            self.frontends.remove(key);
+        }
+    }
+
+    /// Makes the dataplane equal to `desired`, writing only what differs, in
+    /// make-before-break order: (1) new backends, (2) reverse-NAT entries of new
+    /// frontends, (3) slots `1..=n` of changed frontends, (4) their slot 0 with
+    /// the new count, (5) their obsolete slots, (6) removed frontends (slot 0,
+    /// then slots, then reverse NAT), (7) backends no frontend uses any more.
+    /// A frontend that cannot be programmed is reported and left as it was;
+    /// every other frontend is still synced.
+    pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
+        let mut report = SyncReport::default();
+        let mut failed: BTreeSet<FrontendKey> = BTreeSet::new();
+        let fail = |failed: &mut BTreeSet<FrontendKey>, report: &mut SyncReport, key, fe, e| {
+            failed.insert(key);
+            report.errors.push((frontend_label(&key, fe), e));
+        };
+
+        // (1) Backends.
+        let wanted: BTreeMap<BackendAddr, Backend4> = desired
+            .frontends
+            .values()
+            .flat_map(|fe| fe.backends.iter())
+            .map(|b| {
+                (
+                    *b,
+                    Backend4::new(b.addr, b.port, b.proto, backend_state::ACTIVE),
+                )
+            })
+            .collect();
+        let referenced: BTreeSet<u32> = self
+            .frontends
+            .values()
+            .flat_map(|e| e.slots.values().copied())
+            .collect();
+        for (addr, value) in &wanted {
+            let (id, new) = match self.backend_ids.get(addr) {
+                Some(id) => (*id, false),
+                None => match self.allocate_backend_id(&referenced) {
+                    Some(id) => (id, true),
+                    None => {
+                        let e = DataplaneError::Full {
+                            map: map_names::BACKENDS,
+                            capacity: u32::MAX,
+                        };
+                        report.errors.push((format!("backend {addr}"), e));
+                        continue;
+                    }
+                },
+            };
+            if self.backends.get(&id) == Some(value) {
+                continue;
+            }
+            match self.dp.put_backend(id, *value) {
+                Ok(()) => {
+                    report.writes += 1;
+                    self.backends.insert(id, *value);
+                    if new {
+                        report.backends_added += 1;
+                        self.backend_ids.insert(*addr, id);
+                    }
+                }
+                Err(e) => report.errors.push((format!("backend {addr}"), e)),
+            }
+        }
+
+        // The target of every desired frontend: slot 0's fields and the slots.
+        let mut targets: BTreeMap<FrontendKey, (Vec<u32>, u16)> = BTreeMap::new();
+        for (key, fe) in &desired.frontends {
+            let missing = fe
+                .backends
+                .iter()
+                .find(|b| !self.backend_ids.contains_key(b));
+            if let Some(b) = missing {
+                let e = DataplaneError::Op {
+                    map: map_names::BACKENDS,
+                    op: "put",
+                    reason: format!("backend {b} could not be written"),
+                };
+                fail(&mut failed, &mut report, *key, Some(fe), e);
+                continue;
+            }
+            let Ok(count) = u16::try_from(fe.backends.len()) else {
+                let e = DataplaneError::Op {
+                    map: map_names::SERVICES,
+                    op: "put",
+                    reason: format!(
+                        "{} backends, at most {} per frontend",
+                        fe.backends.len(),
+                        u16::MAX
+                    ),
+                };
+                fail(&mut failed, &mut report, *key, Some(fe), e);
+                continue;
+            };
+            let ids = fe.backends.iter().map(|b| self.backend_ids[b]).collect();
+            targets.insert(*key, (ids, count));
+        }
+
+        // (2) Reverse-NAT entries.
+        for (key, fe) in &desired.frontends {
+            if failed.contains(key) {
+                continue;
+            }
+            let (id, new) = match self.rev_nat_ids.get(key) {
+                Some(id) => (*id, false),
+                None => match self.allocate_rev_nat_id() {
+                    Some(id) => (id, true),
+                    None => {
+                        let e = DataplaneError::Full {
+                            map: map_names::REV_NAT,
+                            capacity: u16::MAX as u32,
+                        };
+                        fail(&mut failed, &mut report, *key, Some(fe), e);
+                        continue;
+                    }
+                },
+            };
+            let value = RevNat4::new(key.addr, key.port);
+            if self.rev_nat.get(&id) == Some(&value) {
+                continue;
+            }
+            match self.dp.put_rev_nat(id, value) {
+                Ok(()) => {
+                    report.writes += 1;
+                    self.rev_nat.insert(id, value);
+                    if new {
+                        self.rev_nat_ids.insert(*key, id);
+                        self.rev_nat_owner.insert(id, *key);
+                    }
+                }
+                Err(e) => fail(&mut failed, &mut report, *key, Some(fe), e),
+            }
+        }
+
+        // (3) Slots 1..=n of changed frontends.
+        let mut touched: BTreeSet<FrontendKey> = BTreeSet::new();
+        for (key, (ids, _)) in &targets {
+            if failed.contains(key) {
+                continue;
+            }
+            for (i, id) in ids.iter().enumerate() {
+                let slot = i as u16 + 1;
+                if self.frontends.get(key).and_then(|e| e.slots.get(&slot)) == Some(id) {
+                    continue;
+                }
+                match self
+                    .dp
+                    .put_service(svc_key(key, slot), Svc4Value::slot(*id))
+                {
+                    Ok(()) => {
+                        report.writes += 1;
+                        touched.insert(*key);
+                        self.frontends
+                            .entry(*key)
+                            .or_default()
+                            .slots
+                            .insert(slot, *id);
+                    }
+                    Err(e) => {
+                        fail(
+                            &mut failed,
+                            &mut report,
+                            *key,
+                            desired.frontends.get(key),
+                            e,
+                        );
+                        self.clean_failed(key, &mut report);
+                        break;
+                    }
+                }
+            }
+        }
+
+        // (4) Slot 0 with the new count.
+        for (key, (_, count)) in &targets {
+            if failed.contains(key) {
+                continue;
+            }
+            let fe = &desired.frontends[key];
+            let value = Svc4Value::frontend(
+                *count,
+                self.rev_nat_ids[key],
+                fe.flags,
+                fe.affinity_timeout_s,
+            );
+            let previous = self.frontends.get(key).and_then(|e| e.slot0);
+            if previous == Some(value) {
+                continue;
+            }
+            match self.dp.put_service(svc_key(key, 0), value) {
+                Ok(()) => {
+                    report.writes += 1;
+                    touched.insert(*key);
+                    self.frontends.entry(*key).or_default().slot0 = Some(value);
+                    if previous.is_none() {
+                        report.frontends_added += 1;
+                    }
+                }
+                Err(e) => {
+                    fail(&mut failed, &mut report, *key, Some(fe), e);
+                    self.clean_failed(key, &mut report);
+                }
+            }
+        }
+
+        // (5) Obsolete slots of changed frontends.
+        for (key, (_, count)) in &targets {
+            if failed.contains(key) {
+                continue;
+            }
+            let Some(entries) = self.frontends.get(key) else {
+                continue;
+            };
+            let obsolete: Vec<u16> = entries
+                .slots
+                .keys()
+                .copied()
+                .filter(|s| s > count)
+                .collect();
+            for slot in obsolete {
+                match self.dp.delete_service(svc_key(key, slot)) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        touched.insert(*key);
+                        if let Some(e) = self.frontends.get_mut(key) {
+                            e.slots.remove(&slot);
+                        }
+                    }
+                    Err(e) => report
+                        .errors
+                        .push((frontend_label(key, desired.frontends.get(key)), e)),
+                }
+            }
+        }
+        report.frontends_updated = touched
+            .iter()
+            .filter(|k| !failed.contains(k))
+            .count()
+            .saturating_sub(report.frontends_added);
+
+        // (6) Removed frontends: slot 0, then the slots, then reverse NAT.
+        let removed: Vec<FrontendKey> = self
+            .frontends
+            .keys()
+            .filter(|k| !desired.frontends.contains_key(k))
+            .copied()
+            .collect();
+        let mut slot0_refs: BTreeMap<u16, usize> = BTreeMap::new();
+        for e in self.frontends.values() {
+            if let Some(v) = e.slot0 {
+                *slot0_refs.entry(v.rev_nat_id).or_default() += 1;
+            }
+        }
+        for key in removed {
+            let entries = self.frontends[&key].clone();
+            if let Some(v) = entries.slot0 {
+                if let Err(e) = self.dp.delete_service(svc_key(&key, 0)) {
+                    report.errors.push((frontend_label(&key, None), e));
+                    continue;
+                }
+                report.writes += 1;
+                report.frontends_removed += 1;
+                if let Some(e) = self.frontends.get_mut(&key) {
+                    e.slot0 = None;
+                }
+                slot0_refs.entry(v.rev_nat_id).and_modify(|n| *n -= 1);
+            }
+            let mut clean = true;
+            for slot in entries.slots.keys() {
+                match self.dp.delete_service(svc_key(&key, *slot)) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        if let Some(e) = self.frontends.get_mut(&key) {
+                            e.slots.remove(slot);
+                        }
+                    }
+                    Err(e) => {
+                        report.errors.push((frontend_label(&key, None), e));
+                        clean = false;
+                    }
+                }
+            }
+            if let Some(id) = self.rev_nat_ids.get(&key).copied() {
+                if clean && slot0_refs.get(&id).copied().unwrap_or(0) == 0 {
+                    match self.dp.delete_rev_nat(id) {
+                        Ok(()) => {
+                            report.writes += 1;
+                            self.rev_nat.remove(&id);
+                            self.rev_nat_ids.remove(&key);
+                            self.rev_nat_owner.remove(&id);
+                        }
+                        Err(e) => report.errors.push((frontend_label(&key, None), e)),
+                    }
+                }
+            }
+            self.forget_if_empty(&key);
+        }
+
+        // Reverse-NAT entries nobody owns or uses (leftovers of a previous agent).
+        let stale_rev_nat: Vec<u16> = self
+            .rev_nat
+            .keys()
+            .copied()
+            .filter(|id| {
+                !self.rev_nat_owner.contains_key(id)
+                    && slot0_refs.get(id).copied().unwrap_or(0) == 0
+            })
+            .collect();
+        for id in stale_rev_nat {
+            match self.dp.delete_rev_nat(id) {
+                Ok(()) => {
+                    report.writes += 1;
+                    self.rev_nat.remove(&id);
+                }
+                Err(e) => report.errors.push((format!("reverse NAT {id}"), e)),
+            }
+        }
+
+        // (7) Backends no slot refers to.
+        let referenced: BTreeSet<u32> = self
+            .frontends
+            .values()
+            .flat_map(|e| e.slots.values().copied())
+            .collect();
+        let unused: Vec<u32> = self
+            .backends
+            .keys()
+            .copied()
+            .filter(|id| !referenced.contains(id))
+            .collect();
+        for id in unused {
+            match self.dp.delete_backend(id) {
+                Ok(()) => {
+                    report.writes += 1;
+                    report.backends_removed += 1;
+                    if let Some(b) = self.backends.remove(&id) {
+                        let addr = backend_addr(&b);
+                        if self.backend_ids.get(&addr) == Some(&id) {
+                            self.backend_ids.remove(&addr);
+                        }
+                    }
+                }
+                Err(e) => report.errors.push((format!("backend id {id}"), e)),
+            }
+        }
+
+        if !report.errors.is_empty() {
+            tracing::warn!(
+                errors = report.errors.len(),
+                "writer: sync incomplete; failed frontends retried next sync"
+            );
+        }
+        tracing::debug!(report = ?report, "writer: sync done");
+        report
+    }
+}

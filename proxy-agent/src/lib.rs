@@ -7,5 +7,6 @@
 pub mod agent;
 pub mod bpf;
 pub mod dataplane;
+pub mod inspect;
 pub mod manifests;
 pub mod model;

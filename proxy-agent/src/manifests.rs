@@ -1,1 +1,431 @@
-//! TODO
+//! The `manifests` source of desired state: standard Kubernetes YAML (or JSON)
+//! files holding Services, EndpointSlices, Pods and Nodes, read into a
+//! [`Snapshot`] and watched for changes.
+//!
+//! Loading is forgiving: a bad document yields a [`ManifestError`] naming the
+//! file, the document and the object, and is skipped; every other document and
+//! file still loads. Pods with a pod IP stand in for the EndpointSlice
+//! controller (see [`crate::model::endpoint_slices_from_pods`]).
+use std::collections::BTreeSet;
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use notify::{EventKind, RecursiveMode, Watcher};
+use serde::de::DeserializeOwned;
+use yaml_serde::Value;
+
+/// Every object the manifests source read, in file order.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub services: Vec<Service>,
+    pub endpoint_slices: Vec<EndpointSlice>,
+    pub pods: Vec<Pod>,
+    pub nodes: Vec<Node>,
+}
+
+/// The object a bad document describes, as far as it could be read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ObjectRef {
+    pub kind: Option<String>,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+}
+
+impl fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind.as_deref().unwrap_or("object"))?;
+        match (&self.namespace, &self.name) {
+            (Some(ns), Some(name)) => write!(f, " {ns}/{name}"),
+            (None, Some(name)) => write!(f, " {name}"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A file, a document or an object that could not be used. Display:
+/// `deploy/examples/x.yaml: document 2 (Service default/web): spec.ports[0].port: invalid type: ...`.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {}{}", .file.display(), place(*.document, .object.as_ref()), .message)]
+pub struct ManifestError {
+    /// The file (or directory) concerned.
+    pub file: PathBuf,
+    /// 1-based index of the YAML document in the file, when the error is about one.
+    pub document: Option<usize>,
+    /// The object, when its kind or name could be read.
+    pub object: Option<ObjectRef>,
+    pub message: String,
+}
+
+fn place(document: Option<usize>, object: Option<&ObjectRef>) -> String {
+    match (document, object) {
+        (Some(d), Some(o)) => format!("document {d} ({o}): "),
+        (Some(d), None) => format!("document {d}: "),
+        (None, Some(o)) => format!("{o}: "),
+        (None, None) => String::new(),
+    }
+}
+
+/// File extensions read from a directory.
+const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
+
+fn has_manifest_extension(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| EXTENSIONS.iter().any(|x| e.eq_ignore_ascii_case(x)))
+}
+
+/// Loads every path: a file, or a directory whose `*.yaml`, `*.yml` and `*.json`
+/// files are read (non-recursively, sorted by name). Returns what loaded and an
+/// error per file, document or object that did not.
+pub fn load_paths(paths: &[PathBuf]) -> (Snapshot, Vec<ManifestError>) {
+    let mut snapshot = Snapshot::default();
+    let mut errors = Vec::new();
+    for path in paths {
+        if path.is_dir() {
+            let entries = match std::fs::read_dir(path) {
+                Ok(entries) => entries,
+                Err(e) => {
+                    errors.push(file_error(path, format!("cannot read directory: {e}")));
+                    continue;
+                }
+            };
+            let mut files: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.is_file() && has_manifest_extension(p))
+                .collect();
+            files.sort();
+            for file in files {
+                load_file(&file, &mut snapshot, &mut errors);
+            }
+        } else {
+            load_file(path, &mut snapshot, &mut errors);
+        }
+    }
+    (snapshot, errors)
+}
+
+fn file_error(path: &Path, message: String) -> ManifestError {
+    ManifestError {
+        file: path.to_path_buf(),
+        document: None,
+        object: None,
+        message,
+    }
+}
+
+/// Loads one file into `snapshot`.
+pub fn load_file(path: &Path, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>) {
+    match std::fs::read_to_string(path) {
+        Ok(text) => load_str(path, &text, snapshot, errors),
+        Err(e) => errors.push(file_error(path, format!("cannot read file: {e}"))),
+    }
+}
+
+/// Loads the documents of `text` (read from `path`, used in errors) into `snapshot`.
+pub fn load_str(path: &Path, text: &str, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>) {
+    for (index, (first_line, doc)) in split_documents(text).into_iter().enumerate() {
+        let index = index + 1;
+        let err = |object: Option<ObjectRef>, message: String| ManifestError {
+            file: path.to_path_buf(),
+            document: Some(index),
+            object,
+            message,
+        };
+        let value: Value = match yaml_serde::from_str(doc) {
+            Ok(v) => v,
+            Err(e) => {
+                errors.push(err(None, yaml_message(&e, first_line)));
+                continue;
+            }
+        };
+        if value.is_null() {
+            continue;
+        }
+        let object = object_ref(&value);
+        if !value.is_mapping() {
+            errors.push(err(
+                None,
+                "not a mapping (an object needs apiVersion and kind)".into(),
+            ));
+            continue;
+        }
+        let (Some(api_version), Some(kind)) =
+            (str_field(&value, "apiVersion"), str_field(&value, "kind"))
+        else {
+            errors.push(err(Some(object), "missing apiVersion or kind".into()));
+            continue;
+        };
+        if (api_version, kind) == ("v1", "List") {
+            let items = match value.get("items") {
+                None | Some(Value::Null) => continue,
+                Some(Value::Sequence(items)) => items,
+                Some(_) => {
+                    errors.push(err(Some(object), "items: expected a sequence".into()));
+                    continue;
+                }
+            };
+            for (i, item) in items.iter().enumerate() {
+                let result = yaml_serde::to_string(item)
+                    .map_err(|e| e.to_string())
+                    .and_then(|text| dispatch(item, &text, snapshot));
+                if let Err(message) = result {
+                    errors.push(err(
+                        Some(object_ref(item)),
+                        format!("items[{i}]: {message}"),
+                    ));
+                }
+            }
+            continue;
+        }
+        if let Err(message) = dispatch(&value, doc, snapshot) {
+            errors.push(err(Some(object), message));
+        }
+    }
+}
+
+/// A syntax error's message with its line numbers (relative to the
+/// document) made relative to the file.
+fn yaml_message(e: &yaml_serde::Error, first_line: usize) -> String {
+    let text = e.to_string();
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find("line ") {
+        let (before, after) = rest.split_at(at + "line ".len());
+        out.push_str(before);
+        let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        match after[..digits].parse::<usize>() {
+            Ok(n) => out.push_str(&(n + first_line).to_string()),
+            Err(_) => out.push_str(&after[..digits]),
+        }
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The error's message without its `at line L column C` suffix.
+fn strip_location(e: &yaml_serde::Error) -> String {
+    let text = e.to_string();
+    if let Some(loc) = e.location() {
+        let suffix = format!(" at line {} column {}", loc.line(), loc.column());
+        if let Some(stripped) = text.strip_suffix(&suffix) {
+            return stripped.to_string();
+        }
+    }
+    text
+}
+
+/// Routes one object to its list in `snapshot` by apiVersion/kind, after
+/// validation. Unknown kinds are skipped.
+fn dispatch(value: &Value, text: &str, snapshot: &mut Snapshot) -> Result<(), String> {
+    let api_version = str_field(value, "apiVersion").unwrap_or_default();
+    let kind = str_field(value, "kind").ok_or_else(|| "missing kind".to_string())?;
+    if !matches!(
+        (api_version, kind),
+        ("v1", "Service")
+            | ("v1", "Pod")
+            | ("v1", "Node")
+            | ("discovery.k8s.io/v1", "EndpointSlice")
+    ) {
+        tracing::debug!(
+            api_version,
+            kind,
+            "manifests: skipping a kind the proxy does not use"
+        );
+        return Ok(());
+    }
+    match parse_typed(text, kind)? {
+        Typed::Service(mut svc) => {
+            default_namespace(&mut svc.metadata);
+            validate_service(&svc)?;
+            snapshot.services.push(*svc);
+        }
+        Typed::Pod(mut pod) => {
+            default_namespace(&mut pod.metadata);
+            snapshot.pods.push(*pod);
+        }
+        Typed::Node(node) => snapshot.nodes.push(*node),
+        Typed::EndpointSlice(mut slice) => {
+            default_namespace(&mut slice.metadata);
+            snapshot.endpoint_slices.push(*slice);
+        }
+    }
+    Ok(())
+}
+
+/// One object of a kind the proxy uses.
+enum Typed {
+    Service(Box<Service>),
+    Pod(Box<Pod>),
+    Node(Box<Node>),
+    EndpointSlice(Box<EndpointSlice>),
+}
+
+/// Deserializes `text` as the type of `kind`; errors carry the field path
+/// (`spec.ports[0].port: invalid type: ...`).
+fn parse_typed(text: &str, kind: &str) -> Result<Typed, String> {
+    fn parse<T: DeserializeOwned>(text: &str) -> Result<Box<T>, String> {
+        yaml_serde::from_str(text)
+            .map(Box::new)
+            .map_err(|e| strip_location(&e))
+    }
+    Ok(match kind {
+        "Service" => Typed::Service(parse(text)?),
+        "Pod" => Typed::Pod(parse(text)?),
+        "Node" => Typed::Node(parse(text)?),
+        _ => Typed::EndpointSlice(parse(text)?),
+    })
+}
+
+fn default_namespace(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+    if meta.namespace.as_deref().is_none_or(str::is_empty) {
+        meta.namespace = Some("default".to_string());
+    }
+}
+
+/// Checks the manifests source can use this Service as written.
+fn validate_service(svc: &Service) -> Result<(), String> {
+    let Some(spec) = &svc.spec else { return Ok(()) };
+    let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+    if !matches!(type_, "ClusterIP" | "NodePort" | "LoadBalancer") {
+        return Ok(());
+    }
+    let has_selector = spec.selector.as_ref().is_some_and(|s| !s.is_empty());
+    let has_ports = spec.ports.as_ref().is_some_and(|p| !p.is_empty());
+    let has_cluster_ip = spec.cluster_ip.as_deref().is_some_and(|ip| !ip.is_empty())
+        || spec
+            .cluster_ips
+            .as_ref()
+            .is_some_and(|ips| ips.iter().any(|ip| !ip.is_empty()));
+    if (has_selector || has_ports) && !has_cluster_ip {
+        return Err(
+            "has no spec.clusterIP (the manifests source does not allocate ClusterIPs)".into(),
+        );
+    }
+    Ok(())
+}
+
+fn str_field<'a>(value: &'a Value, key: &str) -> Option<&'a str> {
+    value.get(key).and_then(Value::as_str)
+}
+
+fn object_ref(value: &Value) -> ObjectRef {
+    let meta = value.get("metadata");
+    let kind = str_field(value, "kind").map(str::to_string);
+    let name = meta.and_then(|m| str_field(m, "name")).map(str::to_string);
+    let namespace = meta
+        .and_then(|m| str_field(m, "namespace"))
+        .map(str::to_string);
+    let namespaced = !matches!(kind.as_deref(), Some("Node" | "List"));
+    let namespace = match namespace {
+        Some(ns) => Some(ns),
+        None if namespaced && name.is_some() => Some("default".to_string()),
+        None => None,
+    };
+    ObjectRef {
+        kind,
+        namespace,
+        name,
+    }
+}
+
+/// Splits a YAML stream into documents at `---` and `...` markers (which YAML
+/// allows only at the start of a line, never inside content), so that one bad
+/// document does not hide the others. Returns each document with the 0-based
+/// line it starts at.
+fn split_documents(text: &str) -> Vec<(usize, &str)> {
+    fn is_marker(line: &str, marker: &str) -> bool {
+        line.strip_prefix(marker)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r']))
+    }
+    let mut docs = Vec::new();
+    let (mut start, mut start_line, mut offset) = (0usize, 0usize, 0usize);
+    // A segment not opened by `---` (the file's start, or after `...`) is a
+    // document only when it has content other than blanks and comments.
+    let mut explicit = false;
+    let mut seen_content = false;
+    for (line_no, line) in text.split_inclusive('\n').enumerate() {
+        let bare = line.trim_end_matches('\n');
+        if is_marker(bare, "---") {
+            if explicit || seen_content {
+                docs.push((start_line, &text[start..offset]));
+            }
+            // The rest of the marker line may hold content (`--- {a: 1}`).
+            (start, start_line, explicit, seen_content) = (offset + 3, line_no, true, false);
+        } else if is_marker(bare, "...") {
+            if explicit || seen_content {
+                docs.push((start_line, &text[start..offset]));
+            }
+            (start, start_line, explicit, seen_content) =
+                (offset + line.len(), line_no + 1, false, false);
+        } else if !bare.trim().is_empty() && !bare.trim_start().starts_with('#') {
+            seen_content = true;
+        }
+        offset += line.len();
+    }
+    if explicit || seen_content {
+        docs.push((start_line, &text[start..]));
+    }
+    docs
+}
+
+/// Watches `paths` (directories non-recursively; for a file, its parent
+/// directory filtered by the file's name, because editors replace files) and
+/// sends `()` on every change that may alter what [`load_paths`] returns.
+pub fn watch(
+    paths: Vec<PathBuf>,
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+) -> notify::Result<notify::RecommendedWatcher> {
+    // (directory, file name or None for every manifest file in it)
+    let mut rules: Vec<(PathBuf, Option<OsString>)> = Vec::new();
+    for path in &paths {
+        let abs = std::path::absolute(path)?;
+        if abs.is_dir() {
+            let dir = abs.canonicalize().unwrap_or(abs);
+            rules.push((dir, None));
+        } else {
+            let name = abs.file_name().map(|n| n.to_os_string());
+            let parent = abs
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| PathBuf::from("/"));
+            let dir = parent.canonicalize().unwrap_or(parent);
+            rules.push((dir, name));
+        }
+    }
+    let dirs: BTreeSet<PathBuf> = rules.iter().map(|(d, _)| d.clone()).collect();
+    let matcher = rules.clone();
+    let mut watcher =
+        notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+            Ok(event) => {
+                if matches!(event.kind, EventKind::Access(_)) {
+                    return;
+                }
+                let relevant = event.need_rescan()
+                    || event.paths.iter().any(|p| {
+                        matcher.iter().any(|(dir, name)| {
+                            let in_dir = p.parent() == Some(dir.as_path());
+                            match name {
+                                Some(name) => in_dir && p.file_name() == Some(name.as_os_str()),
+                                None => (in_dir && has_manifest_extension(p)) || p == dir,
+                            }
+                        })
+                    });
+                if relevant {
+                    let _ = tx.send(());
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "manifests: watch error; reloading");
+                let _ = tx.send(());
+            }
+        })?;
+    for dir in &dirs {
+        watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    }
+    Ok(watcher)
+}

@@ -1,0 +1,586 @@
+//! Packet tests (root): the real object loaded, its maps filled by the agent's
+//! own writer, crafted packets run through `BPF_PROG_TEST_RUN`, and the output
+//! bytes checked, with IPv4 and TCP/UDP/ICMP checksums recomputed here
+//! independently of the datapath.
+//!
+//! Each test runs in a network namespace of its own (created and removed by the
+//! test), so FIB lookups and counters never involve the machine's namespaces.
+//! Run with `cargo xtask test` (they are `#[ignore]`d under a plain `cargo test`).
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    os::fd::AsFd,
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use proxy_agent::{
+    bpf::{self, BpfDataplane, MapSizes, PinnedMaps, POD_INGRESS_PROGRAM},
+    dataplane::Writer,
+    model::{BackendAddr, DesiredState, Frontend, FrontendKey},
+};
+use proxy_common::{stat, svc_flags, Config, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 2);
+const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+const B1: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 10);
+const B2: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 11);
+const HAIRPIN: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 254);
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A fresh netns, a pin dir, the object loaded, and a writer over its maps.
+struct Harness {
+    netns: String,
+    pin_dir: PathBuf,
+    ebpf: aya::Ebpf,
+    writer: Writer<BpfDataplane>,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let id = format!(
+            "{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
+        let netns = format!("kpr-pkt-{id}");
+        let ok = Command::new("ip")
+            .args(["netns", "add", &netns])
+            .status()
+            .expect("ip netns add")
+            .success();
+        assert!(ok, "ip netns add {netns} failed (root needed)");
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-pkt-{id}"));
+        let mut loaded = bpf::load(&pin_dir, MapSizes::default()).expect("load datapath");
+        let mut dp = BpfDataplane::new(&mut loaded.ebpf, MapSizes::default()).expect("maps");
+        dp.set_config(Config::default().with_hairpin_addr(HAIRPIN))
+            .expect("config");
+        let writer = Writer::adopt(dp).expect("adopt");
+        Self {
+            netns,
+            pin_dir,
+            ebpf: loaded.ebpf,
+            writer,
+        }
+    }
+
+    fn program(&self) -> &SchedClassifier {
+        self.ebpf
+            .program(POD_INGRESS_PROGRAM)
+            .unwrap()
+            .try_into()
+            .unwrap()
+    }
+
+    fn sync(&mut self, frontends: &[(FrontendKey, Vec<BackendAddr>, u16)]) {
+        let mut d = DesiredState::default();
+        for (k, b, flags) in frontends {
+            d.frontends.insert(
+                *k,
+                Frontend {
+                    service: "default/test".into(),
+                    port_name: String::new(),
+                    backends: b.clone(),
+                    flags: *flags,
+                    affinity_timeout_s: 0,
+                },
+            );
+        }
+        let r = self.writer.sync(&d);
+        assert!(r.errors.is_empty(), "sync errors: {:?}", r.errors);
+    }
+
+    /// Runs one packet inside the test's netns; returns (verdict, output bytes).
+    fn run(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        self.try_run(input).expect("BPF_PROG_TEST_RUN")
+    }
+
+    fn try_run(&self, input: &[u8]) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
+        let ns = std::fs::File::open(format!("/run/netns/{}", self.netns)).expect("open netns");
+        let prog = self.program();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+                let mut out = vec![0u8; input.len() + 256];
+                let r = prog.test_run(TestRunOptions {
+                    data_in: Some(input),
+                    data_out: Some(&mut out),
+                    ..Default::default()
+                })?;
+                out.truncate(r.data_size_out as usize);
+                Ok((r.return_value, out))
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    fn ip(&self, args: &[&str]) {
+        let ok = Command::new("ip")
+            .arg("-n")
+            .arg(&self.netns)
+            .args(args)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "ip -n {} {args:?}", self.netns);
+    }
+
+    fn stats(&self) -> BTreeMap<u32, u64> {
+        PinnedMaps::new(&self.pin_dir).stats().expect("stats")
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+        let _ = std::fs::remove_dir_all(&self.pin_dir);
+    }
+}
+
+fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr,
+        port,
+        proto,
+        scope: SCOPE_INTERNAL,
+    }
+}
+fn be(addr: Ipv4Addr, port: u16, proto: u8) -> BackendAddr {
+    BackendAddr { addr, port, proto }
+}
+
+// ---- packets and independent checksums (RFC 1071) ----
+
+fn sum16(data: &[u8]) -> u32 {
+    data.chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum()
+}
+fn fold(mut s: u32) -> u16 {
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+fn ip_csum(hdr: &[u8]) -> u16 {
+    fold(sum16(hdr))
+}
+fn l4_csum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, seg: &[u8]) -> u16 {
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(seg.len() as u16).to_be_bytes());
+    fold(sum16(&pseudo) + sum16(seg))
+}
+
+const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+/// Ethernet + IPv4 (20 bytes, TTL 64) + TCP (20 bytes, given flags) + payload,
+/// with valid checksums.
+fn tcp_packet(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut seg = vec![0u8; 20];
+    seg[0..2].copy_from_slice(&sport.to_be_bytes());
+    seg[2..4].copy_from_slice(&dport.to_be_bytes());
+    seg[4..8].copy_from_slice(&1000u32.to_be_bytes());
+    seg[12] = 5 << 4;
+    seg[13] = flags;
+    seg[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    seg.extend_from_slice(payload);
+    let c = l4_csum(src, dst, IPPROTO_TCP, &seg);
+    seg[16..18].copy_from_slice(&c.to_be_bytes());
+    ip_packet(src, dst, IPPROTO_TCP, &seg)
+}
+
+fn udp_packet(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+    zero_csum: bool,
+) -> Vec<u8> {
+    let mut seg = vec![0u8; 8];
+    seg[0..2].copy_from_slice(&sport.to_be_bytes());
+    seg[2..4].copy_from_slice(&dport.to_be_bytes());
+    seg[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    seg.extend_from_slice(payload);
+    if !zero_csum {
+        let c = l4_csum(src, dst, IPPROTO_UDP, &seg);
+        seg[6..8].copy_from_slice(&c.to_be_bytes());
+    }
+    ip_packet(src, dst, IPPROTO_UDP, &seg)
+}
+
+fn ip_packet(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, seg: &[u8]) -> Vec<u8> {
+    let mut p = Vec::new();
+    p.extend_from_slice(&DST_MAC);
+    p.extend_from_slice(&SRC_MAC);
+    p.extend_from_slice(&[0x08, 0x00]);
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + seg.len()) as u16).to_be_bytes());
+    ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+    ip[6] = 0x40; // DF
+    ip[8] = 64;
+    ip[9] = proto;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let c = ip_csum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(seg);
+    p
+}
+
+/// A parsed view of an output frame, with every checksum verified.
+#[derive(Debug)]
+struct Out {
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    sport: u16,
+    dport: u16,
+    ttl: u8,
+    proto: u8,
+    l4: Vec<u8>,
+}
+
+fn parse_checked(frame: &[u8]) -> Out {
+    assert_eq!(&frame[12..14], &[0x08, 0x00], "ethertype");
+    let ip = &frame[14..34];
+    assert_eq!(ip_csum(ip), 0, "IPv4 header checksum invalid: {ip:02x?}");
+    let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    assert_eq!(frame.len(), 14 + tot, "frame length vs IPv4 total length");
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let l4 = frame[34..].to_vec();
+    let proto = ip[9];
+    match proto {
+        IPPROTO_TCP => assert_eq!(l4_csum(src, dst, proto, &l4), 0, "TCP checksum invalid"),
+        IPPROTO_UDP => {
+            if l4[6..8] != [0, 0] {
+                assert_eq!(l4_csum(src, dst, proto, &l4), 0, "UDP checksum invalid");
+            }
+        }
+        1 => assert_eq!(ip_csum(&l4), 0, "ICMP checksum invalid"),
+        _ => {}
+    }
+    Out {
+        src,
+        dst,
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        ttl: ip[8],
+        proto,
+        l4,
+    }
+}
+
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+const PSH: u8 = 0x08;
+
+/// DNAT of a new TCP flow and reverse NAT of its reply, checksums recomputed.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn dnat_and_reverse_nat_tcp() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+
+    let syn = tcp_packet(CLIENT, 40000, VIP, 80, SYN, b"");
+    let (rc, out) = h.run(&syn);
+    // No route in the test netns: translated, then handed to the stack.
+    assert_eq!(rc, TC_ACT_OK);
+    let o = parse_checked(&out);
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (CLIENT, 40000, B1, 8080));
+    assert_eq!(o.ttl, 64, "TTL untouched when the stack forwards");
+
+    // A data segment with payload: same translation, checksum still right.
+    let data = tcp_packet(CLIENT, 40000, VIP, 80, ACK | PSH, b"hostname\n");
+    let o = parse_checked(&h.run(&data).1);
+    assert_eq!((o.dst, o.dport), (B1, 8080));
+    assert_eq!(&o.l4[20..], b"hostname\n");
+
+    // The reply, as the backend sends it: the client must see the frontend.
+    let reply = tcp_packet(B1, 8080, CLIENT, 40000, SYN | ACK, b"");
+    let (rc, out) = h.run(&reply);
+    assert_eq!(rc, TC_ACT_OK);
+    let o = parse_checked(&out);
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (VIP, 80, CLIENT, 40000));
+
+    let s = h.stats();
+    assert_eq!(s[&stat::FWD_NEW], 1);
+    assert_eq!(s[&stat::FWD_ESTABLISHED], 1);
+    assert_eq!(s[&stat::FWD_REPLY], 1);
+}
+
+/// UDP DNAT with a checksum, and with checksum 0 ("none"), which must stay 0.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn dnat_and_reverse_nat_udp() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0)]);
+    let q = udp_packet(CLIENT, 41000, VIP, 53, b"query", false);
+    let o = parse_checked(&h.run(&q).1);
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (CLIENT, 41000, B1, 5353));
+    assert_eq!(&o.l4[8..], b"query");
+
+    let q0 = udp_packet(CLIENT, 41001, VIP, 53, b"query", true);
+    let o = parse_checked(&h.run(&q0).1);
+    assert_eq!((o.dst, o.dport), (B1, 5353));
+    assert_eq!(&o.l4[6..8], &[0, 0], "a zero UDP checksum stays zero");
+
+    let r = udp_packet(B1, 5353, CLIENT, 41000, b"answer", false);
+    let o = parse_checked(&h.run(&r).1);
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (VIP, 53, CLIENT, 41000));
+}
+
+/// With a route and a neighbour in the netns, the translated packet is
+/// redirected: MACs from the FIB, TTL decremented, checksums still right.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn translated_packet_is_redirected_with_fib_macs() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    h.ip(&["link", "set", "lo", "up"]);
+    h.ip(&[
+        "link",
+        "add",
+        "kprv0",
+        "address",
+        "02:00:00:00:00:aa",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "kprv1",
+    ]);
+    h.ip(&["link", "set", "kprv0", "up"]);
+    h.ip(&["link", "set", "kprv1", "up"]);
+    h.ip(&["route", "add", "198.18.1.0/24", "dev", "kprv0"]);
+    h.ip(&[
+        "neigh",
+        "add",
+        "198.18.1.10",
+        "lladdr",
+        "02:00:00:00:00:bb",
+        "dev",
+        "kprv0",
+        "nud",
+        "permanent",
+    ]);
+    let ok = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &h.netns,
+            "sysctl",
+            "-qw",
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.lo.forwarding=1",
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let (rc, out) = h.run(&tcp_packet(CLIENT, 40001, VIP, 80, SYN, b""));
+    assert_eq!(rc, TC_ACT_REDIRECT);
+    assert_eq!(
+        &out[0..6],
+        &[0x02, 0, 0, 0, 0, 0xbb],
+        "destination MAC from the neighbour table"
+    );
+    assert_eq!(
+        &out[6..12],
+        &[0x02, 0, 0, 0, 0, 0xaa],
+        "source MAC of the output device"
+    );
+    let o = parse_checked(&out);
+    assert_eq!((o.dst, o.dport, o.ttl), (B1, 8080, 63));
+    assert_eq!(h.stats()[&stat::REDIRECT], 1);
+}
+
+/// Traffic that is not for a frontend passes unchanged, byte for byte.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn non_service_traffic_passes_unchanged() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    let cases = [
+        tcp_packet(CLIENT, 40000, B1, 8080, SYN, b""), // pod to pod
+        tcp_packet(CLIENT, 40000, VIP, 81, SYN, b""),  // a port the frontend lacks
+        udp_packet(CLIENT, 40000, VIP, 80, b"x", false), // other protocol, same port
+        tcp_packet(B2, 8080, CLIENT, 40000, SYN | ACK, b""), // a reply of no tracked flow
+    ];
+    for p in cases {
+        let (rc, out) = h.run(&p);
+        assert_eq!(rc, TC_ACT_OK);
+        assert_eq!(out, p, "packet changed");
+    }
+    let mut arp = tcp_packet(CLIENT, 1, VIP, 80, SYN, b"");
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    let (rc, out) = h.run(&arp);
+    assert_eq!((rc, &out), (TC_ACT_OK, &arp));
+    assert_eq!(h.stats()[&stat::FWD_NEW], 0);
+}
+
+/// S29 / K4 / C2: a frontend without endpoints answers ICMP port unreachable
+/// from the frontend to the client, quoting the original header, sent back
+/// out of the interface it came in on.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn no_backend_rejects_with_icmp_port_unreachable() {
+    let mut h = Harness::new();
+    h.sync(&[
+        (fe(VIP, 80, IPPROTO_TCP), vec![], 0),
+        (fe(VIP, 53, IPPROTO_UDP), vec![], 0),
+    ]);
+    for p in [
+        tcp_packet(CLIENT, 40000, VIP, 80, SYN, b""),
+        udp_packet(CLIENT, 40000, VIP, 53, &[7u8; 100], false),
+    ] {
+        let (rc, out) = h.run(&p);
+        assert_eq!(rc, TC_ACT_REDIRECT, "reject is sent back by redirect");
+        assert_eq!(&out[0..6], &p[6..12], "to the client's MAC");
+        assert_eq!(&out[6..12], &p[0..6]);
+        let o = parse_checked(&out);
+        assert_eq!((o.proto, o.src, o.dst), (1, VIP, CLIENT));
+        assert_eq!(
+            (o.l4[0], o.l4[1]),
+            (3, 3),
+            "destination unreachable / port unreachable"
+        );
+        assert_eq!(
+            &o.l4[8..36],
+            &p[14..42],
+            "quotes the original IP header and 8 bytes"
+        );
+    }
+    assert_eq!(h.stats()[&stat::REJECT_NO_BACKEND], 2);
+    // K3: rejecting leaves no conntrack state behind.
+    assert!(PinnedMaps::new(&h.pin_dir).conntrack().unwrap().is_empty());
+
+    // Endpoints only elsewhere (a Local policy): drop, not reject.
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![], svc_flags::DROP_NO_BACKEND)]);
+    let (rc, _) = h.run(&tcp_packet(CLIENT, 40000, VIP, 80, SYN, b""));
+    assert_eq!(rc, TC_ACT_SHOT);
+}
+
+/// An established flow keeps its backend; a new flow may pick either.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn conntrack_keeps_backend_until_it_is_removed() {
+    let mut h = Harness::new();
+    let key = fe(VIP, 80, IPPROTO_TCP);
+    h.sync(&[(
+        key,
+        vec![be(B1, 8080, IPPROTO_TCP), be(B2, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let first = parse_checked(&h.run(&tcp_packet(CLIENT, 40000, VIP, 80, SYN, b"")).1).dst;
+    for _ in 0..30 {
+        let o = parse_checked(&h.run(&tcp_packet(CLIENT, 40000, VIP, 80, ACK, b"x")).1);
+        assert_eq!(o.dst, first, "a tracked flow changed backend");
+    }
+    // New flows spread over both backends.
+    let mut seen = std::collections::BTreeSet::new();
+    for port in 0..64u16 {
+        seen.insert(
+            parse_checked(
+                &h.run(&tcp_packet(CLIENT, 42000 + port, VIP, 80, SYN, b""))
+                    .1,
+            )
+            .dst,
+        );
+    }
+    assert_eq!(
+        seen.len(),
+        2,
+        "random selection used one backend only: {seen:?}"
+    );
+    // Remove the chosen backend: the flow moves to the remaining one.
+    let other = if first == B1 { B2 } else { B1 };
+    h.sync(&[(key, vec![be(other, 8080, IPPROTO_TCP)], 0)]);
+    let o = parse_checked(&h.run(&tcp_packet(CLIENT, 40000, VIP, 80, ACK, b"x")).1);
+    assert_eq!(o.dst, other);
+}
+
+/// S5: a pod reaching itself through the frontend is SNATed to the hairpin
+/// address; the reply gets both addresses restored.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn hairpin_snat_and_reverse() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    let o = parse_checked(&h.run(&tcp_packet(B1, 40000, VIP, 80, SYN, b"")).1);
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (HAIRPIN, 40000, B1, 8080));
+    let o = parse_checked(
+        &h.run(&tcp_packet(B1, 8080, HAIRPIN, 40000, SYN | ACK, b""))
+            .1,
+    );
+    assert_eq!((o.src, o.sport, o.dst, o.dport), (VIP, 80, B1, 40000));
+    assert_eq!(h.stats()[&stat::HAIRPIN], 1);
+}
+
+/// Truncated and malformed packets: every prefix of a frontend-bound packet,
+/// bad header lengths, fragments. None may make the run fail; a frontend-bound
+/// packet too short for its L4 header is dropped, everything else passes.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn truncated_and_malformed_packets() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    let full = tcp_packet(CLIENT, 40000, VIP, 80, SYN, b"");
+    for len in 14..full.len() {
+        // The kernel itself refuses some short IPv4 frames (EINVAL) before the
+        // program runs; what it hands to the program must not trip it.
+        let Ok((rc, _)) = h.try_run(&full[..len]) else {
+            assert!(
+                len < 14 + 20,
+                "len {len}: the kernel refused a frame with a whole IPv4 header"
+            );
+            continue;
+        };
+        let min_for_ports = 14 + 20 + 4;
+        if len < min_for_ports {
+            assert_eq!(rc, TC_ACT_OK, "len {len}: cannot be parsed, passed");
+        } else {
+            assert_eq!(
+                rc, TC_ACT_SHOT,
+                "len {len}: for a frontend but truncated, dropped"
+            );
+        }
+    }
+    let mut bad_ihl = full.clone();
+    bad_ihl[14] = 0x43;
+    assert_eq!(h.run(&bad_ihl).0, TC_ACT_OK);
+    let mut v6 = full.clone();
+    v6[14] = 0x65;
+    assert_eq!(h.run(&v6).0, TC_ACT_OK);
+    let mut frag = full.clone();
+    frag[20] = 0x20; // MF
+    let (rc, out) = h.run(&frag);
+    assert_eq!((rc, out), (TC_ACT_OK, frag), "fragments pass untouched");
+    let s = h.stats();
+    assert!(s[&stat::DROP_MALFORMED] > 0);
+    assert_eq!(s[&stat::PASS_FRAGMENT], 1);
+    assert_eq!(s[&stat::FWD_NEW], 0, "nothing malformed was translated");
+}

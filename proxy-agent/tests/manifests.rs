@@ -1,0 +1,155 @@
+//! The manifests source: files, directories, multi-document YAML, bad documents.
+use std::path::{Path, PathBuf};
+
+use proxy_agent::manifests::{load_paths, load_str, Snapshot};
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+fn names<
+    T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+>(
+    objs: &[T],
+) -> Vec<String> {
+    objs.iter()
+        .map(|o| {
+            let m = o.metadata();
+            format!(
+                "{}/{}",
+                m.namespace.as_deref().unwrap_or("-"),
+                m.name.as_deref().unwrap_or("-")
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn multi_document_file_loads_every_known_kind_and_skips_others() {
+    let (snap, errors) = load_paths(&[data("example.yaml")]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(names(&snap.services), ["default/my-service"]);
+    assert_eq!(names(&snap.pods), ["default/my-app-1", "default/my-app-2"]);
+    assert!(snap.endpoint_slices.is_empty() && snap.nodes.is_empty());
+}
+
+#[test]
+fn directory_reads_yaml_yml_and_json_sorted_and_lists_items() {
+    let (snap, errors) = load_paths(&[data("dir")]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(names(&snap.services), ["prod/api"]);
+    assert_eq!(names(&snap.endpoint_slices), ["prod/api-abc"]);
+    assert_eq!(names(&snap.pods), ["prod/p1"]);
+    assert_eq!(snap.nodes.len(), 1);
+}
+
+#[test]
+fn bad_documents_are_reported_by_file_and_object_and_the_rest_loads() {
+    let path = data("bad.yaml");
+    let (snap, errors) = load_paths(std::slice::from_ref(&path));
+    let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    let file = path.display().to_string();
+
+    // The good objects around the bad ones.
+    assert_eq!(
+        names(&snap.services),
+        ["shop/good", "default/headless", "default/external"]
+    );
+    assert_eq!(names(&snap.pods), ["default/survivor"]);
+    assert_eq!(snap.nodes.len(), 1);
+
+    assert_eq!(errors.len(), 4, "{messages:#?}");
+    assert_eq!(
+        messages[0],
+        format!("{file}: document 2 (Service default/web): spec.ports[0].port: invalid type: string \"x\", expected i32")
+    );
+    assert_eq!(errors[0].document, Some(2));
+    assert!(
+        messages[1].starts_with(&format!("{file}: document 4: ")),
+        "{}",
+        messages[1]
+    );
+    assert!(
+        messages[1].contains("line 29 column 18"),
+        "syntax error located in the file: {}",
+        messages[1]
+    );
+    assert!(
+        messages[2].starts_with(&format!("{file}: document 5")),
+        "{}",
+        messages[2]
+    );
+    assert!(messages[2].contains("kind"), "{}", messages[2]);
+    assert_eq!(
+        messages[3],
+        format!(
+            "{file}: document 6 (Service default/no-cluster-ip): has no spec.clusterIP \
+             (the manifests source does not allocate ClusterIPs)"
+        )
+    );
+}
+
+#[test]
+fn service_without_cluster_ip_is_an_error_but_headless_and_external_name_are_not() {
+    let yaml = "\
+apiVersion: v1
+kind: Service
+metadata: {name: a}
+spec:
+  ports: [{port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: b}
+spec:
+  clusterIP: None
+  ports: [{port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: c}
+spec:
+  type: ExternalName
+  externalName: example.invalid
+";
+    let mut snap = Snapshot::default();
+    let mut errors = Vec::new();
+    load_str(Path::new("x.yaml"), yaml, &mut snap, &mut errors);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].to_string(), "x.yaml: document 1 (Service default/a): has no spec.clusterIP (the manifests source does not allocate ClusterIPs)");
+    assert_eq!(names(&snap.services), ["default/b", "default/c"]);
+}
+
+#[test]
+fn empty_documents_and_comments_are_skipped_silently() {
+    let yaml = "# leading comment\n---\n---\n# only a comment\n---\napiVersion: v1\nkind: Node\nmetadata: {name: n}\n...\n";
+    let mut snap = Snapshot::default();
+    let mut errors = Vec::new();
+    load_str(Path::new("x.yaml"), yaml, &mut snap, &mut errors);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(snap.nodes.len(), 1);
+}
+
+#[test]
+fn missing_file_is_an_error_naming_it() {
+    let (snap, errors) = load_paths(&[data("does-not-exist.yaml"), data("example.yaml")]);
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].to_string().contains("does-not-exist.yaml"));
+    assert_eq!(snap.services.len(), 1);
+}
+
+#[tokio::test]
+async fn watch_signals_a_change_of_a_watched_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("svc.yaml");
+    std::fs::write(&file, "").unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let _watcher = proxy_agent::manifests::watch(vec![file.clone()], tx).unwrap();
+    // A file next to it is not watched.
+    std::fs::write(dir.path().join("other.yaml"), "a: 1").unwrap();
+    std::fs::write(&file, "apiVersion: v1\nkind: Node\nmetadata: {name: n}\n").unwrap();
+    let got = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv()).await;
+    assert!(matches!(got, Ok(Some(()))), "no change signalled");
+}

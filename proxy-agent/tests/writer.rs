@@ -1,0 +1,498 @@
+//! The writer against the in-memory dataplane: make-before-break order, the
+//! packet invariant after every single operation, failures, adoption.
+use std::net::Ipv4Addr;
+
+use proxy_agent::dataplane::{Dataplane, InMemory, Op, Writer};
+use proxy_agent::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
+use proxy_common::{
+    backend_state, Backend4, Svc4Key, Svc4Value, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+};
+
+fn key(last: u8, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr: Ipv4Addr::new(198, 19, 0, last),
+        port,
+        proto,
+        scope: SCOPE_INTERNAL,
+    }
+}
+
+fn backend(last: u8, proto: u8) -> BackendAddr {
+    BackendAddr {
+        addr: Ipv4Addr::new(198, 18, 1, last),
+        port: 8080,
+        proto,
+    }
+}
+
+fn frontend(k: &FrontendKey, backends: &[u8]) -> Frontend {
+    let mut backends: Vec<BackendAddr> = backends.iter().map(|b| backend(*b, k.proto)).collect();
+    backends.sort();
+    backends.dedup();
+    Frontend {
+        service: format!("default/svc-{}", k.addr.octets()[3]),
+        port_name: String::new(),
+        backends,
+        flags: 0,
+        affinity_timeout_s: 0,
+    }
+}
+
+fn desired(entries: &[(FrontendKey, &[u8])]) -> DesiredState {
+    let mut d = DesiredState::default();
+    for (k, b) in entries {
+        d.frontends.insert(*k, frontend(k, b));
+    }
+    d
+}
+
+fn svc(k: &FrontendKey, slot: u16) -> Svc4Key {
+    Svc4Key::new(k.addr, k.port, k.proto, k.scope, slot)
+}
+
+fn position(ops: &[Op], pred: impl Fn(&Op) -> bool) -> usize {
+    ops.iter().position(pred).expect("operation not found")
+}
+
+fn is_put(ops: &Op, key: Svc4Key) -> bool {
+    matches!(ops, Op::PutService(k, _) if *k == key)
+}
+
+fn is_delete(ops: &Op, key: Svc4Key) -> bool {
+    matches!(ops, Op::DeleteService(k) if *k == key)
+}
+
+/// The dataplane holds exactly `desired`: every frontend's count and slots,
+/// no extra entries, backends and reverse-NAT entries only for what is used.
+fn assert_programmed(writer: &Writer<InMemory>, desired: &DesiredState) {
+    let p = writer.dataplane().programmed();
+    let mut entries = 0;
+    let mut used = std::collections::BTreeSet::new();
+    for (k, fe) in &desired.frontends {
+        let slot0 = p
+            .services
+            .get(&svc(k, 0))
+            .unwrap_or_else(|| panic!("{k} missing"));
+        assert_eq!(slot0.count as usize, fe.backends.len(), "{k}");
+        assert_eq!(
+            (slot0.flags, slot0.affinity_timeout_s),
+            (fe.flags, fe.affinity_timeout_s)
+        );
+        for (i, b) in fe.backends.iter().enumerate() {
+            let slot = p.services[&svc(k, i as u16 + 1)];
+            let be = p.backends[&slot.backend_id];
+            assert_eq!(
+                (be.addr(), be.port(), be.proto),
+                (b.addr, b.port, b.proto),
+                "{k} slot {}",
+                i + 1
+            );
+            assert_eq!(be.state, backend_state::ACTIVE);
+            used.insert(*b);
+        }
+        let rev = p.rev_nat[&slot0.rev_nat_id];
+        assert_eq!((rev.addr(), rev.port()), (k.addr, k.port));
+        entries += 1 + fe.backends.len();
+    }
+    assert_eq!(p.services.len(), entries, "extra service entries");
+    assert_eq!(p.backends.len(), used.len(), "extra backends");
+    assert_eq!(
+        p.rev_nat.len(),
+        desired.frontends.len(),
+        "extra reverse-NAT entries"
+    );
+    assert_eq!(writer.backend_ids().len(), used.len());
+}
+
+#[test]
+fn add_writes_backends_then_rev_nat_then_slots_then_slot0() {
+    let a = key(1, 80, IPPROTO_TCP);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let d = desired(&[(a, &[1, 2])]);
+    let report = w.sync(&d);
+    assert!(report.errors.is_empty());
+    assert_eq!(
+        (report.frontends_added, report.backends_added, report.writes),
+        (1, 2, 6)
+    );
+    let ops = w.dataplane().ops();
+    let last_backend = ops
+        .iter()
+        .rposition(|o| matches!(o, Op::PutBackend(..)))
+        .unwrap();
+    let rev = position(ops, |o| matches!(o, Op::PutRevNat(..)));
+    let slot1 = position(ops, |o| is_put(o, svc(&a, 1)));
+    let slot2 = position(ops, |o| is_put(o, svc(&a, 2)));
+    let slot0 = position(ops, |o| is_put(o, svc(&a, 0)));
+    assert!(
+        last_backend < rev && rev < slot1 && slot1 < slot0 && slot2 < slot0,
+        "{ops:#?}"
+    );
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &d);
+}
+
+#[test]
+fn grow_writes_new_slots_before_slot0() {
+    let a = key(1, 80, IPPROTO_TCP);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&desired(&[(a, &[1, 2])]));
+    w.dataplane_mut().take_ops();
+    let d = desired(&[(a, &[1, 2, 3])]);
+    let report = w.sync(&d);
+    assert_eq!((report.frontends_updated, report.backends_added), (1, 1));
+    let ops = w.dataplane().ops();
+    let backend = position(ops, |o| matches!(o, Op::PutBackend(..)));
+    let slot3 = position(ops, |o| is_put(o, svc(&a, 3)));
+    let slot0 = position(
+        ops,
+        |o| matches!(o, Op::PutService(k, v) if *k == svc(&a, 0) && v.count == 3),
+    );
+    assert!(backend < slot3 && slot3 < slot0, "{ops:#?}");
+    assert_eq!(ops.len(), 3, "unchanged slots are not rewritten: {ops:#?}");
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &d);
+}
+
+#[test]
+fn shrink_writes_slot0_before_deleting_obsolete_slots_and_backends() {
+    let a = key(1, 80, IPPROTO_TCP);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&desired(&[(a, &[1, 2, 3])]));
+    w.dataplane_mut().take_ops();
+    let d = desired(&[(a, &[2])]);
+    let report = w.sync(&d);
+    assert_eq!(report.backends_removed, 2);
+    let ops = w.dataplane().ops();
+    let slot1 = position(ops, |o| is_put(o, svc(&a, 1)));
+    let slot0 = position(
+        ops,
+        |o| matches!(o, Op::PutService(k, v) if *k == svc(&a, 0) && v.count == 1),
+    );
+    let del2 = position(ops, |o| is_delete(o, svc(&a, 2)));
+    let del3 = position(ops, |o| is_delete(o, svc(&a, 3)));
+    let first_backend_delete = position(ops, |o| matches!(o, Op::DeleteBackend(..)));
+    assert!(slot1 < slot0 && slot0 < del2 && slot0 < del3, "{ops:#?}");
+    assert!(
+        del2 < first_backend_delete && del3 < first_backend_delete,
+        "{ops:#?}"
+    );
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &d);
+}
+
+#[test]
+fn remove_deletes_slot0_first_then_slots_then_rev_nat_then_backends() {
+    let (a, b) = (key(1, 80, IPPROTO_TCP), key(2, 80, IPPROTO_TCP));
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&desired(&[(a, &[1, 2]), (b, &[2])]));
+    w.dataplane_mut().take_ops();
+    let d = desired(&[(b, &[2])]);
+    let report = w.sync(&d);
+    assert_eq!((report.frontends_removed, report.backends_removed), (1, 1));
+    let ops = w.dataplane().ops();
+    assert!(is_delete(&ops[0], svc(&a, 0)), "{ops:#?}");
+    assert!(
+        is_delete(&ops[1], svc(&a, 1)) && is_delete(&ops[2], svc(&a, 2)),
+        "{ops:#?}"
+    );
+    assert!(matches!(ops[3], Op::DeleteRevNat(_)), "{ops:#?}");
+    assert!(
+        matches!(ops[4], Op::DeleteBackend(_)) && ops.len() == 5,
+        "backend 2 is still used: {ops:#?}"
+    );
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &d);
+}
+
+#[test]
+fn unchanged_state_writes_nothing_and_backends_are_shared() {
+    let (a, b) = (key(1, 80, IPPROTO_TCP), key(1, 81, IPPROTO_TCP));
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let d = desired(&[(a, &[1, 2]), (b, &[2, 3])]);
+    w.sync(&d);
+    assert_eq!(
+        w.backend_ids().len(),
+        3,
+        "backend 2 shared by both frontends"
+    );
+    assert!(w.sync(&d).is_noop());
+    let empty = desired(&[(a, &[])]);
+    w.sync(&empty);
+    let slot0 = w.dataplane().programmed().services[&svc(&a, 0)];
+    assert_eq!(
+        slot0.count, 0,
+        "a frontend without backends keeps slot 0 with count 0"
+    );
+    assert_programmed(&w, &empty);
+}
+
+/// A tiny deterministic PRNG (xorshift64*).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn randomized_sequence_of_200_states_never_breaks_the_invariant() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let keys: Vec<FrontendKey> = (1..=4)
+        .flat_map(|ip| {
+            [
+                key(ip, 80, IPPROTO_TCP),
+                key(ip, 80, IPPROTO_UDP),
+                key(ip, 443, IPPROTO_TCP),
+            ]
+        })
+        .collect();
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let mut ids_seen = std::collections::BTreeMap::new();
+    for round in 0..200 {
+        let mut d = DesiredState::default();
+        for k in &keys {
+            if rng.below(3) == 0 {
+                continue;
+            }
+            let backends: Vec<u8> = (1..=10).filter(|_| rng.below(2) == 0).collect();
+            let mut fe = frontend(k, &backends);
+            fe.flags = rng.below(2) as u16;
+            d.frontends.insert(*k, fe);
+        }
+        // Now and then an operation fails in the middle of a sync.
+        let failing = rng.below(4) == 0;
+        if failing {
+            let n = rng.below(3) as usize + 1;
+            w.dataplane_mut().fail_next(n);
+        }
+        w.sync(&d);
+        w.dataplane_mut().fail_next(0);
+        assert!(
+            w.dataplane().violations().is_empty(),
+            "round {round}: {:#?}",
+            w.dataplane().violations()
+        );
+        if failing {
+            // The next sync converges.
+            w.sync(&d);
+        }
+        assert_programmed(&w, &d);
+        assert!(
+            w.sync(&d).is_noop(),
+            "round {round}: a second sync writes nothing"
+        );
+        // A backend keeps its id while it stays in use (a failed sync may drop
+        // backends that only a failed frontend wanted; they come back with new ids).
+        for (b, id) in w.backend_ids() {
+            if let Some(old) = ids_seen.get(b).filter(|_| !failing) {
+                assert_eq!(old, id, "round {round}: backend {b} changed id");
+            }
+        }
+        ids_seen = w.backend_ids().clone();
+        assert!(w.backend_ids().values().all(|id| *id != 0));
+        assert!(w.rev_nat_ids().values().all(|id| *id != 0));
+        w.dataplane_mut().take_ops();
+    }
+    assert!(w.dataplane().violations().is_empty());
+}
+
+#[test]
+fn backend_ids_are_stable_while_in_use_and_never_zero() {
+    let (a, b) = (key(1, 80, IPPROTO_TCP), key(2, 80, IPPROTO_TCP));
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&desired(&[(a, &[1, 2])]));
+    let id2 = w.backend_ids()[&backend(2, IPPROTO_TCP)];
+    w.sync(&desired(&[(b, &[2, 3])]));
+    assert_eq!(w.backend_ids()[&backend(2, IPPROTO_TCP)], id2);
+    let id1_old = 1;
+    assert!(
+        !w.backend_ids().contains_key(&backend(1, IPPROTO_TCP)),
+        "backend 1 no longer used"
+    );
+    w.sync(&desired(&[(b, &[1, 2, 3])]));
+    let id1 = w.backend_ids()[&backend(1, IPPROTO_TCP)];
+    assert!(
+        id1 != 0 && id1 > id1_old,
+        "ids are allocated monotonically, not reused at once"
+    );
+    assert_eq!(w.backend_ids()[&backend(2, IPPROTO_TCP)], id2);
+}
+
+#[test]
+fn full_map_fails_only_that_frontend_and_a_later_sync_retries_it() {
+    let (a, b, c) = (
+        key(1, 80, IPPROTO_TCP),
+        key(2, 80, IPPROTO_TCP),
+        key(3, 80, IPPROTO_TCP),
+    );
+    // Room for 6 service entries: A and B take 2 each.
+    let mut w = Writer::adopt(InMemory::with_capacity(6, 100, 100)).unwrap();
+    let before = desired(&[(a, &[1]), (b, &[2])]);
+    w.sync(&before);
+    let programmed_before = w.dataplane().programmed().services.clone();
+    w.dataplane_mut().take_ops();
+
+    // C needs 4 entries: it fails; A and B are not touched.
+    let with_c = desired(&[(a, &[1]), (b, &[2]), (c, &[3, 4, 5])]);
+    let report = w.sync(&with_c);
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    assert!(
+        report.errors[0].0.contains("default/svc-3"),
+        "{:?}",
+        report.errors
+    );
+    assert!(report.errors[0].1.to_string().contains("full"));
+    assert_eq!(
+        w.dataplane().programmed().services,
+        programmed_before,
+        "A and B as they were, no C leftovers"
+    );
+    assert!(w
+        .dataplane()
+        .ops()
+        .iter()
+        .all(|o| !matches!(o, Op::PutService(k, _) if k.addr() != c.addr)));
+    assert!(w.dataplane().violations().is_empty());
+
+    // B goes away; C still does not fit before B's entries are deleted...
+    let without_b = desired(&[(a, &[1]), (c, &[3, 4, 5])]);
+    let report = w.sync(&without_b);
+    assert_eq!(report.errors.len(), 1);
+    assert_eq!(report.frontends_removed, 1);
+    // ...but the next sync programs it.
+    let report = w.sync(&without_b);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.frontends_added, 1);
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &without_b);
+}
+
+#[test]
+fn failed_operation_leaves_the_frontend_as_it_was_and_the_next_sync_retries() {
+    let (a, b) = (key(1, 80, IPPROTO_TCP), key(2, 80, IPPROTO_TCP));
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&desired(&[(a, &[1, 2])]));
+    let before = w.dataplane().programmed().clone();
+
+    // Growing A writes backend 3, B's backend 4, B's reverse NAT, A's slot 3,
+    // B's slot 1, A's slot 0, B's slot 0: make A's slot 3 (op 3) fail.
+    let d = desired(&[(a, &[1, 2, 3]), (b, &[4])]);
+    w.dataplane_mut().fail_after(3, 1);
+    let report = w.sync(&d);
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    assert!(report.errors[0].0.contains("default/svc-1"));
+    let after = w.dataplane().programmed();
+    for slot in 0..=2 {
+        assert_eq!(
+            after.services.get(&svc(&a, slot)),
+            before.services.get(&svc(&a, slot)),
+            "A as it was"
+        );
+    }
+    assert!(!after.services.contains_key(&svc(&a, 3)));
+    assert_eq!(
+        after.services[&svc(&b, 0)].count,
+        1,
+        "B programmed regardless"
+    );
+    assert!(w.dataplane().violations().is_empty());
+
+    let report = w.sync(&d);
+    assert!(report.errors.is_empty());
+    assert_eq!(report.frontends_updated, 1);
+    assert_programmed(&w, &d);
+}
+
+#[test]
+fn adopt_after_sync_keeps_ids_and_writes_nothing() {
+    let keys = [
+        key(1, 80, IPPROTO_TCP),
+        key(1, 53, IPPROTO_UDP),
+        key(2, 80, IPPROTO_TCP),
+    ];
+    let d = desired(&[(keys[0], &[1, 2, 3]), (keys[1], &[4]), (keys[2], &[])]);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    w.sync(&d);
+    let (backend_ids, rev_nat_ids) = (w.backend_ids().clone(), w.rev_nat_ids().clone());
+
+    let mut restarted = Writer::adopt(w.into_dataplane()).unwrap();
+    assert_eq!(restarted.backend_ids(), &backend_ids);
+    assert_eq!(restarted.rev_nat_ids(), &rev_nat_ids);
+    restarted.dataplane_mut().take_ops();
+    let report = restarted.sync(&d);
+    assert!(
+        report.is_noop(),
+        "{report:?}: {:#?}",
+        restarted.dataplane().ops()
+    );
+    assert_eq!(restarted.backend_ids(), &backend_ids);
+
+    // New ids after a restart do not collide with adopted ones.
+    let more = desired(&[
+        (keys[0], &[1, 2, 3, 5]),
+        (keys[1], &[4]),
+        (keys[2], &[]),
+        (key(3, 80, IPPROTO_TCP), &[6]),
+    ]);
+    restarted.sync(&more);
+    let new_id = restarted.backend_ids()[&backend(5, IPPROTO_TCP)];
+    assert!(backend_ids.values().all(|id| *id != new_id));
+    let new_rev = restarted.rev_nat_ids()[&key(3, 80, IPPROTO_TCP)];
+    assert!(rev_nat_ids.values().all(|id| *id != new_rev));
+    assert!(restarted.dataplane().violations().is_empty());
+    assert_programmed(&restarted, &more);
+}
+
+#[test]
+fn adopt_cleans_up_inconsistent_leftovers_at_first_sync() {
+    let a = key(1, 80, IPPROTO_TCP);
+    let gone = key(9, 80, IPPROTO_TCP);
+    let mut dp = InMemory::default();
+    let b1 = Backend4::new(
+        Ipv4Addr::new(198, 18, 1, 1),
+        8080,
+        IPPROTO_TCP,
+        backend_state::ACTIVE,
+    );
+    dp.put_backend(7, b1).unwrap();
+    dp.put_backend(
+        8,
+        Backend4::new(Ipv4Addr::new(198, 18, 1, 99), 8080, IPPROTO_TCP, 0),
+    )
+    .unwrap();
+    dp.put_rev_nat(3, proxy_common::RevNat4::new(a.addr, a.port))
+        .unwrap();
+    dp.put_rev_nat(
+        4,
+        proxy_common::RevNat4::new(Ipv4Addr::new(198, 19, 0, 200), 1),
+    )
+    .unwrap();
+    dp.put_service(svc(&a, 1), Svc4Value::slot(7)).unwrap();
+    dp.put_service(svc(&a, 0), Svc4Value::frontend(1, 3, 0, 0))
+        .unwrap();
+    dp.put_service(svc(&a, 2), Svc4Value::slot(8)).unwrap(); // beyond count
+    dp.put_service(svc(&gone, 1), Svc4Value::slot(7)).unwrap(); // slots without a frontend
+    let mut w = Writer::adopt(dp).unwrap();
+    assert_eq!(w.backend_ids()[&backend(1, IPPROTO_TCP)], 7);
+    w.dataplane_mut().take_ops();
+
+    let d = desired(&[(a, &[1])]);
+    let report = w.sync(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(w.rev_nat_ids()[&a], 3, "reverse-NAT id kept");
+    assert_eq!(
+        w.backend_ids()[&backend(1, IPPROTO_TCP)],
+        7,
+        "backend id kept"
+    );
+    assert!(w.dataplane().violations().is_empty());
+    assert_programmed(&w, &d);
+    assert!(w.sync(&d).is_noop());
+}
