@@ -56,6 +56,8 @@ pub enum AgentError {
     Netlink(std::io::Error),
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
+    #[error("the interface watcher stopped; new pod interfaces would be missed")]
+    LinkWatcherStopped,
 }
 
 fn matches(patterns: &[glob::Pattern], name: &str) -> bool {
@@ -122,12 +124,25 @@ async fn watch_links(
 }
 
 /// One sync: read the source, compute the desired state, write the difference.
-fn sync_once(cfg: &RunConfig, writer: &mut Writer<BpfDataplane>) {
+/// An object whose document turned bad keeps its last good version.
+fn sync_once(
+    cfg: &RunConfig,
+    writer: &mut Writer<BpfDataplane>,
+    last_good: &mut manifests::Snapshot,
+) {
     let started = Instant::now();
-    let (snapshot, errors) = manifests::load_paths(&cfg.manifests);
+    let (mut snapshot, errors) = manifests::load_paths(&cfg.manifests);
     for e in &errors {
         error!("{e}");
     }
+    let kept = manifests::keep_last_good(last_good, &errors, &mut snapshot);
+    if kept > 0 {
+        warn!(
+            objects = kept,
+            "kept the last good version of objects whose documents are bad"
+        );
+    }
+    *last_good = snapshot.clone();
     let (desired, warnings) = model::desired_state(&snapshot, &cfg.node_name);
     for w in &warnings {
         warn!("{w}");
@@ -162,7 +177,8 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
         })?;
 
     // Program the maps before attaching, so the first packets find them.
-    sync_once(&cfg, &mut writer);
+    let mut last_good = manifests::Snapshot::default();
+    sync_once(&cfg, &mut writer, &mut last_good);
     let mut last_sync = Instant::now();
 
     let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
@@ -173,6 +189,7 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
     let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .map_err(AgentError::Signal)?;
     let mut pending = false;
+    let mut result = Ok(());
     loop {
         // kube-proxy's minSyncPeriod: a change right after a sync waits for the
         // rest of the period; one after a quiet period is applied at once.
@@ -183,7 +200,7 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
         };
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
-                sync_once(&cfg, &mut writer);
+                sync_once(&cfg, &mut writer, &mut last_good);
                 last_sync = Instant::now();
                 pending = false;
             }
@@ -195,12 +212,12 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
             _ = sigint.recv() => break,
         }
         if links.is_finished() {
-            error!("the interface watcher stopped; new pod interfaces would be missed");
+            result = Err(AgentError::LinkWatcherStopped);
             break;
         }
     }
     links.abort();
     attacher.lock().expect("attacher lock").detach_all();
     info!("detached; maps stay pinned under {}", cfg.bpffs.display());
-    Ok(())
+    result
 }

@@ -1,4 +1,4 @@
-use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{io::IsTerminal, net::Ipv4Addr, path::PathBuf, time::Duration};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -96,6 +96,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     match cli.cmd {

@@ -429,3 +429,67 @@ pub fn watch(
     }
     Ok(watcher)
 }
+
+/// Keeps the last good version of objects whose document turned bad, as an
+/// API server keeps an object when an update of it is rejected: an error
+/// naming a kind, namespace and name brings that object back from `previous`
+/// if it is absent from `snapshot`. Returns how many objects were kept.
+pub fn keep_last_good(
+    previous: &Snapshot,
+    errors: &[ManifestError],
+    snapshot: &mut Snapshot,
+) -> usize {
+    use k8s_openapi::Metadata;
+    fn same<T: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
+        o: &T,
+        ns: &str,
+        name: &str,
+    ) -> bool {
+        let m = o.metadata();
+        m.name.as_deref() == Some(name) && m.namespace.as_deref().unwrap_or("default") == ns
+    }
+    fn carry<
+        T: Clone + Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    >(
+        prev: &[T],
+        now: &mut Vec<T>,
+        ns: &str,
+        name: &str,
+    ) -> usize {
+        if now.iter().any(|o| same(o, ns, name)) {
+            return 0;
+        }
+        match prev.iter().find(|o| same(*o, ns, name)) {
+            Some(o) => {
+                now.push(o.clone());
+                1
+            }
+            None => 0,
+        }
+    }
+    let mut kept = 0;
+    for e in errors {
+        let Some(ObjectRef {
+            kind: Some(kind),
+            namespace,
+            name: Some(name),
+        }) = &e.object
+        else {
+            continue;
+        };
+        let ns = namespace.as_deref().unwrap_or("default");
+        kept += match kind.as_str() {
+            "Service" => carry(&previous.services, &mut snapshot.services, ns, name),
+            "EndpointSlice" => carry(
+                &previous.endpoint_slices,
+                &mut snapshot.endpoint_slices,
+                ns,
+                name,
+            ),
+            "Pod" => carry(&previous.pods, &mut snapshot.pods, ns, name),
+            "Node" => carry(&previous.nodes, &mut snapshot.nodes, ns, name),
+            _ => 0,
+        };
+    }
+    kept
+}

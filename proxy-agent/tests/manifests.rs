@@ -1,7 +1,7 @@
 //! The manifests source: files, directories, multi-document YAML, bad documents.
 use std::path::{Path, PathBuf};
 
-use proxy_agent::manifests::{load_paths, load_str, Snapshot};
+use proxy_agent::manifests::{self, load_paths, load_str, Snapshot};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -152,4 +152,31 @@ async fn watch_signals_a_change_of_a_watched_file() {
     std::fs::write(&file, "apiVersion: v1\nkind: Node\nmetadata: {name: n}\n").unwrap();
     let got = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv()).await;
     assert!(matches!(got, Ok(Some(()))), "no change signalled");
+}
+
+/// A document that turns bad does not take its object away: the last good
+/// version stays, as an API server keeps an object whose update it rejects.
+#[test]
+fn a_document_turned_bad_keeps_the_last_good_object() {
+    let good = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n";
+    let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 198.19.0.10, ports: [{port: eighty}]}\n";
+    let path = std::path::Path::new("svc.yaml");
+    let (mut before, mut errs) = (manifests::Snapshot::default(), Vec::new());
+    manifests::load_str(path, good, &mut before, &mut errs);
+    assert!(errs.is_empty());
+    let (mut after, mut errs) = (manifests::Snapshot::default(), Vec::new());
+    manifests::load_str(path, bad, &mut after, &mut errs);
+    assert_eq!(errs.len(), 1);
+    assert!(after.services.is_empty());
+    assert_eq!(manifests::keep_last_good(&before, &errs, &mut after), 1);
+    assert_eq!(after.services[0].metadata.name.as_deref(), Some("web"));
+    let port = after.services[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()[0]
+        .port;
+    assert_eq!(port, 80, "the good version is kept");
 }
