@@ -22,7 +22,8 @@ use tracing::{debug, error, info, warn};
 use crate::{
     bpf::{self, Attacher, BpfDataplane, BpfError, MapSizes},
     dataplane::Writer,
-    manifests, model,
+    model,
+    source::{Source, SourceError},
 };
 
 /// Log line printed after every sync; the lab and tests wait for it.
@@ -31,7 +32,6 @@ pub const SYNC_COMPLETE: &str = "sync complete";
 /// Everything `run` needs, from flags (and later the config file).
 #[derive(Clone, Debug)]
 pub struct RunConfig {
-    pub manifests: Vec<PathBuf>,
     pub node_name: String,
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
@@ -47,11 +47,8 @@ pub enum AgentError {
     Bpf(#[from] BpfError),
     #[error("dataplane: {0}")]
     Dataplane(#[from] crate::dataplane::DataplaneError),
-    #[error("watching the manifests {paths:?}: {source}")]
-    Watch {
-        paths: Vec<PathBuf>,
-        source: notify::Error,
-    },
+    #[error(transparent)]
+    Source(#[from] SourceError),
     #[error("netlink: {0}")]
     Netlink(std::io::Error),
     #[error("signal handler: {0}")]
@@ -124,25 +121,9 @@ async fn watch_links(
 }
 
 /// One sync: read the source, compute the desired state, write the difference.
-/// An object whose document turned bad keeps its last good version.
-fn sync_once(
-    cfg: &RunConfig,
-    writer: &mut Writer<BpfDataplane>,
-    last_good: &mut manifests::Snapshot,
-) {
+fn sync_once(cfg: &RunConfig, source: &mut dyn Source, writer: &mut Writer<BpfDataplane>) {
     let started = Instant::now();
-    let (mut snapshot, errors) = manifests::load_paths(&cfg.manifests);
-    for e in &errors {
-        error!("{e}");
-    }
-    let kept = manifests::keep_last_good(last_good, &errors, &mut snapshot);
-    if kept > 0 {
-        warn!(
-            objects = kept,
-            "kept the last good version of objects whose documents are bad"
-        );
-    }
-    *last_good = snapshot.clone();
+    let (snapshot, source_errors) = source.snapshot();
     let (desired, warnings) = model::desired_state(&snapshot, &cfg.node_name);
     for w in &warnings {
         warn!("{w}");
@@ -153,7 +134,8 @@ fn sync_once(
     }
     info!(
         frontends = desired.frontends.len(),
-        manifest_errors = errors.len(),
+        source_errors,
+        model_warnings = warnings.len(),
         program_errors = report.errors.len(),
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
         "{SYNC_COMPLETE}: {report:?}"
@@ -162,7 +144,7 @@ fn sync_once(
 
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
-pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
+pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
@@ -170,15 +152,13 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
     let mut writer = Writer::adopt(dp)?;
 
     let (tx, mut changes) = mpsc::unbounded_channel();
-    let _watcher =
-        manifests::watch(cfg.manifests.clone(), tx).map_err(|source| AgentError::Watch {
-            paths: cfg.manifests.clone(),
-            source,
-        })?;
-
+    source.start(tx)?;
+    // Never act on a half-filled cache.
+    while !source.ready() {
+        changes.recv().await;
+    }
     // Program the maps before attaching, so the first packets find them.
-    let mut last_good = manifests::Snapshot::default();
-    sync_once(&cfg, &mut writer, &mut last_good);
+    sync_once(&cfg, source.as_mut(), &mut writer);
     let mut last_sync = Instant::now();
 
     let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
@@ -200,12 +180,14 @@ pub async fn run(cfg: RunConfig) -> Result<(), AgentError> {
         };
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
-                sync_once(&cfg, &mut writer, &mut last_good);
+                if source.ready() {
+                    sync_once(&cfg, source.as_mut(), &mut writer);
+                }
                 last_sync = Instant::now();
                 pending = false;
             }
             Some(()) = changes.recv() => {
-                debug!("manifests changed");
+                debug!("source changed");
                 pending = true;
             }
             _ = sigterm.recv() => break,

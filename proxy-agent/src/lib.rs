@@ -10,3 +10,4 @@ pub mod dataplane;
 pub mod inspect;
 pub mod manifests;
 pub mod model;
+pub mod source;

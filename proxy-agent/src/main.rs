@@ -37,7 +37,7 @@ struct RunArgs {
     #[arg(long, value_enum, default_value = "manifests")]
     source: Source,
     /// Manifest files or directories (with --source manifests); repeatable.
-    #[arg(long, required = true)]
+    #[arg(long, required_if_eq("source", "manifests"))]
     manifests: Vec<PathBuf>,
     /// This node's name (endpoints whose nodeName equals it are local).
     #[arg(long, env = "NODE_NAME")]
@@ -109,9 +109,12 @@ fn main() -> anyhow::Result<()> {
                         .with_context(|| format!("--pod-interfaces: bad pattern {p:?}"))
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let Source::Manifests = a.source;
+            let source: Box<dyn proxy_agent::source::Source> = match a.source {
+                Source::Manifests => {
+                    Box::new(proxy_agent::source::ManifestsSource::new(a.manifests))
+                }
+            };
             let cfg = RunConfig {
-                manifests: a.manifests,
                 node_name: a.node_name,
                 bpffs: a.bpffs,
                 pod_interfaces,
@@ -127,7 +130,7 @@ fn main() -> anyhow::Result<()> {
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(agent::run(cfg))?;
+            rt.block_on(agent::run(cfg, source))?;
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
     }
