@@ -34,9 +34,26 @@ pub mod map_names {
     /// Pod-facing interfaces: ifindex (`u32`) → [`super::Iface`]. The datapath
     /// delivers to these with `bpf_redirect_peer`.
     pub const IFACES: &str = "IFACE_V1";
+    /// Session affinity (LRU): [`super::Affinity4Key`] → [`super::Affinity4Value`].
+    pub const AFFINITY: &str = "AFFINITY4_V1";
+    /// IPv4 fragments (LRU): [`super::Frag4Key`] → [`super::Frag4Ports`].
+    pub const FRAGMENTS: &str = "FRAG4_V1";
+    /// `loadBalancerSourceRanges` (LPM trie): `{prefix_len, SourceRange4}` → `u8` (1).
+    pub const SOURCE_RANGES: &str = "SRCRANGE4_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 7] = [SERVICES, BACKENDS, REV_NAT, CONNTRACK, STATS, CONFIG, IFACES];
+    pub const ALL: [&str; 10] = [
+        SERVICES,
+        BACKENDS,
+        REV_NAT,
+        CONNTRACK,
+        STATS,
+        CONFIG,
+        IFACES,
+        AFFINITY,
+        FRAGMENTS,
+        SOURCE_RANGES,
+    ];
 }
 
 /// Default capacities. The agent may override them at load time.
@@ -46,6 +63,9 @@ pub mod capacity {
     pub const REV_NAT: u32 = 65_536;
     pub const CONNTRACK: u32 = 262_144;
     pub const IFACES: u32 = 4_096;
+    pub const AFFINITY: u32 = 65_536;
+    pub const FRAGMENTS: u32 = 8_192;
+    pub const SOURCE_RANGES: u32 = 16_384;
     /// Number of counters in the stats array; every [`super::stat`] code is below it.
     pub const STATS: u32 = 64;
 }
@@ -117,6 +137,12 @@ pub mod svc_flags {
     /// Endpoints exist in the cluster but none may be used from this node (a
     /// `Local` traffic policy): drop instead of reject when `count` is 0.
     pub const DROP_NO_BACKEND: u16 = 1 << 0;
+    /// `loadBalancerSourceRanges` apply: new flows from clients outside the
+    /// source-range map's prefixes for this frontend are dropped.
+    pub const SOURCE_RANGES: u16 = 1 << 1;
+    /// `externalTrafficPolicy: Local` (external frontends): the client's
+    /// address is kept, never SNATed, even towards a remote backend.
+    pub const EXTERNAL_LOCAL: u16 = 1 << 2;
 }
 
 /// Value of the services map.
@@ -141,11 +167,30 @@ const _: () = assert!(offset_of!(Svc4Value, flags) == 8);
 const _: () = assert!(offset_of!(Svc4Value, affinity_timeout_s) == 12);
 
 impl Svc4Value {
-    pub const fn frontend(count: u16, rev_nat_id: u16, flags: u16, affinity_timeout_s: u32) -> Self {
-        Self { backend_id: 0, count, rev_nat_id, flags, _pad: 0, affinity_timeout_s }
+    pub const fn frontend(
+        count: u16,
+        rev_nat_id: u16,
+        flags: u16,
+        affinity_timeout_s: u32,
+    ) -> Self {
+        Self {
+            backend_id: 0,
+            count,
+            rev_nat_id,
+            flags,
+            _pad: 0,
+            affinity_timeout_s,
+        }
     }
     pub const fn slot(backend_id: u32) -> Self {
-        Self { backend_id, count: 0, rev_nat_id: 0, flags: 0, _pad: 0, affinity_timeout_s: 0 }
+        Self {
+            backend_id,
+            count: 0,
+            rev_nat_id: 0,
+            flags: 0,
+            _pad: 0,
+            affinity_timeout_s: 0,
+        }
     }
 }
 
@@ -153,9 +198,13 @@ impl Svc4Value {
 pub mod backend_state {
     /// Selectable for new flows.
     pub const ACTIVE: u8 = 0;
-    /// Serving and terminating: only for flows that already use it, or as a
-    /// fallback chosen by the agent.
-    pub const TERMINATING: u8 = 1;
+    /// Bit: terminating; kept for flows that already use it (and selectable
+    /// only when the agent put it in a slot as a fallback).
+    pub const TERMINATING: u8 = 1 << 0;
+    /// Bit: the endpoint runs on this node. External traffic to a remote
+    /// backend under `externalTrafficPolicy: Cluster` is SNATed to the node's
+    /// address so that replies come back through this node.
+    pub const LOCAL: u8 = 1 << 1;
 }
 
 /// Value of the backends map (key: backend id, `u32`, host order, never 0).
@@ -174,7 +223,12 @@ const _: () = assert!(offset_of!(Backend4, state) == 7);
 
 impl Backend4 {
     pub const fn new(addr: Ipv4Addr, port: u16, proto: u8, state: u8) -> Self {
-        Self { addr_be: u32::from_ne_bytes(addr.octets()), port_be: port.to_be(), proto, state }
+        Self {
+            addr_be: u32::from_ne_bytes(addr.octets()),
+            port_be: port.to_be(),
+            proto,
+            state,
+        }
     }
     pub const fn addr(&self) -> Ipv4Addr {
         let o = self.addr_be.to_ne_bytes();
@@ -199,7 +253,11 @@ const _: () = assert!(offset_of!(RevNat4, port_be) == 4);
 
 impl RevNat4 {
     pub const fn new(addr: Ipv4Addr, port: u16) -> Self {
-        Self { addr_be: u32::from_ne_bytes(addr.octets()), port_be: port.to_be(), _pad: 0 }
+        Self {
+            addr_be: u32::from_ne_bytes(addr.octets()),
+            port_be: port.to_be(),
+            _pad: 0,
+        }
     }
     pub const fn addr(&self) -> Ipv4Addr {
         let o = self.addr_be.to_ne_bytes();
@@ -251,14 +309,24 @@ impl Ct4Key {
 
 /// Conntrack entry flags ([`Ct4Value::flags`]).
 pub mod ct_flags {
-    /// Hairpin: the client is its own backend; the source was SNATed to the
-    /// hairpin address. In a SERVICE entry `nat_addr_be` is that address; in a
-    /// REPLY entry it is the client's own address, restored on replies.
-    pub const HAIRPIN: u16 = 1 << 0;
+    /// The source address was rewritten (SNAT): to the hairpin address when a
+    /// pod reaches itself, or to the node's address for external traffic sent
+    /// to a backend on another node (`externalTrafficPolicy: Cluster`). In a
+    /// SERVICE entry `nat_addr_be` is the new source; in a REPLY entry it is
+    /// the client's own address, restored on replies.
+    pub const SNAT_ADDR: u16 = 1 << 0;
+    /// Alias kept for readability where the SNAT is the hairpin one.
+    pub const HAIRPIN: u16 = SNAT_ADDR;
     /// A TCP SYN without ACK was the last packet seen (connection opening).
     pub const TCP_SYN: u16 = 1 << 1;
     /// A TCP FIN or RST was seen: the connection is closing.
     pub const TCP_CLOSING: u16 = 1 << 2;
+    /// The client's source port was rewritten to `nat_port_be`: another live
+    /// flow already used the backend-side tuple (field bug C6), or the source
+    /// address was SNATed to the node's. In a SERVICE entry `nat_port_be` is
+    /// the new port; in a REPLY entry it is the client's own port, restored on
+    /// replies.
+    pub const SNAT_PORT: u16 = 1 << 3;
 }
 
 /// Conntrack value.
@@ -274,7 +342,8 @@ pub struct Ct4Value {
     pub nat_addr_be: u32,
     pub rev_nat_id: u16,
     pub flags: u16,
-    pub _pad: u32,
+    pub nat_port_be: u16,
+    pub _pad: u16,
     /// `bpf_ktime_get_ns()` of the last packet seen (refreshed at most once a second).
     pub last_seen_ns: u64,
 }
@@ -282,7 +351,77 @@ const _: () = assert!(size_of::<Ct4Value>() == 24);
 const _: () = assert!(offset_of!(Ct4Value, nat_addr_be) == 4);
 const _: () = assert!(offset_of!(Ct4Value, rev_nat_id) == 8);
 const _: () = assert!(offset_of!(Ct4Value, flags) == 10);
+const _: () = assert!(offset_of!(Ct4Value, nat_port_be) == 12);
 const _: () = assert!(offset_of!(Ct4Value, last_seen_ns) == 16);
+
+/// Session-affinity key: one client of one frontend (kube-proxy's
+/// `sessionAffinity: ClientIP` is per client address and service port).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Affinity4Key {
+    /// Client address, network byte order.
+    pub client_be: u32,
+    /// The frontend's reverse-NAT id (host order).
+    pub rev_nat_id: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(size_of::<Affinity4Key>() == 8);
+const _: () = assert!(offset_of!(Affinity4Key, rev_nat_id) == 4);
+
+/// Session-affinity value: the backend chosen, and when it was last chosen for
+/// a new connection. The entry is valid while `now - last_used_ns` is within
+/// the frontend's `affinity_timeout_s`; conntrack lifetimes never extend it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Affinity4Value {
+    pub backend_id: u32,
+    pub _pad: u32,
+    pub last_used_ns: u64,
+}
+const _: () = assert!(size_of::<Affinity4Value>() == 16);
+const _: () = assert!(offset_of!(Affinity4Value, last_used_ns) == 8);
+
+/// Fragment key: one IPv4 datagram being fragmented, as its fragments carry it
+/// (before any translation). Addresses and id in network byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Frag4Key {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub id_be: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(size_of::<Frag4Key>() == 12);
+const _: () = assert!(offset_of!(Frag4Key, id_be) == 8);
+const _: () = assert!(offset_of!(Frag4Key, proto) == 10);
+
+/// The L4 ports of a fragmented datagram, from its first fragment (network
+/// byte order), so that later fragments follow the same flow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Frag4Ports {
+    pub sport_be: u16,
+    pub dport_be: u16,
+}
+const _: () = assert!(size_of::<Frag4Ports>() == 4);
+
+/// Data of a source-range LPM key: the frontend's reverse-NAT id, then the
+/// client prefix. The LPM prefix length counts 32 bits for `rev_nat_id` and
+/// `_pad`, plus the CIDR's length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SourceRange4 {
+    /// Big-endian, so that the LPM trie compares it bytewise like an address.
+    pub rev_nat_id_be: u16,
+    pub _pad: u16,
+    pub addr_be: u32,
+}
+const _: () = assert!(size_of::<SourceRange4>() == 8);
+const _: () = assert!(offset_of!(SourceRange4, addr_be) == 4);
+
+/// Bits of a [`SourceRange4`] key before the address.
+pub const SOURCE_RANGE_ID_BITS: u32 = 32;
 
 /// Datapath configuration, one entry at index 0 of the config map.
 #[repr(C)]
@@ -302,9 +441,14 @@ pub struct Config {
     /// Must equal [`MAP_LAYOUT_VERSION`]; the datapath passes everything while it
     /// does not (an agent has not configured it yet).
     pub layout_version: u32,
+    /// The node's address, network byte order: the source given to external
+    /// traffic sent to a backend on another node. 0 disables that SNAT.
+    pub node_addr_be: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<Config>() == 24);
+const _: () = assert!(size_of::<Config>() == 32);
 const _: () = assert!(offset_of!(Config, layout_version) == 20);
+const _: () = assert!(offset_of!(Config, node_addr_be) == 24);
 
 impl Default for Config {
     /// Conntrack timeouts follow Cilium's defaults (SYN 60 s, established 6 h,
@@ -317,6 +461,8 @@ impl Default for Config {
             ct_tcp_closing_s: 10,
             ct_udp_s: 60,
             layout_version: MAP_LAYOUT_VERSION,
+            node_addr_be: 0,
+            _pad: 0,
         }
     }
 }
@@ -324,6 +470,10 @@ impl Default for Config {
 impl Config {
     pub const fn with_hairpin_addr(mut self, addr: Ipv4Addr) -> Self {
         self.hairpin_addr_be = u32::from_ne_bytes(addr.octets());
+        self
+    }
+    pub const fn with_node_addr(mut self, addr: Ipv4Addr) -> Self {
+        self.node_addr_be = u32::from_ne_bytes(addr.octets());
         self
     }
 }
@@ -364,8 +514,8 @@ pub mod stat {
     pub const DROP_NO_LOCAL_BACKEND: u32 = 7;
     /// A packet for a frontend too short for its headers: dropped.
     pub const DROP_MALFORMED: u32 = 8;
-    /// A fragment (IPv4 MF set or offset ≠ 0): passed untouched; the datapath
-    /// does not reassemble.
+    /// A later IPv4 fragment whose first fragment was not seen (or whose flow is
+    /// not tracked): passed untouched; the datapath does not reassemble.
     pub const PASS_FRAGMENT: u32 = 9;
     /// A slot points to a backend id missing from the backends map: dropped.
     pub const DROP_NO_BACKEND_ENTRY: u32 = 10;
@@ -394,9 +544,25 @@ pub mod stat {
     /// An IPv4 header or L4 ports that cannot be read (truncated, bad version
     /// or header length), not for a frontend: passed untouched; the stack drops it.
     pub const PASS_MALFORMED: u32 = 21;
+    /// A new flow went to the backend its client's session affinity names.
+    pub const AFFINITY_HIT: u32 = 22;
+    /// A new flow's backend-side tuple was taken by another live flow (two
+    /// frontends sharing a backend, same client address and port): the source
+    /// port was rewritten (field bug C6).
+    pub const SNAT_PORT_COLLISION: u32 = 23;
+    /// Such a collision, and no free port was found in a few tries: dropped.
+    pub const DROP_NO_FREE_PORT: u32 = 24;
+    /// A first IPv4 fragment: its ports were recorded for the fragments that follow.
+    pub const FRAGMENT_TRACKED: u32 = 25;
+    /// A new flow to a load-balancer frontend from outside its
+    /// `loadBalancerSourceRanges`: dropped.
+    pub const DROP_SOURCE_RANGE: u32 = 26;
+    /// External traffic to a backend on another node: source SNATed to the
+    /// node's address (`externalTrafficPolicy: Cluster`).
+    pub const SNAT_NODE: u32 = 27;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 22] = [
+    pub const NAMES: [&str; 28] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -419,6 +585,12 @@ pub mod stat {
         "pass_unconfigured",
         "pass_other_proto",
         "pass_malformed",
+        "affinity_hit",
+        "snat_port_collision",
+        "drop_no_free_port",
+        "fragment_tracked",
+        "drop_source_range",
+        "snat_node",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }
@@ -436,4 +608,9 @@ mod user {
     unsafe impl aya::Pod for Ct4Value {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for Iface {}
+    unsafe impl aya::Pod for Affinity4Key {}
+    unsafe impl aya::Pod for Affinity4Value {}
+    unsafe impl aya::Pod for Frag4Key {}
+    unsafe impl aya::Pod for Frag4Ports {}
+    unsafe impl aya::Pod for SourceRange4 {}
 }

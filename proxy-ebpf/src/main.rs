@@ -27,7 +27,7 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK,
         TC_ACT_SHOT,
     },
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     helpers::{
         bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
         bpf_redirect_peer, bpf_skb_change_tail,
@@ -36,9 +36,10 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    capacity, ct_dir, ct_flags, iface_flags, stat, svc_flags, Backend4, Config, Ct4Key, Ct4Value,
-    Iface, RevNat4, Svc4Key, Svc4Value, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP,
-    MAP_LAYOUT_VERSION, SCOPE_INTERNAL,
+    backend_state, capacity, ct_dir, ct_flags, iface_flags, stat, svc_flags, Affinity4Key,
+    Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key, Frag4Ports, Iface, RevNat4,
+    SourceRange4, Svc4Key, Svc4Value, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 #[btf_map]
@@ -48,14 +49,22 @@ static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> = Ha
 #[btf_map]
 static REVNAT4_V1: HashMap<u16, RevNat4, { capacity::REV_NAT as usize }> = HashMap::new();
 #[btf_map]
-static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> =
-    LruHashMap::new();
+static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> = LruHashMap::new();
 #[btf_map]
 static STATS_V1: PerCpuArray<u64, { capacity::STATS as usize }> = PerCpuArray::new();
 #[btf_map]
 static CONFIG_V1: Array<Config, 1> = Array::new();
 #[btf_map]
 static IFACE_V1: HashMap<u32, Iface, { capacity::IFACES as usize }> = HashMap::new();
+#[btf_map]
+static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
+#[btf_map]
+static SRCRANGE4_V1: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+#[btf_map]
+static AFFINITY4_V1: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
+    LruHashMap::new();
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -65,6 +74,8 @@ const IP_TTL_OFF: usize = ETH_HLEN + 8;
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
 const IP_DST_OFF: usize = ETH_HLEN + 16;
 const NSEC_PER_SEC: u64 = 1_000_000_000;
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET: u16 = 0x1fff;
 
 /// The fixed 20 bytes of an IPv4 header, as in the packet.
 #[repr(C)]
@@ -94,6 +105,9 @@ struct Packet {
     dport_be: u16,
     tot_len: u16,
     tcp_flags: u8,
+    /// False for a non-first IPv4 fragment: it carries no L4 header; its ports
+    /// come from the fragment map, and only addresses are rewritten.
+    l4_present: bool,
 }
 
 const TCP_FIN: u8 = 0x01;
@@ -112,9 +126,34 @@ fn count(code: u32) {
 /// A verdict and the counter it is recorded under.
 type Verdict = (i32, u32);
 
+/// Not a tc action: "translated, now deliver it", returned by the translation
+/// paths so that `deliver` runs from the program's top frame (the verifier
+/// limits the combined stack of nested calls).
+const DELIVER: i32 = -1;
+
+#[inline(always)]
+fn then_deliver(ctx: &TcContext, pkt: &Packet, r: Result<Verdict, u32>) -> Result<Verdict, u32> {
+    match r {
+        Ok((DELIVER, code)) => Ok(deliver(ctx, pkt, code)),
+        other => other,
+    }
+}
+
 #[classifier]
 pub fn pod_ingress(ctx: TcContext) -> i32 {
-    let (action, code) = match try_pod_ingress(&ctx) {
+    finish(try_pod_ingress(&ctx))
+}
+
+/// tc ingress of the node's external devices: replies from backends on other
+/// nodes get their reverse NAT here, the first hook they meet on this node.
+#[classifier]
+pub fn ext_ingress(ctx: TcContext) -> i32 {
+    finish(try_ext_ingress(&ctx))
+}
+
+#[inline(always)]
+fn finish(r: Result<Verdict, u32>) -> i32 {
+    let (action, code) = match r {
         Ok(v) => v,
         Err(code) => (TC_ACT_SHOT as i32, code),
     };
@@ -122,33 +161,66 @@ pub fn pod_ingress(ctx: TcContext) -> i32 {
     action
 }
 
-fn try_pod_ingress(ctx: &TcContext) -> Result<Verdict, u32> {
+/// Parses Ethernet / IPv4 / TCP-UDP ports. `Err(verdict)` for packets that are
+/// passed untouched before any lookup.
+fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
     let pass = TC_ACT_OK as i32;
     let Ok(h_proto) = ctx.load::<u16>(12) else {
-        return Ok((pass, stat::PASS_NOT_IPV4));
+        return Err((pass, stat::PASS_NOT_IPV4));
     };
     if u16::from_be(h_proto) != ETH_P_IP {
-        return Ok((pass, stat::PASS_NOT_IPV4));
+        return Err((pass, stat::PASS_NOT_IPV4));
     }
     let Ok(ip) = ctx.load::<Ipv4Hdr>(ETH_HLEN) else {
-        return Ok((pass, stat::PASS_MALFORMED));
+        return Err((pass, stat::PASS_MALFORMED));
     };
     let ihl = (ip.ver_ihl & 0x0f) as usize * 4;
     if ip.ver_ihl >> 4 != 4 || ihl < 20 {
-        return Ok((pass, stat::PASS_MALFORMED));
+        return Err((pass, stat::PASS_MALFORMED));
     }
     if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
-        return Ok((pass, stat::PASS_OTHER_PROTO));
-    }
-    if u16::from_be(ip.frag_off_be) & 0x3fff != 0 {
-        return Ok((pass, stat::PASS_FRAGMENT));
+        return Err((pass, stat::PASS_OTHER_PROTO));
     }
     let l4_off = ETH_HLEN + ihl;
-    let Ok(ports) = ctx.load::<[u16; 2]>(l4_off) else {
-        return Ok((pass, stat::PASS_MALFORMED));
+    let frag = u16::from_be(ip.frag_off_be);
+    let fkey = Frag4Key {
+        saddr_be: ip.saddr_be,
+        daddr_be: ip.daddr_be,
+        id_be: ip.id_be,
+        proto: ip.proto,
+        _pad: 0,
     };
-    let (csum_off, l4_min) = if ip.proto == IPPROTO_TCP { (16, 20) } else { (6, 8) };
-    let mut pkt = Packet {
+    let mut l4_present = true;
+    let ports = if frag & IP_OFFSET != 0 {
+        // A later fragment: its ports are those its first fragment carried.
+        let Some(p) = FRAG4_V1.get_ptr(fkey) else {
+            return Err((pass, stat::PASS_FRAGMENT));
+        };
+        l4_present = false;
+        // SAFETY: map value pointer, copied.
+        let p = unsafe { *p };
+        [p.sport_be, p.dport_be]
+    } else {
+        let Ok(ports) = ctx.load::<[u16; 2]>(l4_off) else {
+            return Err((pass, stat::PASS_MALFORMED));
+        };
+        if frag & IP_MF != 0 {
+            // A first fragment: remember its ports for the ones that follow.
+            let v = Frag4Ports {
+                sport_be: ports[0],
+                dport_be: ports[1],
+            };
+            let _ = FRAG4_V1.insert(fkey, v, BPF_ANY as u64);
+            count(stat::FRAGMENT_TRACKED);
+        }
+        ports
+    };
+    let (csum_off, l4_min) = if ip.proto == IPPROTO_TCP {
+        (16, 20)
+    } else {
+        (6, 8)
+    };
+    let pkt = Packet {
         l4_off,
         csum_off: l4_off + csum_off,
         proto: ip.proto,
@@ -158,65 +230,104 @@ fn try_pod_ingress(ctx: &TcContext) -> Result<Verdict, u32> {
         dport_be: ports[1],
         tot_len: u16::from_be(ip.tot_len_be),
         tcp_flags: 0,
+        l4_present,
     };
+    Ok((pkt, ip, if l4_present { l4_off + l4_min } else { l4_off }))
+}
 
+fn try_ext_ingress(ctx: &TcContext) -> Result<Verdict, u32> {
+    service_entry(ctx, SCOPE_EXTERNAL)
+}
+
+/// The reply direction of a tracked flow: reverse NAT (source back to the
+/// frontend; for hairpin and port-SNAT flows the destination back to the
+/// client), then delivery. `None` when the packet is no such reply.
+fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Option<Result<Verdict, u32>> {
+    let rkey = Ct4Key {
+        saddr_be: pkt.saddr_be,
+        daddr_be: pkt.daddr_be,
+        sport_be: pkt.sport_be,
+        dport_be: pkt.dport_be,
+        proto: pkt.proto,
+        dir: ct_dir::REPLY,
+        _pad: [0; 2],
+    };
+    let ct = CT4_V1.get_ptr(rkey)?;
+    if !l4_complete {
+        return Some(Ok((TC_ACT_OK as i32, stat::PASS_MALFORMED)));
+    }
+    // SAFETY: a map value pointer, read once into a copy.
+    let ct = unsafe { *ct };
+    // The frontend is gone: nothing to translate back to.
+    let rev = REVNAT4_V1.get_ptr(ct.rev_nat_id)?;
+    // SAFETY: as above.
+    let rev = unsafe { *rev };
+    Some(reverse_nat(ctx, pkt, &ct, &rev))
+}
+
+fn reverse_nat(
+    ctx: &TcContext,
+    pkt: &mut Packet,
+    ct: &Ct4Value,
+    rev: &RevNat4,
+) -> Result<Verdict, u32> {
+    rewrite_src(ctx, pkt, rev.addr_be, rev.port_be)?;
+    if ct.flags & ct_flags::SNAT_ADDR != 0 {
+        rewrite_daddr(ctx, pkt, ct.nat_addr_be)?;
+    }
+    if ct.flags & ct_flags::SNAT_PORT != 0 {
+        rewrite_dport(ctx, pkt, ct.nat_port_be)?;
+    }
+    Ok((DELIVER, stat::FWD_REPLY))
+}
+
+fn try_pod_ingress(ctx: &TcContext) -> Result<Verdict, u32> {
+    service_entry(ctx, SCOPE_INTERNAL)
+}
+
+/// Both programs: a frontend of `scope` (internal from pods, external from the
+/// node's devices) is translated; otherwise a reply of a tracked flow is
+/// reverse-translated; anything else passes untouched.
+#[inline(always)]
+fn service_entry(ctx: &TcContext, scope: u8) -> Result<Verdict, u32> {
+    let pass = TC_ACT_OK as i32;
+    let (mut pkt, ip, l4_end) = match parse(ctx) {
+        Ok(p) => p,
+        Err(v) => return Ok(v),
+    };
     let fe_key = Svc4Key {
         addr_be: pkt.daddr_be,
         port_be: pkt.dport_be,
         slot: 0,
         proto: pkt.proto,
-        scope: SCOPE_INTERNAL,
+        scope,
         _pad: [0; 2],
     };
     let frontend = SVC4_V1.get_ptr(fe_key);
-    let l4_complete = (ctx.len() as usize) >= l4_off + l4_min;
-    if frontend.is_none() {
+    let l4_complete = ctx.len() as usize >= l4_end;
+    let Some(frontend) = frontend else {
         // Not for a frontend: perhaps a reply of a tracked flow.
-        let rkey = Ct4Key {
-            saddr_be: pkt.saddr_be,
-            daddr_be: pkt.daddr_be,
-            sport_be: pkt.sport_be,
-            dport_be: pkt.dport_be,
-            proto: pkt.proto,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
+        let r = match reply(ctx, &mut pkt, l4_complete) {
+            Some(r) => r,
+            None => Ok((pass, stat::PASS_NO_SERVICE)),
         };
-        let Some(ct) = CT4_V1.get_ptr(rkey) else {
-            return Ok((pass, stat::PASS_NO_SERVICE));
-        };
-        if !l4_complete {
-            return Ok((pass, stat::PASS_MALFORMED));
-        }
-        // SAFETY: a map value pointer, read once into a copy.
-        let ct = unsafe { *ct };
-        let Some(rev) = REVNAT4_V1.get_ptr(ct.rev_nat_id) else {
-            // The frontend is gone: nothing to translate back to.
-            return Ok((pass, stat::PASS_NO_SERVICE));
-        };
-        // SAFETY: as above.
-        let rev = unsafe { *rev };
-        rewrite_src(ctx, &mut pkt, rev.addr_be, rev.port_be)?;
-        if ct.flags & ct_flags::HAIRPIN != 0 {
-            rewrite_daddr(ctx, &mut pkt, ct.nat_addr_be)?;
-        }
-        return Ok(deliver(ctx, &pkt, stat::FWD_REPLY));
-    }
+        return then_deliver(ctx, &pkt, r);
+    };
     if !l4_complete {
         return Err(stat::DROP_MALFORMED);
     }
-    let Some(cfg) = CONFIG_V1.get(0) else {
-        return Ok((pass, stat::PASS_UNCONFIGURED));
-    };
-    if cfg.layout_version != MAP_LAYOUT_VERSION {
-        return Ok((pass, stat::PASS_UNCONFIGURED));
-    }
-    if pkt.proto == IPPROTO_TCP {
+    if pkt.proto == IPPROTO_TCP && pkt.l4_present {
         // Byte 13 of the TCP header holds the flags.
-        pkt.tcp_flags = ctx.load::<u8>(l4_off + 13).map_err(|_| stat::DROP_MALFORMED)?;
+        pkt.tcp_flags = ctx
+            .load::<u8>(pkt.l4_off + 13)
+            .map_err(|_| stat::DROP_MALFORMED)?;
     }
     // SAFETY: a map value pointer, read once into a copy.
-    let fe = unsafe { *frontend.unwrap_unchecked() };
-    service(ctx, &mut pkt, &fe_key, &fe, cfg, &ip)
+    let fe = unsafe { *frontend };
+    match service(ctx, &mut pkt, &fe, scope) {
+        Err(stat::REJECT_NO_BACKEND) => reject(ctx, &ip),
+        other => then_deliver(ctx, &pkt, other),
+    }
 }
 
 fn ct_timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
@@ -244,14 +355,187 @@ fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
     f
 }
 
-fn service(
-    ctx: &TcContext,
-    pkt: &mut Packet,
+/// The state of one flow as the forward path needs it.
+#[derive(Clone, Copy)]
+struct Flow {
+    backend_id: u32,
+    backend: Backend4,
+    /// [`ct_flags`] of the SERVICE entry.
+    flags: u16,
+    /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
+    nat_addr_be: u32,
+    /// With [`ct_flags::SNAT_PORT`]: the source port the backend sees.
+    nat_port_be: u16,
+}
+
+#[inline(always)]
+fn ct_alive(cfg: &Config, proto: u8, v: &Ct4Value, now: u64) -> bool {
+    now.saturating_sub(v.last_seen_ns) <= ct_timeout_ns(cfg, proto, v.flags)
+}
+
+fn backend(id: u32) -> Option<Backend4> {
+    // SAFETY: map value pointer, copied.
+    BACKEND4_V1.get_ptr(id).map(|b| unsafe { *b })
+}
+
+/// Whether the backend-side tuple `rkey` belongs to another live flow: one of
+/// another frontend (two frontends sharing a backend, hit from the same client
+/// address and port — field bug C6) whose SERVICE entry is still alive.
+fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64) -> bool {
+    let Some(e) = CT4_V1.get_ptr(*rkey) else {
+        return false;
+    };
+    // SAFETY: map value pointer, copied.
+    let e = unsafe { *e };
+    if e.rev_nat_id == rev_nat_id {
+        // An earlier flow of the same frontend on the same tuple: reused.
+        return false;
+    }
+    let Some(rev) = REVNAT4_V1.get_ptr(e.rev_nat_id) else {
+        return false;
+    };
+    // SAFETY: map value pointer, copied.
+    let rev = unsafe { *rev };
+    let client = if e.flags & ct_flags::HAIRPIN != 0 {
+        e.nat_addr_be
+    } else {
+        rkey.daddr_be
+    };
+    let cport = if e.flags & ct_flags::SNAT_PORT != 0 {
+        e.nat_port_be
+    } else {
+        rkey.dport_be
+    };
+    let okey = Ct4Key {
+        saddr_be: client,
+        daddr_be: rev.addr_be,
+        sport_be: cport,
+        dport_be: rev.port_be,
+        proto: rkey.proto,
+        dir: ct_dir::SERVICE,
+        _pad: [0; 2],
+    };
+    match CT4_V1.get_ptr(okey) {
+        // SAFETY: map value pointer, copied.
+        Some(o) => {
+            let o = unsafe { *o };
+            o.backend_id == e.backend_id && ct_alive(cfg, rkey.proto, &o, now)
+        }
+        None => false,
+    }
+}
+
+/// Picks a backend for a new flow: the client's session affinity when it is
+/// still valid, else a random slot. `Err` when there is none to pick.
+/// `Err(Err(REJECT_NO_BACKEND))` asks the caller to reject.
+fn select(
+    pkt: &Packet,
     fe_key: &Svc4Key,
     fe: &Svc4Value,
-    cfg: &Config,
-    ip: &Ipv4Hdr,
-) -> Result<Verdict, u32> {
+    now: u64,
+) -> Result<(u32, Backend4), Result<Verdict, u32>> {
+    if fe.count == 0 {
+        if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
+            return Err(Err(stat::DROP_NO_LOCAL_BACKEND));
+        }
+        // Answered by the caller, outside this call chain (stack depth).
+        return Err(Err(stat::REJECT_NO_BACKEND));
+    }
+    let akey = Affinity4Key {
+        client_be: pkt.saddr_be,
+        rev_nat_id: fe.rev_nat_id,
+        _pad: 0,
+    };
+    let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
+    if timeout_ns != 0 {
+        if let Some(a) = AFFINITY4_V1.get_ptr_mut(akey) {
+            // SAFETY: LRU value pointer; fields read and written individually.
+            let a = unsafe { &mut *a };
+            if now.saturating_sub(a.last_used_ns) <= timeout_ns {
+                if let Some(b) = backend(a.backend_id) {
+                    // Refreshed by each new connection, as kube-proxy's
+                    // `recent --set` does; conntrack never extends it.
+                    a.last_used_ns = now;
+                    count(stat::AFFINITY_HIT);
+                    return Ok((a.backend_id, b));
+                }
+            }
+        }
+    }
+    // SAFETY: helper without arguments.
+    let r = unsafe { bpf_get_prandom_u32() };
+    let slot = (r % fe.count as u32) as u16 + 1;
+    let Some(sv) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
+        return Err(Err(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    // SAFETY: map value pointer, copied.
+    let id = unsafe { (*sv).backend_id };
+    let Some(b) = backend(id) else {
+        return Err(Err(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    if timeout_ns != 0 {
+        let av = Affinity4Value {
+            backend_id: id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        let _ = AFFINITY4_V1.insert(akey, av, BPF_ANY as u64);
+    }
+    Ok((id, b))
+}
+
+const NAT_PORT_MIN: u32 = 32768;
+const NAT_PORT_RANGE: u32 = 65536 - NAT_PORT_MIN;
+const NAT_PORT_TRIES: u32 = 4;
+
+/// A free source port for a flow whose backend-side tuple is `rkey`: a few
+/// random tries in [`NAT_PORT_MIN`, 65535]; `None` when all were taken.
+fn free_nat_port(rkey: &mut Ct4Key) -> Option<u16> {
+    for _ in 0..NAT_PORT_TRIES {
+        // SAFETY: helper without arguments.
+        let r = unsafe { bpf_get_prandom_u32() };
+        let port_be = ((NAT_PORT_MIN + r % NAT_PORT_RANGE) as u16).to_be();
+        rkey.dport_be = port_be;
+        if CT4_V1.get_ptr(*rkey).is_none() {
+            return Some(port_be);
+        }
+    }
+    None
+}
+
+/// Whether a client in `addr_be` may open flows to the frontend with
+/// `rev_nat_id` (its `loadBalancerSourceRanges`).
+fn source_allowed(rev_nat_id: u16, addr_be: u32) -> bool {
+    let key = LpmKey {
+        prefix_len: SOURCE_RANGE_ID_BITS + 32,
+        data: SourceRange4 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be,
+        },
+    };
+    SRCRANGE4_V1.get(&key).is_some()
+}
+
+/// Translates a packet for frontend `fe`. `external`: it arrived on an
+/// external device (NodePort, load-balancer IP, externalIP from outside).
+/// (At most five arguments, the sret pointer included: a BPF call limit.)
+fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Result<Verdict, u32> {
+    let Some(cfg) = CONFIG_V1.get(0) else {
+        return Ok((TC_ACT_OK as i32, stat::PASS_UNCONFIGURED));
+    };
+    if cfg.layout_version != MAP_LAYOUT_VERSION {
+        return Ok((TC_ACT_OK as i32, stat::PASS_UNCONFIGURED));
+    }
+    let external = scope == SCOPE_EXTERNAL;
+    let fe_key = &Svc4Key {
+        addr_be: pkt.daddr_be,
+        port_be: pkt.dport_be,
+        slot: 0,
+        proto: pkt.proto,
+        scope,
+        _pad: [0; 2],
+    };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let skey = Ct4Key {
@@ -263,110 +547,176 @@ fn service(
         dir: ct_dir::SERVICE,
         _pad: [0; 2],
     };
+    let client_be = pkt.saddr_be;
+    let client_port_be = pkt.sport_be;
 
     // 1. Conntrack first: a tracked flow keeps its backend while it exists.
-    let mut chosen: Option<(u32, Backend4, u16)> = None;
+    let mut tracked: Option<Flow> = None;
     if let Some(ct) = CT4_V1.get_ptr_mut(skey) {
         // SAFETY: LRU value pointer; fields are read and written individually.
         let c = unsafe { &mut *ct };
-        let alive = now.saturating_sub(c.last_seen_ns) <= ct_timeout_ns(cfg, pkt.proto, c.flags);
-        if alive {
-            if let Some(b) = BACKEND4_V1.get_ptr(c.backend_id) {
-                let flags = if pkt.proto == IPPROTO_TCP { tcp_state(c.flags, pkt.tcp_flags) } else { c.flags };
+        if ct_alive(cfg, pkt.proto, c, now) {
+            if let Some(b) = backend(c.backend_id) {
+                let flags = if pkt.proto == IPPROTO_TCP && pkt.l4_present {
+                    tcp_state(c.flags, pkt.tcp_flags)
+                } else {
+                    c.flags
+                };
                 if flags != c.flags || now.saturating_sub(c.last_seen_ns) > NSEC_PER_SEC {
                     c.flags = flags;
                     c.last_seen_ns = now;
                 }
-                // SAFETY: map value pointer, copied.
-                chosen = Some((c.backend_id, unsafe { *b }, c.flags));
+                tracked = Some(Flow {
+                    backend_id: c.backend_id,
+                    backend: b,
+                    flags: c.flags,
+                    nat_addr_be: c.nat_addr_be,
+                    nat_port_be: c.nat_port_be,
+                });
             }
         }
     }
-    let established = chosen.is_some();
+    let established = tracked.is_some();
 
-    // 2. No tracked flow: pick a backend (or reject / drop when there is none).
-    let (backend_id, backend, state) = match chosen {
-        Some(c) => c,
-        None => {
-            if fe.count == 0 {
-                if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
-                    return Err(stat::DROP_NO_LOCAL_BACKEND);
-                }
-                return reject(ctx, ip);
-            }
-            // SAFETY: helper without arguments.
-            let r = unsafe { bpf_get_prandom_u32() };
-            let slot = (r % fe.count as u32) as u16 + 1;
-            let Some(s) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
-                return Err(stat::DROP_NO_BACKEND_ENTRY);
-            };
-            // SAFETY: map value pointer, copied.
-            let id = unsafe { (*s).backend_id };
-            let Some(b) = BACKEND4_V1.get_ptr(id) else {
-                return Err(stat::DROP_NO_BACKEND_ENTRY);
-            };
-            let state = if pkt.proto == IPPROTO_TCP { tcp_state(0, pkt.tcp_flags) } else { 0 };
-            // SAFETY: map value pointer, copied.
-            (id, unsafe { *b }, state)
+    let flow = match tracked {
+        Some(f) => f,
+        None if !pkt.l4_present => {
+            // A later fragment of a flow that is not tracked: nothing to follow.
+            return Ok((TC_ACT_OK as i32, stat::PASS_FRAGMENT));
         }
-    };
-
-    let (backend_id, backend) = if established {
-        (backend_id, backend)
-    } else {
-        let hairpin = backend.addr_be == pkt.saddr_be && cfg.hairpin_addr_be != 0;
-        let sval = Ct4Value {
-            backend_id,
-            nat_addr_be: if hairpin { cfg.hairpin_addr_be } else { 0 },
-            rev_nat_id: fe.rev_nat_id,
-            flags: if hairpin { ct_flags::HAIRPIN } else { 0 } | state,
-            _pad: 0,
-            last_seen_ns: now,
-        };
-        // A racing first packet of the same flow on another CPU may have won:
-        // follow its choice rather than split the flow (field bug K8).
-        let mut winner = (backend_id, backend);
-        if CT4_V1.insert(skey, sval, BPF_NOEXIST as u64).is_err() {
-            let mut follow = false;
-            if let Some(w) = CT4_V1.get_ptr(skey) {
-                // SAFETY: map value pointer, copied.
-                let w = unsafe { *w };
-                let alive =
-                    now.saturating_sub(w.last_seen_ns) <= ct_timeout_ns(cfg, pkt.proto, w.flags);
-                if alive {
-                    if let Some(b) = BACKEND4_V1.get_ptr(w.backend_id) {
-                        // SAFETY: map value pointer, copied.
-                        winner = (w.backend_id, unsafe { *b });
-                        follow = true;
+        None => {
+            if external
+                && fe.flags & svc_flags::SOURCE_RANGES != 0
+                && !source_allowed(fe.rev_nat_id, client_be)
+            {
+                return Err(stat::DROP_SOURCE_RANGE);
+            }
+            // 2. A new flow: affinity or a random backend (or reject / drop).
+            let (backend_id, b) = match select(pkt, fe_key, fe, now) {
+                Ok(v) => v,
+                Err(r) => return r,
+            };
+            let mut flags = 0;
+            let mut nat_addr_be = 0;
+            if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
+                // Hairpin: the pod would drop its own address as a martian source.
+                flags |= ct_flags::SNAT_ADDR;
+                nat_addr_be = cfg.hairpin_addr_be;
+            } else if external
+                && b.state & backend_state::LOCAL == 0
+                && fe.flags & svc_flags::EXTERNAL_LOCAL == 0
+                && cfg.node_addr_be != 0
+            {
+                // externalTrafficPolicy: Cluster to another node: SNAT to this
+                // node so that the replies come back through it.
+                flags |= ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
+                nat_addr_be = cfg.node_addr_be;
+            }
+            if pkt.proto == IPPROTO_TCP {
+                flags |= tcp_state(0, pkt.tcp_flags);
+            }
+            // 3. The backend-side tuple must not belong to another live flow.
+            let mut rkey = Ct4Key {
+                saddr_be: b.addr_be,
+                daddr_be: if flags & ct_flags::SNAT_ADDR != 0 {
+                    nat_addr_be
+                } else {
+                    client_be
+                },
+                sport_be: b.port_be,
+                dport_be: client_port_be,
+                proto: pkt.proto,
+                dir: ct_dir::REPLY,
+                _pad: [0; 2],
+            };
+            let mut nat_port_be = 0;
+            if flags & ct_flags::SNAT_PORT != 0 {
+                let Some(p) = free_nat_port(&mut rkey) else {
+                    return Err(stat::DROP_NO_FREE_PORT);
+                };
+                nat_port_be = p;
+                count(stat::SNAT_NODE);
+            } else if reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
+                let Some(p) = free_nat_port(&mut rkey) else {
+                    return Err(stat::DROP_NO_FREE_PORT);
+                };
+                nat_port_be = p;
+                flags |= ct_flags::SNAT_PORT;
+                count(stat::SNAT_PORT_COLLISION);
+            }
+            let sval = Ct4Value {
+                backend_id,
+                nat_addr_be,
+                rev_nat_id: fe.rev_nat_id,
+                flags,
+                nat_port_be,
+                _pad: 0,
+                last_seen_ns: now,
+            };
+            let mine = Flow {
+                backend_id,
+                backend: b,
+                flags,
+                nat_addr_be,
+                nat_port_be,
+            };
+            // 4. A racing first packet of the same flow on another CPU may have
+            // won: follow its choice rather than split the flow (field bug K8).
+            let mut flow = mine;
+            if CT4_V1.insert(skey, sval, BPF_NOEXIST as u64).is_err() {
+                let mut follow = false;
+                if let Some(w) = CT4_V1.get_ptr(skey) {
+                    // SAFETY: map value pointer, copied.
+                    let w = unsafe { *w };
+                    if ct_alive(cfg, pkt.proto, &w, now) {
+                        if let Some(wb) = backend(w.backend_id) {
+                            flow = Flow {
+                                backend_id: w.backend_id,
+                                backend: wb,
+                                flags: w.flags,
+                                nat_addr_be: w.nat_addr_be,
+                                nat_port_be: w.nat_port_be,
+                            };
+                            follow = true;
+                        }
                     }
                 }
+                if !follow && CT4_V1.insert(skey, sval, BPF_ANY as u64).is_err() {
+                    count(stat::CT_INSERT_FAILED);
+                }
             }
-            if !follow && CT4_V1.insert(skey, sval, BPF_ANY as u64).is_err() {
-                count(stat::CT_INSERT_FAILED);
-            }
+            flow
         }
-        winner
     };
 
-    let hairpin = backend.addr_be == pkt.saddr_be && cfg.hairpin_addr_be != 0;
-    let client_be = pkt.saddr_be;
+    // 5. The reply entry: written for a new flow; written again for a tracked
+    // flow whose reply entry the LRU evicted, so replies are always translated.
+    let snat_addr = flow.flags & ct_flags::SNAT_ADDR != 0;
+    let snat_port = flow.flags & ct_flags::SNAT_PORT != 0;
     let rkey = Ct4Key {
-        saddr_be: backend.addr_be,
-        daddr_be: if hairpin { cfg.hairpin_addr_be } else { client_be },
-        sport_be: backend.port_be,
-        dport_be: pkt.sport_be,
+        saddr_be: flow.backend.addr_be,
+        daddr_be: if snat_addr {
+            flow.nat_addr_be
+        } else {
+            client_be
+        },
+        sport_be: flow.backend.port_be,
+        dport_be: if snat_port {
+            flow.nat_port_be
+        } else {
+            client_port_be
+        },
         proto: pkt.proto,
         dir: ct_dir::REPLY,
         _pad: [0; 2],
     };
-    // New flows get their reply entry; tracked flows get it back if the LRU
-    // evicted it, so replies of a live flow are always translated.
     if !established || CT4_V1.get_ptr(rkey).is_none() {
         let rval = Ct4Value {
-            backend_id,
-            nat_addr_be: if hairpin { client_be } else { 0 },
+            backend_id: flow.backend_id,
+            nat_addr_be: if snat_addr { client_be } else { 0 },
             rev_nat_id: fe.rev_nat_id,
-            flags: if hairpin { ct_flags::HAIRPIN } else { 0 },
+            flags: flow.flags & (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT),
+            nat_port_be: if snat_port { client_port_be } else { 0 },
             _pad: 0,
             last_seen_ns: now,
         };
@@ -375,14 +725,24 @@ fn service(
         }
     }
 
-    rewrite_daddr(ctx, pkt, backend.addr_be)?;
-    rewrite_dport(ctx, pkt, backend.port_be)?;
-    if hairpin {
-        rewrite_saddr(ctx, pkt, cfg.hairpin_addr_be)?;
-        count(stat::HAIRPIN);
+    // 6. DNAT (and SNAT for hairpin, another node, or a port collision).
+    rewrite_daddr(ctx, pkt, flow.backend.addr_be)?;
+    rewrite_dport(ctx, pkt, flow.backend.port_be)?;
+    if snat_addr {
+        rewrite_saddr(ctx, pkt, flow.nat_addr_be)?;
+        if !external {
+            count(stat::HAIRPIN);
+        }
     }
-    let code = if established { stat::FWD_ESTABLISHED } else { stat::FWD_NEW };
-    Ok(deliver(ctx, pkt, code))
+    if snat_port {
+        rewrite_sport(ctx, pkt, flow.nat_port_be)?;
+    }
+    let code = if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    };
+    Ok((DELIVER, code))
 }
 
 fn l4_flags(pkt: &Packet) -> u64 {
@@ -398,18 +758,27 @@ fn rewrite_addr(ctx: &TcContext, pkt: &Packet, off: usize, old: u32, new: u32) -
         return Ok(());
     }
     let e = stat::DROP_REWRITE_FAILED;
-    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, BPF_F_PSEUDO_HDR as u64 | 4 | l4_flags(pkt))
+    if pkt.l4_present {
+        ctx.l4_csum_replace(
+            pkt.csum_off,
+            old as u64,
+            new as u64,
+            BPF_F_PSEUDO_HDR as u64 | 4 | l4_flags(pkt),
+        )
         .map_err(|_| e)?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4).map_err(|_| e)?;
+    }
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
+        .map_err(|_| e)?;
     ctx.store(off, &new, 0).map_err(|_| e)
 }
 
 fn rewrite_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Result<(), u32> {
-    if old == new {
+    if old == new || !pkt.l4_present {
         return Ok(());
     }
     let e = stat::DROP_REWRITE_FAILED;
-    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt)).map_err(|_| e)?;
+    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
+        .map_err(|_| e)?;
     ctx.store(off, &new, 0).map_err(|_| e)
 }
 
@@ -431,11 +800,15 @@ fn rewrite_dport(ctx: &TcContext, pkt: &mut Packet, port_be: u16) -> Result<(), 
     Ok(())
 }
 
-fn rewrite_src(ctx: &TcContext, pkt: &mut Packet, addr_be: u32, port_be: u16) -> Result<(), u32> {
-    rewrite_saddr(ctx, pkt, addr_be)?;
+fn rewrite_sport(ctx: &TcContext, pkt: &mut Packet, port_be: u16) -> Result<(), u32> {
     rewrite_port(ctx, pkt, pkt.l4_off, pkt.sport_be, port_be)?;
     pkt.sport_be = port_be;
     Ok(())
+}
+
+fn rewrite_src(ctx: &TcContext, pkt: &mut Packet, addr_be: u32, port_be: u16) -> Result<(), u32> {
+    rewrite_saddr(ctx, pkt, addr_be)?;
+    rewrite_sport(ctx, pkt, port_be)
 }
 
 /// Delivers a translated packet by redirect after a FIB lookup, so that it does
@@ -456,7 +829,12 @@ fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> Verdict {
     p.__bindgen_anon_4.ipv4_dst = pkt.daddr_be;
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe {
-        bpf_fib_lookup(ctx.skb.skb as *mut _, &mut p, size_of::<FibParams>() as i32, 0)
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            &mut p,
+            size_of::<FibParams>() as i32,
+            0,
+        )
     } as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
@@ -471,15 +849,22 @@ fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> Verdict {
     let new = [ttl_proto[0] - 1, ttl_proto[1]];
     let old_w = u16::from_ne_bytes(ttl_proto) as u64;
     let new_w = u16::from_ne_bytes(new) as u64;
-    if ctx.l3_csum_replace(IP_CSUM_OFF, old_w, new_w, 2).is_err() || ctx.store(IP_TTL_OFF, &new, 0).is_err() {
+    if ctx.l3_csum_replace(IP_CSUM_OFF, old_w, new_w, 2).is_err()
+        || ctx.store(IP_TTL_OFF, &new, 0).is_err()
+    {
         return (TC_ACT_SHOT as i32, stat::DROP_REWRITE_FAILED);
     }
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        let mut nh = bpf_redir_neigh { nh_family: AF_INET as u32, __bindgen_anon_1: unsafe { core::mem::zeroed() } };
+        let mut nh = bpf_redir_neigh {
+            nh_family: AF_INET as u32,
+            __bindgen_anon_1: unsafe { core::mem::zeroed() },
+        };
         // SAFETY: writing a plain field of a stack union.
         unsafe { nh.__bindgen_anon_1.ipv4_nh = p.__bindgen_anon_4.ipv4_dst };
         // SAFETY: nh is a stack struct of the size given.
-        let r = unsafe { bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) };
+        let r = unsafe {
+            bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
+        };
         return (r as i32, stat::REDIRECT_NEIGH);
     }
     let mut macs = [0u8; 12];
