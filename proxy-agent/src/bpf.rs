@@ -3,27 +3,51 @@
 //! implementation over those maps, and attaching the tc program to pod
 //! interfaces.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
 };
 
 use aya::{
-    maps::{Array, HashMap, MapData, MapError, PerCpuArray},
+    maps::{
+        lpm_trie::{Key as LpmKey, LpmTrie},
+        Array, HashMap, MapData, MapError, PerCpuArray,
+    },
     programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType},
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    capacity, iface_flags, map_names, stat, Backend4, Config, Ct4Key, Ct4Value, Iface, RevNat4,
-    Svc4Key, Svc4Value,
+    capacity, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key,
+    Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, SOURCE_RANGE_ID_BITS,
 };
 
-use crate::dataplane::{Dataplane, DataplaneError, Programmed};
+use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
 
 /// The kernel object built from `proxy-ebpf` by `build.rs`.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
 
 /// Name of the tc program for pod interfaces (the function name in `proxy-ebpf`).
 pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+/// Name of the tc program for the node's external devices.
+pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
+
+/// Which side of the node an interface is, and so which program it gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IfaceKind {
+    /// The host side of a pod's veth: `pod_ingress`, delivered to with
+    /// `bpf_redirect_peer`.
+    Pod,
+    /// A device towards other nodes and external clients: `ext_ingress`.
+    External,
+}
+
+impl IfaceKind {
+    pub fn program(self) -> &'static str {
+        match self {
+            IfaceKind::Pod => POD_INGRESS_PROGRAM,
+            IfaceKind::External => EXT_INGRESS_PROGRAM,
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
@@ -112,21 +136,18 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
         .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
         .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    let prog: &mut SchedClassifier = ebpf
-        .program_mut(POD_INGRESS_PROGRAM)
-        .ok_or(BpfError::Program {
-            name: POD_INGRESS_PROGRAM,
-            source: aya::programs::ProgramError::UnexpectedProgramType,
-        })?
-        .try_into()
-        .map_err(|source| BpfError::Program {
-            name: POD_INGRESS_PROGRAM,
-            source,
-        })?;
-    prog.load().map_err(|source| BpfError::Program {
-        name: POD_INGRESS_PROGRAM,
-        source,
-    })?;
+    for name in [POD_INGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?
+            .try_into()
+            .map_err(|source| BpfError::Program { name, source })?;
+        prog.load()
+            .map_err(|source| BpfError::Program { name, source })?;
+    }
     Ok(Loaded {
         ebpf,
         pin_dir: pin_dir.to_owned(),
@@ -147,7 +168,20 @@ pub struct BpfDataplane {
     backends: HashMap<MapData, u32, Backend4>,
     rev_nat: HashMap<MapData, u16, RevNat4>,
     config: Array<MapData, Config>,
+    affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
+    source_ranges: LpmTrie<MapData, SourceRange4, u8>,
     sizes: MapSizes,
+}
+
+fn source_range_key(rev_nat_id: u16, (addr, len): SourceRange) -> LpmKey<SourceRange4> {
+    LpmKey::new(
+        SOURCE_RANGE_ID_BITS + u32::from(len.min(32)),
+        SourceRange4 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be: u32::from_ne_bytes(addr.octets()),
+        },
+    )
 }
 
 impl BpfDataplane {
@@ -161,6 +195,10 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::REV_NAT))?,
             config: Array::try_from(take_map(ebpf, map_names::CONFIG)?)
                 .map_err(map_err(map_names::CONFIG))?,
+            affinity: HashMap::try_from(take_map(ebpf, map_names::AFFINITY)?)
+                .map_err(map_err(map_names::AFFINITY))?,
+            source_ranges: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES)?)
+                .map_err(map_err(map_names::SOURCE_RANGES))?,
             sizes,
         })
     }
@@ -231,6 +269,47 @@ impl Dataplane for BpfDataplane {
         ignore_missing(self.rev_nat.remove(&id))
             .map_err(|e| op_err(map_names::REV_NAT, "delete", cap, e))
     }
+    fn prune_affinity(
+        &mut self,
+        rev_nat_id: u16,
+        keep: &BTreeSet<u32>,
+    ) -> Result<usize, DataplaneError> {
+        let stale: Vec<Affinity4Key> = self
+            .affinity
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| k.rev_nat_id == rev_nat_id && !keep.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &stale {
+            let cap = capacity::AFFINITY;
+            ignore_missing(self.affinity.remove(k))
+                .map_err(|e| op_err(map_names::AFFINITY, "delete", cap, e))?;
+        }
+        Ok(stale.len())
+    }
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        let cap = capacity::SOURCE_RANGES;
+        self.source_ranges
+            .insert(&source_range_key(rev_nat_id, range), 1, 0)
+            .map_err(|e| op_err(map_names::SOURCE_RANGES, "insert", cap, e))
+    }
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        let cap = capacity::SOURCE_RANGES;
+        ignore_missing(
+            self.source_ranges
+                .remove(&source_range_key(rev_nat_id, range)),
+        )
+        .map_err(|e| op_err(map_names::SOURCE_RANGES, "delete", cap, e))
+    }
     fn dump(&self) -> Result<Programmed, DataplaneError> {
         let d = |map: &'static str| {
             move |e: MapError| DataplaneError::Op {
@@ -251,6 +330,16 @@ impl Dataplane for BpfDataplane {
         for kv in self.rev_nat.iter() {
             let (k, v) = kv.map_err(d(map_names::REV_NAT))?;
             p.rev_nat.insert(k, v);
+        }
+        for k in self.source_ranges.keys() {
+            let k = k.map_err(d(map_names::SOURCE_RANGES))?;
+            let data = k.data();
+            let len = k.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+            let o = data.addr_be.to_ne_bytes();
+            p.source_ranges
+                .entry(u16::from_be(data.rev_nat_id_be))
+                .or_default()
+                .insert((std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3]), len));
         }
         Ok(p)
     }
@@ -330,7 +419,7 @@ impl PinnedMaps {
 pub struct Attacher {
     ebpf: Ebpf,
     ifaces: HashMap<MapData, u32, Iface>,
-    links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+    links: BTreeMap<u32, (String, IfaceKind, SchedClassifierLinkId)>,
 }
 
 impl Attacher {
@@ -351,9 +440,9 @@ impl Attacher {
         })
     }
 
-    fn program(&mut self) -> &mut SchedClassifier {
+    fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
         self.ebpf
-            .program_mut(POD_INGRESS_PROGRAM)
+            .program_mut(kind.program())
             .expect("program checked at load")
             .try_into()
             .expect("program type checked at load")
@@ -363,31 +452,34 @@ impl Attacher {
         self.links.contains_key(&ifindex)
     }
 
-    /// Attaches at tc ingress (tcx) of `name`.
-    pub fn attach(&mut self, ifindex: u32, name: &str) -> Result<(), BpfError> {
+    /// Attaches the program of `kind` at tc ingress (tcx) of `name`.
+    pub fn attach(&mut self, ifindex: u32, name: &str, kind: IfaceKind) -> Result<(), BpfError> {
         let id = self
-            .program()
+            .program(kind)
             .attach(name, TcAttachType::Ingress)
             .map_err(|source| BpfError::Program {
-                name: POD_INGRESS_PROGRAM,
+                name: kind.program(),
                 source,
             })?;
-        self.links.insert(ifindex, (name.to_owned(), id));
-        self.ifaces
-            .insert(
-                ifindex,
-                Iface {
-                    flags: iface_flags::POD,
-                },
-                0,
-            )
-            .map_err(map_err(map_names::IFACES))
+        self.links.insert(ifindex, (name.to_owned(), kind, id));
+        if kind == IfaceKind::Pod {
+            self.ifaces
+                .insert(
+                    ifindex,
+                    Iface {
+                        flags: iface_flags::POD,
+                    },
+                    0,
+                )
+                .map_err(map_err(map_names::IFACES))?;
+        }
+        Ok(())
     }
 
     /// Forgets (and detaches, if it still exists) the link on `ifindex`.
     pub fn detach(&mut self, ifindex: u32) {
-        if let Some((_, id)) = self.links.remove(&ifindex) {
-            let _ = self.program().detach(id);
+        if let Some((_, kind, id)) = self.links.remove(&ifindex) {
+            let _ = self.program(kind).detach(id);
         }
         let _ = self.ifaces.remove(&ifindex);
     }
@@ -399,7 +491,7 @@ impl Attacher {
         }
     }
 
-    pub fn attached(&self) -> impl Iterator<Item = (u32, &str)> {
-        self.links.iter().map(|(i, (n, _))| (*i, n.as_str()))
+    pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
+        self.links.iter().map(|(i, (n, k, _))| (*i, n.as_str(), *k))
     }
 }

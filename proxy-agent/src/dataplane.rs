@@ -31,7 +31,12 @@ pub struct Programmed {
     pub services: BTreeMap<Svc4Key, Svc4Value>,
     pub backends: BTreeMap<u32, Backend4>,
     pub rev_nat: BTreeMap<u16, RevNat4>,
+    /// `loadBalancerSourceRanges`: reverse-NAT id → allowed client prefixes.
+    pub source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
 }
+
+/// An allowed client prefix (network address, prefix length).
+pub type SourceRange = (std::net::Ipv4Addr, u8);
 
 /// Map operations. Keys and values are the shared kernel types; ids are host
 /// order. Each operation either takes effect whole or fails.
@@ -42,6 +47,30 @@ pub trait Dataplane {
     fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
     fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
+    /// Deletes the session-affinity entries of frontend `rev_nat_id` whose
+    /// backend is not in `keep` (all of them when `keep` is empty): a client's
+    /// affinity ends when its backend leaves the frontend or affinity is
+    /// switched off. Returns how many were deleted.
+    fn prune_affinity(
+        &mut self,
+        rev_nat_id: u16,
+        keep: &BTreeSet<u32>,
+    ) -> Result<usize, DataplaneError> {
+        let _ = (rev_nat_id, keep);
+        Ok(0)
+    }
+    /// Allows clients in `range` to open flows to the frontend `rev_nat_id`
+    /// (meaningful when its slot 0 has `svc_flags::SOURCE_RANGES`).
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError>;
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError>;
     /// Reads back everything programmed (used to adopt pinned maps on start).
     fn dump(&self) -> Result<Programmed, DataplaneError>;
 }
@@ -59,6 +88,8 @@ pub enum Op {
     DeleteService(Svc4Key),
     PutRevNat(u16, RevNat4),
     DeleteRevNat(u16),
+    PutSourceRange(u16, SourceRange),
+    DeleteSourceRange(u16, SourceRange),
 }
 
 /// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
@@ -192,6 +223,35 @@ fn check_capacity<K: Ord, V>(
 }
 
 impl Dataplane for InMemory {
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map_names::SOURCE_RANGES, "put")?;
+        self.state
+            .source_ranges
+            .entry(rev_nat_id)
+            .or_default()
+            .insert(range);
+        self.record(Op::PutSourceRange(rev_nat_id, range));
+        Ok(())
+    }
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map_names::SOURCE_RANGES, "delete")?;
+        if let Some(set) = self.state.source_ranges.get_mut(&rev_nat_id) {
+            set.remove(&range);
+            if set.is_empty() {
+                self.state.source_ranges.remove(&rev_nat_id);
+            }
+        }
+        self.record(Op::DeleteSourceRange(rev_nat_id, range));
+        Ok(())
+    }
     fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
         self.injected(map_names::BACKENDS, "put")?;
         check_capacity(
@@ -559,18 +619,25 @@ impl<D: Dataplane> Writer<D> {
             report.errors.push((frontend_label(&key, fe), e));
         };
 
-        // (1) Backends.
-        let wanted: BTreeMap<BackendAddr, Backend4> = desired
-            .frontends
-            .values()
-            .flat_map(|fe| fe.backends.iter())
-            .map(|b| {
-                (
+        // (1) Backends: those in slots are active; terminating ones that flows
+        // may still use (`retained`) stay in the map without a slot.
+        let mut wanted: BTreeMap<BackendAddr, Backend4> = BTreeMap::new();
+        for fe in desired.frontends.values() {
+            for b in &fe.retained {
+                wanted.insert(
+                    *b,
+                    Backend4::new(b.addr, b.port, b.proto, backend_state::TERMINATING),
+                );
+            }
+        }
+        for fe in desired.frontends.values() {
+            for b in &fe.backends {
+                wanted.insert(
                     *b,
                     Backend4::new(b.addr, b.port, b.proto, backend_state::ACTIVE),
-                )
-            })
-            .collect();
+                );
+            }
+        }
         let referenced: BTreeSet<u32> = self
             .frontends
             .values()
@@ -776,6 +843,28 @@ impl<D: Dataplane> Writer<D> {
                 }
             }
         }
+        // Session affinity of changed frontends: a client's entry ends when its
+        // backend left the frontend, every entry when affinity is off.
+        for key in &touched {
+            let (Some(fe), Some((ids, _)), Some(id)) = (
+                desired.frontends.get(key),
+                targets.get(key),
+                self.rev_nat_ids.get(key),
+            ) else {
+                continue;
+            };
+            if failed.contains(key) {
+                continue;
+            }
+            let keep: BTreeSet<u32> = if fe.affinity_timeout_s > 0 {
+                ids.iter().copied().collect()
+            } else {
+                BTreeSet::new()
+            };
+            if let Err(e) = self.dp.prune_affinity(*id, &keep) {
+                report.errors.push((frontend_label(key, Some(fe)), e));
+            }
+        }
         report.frontends_updated = touched
             .iter()
             .filter(|k| !failed.contains(k))
@@ -860,12 +949,19 @@ impl<D: Dataplane> Writer<D> {
             }
         }
 
-        // (7) Backends no slot refers to.
-        let referenced: BTreeSet<u32> = self
+        // (7) Backends no slot refers to and no frontend retains.
+        let mut referenced: BTreeSet<u32> = self
             .frontends
             .values()
             .flat_map(|e| e.slots.values().copied())
             .collect();
+        referenced.extend(
+            desired
+                .frontends
+                .values()
+                .flat_map(|fe| fe.retained.iter())
+                .filter_map(|b| self.backend_ids.get(b).copied()),
+        );
         let unused: Vec<u32> = self
             .backends
             .keys()

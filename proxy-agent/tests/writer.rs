@@ -35,6 +35,7 @@ fn frontend(k: &FrontendKey, backends: &[u8]) -> Frontend {
         backends,
         flags: 0,
         affinity_timeout_s: 0,
+        retained: Vec::new(),
     }
 }
 
@@ -495,4 +496,41 @@ fn adopt_cleans_up_inconsistent_leftovers_at_first_sync() {
     assert!(w.dataplane().violations().is_empty());
     assert_programmed(&w, &d);
     assert!(w.sync(&d).is_noop());
+}
+
+/// C5: a terminating endpoint leaves the slots (no new flows) but stays in the
+/// backends map while it is listed, so flows that use it keep working; it is
+/// deleted only once it is gone from the endpoints.
+#[test]
+fn terminating_backends_stay_in_the_map_without_slots_c5() {
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let k = key(10, 80, IPPROTO_TCP);
+    let mut desired = DesiredState::default();
+    desired.frontends.insert(k, frontend(&k, &[1, 2]));
+    assert!(w.sync(&desired).errors.is_empty());
+    let b2 = backend(2, IPPROTO_TCP);
+    let id2 = w.backend_ids()[&b2];
+
+    // Endpoint 2 starts terminating: out of the slots, kept in the map.
+    let mut fe = frontend(&k, &[1]);
+    fe.retained = vec![b2];
+    desired.frontends.insert(k, fe);
+    assert!(w.sync(&desired).errors.is_empty());
+    assert_eq!(w.programmed_slots(&k).unwrap().len(), 1);
+    let p = w.dataplane().programmed().clone();
+    assert!(
+        p.backends.contains_key(&id2),
+        "terminating backend deleted while listed"
+    );
+    assert_eq!(
+        p.backends[&id2].state,
+        proxy_common::backend_state::TERMINATING
+    );
+    assert_eq!(w.backend_ids()[&b2], id2, "its id must not change");
+
+    // Gone from the endpoints: deleted.
+    desired.frontends.insert(k, frontend(&k, &[1]));
+    assert!(w.sync(&desired).errors.is_empty());
+    assert!(!w.dataplane().programmed().backends.contains_key(&id2));
+    assert!(w.dataplane().violations().is_empty());
 }
