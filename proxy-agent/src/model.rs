@@ -4,7 +4,9 @@
 //! The pipeline, per Service port: collect the endpoints of the Service's
 //! EndpointSlices (real ones, plus those synthesized from Pods by
 //! [`endpoint_slices_from_pods`]), deduplicate them by `ip:port`, then
-//! [`categorize`] them into the backends a frontend uses.
+//! [`categorize`] them into the backends a frontend uses, as kube-proxy's
+//! `CategorizeEndpoints` does (traffic policies, topology hints, terminating
+//! fallback).
 //!
 //! Frontends built now: every IPv4 ClusterIP × service port (scope
 //! [`SCOPE_INTERNAL`]). NodePort, externalIP and load-balancer frontends come
@@ -17,7 +19,7 @@ use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+use proxy_common::{svc_flags, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
 
 use crate::manifests::Snapshot;
 
@@ -27,6 +29,8 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label naming the proxy that must handle a Service.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Node label naming the node's zone (`v1.LabelTopologyZone`).
+pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 /// Default ClientIP session-affinity timeout (kube-proxy / API default), seconds.
 pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
@@ -80,15 +84,23 @@ pub fn proto_name(proto: u8) -> String {
 }
 
 /// What a frontend should do.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Frontend {
     /// The Service, `namespace/name`.
     pub service: String,
     /// The service port's name (empty when unnamed).
     pub port_name: String,
-    /// Sorted, without duplicates.
+    /// The backends new flows are balanced over. Sorted, without duplicates.
     pub backends: Vec<BackendAddr>,
-    /// [`proxy_common::svc_flags`] bits.
+    /// Terminating endpoints of this service port that are not in `backends`:
+    /// kept in the backends map, without a slot, so that flows already using
+    /// them keep working until they end (field bug C5). Sorted, without
+    /// duplicates, disjoint from `backends`. Endpoints that are merely not
+    /// ready (not terminating) are not retained.
+    pub retained: Vec<BackendAddr>,
+    /// [`proxy_common::svc_flags`] bits: [`svc_flags::DROP_NO_BACKEND`] when
+    /// `backends` is empty but usable endpoints exist elsewhere in the
+    /// cluster (drop, as kube-proxy does, instead of rejecting).
     pub flags: u16,
     /// ClientIP session-affinity timeout in seconds; 0 = none.
     pub affinity_timeout_s: u32,
@@ -121,9 +133,29 @@ pub struct ModelOptions {
     /// label. With `None`, every Service carrying the label is ignored (as
     /// kube-proxy does); with `Some(n)`, only those naming another proxy.
     pub service_proxy_name: Option<String>,
+    /// Feature gates, as kube-proxy's.
+    pub gates: Gates,
 }
 
-/// One endpoint of a service port, as the EndpointSlices describe it.
+/// The kube-proxy feature gates the model follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gates {
+    /// `PreferSameTrafficDistribution` (default on): node hints
+    /// (`hints.forNodes`) select endpoints.
+    pub prefer_same_traffic_distribution: bool,
+}
+
+impl Default for Gates {
+    /// Every gate at kube-proxy's default.
+    fn default() -> Self {
+        Self {
+            prefer_same_traffic_distribution: true,
+        }
+    }
+}
+
+/// One endpoint of a service port, as the EndpointSlices describe it
+/// (kube-proxy `pkg/proxy/endpointslicecache.go` `addEndpoints`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointInfo {
     pub addr: BackendAddr,
@@ -133,52 +165,285 @@ pub struct EndpointInfo {
     pub serving: bool,
     /// `conditions.terminating` (missing = false).
     pub terminating: bool,
+    /// `nodeName`; an endpoint without one is never local.
     pub node_name: Option<String>,
     pub zone: Option<String>,
+    /// `hints.forZones[].name`.
+    pub zone_hints: Vec<String>,
+    /// `hints.forNodes[].name`.
+    pub node_hints: Vec<String>,
 }
 
 impl EndpointInfo {
-    /// Whether the endpoint runs on `node`.
+    /// Whether the endpoint runs on `node`: its `nodeName` equals the node's name.
     pub fn is_local(&self, node: &str) -> bool {
         self.node_name.as_deref() == Some(node)
     }
+
+    /// Serving and terminating: usable only when nothing ready is
+    /// (kube-proxy `CategorizeEndpoints`' fallback).
+    pub fn is_serving_terminating(&self) -> bool {
+        self.serving && self.terminating
+    }
+
+    /// Usable at all: ready, or serving and terminating.
+    fn is_usable(&self) -> bool {
+        self.ready || self.is_serving_terminating()
+    }
 }
 
-/// What one service port looks like to [`categorize`]; traffic policies and
-/// topology will be added here.
-#[derive(Clone, Debug)]
-pub struct ServicePortInfo<'a> {
-    pub service: &'a str,
-    pub port_name: &'a str,
+/// A traffic policy (`internalTrafficPolicy`, `externalTrafficPolicy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TrafficPolicy {
+    /// `Cluster`, also when the field is missing or unknown.
+    #[default]
+    Cluster,
+    /// `Local`: only endpoints on this node.
+    Local,
 }
 
-/// The endpoints a service port uses.
+impl TrafficPolicy {
+    /// `Local` for `"Local"`, `Cluster` for anything else (the API default).
+    pub fn parse(policy: Option<&str>) -> Self {
+        match policy {
+            Some("Local") => Self::Local,
+            _ => Self::Cluster,
+        }
+    }
+}
+
+/// What one service port looks like to [`categorize`] (kube-proxy
+/// `pkg/proxy/serviceport.go` `BaseServicePortInfo`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServicePortInfo {
+    /// `spec.internalTrafficPolicy`.
+    pub internal_traffic_policy: TrafficPolicy,
+    /// `spec.externalTrafficPolicy`.
+    pub external_traffic_policy: TrafficPolicy,
+    /// The port has a nodePort, or the Service an IPv4 externalIP or an IPv4
+    /// VIP-mode load-balancer ingress IP (`ExternallyAccessible`).
+    pub externally_accessible: bool,
+}
+
+impl ServicePortInfo {
+    /// The port of `svc` as kube-proxy's IPv4 proxier sees it
+    /// (`newBaseServiceInfo`): `externalIPs` and load-balancer ingress IPs of
+    /// the other family do not count; a load-balancer IP counts only in
+    /// `VIP` mode (`ipMode` missing or `"VIP"`, `proxyutil.IsVIPMode`).
+    pub fn from_service(svc: &Service, port: &ServicePort) -> Self {
+        let spec = svc.spec.as_ref();
+        let is_v4 = |ip: &str| ip.parse::<Ipv4Addr>().is_ok();
+        let node_port = port.node_port.is_some_and(|p| p != 0);
+        let external_ip = spec
+            .and_then(|s| s.external_ips.as_ref())
+            .is_some_and(|ips| ips.iter().any(|ip| is_v4(ip)));
+        let lb_vip = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .is_some_and(|ingress| {
+                ingress.iter().any(|i| {
+                    i.ip.as_deref().is_some_and(is_v4)
+                        && i.ip_mode.as_deref().is_none_or(|m| m == "VIP")
+                })
+            });
+        Self {
+            internal_traffic_policy: TrafficPolicy::parse(
+                spec.and_then(|s| s.internal_traffic_policy.as_deref()),
+            ),
+            external_traffic_policy: TrafficPolicy::parse(
+                spec.and_then(|s| s.external_traffic_policy.as_deref()),
+            ),
+            externally_accessible: node_port || external_ip || lb_vip,
+        }
+    }
+
+    /// Cluster endpoints are needed when `internalTrafficPolicy` is not
+    /// `Local`, or when the port is externally accessible (even with
+    /// `externalTrafficPolicy: Local`, for short-circuited traffic from inside
+    /// the cluster). kube-proxy `BaseServicePortInfo.UsesClusterEndpoints`.
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        self.internal_traffic_policy != TrafficPolicy::Local || self.externally_accessible
+    }
+
+    /// Local endpoints are needed when `internalTrafficPolicy` is `Local`, or
+    /// `externalTrafficPolicy` is `Local` on an externally accessible port (it
+    /// is ignored otherwise). kube-proxy `BaseServicePortInfo.UsesLocalEndpoints`.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_traffic_policy == TrafficPolicy::Local
+            || (self.external_traffic_policy == TrafficPolicy::Local && self.externally_accessible)
+    }
+}
+
+/// The node the model runs for, as [`categorize`] needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeTopology<'a> {
+    /// The node's name (compared with endpoints' `nodeName` and node hints).
+    pub name: &'a str,
+    /// The node's `topology.kubernetes.io/zone` label; `None` or empty never
+    /// matches a zone hint.
+    pub zone: Option<&'a str>,
+}
+
+impl<'a> NodeTopology<'a> {
+    /// `node_name`, with its zone taken from the snapshot's Node object of
+    /// that name (label [`LABEL_TOPOLOGY_ZONE`]); no zone without one.
+    pub fn from_snapshot(snapshot: &'a Snapshot, node_name: &'a str) -> Self {
+        let zone = snapshot
+            .nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node_name))
+            .and_then(|n| n.metadata.labels.as_ref())
+            .and_then(|l| l.get(LABEL_TOPOLOGY_ZONE))
+            .map(String::as_str)
+            .filter(|z| !z.is_empty());
+        Self {
+            name: node_name,
+            zone,
+        }
+    }
+}
+
+/// The endpoints a service port uses from one node, kube-proxy's
+/// `CategorizeEndpoints` results. Every list is sorted, without duplicates
+/// (given endpoints without duplicates).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Categorized {
-    /// Backends of internal (ClusterIP) frontends; `None` = not used.
+    /// For `Cluster` traffic policies; `None` = the port does not use them.
     pub cluster: Option<Vec<BackendAddr>>,
-    /// Local backends (for `Local` traffic policies); `None` = not used.
+    /// For `Local` traffic policies; `None` = the port does not use them.
     pub local: Option<Vec<BackendAddr>>,
-    /// Whether any usable endpoint exists anywhere in the cluster.
-    pub has_any: bool,
+    /// `cluster` ∪ `local`: every endpoint some traffic may reach.
+    pub all_reachable: Vec<BackendAddr>,
+    /// Whether any usable endpoint (ready, or serving and terminating) exists
+    /// anywhere in the cluster. With an empty list in use, `true` means drop,
+    /// `false` means reject.
+    pub has_any_endpoints: bool,
 }
 
-/// Endpoint categorization. For now: every ready endpoint is a cluster
-/// backend; local endpoints, terminating fallback and topology come later.
-pub fn categorize(
-    _port: &ServicePortInfo<'_>,
+/// Topology mode of a service port's cluster endpoints (kube-proxy
+/// `topologyModeFromHints`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TopologyMode {
+    /// No filtering.
+    None,
+    /// `PreferSameNode`: endpoints hinted for this node.
+    SameNode,
+    /// `PreferSameZone`: endpoints hinted for this node's zone.
+    SameZone,
+}
+
+/// kube-proxy `pkg/proxy/topology.go` `topologyModeFromHints`: looking at
+/// ready endpoints only, node mode when the gate is on, every ready endpoint
+/// has a node hint and one is for this node; else zone mode when every ready
+/// endpoint has a zone hint and one is for this node's (non-empty) zone; else
+/// none. One unhinted ready endpoint turns the mode off.
+fn topology_mode(
     endpoints: &[EndpointInfo],
-    _node_name: &str,
-) -> Categorized {
-    let cluster: Vec<BackendAddr> = endpoints
+    node: &NodeTopology<'_>,
+    gates: &Gates,
+) -> TopologyMode {
+    let zone = node.zone.filter(|z| !z.is_empty());
+    let (mut all_node_hints, mut for_node) = (true, false);
+    let (mut all_zone_hints, mut for_zone) = (true, false);
+    for e in endpoints.iter().filter(|e| e.ready) {
+        if e.zone_hints.is_empty() {
+            all_zone_hints = false;
+        } else if zone.is_some_and(|z| e.zone_hints.iter().any(|h| h == z)) {
+            for_zone = true;
+        }
+        if e.node_hints.is_empty() {
+            all_node_hints = false;
+        } else if e.node_hints.iter().any(|h| h == node.name) {
+            for_node = true;
+        }
+    }
+    if gates.prefer_same_traffic_distribution && all_node_hints && for_node {
+        TopologyMode::SameNode
+    } else if all_zone_hints && for_zone {
+        TopologyMode::SameZone
+    } else {
+        TopologyMode::None
+    }
+}
+
+/// kube-proxy `pkg/proxy/topology.go` `availableForTopology`.
+fn available_for_topology(e: &EndpointInfo, mode: TopologyMode, node: &NodeTopology<'_>) -> bool {
+    match mode {
+        TopologyMode::None => true,
+        TopologyMode::SameNode => e.node_hints.iter().any(|h| h == node.name),
+        TopologyMode::SameZone => node
+            .zone
+            .is_some_and(|z| e.zone_hints.iter().any(|h| h == z)),
+    }
+}
+
+/// The addresses of the endpoints that pass `keep`, sorted, deduplicated.
+fn select(endpoints: &[EndpointInfo], keep: impl Fn(&EndpointInfo) -> bool) -> Vec<BackendAddr> {
+    let mut out: Vec<BackendAddr> = endpoints
         .iter()
-        .filter(|e| e.ready)
+        .filter(|e| keep(e))
         .map(|e| e.addr)
         .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Endpoint categorization, as kube-proxy `pkg/proxy/topology.go`
+/// `CategorizeEndpoints` (with the `PreferSameTrafficDistribution` gate):
+///
+/// - cluster list (when [`ServicePortInfo::uses_cluster_endpoints`]): the
+///   ready endpoints the topology mode allows (see `topology_mode`); if none,
+///   every serving-and-terminating endpoint cluster-wide, ignoring topology.
+///   A terminating endpoint that is not serving is never used.
+/// - local list (when [`ServicePortInfo::uses_local_endpoints`]): the local
+///   ready endpoints; if none, the local serving-and-terminating ones.
+///   Topology hints never apply.
+/// - `has_any_endpoints`: any ready, or serving-and-terminating, endpoint
+///   anywhere.
+pub fn categorize(
+    port: &ServicePortInfo,
+    endpoints: &[EndpointInfo],
+    node: &NodeTopology<'_>,
+    gates: &Gates,
+) -> Categorized {
+    let cluster = port.uses_cluster_endpoints().then(|| {
+        let mode = topology_mode(endpoints, node, gates);
+        let ready = select(endpoints, |e| {
+            e.ready && available_for_topology(e, mode, node)
+        });
+        // The mode only filters when some ready endpoint passes it, so an
+        // empty list here means no ready endpoint anywhere.
+        if ready.is_empty() {
+            select(endpoints, EndpointInfo::is_serving_terminating)
+        } else {
+            ready
+        }
+    });
+    let local = port.uses_local_endpoints().then(|| {
+        let is_local = |e: &EndpointInfo| e.is_local(node.name);
+        let ready = select(endpoints, |e| is_local(e) && e.ready);
+        if ready.is_empty() {
+            select(endpoints, |e| is_local(e) && e.is_serving_terminating())
+        } else {
+            ready
+        }
+    });
+    let mut all_reachable: Vec<BackendAddr> = cluster
+        .iter()
+        .chain(local.iter())
+        .flatten()
+        .copied()
+        .collect();
+    all_reachable.sort();
+    all_reachable.dedup();
     Categorized {
-        has_any: !cluster.is_empty(),
-        cluster: Some(cluster),
-        local: None,
+        has_any_endpoints: endpoints.iter().any(EndpointInfo::is_usable),
+        cluster,
+        local,
+        all_reachable,
     }
 }
 
@@ -246,6 +511,7 @@ pub fn desired_state_with(
 ) -> (DesiredState, Vec<ModelWarning>) {
     let mut warnings = Vec::new();
     let mut desired = DesiredState::default();
+    let node = NodeTopology::from_snapshot(snapshot, node_name);
 
     // Every slice, real and synthesized, indexed by (namespace, service name),
     // sorted by slice name so that duplicates resolve deterministically.
@@ -260,6 +526,7 @@ pub fn desired_state_with(
         else {
             continue;
         };
+        // An IPv4 proxier ignores slices of the other family (and FQDN ones).
         if slice.address_type != "IPv4" {
             continue;
         }
@@ -362,14 +629,10 @@ pub fn desired_state_with(
                 &mut warnings,
                 &mut reported,
             );
-            let info = ServicePortInfo {
-                service: &id,
-                port_name: &port_name,
-            };
-            let categorized = categorize(&info, &endpoints, node_name);
-            let mut backends = categorized.cluster.unwrap_or_default();
-            backends.sort();
-            backends.dedup();
+            let info = ServicePortInfo::from_service(svc, port);
+            let categorized = categorize(&info, &endpoints, &node, &opts.gates);
+            let (backends, flags) = internal_backends(&info, &categorized);
+            let retained = retained_backends(&endpoints, &backends);
 
             for ip in &cluster_ips {
                 let key = FrontendKey {
@@ -394,7 +657,8 @@ pub fn desired_state_with(
                         service: id.clone(),
                         port_name: port_name.clone(),
                         backends: backends.clone(),
-                        flags: 0,
+                        retained: retained.clone(),
+                        flags,
                         affinity_timeout_s,
                     },
                 );
@@ -402,6 +666,35 @@ pub fn desired_state_with(
         }
     }
     (desired, warnings)
+}
+
+/// The backends and flags of a port's ClusterIP frontends (scope
+/// [`SCOPE_INTERNAL`]): the cluster list with `internalTrafficPolicy:
+/// Cluster`, the local list with `Local`. An empty list while usable
+/// endpoints exist elsewhere sets [`svc_flags::DROP_NO_BACKEND`] (kube-proxy
+/// drops: "has no local endpoints"); with no usable endpoint anywhere the
+/// flags stay 0 and the datapath rejects.
+fn internal_backends(info: &ServicePortInfo, categorized: &Categorized) -> (Vec<BackendAddr>, u16) {
+    let list = match info.internal_traffic_policy {
+        TrafficPolicy::Cluster => &categorized.cluster,
+        TrafficPolicy::Local => &categorized.local,
+    };
+    let backends = list.clone().unwrap_or_default();
+    let flags = if backends.is_empty() && categorized.has_any_endpoints {
+        svc_flags::DROP_NO_BACKEND
+    } else {
+        0
+    };
+    (backends, flags)
+}
+
+/// The terminating endpoints not in `backends` (field bug C5: "Keep
+/// terminating backends in the backend map with a flag (excluded from
+/// selection, valid for existing flows)"). Sorted, deduplicated.
+fn retained_backends(endpoints: &[EndpointInfo], backends: &[BackendAddr]) -> Vec<BackendAddr> {
+    select(endpoints, |e| {
+        e.terminating && backends.binary_search(&e.addr).is_err()
+    })
 }
 
 /// Whether an EndpointSlice port serves this service port: same name (empty
@@ -414,7 +707,9 @@ fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> boo
 
 /// The endpoints of one service port across `slices`, deduplicated by
 /// `ip:port` (the first slice by name wins, unless a later copy is local, as in
-/// kube-proxy), sorted.
+/// kube-proxy `EndpointSliceCache.addEndpoints`), sorted. As kube-proxy: a
+/// slice port with no port number or port 0 is skipped; an endpoint's first
+/// address is its address; an endpoint without `nodeName` is never local.
 fn port_endpoints(
     port: &ServicePort,
     proto: u8,
@@ -475,6 +770,7 @@ fn port_endpoints(
 
 fn endpoint_info(endpoint: &Endpoint, addr: BackendAddr) -> EndpointInfo {
     let c = endpoint.conditions.clone().unwrap_or_default();
+    let hints = endpoint.hints.as_ref();
     EndpointInfo {
         addr,
         ready: c.ready.unwrap_or(true),
@@ -482,15 +778,26 @@ fn endpoint_info(endpoint: &Endpoint, addr: BackendAddr) -> EndpointInfo {
         terminating: c.terminating.unwrap_or(false),
         node_name: endpoint.node_name.clone(),
         zone: endpoint.zone.clone(),
+        zone_hints: hints
+            .and_then(|h| h.for_zones.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|z| z.name.clone())
+            .collect(),
+        node_hints: hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|n| n.name.clone())
+            .collect(),
     }
 }
 
-/// Whether the pod may back a Service: IPv4 pod IP, not terminating, not
-/// finished. Returns its IPv4 address.
+/// Whether the pod may back a Service: an IPv4 pod IP, not finished
+/// (`Succeeded` or `Failed`). Terminating pods may (the EndpointSlice
+/// controller's `ShouldPodBeInEndpoints` with `includeTerminating`). Returns
+/// its IPv4 address.
 fn pod_ipv4(pod: &Pod) -> Option<Ipv4Addr> {
-    if pod.metadata.deletion_timestamp.is_some() {
-        return None;
-    }
     let status = pod.status.as_ref()?;
     if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
         return None;
@@ -536,10 +843,16 @@ fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Optio
 
 /// EndpointSlices standing in for the EndpointSlice controller: for every
 /// Service with a selector, one slice per matching Pod in its namespace that
-/// has an IPv4 pod IP, is not terminating and has not finished. The slice,
-/// named `<svc>-pod-<pod>`, holds one endpoint (ready = the Pod's Ready
-/// condition, true when absent) and one port per service port whose
+/// has an IPv4 pod IP and has not finished. The slice, named
+/// `<svc>-pod-<pod>`, holds one endpoint and one port per service port whose
 /// `targetPort` resolves on that Pod.
+///
+/// The endpoint's conditions follow the controller's `podToEndpoint`
+/// (pkg/controller/endpointslice, `endpointslice/util`): serving = the Pod's
+/// Ready condition (true when absent, unlike the controller, as manifests
+/// often carry no status conditions); terminating = the Pod has a
+/// `deletionTimestamp`; ready = `publishNotReadyAddresses || (serving &&
+/// !terminating)`.
 pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
     let mut out = Vec::new();
     for svc in &snapshot.services {
@@ -549,6 +862,7 @@ pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
         };
         let ns = namespace(&svc.metadata);
         let svc_name = name(&svc.metadata);
+        let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
         for pod in &snapshot.pods {
             if namespace(&pod.metadata) != ns {
                 continue;
@@ -576,7 +890,9 @@ pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
                     })
                 })
                 .collect();
-            let ready = pod_ready(pod);
+            let serving = pod_ready(pod);
+            let terminating = pod.metadata.deletion_timestamp.is_some();
+            let ready = publish_not_ready || (serving && !terminating);
             out.push(EndpointSlice {
                 address_type: "IPv4".to_string(),
                 metadata: ObjectMeta {
@@ -592,8 +908,8 @@ pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
                     addresses: vec![ip.to_string()],
                     conditions: Some(EndpointConditions {
                         ready: Some(ready),
-                        serving: Some(ready),
-                        terminating: Some(false),
+                        serving: Some(serving),
+                        terminating: Some(terminating),
                     }),
                     node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
                     ..Endpoint::default()
