@@ -2,7 +2,7 @@
 //! interfaces as they appear, and keep the maps equal to the desired state of
 //! the source, with kube-proxy's minimum sync period.
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -20,16 +20,20 @@ use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    bpf::{self, Attacher, BpfDataplane, BpfError, MapSizes},
+    bpf::{self, Attacher, BpfDataplane, BpfError, IfaceKind, MapSizes},
+    config::{ConntrackTimeouts, Settings},
     dataplane::Writer,
-    model,
+    health::Health,
+    metrics::{Metrics, ProgrammingLatency},
+    model::{self, ModelOptions},
+    servers,
     source::{Source, SourceError},
 };
 
 /// Log line printed after every sync; the lab and tests wait for it.
 pub const SYNC_COMPLETE: &str = "sync complete";
 
-/// Everything `run` needs, from flags (and later the config file).
+/// Everything `run` needs, from the flags and the config file.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
     pub node_name: String,
@@ -39,6 +43,38 @@ pub struct RunConfig {
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     pub map_sizes: MapSizes,
+    pub conntrack_timeouts: ConntrackTimeouts,
+    /// This proxy's `service.kubernetes.io/service-proxy-name`.
+    pub service_proxy_name: Option<String>,
+    /// `/healthz`, `/livez`; `None` disables.
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `/metrics`, `/proxyMode`; `None` disables.
+    pub metrics_bind_address: Option<SocketAddr>,
+}
+
+impl From<&Settings> for RunConfig {
+    fn from(s: &Settings) -> Self {
+        Self {
+            node_name: s.node_name.clone(),
+            bpffs: s.bpffs.clone(),
+            pod_interfaces: s.pod_interfaces.clone(),
+            hairpin_snat_ip: s.hairpin_snat_ip,
+            min_sync_period: s.min_sync_period,
+            sync_period: s.sync_period,
+            map_sizes: s.map_sizes,
+            conntrack_timeouts: s.conntrack_timeouts,
+            service_proxy_name: s.service_proxy_name.clone(),
+            healthz_bind_address: s.healthz_bind_address,
+            metrics_bind_address: s.metrics_bind_address,
+        }
+    }
+}
+
+/// What a sync reports to, besides the log.
+struct Observers {
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+    latency: ProgrammingLatency,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +114,7 @@ fn on_new_link(attacher: &Mutex<Attacher>, patterns: &[glob::Pattern], msg: &Lin
     if a.is_attached(index) {
         return;
     }
-    match a.attach(index, name) {
+    match a.attach(index, name, IfaceKind::Pod) {
         Ok(()) => info!(interface = name, ifindex = index, "attached pod program"),
         // The interface may be gone already (a pod deleted right after creation).
         Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach pod program"),
@@ -121,16 +157,43 @@ async fn watch_links(
 }
 
 /// One sync: read the source, compute the desired state, write the difference.
-fn sync_once(cfg: &RunConfig, source: &mut dyn Source, writer: &mut Writer<BpfDataplane>) {
+fn sync_once(
+    cfg: &RunConfig,
+    source: &mut dyn Source,
+    writer: &mut Writer<BpfDataplane>,
+    obs: &mut Observers,
+) {
     let started = Instant::now();
     let (snapshot, source_errors) = source.snapshot();
-    let (desired, warnings) = model::desired_state(&snapshot, &cfg.node_name);
+    let opts = ModelOptions {
+        service_proxy_name: cfg.service_proxy_name.clone(),
+        ..ModelOptions::default()
+    };
+    let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
     for w in &warnings {
         warn!("{w}");
     }
+    let triggers = obs.latency.pending(&snapshot);
     let report = writer.sync(&desired);
     for (what, e) in &report.errors {
         error!(frontend = %what, error = %e, "cannot program");
+    }
+    // A sync that ran is an update for the health check even when single
+    // frontends failed: those are retried, counted and logged, and a crash
+    // loop (liveness) would not make them fit.
+    obs.health.updated();
+    obs.health.sync_node(
+        snapshot
+            .nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(cfg.node_name.as_str())),
+    );
+    obs.metrics
+        .observe_sync(started.elapsed(), &desired, report.errors.len());
+    let now = std::time::SystemTime::now();
+    for t in triggers {
+        obs.metrics
+            .observe_programming(now.duration_since(t).unwrap_or_default());
     }
     info!(
         frontends = desired.frontends.len(),
@@ -142,23 +205,56 @@ fn sync_once(cfg: &RunConfig, source: &mut dyn Source, writer: &mut Writer<BpfDa
     );
 }
 
+/// The datapath's configuration: hairpin address and conntrack timeouts.
+fn datapath_config(cfg: &RunConfig) -> Config {
+    let mut c = Config::default().with_hairpin_addr(cfg.hairpin_snat_ip);
+    let t = cfg.conntrack_timeouts;
+    if let Some(s) = t.tcp_established_s {
+        c.ct_tcp_established_s = s;
+    }
+    if let Some(s) = t.tcp_closing_s {
+        c.ct_tcp_closing_s = s;
+    }
+    if let Some(s) = t.udp_s {
+        c.ct_udp_s = s;
+    }
+    c
+}
+
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
-    dp.set_config(Config::default().with_hairpin_addr(cfg.hairpin_snat_ip))?;
+    dp.set_config(datapath_config(&cfg))?;
     let mut writer = Writer::adopt(dp)?;
+
+    let mut obs = Observers {
+        health: Arc::new(Health::new(Health::timeout_for(cfg.sync_period))),
+        metrics: Arc::new(Metrics::new(Some(loaded.pin_dir.clone()))),
+        latency: ProgrammingLatency::default(),
+    };
+    let mut servers = Vec::new();
+    if let Some(addr) = cfg.healthz_bind_address {
+        let router = servers::health_router(obs.health.clone());
+        servers.extend(servers::spawn("healthz", addr, router).await);
+    }
+    if let Some(addr) = cfg.metrics_bind_address {
+        let router = servers::metrics_router(obs.metrics.clone());
+        servers.extend(servers::spawn("metrics", addr, router).await);
+    }
 
     let (tx, mut changes) = mpsc::unbounded_channel();
     source.start(tx)?;
     // Never act on a half-filled cache.
     while !source.ready() {
-        changes.recv().await;
+        if changes.recv().await.is_none() {
+            return Err(SourceError::Other("the source stopped before it was ready".into()).into());
+        }
     }
     // Program the maps before attaching, so the first packets find them.
-    sync_once(&cfg, source.as_mut(), &mut writer);
+    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs);
     let mut last_sync = Instant::now();
 
     let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
@@ -181,13 +277,14 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
                 if source.ready() {
-                    sync_once(&cfg, source.as_mut(), &mut writer);
+                    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs);
                 }
                 last_sync = Instant::now();
                 pending = false;
             }
             Some(()) = changes.recv() => {
                 debug!("source changed");
+                obs.health.queued_update();
                 pending = true;
             }
             _ = sigterm.recv() => break,
@@ -199,6 +296,9 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         }
     }
     links.abort();
+    for s in servers {
+        s.abort();
+    }
     attacher.lock().expect("attacher lock").detach_all();
     info!("detached; maps stay pinned under {}", cfg.bpffs.display());
     result

@@ -1,13 +1,19 @@
 //! The agent of the eBPF kube-proxy replacement.
 //!
-//! Sources of desired state (`manifests`) feed a pure model ([`model`]) whose
+//! Sources of desired state (`manifests`, `kubernetes` in [`k8s`]) feed a pure model ([`model`]) whose
 //! output the [`dataplane::Writer`] diffs against what is already programmed and
 //! writes, in make-before-break order, through a [`dataplane::Dataplane`]: the
 //! BPF maps ([`bpf`]) or an in-memory one for tests.
 pub mod agent;
 pub mod bpf;
+pub mod cli;
+pub mod config;
 pub mod dataplane;
+pub mod health;
 pub mod inspect;
+pub mod k8s;
 pub mod manifests;
+pub mod metrics;
 pub mod model;
+pub mod servers;
 pub mod source;

@@ -1,92 +1,51 @@
-use std::{io::IsTerminal, net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::io::IsTerminal;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::Parser;
 use proxy_agent::{
     agent::{self, RunConfig},
-    bpf::MapSizes,
+    cli::{Cli, Cmd, RunArgs},
+    config::{Settings, SourceKind},
+    k8s::{self, KubernetesOptions, KubernetesSource},
+    source::{ManifestsSource, Source},
 };
-use proxy_common::capacity;
+use tracing::{info, warn};
 
-/// eBPF replacement for kube-proxy: Service load-balancing in tc programs,
-/// kept in sync with the cluster's Services and EndpointSlices.
-#[derive(Parser)]
-#[command(version)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// Load the datapath, attach it to pod interfaces and keep it in sync.
-    Run(RunArgs),
-    /// Read the pinned maps of a running agent.
-    Inspect(proxy_agent::inspect::InspectArgs),
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Source {
-    /// Kubernetes YAML files (Services, EndpointSlices, Pods, Nodes), watched.
-    Manifests,
-}
-
-#[derive(Parser)]
-struct RunArgs {
-    /// Where desired state comes from.
-    #[arg(long, value_enum, default_value = "manifests")]
-    source: Source,
-    /// Manifest files or directories (with --source manifests); repeatable.
-    #[arg(long, required_if_eq("source", "manifests"))]
-    manifests: Vec<PathBuf>,
-    /// This node's name (endpoints whose nodeName equals it are local).
-    #[arg(long, env = "NODE_NAME")]
-    node_name: String,
-    /// Directory on a bpffs mount where maps are pinned and adopted on restart.
-    #[arg(long, default_value = "/sys/fs/bpf/proxy-agent")]
-    bpffs: PathBuf,
-    /// Glob patterns of pod interfaces (host side of pod veths), comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "lxc*")]
-    pod_interfaces: Vec<String>,
-    /// Source address given to hairpin traffic (a pod reaching itself through a
-    /// Service); Cilium's default service loopback address.
-    #[arg(long, default_value = "169.254.42.1")]
-    hairpin_snat_ip: Ipv4Addr,
-    /// Minimum time between two syncs (kube-proxy's minSyncPeriod), e.g. 1s, 100ms.
-    #[arg(long, default_value = "1s", value_parser = parse_duration)]
-    min_sync_period: Duration,
-    /// Full resync period (kube-proxy's syncPeriod).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    sync_period: Duration,
-    /// Capacity of the conntrack map (entries; two per flow).
-    #[arg(long, default_value_t = capacity::CONNTRACK)]
-    conntrack_max: u32,
-}
-
-/// Parses `250ms`, `1s`, `2m`, `1h` (kube-proxy's duration style).
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .map_or((s, "s"), |i| s.split_at(i));
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 1s, 250ms"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => {
-            return Err(format!(
-                "invalid duration {s:?}: unit must be ms, s, m or h"
+async fn run(a: RunArgs) -> anyhow::Result<()> {
+    let settings = Settings::from_flags(&a).context("configuration")?;
+    if !settings.node_port_addresses.is_empty() {
+        warn!(
+            node_port_addresses = ?settings.node_port_addresses,
+            "nodePortAddresses is not implemented by the datapath yet; ignored"
+        );
+    }
+    if let Some(cidr) = settings.cluster_cidr {
+        warn!(cluster_cidr = %cidr, "clusterCIDR is not used by the datapath yet; ignored");
+    }
+    info!(
+        source = ?settings.source,
+        node = %settings.node_name,
+        min_sync_period = ?settings.min_sync_period,
+        sync_period = ?settings.sync_period,
+        "starting"
+    );
+    let source: Box<dyn Source> = match settings.source {
+        SourceKind::Manifests => Box::new(ManifestsSource::new(settings.manifests.clone())),
+        SourceKind::Kubernetes => {
+            let client = k8s::client(settings.kubeconfig.as_deref())
+                .await
+                .context("connecting to the API server")?;
+            Box::new(KubernetesSource::new(
+                client,
+                KubernetesOptions {
+                    node_name: settings.node_name.clone(),
+                    service_proxy_name: settings.service_proxy_name.clone(),
+                },
             ))
         }
     };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("invalid duration {s:?}"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    agent::run(RunConfig::from(&settings), source).await?;
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -101,36 +60,11 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Run(a) => {
-            let pod_interfaces = a
-                .pod_interfaces
-                .iter()
-                .map(|p| {
-                    glob::Pattern::new(p)
-                        .with_context(|| format!("--pod-interfaces: bad pattern {p:?}"))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let source: Box<dyn proxy_agent::source::Source> = match a.source {
-                Source::Manifests => {
-                    Box::new(proxy_agent::source::ManifestsSource::new(a.manifests))
-                }
-            };
-            let cfg = RunConfig {
-                node_name: a.node_name,
-                bpffs: a.bpffs,
-                pod_interfaces,
-                hairpin_snat_ip: a.hairpin_snat_ip,
-                min_sync_period: a.min_sync_period,
-                sync_period: a.sync_period,
-                map_sizes: MapSizes {
-                    conntrack: a.conntrack_max,
-                    ..MapSizes::default()
-                },
-            };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(agent::run(cfg, source))?;
+            rt.block_on(run(*a))?;
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
     }

@@ -1,0 +1,88 @@
+//! The command line. Flags of `run` are all optional here: what is not given
+//! comes from the config file (`--config`), then from the defaults (see
+//! [`crate::config::Settings::resolve`]).
+use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+
+use clap::{CommandFactory, Parser, Subcommand};
+
+use crate::config::{parse_duration, SourceKind};
+
+/// eBPF replacement for kube-proxy: Service load-balancing in tc programs,
+/// kept in sync with the cluster's Services and EndpointSlices.
+#[derive(Parser)]
+#[command(name = "proxy-agent", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Load the datapath, attach it to pod interfaces and keep it in sync.
+    Run(Box<RunArgs>),
+    /// Read the pinned maps of a running agent.
+    Inspect(crate::inspect::InspectArgs),
+}
+
+#[derive(Parser, Debug, Default, Clone)]
+pub struct RunArgs {
+    /// Configuration file (YAML, KubeProxyConfiguration field names where the
+    /// meaning is the same). Flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Where desired state comes from [default: manifests].
+    #[arg(long, value_enum)]
+    pub source: Option<SourceKind>,
+    /// Manifest files or directories (with --source manifests); repeatable.
+    #[arg(long)]
+    pub manifests: Vec<PathBuf>,
+    /// kubeconfig file (with --source kubernetes); default: in-cluster, else
+    /// $KUBECONFIG or ~/.kube/config.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (endpoints whose nodeName equals it are local)
+    /// [default: hostnameOverride, else the host name].
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// This proxy's name: only Services labelled
+    /// service.kubernetes.io/service-proxy-name=<name> are served. Without it,
+    /// Services carrying the label are left to their proxy.
+    #[arg(long)]
+    pub service_proxy_name: Option<String>,
+    /// Directory on a bpffs mount where maps are pinned and adopted on restart
+    /// [default: /sys/fs/bpf/proxy-agent].
+    #[arg(long)]
+    pub bpffs: Option<PathBuf>,
+    /// Glob patterns of pod interfaces (host side of pod veths), comma
+    /// separated [default: lxc*].
+    #[arg(long, value_delimiter = ',')]
+    pub pod_interfaces: Option<Vec<String>>,
+    /// Source address given to hairpin traffic (a pod reaching itself through a
+    /// Service) [default: 169.254.42.1, Cilium's service loopback address].
+    #[arg(long)]
+    pub hairpin_snat_ip: Option<Ipv4Addr>,
+    /// Minimum time between two syncs (kube-proxy's minSyncPeriod), a Go
+    /// duration: 1s, 100ms [default: 1s].
+    #[arg(long, value_parser = parse_duration)]
+    pub min_sync_period: Option<Duration>,
+    /// Full resync period (kube-proxy's syncPeriod) [default: 30s].
+    #[arg(long, value_parser = parse_duration)]
+    pub sync_period: Option<Duration>,
+    /// Capacity of the conntrack map (entries; two per flow); overrides
+    /// conntrack.maxPerCore of the config file.
+    #[arg(long)]
+    pub conntrack_max: Option<u32>,
+    /// Address of /healthz, /livez and /proxyMode; empty disables
+    /// [default: 0.0.0.0:10256].
+    #[arg(long)]
+    pub healthz_bind_address: Option<String>,
+    /// Address of /metrics (Prometheus); empty disables [default: 127.0.0.1:10249].
+    #[arg(long)]
+    pub metrics_bind_address: Option<String>,
+}
+
+/// The clap command of the binary, for tests and tooling (e.g. checking that
+/// a DaemonSet passes only flags that exist).
+pub fn cli() -> clap::Command {
+    Cli::command()
+}

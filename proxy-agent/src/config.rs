@@ -1,0 +1,485 @@
+//! The configuration file (`--config`) and how it merges with the flags.
+//!
+//! Field names follow kube-proxy's `KubeProxyConfiguration` where the meaning
+//! is the same (`healthzBindAddress`, `metricsBindAddress`, `minSyncPeriod`,
+//! `syncPeriod`, `hostnameOverride`, `clientConnection.kubeconfig`,
+//! `conntrack`, ...); the agent's own fields are camelCase too (`bpffs`,
+//! `podInterfaces`, `hairpinSnatIP`, `source`, `manifests`,
+//! `serviceProxyName`). Durations are Go durations (`1s`, `250ms`, `1m30s`).
+//! Unknown fields are errors. Flags override the file; the file overrides the
+//! defaults.
+use std::{
+    fmt,
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::{Deserialize, Deserializer};
+
+use crate::{bpf::MapSizes, cli::RunArgs};
+
+/// kube-proxy's default `healthzBindAddress`.
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";
+/// kube-proxy's default `metricsBindAddress`.
+pub const DEFAULT_METRICS_BIND_ADDRESS: &str = "127.0.0.1:10249";
+pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
+pub const DEFAULT_POD_INTERFACES: &str = "lxc*";
+/// Cilium's default service loopback address.
+pub const DEFAULT_HAIRPIN_SNAT_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
+/// The `kind` a configuration file may declare.
+pub const KIND: &str = "ProxyAgentConfiguration";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading the config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A syntax error, an unknown field or a bad value in the file; the
+    /// message names the field and where it is.
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: &str, message: impl fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// Where desired state comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Kubernetes YAML files (Services, EndpointSlices, Pods, Nodes), watched.
+    Manifests,
+    /// The API server: Services, EndpointSlices and this node's Node.
+    Kubernetes,
+}
+
+/// A Go duration (`time.ParseDuration`): `300ms`, `1.5h`, `2h45m`, `0`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GoDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for GoDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s)
+            .map(GoDuration)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses a Go duration: a sequence of decimal numbers, each with a unit
+/// (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`), e.g. `1m30s`, `250ms`; `0` alone.
+/// Negative durations are refused.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let err = |why: &str| format!("invalid duration {s:?}: {why} (expected e.g. 1s, 250ms, 1m30s)");
+    let mut rest = s.trim();
+    if let Some(r) = rest.strip_prefix('+') {
+        rest = r;
+    }
+    if rest.starts_with('-') {
+        return Err(err("negative"));
+    }
+    if rest == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if rest.is_empty() {
+        return Err(err("empty"));
+    }
+    let mut nanos: f64 = 0.0;
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (num, tail) = rest.split_at(num_end);
+        if num.is_empty() || num == "." {
+            return Err(err("missing number"));
+        }
+        let n: f64 = num.parse().map_err(|_| err("bad number"))?;
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            "" => return Err(err("missing unit")),
+            _ => return Err(err(&format!("unknown unit {unit:?}"))),
+        };
+        nanos += n * scale;
+        rest = tail;
+    }
+    if !nanos.is_finite() || nanos > u64::MAX as f64 {
+        return Err(err("out of range"));
+    }
+    Ok(Duration::from_nanos(nanos.round() as u64))
+}
+
+/// `clientConnection`: how to reach the API server.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientConnection {
+    /// Path of a kubeconfig file; empty or missing means in-cluster (or the
+    /// usual kubeconfig lookup outside a cluster).
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// `conntrack`: the datapath's own connection tracking, with kube-proxy's
+/// field names. Sizes the conntrack map and sets its timeouts.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Conntrack {
+    /// Entries per CPU; the map holds `maxPerCore × CPUs` (at least `min`).
+    /// 0 leaves the default size.
+    pub max_per_core: Option<u32>,
+    /// Lower bound of the map size when `maxPerCore` is used.
+    pub min: Option<u32>,
+    /// Idle timeout of established TCP flows.
+    pub tcp_established_timeout: Option<GoDuration>,
+    /// Idle timeout of TCP flows after a FIN or RST.
+    pub tcp_close_wait_timeout: Option<GoDuration>,
+    /// Idle timeout of UDP flows.
+    pub udp_timeout: Option<GoDuration>,
+}
+
+/// The configuration file. Every field is optional.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Free-form version of the file format.
+    pub api_version: Option<String>,
+    /// Must be `ProxyAgentConfiguration` when present.
+    pub kind: Option<String>,
+    pub healthz_bind_address: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub node_port_addresses: Option<Vec<String>>,
+    #[serde(rename = "clusterCIDR")]
+    pub cluster_cidr: Option<String>,
+    pub min_sync_period: Option<GoDuration>,
+    pub sync_period: Option<GoDuration>,
+    pub hostname_override: Option<String>,
+    pub client_connection: Option<ClientConnection>,
+    pub conntrack: Option<Conntrack>,
+    pub source: Option<SourceKind>,
+    pub manifests: Option<Vec<PathBuf>>,
+    pub bpffs: Option<PathBuf>,
+    pub pod_interfaces: Option<Vec<String>>,
+    #[serde(rename = "hairpinSnatIP")]
+    pub hairpin_snat_ip: Option<Ipv4Addr>,
+    /// This proxy's `service.kubernetes.io/service-proxy-name`.
+    pub service_proxy_name: Option<String>,
+}
+
+impl ConfigFile {
+    /// Parses YAML (or JSON) text; `path` names the file in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let de = yaml_serde::Deserializer::from_str(text);
+        let file: ConfigFile = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            let mut message = e.into_inner().to_string();
+            if field != "." && !field.is_empty() {
+                // The YAML error may name the (parent) field already.
+                let parent = field.rsplit_once('.').map_or("", |(p, _)| p);
+                for prefix in [field.as_str(), parent] {
+                    if !prefix.is_empty() {
+                        if let Some(rest) = message.strip_prefix(&format!("{prefix}: ")) {
+                            message = rest.to_string();
+                            break;
+                        }
+                    }
+                }
+                message = format!("{field}: {message}");
+            }
+            ConfigError::Parse {
+                path: path.to_owned(),
+                message,
+            }
+        })?;
+        if let Some(kind) = &file.kind {
+            if kind != KIND {
+                return Err(ConfigError::Parse {
+                    path: path.to_owned(),
+                    message: format!("kind: expected {KIND}, found {kind}"),
+                });
+            }
+        }
+        Ok(file)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(path, &text)
+    }
+}
+
+/// An IPv4 CIDR, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (expected e.g. 198.18.0.0/15)"))?;
+        let addr: Ipv4Addr = a
+            .parse()
+            .map_err(|_| format!("{s:?}: {a:?} is not an IPv4 address"))?;
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= 32)
+            .ok_or_else(|| format!("{s:?}: prefix length must be 0..=32"))?;
+        Ok(Cidr { addr, prefix })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// Conntrack timeouts, seconds; `None` keeps the datapath's default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    pub tcp_established_s: Option<u32>,
+    pub tcp_closing_s: Option<u32>,
+    pub udp_s: Option<u32>,
+}
+
+/// Everything `run` needs, merged from the defaults, the file and the flags.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub source: SourceKind,
+    pub manifests: Vec<PathBuf>,
+    pub node_name: String,
+    pub kubeconfig: Option<PathBuf>,
+    pub service_proxy_name: Option<String>,
+    pub bpffs: PathBuf,
+    pub pod_interfaces: Vec<glob::Pattern>,
+    pub hairpin_snat_ip: Ipv4Addr,
+    pub min_sync_period: Duration,
+    pub sync_period: Duration,
+    /// `None`: disabled (an empty address).
+    pub healthz_bind_address: Option<SocketAddr>,
+    pub metrics_bind_address: Option<SocketAddr>,
+    pub map_sizes: MapSizes,
+    pub conntrack_timeouts: ConntrackTimeouts,
+    /// Accepted and checked; not used by the datapath yet.
+    pub node_port_addresses: Vec<Cidr>,
+    /// Accepted and checked; not used by the datapath yet.
+    pub cluster_cidr: Option<Cidr>,
+}
+
+/// Parses a bind address: `ip:port`, or a bare IP with `default_port`, or an
+/// empty string for "disabled".
+pub fn parse_bind_address(
+    field: &str,
+    s: &str,
+    default_port: u16,
+) -> Result<Option<SocketAddr>, ConfigError> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(None);
+    }
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(Some(a));
+    }
+    if let Ok(ip) = s.parse::<std::net::IpAddr>() {
+        return Ok(Some(SocketAddr::new(ip, default_port)));
+    }
+    Err(invalid(
+        field,
+        format!(
+            "{s:?} is not an address (expected ip:port, e.g. 0.0.0.0:10256, or empty to disable)"
+        ),
+    ))
+}
+
+fn secs(field: &str, d: Option<GoDuration>) -> Result<Option<u32>, ConfigError> {
+    d.map(|GoDuration(d)| {
+        u32::try_from(d.as_secs())
+            .ok()
+            .filter(|s| *s > 0)
+            .ok_or_else(|| invalid(field, "must be between 1s and 136 years"))
+    })
+    .transpose()
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_lowercase())
+        .filter(|h| !h.is_empty())
+}
+
+impl Settings {
+    /// Merges: flags over the file over the defaults; then checks the result.
+    pub fn resolve(file: &ConfigFile, flags: &RunArgs) -> Result<Self, ConfigError> {
+        let source = flags
+            .source
+            .or(file.source)
+            .unwrap_or(SourceKind::Manifests);
+        let manifests = if flags.manifests.is_empty() {
+            file.manifests.clone().unwrap_or_default()
+        } else {
+            flags.manifests.clone()
+        };
+        if source == SourceKind::Manifests && manifests.is_empty() {
+            return Err(invalid(
+                "manifests",
+                "the manifests source needs files or directories (--manifests or `manifests:`)",
+            ));
+        }
+        let node_name = flags
+            .node_name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .or_else(|| file.hostname_override.clone().filter(|n| !n.is_empty()))
+            .or_else(hostname)
+            .ok_or_else(|| {
+                invalid(
+                    "hostnameOverride",
+                    "no node name: pass --node-name, set NODE_NAME or hostnameOverride",
+                )
+            })?;
+        let kubeconfig = flags.kubeconfig.clone().or_else(|| {
+            file.client_connection
+                .as_ref()
+                .and_then(|c| c.kubeconfig.clone())
+                .filter(|p| !p.as_os_str().is_empty())
+        });
+        let pod_interfaces = flags
+            .pod_interfaces
+            .clone()
+            .or_else(|| file.pod_interfaces.clone())
+            .unwrap_or_else(|| vec![DEFAULT_POD_INTERFACES.to_string()])
+            .iter()
+            .map(|p| {
+                glob::Pattern::new(p)
+                    .map_err(|e| invalid("podInterfaces", format!("bad pattern {p:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let min_sync_period = flags
+            .min_sync_period
+            .or(file.min_sync_period.map(|d| d.0))
+            .unwrap_or(DEFAULT_MIN_SYNC_PERIOD);
+        let sync_period = flags
+            .sync_period
+            .or(file.sync_period.map(|d| d.0))
+            .unwrap_or(DEFAULT_SYNC_PERIOD);
+        if sync_period.is_zero() {
+            return Err(invalid("syncPeriod", "must be greater than 0"));
+        }
+        if min_sync_period > sync_period {
+            return Err(invalid(
+                "minSyncPeriod",
+                format!("{min_sync_period:?} is longer than syncPeriod {sync_period:?}"),
+            ));
+        }
+        let healthz = flags
+            .healthz_bind_address
+            .clone()
+            .or_else(|| file.healthz_bind_address.clone())
+            .unwrap_or_else(|| DEFAULT_HEALTHZ_BIND_ADDRESS.to_string());
+        let metrics = flags
+            .metrics_bind_address
+            .clone()
+            .or_else(|| file.metrics_bind_address.clone())
+            .unwrap_or_else(|| DEFAULT_METRICS_BIND_ADDRESS.to_string());
+
+        let ct = file.conntrack.clone().unwrap_or_default();
+        let mut map_sizes = MapSizes::default();
+        if let Some(per_core) = ct.max_per_core.filter(|n| *n > 0) {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+            let total = (u64::from(per_core) * cpus).max(u64::from(ct.min.unwrap_or(0)));
+            map_sizes.conntrack = u32::try_from(total)
+                .map_err(|_| invalid("conntrack.maxPerCore", "the map would be too large"))?;
+        }
+        if let Some(n) = flags.conntrack_max {
+            map_sizes.conntrack = n;
+        }
+        if map_sizes.conntrack == 0 {
+            return Err(invalid("conntrack", "the conntrack map cannot be empty"));
+        }
+        let conntrack_timeouts = ConntrackTimeouts {
+            tcp_established_s: secs(
+                "conntrack.tcpEstablishedTimeout",
+                ct.tcp_established_timeout,
+            )?,
+            tcp_closing_s: secs("conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout)?,
+            udp_s: secs("conntrack.udpTimeout", ct.udp_timeout)?,
+        };
+        let node_port_addresses = file
+            .node_port_addresses
+            .clone()
+            .unwrap_or_default()
+            .iter()
+            .map(|s| s.parse().map_err(|e| invalid("nodePortAddresses", e)))
+            .collect::<Result<Vec<Cidr>, _>>()?;
+        let cluster_cidr = file
+            .cluster_cidr
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().map_err(|e| invalid("clusterCIDR", e)))
+            .transpose()?;
+        Ok(Settings {
+            source,
+            manifests,
+            node_name,
+            kubeconfig,
+            service_proxy_name: flags
+                .service_proxy_name
+                .clone()
+                .or_else(|| file.service_proxy_name.clone())
+                .filter(|n| !n.is_empty()),
+            bpffs: flags
+                .bpffs
+                .clone()
+                .or_else(|| file.bpffs.clone())
+                .unwrap_or_else(|| DEFAULT_BPFFS.into()),
+            pod_interfaces,
+            hairpin_snat_ip: flags
+                .hairpin_snat_ip
+                .or(file.hairpin_snat_ip)
+                .unwrap_or(DEFAULT_HAIRPIN_SNAT_IP),
+            min_sync_period,
+            sync_period,
+            healthz_bind_address: parse_bind_address("healthzBindAddress", &healthz, 10256)?,
+            metrics_bind_address: parse_bind_address("metricsBindAddress", &metrics, 10249)?,
+            map_sizes,
+            conntrack_timeouts,
+            node_port_addresses,
+            cluster_cidr,
+        })
+    }
+
+    /// Reads `flags.config` when given, then merges.
+    pub fn from_flags(flags: &RunArgs) -> Result<Self, ConfigError> {
+        let file = match &flags.config {
+            Some(path) => ConfigFile::load(path)?,
+            None => ConfigFile::default(),
+        };
+        Self::resolve(&file, flags)
+    }
+}

@@ -1,0 +1,291 @@
+//! The `kubernetes` source of desired state: kube-rs reflectors on Services,
+//! EndpointSlices (`discovery.k8s.io/v1`) and this node's Node object.
+//!
+//! As kube-proxy does, Services and EndpointSlices are watched with a label
+//! selector that leaves out headless services and those meant for another
+//! proxy, so the API server never sends them. Cached objects are trimmed
+//! (`managedFields`, annotations other than the EndpointSlice trigger time).
+//!
+//! Watch errors back off and relist; a relist replaces a store only once it has
+//! completed, and an error never clears it, so an API server outage never
+//! removes programmed state.
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::{
+    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
+    Metadata,
+};
+use kube::{
+    api::Api,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        reflector::{self, Store},
+        watcher::{self, Event},
+        WatchStreamExt,
+    },
+    Client, Resource, ResourceExt,
+};
+use serde::de::DeserializeOwned;
+use tokio::{sync::mpsc::UnboundedSender, task::JoinHandle};
+use tracing::{debug, info, warn};
+
+use crate::{
+    manifests::Snapshot,
+    model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
+    source::{Source, SourceError},
+};
+
+/// The EndpointSlice annotation kept in the cache: when the change that the
+/// slice reflects happened (network programming latency starts there).
+pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
+    "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// Errors building a client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("reading the kubeconfig {path}: {source}")]
+    Kubeconfig {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error("no Kubernetes client configuration (neither in-cluster nor a kubeconfig): {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+/// A client from `kubeconfig` when given, else inferred as kube-rs does: the
+/// in-cluster service account inside a pod, `$KUBECONFIG` or `~/.kube/config`
+/// outside. Needs a Tokio runtime.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let err = |source| ClientError::Kubeconfig {
+                path: path.to_owned(),
+                source,
+            };
+            let kc = Kubeconfig::read_from(path).map_err(err)?;
+            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(err)?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(Client::try_from(config)?)
+}
+
+/// The label selector kube-proxy puts on its Service and EndpointSlice watches.
+/// Without a proxy name, objects carrying `service.kubernetes.io/service-proxy-name`
+/// are left out; with one, only objects naming this proxy are watched.
+pub fn label_selector(service_proxy_name: Option<&str>) -> String {
+    match service_proxy_name {
+        None => format!("!{LABEL_SERVICE_PROXY_NAME},!{LABEL_HEADLESS}"),
+        Some(name) => format!("{LABEL_SERVICE_PROXY_NAME}={name},!{LABEL_HEADLESS}"),
+    }
+}
+
+/// The field selector of the Node watch: this node only.
+pub fn node_field_selector(node_name: &str) -> String {
+    format!("metadata.name={node_name}")
+}
+
+/// Drops what the agent never reads: `managedFields`, and every annotation but
+/// the EndpointSlice trigger time.
+pub fn trim<K: ResourceExt>(obj: &mut K) {
+    obj.managed_fields_mut().clear();
+    let annotations = obj.annotations_mut();
+    annotations.retain(|k, _| k == ANNOTATION_LAST_CHANGE_TRIGGER_TIME);
+}
+
+/// Options of the Kubernetes source.
+#[derive(Clone, Debug, Default)]
+pub struct KubernetesOptions {
+    /// This node's name: the Node object watched.
+    pub node_name: String,
+    /// This proxy's `service.kubernetes.io/service-proxy-name`, if it has one.
+    pub service_proxy_name: Option<String>,
+}
+
+/// One reflector: its store, whether it has listed once, its task.
+struct Reflector<K: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    listed: Arc<AtomicBool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl<K> Reflector<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+{
+    fn new(
+        api: Api<K>,
+        config: watcher::Config,
+        kind: &'static str,
+        changes: UnboundedSender<()>,
+    ) -> Self {
+        let (store, writer) = reflector::store();
+        let listed = Arc::new(AtomicBool::new(false));
+        let stream = watcher::watcher(api, config)
+            .default_backoff()
+            .modify(trim::<K>)
+            .reflect(writer);
+        let task = tokio::spawn(drive(stream, kind, listed.clone(), changes));
+        Self {
+            store,
+            listed,
+            task: Some(task),
+        }
+    }
+
+    fn listed(&self) -> bool {
+        self.listed.load(Ordering::Acquire)
+    }
+
+    /// The store's objects, sorted by namespace and name so that snapshots
+    /// are deterministic.
+    fn objects(&self) -> Vec<K>
+    where
+        K: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    {
+        let mut objs: Vec<K> = self.store.state().iter().map(|o| (**o).clone()).collect();
+        objs.sort_by(|a, b| {
+            let (a, b) = (a.metadata(), b.metadata());
+            (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
+        });
+        objs
+    }
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Reflector<K> {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+/// Polls a reflected watch stream forever: every event is already in the
+/// store when it comes out; each one that may change the store is signalled.
+/// Errors are logged; the backoff retries (relisting when the watch expired).
+async fn drive<K, S>(
+    stream: S,
+    kind: &'static str,
+    listed: Arc<AtomicBool>,
+    changes: UnboundedSender<()>,
+) where
+    K: Resource + fmt::Debug,
+    S: Stream<Item = Result<Event<K>, watcher::Error>>,
+{
+    let mut stream = std::pin::pin!(stream);
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(Event::Init) => debug!(kind, "listing"),
+            Ok(Event::InitApply(_)) => {}
+            Ok(Event::InitDone) => {
+                let first = !listed.swap(true, Ordering::AcqRel);
+                info!(kind, first, "listed");
+                let _ = changes.send(());
+            }
+            Ok(Event::Apply(_) | Event::Delete(_)) => {
+                let _ = changes.send(());
+            }
+            // The store is kept as it is; the watcher backs off and resumes
+            // (or relists when the API server says the watch expired).
+            Err(e) => warn!(kind, error = %e, "watch error; retrying with backoff"),
+        }
+    }
+}
+
+/// Services, EndpointSlices and this node's Node object from the API server.
+pub struct KubernetesSource {
+    client: Client,
+    opts: KubernetesOptions,
+    services: Option<Reflector<Service>>,
+    slices: Option<Reflector<EndpointSlice>>,
+    nodes: Option<Reflector<Node>>,
+}
+
+impl KubernetesSource {
+    pub fn new(client: Client, opts: KubernetesOptions) -> Self {
+        Self {
+            client,
+            opts,
+            services: None,
+            slices: None,
+            nodes: None,
+        }
+    }
+}
+
+impl Source for KubernetesSource {
+    /// Starts the three reflectors. Must be called inside a Tokio runtime.
+    fn start(&mut self, changes: UnboundedSender<()>) -> Result<(), SourceError> {
+        if self.opts.node_name.is_empty() {
+            return Err(SourceError::Other(
+                "the kubernetes source needs the node name".into(),
+            ));
+        }
+        let labels = label_selector(self.opts.service_proxy_name.as_deref());
+        let filtered = watcher::Config::default().labels(&labels);
+        self.services = Some(Reflector::new(
+            Api::all(self.client.clone()),
+            filtered.clone(),
+            "Service",
+            changes.clone(),
+        ));
+        self.slices = Some(Reflector::new(
+            Api::all(self.client.clone()),
+            filtered,
+            "EndpointSlice",
+            changes.clone(),
+        ));
+        self.nodes = Some(Reflector::new(
+            Api::all(self.client.clone()),
+            watcher::Config::default().fields(&node_field_selector(&self.opts.node_name)),
+            "Node",
+            changes,
+        ));
+        info!(label_selector = %labels, node = %self.opts.node_name, "watching the API server");
+        Ok(())
+    }
+
+    /// True once every watch has listed (it stays true through later relists,
+    /// during which the stores keep their content).
+    fn ready(&self) -> bool {
+        self.services.as_ref().is_some_and(Reflector::listed)
+            && self.slices.as_ref().is_some_and(Reflector::listed)
+            && self.nodes.as_ref().is_some_and(Reflector::listed)
+    }
+
+    fn snapshot(&mut self) -> (Snapshot, usize) {
+        let snapshot = Snapshot {
+            services: self
+                .services
+                .as_ref()
+                .map(Reflector::objects)
+                .unwrap_or_default(),
+            endpoint_slices: self
+                .slices
+                .as_ref()
+                .map(Reflector::objects)
+                .unwrap_or_default(),
+            pods: Vec::new(),
+            nodes: self
+                .nodes
+                .as_ref()
+                .map(Reflector::objects)
+                .unwrap_or_default(),
+        };
+        // Objects that do not decode fail the whole watch event in kube-rs and
+        // are reported (and retried) by the watcher, not here.
+        (snapshot, 0)
+    }
+}

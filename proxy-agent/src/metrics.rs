@@ -1,0 +1,315 @@
+//! Prometheus metrics, with kube-proxy's names where the meaning is the same:
+//!
+//! - `kubeproxy_sync_proxy_rules_duration_seconds` (histogram): how long a sync
+//!   took, from reading the source to the last map write;
+//! - `kubeproxy_sync_proxy_rules_last_timestamp_seconds`: when the last sync
+//!   completed (Unix seconds);
+//! - `kubeproxy_network_programming_duration_seconds` (histogram): from an
+//!   EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time` to the
+//!   end of the sync that programmed it;
+//! - `proxy_agent_programmed_frontends`, `proxy_agent_programmed_backends`:
+//!   what the maps hold after the last sync;
+//! - `proxy_agent_sync_program_errors`: what the last sync could not program;
+//! - `proxy_agent_datapath_packets_total{reason}`: the datapath's verdict
+//!   counters, read from the pinned stats map at scrape time.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    path::PathBuf,
+    sync::atomic::AtomicU64,
+    time::{Duration, SystemTime},
+};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{
+        counter::ConstCounter,
+        gauge::Gauge,
+        histogram::{exponential_buckets, linear_buckets, Histogram},
+    },
+    registry::Registry,
+};
+use tracing::debug;
+
+use crate::{
+    bpf::PinnedMaps, k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME, manifests::Snapshot,
+    model::DesiredState,
+};
+
+/// kube-proxy's buckets for the sync duration: 1 ms × 2^i, 15 buckets.
+fn sync_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 15)
+}
+
+/// kube-proxy's buckets for the network programming latency.
+fn programming_buckets() -> impl Iterator<Item = f64> {
+    linear_buckets(0.25, 0.25, 2)
+        .chain(linear_buckets(1.0, 1.0, 59))
+        .chain(linear_buckets(60.0, 5.0, 12))
+        .chain(linear_buckets(120.0, 30.0, 7))
+}
+
+/// The datapath's counters, read when scraped.
+#[derive(Debug)]
+struct DatapathStats {
+    pin_dir: PathBuf,
+}
+
+impl Collector for DatapathStats {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let stats = match PinnedMaps::new(&self.pin_dir).stats() {
+            Ok(s) => s,
+            Err(e) => {
+                // No datapath (yet): no series, rather than a failed scrape.
+                debug!(error = %e, "datapath stats not readable");
+                return Ok(());
+            }
+        };
+        let mut family = encoder.encode_descriptor(
+            "proxy_agent_datapath_packets",
+            "Packets seen by the datapath, by verdict (summed over CPUs)",
+            None,
+            ConstCounter::<u64>::new(0).metric_type(),
+        )?;
+        for (code, value) in stats {
+            let reason = proxy_common::stat::NAMES
+                .get(code as usize)
+                .copied()
+                .filter(|n| !n.is_empty())
+                .map_or_else(|| format!("code_{code}"), str::to_string);
+            let labels = [("reason".to_string(), reason)];
+            ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The agent's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    sync_duration: Histogram,
+    last_sync: Gauge<f64, AtomicU64>,
+    programming: Histogram,
+    frontends: Gauge,
+    backends: Gauge,
+    program_errors: Gauge,
+}
+
+impl Metrics {
+    /// `pin_dir`: where the datapath's maps are pinned (its stats are read
+    /// from there at scrape time); `None` leaves the datapath counters out.
+    pub fn new(pin_dir: Option<PathBuf>) -> Self {
+        let mut registry = Registry::default();
+        let sync_duration = Histogram::new(sync_buckets());
+        let last_sync = Gauge::<f64, AtomicU64>::default();
+        let programming = Histogram::new(programming_buckets());
+        let frontends = Gauge::default();
+        let backends = Gauge::default();
+        let program_errors = Gauge::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            sync_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            last_sync.clone(),
+        );
+        registry.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            programming.clone(),
+        );
+        registry.register(
+            "proxy_agent_programmed_frontends",
+            "Frontends (service address, port, protocol) programmed by the last sync",
+            frontends.clone(),
+        );
+        registry.register(
+            "proxy_agent_programmed_backends",
+            "Distinct backends programmed by the last sync",
+            backends.clone(),
+        );
+        registry.register(
+            "proxy_agent_sync_program_errors",
+            "Frontends or backends the last sync could not program",
+            program_errors.clone(),
+        );
+        if let Some(pin_dir) = pin_dir {
+            registry.register_collector(Box::new(DatapathStats { pin_dir }));
+        }
+        Self {
+            registry,
+            sync_duration,
+            last_sync,
+            programming,
+            frontends,
+            backends,
+            program_errors,
+        }
+    }
+
+    /// Records a completed sync of `desired`, `errors` of which could not be
+    /// programmed.
+    pub fn observe_sync(&self, elapsed: Duration, desired: &DesiredState, errors: usize) {
+        self.sync_duration.observe(elapsed.as_secs_f64());
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.last_sync.set(now.as_secs_f64());
+        let backends: BTreeSet<_> = desired
+            .frontends
+            .values()
+            .flat_map(|f| f.backends.iter())
+            .collect();
+        self.frontends.set(desired.frontends.len() as i64);
+        self.backends.set(backends.len() as i64);
+        self.program_errors.set(errors as i64);
+    }
+
+    /// Records one network programming latency.
+    pub fn observe_programming(&self, latency: Duration) {
+        self.programming.observe(latency.as_secs_f64());
+    }
+
+    /// The metrics in Prometheus text format (0.0.4).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String does not fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Tracks EndpointSlice trigger times between syncs, as kube-proxy's endpoint
+/// change tracker does: each new trigger time is observed once, at the end of
+/// the sync that programmed it; times from before the agent started are
+/// ignored (they would measure the agent's downtime).
+#[derive(Debug)]
+pub struct ProgrammingLatency {
+    started: SystemTime,
+    seen: HashMap<(String, String), String>,
+}
+
+impl Default for ProgrammingLatency {
+    fn default() -> Self {
+        Self::new(SystemTime::now())
+    }
+}
+
+impl ProgrammingLatency {
+    pub fn new(started: SystemTime) -> Self {
+        Self {
+            started,
+            seen: HashMap::new(),
+        }
+    }
+
+    /// The trigger times of the slices in `snapshot` that changed since the
+    /// last call; forgets deleted slices.
+    pub fn pending(&mut self, snapshot: &Snapshot) -> Vec<SystemTime> {
+        let mut current: BTreeMap<(String, String), String> = BTreeMap::new();
+        for s in &snapshot.endpoint_slices {
+            let m = &s.metadata;
+            if let Some(t) = m
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME))
+            {
+                current.insert(
+                    (
+                        m.namespace.clone().unwrap_or_default(),
+                        m.name.clone().unwrap_or_default(),
+                    ),
+                    t.clone(),
+                );
+            }
+        }
+        let mut out = Vec::new();
+        for (key, t) in &current {
+            if self.seen.get(key) == Some(t) {
+                continue;
+            }
+            if let Ok(ts) = t.parse::<jiff::Timestamp>() {
+                let when = SystemTime::from(ts);
+                if when >= self.started {
+                    out.push(when);
+                }
+            }
+        }
+        self.seen = current.into_iter().collect();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn slice(name: &str, trigger: &str) -> EndpointSlice {
+        EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                annotations: Some(
+                    [(
+                        ANNOTATION_LAST_CHANGE_TRIGGER_TIME.to_string(),
+                        trigger.to_string(),
+                    )]
+                    .into(),
+                ),
+                ..ObjectMeta::default()
+            },
+            address_type: "IPv4".into(),
+            endpoints: vec![],
+            ports: None,
+        }
+    }
+
+    #[test]
+    fn each_trigger_time_is_observed_once_and_old_ones_never() {
+        let started: SystemTime = "2030-01-01T00:00:00Z"
+            .parse::<jiff::Timestamp>()
+            .unwrap()
+            .into();
+        let mut p = ProgrammingLatency::new(started);
+        let mut snap = Snapshot {
+            endpoint_slices: vec![
+                slice("a", "2029-12-31T23:00:00Z"),
+                slice("b", "2030-01-01T00:00:05Z"),
+            ],
+            ..Snapshot::default()
+        };
+        assert_eq!(p.pending(&snap).len(), 1, "a predates the start");
+        assert!(p.pending(&snap).is_empty(), "nothing new");
+        snap.endpoint_slices[0] = slice("a", "2030-01-01T00:01:00Z");
+        assert_eq!(
+            p.pending(&snap),
+            vec![SystemTime::from(
+                "2030-01-01T00:01:00Z".parse::<jiff::Timestamp>().unwrap()
+            )]
+        );
+    }
+
+    #[test]
+    fn encodes_kube_proxy_names_in_prometheus_text() {
+        let m = Metrics::new(None);
+        m.observe_sync(Duration::from_millis(3), &DesiredState::default(), 0);
+        m.observe_programming(Duration::from_millis(700));
+        let text = m.encode();
+        for name in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"1\"} 1",
+            "proxy_agent_programmed_frontends 0",
+            "proxy_agent_programmed_backends 0",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+    }
+}

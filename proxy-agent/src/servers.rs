@@ -1,0 +1,243 @@
+//! kube-proxy's HTTP endpoints:
+//!
+//! - on `healthzBindAddress` (default `0.0.0.0:10256`): `/healthz` (sync loop
+//!   keeps up and the node is eligible) and `/livez` (sync loop keeps up), with
+//!   kube-proxy's JSON body, 200 or 503;
+//! - on `metricsBindAddress` (default `127.0.0.1:10249`): `/metrics`
+//!   (Prometheus text) and `/proxyMode` (`ebpf`).
+//!
+//! `/proxyMode` is served on both, as the e2e check of kube-proxy's URLs reads
+//! it from the metrics port.
+use std::{net::SocketAddr, sync::Arc, time::SystemTime};
+
+use axum::{
+    extract::State,
+    http::{header, StatusCode},
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use tokio::net::TcpListener;
+use tracing::{error, info};
+
+use crate::{health::Health, metrics::Metrics};
+
+/// What `/proxyMode` answers.
+pub const PROXY_MODE: &str = "ebpf";
+
+fn rfc3339(t: Option<SystemTime>) -> String {
+    // Go's zero time, as kube-proxy prints a never-set lastUpdated.
+    t.and_then(|t| jiff::Timestamp::try_from(t).ok())
+        .map_or_else(|| "0001-01-01T00:00:00Z".to_string(), |t| t.to_string())
+}
+
+fn json(status: StatusCode, body: serde_json::Value) -> Response {
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn healthz(State(h): State<Arc<Health>>) -> Response {
+    let s = h.status();
+    let ok = s.healthy && s.node_eligible;
+    json(
+        if ok {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        serde_json::json!({
+            "lastUpdated": rfc3339(s.last_updated),
+            "currentTime": rfc3339(Some(s.current_time)),
+            "nodeEligible": s.node_eligible,
+        }),
+    )
+}
+
+async fn livez(State(h): State<Arc<Health>>) -> Response {
+    let s = h.status();
+    json(
+        if s.healthy {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        serde_json::json!({
+            "lastUpdated": rfc3339(s.last_updated),
+            "currentTime": rfc3339(Some(s.current_time)),
+        }),
+    )
+}
+
+async fn proxy_mode() -> &'static str {
+    PROXY_MODE
+}
+
+async fn metrics(State(m): State<Arc<Metrics>>) -> Response {
+    // Reading the pinned stats map is a few syscalls; keep them off the
+    // async workers anyway.
+    let body = tokio::task::spawn_blocking(move || m.encode())
+        .await
+        .unwrap_or_default();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// `/healthz`, `/livez` and `/proxyMode`.
+pub fn health_router(health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/livez", get(livez))
+        .route("/proxyMode", get(proxy_mode))
+        .with_state(health)
+}
+
+/// `/metrics` and `/proxyMode`.
+pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(self::metrics))
+        .route("/proxyMode", get(proxy_mode))
+        .with_state(metrics)
+}
+
+/// Serves `router` on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, router: Router) -> std::io::Result<()> {
+    axum::serve(listener, router).await
+}
+
+/// Binds `addr` and serves `router` in a task. As kube-proxy does by default,
+/// a bind failure is logged and the agent goes on without that server.
+pub async fn spawn(
+    what: &'static str,
+    addr: SocketAddr,
+    router: Router,
+) -> Option<tokio::task::JoinHandle<()>> {
+    match TcpListener::bind(addr).await {
+        Ok(l) => {
+            info!(server = what, address = %l.local_addr().unwrap_or(addr), "serving");
+            Some(tokio::spawn(async move {
+                if let Err(e) = serve(l, router).await {
+                    error!(server = what, error = %e, "server stopped");
+                }
+            }))
+        }
+        Err(e) => {
+            error!(server = what, address = %addr, error = %e, "cannot bind; going on without it");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::model::DesiredState;
+
+    async fn start(router: Router) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, router));
+        addr
+    }
+
+    /// A plain HTTP/1.1 GET: (status, body).
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        let (head, body) = buf.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_string(), body.to_string())
+    }
+
+    #[tokio::test]
+    async fn healthz_and_livez_answer_kube_proxys_json() {
+        let h = Arc::new(Health::new(Duration::from_secs(60)));
+        let addr = start(health_router(h.clone())).await;
+        let (status, head, body) = get(addr, "/healthz").await;
+        assert_eq!(status, 200, "{body}");
+        assert!(head
+            .to_lowercase()
+            .contains("content-type: application/json"));
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["nodeEligible"], true);
+        for k in ["lastUpdated", "currentTime"] {
+            let t = v[k].as_str().unwrap();
+            t.parse::<jiff::Timestamp>()
+                .unwrap_or_else(|e| panic!("{k} {t:?} is not RFC 3339: {e}"));
+        }
+        let (status, _, body) = get(addr, "/livez").await;
+        assert_eq!(status, 200);
+        assert!(body.contains("lastUpdated"));
+        assert_eq!(get(addr, "/proxyMode").await.2, "ebpf");
+    }
+
+    #[tokio::test]
+    async fn stalled_sync_gives_503_until_a_sync_completes() {
+        let h = Arc::new(Health::new(Duration::from_millis(20)));
+        let addr = start(health_router(h.clone())).await;
+        h.queued_update();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let (status, _, body) = get(addr, "/healthz").await;
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body.contains("\"lastUpdated\":\"0001-01-01T00:00:00Z\""),
+            "{body}"
+        );
+        assert_eq!(get(addr, "/livez").await.0, 503);
+        h.updated();
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn ineligible_node_fails_healthz_but_not_livez() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let h = Arc::new(Health::new(Duration::from_secs(60)));
+        let addr = start(health_router(h.clone())).await;
+        let mut node = k8s_openapi::api::core::v1::Node::default();
+        node.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::now()));
+        h.sync_node(Some(&node));
+        let (status, _, body) = get(addr, "/healthz").await;
+        assert_eq!(status, 503);
+        assert!(body.contains("\"nodeEligible\":false"), "{body}");
+        assert_eq!(get(addr, "/livez").await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn metrics_and_proxy_mode_on_the_metrics_address() {
+        let m = Arc::new(Metrics::new(Some("/nonexistent/proxy-agent-test".into())));
+        m.observe_sync(Duration::from_millis(5), &DesiredState::default(), 0);
+        let addr = start(metrics_router(m)).await;
+        let (status, head, body) = get(addr, "/metrics").await;
+        assert_eq!(status, 200);
+        assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+        assert!(
+            body.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram"),
+            "{body}"
+        );
+        assert!(body.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds"));
+        let (status, _, body) = get(addr, "/proxyMode").await;
+        assert_eq!((status, body.as_str()), (200, "ebpf"));
+    }
+}

@@ -1,0 +1,217 @@
+//! The config file and the flags: field names, Go durations, errors that name
+//! the field, flags over file over defaults, and the lab's command line.
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use clap::Parser;
+use proxy_agent::{
+    cli::{Cli, Cmd, RunArgs},
+    config::{parse_duration, ConfigFile, Settings, SourceKind},
+};
+
+fn run_args(args: &[&str]) -> RunArgs {
+    let mut argv = vec!["proxy-agent", "run"];
+    argv.extend_from_slice(args);
+    match Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{args:?}: {e}")) {
+        Cli { cmd: Cmd::Run(a) } => *a,
+        _ => unreachable!(),
+    }
+}
+
+fn parse(text: &str) -> Result<ConfigFile, String> {
+    ConfigFile::parse(Path::new("config.yaml"), text).map_err(|e| e.to_string())
+}
+
+const FULL: &str = r#"
+apiVersion: proxy-agent.io/v1alpha1
+kind: ProxyAgentConfiguration
+healthzBindAddress: 0.0.0.0:10266
+metricsBindAddress: 127.0.0.1:10259
+nodePortAddresses: [198.18.0.0/15]
+clusterCIDR: 198.19.0.0/16
+minSyncPeriod: 250ms
+syncPeriod: 1m30s
+hostnameOverride: node-7
+clientConnection:
+  kubeconfig: /etc/kubeconfig
+conntrack:
+  maxPerCore: 1000
+  min: 5000000
+  tcpEstablishedTimeout: 24h
+  tcpCloseWaitTimeout: 1h
+  udpTimeout: 30s
+source: kubernetes
+manifests: [/srv/a, /srv/b]
+bpffs: /sys/fs/bpf/x
+podInterfaces: ["lxc*", "veth*"]
+hairpinSnatIP: 198.18.255.1
+serviceProxyName: ebpf
+"#;
+
+#[test]
+fn go_durations() {
+    let ok = [
+        ("0", Duration::ZERO),
+        ("1s", Duration::from_secs(1)),
+        ("250ms", Duration::from_millis(250)),
+        ("1m30s", Duration::from_secs(90)),
+        ("1.5h", Duration::from_secs(5400)),
+        ("2h45m", Duration::from_secs(9900)),
+        ("100us", Duration::from_micros(100)),
+        ("10ns", Duration::from_nanos(10)),
+    ];
+    for (s, d) in ok {
+        assert_eq!(parse_duration(s), Ok(d), "{s}");
+    }
+    for bad in ["", "1", "-1s", "1x", "s", "1s2"] {
+        assert!(parse_duration(bad).is_err(), "{bad:?} accepted");
+    }
+}
+
+#[test]
+fn every_field_of_the_file_is_used() {
+    let file = parse(FULL).unwrap();
+    let s = Settings::resolve(&file, &RunArgs::default()).unwrap();
+    assert_eq!(
+        s.healthz_bind_address,
+        Some("0.0.0.0:10266".parse().unwrap())
+    );
+    assert_eq!(
+        s.metrics_bind_address,
+        Some("127.0.0.1:10259".parse().unwrap())
+    );
+    assert_eq!(s.node_port_addresses.len(), 1);
+    assert_eq!(s.cluster_cidr.unwrap().to_string(), "198.19.0.0/16");
+    assert_eq!(s.min_sync_period, Duration::from_millis(250));
+    assert_eq!(s.sync_period, Duration::from_secs(90));
+    assert_eq!(s.node_name, "node-7");
+    assert_eq!(s.kubeconfig.as_deref(), Some(Path::new("/etc/kubeconfig")));
+    assert!(s.map_sizes.conntrack >= 5_000_000);
+    assert_eq!(s.conntrack_timeouts.tcp_established_s, Some(86_400));
+    assert_eq!(s.conntrack_timeouts.tcp_closing_s, Some(3_600));
+    assert_eq!(s.conntrack_timeouts.udp_s, Some(30));
+    assert_eq!(s.source, SourceKind::Kubernetes);
+    assert_eq!(s.manifests.len(), 2);
+    assert_eq!(s.bpffs, Path::new("/sys/fs/bpf/x"));
+    assert_eq!(s.pod_interfaces.len(), 2);
+    assert_eq!(s.hairpin_snat_ip.to_string(), "198.18.255.1");
+    assert_eq!(s.service_proxy_name.as_deref(), Some("ebpf"));
+}
+
+#[test]
+fn defaults_are_kube_proxys() {
+    let s = Settings::resolve(
+        &ConfigFile::default(),
+        &run_args(&["--manifests", "/m", "--node-name", "n"]),
+    )
+    .unwrap();
+    assert_eq!(
+        s.healthz_bind_address,
+        Some("0.0.0.0:10256".parse().unwrap())
+    );
+    assert_eq!(
+        s.metrics_bind_address,
+        Some("127.0.0.1:10249".parse().unwrap())
+    );
+    assert_eq!(s.min_sync_period, Duration::from_secs(1));
+    assert_eq!(s.sync_period, Duration::from_secs(30));
+    assert_eq!(s.source, SourceKind::Manifests);
+}
+
+#[test]
+fn unknown_and_invalid_fields_are_errors_that_name_them() {
+    let e = parse("minSyncPeriod: 1s\nbindAddres: 0.0.0.0\n").unwrap_err();
+    assert!(e.contains("bindAddres"), "{e}");
+    assert!(e.contains("config.yaml"), "{e}");
+    let e = parse("conntrack:\n  maxPerCores: 1\n").unwrap_err();
+    assert!(e.contains("conntrack") && e.contains("maxPerCores"), "{e}");
+    let e = parse("syncPeriod: 30\n").unwrap_err();
+    assert!(
+        e.contains("syncPeriod") && e.contains("invalid duration"),
+        "{e}"
+    );
+    let e = parse("hairpinSnatIP: 198.18.0.300\n").unwrap_err();
+    assert!(e.contains("hairpinSnatIP"), "{e}");
+    let e = parse("source: ipvs\n").unwrap_err();
+    assert!(e.contains("source"), "{e}");
+    let e = parse("kind: KubeProxyConfiguration\n").unwrap_err();
+    assert!(e.contains("kind"), "{e}");
+    let file = parse("clusterCIDR: 198.18.0.0/33\nsource: kubernetes\n").unwrap();
+    let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("clusterCIDR"), "{e}");
+    let file = parse("healthzBindAddress: nowhere\nsource: kubernetes\n").unwrap();
+    let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("healthzBindAddress"), "{e}");
+}
+
+#[test]
+fn flags_override_the_file() {
+    let file = parse(FULL).unwrap();
+    let flags = run_args(&[
+        "--source",
+        "manifests",
+        "--manifests",
+        "/m",
+        "--node-name",
+        "node-1",
+        "--min-sync-period",
+        "100ms",
+        "--healthz-bind-address",
+        "127.0.0.1:1",
+        "--metrics-bind-address",
+        "",
+        "--kubeconfig",
+        "/k",
+        "--conntrack-max",
+        "1000",
+    ]);
+    let s = Settings::resolve(&file, &flags).unwrap();
+    assert_eq!(s.source, SourceKind::Manifests);
+    assert_eq!(s.manifests, [Path::new("/m")]);
+    assert_eq!(s.node_name, "node-1");
+    assert_eq!(s.min_sync_period, Duration::from_millis(100));
+    assert_eq!(s.sync_period, Duration::from_secs(90), "from the file");
+    assert_eq!(
+        s.healthz_bind_address,
+        Some("127.0.0.1:1".parse::<SocketAddr>().unwrap())
+    );
+    assert_eq!(s.metrics_bind_address, None, "empty disables");
+    assert_eq!(s.kubeconfig.as_deref(), Some(Path::new("/k")));
+    assert_eq!(s.map_sizes.conntrack, 1000);
+}
+
+#[test]
+fn the_labs_command_line_still_works() {
+    let flags = run_args(&[
+        "--source",
+        "manifests",
+        "--manifests",
+        "/tmp/lab/manifests",
+        "--node-name",
+        "node-1",
+        "--bpffs",
+        "/sys/fs/bpf/lab-node-1",
+        "--pod-interfaces",
+        "lxc*",
+        "--hairpin-snat-ip",
+        "198.18.255.254",
+        "--min-sync-period",
+        "100ms",
+    ]);
+    let s = Settings::from_flags(&flags).unwrap();
+    assert_eq!(s.node_name, "node-1");
+    assert_eq!(s.bpffs, Path::new("/sys/fs/bpf/lab-node-1"));
+    assert_eq!(s.pod_interfaces[0].as_str(), "lxc*");
+    assert_eq!(s.min_sync_period, Duration::from_millis(100));
+    assert_eq!(s.hairpin_snat_ip.to_string(), "198.18.255.254");
+}
+
+#[test]
+fn the_manifests_source_needs_manifests() {
+    let e =
+        Settings::resolve(&ConfigFile::default(), &run_args(&["--node-name", "n"])).unwrap_err();
+    assert!(e.to_string().starts_with("manifests"), "{e}");
+}
