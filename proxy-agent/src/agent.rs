@@ -39,6 +39,7 @@ pub struct RunConfig {
     pub node_name: String,
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
+    pub external_interfaces: Vec<glob::Pattern>,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -58,6 +59,7 @@ impl From<&Settings> for RunConfig {
             node_name: s.node_name.clone(),
             bpffs: s.bpffs.clone(),
             pod_interfaces: s.pod_interfaces.clone(),
+            external_interfaces: s.external_interfaces.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
             sync_period: s.sync_period,
@@ -75,6 +77,8 @@ struct Observers {
     health: Arc<Health>,
     metrics: Arc<Metrics>,
     latency: ProgrammingLatency,
+    /// The datapath configuration as written, and the node address in it.
+    datapath: Config,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,40 +108,71 @@ fn link_name(msg: &LinkMessage) -> Option<&str> {
     })
 }
 
-fn on_new_link(attacher: &Mutex<Attacher>, patterns: &[glob::Pattern], msg: &LinkMessage) {
+/// Which program an interface gets, by name: pod interfaces first.
+#[derive(Clone)]
+struct Patterns {
+    pod: Vec<glob::Pattern>,
+    external: Vec<glob::Pattern>,
+}
+
+impl Patterns {
+    fn kind(&self, name: &str) -> Option<IfaceKind> {
+        if matches(&self.pod, name) {
+            Some(IfaceKind::Pod)
+        } else if matches(&self.external, name) {
+            Some(IfaceKind::External)
+        } else {
+            None
+        }
+    }
+}
+
+fn on_new_link(attacher: &Mutex<Attacher>, patterns: &Patterns, msg: &LinkMessage) {
     let index = msg.header.index;
     let Some(name) = link_name(msg) else { return };
-    if !matches(patterns, name) {
+    let Some(kind) = patterns.kind(name) else {
         return;
-    }
+    };
     let mut a = attacher.lock().expect("attacher lock");
     if a.is_attached(index) {
         return;
     }
-    match a.attach(index, name, IfaceKind::Pod) {
-        Ok(()) => info!(interface = name, ifindex = index, "attached pod program"),
+    match a.attach(index, name, kind) {
+        Ok(()) => match kind {
+            IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
+            IfaceKind::External => {
+                info!(interface = name, ifindex = index, "attached external program")
+            }
+        },
         // The interface may be gone already (a pod deleted right after creation).
-        Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach pod program"),
+        Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach"),
     }
 }
 
-/// Attaches to every interface matching the patterns, now and as they appear;
-/// forgets interfaces as they disappear.
-async fn watch_links(
-    attacher: Arc<Mutex<Attacher>>,
-    patterns: Vec<glob::Pattern>,
-) -> Result<(), AgentError> {
-    // Subscribe before listing, so that no interface falls between the two.
-    let (conn, handle, mut events) =
+type LinkEvents = futures::channel::mpsc::UnboundedReceiver<(
+    netlink_packet_core::NetlinkMessage<RouteNetlinkMessage>,
+    netlink_sys::SocketAddr,
+)>;
+
+/// Attaches to every interface that exists now and matches the patterns; the
+/// returned events (subscribed before listing, so that no interface falls
+/// between the two) feed [`follow_links`].
+async fn attach_existing(attacher: &Mutex<Attacher>, patterns: &Patterns) -> Result<LinkEvents, AgentError> {
+    let (conn, handle, events) =
         new_multicast_connection(&[MulticastGroup::Link]).map_err(AgentError::Netlink)?;
     tokio::spawn(conn);
     let mut links = handle.link().get().execute();
     while let Some(msg) = links.next().await {
         match msg {
-            Ok(msg) => on_new_link(&attacher, &patterns, &msg),
+            Ok(msg) => on_new_link(attacher, patterns, &msg),
             Err(e) => warn!(error = %e, "listing links"),
         }
     }
+    Ok(events)
+}
+
+/// Attaches to interfaces as they appear; forgets them as they disappear.
+async fn follow_links(attacher: Arc<Mutex<Attacher>>, patterns: Patterns, mut events: LinkEvents) {
     while let Some((msg, _)) = events.next().await {
         match msg.payload {
             NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
@@ -153,7 +188,6 @@ async fn watch_links(
             _ => {}
         }
     }
-    Ok(())
 }
 
 /// One sync: read the source, compute the desired state, write the difference.
@@ -162,6 +196,7 @@ fn sync_once(
     source: &mut dyn Source,
     writer: &mut Writer<BpfDataplane>,
     obs: &mut Observers,
+    announce: bool,
 ) {
     let started = Instant::now();
     let (snapshot, source_errors) = source.snapshot();
@@ -174,6 +209,17 @@ fn sync_once(
         warn!("{w}");
     }
     let triggers = obs.latency.pending(&snapshot);
+    // The node's address is the SNAT source of external traffic to other nodes.
+    let node_cfg = obs.datapath.with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED));
+    if node_cfg != obs.datapath {
+        match writer.dataplane_mut().set_config(node_cfg) {
+            Ok(()) => {
+                info!(node_addr = ?desired.node_addr, "datapath configuration updated");
+                obs.datapath = node_cfg;
+            }
+            Err(e) => error!(error = %e, "cannot update the datapath configuration"),
+        }
+    }
     let report = writer.sync(&desired);
     for (what, e) in &report.errors {
         error!(frontend = %what, error = %e, "cannot program");
@@ -195,13 +241,16 @@ fn sync_once(
         obs.metrics
             .observe_programming(now.duration_since(t).unwrap_or_default());
     }
+    // The first sync runs before the programs are attached: it is not yet the
+    // moment to announce readiness (the lab and tests wait for the marker).
+    let what = if announce { SYNC_COMPLETE } else { "initial sync" };
     info!(
         frontends = desired.frontends.len(),
         source_errors,
         model_warnings = warnings.len(),
         program_errors = report.errors.len(),
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-        "{SYNC_COMPLETE}: {report:?}"
+        "{what}: {report:?}"
     );
 }
 
@@ -227,13 +276,15 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
-    dp.set_config(datapath_config(&cfg))?;
+    let datapath = datapath_config(&cfg);
+    dp.set_config(datapath)?;
     let mut writer = Writer::adopt(dp)?;
 
     let mut obs = Observers {
         health: Arc::new(Health::new(Health::timeout_for(cfg.sync_period))),
         metrics: Arc::new(Metrics::new(Some(loaded.pin_dir.clone()))),
         latency: ProgrammingLatency::default(),
+        datapath,
     };
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
@@ -254,11 +305,15 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         }
     }
     // Program the maps before attaching, so the first packets find them.
-    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs);
+    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, false);
     let mut last_sync = Instant::now();
 
     let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
-    let links = tokio::spawn(watch_links(attacher.clone(), cfg.pod_interfaces.clone()));
+    let patterns = Patterns { pod: cfg.pod_interfaces.clone(), external: cfg.external_interfaces.clone() };
+    let events = attach_existing(&attacher, &patterns).await?;
+    let links = tokio::spawn(follow_links(attacher.clone(), patterns, events));
+    // Ready: maps programmed and every existing interface attached.
+    info!("{SYNC_COMPLETE}: initial state programmed, programs attached");
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
@@ -277,7 +332,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
                 if source.ready() {
-                    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs);
+                    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, true);
                 }
                 last_sync = Instant::now();
                 pending = false;

@@ -57,6 +57,12 @@ pub struct RunArgs {
     /// separated [default: lxc*].
     #[arg(long, value_delimiter = ',')]
     pub pod_interfaces: Option<Vec<String>>,
+    /// Glob patterns of the node's external devices (towards other nodes and
+    /// external clients), comma separated; they get the NodePort /
+    /// load-balancer / externalIP program and the reverse NAT of replies from
+    /// other nodes [default: eth0].
+    #[arg(long, value_delimiter = ',')]
+    pub external_interfaces: Option<Vec<String>>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

@@ -4,7 +4,7 @@
 //! is the same (`healthzBindAddress`, `metricsBindAddress`, `minSyncPeriod`,
 //! `syncPeriod`, `hostnameOverride`, `clientConnection.kubeconfig`,
 //! `conntrack`, ...); the agent's own fields are camelCase too (`bpffs`,
-//! `podInterfaces`, `hairpinSnatIP`, `source`, `manifests`,
+//! `podInterfaces`, `externalInterfaces`, `hairpinSnatIP`, `source`, `manifests`,
 //! `serviceProxyName`). Durations are Go durations (`1s`, `250ms`, `1m30s`).
 //! Unknown fields are errors. Flags override the file; the file overrides the
 //! defaults.
@@ -27,6 +27,8 @@ pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
 pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";
 pub const DEFAULT_POD_INTERFACES: &str = "lxc*";
+/// The node's external devices, by default.
+pub const DEFAULT_EXTERNAL_INTERFACES: &str = "eth0";
 /// Cilium's default service loopback address.
 pub const DEFAULT_HAIRPIN_SNAT_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
 /// The `kind` a configuration file may declare.
@@ -177,6 +179,7 @@ pub struct ConfigFile {
     pub manifests: Option<Vec<PathBuf>>,
     pub bpffs: Option<PathBuf>,
     pub pod_interfaces: Option<Vec<String>>,
+    pub external_interfaces: Option<Vec<String>>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -277,6 +280,7 @@ pub struct Settings {
     pub service_proxy_name: Option<String>,
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
+    pub external_interfaces: Vec<glob::Pattern>,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -380,6 +384,18 @@ impl Settings {
                     .map_err(|e| invalid("podInterfaces", format!("bad pattern {p:?}: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let external_interfaces = flags
+            .external_interfaces
+            .clone()
+            .or_else(|| file.external_interfaces.clone())
+            .unwrap_or_else(|| vec![DEFAULT_EXTERNAL_INTERFACES.to_string()])
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                glob::Pattern::new(p)
+                    .map_err(|e| invalid("externalInterfaces", format!("bad pattern {p:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let min_sync_period = flags
             .min_sync_period
             .or(file.min_sync_period.map(|d| d.0))
@@ -459,6 +475,7 @@ impl Settings {
                 .or_else(|| file.bpffs.clone())
                 .unwrap_or_else(|| DEFAULT_BPFFS.into()),
             pod_interfaces,
+            external_interfaces,
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)

@@ -410,6 +410,8 @@ pub struct Writer<D: Dataplane> {
     backend_ids: BTreeMap<BackendAddr, u32>,
     rev_nat_ids: BTreeMap<FrontendKey, u16>,
     rev_nat_owner: BTreeMap<u16, FrontendKey>,
+    /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
+    source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
     next_backend_id: u32,
     next_rev_nat_id: u16,
 }
@@ -489,6 +491,7 @@ impl<D: Dataplane> Writer<D> {
             backend_ids,
             rev_nat_ids,
             rev_nat_owner,
+            source_ranges: programmed.source_ranges,
             next_backend_id: max_backend.map_or(1, |m| m.wrapping_add(1).max(1)),
             next_rev_nat_id: max_rev_nat.map_or(1, |m| m.wrapping_add(1).max(1)),
         })
@@ -619,6 +622,14 @@ impl<D: Dataplane> Writer<D> {
             report.errors.push((frontend_label(&key, fe), e));
         };
 
+        // Endpoints on this node: external traffic to the others is SNATed.
+        let local = |b: &BackendAddr| {
+            if desired.local_endpoints.contains(&b.addr) {
+                backend_state::LOCAL
+            } else {
+                0
+            }
+        };
         // (1) Backends: those in slots are active; terminating ones that flows
         // may still use (`retained`) stay in the map without a slot.
         let mut wanted: BTreeMap<BackendAddr, Backend4> = BTreeMap::new();
@@ -626,7 +637,7 @@ impl<D: Dataplane> Writer<D> {
             for b in &fe.retained {
                 wanted.insert(
                     *b,
-                    Backend4::new(b.addr, b.port, b.proto, backend_state::TERMINATING),
+                    Backend4::new(b.addr, b.port, b.proto, backend_state::TERMINATING | local(b)),
                 );
             }
         }
@@ -634,7 +645,7 @@ impl<D: Dataplane> Writer<D> {
             for b in &fe.backends {
                 wanted.insert(
                     *b,
-                    Backend4::new(b.addr, b.port, b.proto, backend_state::ACTIVE),
+                    Backend4::new(b.addr, b.port, b.proto, backend_state::ACTIVE | local(b)),
                 );
             }
         }
@@ -743,6 +754,31 @@ impl<D: Dataplane> Writer<D> {
             }
         }
 
+        // (2b) Source ranges a frontend gains, before its slot 0 may use them.
+        for (key, fe) in &desired.frontends {
+            if failed.contains(key) {
+                continue;
+            }
+            let Some(id) = self.rev_nat_ids.get(key).copied() else {
+                continue;
+            };
+            for range in &fe.source_ranges {
+                if self.source_ranges.get(&id).is_some_and(|s| s.contains(range)) {
+                    continue;
+                }
+                match self.dp.put_source_range(id, *range) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        self.source_ranges.entry(id).or_default().insert(*range);
+                    }
+                    Err(e) => {
+                        fail(&mut failed, &mut report, *key, Some(fe), e);
+                        break;
+                    }
+                }
+            }
+        }
+
         // (3) Slots 1..=n of changed frontends.
         let mut touched: BTreeSet<FrontendKey> = BTreeSet::new();
         for (key, (ids, _)) in &targets {
@@ -843,6 +879,33 @@ impl<D: Dataplane> Writer<D> {
                 }
             }
         }
+        // (5b) Source ranges a frontend no longer has (its slot 0 is written).
+        for (key, fe) in &desired.frontends {
+            if failed.contains(key) {
+                continue;
+            }
+            let Some(id) = self.rev_nat_ids.get(key).copied() else {
+                continue;
+            };
+            let wanted: BTreeSet<SourceRange> = fe.source_ranges.iter().copied().collect();
+            let extra: Vec<SourceRange> = self
+                .source_ranges
+                .get(&id)
+                .map(|s| s.difference(&wanted).copied().collect())
+                .unwrap_or_default();
+            for range in extra {
+                match self.dp.delete_source_range(id, range) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        if let Some(s) = self.source_ranges.get_mut(&id) {
+                            s.remove(&range);
+                        }
+                    }
+                    Err(e) => report.errors.push((frontend_label(key, Some(fe)), e)),
+                }
+            }
+        }
+
         // Session affinity of changed frontends: a client's entry ends when its
         // backend left the frontend, every entry when affinity is off.
         for key in &touched {
@@ -948,6 +1011,30 @@ impl<D: Dataplane> Writer<D> {
                 Err(e) => report.errors.push((format!("reverse NAT {id}"), e)),
             }
         }
+
+        // Source ranges of reverse-NAT ids no desired frontend owns.
+        let stale_ranges: Vec<(u16, SourceRange)> = self
+            .source_ranges
+            .iter()
+            .filter(|(id, _)| {
+                self.rev_nat_owner
+                    .get(id)
+                    .is_none_or(|k| !desired.frontends.contains_key(k))
+            })
+            .flat_map(|(id, set)| set.iter().map(move |r| (*id, *r)))
+            .collect();
+        for (id, range) in stale_ranges {
+            match self.dp.delete_source_range(id, range) {
+                Ok(()) => {
+                    report.writes += 1;
+                    if let Some(s) = self.source_ranges.get_mut(&id) {
+                        s.remove(&range);
+                    }
+                }
+                Err(e) => report.errors.push((format!("source range of reverse NAT {id}"), e)),
+            }
+        }
+        self.source_ranges.retain(|_, s| !s.is_empty());
 
         // (7) Backends no slot refers to and no frontend retains.
         let mut referenced: BTreeSet<u32> = self
