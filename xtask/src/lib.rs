@@ -1,1 +1,71 @@
+//! Developer and CI tasks of the eBPF kube-proxy replacement, and the lab
+//! library the integration tests drive.
 
+pub mod client;
+pub mod lab;
+pub mod manifests;
+pub mod netns;
+pub mod setup;
+
+use std::net::SocketAddrV4;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+
+pub use lab::{Endpoint, Frontend, Lab, LabBuilder, LabInfo, NodeInfo, PodInfo};
+
+/// Checks the lab's plumbing without any proxy: from the client namespace
+/// on node-1, every pod's server on every node answers on its pod IP over
+/// TCP and UDP with its name, and sees the client's own address (no NAT on
+/// the direct path; pods on other nodes are reached through the switch).
+/// With an external client, the same from it.
+pub fn self_check(lab: &Lab) -> Result<()> {
+    let mut failures = check_from(lab, lab.client());
+    if let Some(ext) = lab.external() {
+        failures.extend(check_from(lab, ext));
+    }
+    if !failures.is_empty() {
+        bail!("pods not reachable directly: {}", failures.join(", "));
+    }
+    Ok(())
+}
+
+/// Every pod (with its own namespace) from `from`; returns the failures.
+fn check_from(lab: &Lab, from: &Endpoint) -> Vec<String> {
+    let timeout = Duration::from_secs(2);
+    let mut failures = Vec::new();
+    for pod in lab.pods() {
+        if pod.host_if.is_empty() {
+            continue;
+        }
+        let port = pod
+            .ports
+            .first()
+            .map(|p| p.port)
+            .unwrap_or(lab::DEFAULT_POD_PORT);
+        let addr = SocketAddrV4::new(pod.ip, port);
+        let tcp = client::tcp_request(&from.netns, addr, b"hostname\n", timeout)
+            .map(|r| client::reply_text(&r));
+        let udp = client::udp_request(&from.netns, addr, b"hostname", timeout, None)
+            .map(|r| client::reply_text(&r));
+        let peer = client::tcp_request(&from.netns, addr, b"clientip\n", timeout)
+            .map(|r| client::reply_text(&r));
+        let ok = matches!(&tcp, Ok(n) if *n == pod.name)
+            && matches!(&udp, Ok(n) if *n == pod.name)
+            && matches!(&peer, Ok(p) if p.starts_with(&format!("{}:", from.ip)));
+        println!(
+            "{} {} -> {addr} ({} on {}): tcp {:?} udp {:?} clientip {:?}",
+            if ok { "ok  " } else { "FAIL" },
+            from.name,
+            pod.name,
+            pod.node,
+            tcp,
+            udp,
+            peer
+        );
+        if !ok {
+            failures.push(format!("{} from {}", pod.name, from.name));
+        }
+    }
+    failures
+}

@@ -1,1 +1,516 @@
-fn main() {}
+//! `cargo xtask`: setup, build-ebpf, lab, demo, test.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use xtask::client::{self, Request};
+use xtask::lab::{Frontend, Lab};
+use xtask::manifests::Object;
+use xtask::setup;
+
+#[derive(Parser)]
+#[command(about = "Developer and CI tasks of the eBPF kube-proxy replacement")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building and testing need (idempotent).
+    Setup,
+    /// Build proxy-agent (and with it the eBPF object); print the object's path.
+    BuildEbpf,
+    /// Start, inspect or stop labs (network namespaces under /run/kpr-lab).
+    Lab {
+        #[command(subcommand)]
+        cmd: LabCmd,
+    },
+    /// Start a lab from deploy/examples, show how traffic spreads, delete a
+    /// pod per service, show it again, tear down.
+    Demo {
+        /// Requests per frontend and round.
+        #[arg(long, default_value_t = 1000)]
+        requests: usize,
+    },
+    /// Setup, build, then `cargo test --workspace --exclude proxy-ebpf --
+    /// --include-ignored --test-threads=2` as root (the eBPF crate only builds
+    /// for the bpf target). Arguments go to `cargo test`; those after a
+    /// second `--` go to the test binaries.
+    Test {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum LabCmd {
+    /// Start a lab from a manifest file or directory; print its lab.json path.
+    Up {
+        manifests: PathBuf,
+        /// Do not start the agents.
+        #[arg(long)]
+        no_agent: bool,
+        /// Number of nodes (more than one adds a switch and an external client).
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        /// Zones of the nodes, in node order, comma separated (zone-a,zone-b).
+        #[arg(long, value_delimiter = ',')]
+        zones: Vec<String>,
+        /// Do not wait for the agent's first sync.
+        #[arg(long)]
+        no_wait: bool,
+        /// Seconds to wait for the agent's first sync.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        #[arg(long, env = "KPR_AGENT_BIN")]
+        agent_bin: Option<PathBuf>,
+        #[arg(long, env = "KPR_LAB_SERVER_BIN")]
+        server_bin: Option<PathBuf>,
+    },
+    /// Tear a lab down (lab.json path or id); all labs if none given.
+    Down { target: Option<String> },
+    /// List running labs.
+    List,
+    /// Check that every pod answers directly from the client (no proxy involved).
+    Check { target: Option<String> },
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn catch_interrupts() -> Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { sigaction(sig, &action)? };
+    }
+    Ok(())
+}
+
+fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    // `test` forwards its arguments verbatim (clap would swallow a leading `--`).
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("test")
+        && !matches!(argv.get(2).map(String::as_str), Some("-h" | "--help"))
+    {
+        return test(argv[2..].to_vec());
+    }
+    match Cli::parse().cmd {
+        Cmd::Setup => setup::setup(),
+        Cmd::BuildEbpf => {
+            let obj = setup::build_ebpf()?;
+            println!("{}", obj.display());
+            Ok(())
+        }
+        Cmd::Lab { cmd } => lab_cmd(cmd),
+        Cmd::Demo { requests } => demo(requests),
+        Cmd::Test { args } => test(args),
+    }
+}
+
+fn lab_cmd(cmd: LabCmd) -> Result<()> {
+    match cmd {
+        LabCmd::Up {
+            manifests,
+            no_agent,
+            nodes,
+            zones,
+            no_wait,
+            timeout,
+            agent_bin,
+            server_bin,
+        } => {
+            let zones: Vec<&str> = zones.iter().map(String::as_str).collect();
+            let mut b = Lab::builder()
+                .manifests_path(manifests)
+                .agent(!no_agent)
+                .nodes(nodes)
+                .zones(&zones);
+            if let Some(p) = agent_bin {
+                b = b.agent_bin(p);
+            }
+            if let Some(p) = server_bin {
+                b = b.server_bin(p);
+            }
+            let mut lab = b.start()?;
+            if !no_agent && !no_wait {
+                lab.wait_ready(Duration::from_secs(timeout))?;
+            }
+            println!("{}", lab.detach()?.display());
+            Ok(())
+        }
+        LabCmd::Down { target } => {
+            let targets: Vec<String> = match target {
+                Some(t) => vec![t],
+                None => Lab::list()
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect(),
+            };
+            let mut failed = false;
+            for t in targets {
+                match Lab::attach(&t).and_then(|lab| {
+                    let id = lab.id().to_string();
+                    lab.down().map(|()| id)
+                }) {
+                    Ok(id) => println!("lab {id} down"),
+                    Err(e) => {
+                        eprintln!("{t}: {e:#}");
+                        failed = true;
+                    }
+                }
+            }
+            if failed {
+                bail!("some labs could not be torn down");
+            }
+            Ok(())
+        }
+        LabCmd::List => {
+            for p in Lab::list() {
+                println!("{}", p.display());
+            }
+            Ok(())
+        }
+        LabCmd::Check { target } => {
+            let target = match target {
+                Some(t) => t,
+                None => match Lab::list().as_slice() {
+                    [one] => one.display().to_string(),
+                    [] => bail!("no lab running"),
+                    _ => bail!("several labs running: name one"),
+                },
+            };
+            let lab = Lab::attach(&target)?;
+            xtask::self_check(&lab)
+        }
+    }
+}
+
+fn ensure_examples() -> Result<PathBuf> {
+    let dir = setup::workspace_root().join("deploy/examples");
+    std::fs::create_dir_all(&dir)?;
+    let files = [
+        ("my-service.yaml", EXAMPLE_MY_SERVICE),
+        ("my-service-3.yaml", EXAMPLE_WEB),
+    ];
+    for (name, text) in files {
+        let p = dir.join(name);
+        if !p.exists() {
+            println!("writing {}", p.display());
+            std::fs::write(&p, text)?;
+        }
+    }
+    Ok(dir)
+}
+
+const EXAMPLE_MY_SERVICE: &str = r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: pod-1
+  labels:
+    app: my-app
+spec:
+  containers:
+    - name: my-container
+      image: nginx
+      ports:
+        - containerPort: 80
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: pod-2
+  labels:
+    app: my-app
+spec:
+  containers:
+    - name: my-container
+      image: nginx
+      ports:
+        - containerPort: 80
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: my-service
+spec:
+  selector:
+    app: my-app
+  ports:
+    - protocol: TCP
+      port: 80
+      targetPort: 80
+"#;
+
+const EXAMPLE_WEB: &str = r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: web-1
+  labels:
+    app: web
+spec:
+  containers:
+    - name: web
+      image: nginx
+      ports:
+        - containerPort: 80
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web-2
+  labels:
+    app: web
+spec:
+  containers:
+    - name: web
+      image: nginx
+      ports:
+        - containerPort: 80
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web-3
+  labels:
+    app: web
+spec:
+  containers:
+    - name: web
+      image: nginx
+      ports:
+        - containerPort: 80
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: web
+spec:
+  selector:
+    app: web
+  ports:
+    - name: http
+      protocol: TCP
+      port: 80
+      targetPort: 80
+    - name: udp
+      protocol: UDP
+      port: 80
+      targetPort: 80
+"#;
+
+/// How requests to one frontend spread over pods.
+struct Spread {
+    counts: BTreeMap<String, usize>,
+    failed: usize,
+    first_error: Option<String>,
+}
+
+fn spread(ns: &str, f: &Frontend, n: usize) -> Result<Spread> {
+    let tcp = f.protocol.eq_ignore_ascii_case("TCP");
+    let mut s = Spread {
+        counts: BTreeMap::new(),
+        failed: 0,
+        first_error: None,
+    };
+    // Bounded even when nothing answers: 30 s per frontend, and the rest is
+    // skipped (counted as failed) after 20 failures in a row.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut in_a_row = 0;
+    let mut left = n;
+    while left > 0 {
+        check_interrupted()?;
+        if in_a_row >= 20 {
+            s.failed += left;
+            break;
+        }
+        let chunk = left.min(20);
+        left -= chunk;
+        let reqs = (0..chunk)
+            .map(|_| {
+                if tcp {
+                    Request::tcp(f.addr(), b"hostname\n", Duration::from_secs(1))
+                } else {
+                    Request::udp(f.addr(), b"hostname", Duration::from_secs(1))
+                }
+            })
+            .collect();
+        for r in client::batch(ns, reqs, Some(deadline))? {
+            match r {
+                Ok(reply) => {
+                    in_a_row = 0;
+                    *s.counts.entry(client::reply_text(&reply)).or_default() += 1
+                }
+                Err(e) => {
+                    in_a_row += 1;
+                    s.failed += 1;
+                    s.first_error.get_or_insert_with(|| e.to_string());
+                }
+            }
+        }
+    }
+    let what = if tcp { "connections" } else { "datagrams" };
+    let mut line = format!(
+        "{:<12} {:<20} {n} {what}:",
+        f.service.trim_start_matches("default/"),
+        format!("{}/{}", f.addr(), f.protocol)
+    );
+    for (pod, c) in &s.counts {
+        line.push_str(&format!(
+            "  {pod} {c} ({:.1}%)",
+            *c as f64 * 100.0 / n as f64
+        ));
+    }
+    line.push_str(&format!("  failed {}", s.failed));
+    if let Some(e) = &s.first_error {
+        line.push_str(&format!(" (first error: {e})"));
+    }
+    println!("{line}");
+    Ok(s)
+}
+
+/// Pods a Service selects, in name order.
+fn selected_pods(objects: &[Object], service: &str) -> Vec<String> {
+    let (ns, name) = service.split_once('/').unwrap_or(("default", service));
+    let Some(selector) = objects.iter().find_map(|o| match o {
+        Object::Service(s)
+            if s.metadata.name.as_deref() == Some(name)
+                && s.metadata.namespace.as_deref() == Some(ns) =>
+        {
+            s.spec.as_ref().and_then(|sp| sp.selector.clone())
+        }
+        _ => None,
+    }) else {
+        return Vec::new();
+    };
+    let mut pods: Vec<String> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Pod(p) if p.metadata.namespace.as_deref() == Some(ns) => {
+                let labels = p.metadata.labels.clone().unwrap_or_default();
+                selector
+                    .iter()
+                    .all(|(k, v)| labels.get(k) == Some(v))
+                    .then(|| p.metadata.name.clone().unwrap_or_default())
+            }
+            _ => None,
+        })
+        .collect();
+    pods.sort();
+    pods
+}
+
+fn demo(requests: usize) -> Result<()> {
+    if !setup::is_root() {
+        bail!("the demo needs root: it creates network namespaces and loads eBPF programs");
+    }
+    // KPR_AGENT_BIN names a prebuilt (or stand-in) agent; else build it.
+    let agent = match std::env::var_os("KPR_AGENT_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => setup::build_agent()?,
+    };
+    let server = setup::build_lab_server()?;
+    let examples = ensure_examples()?;
+    catch_interrupts()?;
+    let mut lab = Lab::builder()
+        .manifests_path(&examples)
+        .agent_bin(agent)
+        .server_bin(server)
+        .start()?;
+    println!("lab {} up: {}", lab.id(), lab.json_path().display());
+    lab.wait_ready(Duration::from_secs(30))?;
+    let ns = lab.client().netns.clone();
+    let frontends: Vec<Frontend> = lab
+        .frontends()
+        .iter()
+        .filter(|f| f.kind == "ClusterIP")
+        .cloned()
+        .collect();
+    let mut failed = 0;
+
+    println!("\n== all pods ==");
+    for f in &frontends {
+        failed += spread(&ns, f, requests)?.failed;
+    }
+
+    let mut services: Vec<String> = frontends.iter().map(|f| f.service.clone()).collect();
+    services.dedup();
+    let mut deleted = Vec::new();
+    for svc in &services {
+        if let Some(pod) = selected_pods(lab.objects(), svc).pop() {
+            println!("\ndeleting pod {pod} (of {svc}) from the manifests");
+            lab.delete_pod(&pod)?;
+            deleted.push(pod);
+        }
+    }
+    check_interrupted()?;
+
+    println!("\n== after deleting {} ==", deleted.join(", "));
+    let mut leaked = Vec::new();
+    for f in &frontends {
+        let s = spread(&ns, f, requests)?;
+        failed += s.failed;
+        leaked.extend(
+            deleted
+                .iter()
+                .filter(|p| s.counts.contains_key(*p))
+                .cloned(),
+        );
+    }
+    lab.down()?;
+    println!("\nlab torn down");
+    if failed > 0 || !leaked.is_empty() {
+        bail!("{failed} requests failed; deleted pods still answering: {leaked:?}");
+    }
+    Ok(())
+}
+
+fn test(args: Vec<String>) -> Result<()> {
+    if !setup::is_root() {
+        bail!("`cargo xtask test` must run as root: the packet and lab tests load eBPF programs and create network namespaces");
+    }
+    setup::setup()?;
+    setup::cargo_build("proxy-agent", &["--bins"])?;
+    setup::cargo_build("xtask", &["--bins"])?;
+    let (cargo_args, bin_args) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => (&args[..], &[][..]),
+    };
+    let target = setup::target_dir().join("debug");
+    let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .current_dir(setup::workspace_root())
+        .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
+        .args(cargo_args)
+        .args(["--", "--include-ignored", "--test-threads=2"])
+        .args(bin_args)
+        .env("KPR_AGENT_BIN", target.join("proxy-agent"))
+        .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_REQUIRE_ROOT_TESTS", "1")
+        .status()
+        .context("cannot run cargo test")?;
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    Ok(())
+}

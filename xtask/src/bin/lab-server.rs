@@ -1,1 +1,146 @@
-fn main() {}
+//! The lab's pod server: answers `hostname`, `clientip` and `echo <data>` on
+//! every given TCP and UDP port (bound to 0.0.0.0).
+//!
+//! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
+//! timeout), one reply line, then close. UDP: one reply datagram per datagram.
+//! Prints `ready` on stdout once every port is bound.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+const MAX_REQUEST: usize = 64 * 1024;
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Parser)]
+#[command(about = "Pod server of the kube-proxy lab")]
+struct Args {
+    /// Name this server answers to `hostname` with (the pod's name).
+    #[arg(long)]
+    name: String,
+    /// TCP ports to listen on.
+    #[arg(long = "tcp")]
+    tcp: Vec<u16>,
+    /// UDP ports to listen on.
+    #[arg(long = "udp")]
+    udp: Vec<u16>,
+    /// Id of the lab this server belongs to (only used to recognise it).
+    #[arg(long)]
+    lab: Option<String>,
+}
+
+/// The reply to one request, without the trailing newline.
+fn answer(name: &str, request: &[u8], peer: SocketAddr) -> Vec<u8> {
+    let mut req = request;
+    while let [rest @ .., b'\n' | b'\r'] = req {
+        req = rest;
+    }
+    let mut reply = if req.is_empty() || req == b"hostname" {
+        name.as_bytes().to_vec()
+    } else if req == b"clientip" {
+        peer.to_string().into_bytes()
+    } else if let Some(data) = req.strip_prefix(b"echo ") {
+        data.to_vec()
+    } else if req == b"echo" {
+        Vec::new()
+    } else {
+        b"error: unknown request".to_vec()
+    };
+    reply.push(b'\n');
+    reply
+}
+
+fn serve_tcp_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
+    let peer = stream.peer_addr()?;
+    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    stream.set_write_timeout(Some(READ_TIMEOUT))?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+            buf.truncate(pos);
+            break;
+        }
+        if buf.len() >= MAX_REQUEST {
+            buf.truncate(MAX_REQUEST);
+            break;
+        }
+    }
+    stream.write_all(&answer(name, &buf, peer))?;
+    stream.flush()
+}
+
+fn serve_tcp(name: Arc<String>, listener: TcpListener) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let _ = serve_tcp_conn(&name, stream);
+                });
+            }
+            Err(e) => eprintln!("accept: {e}"),
+        }
+    }
+}
+
+fn serve_udp(name: Arc<String>, sock: UdpSocket) {
+    let mut buf = vec![0u8; 65536];
+    loop {
+        match sock.recv_from(&mut buf) {
+            Ok((n, peer)) => {
+                if let Err(e) = sock.send_to(&answer(&name, &buf[..n], peer), peer) {
+                    eprintln!("udp send to {peer}: {e}");
+                }
+            }
+            Err(e) => eprintln!("udp recv: {e}"),
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let name = Arc::new(args.name);
+    let mut threads = Vec::new();
+    for port in args.tcp {
+        let l = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+            .with_context(|| format!("bind tcp {port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || serve_tcp(name, l)));
+    }
+    for port in args.udp {
+        let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+            .with_context(|| format!("bind udp {port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || serve_udp(name, s)));
+    }
+    println!("ready");
+    std::io::stdout().flush()?;
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers() {
+        let peer: SocketAddr = "198.18.1.2:4000".parse().unwrap();
+        assert_eq!(answer("pod-1", b"", peer), b"pod-1\n");
+        assert_eq!(answer("pod-1", b"hostname\n", peer), b"pod-1\n");
+        assert_eq!(answer("pod-1", b"clientip", peer), b"198.18.1.2:4000\n");
+        assert_eq!(answer("pod-1", b"echo a b\r\n", peer), b"a b\n");
+    }
+}

@@ -1,0 +1,169 @@
+//! Clients that talk from inside a lab namespace without spawning processes:
+//! each call runs on a fresh thread that joins the namespace first.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use crate::netns::in_netns;
+
+/// One request of a batch.
+#[derive(Debug, Clone)]
+pub enum Request {
+    /// New TCP connection: connect, write `payload`, shut down writing, read to end.
+    Tcp {
+        addr: SocketAddrV4,
+        payload: Vec<u8>,
+        timeout: Duration,
+    },
+    /// New UDP socket (bound to `bind_port`, or an ephemeral port): send one
+    /// datagram, wait for one reply from `addr`.
+    Udp {
+        addr: SocketAddrV4,
+        payload: Vec<u8>,
+        timeout: Duration,
+        bind_port: Option<u16>,
+    },
+}
+
+impl Request {
+    /// A TCP request.
+    pub fn tcp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+        Request::Tcp {
+            addr,
+            payload: payload.to_vec(),
+            timeout,
+        }
+    }
+
+    /// A UDP request from an ephemeral port.
+    pub fn udp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+        Request::Udp {
+            addr,
+            payload: payload.to_vec(),
+            timeout,
+            bind_port: None,
+        }
+    }
+
+    fn run(&self) -> io::Result<Vec<u8>> {
+        match self {
+            Request::Tcp {
+                addr,
+                payload,
+                timeout,
+            } => tcp_request_here(*addr, payload, *timeout),
+            Request::Udp {
+                addr,
+                payload,
+                timeout,
+                bind_port,
+            } => udp_request_here(*addr, payload, *timeout, *bind_port),
+        }
+    }
+}
+
+/// A read timeout shows as `WouldBlock` on Linux; call it what it is.
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        io::Error::new(io::ErrorKind::TimedOut, "no reply before the timeout")
+    } else {
+        e
+    }
+}
+
+/// TCP request from the current thread's namespace. The timeout bounds the
+/// connect and each read/write.
+pub fn tcp_request_here(
+    addr: SocketAddrV4,
+    request: &[u8],
+    timeout: Duration,
+) -> io::Result<Vec<u8>> {
+    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(request)?;
+    stream.shutdown(Shutdown::Write)?;
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).map_err(timed_out)?;
+    Ok(reply)
+}
+
+/// UDP request from the current thread's namespace. The socket is connected to
+/// `addr`, so a reply from any other source is not accepted (it times out) and
+/// an ICMP port unreachable surfaces as `ConnectionRefused`.
+pub fn udp_request_here(
+    addr: SocketAddrV4,
+    payload: &[u8],
+    timeout: Duration,
+    bind_port: Option<u16>,
+) -> io::Result<Vec<u8>> {
+    let sock = UdpSocket::bind(SocketAddrV4::new(
+        std::net::Ipv4Addr::UNSPECIFIED,
+        bind_port.unwrap_or(0),
+    ))?;
+    sock.connect(addr)?;
+    sock.set_read_timeout(Some(timeout))?;
+    sock.send(payload)?;
+    let mut buf = vec![0u8; 65536];
+    let n = sock.recv(&mut buf).map_err(timed_out)?;
+    buf.truncate(n);
+    Ok(buf)
+}
+
+/// New TCP connection from namespace `ns` to `addr`: connect (with timeout),
+/// write `request`, shut down writing, read the reply to EOF.
+pub fn tcp_request(
+    ns: &str,
+    addr: SocketAddrV4,
+    request: &[u8],
+    timeout: Duration,
+) -> io::Result<Vec<u8>> {
+    let request = request.to_vec();
+    in_netns(ns, move || tcp_request_here(addr, &request, timeout))?
+}
+
+/// One UDP datagram from a new socket in namespace `ns` (bound to `bind_port`
+/// if given), and the one reply.
+pub fn udp_request(
+    ns: &str,
+    addr: SocketAddrV4,
+    payload: &[u8],
+    timeout: Duration,
+    bind_port: Option<u16>,
+) -> io::Result<Vec<u8>> {
+    let payload = payload.to_vec();
+    in_netns(ns, move || {
+        udp_request_here(addr, &payload, timeout, bind_port)
+    })?
+}
+
+/// Runs `requests` one after another on one thread inside `ns`. Returns one
+/// result per request, in order. Requests not started before `deadline` fail
+/// with `TimedOut` without being sent. The outer error is for failing to
+/// enter the namespace.
+pub fn batch(
+    ns: &str,
+    requests: Vec<Request>,
+    deadline: Option<Instant>,
+) -> io::Result<Vec<io::Result<Vec<u8>>>> {
+    in_netns(ns, move || {
+        requests
+            .iter()
+            .map(|r| {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "batch deadline passed",
+                    ));
+                }
+                r.run()
+            })
+            .collect()
+    })
+}
+
+/// The reply as a trimmed string (pod name for a `hostname` request).
+pub fn reply_text(reply: &[u8]) -> String {
+    String::from_utf8_lossy(reply).trim().to_string()
+}

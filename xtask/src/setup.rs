@@ -1,0 +1,277 @@
+//! `cargo xtask setup` and the build helpers shared by the other tasks.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::SystemTime;
+
+use anyhow::{bail, Context, Result};
+
+/// The bpf-linker release that loads the LLVM shipped with the Rust toolchain.
+pub const BPF_LINKER_VERSION: &str = "0.10.0";
+/// Debian packages the lab and the benchmarks use.
+pub const DEBIAN_PACKAGES: &[&str] = &[
+    "iproute2",
+    "bpftool",
+    "iptables",
+    "nftables",
+    "socat",
+    "netcat-openbsd",
+    "procps",
+];
+/// Where bpffs must be mounted.
+pub const BPFFS: &str = "/sys/fs/bpf";
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+/// The workspace root (the parent of the xtask crate).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives inside the workspace")
+        .to_path_buf()
+}
+
+/// The cargo target directory (`CARGO_TARGET_DIR` or `<workspace>/target`).
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => workspace_root().join("target"),
+    }
+}
+
+/// True if the effective user is root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(workspace_root());
+    c
+}
+
+/// Runs a command with inherited output, failing if it exits non-zero.
+pub fn run_visible(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// `cargo build -p <package> [args]` in the workspace.
+pub fn cargo_build(package: &str, extra: &[&str]) -> Result<()> {
+    run_visible(cargo().args(["build", "-p", package]).args(extra))
+}
+
+/// Builds proxy-agent (whose build.rs builds the eBPF object) and returns the
+/// agent binary.
+pub fn build_agent() -> Result<PathBuf> {
+    cargo_build("proxy-agent", &["--bins"])?;
+    Ok(target_dir().join("debug/proxy-agent"))
+}
+
+/// Builds the lab's pod server and returns its path.
+pub fn build_lab_server() -> Result<PathBuf> {
+    cargo_build("xtask", &["--bin", "lab-server"])?;
+    Ok(target_dir().join("debug/lab-server"))
+}
+
+/// The newest eBPF object built by proxy-agent's build script
+/// (`target/debug/build/proxy-agent-*/out/proxy`).
+pub fn find_ebpf_object() -> Result<PathBuf> {
+    let build = target_dir().join("debug/build");
+    let mut best: Option<(SystemTime, PathBuf)> = None;
+    let mut seen = Vec::new();
+    for e in std::fs::read_dir(&build).with_context(|| format!("read {}", build.display()))? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("proxy-agent-") {
+            continue;
+        }
+        let out = e.path().join("out");
+        if !out.is_dir() {
+            continue;
+        }
+        seen.push(out.clone());
+        let candidate = out.join("proxy");
+        if let Ok(meta) = candidate.metadata() {
+            if meta.is_file() {
+                let m = meta.modified()?;
+                if best.as_ref().is_none_or(|(t, _)| m > *t) {
+                    best = Some((m, candidate));
+                }
+            }
+        }
+    }
+    match best {
+        Some((_, p)) => Ok(p),
+        None => bail!(
+            "no eBPF object `proxy` found under {}/proxy-agent-*/out (looked in {:?})",
+            build.display(),
+            seen
+        ),
+    }
+}
+
+/// `cargo xtask build-ebpf`: builds proxy-agent and returns the object path.
+pub fn build_ebpf() -> Result<PathBuf> {
+    cargo_build("proxy-agent", &[])?;
+    find_ebpf_object()
+}
+
+fn rustup_has_toolchain(name: &str) -> Result<bool> {
+    let out = crate::netns::run(Command::new("rustup").args(["toolchain", "list"]))?;
+    Ok(out.lines().any(|l| l.starts_with(name)))
+}
+
+fn ensure_rust_src(toolchain: &str) -> Result<()> {
+    let out = crate::netns::run(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        toolchain,
+    ]))?;
+    if out.lines().any(|l| l.starts_with("rust-src")) {
+        println!("ok: rust-src already installed for {toolchain}");
+        return Ok(());
+    }
+    println!("installing rust-src for {toolchain}");
+    run_visible(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        toolchain,
+    ]))
+    .with_context(|| format!("cannot install rust-src for toolchain {toolchain}"))
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    let current = Command::new("bpf-linker")
+        .arg("--version")
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if let Some(v) = &current {
+        if v.split_whitespace().any(|w| w == BPF_LINKER_VERSION) {
+            println!("ok: {v} already installed");
+            return Ok(());
+        }
+    }
+    println!(
+        "installing bpf-linker {BPF_LINKER_VERSION} (found: {})",
+        current.as_deref().unwrap_or("none")
+    );
+    run_visible(cargo().args([
+        "install",
+        "bpf-linker",
+        "--version",
+        BPF_LINKER_VERSION,
+        "--locked",
+    ]))
+    .context("cannot install bpf-linker")
+}
+
+fn dpkg_installed(pkg: &str) -> bool {
+    Command::new("dpkg")
+        .args(["-s", pkg])
+        .output()
+        .map(|o| {
+            o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("Status: install ok installed")
+        })
+        .unwrap_or(false)
+}
+
+fn ensure_debian_packages() -> Result<()> {
+    if Command::new("dpkg").arg("--version").output().is_err() {
+        bail!(
+            "dpkg not found: install these packages by hand: {}",
+            DEBIAN_PACKAGES.join(" ")
+        );
+    }
+    let missing: Vec<&str> = DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| !dpkg_installed(p))
+        .collect();
+    for p in DEBIAN_PACKAGES.iter().filter(|p| !missing.contains(p)) {
+        println!("ok: package {p} already installed");
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "packages missing ({}) and not root: cannot apt-get install",
+            missing.join(" ")
+        );
+    }
+    println!("installing packages: {}", missing.join(" "));
+    run_visible(
+        Command::new("apt-get")
+            .arg("update")
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .context("apt-get update failed")?;
+    run_visible(
+        Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .with_context(|| format!("cannot install {}", missing.join(" ")))
+}
+
+fn is_bpffs(path: &str) -> Result<bool> {
+    let c = std::ffi::CString::new(path)?;
+    // SAFETY: statfs writes into the zeroed struct we pass; the path is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {path}"));
+    }
+    #[allow(clippy::unnecessary_cast)]
+    Ok(st.f_type as i64 == BPF_FS_MAGIC)
+}
+
+/// Makes sure bpffs is mounted at /sys/fs/bpf (mounts it if not).
+pub fn ensure_bpffs(verbose: bool) -> Result<()> {
+    if is_bpffs(BPFFS)? {
+        if verbose {
+            println!("ok: bpffs mounted at {BPFFS}");
+        }
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "bpffs is not mounted at {BPFFS} and not root: run `mount -t bpf bpf {BPFFS}` as root"
+        );
+    }
+    println!("mounting bpffs at {BPFFS}");
+    crate::netns::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    if !is_bpffs(BPFFS)? {
+        bail!("mounted bpffs at {BPFFS} but it still is not bpffs");
+    }
+    Ok(())
+}
+
+/// `cargo xtask setup`: installs what building and testing need; idempotent.
+pub fn setup() -> Result<()> {
+    ensure_rust_src("stable")?;
+    if rustup_has_toolchain("nightly")? {
+        ensure_rust_src("nightly")?;
+    } else {
+        println!("skip: no nightly toolchain (the stable toolchain with RUSTC_BOOTSTRAP=1 builds the eBPF crate)");
+    }
+    ensure_bpf_linker()?;
+    ensure_debian_packages()?;
+    ensure_bpffs(true)?;
+    println!("setup complete");
+    Ok(())
+}
