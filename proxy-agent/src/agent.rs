@@ -40,6 +40,8 @@ pub struct RunConfig {
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
     pub external_interfaces: Vec<glob::Pattern>,
+    /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
+    pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -60,6 +62,7 @@ impl From<&Settings> for RunConfig {
             bpffs: s.bpffs.clone(),
             pod_interfaces: s.pod_interfaces.clone(),
             external_interfaces: s.external_interfaces.clone(),
+            node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
             sync_period: s.sync_period,
@@ -202,6 +205,7 @@ fn sync_once(
     let (snapshot, source_errors) = source.snapshot();
     let opts = ModelOptions {
         service_proxy_name: cfg.service_proxy_name.clone(),
+        node_port_addresses: cfg.node_port_addresses.clone(),
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);

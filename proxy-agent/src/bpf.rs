@@ -17,7 +17,7 @@ use aya::{
 };
 use proxy_common::{
     capacity, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key,
-    Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, SOURCE_RANGE_ID_BITS,
+    Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
@@ -345,6 +345,14 @@ impl Dataplane for BpfDataplane {
     }
 }
 
+/// Traffic per frontend (reverse-NAT id → address, port, protocol, counters)
+/// and per backend (id → address, port, protocol, counters).
+#[derive(Clone, Debug, Default)]
+pub struct ProgrammedTraffic {
+    pub frontends: BTreeMap<u16, (std::net::Ipv4Addr, u16, u8, Traffic)>,
+    pub backends: BTreeMap<u32, (std::net::Ipv4Addr, u16, u8, Traffic)>,
+}
+
 /// Read-only views of pinned maps, for `inspect` and tests.
 pub struct PinnedMaps {
     pub dir: PathBuf,
@@ -373,6 +381,42 @@ impl PinnedMaps {
         for code in 1..stat::NAMES.len() as u32 {
             let v = m.get(&code, 0).map_err(map_err(map_names::STATS))?;
             out.insert(code, v.iter().sum());
+        }
+        Ok(out)
+    }
+
+    /// Traffic of every programmed frontend (`addr:port/proto` by reverse-NAT
+    /// id) and backend (by id), summed over CPUs. Reads only the programmed ids.
+    pub fn traffic(&self) -> Result<ProgrammedTraffic, BpfError> {
+        let p = self.programmed()?;
+        let open = |name: &'static str| -> Result<PerCpuArray<MapData, Traffic>, BpfError> {
+            let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(map_err(name))
+        };
+        let fe = open(map_names::FRONTEND_TRAFFIC)?;
+        let be = open(map_names::BACKEND_TRAFFIC)?;
+        let sum = |m: &PerCpuArray<MapData, Traffic>, i: u32| -> Traffic {
+            m.get(&i, 0).map_or_else(
+                |_| Traffic::default(),
+                |v| {
+                    v.iter().fold(Traffic::default(), |a, t| Traffic {
+                        packets: a.packets + t.packets,
+                        bytes: a.bytes + t.bytes,
+                    })
+                },
+            )
+        };
+        let mut out = ProgrammedTraffic::default();
+        for (id, rev) in &p.rev_nat {
+            let proto = p
+                .services
+                .iter()
+                .find(|(k, v)| k.slot == 0 && v.rev_nat_id == *id)
+                .map_or(0, |(k, _)| k.proto);
+            out.frontends.insert(*id, (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))));
+        }
+        for (id, b) in &p.backends {
+            out.backends.insert(*id, (b.addr(), b.port(), b.proto, sum(&be, *id)));
         }
         Ok(out)
     }

@@ -290,7 +290,8 @@ pub struct Settings {
     pub map_sizes: MapSizes,
     pub conntrack_timeouts: ConntrackTimeouts,
     /// Accepted and checked; not used by the datapath yet.
-    pub node_port_addresses: Vec<Cidr>,
+    /// `nodePortAddresses`: IPv4 CIDRs or `primary` (kube-proxy's values).
+    pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     /// Accepted and checked; not used by the datapath yet.
     pub cluster_cidr: Option<Cidr>,
 }
@@ -451,8 +452,11 @@ impl Settings {
             .clone()
             .unwrap_or_default()
             .iter()
-            .map(|s| s.parse().map_err(|e| invalid("nodePortAddresses", e)))
-            .collect::<Result<Vec<Cidr>, _>>()?;
+            .map(|s| {
+                crate::model::NodePortAddresses::parse(s)
+                    .map_err(|e| invalid("nodePortAddresses", e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let cluster_cidr = file
             .cluster_cidr
             .as_deref()

@@ -531,15 +531,20 @@ impl<D: Dataplane> Writer<D> {
     }
 
     /// A free backend id: not in the map and not in any slot (`referenced`).
+    /// A free backend id: not in the map and not in any slot (`referenced`).
+    /// Ids stay below `capacity::BACKENDS`: they index the per-backend traffic
+    /// counters. Allocation goes round that space, so an id freed now is
+    /// reused only after every other one was.
     fn allocate_backend_id(&mut self, referenced: &BTreeSet<u32>) -> Option<u32> {
-        let start = self.next_backend_id;
+        let next = |id: u32| if id + 1 >= proxy_common::capacity::BACKENDS { 1 } else { id + 1 };
+        let start = self.next_backend_id.clamp(1, proxy_common::capacity::BACKENDS - 1);
         let mut id = start;
         loop {
-            if id != 0 && !self.backends.contains_key(&id) && !referenced.contains(&id) {
-                self.next_backend_id = id.wrapping_add(1).max(1);
+            if !self.backends.contains_key(&id) && !referenced.contains(&id) {
+                self.next_backend_id = next(id);
                 return Some(id);
             }
-            id = id.wrapping_add(1).max(1);
+            id = next(id);
             if id == start {
                 return None;
             }

@@ -13,12 +13,6 @@ use tracing::{info, warn};
 
 async fn run(a: RunArgs) -> anyhow::Result<()> {
     let settings = Settings::from_flags(&a).context("configuration")?;
-    if !settings.node_port_addresses.is_empty() {
-        warn!(
-            node_port_addresses = ?settings.node_port_addresses,
-            "nodePortAddresses is not implemented by the datapath yet; ignored"
-        );
-    }
     if let Some(cidr) = settings.cluster_cidr {
         warn!(cluster_cidr = %cidr, "clusterCIDR is not used by the datapath yet; ignored");
     }

@@ -80,6 +80,44 @@ impl Collector for DatapathStats {
             let labels = [("reason".to_string(), reason)];
             ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
         }
+        drop(family);
+        let Ok(traffic) = PinnedMaps::new(&self.pin_dir).traffic() else {
+            return Ok(());
+        };
+        let proto = |p: u8| match p {
+            proxy_common::IPPROTO_TCP => "TCP".to_string(),
+            proxy_common::IPPROTO_UDP => "UDP".to_string(),
+            n => n.to_string(),
+        };
+        let fe: Vec<(String, proxy_common::Traffic)> = traffic
+            .frontends
+            .values()
+            .map(|(a, p, pr, t)| (format!("{a}:{p}/{}", proto(*pr)), *t))
+            .collect();
+        let be: Vec<(String, proxy_common::Traffic)> = traffic
+            .backends
+            .values()
+            .map(|(a, p, pr, t)| (format!("{a}:{p}/{}", proto(*pr)), *t))
+            .collect();
+        for (what, label, rows) in [("frontend", "frontend", &fe), ("backend", "backend", &be)] {
+            for (unit, help, get) in [
+                ("packets", "Packets", (|t: &proxy_common::Traffic| t.packets) as fn(&proxy_common::Traffic) -> u64),
+                ("bytes", "Bytes (whole frames)", |t: &proxy_common::Traffic| t.bytes),
+            ] {
+                let name = format!("proxy_agent_{what}_{unit}");
+                let help = format!("{help} of translated flows through each {what}, both directions");
+                let mut family = encoder.encode_descriptor(
+                    &name,
+                    &help,
+                    None,
+                    ConstCounter::<u64>::new(0).metric_type(),
+                )?;
+                for (name, t) in rows.iter() {
+                    let labels = [(label.to_string(), name.clone())];
+                    ConstCounter::new(get(t)).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -8,18 +8,30 @@
 //! `CategorizeEndpoints` does (traffic policies, topology hints, terminating
 //! fallback).
 //!
-//! Frontends built now: every IPv4 ClusterIP × service port (scope
-//! [`SCOPE_INTERNAL`]). NodePort, externalIP and load-balancer frontends come
-//! later.
+//! Frontends built, per IPv4 service port:
+//!
+//! - every IPv4 ClusterIP (scope [`SCOPE_INTERNAL`], `internalTrafficPolicy`);
+//! - the north-south addresses: this node's addresses at the port's
+//!   `nodePort` (selected by [`ModelOptions::node_port_addresses`]), every
+//!   IPv4 `spec.externalIPs` entry and every IPv4 VIP-mode
+//!   `status.loadBalancer.ingress[].ip` at the service port. Each gets a [`SCOPE_EXTERNAL`] frontend (traffic arriving
+//!   on the node's external devices, `externalTrafficPolicy`) and a
+//!   [`SCOPE_INTERNAL`] one (traffic from this node's pods, short-circuited to
+//!   the cluster list as kube-proxy does).
+//!
+//! Besides frontends, [`DesiredState`] carries what the datapath and the
+//! health-check servers need about this node: its endpoints' addresses, its
+//! SNAT address and the `healthCheckNodePort`s to serve.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
 
-use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
+use k8s_openapi::api::core::v1::{Node, Pod, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use proxy_common::{svc_flags, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+use proxy_common::{svc_flags, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use crate::manifests::Snapshot;
 
@@ -33,6 +45,9 @@ pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 /// Default ClientIP session-affinity timeout (kube-proxy / API default), seconds.
 pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+/// Node address type whose IPv4 addresses are the node's NodePort addresses
+/// and SNAT source.
+pub const NODE_ADDRESS_INTERNAL_IP: &str = "InternalIP";
 
 /// A frontend: what a packet's destination is matched against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -100,16 +115,53 @@ pub struct Frontend {
     pub retained: Vec<BackendAddr>,
     /// [`proxy_common::svc_flags`] bits: [`svc_flags::DROP_NO_BACKEND`] when
     /// `backends` is empty but usable endpoints exist elsewhere in the
-    /// cluster (drop, as kube-proxy does, instead of rejecting).
+    /// cluster (drop, as kube-proxy does, instead of rejecting);
+    /// [`svc_flags::EXTERNAL_LOCAL`] on external frontends of an
+    /// `externalTrafficPolicy: Local` port (client address preserved);
+    /// [`svc_flags::SOURCE_RANGES`] when `source_ranges` applies.
     pub flags: u16,
     /// ClientIP session-affinity timeout in seconds; 0 = none.
     pub affinity_timeout_s: u32,
+    /// The IPv4 `spec.loadBalancerSourceRanges` as (network address, prefix
+    /// length), sorted, without duplicates. Set, with
+    /// [`svc_flags::SOURCE_RANGES`], on external load-balancer-IP frontends
+    /// only: kube-proxy applies the ranges to load-balancer IPs, not to
+    /// NodePorts or externalIPs. Empty elsewhere.
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
 }
 
-/// Every frontend this node should program.
+/// A `healthCheckNodePort` this node serves (kube-proxy
+/// `pkg/proxy/healthcheck` service health server): `/healthz` answers 200
+/// when `local_endpoints > 0`, 503 otherwise.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// The Service, `namespace/name`.
+    pub service: String,
+    /// Distinct addresses of the Service's local READY endpoints over all of
+    /// its ports (kube-proxy `EndpointsMap.LocalReadyEndpoints`). Terminating
+    /// local endpoints do not count, although they still carry traffic when
+    /// nothing local is ready: the load balancer must move away from a node
+    /// whose endpoints are shutting down.
+    pub local_endpoints: usize,
+}
+
+/// Every frontend this node should program, and what else the datapath and
+/// the health-check servers need to know about this node.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
+    /// The address of every endpoint whose `nodeName` is this node, over all
+    /// IPv4 EndpointSlices (real and synthesized from Pods). The writer marks
+    /// backends with these addresses local: the datapath SNATs external
+    /// traffic only towards non-local backends.
+    pub local_endpoints: BTreeSet<Ipv4Addr>,
+    /// This node's first IPv4 `InternalIP` (from its Node object): the
+    /// datapath's SNAT source. `None` without a Node object or address.
+    pub node_addr: Option<Ipv4Addr>,
+    /// `healthCheckNodePort` → what it reports, for every `type:
+    /// LoadBalancer` Service with `externalTrafficPolicy: Local` and a
+    /// `healthCheckNodePort` (kube-proxy `apiservice.NeedsHealthCheck`).
+    pub health_checks: BTreeMap<u16, HealthCheck>,
 }
 
 /// Something in the snapshot the model could not use; the rest is unaffected.
@@ -135,6 +187,164 @@ pub struct ModelOptions {
     pub service_proxy_name: Option<String>,
     /// Feature gates, as kube-proxy's.
     pub gates: Gates,
+    /// kube-proxy's `nodePortAddresses`: which of this node's addresses
+    /// NodePorts are served on. See [`NodePortAddresses`].
+    pub node_port_addresses: Vec<NodePortAddresses>,
+}
+
+/// One entry of kube-proxy's `--nodeport-addresses` / `nodePortAddresses`.
+///
+/// The candidate addresses are this node's IPv4 `InternalIP` addresses from
+/// its Node object's `status.addresses` (kube-proxy matches the addresses of
+/// the host's interfaces instead). A list:
+///
+/// - empty (the default): every candidate. kube-proxy's default is every
+///   local address (`0.0.0.0/0`; `primary` in nftables mode), which amounts to
+///   the same on a cluster whose nodes have one `InternalIP` (NodePorts on
+///   other interface addresses, e.g. a second NIC or a bridge, are not
+///   served here);
+/// - otherwise the union of what the entries select; a list holding only
+///   IPv6 CIDRs selects every candidate, as kube-proxy's IPv4 proxier falls
+///   back to `0.0.0.0/0` when no CIDR of its family is given
+///   (`proxyutil.NewNodePortAddresses`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodePortAddresses {
+    /// An IPv4 CIDR (network address, prefix length): the candidates in it.
+    Cidr(Ipv4Addr, u8),
+    /// `primary`: the node's first `InternalIP` (kube-proxy: the node's
+    /// primary IP of the family, as `/32`).
+    Primary,
+    /// An IPv6 CIDR: accepted, selects nothing for this IPv4 proxier.
+    Ipv6Cidr,
+}
+
+impl NodePortAddresses {
+    /// `"primary"`, or a CIDR (IPv4, or IPv6 which selects nothing). Host
+    /// bits are cleared (`198.18.0.7/24` is `198.18.0.0/24`), as Go's
+    /// `ParseCIDR` does; leading zeros are decimal, as in kube-proxy's
+    /// `ParseCIDRSloppy`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s == "primary" {
+            return Ok(Self::Primary);
+        }
+        match parse_cidr(s)? {
+            Some((addr, prefix)) => Ok(Self::Cidr(addr, prefix)),
+            None => Ok(Self::Ipv6Cidr),
+        }
+    }
+
+    /// The addresses of `internal_ips` (the node's IPv4 `InternalIP`s, in
+    /// order) this entry selects.
+    fn select(&self, internal_ips: &[Ipv4Addr]) -> Vec<Ipv4Addr> {
+        match *self {
+            Self::Cidr(net, prefix) => internal_ips
+                .iter()
+                .copied()
+                .filter(|ip| in_cidr(*ip, net, prefix))
+                .collect(),
+            Self::Primary => internal_ips.first().copied().into_iter().collect(),
+            Self::Ipv6Cidr => Vec::new(),
+        }
+    }
+}
+
+impl FromStr for NodePortAddresses {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for NodePortAddresses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cidr(addr, prefix) => write!(f, "{addr}/{prefix}"),
+            Self::Primary => f.write_str("primary"),
+            Self::Ipv6Cidr => f.write_str("(IPv6 CIDR)"),
+        }
+    }
+}
+
+/// The addresses NodePorts are served on: `internal_ips` filtered by
+/// `entries` (see [`NodePortAddresses`]). Sorted, without duplicates.
+fn node_port_addresses(internal_ips: &[Ipv4Addr], entries: &[NodePortAddresses]) -> Vec<Ipv4Addr> {
+    let mut out: Vec<Ipv4Addr> = if entries
+        .iter()
+        .all(|e| matches!(e, NodePortAddresses::Ipv6Cidr))
+    {
+        internal_ips.to_vec()
+    } else {
+        entries
+            .iter()
+            .flat_map(|e| e.select(internal_ips))
+            .collect()
+    };
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// `addr` with the bits past `prefix` cleared.
+fn mask(addr: Ipv4Addr, prefix: u8) -> Ipv4Addr {
+    let bits = u32::from(addr);
+    let m = if prefix == 0 {
+        0
+    } else {
+        u32::MAX << (32 - u32::from(prefix.min(32)))
+    };
+    Ipv4Addr::from(bits & m)
+}
+
+fn in_cidr(ip: Ipv4Addr, net: Ipv4Addr, prefix: u8) -> bool {
+    mask(ip, prefix) == mask(net, prefix)
+}
+
+/// An IPv4 address as Go's `netutils.ParseIPSloppy` reads it (what the API
+/// server validates Service addresses with): four decimal parts, leading
+/// zeros allowed and decimal.
+fn parse_ipv4(s: &str) -> Option<Ipv4Addr> {
+    let mut octets = [0u8; 4];
+    let mut parts = s.split('.');
+    for o in &mut octets {
+        let part = parts.next()?;
+        if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let digits = part.trim_start_matches('0');
+        *o = if digits.is_empty() {
+            0
+        } else if digits.len() > 3 {
+            return None;
+        } else {
+            digits.parse().ok()?
+        };
+    }
+    parts.next().is_none().then(|| Ipv4Addr::from(octets))
+}
+
+/// A CIDR as `netutils.ParseCIDRSloppy` reads it: `Some((network, prefix))`
+/// for IPv4 (host bits cleared), `None` for a valid IPv6 CIDR.
+fn parse_cidr(s: &str) -> Result<Option<(Ipv4Addr, u8)>, String> {
+    let (addr, prefix) = s
+        .split_once('/')
+        .ok_or_else(|| format!("{s:?} is not a CIDR (expected e.g. 198.18.0.0/15)"))?;
+    let prefix_ok = !prefix.is_empty() && prefix.bytes().all(|b| b.is_ascii_digit());
+    if let Some(ip) = parse_ipv4(addr) {
+        let p = prefix
+            .parse::<u8>()
+            .ok()
+            .filter(|p| prefix_ok && *p <= 32)
+            .ok_or_else(|| format!("{s:?}: prefix length must be 0..=32"))?;
+        return Ok(Some((mask(ip, p), p)));
+    }
+    if addr.parse::<Ipv6Addr>().is_ok() {
+        return match prefix.parse::<u8>() {
+            Ok(p) if prefix_ok && p <= 128 => Ok(None),
+            _ => Err(format!("{s:?}: prefix length must be 0..=128")),
+        };
+    }
+    Err(format!("{s:?}: {addr:?} is not an IP address"))
 }
 
 /// The kube-proxy feature gates the model follows.
@@ -232,7 +442,7 @@ impl ServicePortInfo {
     /// `VIP` mode (`ipMode` missing or `"VIP"`, `proxyutil.IsVIPMode`).
     pub fn from_service(svc: &Service, port: &ServicePort) -> Self {
         let spec = svc.spec.as_ref();
-        let is_v4 = |ip: &str| ip.parse::<Ipv4Addr>().is_ok();
+        let is_v4 = |ip: &str| parse_ipv4(ip).is_some();
         let node_port = port.node_port.is_some_and(|p| p != 0);
         let external_ip = spec
             .and_then(|s| s.external_ips.as_ref())
@@ -504,6 +714,12 @@ fn ignored(svc: &Service, opts: &ModelOptions) -> Option<&'static str> {
 }
 
 /// The desired state for `node_name`.
+///
+/// Services are taken in `namespace/name` order and, within a Service, port by
+/// port: its ClusterIP frontends, then its north-south ones. When two
+/// Services claim the same frontend the first keeps it and a warning names
+/// the other; within one Service the first claim wins silently (kube-proxy's
+/// rule order: clusterIP, externalIPs, then load-balancer IPs).
 pub fn desired_state_with(
     snapshot: &Snapshot,
     node_name: &str,
@@ -513,11 +729,35 @@ pub fn desired_state_with(
     let mut desired = DesiredState::default();
     let node = NodeTopology::from_snapshot(snapshot, node_name);
 
+    // This node's addresses: the SNAT source and the NodePort addresses.
+    let node_object = snapshot
+        .nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(node_name));
+    let internal_ips = node_object.map(node_internal_ips).unwrap_or_default();
+    desired.node_addr = internal_ips.first().copied();
+    let node_port_addrs = node_port_addresses(&internal_ips, &opts.node_port_addresses);
+    // Why no NodePort can be served; reported once, when some port has one.
+    let mut node_problem = match node_object {
+        None => Some("no Node object for this node"),
+        Some(_) if internal_ips.is_empty() => Some("the Node has no IPv4 InternalIP address"),
+        Some(_) => None,
+    };
+
     // Every slice, real and synthesized, indexed by (namespace, service name),
     // sorted by slice name so that duplicates resolve deterministically.
     let synthesized = endpoint_slices_from_pods(snapshot);
+    let all_slices = || {
+        snapshot
+            .endpoint_slices
+            .iter()
+            .chain(synthesized.iter())
+            // An IPv4 proxier ignores slices of the other family (and FQDN ones).
+            .filter(|s| s.address_type == "IPv4")
+    };
+    desired.local_endpoints = local_endpoint_addresses(all_slices(), node_name);
     let mut slices: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in snapshot.endpoint_slices.iter().chain(synthesized.iter()) {
+    for slice in all_slices() {
         let Some(svc) = slice
             .metadata
             .labels
@@ -526,10 +766,6 @@ pub fn desired_state_with(
         else {
             continue;
         };
-        // An IPv4 proxier ignores slices of the other family (and FQDN ones).
-        if slice.address_type != "IPv4" {
-            continue;
-        }
         slices
             .entry((namespace(&slice.metadata), svc.as_str()))
             .or_default()
@@ -590,6 +826,10 @@ pub fn desired_state_with(
         } else {
             0
         };
+        let external = external_addresses(svc, &object, &mut warnings);
+        let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
+        // Local READY endpoints' addresses over all ports, for the health check.
+        let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
 
         let svc_slices = slices
             .get(&(namespace(&svc.metadata), name(&svc.metadata)))
@@ -629,63 +869,295 @@ pub fn desired_state_with(
                 &mut warnings,
                 &mut reported,
             );
+            local_ready.extend(
+                endpoints
+                    .iter()
+                    .filter(|e| e.ready && e.is_local(node_name))
+                    .map(|e| e.addr.addr),
+            );
             let info = ServicePortInfo::from_service(svc, port);
             let categorized = categorize(&info, &endpoints, &node, &opts.gates);
-            let (backends, flags) = internal_backends(&info, &categorized);
-            let retained = retained_backends(&endpoints, &backends);
+            let base = Frontend {
+                service: id.clone(),
+                port_name: port_name.clone(),
+                affinity_timeout_s,
+                ..Frontend::default()
+            };
+            // The port's nodePort, if any (0 = none).
+            let node_port = port
+                .node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0);
+            if let (Some(p), Some(why)) = (node_port, node_problem.take()) {
+                warnings.push(ModelWarning {
+                    object: format!("Node {node_name}"),
+                    message: format!(
+                        "{why}: no NodePort frontends on this node (first: {id} port {p})"
+                    ),
+                });
+            }
+            let mut claim = |key: FrontendKey, fe: Frontend| {
+                insert_frontend(&mut desired.frontends, &mut warnings, &object, key, fe);
+            };
 
+            // ClusterIP: internalTrafficPolicy.
+            let internal_list = match info.internal_traffic_policy {
+                TrafficPolicy::Cluster => &categorized.cluster,
+                TrafficPolicy::Local => &categorized.local,
+            };
+            let internal = with_backends(&base, internal_list, &categorized, &endpoints);
             for ip in &cluster_ips {
-                let key = FrontendKey {
-                    addr: *ip,
-                    port: svc_port,
-                    proto,
-                    scope: SCOPE_INTERNAL,
-                };
-                if let Some(existing) = desired.frontends.get(&key) {
-                    warnings.push(ModelWarning {
-                        object: object.clone(),
-                        message: format!(
-                            "frontend {key} already belongs to service {}; skipped",
-                            existing.service
-                        ),
-                    });
-                    continue;
-                }
-                desired.frontends.insert(
-                    key,
-                    Frontend {
-                        service: id.clone(),
-                        port_name: port_name.clone(),
-                        backends: backends.clone(),
-                        retained: retained.clone(),
-                        flags,
-                        affinity_timeout_s,
-                    },
+                claim(
+                    frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
+                    internal.clone(),
                 );
+            }
+
+            // North-south: (address, port, is a load-balancer IP).
+            let targets: Vec<(Ipv4Addr, u16, bool)> = node_port
+                .into_iter()
+                .flat_map(|p| node_port_addrs.iter().map(move |a| (*a, p, false)))
+                .chain(external.external_ips.iter().map(|a| (*a, svc_port, false)))
+                .chain(external.lb_ips.iter().map(|a| (*a, svc_port, true)))
+                .collect();
+            if targets.is_empty() {
+                continue;
+            }
+            // From outside: externalTrafficPolicy (`Local` only matters on an
+            // externally accessible port, which this one is).
+            let external_list = match external_policy {
+                TrafficPolicy::Cluster => &categorized.cluster,
+                TrafficPolicy::Local => &categorized.local,
+            };
+            let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
+            if external_policy == TrafficPolicy::Local {
+                outside.flags |= svc_flags::EXTERNAL_LOCAL;
+            }
+            // From this node's pods: short-circuited to the cluster list
+            // (kube-proxy's external-traffic chain sends traffic that starts
+            // inside the cluster to the cluster endpoints whatever the
+            // externalTrafficPolicy: E4, S42). No source ranges here, as the
+            // datapath filters external traffic only; note that kube-proxy's
+            // firewall chain also filters pods' traffic to a load-balancer IP.
+            let short_circuit =
+                with_backends(&base, &categorized.cluster, &categorized, &endpoints);
+            for (addr, port, is_lb) in targets {
+                let mut fe = outside.clone();
+                if is_lb && !external.source_ranges.is_empty() {
+                    fe.flags |= svc_flags::SOURCE_RANGES;
+                    fe.source_ranges = external.source_ranges.clone();
+                }
+                claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe);
+                claim(
+                    frontend_key(addr, port, proto, SCOPE_INTERNAL),
+                    short_circuit.clone(),
+                );
+            }
+        }
+
+        // kube-proxy `apiservice.NeedsHealthCheck`: type LoadBalancer with
+        // externalTrafficPolicy Local (the API server allocates the port).
+        let health_check_port = spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0);
+        if let (Some(hc_port), Some("LoadBalancer"), TrafficPolicy::Local) =
+            (health_check_port, spec.type_.as_deref(), external_policy)
+        {
+            match desired.health_checks.get(&hc_port) {
+                Some(existing) => warnings.push(ModelWarning {
+                    object: object.clone(),
+                    message: format!(
+                        "healthCheckNodePort {hc_port} already belongs to service {}; skipped",
+                        existing.service
+                    ),
+                }),
+                None => {
+                    desired.health_checks.insert(
+                        hc_port,
+                        HealthCheck {
+                            service: id.clone(),
+                            local_endpoints: local_ready.len(),
+                        },
+                    );
+                }
             }
         }
     }
     (desired, warnings)
 }
 
-/// The backends and flags of a port's ClusterIP frontends (scope
-/// [`SCOPE_INTERNAL`]): the cluster list with `internalTrafficPolicy:
-/// Cluster`, the local list with `Local`. An empty list while usable
-/// endpoints exist elsewhere sets [`svc_flags::DROP_NO_BACKEND`] (kube-proxy
-/// drops: "has no local endpoints"); with no usable endpoint anywhere the
-/// flags stay 0 and the datapath rejects.
-fn internal_backends(info: &ServicePortInfo, categorized: &Categorized) -> (Vec<BackendAddr>, u16) {
-    let list = match info.internal_traffic_policy {
-        TrafficPolicy::Cluster => &categorized.cluster,
-        TrafficPolicy::Local => &categorized.local,
-    };
+fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> FrontendKey {
+    FrontendKey {
+        addr,
+        port,
+        proto,
+        scope,
+    }
+}
+
+/// Claims `key` for `fe`, unless already claimed: silently when by the same
+/// Service (its first claim wins), with a warning when by another.
+fn insert_frontend(
+    frontends: &mut BTreeMap<FrontendKey, Frontend>,
+    warnings: &mut Vec<ModelWarning>,
+    object: &str,
+    key: FrontendKey,
+    fe: Frontend,
+) {
+    match frontends.get(&key) {
+        None => {
+            frontends.insert(key, fe);
+        }
+        Some(existing) if existing.service == fe.service => {}
+        Some(existing) => warnings.push(ModelWarning {
+            object: object.to_string(),
+            message: format!(
+                "frontend {key} already belongs to service {}; skipped",
+                existing.service
+            ),
+        }),
+    }
+}
+
+/// `base` with the backends of `list` (a [`Categorized`] list; `None`, not
+/// used, is empty) and their retained terminating endpoints. An empty list
+/// while usable endpoints exist elsewhere sets [`svc_flags::DROP_NO_BACKEND`]
+/// (kube-proxy drops: "has no local endpoints"); with no usable endpoint
+/// anywhere the flags stay 0 and the datapath rejects.
+fn with_backends(
+    base: &Frontend,
+    list: &Option<Vec<BackendAddr>>,
+    categorized: &Categorized,
+    endpoints: &[EndpointInfo],
+) -> Frontend {
     let backends = list.clone().unwrap_or_default();
     let flags = if backends.is_empty() && categorized.has_any_endpoints {
         svc_flags::DROP_NO_BACKEND
     } else {
         0
     };
-    (backends, flags)
+    Frontend {
+        retained: retained_backends(endpoints, &backends),
+        backends,
+        flags: base.flags | flags,
+        ..base.clone()
+    }
+}
+
+/// A Service's north-south addresses as kube-proxy's IPv4 proxier takes them
+/// (`newBaseServiceInfo`), each list sorted, without duplicates.
+#[derive(Debug, Default)]
+struct ExternalAddresses {
+    /// IPv4 `spec.externalIPs`, captured whether or not an interface owns
+    /// them (S11).
+    external_ips: Vec<Ipv4Addr>,
+    /// IPv4 `status.loadBalancer.ingress[].ip` in VIP mode (`ipMode` missing
+    /// or `VIP`, `proxyutil.IsVIPMode`); `Proxy`-mode IPs are left to the load
+    /// balancer, which sends to the NodePort.
+    lb_ips: Vec<Ipv4Addr>,
+    /// IPv4 `spec.loadBalancerSourceRanges` (`proxyutil.MapCIDRsByIPFamily`:
+    /// trimmed, empty entries ignored, invalid ones ignored with a warning,
+    /// host bits cleared). With none of this family, no filtering.
+    source_ranges: Vec<(Ipv4Addr, u8)>,
+}
+
+/// [`ExternalAddresses`] of `svc`; invalid entries yield warnings on `object`.
+/// Entries of the other family are skipped (kube-proxy: logged at V(4)).
+fn external_addresses(
+    svc: &Service,
+    object: &str,
+    warnings: &mut Vec<ModelWarning>,
+) -> ExternalAddresses {
+    let mut out = ExternalAddresses::default();
+    let mut warn = |message: String| {
+        warnings.push(ModelWarning {
+            object: object.to_string(),
+            message,
+        });
+    };
+    let is_v6 = |s: &str| s.parse::<Ipv6Addr>().is_ok();
+    let spec = svc.spec.as_ref();
+    for s in spec
+        .and_then(|s| s.external_ips.as_ref())
+        .into_iter()
+        .flatten()
+    {
+        match parse_ipv4(s) {
+            Some(ip) => out.external_ips.push(ip),
+            None if s.trim().is_empty() || is_v6(s) => {}
+            None => warn(format!("invalid externalIP {s:?}; ignored")),
+        }
+    }
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    for i in ingress.into_iter().flatten() {
+        let Some(s) = i.ip.as_deref().filter(|s| !s.is_empty()) else {
+            continue;
+        };
+        if i.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
+            continue;
+        }
+        match parse_ipv4(s) {
+            Some(ip) => out.lb_ips.push(ip),
+            None if is_v6(s) => {}
+            None => warn(format!("invalid load-balancer ingress IP {s:?}; ignored")),
+        }
+    }
+    let ranges = spec.and_then(|s| s.load_balancer_source_ranges.as_ref());
+    for s in ranges.into_iter().flatten().map(|s| s.trim()) {
+        if s.is_empty() {
+            continue;
+        }
+        match parse_cidr(s) {
+            Ok(Some(cidr)) => out.source_ranges.push(cidr),
+            Ok(None) => {}
+            Err(e) => warn(format!(
+                "invalid loadBalancerSourceRanges entry: {e}; ignored"
+            )),
+        }
+    }
+    for list in [&mut out.external_ips, &mut out.lb_ips] {
+        list.sort();
+        list.dedup();
+    }
+    out.source_ranges.sort();
+    out.source_ranges.dedup();
+    out
+}
+
+/// The node's IPv4 `InternalIP` addresses, in `status.addresses` order,
+/// without duplicates.
+fn node_internal_ips(node: &Node) -> Vec<Ipv4Addr> {
+    let mut out: Vec<Ipv4Addr> = Vec::new();
+    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+    for a in addresses.into_iter().flatten() {
+        if a.type_ != NODE_ADDRESS_INTERNAL_IP {
+            continue;
+        }
+        if let Some(ip) = parse_ipv4(&a.address) {
+            if !out.contains(&ip) {
+                out.push(ip);
+            }
+        }
+    }
+    out
+}
+
+/// The addresses (first address of each endpoint, as kube-proxy) of the
+/// endpoints of `slices` whose `nodeName` is `node_name`.
+fn local_endpoint_addresses<'a>(
+    slices: impl Iterator<Item = &'a EndpointSlice>,
+    node_name: &str,
+) -> BTreeSet<Ipv4Addr> {
+    slices
+        .flat_map(|s| s.endpoints.iter())
+        .filter(|e| e.node_name.as_deref() == Some(node_name))
+        .filter_map(|e| e.addresses.first()?.parse::<Ipv4Addr>().ok())
+        .collect()
 }
 
 /// The terminating endpoints not in `backends` (field bug C5: "Keep

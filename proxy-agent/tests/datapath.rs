@@ -348,6 +348,14 @@ fn dnat_and_reverse_nat_tcp() {
     assert_eq!(s[&stat::FWD_NEW], 1);
     assert_eq!(s[&stat::FWD_ESTABLISHED], 1);
     assert_eq!(s[&stat::FWD_REPLY], 1);
+
+    // Per-frontend and per-backend traffic: all three packets, whole frames.
+    let t = PinnedMaps::new(&h.pin_dir).traffic().unwrap();
+    let bytes = (syn.len() + data.len() + reply.len()) as u64;
+    let (_, _, _, fe_t) = t.frontends.values().find(|(a, p, _, _)| *a == VIP && *p == 80).unwrap();
+    assert_eq!((fe_t.packets, fe_t.bytes), (3, bytes));
+    let (_, _, _, be_t) = t.backends.values().find(|(a, p, _, _)| *a == B1 && *p == 8080).unwrap();
+    assert_eq!((be_t.packets, be_t.bytes), (3, bytes));
 }
 
 /// UDP DNAT with a checksum, and with checksum 0 ("none"), which must stay 0.

@@ -35,6 +35,7 @@ fn frontend(k: &FrontendKey, backends: &[u8]) -> Frontend {
         backends,
         flags: 0,
         affinity_timeout_s: 0,
+        source_ranges: Vec::new(),
         retained: Vec::new(),
     }
 }

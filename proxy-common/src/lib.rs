@@ -40,9 +40,13 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "FRAG4_V1";
     /// `loadBalancerSourceRanges` (LPM trie): `{prefix_len, SourceRange4}` → `u8` (1).
     pub const SOURCE_RANGES: &str = "SRCRANGE4_V1";
+    /// Per-CPU traffic of each frontend, indexed by reverse-NAT id → [`super::Traffic`].
+    pub const FRONTEND_TRAFFIC: &str = "FE_TRAFFIC_V1";
+    /// Per-CPU traffic of each backend, indexed by backend id → [`super::Traffic`].
+    pub const BACKEND_TRAFFIC: &str = "BE_TRAFFIC_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 12] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -53,6 +57,8 @@ pub mod map_names {
         AFFINITY,
         FRAGMENTS,
         SOURCE_RANGES,
+        FRONTEND_TRAFFIC,
+        BACKEND_TRAFFIC,
     ];
 }
 
@@ -66,6 +72,8 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     pub const FRAGMENTS: u32 = 8_192;
     pub const SOURCE_RANGES: u32 = 16_384;
+    /// Reverse-NAT ids are `u16`: one traffic slot each.
+    pub const FRONTEND_TRAFFIC: u32 = 65_536;
     /// Number of counters in the stats array; every [`super::stat`] code is below it.
     pub const STATS: u32 = 64;
 }
@@ -423,6 +431,16 @@ const _: () = assert!(offset_of!(SourceRange4, addr_be) == 4);
 /// Bits of a [`SourceRange4`] key before the address.
 pub const SOURCE_RANGE_ID_BITS: u32 = 32;
 
+/// Packets and bytes (whole frames) of a frontend or a backend, both
+/// directions of its translated flows, per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Traffic {
+    pub packets: u64,
+    pub bytes: u64,
+}
+const _: () = assert!(size_of::<Traffic>() == 16);
+
 /// Datapath configuration, one entry at index 0 of the config map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -613,4 +631,5 @@ mod user {
     unsafe impl aya::Pod for Frag4Key {}
     unsafe impl aya::Pod for Frag4Ports {}
     unsafe impl aya::Pod for SourceRange4 {}
+    unsafe impl aya::Pod for Traffic {}
 }

@@ -38,7 +38,7 @@ use aya_ebpf::{
 use proxy_common::{
     backend_state, capacity, ct_dir, ct_flags, iface_flags, stat, svc_flags, Affinity4Key,
     Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key, Frag4Ports, Iface, RevNat4,
-    SourceRange4, Svc4Key, Svc4Value, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
+    SourceRange4, Svc4Key, Svc4Value, Traffic, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
     SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
@@ -62,6 +62,10 @@ static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as usize
 #[btf_map]
 static SRCRANGE4_V1: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
+#[btf_map]
+static FE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::FRONTEND_TRAFFIC as usize }> = PerCpuArray::new();
+#[btf_map]
+static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> = PerCpuArray::new();
 #[btf_map]
 static AFFINITY4_V1: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
@@ -114,6 +118,19 @@ const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
+
+/// Accounts a translated packet to its frontend and backend.
+#[inline(always)]
+fn account(ctx: &TcContext, rev_nat_id: u16, backend_id: u32) {
+    let len = ctx.len() as u64;
+    for p in [FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32), BE_TRAFFIC_V1.get_ptr_mut(backend_id)].into_iter().flatten() {
+        // SAFETY: per-CPU slot of this CPU; no other writer while we run.
+        unsafe {
+            (*p).packets += 1;
+            (*p).bytes += len;
+        }
+    }
+}
 
 #[inline(always)]
 fn count(code: u32) {
@@ -262,6 +279,7 @@ fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Option<Result<
     let rev = REVNAT4_V1.get_ptr(ct.rev_nat_id)?;
     // SAFETY: as above.
     let rev = unsafe { *rev };
+    account(ctx, ct.rev_nat_id, ct.backend_id);
     Some(reverse_nat(ctx, pkt, &ct, &rev))
 }
 
@@ -725,6 +743,7 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
         }
     }
 
+    account(ctx, fe.rev_nat_id, flow.backend_id);
     // 6. DNAT (and SNAT for hairpin, another node, or a port collision).
     rewrite_daddr(ctx, pkt, flow.backend.addr_be)?;
     rewrite_dport(ctx, pkt, flow.backend.port_be)?;
