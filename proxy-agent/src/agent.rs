@@ -40,6 +40,7 @@ pub struct RunConfig {
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
     pub external_interfaces: Vec<glob::Pattern>,
+    pub on_exit: crate::config::OnExit,
     /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
@@ -62,6 +63,7 @@ impl From<&Settings> for RunConfig {
             bpffs: s.bpffs.clone(),
             pod_interfaces: s.pod_interfaces.clone(),
             external_interfaces: s.external_interfaces.clone(),
+            on_exit: s.on_exit,
             node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
@@ -312,9 +314,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, false);
     let mut last_sync = Instant::now();
 
-    let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf)?));
+    let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf, &loaded.pin_dir)?));
     let patterns = Patterns { pod: cfg.pod_interfaces.clone(), external: cfg.external_interfaces.clone() };
     let events = attach_existing(&attacher, &patterns).await?;
+    attacher.lock().expect("attacher lock").prune_pins();
     let links = tokio::spawn(follow_links(attacher.clone(), patterns, events));
     // Ready: maps programmed and every existing interface attached.
     info!("{SYNC_COMPLETE}: initial state programmed, programs attached");
@@ -358,7 +361,15 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     for s in servers {
         s.abort();
     }
-    attacher.lock().expect("attacher lock").detach_all();
-    info!("detached; maps stay pinned under {}", cfg.bpffs.display());
+    match cfg.on_exit {
+        crate::config::OnExit::Detach => {
+            attacher.lock().expect("attacher lock").detach_all();
+            info!("detached; maps stay pinned under {}", cfg.bpffs.display());
+        }
+        crate::config::OnExit::Keep => {
+            attacher.lock().expect("attacher lock").release_all();
+            info!("exiting with the datapath attached (--on-exit keep); pins under {}", cfg.bpffs.display());
+        }
+    }
     result
 }

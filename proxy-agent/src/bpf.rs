@@ -12,7 +12,11 @@ use aya::{
         lpm_trie::{Key as LpmKey, LpmTrie},
         Array, HashMap, MapData, MapError, PerCpuArray,
     },
-    programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType},
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::SchedClassifierLink,
+        SchedClassifier, TcAttachType,
+    },
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
@@ -72,6 +76,8 @@ pub enum BpfError {
         name: &'static str,
         source: aya::programs::ProgramError,
     },
+    #[error("program {name}: link: {reason}")]
+    Link { name: &'static str, reason: String },
 }
 
 /// Map sizes, from the agent's configuration.
@@ -457,19 +463,35 @@ impl PinnedMaps {
     }
 }
 
-/// Attaches and detaches the pod program, one tcx link per interface, and
-/// keeps the interfaces map (pod interfaces, delivered to with
-/// `bpf_redirect_peer`) equal to the set of attached interfaces.
+/// A tcx link held by the agent: its fd and where it is pinned.
+struct Held {
+    name: String,
+    kind: IfaceKind,
+    fd: FdLink,
+    pin: PathBuf,
+}
+
+/// Attaches the programs to interfaces, one tcx link per interface, pinned
+/// under `<pin dir>/links/` so that the datapath keeps running while the agent
+/// restarts: a restarted agent finds the pinned link of an interface and
+/// atomically replaces its program (`bpf_link_update`); packets never see an
+/// interface without a program. Also keeps the interfaces map (pod interfaces,
+/// delivered to with `bpf_redirect_peer`) equal to the attached pod interfaces.
 pub struct Attacher {
     ebpf: Ebpf,
     ifaces: HashMap<MapData, u32, Iface>,
-    links: BTreeMap<u32, (String, IfaceKind, SchedClassifierLinkId)>,
+    links: BTreeMap<u32, Held>,
+    link_dir: PathBuf,
+}
+
+fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
+    BpfError::Link { name, reason: e.to_string() }
 }
 
 impl Attacher {
     /// Takes the interfaces map out of `ebpf` and forgets its old entries
     /// (interfaces are learned again from netlink).
-    pub fn new(mut ebpf: Ebpf) -> Result<Self, BpfError> {
+    pub fn new(mut ebpf: Ebpf, pin_dir: &Path) -> Result<Self, BpfError> {
         let mut ifaces: HashMap<MapData, u32, Iface> =
             HashMap::try_from(take_map(&mut ebpf, map_names::IFACES)?)
                 .map_err(map_err(map_names::IFACES))?;
@@ -477,11 +499,10 @@ impl Attacher {
         for k in stale {
             let _ = ifaces.remove(&k);
         }
-        Ok(Self {
-            ebpf,
-            ifaces,
-            links: BTreeMap::new(),
-        })
+        let link_dir = pin_dir.join("links");
+        std::fs::create_dir_all(&link_dir)
+            .map_err(|source| BpfError::PinDir { path: link_dir.clone(), source })?;
+        Ok(Self { ebpf, ifaces, links: BTreeMap::new(), link_dir })
     }
 
     fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
@@ -496,34 +517,68 @@ impl Attacher {
         self.links.contains_key(&ifindex)
     }
 
-    /// Attaches the program of `kind` at tc ingress (tcx) of `name`.
+    fn pin_path(&self, ifindex: u32, name: &str, kind: IfaceKind) -> PathBuf {
+        let k = match kind {
+            IfaceKind::Pod => "pod",
+            IfaceKind::External => "ext",
+        };
+        self.link_dir.join(format!("{ifindex}-{name}-{k}"))
+    }
+
+    /// Attaches the program of `kind` at tc ingress (tcx) of `name`, or takes
+    /// over the link a previous agent pinned for it.
     pub fn attach(&mut self, ifindex: u32, name: &str, kind: IfaceKind) -> Result<(), BpfError> {
-        let id = self
-            .program(kind)
-            .attach(name, TcAttachType::Ingress)
-            .map_err(|source| BpfError::Program {
-                name: kind.program(),
-                source,
-            })?;
-        self.links.insert(ifindex, (name.to_owned(), kind, id));
+        let prog_name = kind.program();
+        let pin = self.pin_path(ifindex, name, kind);
+        let adopted = match PinnedLink::from_pin(&pin) {
+            Ok(pinned) => {
+                let fd = FdLink::from(pinned);
+                let replaced = SchedClassifierLink::try_from(fd)
+                    .map_err(|e| link_err(prog_name, e))
+                    .and_then(|link| {
+                        let prog = self.program(kind);
+                        let id = prog.attach_to_link(link).map_err(|source| BpfError::Program { name: prog_name, source })?;
+                        let link = prog.take_link(id).map_err(|source| BpfError::Program { name: prog_name, source })?;
+                        FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
+                    });
+                match replaced {
+                    Ok(fd) => Some(fd),
+                    Err(e) => {
+                        // A defunct link (its interface was recreated): start afresh.
+                        tracing::debug!(pin = %pin.display(), error = %e, "pinned link not reusable");
+                        let _ = std::fs::remove_file(&pin);
+                        None
+                    }
+                }
+            }
+            Err(_) => None,
+        };
+        let fd = match adopted {
+            Some(fd) => fd,
+            None => {
+                let prog = self.program(kind);
+                let id = prog
+                    .attach(name, TcAttachType::Ingress)
+                    .map_err(|source| BpfError::Program { name: prog_name, source })?;
+                let link = prog.take_link(id).map_err(|source| BpfError::Program { name: prog_name, source })?;
+                let fd = FdLink::try_from(link).map_err(|e| link_err(prog_name, e))?;
+                FdLink::from(fd.pin(&pin).map_err(|e| link_err(prog_name, e))?)
+            }
+        };
+        self.links.insert(ifindex, Held { name: name.to_owned(), kind, fd, pin });
         if kind == IfaceKind::Pod {
             self.ifaces
-                .insert(
-                    ifindex,
-                    Iface {
-                        flags: iface_flags::POD,
-                    },
-                    0,
-                )
+                .insert(ifindex, Iface { flags: iface_flags::POD }, 0)
                 .map_err(map_err(map_names::IFACES))?;
         }
         Ok(())
     }
 
-    /// Forgets (and detaches, if it still exists) the link on `ifindex`.
+    /// Detaches the link on `ifindex` (removing its pin) and forgets it.
     pub fn detach(&mut self, ifindex: u32) {
-        if let Some((_, kind, id)) = self.links.remove(&ifindex) {
-            let _ = self.program(kind).detach(id);
+        if let Some(held) = self.links.remove(&ifindex) {
+            let _ = std::fs::remove_file(&held.pin);
+            drop(held.fd);
         }
         let _ = self.ifaces.remove(&ifindex);
     }
@@ -535,7 +590,46 @@ impl Attacher {
         }
     }
 
-    pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
-        self.links.iter().map(|(i, (n, k, _))| (*i, n.as_str(), *k))
+    /// Lets go of every link but leaves it pinned: the programs stay attached
+    /// after the agent exits, until a new agent takes them over.
+    pub fn release_all(&mut self) {
+        self.links.clear();
     }
+
+    /// Removes pins of links this agent does not hold (interfaces that are
+    /// gone, or no longer match the patterns).
+    pub fn prune_pins(&mut self) {
+        let held: std::collections::BTreeSet<PathBuf> = self.links.values().map(|h| h.pin.clone()).collect();
+        if let Ok(dir) = std::fs::read_dir(&self.link_dir) {
+            for e in dir.flatten() {
+                if !held.contains(&e.path()) {
+                    tracing::info!(pin = %e.path().display(), "removing a stale link pin");
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+
+    pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
+        self.links.iter().map(|(i, h)| (*i, h.name.as_str(), h.kind))
+    }
+}
+
+/// Removes a datapath left attached by an agent that exited with
+/// `--on-exit keep`: every pinned link (detaching the programs) and every
+/// pinned map under `pin_dir`. Returns how many pins were removed.
+pub fn cleanup(pin_dir: &Path) -> Result<usize, BpfError> {
+    if !pin_dir.exists() {
+        return Ok(0);
+    }
+    let mut n = 0;
+    let links = pin_dir.join("links");
+    if let Ok(dir) = std::fs::read_dir(&links) {
+        n += dir.flatten().count();
+    }
+    if let Ok(dir) = std::fs::read_dir(pin_dir) {
+        n += dir.flatten().filter(|e| e.path() != links).count();
+    }
+    std::fs::remove_dir_all(pin_dir).map_err(|source| BpfError::PinDir { path: pin_dir.into(), source })?;
+    Ok(n)
 }

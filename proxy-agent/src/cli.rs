@@ -22,6 +22,13 @@ pub enum Cmd {
     Run(Box<RunArgs>),
     /// Read the pinned maps of a running agent.
     Inspect(crate::inspect::InspectArgs),
+    /// Remove a datapath an agent left attached (`--on-exit keep`): detach
+    /// every program and remove every pin under the directory.
+    Cleanup {
+        /// The agent's pin directory.
+        #[arg(long, default_value = crate::config::DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
 }
 
 #[derive(Parser, Debug, Default, Clone)]
@@ -63,6 +70,11 @@ pub struct RunArgs {
     /// other nodes [default: eth0].
     #[arg(long, value_delimiter = ',')]
     pub external_interfaces: Option<Vec<String>>,
+    /// What to do with the datapath on exit: `detach` (clean shutdown) or
+    /// `keep` (Services keep working until the next agent takes over; for
+    /// restarts and rolling updates) [default: detach].
+    #[arg(long, value_enum)]
+    pub on_exit: Option<crate::config::OnExit>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

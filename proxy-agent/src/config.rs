@@ -66,6 +66,21 @@ pub enum SourceKind {
     Kubernetes,
 }
 
+/// What the agent does with the datapath when it exits (SIGTERM / SIGINT).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OnExit {
+    /// Detach every program and remove the link pins: a clean shutdown
+    /// (Services stop working on the node until an agent runs again).
+    #[default]
+    Detach,
+    /// Leave the programs attached and the maps pinned: Services keep working
+    /// while the agent is down, and the next agent (a restart, a rolling
+    /// update) takes them over without losing a flow. `proxy-agent cleanup`
+    /// removes what is left.
+    Keep,
+}
+
 /// A Go duration (`time.ParseDuration`): `300ms`, `1.5h`, `2h45m`, `0`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GoDuration(pub Duration);
@@ -180,6 +195,7 @@ pub struct ConfigFile {
     pub bpffs: Option<PathBuf>,
     pub pod_interfaces: Option<Vec<String>>,
     pub external_interfaces: Option<Vec<String>>,
+    pub on_exit: Option<OnExit>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -281,6 +297,7 @@ pub struct Settings {
     pub bpffs: PathBuf,
     pub pod_interfaces: Vec<glob::Pattern>,
     pub external_interfaces: Vec<glob::Pattern>,
+    pub on_exit: OnExit,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -480,6 +497,7 @@ impl Settings {
                 .unwrap_or_else(|| DEFAULT_BPFFS.into()),
             pod_interfaces,
             external_interfaces,
+            on_exit: flags.on_exit.or(file.on_exit).unwrap_or_default(),
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)

@@ -61,6 +61,10 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(run(*a))?;
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
+        Cmd::Cleanup { bpffs } => {
+            let n = proxy_agent::bpf::cleanup(&bpffs)?;
+            println!("removed {n} pins under {}", bpffs.display());
+        }
     }
     Ok(())
 }

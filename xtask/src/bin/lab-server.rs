@@ -2,7 +2,10 @@
 //! every given TCP and UDP port (bound to 0.0.0.0).
 //!
 //! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
-//! timeout), one reply line, then close. UDP: one reply datagram per datagram.
+//! timeout), one reply line, then close; except `stream`, which keeps the
+//! connection open and answers every following line with `<name> <line>`
+//! (idle timeout 120 s) — a long-lived connection for the lab's tests. UDP: one
+//! reply datagram per datagram.
 //! Prints `ready` on stdout once every port is bound.
 
 use std::io::{Read, Write};
@@ -75,8 +78,24 @@ fn serve_tcp_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
             break;
         }
     }
+    if buf.strip_suffix(b"\r").unwrap_or(&buf) == b"stream" {
+        return serve_stream(name, stream);
+    }
     stream.write_all(&answer(name, &buf, peer))?;
     stream.flush()
+}
+
+/// A long-lived connection: `<name> <line>` for every line, until EOF.
+fn serve_stream(name: &str, stream: TcpStream) -> std::io::Result<()> {
+    use std::io::BufRead;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let mut out = stream.try_clone()?;
+    out.write_all(format!("{name} streaming\n").as_bytes())?;
+    for line in std::io::BufReader::new(stream).lines() {
+        let line = line?;
+        out.write_all(format!("{name} {line}\n").as_bytes())?;
+    }
+    Ok(())
 }
 
 fn serve_tcp(name: Arc<String>, listener: TcpListener) {
