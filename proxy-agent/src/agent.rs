@@ -30,6 +30,9 @@ use crate::{
     source::{Source, SourceError},
 };
 
+/// How often expired conntrack entries are deleted.
+const CT_GC_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Log line printed after every sync; the lab and tests wait for it.
 pub const SYNC_COMPLETE: &str = "sync complete";
 
@@ -328,6 +331,8 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         .map_err(AgentError::Signal)?;
     let mut pending = false;
     let mut result = Ok(());
+    let mut ct_gc = tokio::time::interval(CT_GC_INTERVAL);
+    ct_gc.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // kube-proxy's minSyncPeriod: a change right after a sync waits for the
         // rest of the period; one after a quiet period is applied at once.
@@ -348,6 +353,12 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
                 debug!("source changed");
                 obs.health.queued_update();
                 pending = true;
+            }
+            _ = ct_gc.tick() => {
+                let r = writer.dataplane_mut().gc_conntrack(&obs.datapath, bpf::ktime_ns());
+                if r.expired > 0 {
+                    info!(scanned = r.scanned, expired = r.expired, "conntrack garbage-collected");
+                }
             }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,

@@ -127,6 +127,40 @@ pub struct Loaded {
 /// map already pinned there (by an earlier agent) is reused, with its entries,
 /// so established flows keep their conntrack state across restarts.
 pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
+    load_with_migrations(pin_dir, sizes, MIGRATIONS)
+}
+
+/// A change of a map's layout, from the pinned map of an older agent to the
+/// current one. Map names carry their layout version (`CT4_V1`); an agent
+/// that finds a pinned map of an older version copies its entries, converted,
+/// into the current map, then removes the old pin. Entries of an old map with
+/// no migration are dropped (with a warning).
+pub struct Migration {
+    /// Pinned name of the old layout, e.g. `CT4_V0`.
+    pub from: &'static str,
+    /// The current map it migrates into (one of `map_names::ALL`).
+    pub to: &'static str,
+    /// Copies the old map's entries, converted, into the new one; returns how
+    /// many were copied.
+    pub run: fn(old: MapData, new: &mut aya::maps::Map) -> Result<usize, MapError>,
+}
+
+/// Migrations this agent knows. Every map is at its first layout (`_V1`), so
+/// there is none yet; the mechanism is tested with a layout changed on purpose.
+pub const MIGRATIONS: &[Migration] = &[];
+
+/// Whether `name` looks like a versioned map pin (`SOMETHING_V<digits>`).
+fn is_versioned_map_pin(name: &str) -> bool {
+    name.rsplit_once("_V")
+        .is_some_and(|(base, v)| !base.is_empty() && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// [`load`] with the given migrations.
+pub fn load_with_migrations(
+    pin_dir: &Path,
+    sizes: MapSizes,
+    migrations: &[Migration],
+) -> Result<Loaded, BpfError> {
     ensure_bpffs_dir(pin_dir)?;
     let paths: Vec<(&'static str, PathBuf)> = map_names::ALL
         .iter()
@@ -154,10 +188,38 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
         prog.load()
             .map_err(|source| BpfError::Program { name, source })?;
     }
+    migrate(pin_dir, &mut ebpf, migrations)?;
     Ok(Loaded {
         ebpf,
         pin_dir: pin_dir.to_owned(),
     })
+}
+
+/// Runs the migrations whose old map is pinned in `pin_dir`, then removes
+/// pins of older layouts nothing migrates.
+fn migrate(pin_dir: &Path, ebpf: &mut Ebpf, migrations: &[Migration]) -> Result<(), BpfError> {
+    for m in migrations {
+        let old_path = pin_dir.join(m.from);
+        if !old_path.exists() {
+            continue;
+        }
+        let old = MapData::from_pin(&old_path).map_err(map_err(m.to))?;
+        let new = ebpf.map_mut(m.to).ok_or(BpfError::MissingMap(m.to))?;
+        let n = (m.run)(old, new).map_err(map_err(m.to))?;
+        std::fs::remove_file(&old_path).map_err(|source| BpfError::PinDir { path: old_path.clone(), source })?;
+        tracing::info!(from = m.from, to = m.to, entries = n, "migrated a pinned map to its new layout");
+    }
+    let Ok(dir) = std::fs::read_dir(pin_dir) else {
+        return Ok(());
+    };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if is_versioned_map_pin(&name) && !map_names::ALL.contains(&name.as_str()) {
+            tracing::warn!(pin = %e.path().display(), "a map of an older layout with no migration: its entries are dropped");
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(())
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, BpfError> {
@@ -176,7 +238,37 @@ pub struct BpfDataplane {
     config: Array<MapData, Config>,
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
+    conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
     sizes: MapSizes,
+}
+
+/// What one conntrack garbage collection did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtGcReport {
+    pub scanned: usize,
+    pub expired: usize,
+}
+
+/// `bpf_ktime_get_ns()` as user space sees it: CLOCK_MONOTONIC.
+pub fn ktime_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The conntrack timeout of an entry, as the datapath computes it.
+fn ct_timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
+    let s = if proto != proxy_common::IPPROTO_TCP {
+        cfg.ct_udp_s
+    } else if flags & proxy_common::ct_flags::TCP_CLOSING != 0 {
+        cfg.ct_tcp_closing_s
+    } else if flags & proxy_common::ct_flags::TCP_SYN != 0 {
+        cfg.ct_tcp_syn_s
+    } else {
+        cfg.ct_tcp_established_s
+    };
+    u64::from(s) * 1_000_000_000
 }
 
 fn source_range_key(rev_nat_id: u16, (addr, len): SourceRange) -> LpmKey<SourceRange4> {
@@ -205,6 +297,8 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::AFFINITY))?,
             source_ranges: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES)?)
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
+            conntrack: HashMap::try_from(take_map(ebpf, map_names::CONNTRACK)?)
+                .map_err(map_err(map_names::CONNTRACK))?,
             sizes,
         })
     }
@@ -238,6 +332,57 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
         Err(MapError::KeyNotFound) => Ok(()),
         Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
+    }
+}
+
+impl BpfDataplane {
+    /// Garbage-collects conntrack at time `now_ns` ([`ktime_ns`]): a SERVICE
+    /// entry idle for longer than its timeout (per protocol and TCP state, as
+    /// the datapath judges it) is deleted with its REPLY entry; a REPLY entry
+    /// whose SERVICE entry is gone is deleted. The LRU bounds the map anyway;
+    /// this frees entries of finished flows before it has to.
+    pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
+        let entries: Vec<(Ct4Key, Ct4Value)> = self.conntrack.iter().filter_map(Result::ok).collect();
+        let mut report = CtGcReport { scanned: entries.len(), expired: 0 };
+        let live: std::collections::HashSet<Ct4Key> = entries
+            .iter()
+            .filter(|(k, v)| {
+                k.dir == proxy_common::ct_dir::SERVICE
+                    && now_ns.saturating_sub(v.last_seen_ns) <= ct_timeout_ns(cfg, k.proto, v.flags)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        let rev: BTreeMap<u16, RevNat4> = self.rev_nat.iter().filter_map(Result::ok).collect();
+        for (k, v) in &entries {
+            let keep = match k.dir {
+                proxy_common::ct_dir::SERVICE => live.contains(k),
+                _ => {
+                    // The SERVICE entry of this reply's flow.
+                    let Some(r) = rev.get(&v.rev_nat_id) else {
+                        report.expired += usize::from(self.conntrack.remove(k).is_ok());
+                        continue;
+                    };
+                    let snat_addr = v.flags & proxy_common::ct_flags::SNAT_ADDR != 0;
+                    let snat_port = v.flags & proxy_common::ct_flags::SNAT_PORT != 0;
+                    let skey = Ct4Key {
+                        saddr_be: if snat_addr { v.nat_addr_be } else { k.daddr_be },
+                        daddr_be: r.addr_be,
+                        sport_be: if snat_port { v.nat_port_be } else { k.dport_be },
+                        dport_be: r.port_be,
+                        proto: k.proto,
+                        dir: proxy_common::ct_dir::SERVICE,
+                        _pad: [0; 2],
+                    };
+                    // A reply entry younger than a second may belong to a
+                    // flow being created right now.
+                    live.contains(&skey) || now_ns.saturating_sub(v.last_seen_ns) < 1_000_000_000
+                }
+            };
+            if !keep && self.conntrack.remove(k).is_ok() {
+                report.expired += 1;
+            }
+        }
+        report
     }
 }
 

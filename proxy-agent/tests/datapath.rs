@@ -21,7 +21,7 @@ use proxy_agent::{
     dataplane::Writer,
     model::{BackendAddr, DesiredState, Frontend, FrontendKey},
 };
-use proxy_common::{stat, svc_flags, Config, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+use proxy_common::{map_names, stat, svc_flags, Config, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -886,4 +886,130 @@ fn fragmented_udp_datagram_follows_its_first_fragment() {
         0,
         "reassembled reply checksum"
     );
+}
+
+/// Conntrack lifecycle: entries expire per protocol and TCP state (SYN only,
+/// established, closing; UDP), and garbage collection deletes expired ones,
+/// both directions of a flow, and nothing live.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn conntrack_entries_expire_per_state_and_are_collected() {
+    let mut h = Harness::new();
+    h.sync(&[
+        (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
+        (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
+    ]);
+    h.run(&tcp_packet(CLIENT, 40000, VIP, 80, SYN, b""));      // SYN only
+    h.run(&tcp_packet(CLIENT, 40001, VIP, 80, SYN, b""));
+    h.run(&tcp_packet(CLIENT, 40001, VIP, 80, ACK, b""));      // established
+    h.run(&tcp_packet(CLIENT, 40002, VIP, 80, SYN, b""));
+    h.run(&tcp_packet(CLIENT, 40002, VIP, 80, ACK | 0x01, b"")); // FIN: closing
+    h.run(&udp_packet(CLIENT, 40003, VIP, 53, b"q", false));
+    let maps = PinnedMaps::new(&h.pin_dir);
+    assert_eq!(maps.conntrack().unwrap().len(), 8, "4 flows, 2 entries each");
+    let cfg = Config::default();
+    let dp = h.writer.dataplane_mut();
+    let now = proxy_agent::bpf::ktime_ns();
+    let s = 1_000_000_000u64;
+    // Now: nothing expired.
+    assert_eq!(dp.gc_conntrack(&cfg, now).expired, 0);
+    // 11 s on: the closing TCP flow (10 s) is gone, both of its entries.
+    assert_eq!(dp.gc_conntrack(&cfg, now + 11 * s).expired, 2);
+    // 61 s on: the SYN-only flow (60 s) and UDP (60 s) too; established stays.
+    assert_eq!(dp.gc_conntrack(&cfg, now + 61 * s).expired, 4);
+    let left = maps.conntrack().unwrap();
+    assert_eq!(left.len(), 2);
+    assert!(left.iter().all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
+    // 6 h on: established expires as well.
+    assert_eq!(dp.gc_conntrack(&cfg, now + 21_601 * s).expired, 2);
+    assert!(maps.conntrack().unwrap().is_empty());
+}
+
+/// Map layouts carry a version in their names. A pinned map of an older
+/// layout (here an affinity map `AFFINITY4_V0` whose value kept the last use
+/// in seconds, made on purpose) is migrated into the current map when the
+/// agent loads, and its pin removed; an old map with no migration is dropped.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn pinned_maps_of_an_older_layout_are_migrated() {
+    use aya::maps::{HashMap as AyaHashMap, Map, MapData};
+    use proxy_agent::bpf::{load_with_migrations, Migration};
+    use proxy_common::{Affinity4Key, Affinity4Value};
+
+    /// The "old" value layout: 8 bytes, last use in whole seconds.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct AffinityV0 {
+        backend_id: u32,
+        last_used_s: u32,
+    }
+    unsafe impl aya::Pod for AffinityV0 {}
+
+    fn run(old: MapData, new: &mut Map) -> Result<usize, aya::maps::MapError> {
+        let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> = AyaHashMap::try_from(Map::HashMap(old))?;
+        let mut new: AyaHashMap<&mut MapData, Affinity4Key, Affinity4Value> = AyaHashMap::try_from(new)?;
+        let mut n = 0;
+        for kv in old.iter() {
+            let (k, v) = kv?;
+            let value = Affinity4Value { backend_id: v.backend_id, _pad: 0, last_used_ns: u64::from(v.last_used_s) * 1_000_000_000 };
+            new.insert(k, value, 0)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+    const MIGRATIONS: &[Migration] = &[Migration { from: "AFFINITY4_V0", to: map_names::AFFINITY, run }];
+
+    let id = format!("{}-mig", std::process::id());
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-pkt-{id}"));
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(pin_dir.clone());
+    std::fs::create_dir_all(&pin_dir).unwrap();
+    // Pin old-layout maps, as an older agent would have left them.
+    let pin_old = |name: &str, value_size: u32, entries: &[(Affinity4Key, AffinityV0)]| {
+        let fd = create_hash_map(8, value_size, 1024);
+        let data = MapData::from_fd(fd).unwrap();
+        data.pin(pin_dir.join(name)).unwrap();
+        let mut m: AyaHashMap<MapData, Affinity4Key, AffinityV0> = AyaHashMap::try_from(Map::HashMap(data)).unwrap();
+        for (k, v) in entries {
+            m.insert(k, v, 0).unwrap();
+        }
+    };
+    let key = Affinity4Key { client_be: u32::from_ne_bytes(CLIENT.octets()), rev_nat_id: 7, _pad: 0 };
+    pin_old("AFFINITY4_V0", 8, &[(key, AffinityV0 { backend_id: 42, last_used_s: 1234 })]);
+    pin_old("FOO4_V0", 8, &[]);
+
+    let mut loaded = load_with_migrations(&pin_dir, MapSizes::default(), MIGRATIONS).expect("load");
+    assert!(!pin_dir.join("AFFINITY4_V0").exists(), "old pin removed after migration");
+    assert!(!pin_dir.join("FOO4_V0").exists(), "an old map with no migration is dropped");
+    let m: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
+        AyaHashMap::try_from(loaded.ebpf.take_map(map_names::AFFINITY).unwrap()).unwrap();
+    let v = m.get(&key, 0).expect("migrated entry");
+    assert_eq!((v.backend_id, v.last_used_ns), (42, 1_234_000_000_000));
+}
+
+/// A plain BPF hash map (for the migration test's "old" maps).
+fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    #[repr(C)]
+    struct Attr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        _rest: [u8; 108],
+    }
+    let attr = Attr { map_type: 1, key_size, value_size, max_entries, map_flags: 0, _rest: [0; 108] };
+    // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_bpf, 0, &attr as *const Attr, std::mem::size_of::<Attr>() as u32)
+    };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    // SAFETY: a new fd we own.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
 }
