@@ -87,6 +87,8 @@ struct Observers {
     latency: ProgrammingLatency,
     /// The datapath configuration as written, and the node address in it.
     datapath: Config,
+    /// The `healthCheckNodePort` listeners, reconciled after every sync.
+    health_checks: crate::healthcheck::HealthCheckServers,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -233,6 +235,8 @@ fn sync_once(
     for (what, e) in &report.errors {
         error!(frontend = %what, error = %e, "cannot program");
     }
+    // Ports that cannot be bound are logged inside and retried next sync.
+    obs.health_checks.sync(&desired.health_checks);
     // A sync that ran is an update for the health check even when single
     // frontends failed: those are retried, counted and logged, and a crash
     // loop (liveness) would not make them fit.
@@ -289,11 +293,15 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     dp.set_config(datapath)?;
     let mut writer = Writer::adopt(dp)?;
 
+    let health = Arc::new(Health::new(Health::timeout_for(cfg.sync_period)));
+    let proxy_health = health.clone();
     let mut obs = Observers {
-        health: Arc::new(Health::new(Health::timeout_for(cfg.sync_period))),
+        health,
         metrics: Arc::new(Metrics::new(Some(loaded.pin_dir.clone()))),
         latency: ProgrammingLatency::default(),
         datapath,
+        health_checks: crate::healthcheck::HealthCheckServers::default()
+            .with_proxy_health(move || proxy_health.status().healthy),
     };
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
@@ -372,6 +380,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     for s in servers {
         s.abort();
     }
+    obs.health_checks.shutdown();
     match cfg.on_exit {
         crate::config::OnExit::Detach => {
             attacher.lock().expect("attacher lock").detach_all();

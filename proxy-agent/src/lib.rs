@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod dataplane;
 pub mod health;
+pub mod healthcheck;
 pub mod inspect;
 pub mod k8s;
 pub mod manifests;
