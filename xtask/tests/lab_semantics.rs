@@ -1,0 +1,803 @@
+//! Lab tests of kube-proxy's endpoint semantics (issue 4): session affinity,
+//! terminating endpoints, publishNotReadyAddresses, internalTrafficPolicy and
+//! two VIPs sharing a backend. Real sockets between the lab's network
+//! namespaces, through the agent's datapath. Each test is named after the
+//! row(s) of /work/shared/conformance (service-behaviours.md, field-bugs.md)
+//! it shows, builds its own lab and lets it drop at the end (also on panic).
+//!
+//! Run as root: `cargo xtask test`, or
+//! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_semantics -- --include-ignored --test-threads=2`.
+//!
+//! Where a row needs endpoint conditions (ready / serving / terminating), the
+//! test writes the EndpointSlice itself: the Service has no selector, and the
+//! Pods (which give the servers and their IPs) carry no label a selector
+//! would match.
+//!
+//! On failure the agent's log tail and `proxy-agent inspect
+//! services|stats|conntrack` are printed before the lab is torn down;
+//! `KPR_LAB_DIAG=1` prints them after every test.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use xtask::client::{self, reply_text, Request};
+use xtask::netns::in_netns;
+use xtask::Lab;
+
+/// Timeout of one request (connect, each read and write).
+const T: Duration = Duration::from_secs(2);
+/// How long the agent may take to come up, or to sync a change.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
+
+// ---------------------------------------------------------------- manifests
+
+/// A Service `name` with ports `tcp` (80/TCP) and `udp` (80/UDP), both to
+/// targetPort 80. `selector`: `app: <selector>`, or none (the test writes the
+/// EndpointSlices). `extra`: more `spec` lines, indented by two spaces.
+fn svc(name: &str, selector: Option<&str>, extra: &str) -> String {
+    let mut y = format!("---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n");
+    if let Some(app) = selector {
+        y.push_str(&format!("  selector:\n    app: {app}\n"));
+    }
+    y.push_str(extra);
+    y.push_str(
+        "  ports:\n  - name: tcp\n    port: 80\n    targetPort: 80\n    protocol: TCP\n  - name: udp\n    port: 80\n    targetPort: 80\n    protocol: UDP\n",
+    );
+    y
+}
+
+/// `sessionAffinity: ClientIP` spec lines, with `timeoutSeconds` if given.
+fn client_ip_affinity(timeout: Option<u32>) -> String {
+    let mut y = String::from("  sessionAffinity: ClientIP\n");
+    if let Some(t) = timeout {
+        y.push_str(&format!(
+            "  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
+        ));
+    }
+    y
+}
+
+/// A Pod labelled `app: <app>`; its server listens on 80 (TCP and UDP).
+fn pod(name: &str, app: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
+    )
+}
+
+/// One endpoint of an EndpointSlice written by a test.
+#[derive(Clone, Debug)]
+struct Ep {
+    ip: Ipv4Addr,
+    node: String,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+}
+
+impl Ep {
+    /// A ready endpoint at pod `name`'s IP, on its node.
+    fn of(lab: &Lab, name: &str) -> Ep {
+        let p = lab
+            .pod(name)
+            .unwrap_or_else(|| panic!("no pod {name} in the lab"));
+        Ep {
+            ip: p.ip,
+            node: p.node.clone(),
+            ready: true,
+            serving: true,
+            terminating: false,
+        }
+    }
+
+    fn cond(mut self, ready: bool, serving: bool, terminating: bool) -> Ep {
+        self.ready = ready;
+        self.serving = serving;
+        self.terminating = terminating;
+        self
+    }
+
+    /// ready=false serving=true terminating=true (deleted, still serving).
+    fn terminating_serving(self) -> Ep {
+        self.cond(false, true, true)
+    }
+
+    /// ready=false serving=false terminating=true.
+    fn terminating_not_serving(self) -> Ep {
+        self.cond(false, false, true)
+    }
+
+    fn on_node(mut self, node: &str) -> Ep {
+        self.node = node.to_string();
+        self
+    }
+}
+
+/// The EndpointSlice `<service>-1` of `service` with ports `tcp` and `udp`
+/// (80) and endpoints `eps`.
+fn slice(service: &str, eps: &[Ep]) -> String {
+    let mut y = format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {service}-1\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: tcp\n  port: 80\n  protocol: TCP\n- name: udp\n  port: 80\n  protocol: UDP\n"
+    );
+    if eps.is_empty() {
+        y.push_str("endpoints: []\n");
+    } else {
+        y.push_str("endpoints:\n");
+    }
+    for e in eps {
+        y.push_str(&format!(
+            "- addresses: [\"{}\"]\n  conditions: {{ready: {}, serving: {}, terminating: {}}}\n  nodeName: {}\n",
+            e.ip, e.ready, e.serving, e.terminating, e.node
+        ));
+    }
+    y
+}
+
+// ---------------------------------------------------------------- lab runner
+
+fn agent_bin() -> PathBuf {
+    std::env::var_os("KPR_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
+}
+
+/// The agent's log tail and its pinned maps, while the lab still exists.
+fn diagnostics(lab: &Lab) {
+    let log = lab.agent_log();
+    let lines: Vec<&str> = log.lines().collect();
+    eprintln!(
+        "==== lab {} agent.log (last 60 of {} lines) ====\n{}",
+        lab.id(),
+        lines.len(),
+        lines[lines.len().saturating_sub(60)..].join("\n")
+    );
+    for what in ["services", "stats", "conntrack"] {
+        let out = Command::new(agent_bin())
+            .args(["inspect", what, "--bpffs"])
+            .arg(&lab.info().bpffs)
+            .output();
+        match out {
+            Ok(o) => eprintln!(
+                "==== proxy-agent inspect {what} --bpffs {} ====\n{}{}",
+                lab.info().bpffs.display(),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => eprintln!("==== proxy-agent inspect {what}: {e}"),
+        }
+    }
+}
+
+/// Starts a lab with `yaml`, waits for the agent's first sync and its
+/// attachments, runs `f`. On a panic in `f`, prints diagnostics while the lab
+/// still exists; the lab is dropped (torn down) before the panic resumes.
+fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
+    let started = Instant::now();
+    let mut lab = Lab::builder()
+        .manifests_yaml(yaml)
+        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
+        .start()
+        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
+    let result = panic::catch_unwind(AssertUnwindSafe(|| {
+        lab.wait_ready(SYNC_TIMEOUT)
+            .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
+        lab.wait_attached(SYNC_TIMEOUT)
+            .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+        println!(
+            "[{test}] lab {} ready in {} ms",
+            lab.id(),
+            started.elapsed().as_millis()
+        );
+        f(&mut lab)
+    }));
+    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
+        diagnostics(&lab);
+    }
+    drop(lab);
+    println!("[{test}] done in {} ms", started.elapsed().as_millis());
+    if let Err(e) = result {
+        panic::resume_unwind(e);
+    }
+}
+
+/// `lab.apply(yaml)`, then waits for the agent's sync and its attachments.
+fn apply(lab: &mut Lab, yaml: &str) {
+    lab.apply(yaml)
+        .unwrap_or_else(|e| panic!("apply: {e:#}"));
+    lab.wait_synced(SYNC_TIMEOUT)
+        .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
+    lab.wait_attached(SYNC_TIMEOUT)
+        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+}
+
+fn frontend(lab: &Lab, service: &str, proto: &str) -> SocketAddrV4 {
+    lab.cluster_frontend(service, 80, proto)
+        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:80"))
+}
+
+// ---------------------------------------------------------------- requests
+
+fn tcp_hostname(ns: &str, addr: SocketAddrV4) -> io::Result<String> {
+    client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r))
+}
+
+/// `n` requests (new TCP connections, or UDP datagrams each from a new
+/// socket, i.e. a new source port) asking `hostname`, one after another:
+/// answers in order, and the errors.
+fn hostnames(ns: &str, addr: SocketAddrV4, proto: &str, n: usize) -> (Vec<String>, Vec<String>) {
+    let reqs = (0..n)
+        .map(|_| match proto {
+            "UDP" => Request::udp(addr, b"hostname", T),
+            _ => Request::tcp(addr, b"hostname\n", T),
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
+    let mut answers = Vec::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(reply) => answers.push(reply_text(&reply)),
+            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
+        }
+    }
+    (answers, errors)
+}
+
+fn counts(answers: &[String]) -> BTreeMap<String, usize> {
+    let mut c = BTreeMap::new();
+    for a in answers {
+        *c.entry(a.clone()).or_insert(0) += 1;
+    }
+    c
+}
+
+/// `n` requests that must all succeed; returns the answers' counts.
+fn all_ok(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, what: &str) -> BTreeMap<String, usize> {
+    let (answers, errors) = hostnames(ns, addr, proto, n);
+    let c = counts(&answers);
+    println!("{what}: {n} {proto} requests to {addr}: {c:?}, {} errors", errors.len());
+    assert!(
+        errors.is_empty(),
+        "{what}: {} of {n} {proto} requests to {addr} failed: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    c
+}
+
+/// `n` requests that must all succeed and all be answered by one pod; returns it.
+fn sticky(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, what: &str) -> String {
+    let c = all_ok(ns, addr, proto, n, what);
+    assert_eq!(
+        c.len(),
+        1,
+        "{what}: with ClientIP affinity, {n} {proto} requests from one client were answered by several pods: {c:?}"
+    );
+    c.into_keys().next().unwrap()
+}
+
+/// `n` requests that must all succeed and be answered by exactly `pods`.
+fn answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, pods: &[&str], what: &str) {
+    let c = all_ok(ns, addr, proto, n, what);
+    let seen: BTreeSet<&str> = c.keys().map(String::as_str).collect();
+    let want: BTreeSet<&str> = pods.iter().copied().collect();
+    assert_eq!(seen, want, "{what}: pods answering {proto} {addr} (counts {c:?})");
+}
+
+/// A TCP connect to `addr` must be refused (RST or ICMP), quickly.
+fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) {
+    let t = Instant::now();
+    let r = tcp_hostname(ns, addr);
+    let el = t.elapsed();
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            println!("{what}: TCP {addr} refused in {} ms", el.as_millis())
+        }
+        other => panic!(
+            "{what}: TCP {addr}: expected ConnectionRefused, got {other:?} after {} ms",
+            el.as_millis()
+        ),
+    }
+}
+
+/// A UDP datagram to `addr` must be refused (ICMP port unreachable).
+fn assert_udp_refused(ns: &str, addr: SocketAddrV4, what: &str) {
+    let t = Instant::now();
+    let r = client::udp_request(ns, addr, b"hostname", T, None).map(|r| reply_text(&r));
+    let el = t.elapsed();
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            println!("{what}: UDP {addr} refused in {} ms", el.as_millis())
+        }
+        other => panic!(
+            "{what}: UDP {addr}: expected ConnectionRefused, got {other:?} after {} ms",
+            el.as_millis()
+        ),
+    }
+}
+
+// ---------------------------------------------------------------- streams
+
+/// A long-lived connection (the lab server's `stream`): every line sent is
+/// answered with `<pod> <line>`.
+struct Stream {
+    pod: String,
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+    exchanges: usize,
+}
+
+impl Stream {
+    fn from_tcp(s: TcpStream) -> io::Result<Stream> {
+        s.set_read_timeout(Some(T))?;
+        s.set_write_timeout(Some(T))?;
+        let mut writer = s.try_clone()?;
+        writer.write_all(b"stream\n")?;
+        let mut reader = BufReader::new(s);
+        let mut greeting = String::new();
+        if reader.read_line(&mut greeting)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
+        }
+        let pod = greeting.split_whitespace().next().unwrap_or_default().to_string();
+        Ok(Stream {
+            pod,
+            reader,
+            writer,
+            exchanges: 0,
+        })
+    }
+
+    fn open(ns: &str, vip: SocketAddrV4) -> Stream {
+        in_netns(ns, move || TcpStream::connect_timeout(&vip.into(), T))
+            .and_then(|r| r)
+            .and_then(Stream::from_tcp)
+            .unwrap_or_else(|e| panic!("stream to {vip}: {e}"))
+    }
+
+    /// One exchange; the answer must come from the stream's pod.
+    fn ping(&mut self, tag: &str) -> io::Result<()> {
+        self.writer.write_all(format!("ping {tag}\n").as_bytes())?;
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+        }
+        let expected = format!("{} ping {tag}", self.pod);
+        if line.trim_end() != expected {
+            return Err(io::Error::other(format!("got {line:?}, expected {expected:?}")));
+        }
+        self.exchanges += 1;
+        Ok(())
+    }
+
+    /// `n` exchanges that must all work.
+    fn pings(&mut self, n: usize, what: &str) {
+        for i in 0..n {
+            self.ping(&format!("{what}-{i}"))
+                .unwrap_or_else(|e| panic!("{what}: stream to {} exchange {i}: {e}", self.pod));
+        }
+    }
+}
+
+// ================================================================ tests
+
+/// S21 — "15 consecutive answers from the same pod" (ClusterIP,
+/// sessionAffinity=ClientIP, default timeout, 3 pods). N17 — "10 dials to its
+/// clusterIP: exactly one distinct endpoint answers". Here: 30 new TCP
+/// connections from one client, all answered by one pod; the same from a
+/// second client (its pod may differ).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s21_n17_session_affinity_client_ip_tcp() {
+    let yaml = svc("web", Some("web"), &client_ip_affinity(None))
+        + &pod("web-1", "web")
+        + &pod("web-2", "web")
+        + &pod("web-3", "web");
+    with_lab("s21_n17", &yaml, |lab| {
+        let vip = frontend(lab, "web", "TCP");
+        let ns1 = lab.client().netns.clone();
+        let p1 = sticky(&ns1, vip, "TCP", 30, "S21 client-1");
+        let c2 = lab.add_client("c2").expect("add client c2");
+        lab.wait_attached(SYNC_TIMEOUT).expect("attached to c2");
+        let p2 = sticky(&c2.netns, vip, "TCP", 30, "S21 client-2");
+        // Still the same for client-1 after client-2's connections.
+        assert_eq!(sticky(&ns1, vip, "TCP", 15, "S21 client-1 again"), p1);
+        println!("S21/N17: client-1 ({}) -> {p1}, client-2 ({}) -> {p2}", lab.client().ip, c2.ip);
+    });
+}
+
+/// N18 — "client IP based session affinity: udp: exactly one endpoint (UDP
+/// affinity)". 30 datagrams, each from a new socket (a new source port, so a
+/// new flow), all answered by one pod; a second client sticks too.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn n18_session_affinity_client_ip_udp() {
+    let yaml = svc("dns", Some("dns"), &client_ip_affinity(None))
+        + &pod("dns-1", "dns")
+        + &pod("dns-2", "dns")
+        + &pod("dns-3", "dns");
+    with_lab("n18", &yaml, |lab| {
+        let vip = frontend(lab, "dns", "UDP");
+        let ns1 = lab.client().netns.clone();
+        let p1 = sticky(&ns1, vip, "UDP", 30, "N18 client-1");
+        let c2 = lab.add_client("c2").expect("add client c2");
+        lab.wait_attached(SYNC_TIMEOUT).expect("attached to c2");
+        let p2 = sticky(&c2.netns, vip, "UDP", 30, "N18 client-2");
+        println!("N18: client-1 -> {p1}, client-2 -> {p2}");
+    });
+}
+
+/// S22 — "Sticky within the timeout; after the timeout expires a different
+/// pod must eventually answer". K7 — "Requests inside the window stick to one
+/// backend. After the idle gap exceeds [timeoutSeconds], the affinity has
+/// expired, and over repeated trials more than one backend is seen". P3
+/// (field bugs) — "After expiry, choices are spread across backends (over
+/// many trials, not always the old one). Inside the window they stick."
+///
+/// `timeoutSeconds: 2`, 3 pods. A batch of 30 new connections sticks to one
+/// pod; then 3.5 s idle; the next batch is a fresh choice (and sticks again).
+/// K = 6 trials (≈ 25 s). With a uniform fresh choice among 3 pods, the
+/// chance that all 6 fresh choices equal the previous pod is (1/3)^6 ≈ 0.14 %
+/// — the false-failure probability of the last assertion.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s22_k7_p3_session_affinity_expires_after_timeout() {
+    const K: usize = 6;
+    let idle = Duration::from_millis(3500);
+    let yaml = svc("web", Some("web"), &client_ip_affinity(Some(2)))
+        + &pod("web-1", "web")
+        + &pod("web-2", "web")
+        + &pod("web-3", "web");
+    with_lab("s22_k7_p3", &yaml, |lab| {
+        let vip = frontend(lab, "web", "TCP");
+        let ns = lab.client().netns.clone();
+        let mut prev = sticky(&ns, vip, "TCP", 30, "K7 trial 0 (inside the window)");
+        let mut chain = vec![prev.clone()];
+        let mut changed = 0;
+        for k in 1..=K {
+            std::thread::sleep(idle);
+            let now = sticky(&ns, vip, "TCP", 30, &format!("K7 trial {k} after {} ms idle", idle.as_millis()));
+            if now != prev {
+                changed += 1;
+            }
+            chain.push(now.clone());
+            prev = now;
+        }
+        println!(
+            "S22/K7/P3: choices over {K} expiries: {chain:?}; {changed} of {K} fresh choices differ from the previous pod"
+        );
+        assert!(
+            changed >= 1,
+            "S22/K7/P3: after {K} expiries of a 2 s affinity the client always got the same pod ({chain:?}); \
+             false-failure probability with a uniform fresh choice is (1/3)^{K}"
+        );
+    });
+}
+
+/// S23 — "ClientIP svc → update to None → update back to ClientIP: with None,
+/// more than one pod answers; back to ClientIP, answers are sticky again".
+/// Issue 4: "Adding a backend keeps the affinity. Removing the chosen backend
+/// ends it."
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
+    let with = svc("web", Some("web"), &client_ip_affinity(None));
+    let yaml = with.clone() + &pod("web-1", "web") + &pod("web-2", "web") + &pod("web-3", "web");
+    with_lab("s23", &yaml, |lab| {
+        let vip = frontend(lab, "web", "TCP");
+        let ns = lab.client().netns.clone();
+        let first = sticky(&ns, vip, "TCP", 30, "S23 ClientIP");
+
+        apply(lab, &svc("web", Some("web"), ""));
+        assert_eq!(frontend(lab, "web", "TCP"), vip, "the ClusterIP stays");
+        let spread = all_ok(&ns, vip, "TCP", 30, "S23 switched to None");
+        assert!(
+            spread.len() >= 2,
+            "S23: with sessionAffinity None, 30 new connections all went to one pod: {spread:?}"
+        );
+
+        apply(lab, &with);
+        let again = sticky(&ns, vip, "TCP", 30, "S23 back to ClientIP");
+
+        apply(lab, &pod("web-4", "web"));
+        let after_add = sticky(&ns, vip, "TCP", 30, "S23 web-4 added");
+        assert_eq!(after_add, again, "S23: adding a backend moved the affine client");
+
+        let t = Instant::now();
+        lab.delete_pod(&again)
+            .unwrap_or_else(|e| panic!("delete_pod({again}): {e:#}"));
+        println!("S23: delete_pod({again}) returned after {} ms", t.elapsed().as_millis());
+        let moved = sticky(&ns, vip, "TCP", 30, "S23 affine pod removed");
+        assert_ne!(moved, again, "S23: the removed pod still answers");
+        println!(
+            "S23: ClientIP -> {first}; None -> {spread:?}; ClientIP again -> {again}; +web-4 -> {after_add}; {again} removed -> {moved}"
+        );
+    });
+}
+
+/// C5 — "Service TCP port 80, single endpoint A; client streams over one open
+/// connection; patch A to terminating=true, serving=true, then to
+/// serving=false. The existing connection keeps working until A closes it.
+/// New connections go to A while it is serving (fallback, KEP-1669) and are
+/// rejected once it is not serving." (README: "A terminating endpoint that is
+/// not serving is never used"; no usable endpoint anywhere → reject.)
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn c5_last_endpoint_terminating_keeps_established_flows() {
+    let yaml = svc("web", None, "") + &pod("a", "none");
+    with_lab("c5", &yaml, |lab| {
+        let a = Ep::of(lab, "a");
+        apply(lab, &slice("web", &[a.clone()]));
+        let vip = frontend(lab, "web", "TCP");
+        let ns = lab.client().netns.clone();
+        answered_by(&ns, vip, "TCP", 5, &["a"], "C5 A ready");
+        let mut s = Stream::open(&ns, vip);
+        assert_eq!(s.pod, "a");
+        s.pings(5, "ready");
+
+        apply(lab, &slice("web", &[a.clone().terminating_serving()]));
+        s.pings(10, "terminating-serving");
+        answered_by(&ns, vip, "TCP", 10, &["a"], "C5 A terminating, serving (fallback)");
+
+        apply(lab, &slice("web", &[a.clone().terminating_not_serving()]));
+        s.pings(10, "terminating-not-serving");
+        assert_tcp_refused(&ns, vip, "C5 A terminating, not serving");
+        // The established connection still works after the refusal.
+        s.pings(5, "after-refusal");
+        println!("C5: {} exchanges on the established stream to A, none lost", s.exchanges);
+    });
+}
+
+/// S35 — "should fallback to terminating endpoints when there are no ready
+/// endpoints: clients reach the terminating endpoint". S36 (single-node form:
+/// the local terminating fallback) — and issue 4: "New connections go to
+/// ready endpoints. They fall back to serving-and-terminating endpoints only
+/// when none are ready."
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s35_s36_ready_first_then_terminating_fallback() {
+    let yaml = svc("web", None, "") + &pod("a", "none") + &pod("b", "none");
+    with_lab("s35_s36", &yaml, |lab| {
+        let a = Ep::of(lab, "a").terminating_serving();
+        let b = Ep::of(lab, "b");
+        apply(lab, &slice("web", &[a.clone(), b]));
+        let vip = frontend(lab, "web", "TCP");
+        let ns = lab.client().netns.clone();
+        answered_by(&ns, vip, "TCP", 30, &["b"], "S35 ready B + terminating-serving A");
+        answered_by(&ns, frontend(lab, "web", "UDP"), "UDP", 15, &["b"], "S35 UDP ready B + terminating A");
+
+        apply(lab, &slice("web", &[a.clone()]));
+        answered_by(&ns, vip, "TCP", 30, &["a"], "S35 B removed: fallback to terminating A");
+        answered_by(&ns, frontend(lab, "web", "UDP"), "UDP", 15, &["a"], "S35 UDP fallback to A");
+
+        // A local (same node) terminating endpoint under internalTrafficPolicy Local.
+        apply(lab, &svc("web", None, "  internalTrafficPolicy: Local\n"));
+        answered_by(&ns, vip, "TCP", 15, &["a"], "S36 iTP=Local: local terminating fallback");
+    });
+}
+
+/// S20 — "As S19 but PNRA=false [slice: ready=false, serving=false,
+/// terminating=true]: All fail. A terminating endpoint that is not serving
+/// (readiness failing) must not be used." Alone, it is refused (reject: no
+/// usable endpoint anywhere).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s20_terminating_not_serving_alone_is_refused() {
+    let yaml = svc("web", None, "") + &pod("a", "none");
+    with_lab("s20", &yaml, |lab| {
+        let a = Ep::of(lab, "a");
+        apply(lab, &slice("web", &[a.clone()]));
+        let vip = frontend(lab, "web", "TCP");
+        let vip_udp = frontend(lab, "web", "UDP");
+        let ns = lab.client().netns.clone();
+        answered_by(&ns, vip, "TCP", 5, &["a"], "S20 A ready");
+
+        apply(lab, &slice("web", &[a.terminating_not_serving()]));
+        for round in 0..5 {
+            assert_tcp_refused(&ns, vip, &format!("S20 round {round}"));
+            assert_udp_refused(&ns, vip_udp, &format!("S20 round {round}"));
+        }
+    });
+}
+
+/// S18 — "publishNotReadyAddresses: (a) unready pod reachable; (b) … pod
+/// terminating and PNRA=false → requests must fail; (c) PNRA=true again → the
+/// terminating pod is reachable again" (fake API: the proxy only sees
+/// ready=true under PNRA). S19 — "Every request reaches the terminating,
+/// unready webserver" (slice keeps ready=true because of PNRA).
+///
+/// The slices are what the EndpointSlice controller writes: ready =
+/// PNRA || (serving && !terminating), serving = the pod's readiness.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s18_s19_publish_not_ready_addresses() {
+    let pnra = "  publishNotReadyAddresses: true\n";
+    let yaml = svc("web", None, pnra) + &pod("a", "none");
+    with_lab("s18_s19", &yaml, |lab| {
+        let a = Ep::of(lab, "a");
+        let vip = frontend(lab, "web", "TCP");
+        let ns = lab.client().netns.clone();
+
+        // (a) An unready pod under PNRA: ready=true, serving=false.
+        apply(lab, &slice("web", &[a.clone().cond(true, false, false)]));
+        answered_by(&ns, vip, "TCP", 5, &["a"], "S18(a) unready pod under PNRA");
+
+        // S19: deleted (terminating), unready, PNRA: ready=true, serving=false, terminating=true.
+        apply(lab, &slice("web", &[a.clone().cond(true, false, true)]));
+        for round in 0..5 {
+            answered_by(&ns, vip, "TCP", 3, &["a"], &format!("S19 round {round}: terminating unready under PNRA"));
+        }
+
+        // (b) PNRA=false: ready=false, serving=false, terminating=true.
+        apply(lab, &(svc("web", None, "") + &slice("web", &[a.clone().cond(false, false, true)])));
+        for round in 0..3 {
+            assert_tcp_refused(&ns, vip, &format!("S18(b) round {round}: PNRA=false"));
+        }
+
+        // (c) PNRA=true again.
+        apply(lab, &(svc("web", None, pnra) + &slice("web", &[a.clone().cond(true, false, true)])));
+        answered_by(&ns, vip, "TCP", 5, &["a"], "S18(c) PNRA=true again");
+    });
+}
+
+/// A `sockaddr_in` for `a`.
+fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*a.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A TCP socket with SO_REUSEADDR and SO_REUSEPORT bound to `src`, connected
+/// to `dst` (connect bounded by SO_SNDTIMEO = `T`), in the current thread's
+/// namespace.
+fn connect_from(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let check = |r: libc::c_int| {
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r)
+        }
+    };
+    // SAFETY: plain socket syscalls on a descriptor owned by `stream` from
+    // its creation on (closed on every error path by its drop).
+    unsafe {
+        let fd = check(libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0))?;
+        let stream = TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        for opt in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+            check(libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &one as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            ))?;
+        }
+        let tv = libc::timeval {
+            tv_sec: T.as_secs() as libc::time_t,
+            tv_usec: 0,
+        };
+        check(libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            &tv as *const libc::timeval as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        ))?;
+        let s = sockaddr_in(src);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        check(libc::bind(fd, &s as *const libc::sockaddr_in as *const libc::sockaddr, len))?;
+        let d = sockaddr_in(dst);
+        check(libc::connect(fd, &d as *const libc::sockaddr_in as *const libc::sockaddr, len))?;
+        Ok(stream)
+    }
+}
+
+/// C6 — "Services S1 (VIP1:80) and S2 (VIP2:80), both with the single
+/// endpoint A; client C opens two sockets with SO_REUSEADDR, both bound to
+/// source port 40000, one connecting to VIP1:80 and one to VIP2:80, both kept
+/// open. Both connections work at the same time, and replies are
+/// reverse-NATed to the correct VIP."
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn c6_two_vips_one_backend_same_client_port() {
+    let yaml = svc("s1", Some("a"), "") + &svc("s2", Some("a"), "") + &pod("a", "a");
+    with_lab("c6", &yaml, |lab| {
+        let vip1 = frontend(lab, "s1", "TCP");
+        let vip2 = frontend(lab, "s2", "TCP");
+        assert_ne!(vip1.ip(), vip2.ip());
+        let client = lab.client().clone();
+        let src = SocketAddrV4::new(client.ip, 40000);
+        let (s1, s2) = in_netns(&client.netns, move || -> io::Result<(TcpStream, TcpStream)> {
+            let s1 = connect_from(src, vip1)?;
+            let s2 = connect_from(src, vip2)?;
+            Ok((s1, s2))
+        })
+        .and_then(|r| r)
+        .unwrap_or_else(|e| panic!("C6: two sockets from {src} to {vip1} and {vip2}: {e}"));
+        for (s, vip) in [(&s1, vip1), (&s2, vip2)] {
+            assert_eq!(s.local_addr().unwrap().to_string(), src.to_string(), "C6 source");
+            assert_eq!(s.peer_addr().unwrap().to_string(), vip.to_string(), "C6: peer of the socket to {vip}");
+        }
+        let mut st1 = Stream::from_tcp(s1).unwrap_or_else(|e| panic!("C6 stream via {vip1}: {e}"));
+        let mut st2 = Stream::from_tcp(s2).unwrap_or_else(|e| panic!("C6 stream via {vip2}: {e}"));
+        assert_eq!((st1.pod.as_str(), st2.pod.as_str()), ("a", "a"));
+        for i in 0..10 {
+            st1.ping(&format!("vip1-{i}"))
+                .unwrap_or_else(|e| panic!("C6: exchange {i} via {vip1}: {e}"));
+            st2.ping(&format!("vip2-{i}"))
+                .unwrap_or_else(|e| panic!("C6: exchange {i} via {vip2}: {e}"));
+        }
+        let stats = Command::new(agent_bin())
+            .args(["inspect", "stats", "--bpffs"])
+            .arg(&lab.info().bpffs)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for l in stats.lines().filter(|l| l.contains("collision")) {
+            println!("C6: agent stats: {}", l.trim());
+        }
+        println!(
+            "C6: {src} -> {vip1} and {src} -> {vip2} (both to A {}): {} + {} exchanges, alternating, all answered",
+            lab.pod("a").unwrap().ip,
+            st1.exchanges,
+            st2.exchanges
+        );
+    });
+}
+
+/// P2 (single-node form) — "internalTrafficPolicy=Local ignored for the
+/// ClusterIP … One endpoint A with nodeName=node-2. Our agent runs as node-1.
+/// Internal traffic to the ClusterIP from node-1 gets no local backend:
+/// reject per spec (kube-proxy drops)." Issue 4: "When endpoints exist but
+/// none may be used from this node, it drops." So the connect times out
+/// (no RST, no ICMP).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
+    let local = "  internalTrafficPolicy: Local\n";
+    let yaml = svc("web", None, local) + &pod("a", "none");
+    with_lab("p2", &yaml, |lab| {
+        let a = Ep::of(lab, "a");
+        let vip = frontend(lab, "web", "TCP");
+        let vip_udp = frontend(lab, "web", "UDP");
+        let ns = lab.client().netns.clone();
+        // The endpoint on this node: reachable (the setup works).
+        apply(lab, &slice("web", &[a.clone()]));
+        answered_by(&ns, vip, "TCP", 5, &["a"], "P2 local endpoint");
+
+        // The same endpoint claimed by node-2: nothing local, dropped.
+        apply(lab, &slice("web", &[a.clone().on_node("node-2")]));
+        for round in 0..2 {
+            let t = Instant::now();
+            let r = tcp_hostname(&ns, vip);
+            let el = t.elapsed();
+            println!("P2 round {round}: TCP {vip} -> {r:?} after {} ms", el.as_millis());
+            match &r {
+                Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {}
+                other => panic!("P2: iTP=Local with the only endpoint on node-2: expected a timeout (drop), got {other:?}"),
+            }
+            assert!(el >= Duration::from_millis(1500), "P2: answered too early for a drop: {el:?}");
+            let t = Instant::now();
+            let u = client::udp_request(&ns, vip_udp, b"hostname", T, None).map(|r| reply_text(&r));
+            println!("P2 round {round}: UDP {vip_udp} -> {u:?} after {} ms", t.elapsed().as_millis());
+            assert!(
+                matches!(&u, Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)),
+                "P2: UDP expected a timeout (drop), got {u:?}"
+            );
+        }
+        // And back to this node: reachable again.
+        apply(lab, &slice("web", &[a]));
+        answered_by(&ns, vip, "TCP", 5, &["a"], "P2 endpoint back on node-1");
+    });
+}
