@@ -276,6 +276,7 @@ pub struct LabBuilder {
     agent_bin: Option<PathBuf>,
     server_bin: Option<PathBuf>,
     agent_args: Vec<String>,
+    agent_source_args: Option<Vec<String>>,
     rust_log: Option<String>,
     nodes: Option<usize>,
     zones: Vec<String>,
@@ -344,6 +345,19 @@ impl LabBuilder {
         self
     }
 
+    /// Arguments that replace the default `--source manifests --manifests
+    /// <lab dir>/manifests` of the agent's command line (for example
+    /// `--source kubernetes --kubeconfig <file>`). The lab still writes its
+    /// manifests and creates pods from them; only the agent reads elsewhere.
+    pub fn agent_source_args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.agent_source_args = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
     /// RUST_LOG for the agent (default: inherited, else `info`).
     pub fn rust_log(mut self, filter: impl Into<String>) -> Self {
         self.rust_log = Some(filter.into());
@@ -365,6 +379,8 @@ pub struct Lab {
     children: HashMap<u32, Child>,
     agent_bin: Option<PathBuf>,
     agent_args: Vec<String>,
+    /// Replaces `--source manifests --manifests <dir>` when set.
+    agent_source_args: Option<Vec<String>>,
     rust_log: Option<String>,
     server_bin: Option<PathBuf>,
     /// Per node: marker count when its agent was last started.
@@ -719,6 +735,7 @@ impl Lab {
             children: HashMap::new(),
             agent_bin,
             agent_args: b.agent_args,
+            agent_source_args: b.agent_source_args,
             rust_log: b.rust_log,
             server_bin: Some(server_bin),
             agent_start_marks: vec![0; n_nodes],
@@ -826,6 +843,7 @@ impl Lab {
             children: HashMap::new(),
             agent_bin: None,
             agent_args: Vec::new(),
+            agent_source_args: None,
             rust_log: None,
             server_bin: find_server_bin().ok(),
             agent_start_marks: vec![0; marks.len()],
@@ -1372,10 +1390,14 @@ impl Lab {
             .open(&log_path)?;
         let hairpin = HAIRPIN_SNAT_IP.to_string();
         let mut cmd = Command::new(&bin);
-        cmd.arg("run")
-            .args(["--source", "manifests", "--manifests"])
-            .arg(&self.info.manifests_dir)
-            .args(["--node-name", &node.name, "--bpffs"])
+        cmd.arg("run");
+        match &self.agent_source_args {
+            Some(args) => cmd.args(args),
+            None => cmd
+                .args(["--source", "manifests", "--manifests"])
+                .arg(&self.info.manifests_dir),
+        };
+        cmd.args(["--node-name", &node.name, "--bpffs"])
             .arg(&node.bpffs)
             .args(["--pod-interfaces", "lxc*", "--hairpin-snat-ip", &hairpin])
             .args(["--min-sync-period", "100ms"]);

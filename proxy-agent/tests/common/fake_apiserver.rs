@@ -337,6 +337,31 @@ impl FakeApiServer {
         Self { addr, st, task }
     }
 
+    /// Serves on `listener`, already bound (for example inside another
+    /// network namespace: the socket stays in the namespace it was made in).
+    pub async fn start_on(listener: std::net::TcpListener) -> Self {
+        Self::serve(Arc::new(Mutex::new(St::default())), listener)
+    }
+
+    /// Another server over the same objects and change log, on `listener`:
+    /// what a restarted API server looks like to its clients (resumed
+    /// watches replay what changed meanwhile). Stop the old one first, e.g.
+    /// by dropping the runtime it served on (which closes its connections).
+    pub async fn restart_on(&self, listener: std::net::TcpListener) -> Self {
+        Self::serve(self.st.clone(), listener)
+    }
+
+    fn serve(st: Arc<Mutex<St>>, listener: std::net::TcpListener) -> Self {
+        listener.set_nonblocking(true).unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().fallback(handle).with_state(st.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { addr, st, task }
+    }
+
     /// A kubeconfig pointing at this server (plain HTTP, no credentials).
     pub fn kubeconfig(&self) -> String {
         format!(
