@@ -45,6 +45,10 @@ struct Harness {
 
 impl Harness {
     fn new() -> Self {
+        Self::with_sizes(MapSizes::default())
+    }
+
+    fn with_sizes(sizes: MapSizes) -> Self {
         let id = format!(
             "{}-{}",
             std::process::id(),
@@ -58,8 +62,8 @@ impl Harness {
             .success();
         assert!(ok, "ip netns add {netns} failed (root needed)");
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-pkt-{id}"));
-        let mut loaded = bpf::load(&pin_dir, MapSizes::default()).expect("load datapath");
-        let mut dp = BpfDataplane::new(&mut loaded.ebpf, MapSizes::default()).expect("maps");
+        let mut loaded = bpf::load(&pin_dir, sizes).expect("load datapath");
+        let mut dp = BpfDataplane::new(&mut loaded.ebpf, sizes).expect("maps");
         dp.set_config(Config::default().with_hairpin_addr(HAIRPIN))
             .expect("config");
         let writer = Writer::adopt(dp).expect("adopt");
@@ -352,9 +356,17 @@ fn dnat_and_reverse_nat_tcp() {
     // Per-frontend and per-backend traffic: all three packets, whole frames.
     let t = PinnedMaps::new(&h.pin_dir).traffic().unwrap();
     let bytes = (syn.len() + data.len() + reply.len()) as u64;
-    let (_, _, _, fe_t) = t.frontends.values().find(|(a, p, _, _)| *a == VIP && *p == 80).unwrap();
+    let (_, _, _, fe_t) = t
+        .frontends
+        .values()
+        .find(|(a, p, _, _)| *a == VIP && *p == 80)
+        .unwrap();
     assert_eq!((fe_t.packets, fe_t.bytes), (3, bytes));
-    let (_, _, _, be_t) = t.backends.values().find(|(a, p, _, _)| *a == B1 && *p == 8080).unwrap();
+    let (_, _, _, be_t) = t
+        .backends
+        .values()
+        .find(|(a, p, _, _)| *a == B1 && *p == 8080)
+        .unwrap();
     assert_eq!((be_t.packets, be_t.bytes), (3, bytes));
 }
 
@@ -899,14 +911,18 @@ fn conntrack_entries_expire_per_state_and_are_collected() {
         (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
         (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
     ]);
-    h.run(&tcp_packet(CLIENT, 40000, VIP, 80, SYN, b""));      // SYN only
+    h.run(&tcp_packet(CLIENT, 40000, VIP, 80, SYN, b"")); // SYN only
     h.run(&tcp_packet(CLIENT, 40001, VIP, 80, SYN, b""));
-    h.run(&tcp_packet(CLIENT, 40001, VIP, 80, ACK, b""));      // established
+    h.run(&tcp_packet(CLIENT, 40001, VIP, 80, ACK, b"")); // established
     h.run(&tcp_packet(CLIENT, 40002, VIP, 80, SYN, b""));
     h.run(&tcp_packet(CLIENT, 40002, VIP, 80, ACK | 0x01, b"")); // FIN: closing
     h.run(&udp_packet(CLIENT, 40003, VIP, 53, b"q", false));
     let maps = PinnedMaps::new(&h.pin_dir);
-    assert_eq!(maps.conntrack().unwrap().len(), 8, "4 flows, 2 entries each");
+    assert_eq!(
+        maps.conntrack().unwrap().len(),
+        8,
+        "4 flows, 2 entries each"
+    );
     let cfg = Config::default();
     let dp = h.writer.dataplane_mut();
     let now = proxy_agent::bpf::ktime_ns();
@@ -919,7 +935,9 @@ fn conntrack_entries_expire_per_state_and_are_collected() {
     assert_eq!(dp.gc_conntrack(&cfg, now + 61 * s).expired, 4);
     let left = maps.conntrack().unwrap();
     assert_eq!(left.len(), 2);
-    assert!(left.iter().all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
+    assert!(left
+        .iter()
+        .all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
     // 6 h on: established expires as well.
     assert_eq!(dp.gc_conntrack(&cfg, now + 21_601 * s).expired, 2);
     assert!(maps.conntrack().unwrap().is_empty());
@@ -946,18 +964,28 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
     unsafe impl aya::Pod for AffinityV0 {}
 
     fn run(old: MapData, new: &mut Map) -> Result<usize, aya::maps::MapError> {
-        let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> = AyaHashMap::try_from(Map::HashMap(old))?;
-        let mut new: AyaHashMap<&mut MapData, Affinity4Key, Affinity4Value> = AyaHashMap::try_from(new)?;
+        let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
+            AyaHashMap::try_from(Map::HashMap(old))?;
+        let mut new: AyaHashMap<&mut MapData, Affinity4Key, Affinity4Value> =
+            AyaHashMap::try_from(new)?;
         let mut n = 0;
         for kv in old.iter() {
             let (k, v) = kv?;
-            let value = Affinity4Value { backend_id: v.backend_id, _pad: 0, last_used_ns: u64::from(v.last_used_s) * 1_000_000_000 };
+            let value = Affinity4Value {
+                backend_id: v.backend_id,
+                _pad: 0,
+                last_used_ns: u64::from(v.last_used_s) * 1_000_000_000,
+            };
             new.insert(k, value, 0)?;
             n += 1;
         }
         Ok(n)
     }
-    const MIGRATIONS: &[Migration] = &[Migration { from: "AFFINITY4_V0", to: map_names::AFFINITY, run }];
+    const MIGRATIONS: &[Migration] = &[Migration {
+        from: "AFFINITY4_V0",
+        to: map_names::AFFINITY,
+        run,
+    }];
 
     let id = format!("{}-mig", std::process::id());
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-pkt-{id}"));
@@ -974,18 +1002,39 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
         let fd = create_hash_map(8, value_size, 1024);
         let data = MapData::from_fd(fd).unwrap();
         data.pin(pin_dir.join(name)).unwrap();
-        let mut m: AyaHashMap<MapData, Affinity4Key, AffinityV0> = AyaHashMap::try_from(Map::HashMap(data)).unwrap();
+        let mut m: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
+            AyaHashMap::try_from(Map::HashMap(data)).unwrap();
         for (k, v) in entries {
             m.insert(k, v, 0).unwrap();
         }
     };
-    let key = Affinity4Key { client_be: u32::from_ne_bytes(CLIENT.octets()), rev_nat_id: 7, _pad: 0 };
-    pin_old("AFFINITY4_V0", 8, &[(key, AffinityV0 { backend_id: 42, last_used_s: 1234 })]);
+    let key = Affinity4Key {
+        client_be: u32::from_ne_bytes(CLIENT.octets()),
+        rev_nat_id: 7,
+        _pad: 0,
+    };
+    pin_old(
+        "AFFINITY4_V0",
+        8,
+        &[(
+            key,
+            AffinityV0 {
+                backend_id: 42,
+                last_used_s: 1234,
+            },
+        )],
+    );
     pin_old("FOO4_V0", 8, &[]);
 
     let mut loaded = load_with_migrations(&pin_dir, MapSizes::default(), MIGRATIONS).expect("load");
-    assert!(!pin_dir.join("AFFINITY4_V0").exists(), "old pin removed after migration");
-    assert!(!pin_dir.join("FOO4_V0").exists(), "an old map with no migration is dropped");
+    assert!(
+        !pin_dir.join("AFFINITY4_V0").exists(),
+        "old pin removed after migration"
+    );
+    assert!(
+        !pin_dir.join("FOO4_V0").exists(),
+        "an old map with no migration is dropped"
+    );
     let m: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
         AyaHashMap::try_from(loaded.ebpf.take_map(map_names::AFFINITY).unwrap()).unwrap();
     let v = m.get(&key, 0).expect("migrated entry");
@@ -1004,12 +1053,71 @@ fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os:
         map_flags: u32,
         _rest: [u8; 108],
     }
-    let attr = Attr { map_type: 1, key_size, value_size, max_entries, map_flags: 0, _rest: [0; 108] };
+    let attr = Attr {
+        map_type: 1,
+        key_size,
+        value_size,
+        max_entries,
+        map_flags: 0,
+        _rest: [0; 108],
+    };
     // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.
     let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, 0, &attr as *const Attr, std::mem::size_of::<Attr>() as u32)
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            &attr as *const Attr,
+            std::mem::size_of::<Attr>() as u32,
+        )
     };
-    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: a new fd we own.
     unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
+}
+
+/// Conntrack full: the LRU evicts the least recently used entries. A flow
+/// whose reply entry was evicted gets it back on its next packet (counted), so
+/// its replies keep being translated; a TCP flow whose entry was evicted shows
+/// up as a new flow without SYN (counted) — the README says what follows.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn conntrack_full_evicts_and_counts() {
+    let mut h = Harness::with_sizes(MapSizes {
+        conntrack: 64,
+        ..MapSizes::default()
+    });
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    for port in 0..200u16 {
+        h.run(&tcp_packet(CLIENT, 20000 + port, VIP, 80, SYN, b""));
+    }
+    let maps = PinnedMaps::new(&h.pin_dir);
+    let n = maps.conntrack().unwrap().len();
+    assert!(n <= 64, "the LRU holds at most its capacity ({n})");
+    // The first flow was evicted long ago: its next segment starts a new flow.
+    let o = parse_checked(&h.run(&tcp_packet(CLIENT, 20000, VIP, 80, ACK, b"x")).1);
+    assert_eq!((o.dst, o.dport), (B1, 8080), "still translated");
+    assert!(h.stats()[&stat::CT_NEW_MIDSTREAM] >= 1);
+    // The newest flow's reply entry, removed: restored by its next packet.
+    let last = maps
+        .conntrack()
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k.dir == proxy_common::ct_dir::REPLY && k.dport_be == 20199u16.to_be())
+        .expect("reply entry of the newest flow");
+    let pinned: aya::maps::MapData =
+        aya::maps::MapData::from_pin(h.pin_dir.join(map_names::CONNTRACK)).unwrap();
+    let mut ct: aya::maps::HashMap<
+        aya::maps::MapData,
+        proxy_common::Ct4Key,
+        proxy_common::Ct4Value,
+    > = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
+    ct.remove(&last.0).unwrap();
+    h.run(&tcp_packet(CLIENT, 20199, VIP, 80, ACK, b"y"));
+    assert_eq!(h.stats()[&stat::CT_REPLY_RESTORED], 1);
+    let r = parse_checked(&h.run(&tcp_packet(B1, 8080, CLIENT, 20199, ACK, b"z")).1);
+    assert_eq!((r.src, r.sport), (VIP, 80), "the reply is translated again");
 }

@@ -578,9 +578,16 @@ pub mod stat {
     /// External traffic to a backend on another node: source SNATed to the
     /// node's address (`externalTrafficPolicy: Cluster`).
     pub const SNAT_NODE: u32 = 27;
+    /// A TCP segment without SYN started a new flow: its conntrack entry was
+    /// evicted by the LRU (conntrack full), expired, or lost across a restart
+    /// without pins. The flow may move to another backend (which resets it).
+    pub const CT_NEW_MIDSTREAM: u32 = 28;
+    /// A tracked flow's reply entry was missing (evicted by the LRU) and was
+    /// written again, so its replies keep being translated.
+    pub const CT_REPLY_RESTORED: u32 = 29;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 28] = [
+    pub const NAMES: [&str; 30] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -609,6 +616,8 @@ pub mod stat {
         "fragment_tracked",
         "drop_source_range",
         "snat_node",
+        "ct_new_midstream",
+        "ct_reply_restored",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

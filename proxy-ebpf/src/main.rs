@@ -38,8 +38,8 @@ use aya_ebpf::{
 use proxy_common::{
     backend_state, capacity, ct_dir, ct_flags, iface_flags, stat, svc_flags, Affinity4Key,
     Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key, Frag4Ports, Iface, RevNat4,
-    SourceRange4, Svc4Key, Svc4Value, Traffic, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
+    SourceRange4, Svc4Key, Svc4Value, Traffic, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP,
+    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 #[btf_map]
@@ -63,7 +63,8 @@ static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as usize
 static SRCRANGE4_V1: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
 #[btf_map]
-static FE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::FRONTEND_TRAFFIC as usize }> = PerCpuArray::new();
+static FE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::FRONTEND_TRAFFIC as usize }> =
+    PerCpuArray::new();
 #[btf_map]
 static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> = PerCpuArray::new();
 #[btf_map]
@@ -123,7 +124,13 @@ const TCP_ACK: u8 = 0x10;
 #[inline(always)]
 fn account(ctx: &TcContext, rev_nat_id: u16, backend_id: u32) {
     let len = ctx.len() as u64;
-    for p in [FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32), BE_TRAFFIC_V1.get_ptr_mut(backend_id)].into_iter().flatten() {
+    for p in [
+        FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32),
+        BE_TRAFFIC_V1.get_ptr_mut(backend_id),
+    ]
+    .into_iter()
+    .flatten()
+    {
         // SAFETY: per-CPU slot of this CPU; no other writer while we run.
         unsafe {
             (*p).packets += 1;
@@ -632,6 +639,9 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
             }
             if pkt.proto == IPPROTO_TCP {
                 flags |= tcp_state(0, pkt.tcp_flags);
+                if pkt.tcp_flags & TCP_SYN == 0 {
+                    count(stat::CT_NEW_MIDSTREAM);
+                }
             }
             // 3. The backend-side tuple must not belong to another live flow.
             let mut rkey = Ct4Key {
@@ -728,7 +738,11 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
         dir: ct_dir::REPLY,
         _pad: [0; 2],
     };
-    if !established || CT4_V1.get_ptr(rkey).is_none() {
+    let restore = established && CT4_V1.get_ptr(rkey).is_none();
+    if restore {
+        count(stat::CT_REPLY_RESTORED);
+    }
+    if !established || restore {
         let rval = Ct4Value {
             backend_id: flow.backend_id,
             nat_addr_be: if snat_addr { client_be } else { 0 },

@@ -66,11 +66,11 @@ pub fn cargo_build(package: &str, extra: &[&str]) -> Result<()> {
     run_visible(cargo().args(["build", "-p", package]).args(extra))
 }
 
-/// Builds proxy-agent (whose build.rs builds the eBPF object) and returns the
-/// agent binary.
+/// Builds proxy-agent in release (whose build.rs builds the eBPF object) and
+/// returns the agent binary.
 pub fn build_agent() -> Result<PathBuf> {
-    cargo_build("proxy-agent", &["--bins"])?;
-    Ok(target_dir().join("debug/proxy-agent"))
+    cargo_build("proxy-agent", &["--release", "--bins"])?;
+    Ok(target_dir().join("release/proxy-agent"))
 }
 
 /// Builds the lab's pod server and returns its path.
