@@ -23,7 +23,9 @@ use proxy_agent::{
 use proxy_common::{capacity, Config, IPPROTO_TCP, SCOPE_INTERNAL};
 
 fn sum16(d: &[u8]) -> u32 {
-    d.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum()
+    d.chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum()
 }
 fn fold(mut s: u32) -> u16 {
     while s > 0xffff {
@@ -68,7 +70,10 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let json = args.iter().any(|a| a == "--json");
     let runs_at = args.iter().position(|a| a == "--runs");
-    let runs: usize = runs_at.and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(3000);
+    let runs: usize = runs_at
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
     let mut ns_list: Vec<u32> = args
         .iter()
         .enumerate()
@@ -79,7 +84,13 @@ fn main() -> anyhow::Result<()> {
         ns_list = vec![1, 100, 1_000, 10_000, 100_000];
     }
     let netns = format!("kpr-cost-{}", std::process::id());
-    anyhow::ensure!(Command::new("ip").args(["netns", "add", &netns]).status()?.success(), "ip netns add (root needed)");
+    anyhow::ensure!(
+        Command::new("ip")
+            .args(["netns", "add", &netns])
+            .status()?
+            .success(),
+        "ip netns add (root needed)"
+    );
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-cost-{}", std::process::id()));
     let result = measure(&netns, &pin_dir, &ns_list, runs);
     let _ = Command::new("ip").args(["netns", "del", &netns]).status();
@@ -91,13 +102,25 @@ fn main() -> anyhow::Result<()> {
         println!("| services | new flow ns | established ns | no service ns | baseline ns |");
         println!("|---:|---:|---:|---:|---:|");
         for r in &rows {
-            println!("| {} | {} | {} | {} | {} |", r["services"], r["new_flow_ns"], r["established_ns"], r["no_service_ns"], r["baseline_ns"]);
+            println!(
+                "| {} | {} | {} | {} | {} |",
+                r["services"],
+                r["new_flow_ns"],
+                r["established_ns"],
+                r["no_service_ns"],
+                r["baseline_ns"]
+            );
         }
     }
     Ok(())
 }
 
-fn measure(netns: &str, pin_dir: &std::path::Path, ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+fn measure(
+    netns: &str,
+    pin_dir: &std::path::Path,
+    ns_list: &[u32],
+    runs: usize,
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let max = *ns_list.iter().max().unwrap_or(&1);
     let sizes = MapSizes {
         services: (max * 3 + 16).max(capacity::SERVICES),
@@ -108,21 +131,44 @@ fn measure(netns: &str, pin_dir: &std::path::Path, ns_list: &[u32], runs: usize)
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, sizes)?;
     dp.set_config(Config::default().with_hairpin_addr(Ipv4Addr::new(198, 18, 0, 254)))?;
     let mut writer = Writer::adopt(dp)?;
-    let prog: &SchedClassifier = loaded.ebpf.program(POD_INGRESS_PROGRAM).unwrap().try_into()?;
+    let prog: &SchedClassifier = loaded
+        .ebpf
+        .program(POD_INGRESS_PROGRAM)
+        .unwrap()
+        .try_into()?;
     let ns_file = std::fs::File::open(format!("/run/netns/{netns}"))?;
     let client = Ipv4Addr::new(198, 18, 1, 2);
     let mut rows = Vec::new();
     for &n in ns_list {
         let mut d = DesiredState::default();
         for i in 0..n {
-            let b = |k: u32| BackendAddr { addr: Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 2, 0)) + (i * 2 + k) % 60_000), port: 8080, proto: IPPROTO_TCP };
+            let b = |k: u32| BackendAddr {
+                addr: Ipv4Addr::from(
+                    u32::from(Ipv4Addr::new(198, 18, 2, 0)) + (i * 2 + k) % 60_000,
+                ),
+                port: 8080,
+                proto: IPPROTO_TCP,
+            };
             d.frontends.insert(
-                FrontendKey { addr: vip(i), port: 80, proto: IPPROTO_TCP, scope: SCOPE_INTERNAL },
-                Frontend { service: format!("default/s{i}"), backends: vec![b(0), b(1)], ..Default::default() },
+                FrontendKey {
+                    addr: vip(i),
+                    port: 80,
+                    proto: IPPROTO_TCP,
+                    scope: SCOPE_INTERNAL,
+                },
+                Frontend {
+                    service: format!("default/s{i}"),
+                    backends: vec![b(0), b(1)],
+                    ..Default::default()
+                },
             );
         }
         let report = writer.sync(&d);
-        anyhow::ensure!(report.errors.is_empty(), "programming {n} services: {:?}", report.errors.first());
+        anyhow::ensure!(
+            report.errors.is_empty(),
+            "programming {n} services: {:?}",
+            report.errors.first()
+        );
         let target = vip(n / 2);
         let median = |mut v: Vec<u64>| {
             v.sort_unstable();
@@ -133,7 +179,11 @@ fn measure(netns: &str, pin_dir: &std::path::Path, ns_list: &[u32], runs: usize)
                 nix::sched::setns(ns_file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
                 let run1 = |p: &[u8]| -> anyhow::Result<u64> {
                     let mut out = vec![0u8; p.len() + 128];
-                    let r = prog.test_run(TestRunOptions { data_in: Some(p), data_out: Some(&mut out), ..Default::default() })?;
+                    let r = prog.test_run(TestRunOptions {
+                        data_in: Some(p),
+                        data_out: Some(&mut out),
+                        ..Default::default()
+                    })?;
                     Ok(r.duration.as_nanos() as u64)
                 };
                 let mut new_flow = Vec::with_capacity(runs);
@@ -143,13 +193,24 @@ fn measure(netns: &str, pin_dir: &std::path::Path, ns_list: &[u32], runs: usize)
                     new_flow.push(run1(&tcp_packet(src, sport, target, 80, 0x02))?);
                 }
                 let est = tcp_packet(client, 1024, target, 80, 0x10);
-                let established = (0..runs).map(|_| run1(&est)).collect::<anyhow::Result<Vec<_>>>()?;
+                let established = (0..runs)
+                    .map(|_| run1(&est))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
                 let other = tcp_packet(client, 1024, Ipv4Addr::new(198, 18, 3, 3), 80, 0x10);
-                let none = (0..runs).map(|_| run1(&other)).collect::<anyhow::Result<Vec<_>>>()?;
+                let none = (0..runs)
+                    .map(|_| run1(&other))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
                 let mut arp = other.clone();
                 arp[12..14].copy_from_slice(&[0x08, 0x06]);
-                let baseline = (0..runs).map(|_| run1(&arp)).collect::<anyhow::Result<Vec<_>>>()?;
-                Ok((median(new_flow), median(established), median(none), median(baseline)))
+                let baseline = (0..runs)
+                    .map(|_| run1(&arp))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Ok((
+                    median(new_flow),
+                    median(established),
+                    median(none),
+                    median(baseline),
+                ))
             })
             .join()
             .expect("measuring thread")

@@ -151,7 +151,11 @@ fn on_new_link(attacher: &Mutex<Attacher>, patterns: &Patterns, msg: &LinkMessag
         Ok(()) => match kind {
             IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
             IfaceKind::External => {
-                info!(interface = name, ifindex = index, "attached external program")
+                info!(
+                    interface = name,
+                    ifindex = index,
+                    "attached external program"
+                )
             }
         },
         // The interface may be gone already (a pod deleted right after creation).
@@ -167,7 +171,10 @@ type LinkEvents = futures::channel::mpsc::UnboundedReceiver<(
 /// Attaches to every interface that exists now and matches the patterns; the
 /// returned events (subscribed before listing, so that no interface falls
 /// between the two) feed [`follow_links`].
-async fn attach_existing(attacher: &Mutex<Attacher>, patterns: &Patterns) -> Result<LinkEvents, AgentError> {
+async fn attach_existing(
+    attacher: &Mutex<Attacher>,
+    patterns: &Patterns,
+) -> Result<LinkEvents, AgentError> {
     let (conn, handle, events) =
         new_multicast_connection(&[MulticastGroup::Link]).map_err(AgentError::Netlink)?;
     tokio::spawn(conn);
@@ -221,7 +228,9 @@ fn sync_once(
     }
     let triggers = obs.latency.pending(&snapshot);
     // The node's address is the SNAT source of external traffic to other nodes.
-    let node_cfg = obs.datapath.with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED));
+    let node_cfg = obs
+        .datapath
+        .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED));
     if node_cfg != obs.datapath {
         match writer.dataplane_mut().set_config(node_cfg) {
             Ok(()) => {
@@ -256,7 +265,11 @@ fn sync_once(
     }
     // The first sync runs before the programs are attached: it is not yet the
     // moment to announce readiness (the lab and tests wait for the marker).
-    let what = if announce { SYNC_COMPLETE } else { "initial sync" };
+    let what = if announce {
+        SYNC_COMPLETE
+    } else {
+        "initial sync"
+    };
     info!(
         frontends = desired.frontends.len(),
         source_errors,
@@ -326,7 +339,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     let mut last_sync = Instant::now();
 
     let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf, &loaded.pin_dir)?));
-    let patterns = Patterns { pod: cfg.pod_interfaces.clone(), external: cfg.external_interfaces.clone() };
+    let patterns = Patterns {
+        pod: cfg.pod_interfaces.clone(),
+        external: cfg.external_interfaces.clone(),
+    };
     let events = attach_existing(&attacher, &patterns).await?;
     attacher.lock().expect("attacher lock").prune_pins();
     let links = tokio::spawn(follow_links(attacher.clone(), patterns, events));
@@ -388,7 +404,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         }
         crate::config::OnExit::Keep => {
             attacher.lock().expect("attacher lock").release_all();
-            info!("exiting with the datapath attached (--on-exit keep); pins under {}", cfg.bpffs.display());
+            info!(
+                "exiting with the datapath attached (--on-exit keep); pins under {}",
+                cfg.bpffs.display()
+            );
         }
     }
     result

@@ -151,8 +151,9 @@ pub const MIGRATIONS: &[Migration] = &[];
 
 /// Whether `name` looks like a versioned map pin (`SOMETHING_V<digits>`).
 fn is_versioned_map_pin(name: &str) -> bool {
-    name.rsplit_once("_V")
-        .is_some_and(|(base, v)| !base.is_empty() && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+    name.rsplit_once("_V").is_some_and(|(base, v)| {
+        !base.is_empty() && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())
+    })
 }
 
 /// [`load`] with the given migrations.
@@ -206,8 +207,16 @@ fn migrate(pin_dir: &Path, ebpf: &mut Ebpf, migrations: &[Migration]) -> Result<
         let old = MapData::from_pin(&old_path).map_err(map_err(m.to))?;
         let new = ebpf.map_mut(m.to).ok_or(BpfError::MissingMap(m.to))?;
         let n = (m.run)(old, new).map_err(map_err(m.to))?;
-        std::fs::remove_file(&old_path).map_err(|source| BpfError::PinDir { path: old_path.clone(), source })?;
-        tracing::info!(from = m.from, to = m.to, entries = n, "migrated a pinned map to its new layout");
+        std::fs::remove_file(&old_path).map_err(|source| BpfError::PinDir {
+            path: old_path.clone(),
+            source,
+        })?;
+        tracing::info!(
+            from = m.from,
+            to = m.to,
+            entries = n,
+            "migrated a pinned map to its new layout"
+        );
     }
     let Ok(dir) = std::fs::read_dir(pin_dir) else {
         return Ok(());
@@ -251,7 +260,10 @@ pub struct CtGcReport {
 
 /// `bpf_ktime_get_ns()` as user space sees it: CLOCK_MONOTONIC.
 pub fn ktime_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec given.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -342,8 +354,12 @@ impl BpfDataplane {
     /// whose SERVICE entry is gone is deleted. The LRU bounds the map anyway;
     /// this frees entries of finished flows before it has to.
     pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
-        let entries: Vec<(Ct4Key, Ct4Value)> = self.conntrack.iter().filter_map(Result::ok).collect();
-        let mut report = CtGcReport { scanned: entries.len(), expired: 0 };
+        let entries: Vec<(Ct4Key, Ct4Value)> =
+            self.conntrack.iter().filter_map(Result::ok).collect();
+        let mut report = CtGcReport {
+            scanned: entries.len(),
+            expired: 0,
+        };
         let live: std::collections::HashSet<Ct4Key> = entries
             .iter()
             .filter(|(k, v)| {
@@ -564,10 +580,14 @@ impl PinnedMaps {
                 .iter()
                 .find(|(k, v)| k.slot == 0 && v.rev_nat_id == *id)
                 .map_or(0, |(k, _)| k.proto);
-            out.frontends.insert(*id, (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))));
+            out.frontends.insert(
+                *id,
+                (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))),
+            );
         }
         for (id, b) in &p.backends {
-            out.backends.insert(*id, (b.addr(), b.port(), b.proto, sum(&be, *id)));
+            out.backends
+                .insert(*id, (b.addr(), b.port(), b.proto, sum(&be, *id)));
         }
         Ok(out)
     }
@@ -630,7 +650,10 @@ pub struct Attacher {
 }
 
 fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
-    BpfError::Link { name, reason: e.to_string() }
+    BpfError::Link {
+        name,
+        reason: e.to_string(),
+    }
 }
 
 impl Attacher {
@@ -645,9 +668,16 @@ impl Attacher {
             let _ = ifaces.remove(&k);
         }
         let link_dir = pin_dir.join("links");
-        std::fs::create_dir_all(&link_dir)
-            .map_err(|source| BpfError::PinDir { path: link_dir.clone(), source })?;
-        Ok(Self { ebpf, ifaces, links: BTreeMap::new(), link_dir })
+        std::fs::create_dir_all(&link_dir).map_err(|source| BpfError::PinDir {
+            path: link_dir.clone(),
+            source,
+        })?;
+        Ok(Self {
+            ebpf,
+            ifaces,
+            links: BTreeMap::new(),
+            link_dir,
+        })
     }
 
     fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
@@ -682,8 +712,16 @@ impl Attacher {
                     .map_err(|e| link_err(prog_name, e))
                     .and_then(|link| {
                         let prog = self.program(kind);
-                        let id = prog.attach_to_link(link).map_err(|source| BpfError::Program { name: prog_name, source })?;
-                        let link = prog.take_link(id).map_err(|source| BpfError::Program { name: prog_name, source })?;
+                        let id = prog
+                            .attach_to_link(link)
+                            .map_err(|source| BpfError::Program {
+                                name: prog_name,
+                                source,
+                            })?;
+                        let link = prog.take_link(id).map_err(|source| BpfError::Program {
+                            name: prog_name,
+                            source,
+                        })?;
                         FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
                     });
                 match replaced {
@@ -702,18 +740,38 @@ impl Attacher {
             Some(fd) => fd,
             None => {
                 let prog = self.program(kind);
-                let id = prog
-                    .attach(name, TcAttachType::Ingress)
-                    .map_err(|source| BpfError::Program { name: prog_name, source })?;
-                let link = prog.take_link(id).map_err(|source| BpfError::Program { name: prog_name, source })?;
+                let id = prog.attach(name, TcAttachType::Ingress).map_err(|source| {
+                    BpfError::Program {
+                        name: prog_name,
+                        source,
+                    }
+                })?;
+                let link = prog.take_link(id).map_err(|source| BpfError::Program {
+                    name: prog_name,
+                    source,
+                })?;
                 let fd = FdLink::try_from(link).map_err(|e| link_err(prog_name, e))?;
                 FdLink::from(fd.pin(&pin).map_err(|e| link_err(prog_name, e))?)
             }
         };
-        self.links.insert(ifindex, Held { name: name.to_owned(), kind, fd, pin });
+        self.links.insert(
+            ifindex,
+            Held {
+                name: name.to_owned(),
+                kind,
+                fd,
+                pin,
+            },
+        );
         if kind == IfaceKind::Pod {
             self.ifaces
-                .insert(ifindex, Iface { flags: iface_flags::POD }, 0)
+                .insert(
+                    ifindex,
+                    Iface {
+                        flags: iface_flags::POD,
+                    },
+                    0,
+                )
                 .map_err(map_err(map_names::IFACES))?;
         }
         Ok(())
@@ -744,7 +802,8 @@ impl Attacher {
     /// Removes pins of links this agent does not hold (interfaces that are
     /// gone, or no longer match the patterns).
     pub fn prune_pins(&mut self) {
-        let held: std::collections::BTreeSet<PathBuf> = self.links.values().map(|h| h.pin.clone()).collect();
+        let held: std::collections::BTreeSet<PathBuf> =
+            self.links.values().map(|h| h.pin.clone()).collect();
         if let Ok(dir) = std::fs::read_dir(&self.link_dir) {
             for e in dir.flatten() {
                 if !held.contains(&e.path()) {
@@ -756,7 +815,9 @@ impl Attacher {
     }
 
     pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
-        self.links.iter().map(|(i, h)| (*i, h.name.as_str(), h.kind))
+        self.links
+            .iter()
+            .map(|(i, h)| (*i, h.name.as_str(), h.kind))
     }
 }
 
@@ -775,6 +836,9 @@ pub fn cleanup(pin_dir: &Path) -> Result<usize, BpfError> {
     if let Ok(dir) = std::fs::read_dir(pin_dir) {
         n += dir.flatten().filter(|e| e.path() != links).count();
     }
-    std::fs::remove_dir_all(pin_dir).map_err(|source| BpfError::PinDir { path: pin_dir.into(), source })?;
+    std::fs::remove_dir_all(pin_dir).map_err(|source| BpfError::PinDir {
+        path: pin_dir.into(),
+        source,
+    })?;
     Ok(n)
 }

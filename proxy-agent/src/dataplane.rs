@@ -536,8 +536,16 @@ impl<D: Dataplane> Writer<D> {
     /// counters. Allocation goes round that space, so an id freed now is
     /// reused only after every other one was.
     fn allocate_backend_id(&mut self, referenced: &BTreeSet<u32>) -> Option<u32> {
-        let next = |id: u32| if id + 1 >= proxy_common::capacity::BACKENDS { 1 } else { id + 1 };
-        let start = self.next_backend_id.clamp(1, proxy_common::capacity::BACKENDS - 1);
+        let next = |id: u32| {
+            if id + 1 >= proxy_common::capacity::BACKENDS {
+                1
+            } else {
+                id + 1
+            }
+        };
+        let start = self
+            .next_backend_id
+            .clamp(1, proxy_common::capacity::BACKENDS - 1);
         let mut id = start;
         loop {
             if !self.backends.contains_key(&id) && !referenced.contains(&id) {
@@ -642,7 +650,12 @@ impl<D: Dataplane> Writer<D> {
             for b in &fe.retained {
                 wanted.insert(
                     *b,
-                    Backend4::new(b.addr, b.port, b.proto, backend_state::TERMINATING | local(b)),
+                    Backend4::new(
+                        b.addr,
+                        b.port,
+                        b.proto,
+                        backend_state::TERMINATING | local(b),
+                    ),
                 );
             }
         }
@@ -768,7 +781,11 @@ impl<D: Dataplane> Writer<D> {
                 continue;
             };
             for range in &fe.source_ranges {
-                if self.source_ranges.get(&id).is_some_and(|s| s.contains(range)) {
+                if self
+                    .source_ranges
+                    .get(&id)
+                    .is_some_and(|s| s.contains(range))
+                {
                     continue;
                 }
                 match self.dp.put_source_range(id, *range) {
@@ -1036,7 +1053,9 @@ impl<D: Dataplane> Writer<D> {
                         s.remove(&range);
                     }
                 }
-                Err(e) => report.errors.push((format!("source range of reverse NAT {id}"), e)),
+                Err(e) => report
+                    .errors
+                    .push((format!("source range of reverse NAT {id}"), e)),
             }
         }
         self.source_ranges.retain(|_, s| !s.is_empty());

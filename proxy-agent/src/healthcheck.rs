@@ -99,13 +99,27 @@ async fn handle(State(s): State<HandlerState>) -> Response {
     };
     let mut resp = (
         status,
-        body(&served.namespace, &served.name, served.local_endpoints, healthy),
+        body(
+            &served.namespace,
+            &served.name,
+            served.local_endpoints,
+            healthy,
+        ),
     )
         .into_response();
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(ENDPOINT_WEIGHT_HEADER, HeaderValue::from(served.local_endpoints as u64));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        ENDPOINT_WEIGHT_HEADER,
+        HeaderValue::from(served.local_endpoints as u64),
+    );
     resp
 }
 

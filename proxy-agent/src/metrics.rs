@@ -80,7 +80,6 @@ impl Collector for DatapathStats {
             let labels = [("reason".to_string(), reason)];
             ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
         }
-        drop(family);
         let Ok(traffic) = PinnedMaps::new(&self.pin_dir).traffic() else {
             return Ok(());
         };
@@ -101,11 +100,20 @@ impl Collector for DatapathStats {
             .collect();
         for (what, label, rows) in [("frontend", "frontend", &fe), ("backend", "backend", &be)] {
             for (unit, help, get) in [
-                ("packets", "Packets", (|t: &proxy_common::Traffic| t.packets) as fn(&proxy_common::Traffic) -> u64),
-                ("bytes", "Bytes (whole frames)", |t: &proxy_common::Traffic| t.bytes),
+                (
+                    "packets",
+                    "Packets",
+                    (|t: &proxy_common::Traffic| t.packets) as fn(&proxy_common::Traffic) -> u64,
+                ),
+                (
+                    "bytes",
+                    "Bytes (whole frames)",
+                    |t: &proxy_common::Traffic| t.bytes,
+                ),
             ] {
                 let name = format!("proxy_agent_{what}_{unit}");
-                let help = format!("{help} of translated flows through each {what}, both directions");
+                let help =
+                    format!("{help} of translated flows through each {what}, both directions");
                 let mut family = encoder.encode_descriptor(
                     &name,
                     &help,

@@ -297,10 +297,8 @@ fn parse_checked(frame: &[u8]) -> Out {
     let proto = ip[9];
     match proto {
         IPPROTO_TCP => assert_eq!(l4_csum(src, dst, proto, &l4), 0, "TCP checksum invalid"),
-        IPPROTO_UDP => {
-            if l4[6..8] != [0, 0] {
-                assert_eq!(l4_csum(src, dst, proto, &l4), 0, "UDP checksum invalid");
-            }
+        IPPROTO_UDP if l4[6..8] != [0, 0] => {
+            assert_eq!(l4_csum(src, dst, proto, &l4), 0, "UDP checksum invalid")
         }
         1 => assert_eq!(ip_csum(&l4), 0, "ICMP checksum invalid"),
         _ => {}

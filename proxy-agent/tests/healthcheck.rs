@@ -51,8 +51,11 @@ async fn get(port: u16, path: &str) -> std::io::Result<Reply> {
     )
     .await
     .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect"))??;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await?;
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut raw))
         .await
@@ -124,9 +127,20 @@ async fn reconcile_opens_updates_and_closes() {
 
     let a = get(p1, "/").await.expect("GET / on p1");
     assert_eq!(a.status, 200, "{a:?}");
-    assert_eq!(a.headers.get("content-type").map(String::as_str), Some("application/json"));
-    assert_eq!(a.headers.get("x-content-type-options").map(String::as_str), Some("nosniff"));
-    assert_eq!(a.headers.get("x-load-balancing-endpoint-weight").map(String::as_str), Some("2"));
+    assert_eq!(
+        a.headers.get("content-type").map(String::as_str),
+        Some("application/json")
+    );
+    assert_eq!(
+        a.headers.get("x-content-type-options").map(String::as_str),
+        Some("nosniff")
+    );
+    assert_eq!(
+        a.headers
+            .get("x-load-balancing-endpoint-weight")
+            .map(String::as_str),
+        Some("2")
+    );
     assert_eq!(a.body, body("default", "web", 2, true));
     let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
     assert_eq!(v["service"]["namespace"], "default");
@@ -137,7 +151,10 @@ async fn reconcile_opens_updates_and_closes() {
     let b = get(p2, "/").await.expect("GET / on p2");
     assert_eq!(b.status, 503, "{b:?}");
     assert_eq!(b.body, body("prod", "api", 0, true));
-    assert_eq!(b.headers.get("x-content-type-options").map(String::as_str), Some("nosniff"));
+    assert_eq!(
+        b.headers.get("x-content-type-options").map(String::as_str),
+        Some("nosniff")
+    );
 
     // kube-proxy's handler answers every path (probes use / or /healthz).
     let c = get(p1, "/healthz").await.expect("GET /healthz");
@@ -145,7 +162,10 @@ async fn reconcile_opens_updates_and_closes() {
 
     // Same sync again: nothing to do.
     let r = servers.sync(&checks);
-    assert!(r.opened.is_empty() && r.updated.is_empty() && r.closed.is_empty() && r.errors.is_empty(), "{r:?}");
+    assert!(
+        r.opened.is_empty() && r.updated.is_empty() && r.closed.is_empty() && r.errors.is_empty(),
+        "{r:?}"
+    );
 
     // Counts change in place: p1 loses its endpoints, p2 gains one.
     checks.insert(p1, hc("default/web", 0));
@@ -154,15 +174,24 @@ async fn reconcile_opens_updates_and_closes() {
     assert_eq!(r.updated.len(), 2, "{r:?}");
     assert!(r.opened.is_empty() && r.closed.is_empty(), "{r:?}");
     let a = get(p1, "/").await.unwrap();
-    assert_eq!((a.status, a.body.as_str()), (503, body("default", "web", 0, true).as_str()));
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (503, body("default", "web", 0, true).as_str())
+    );
     let b = get(p2, "/").await.unwrap();
-    assert_eq!((b.status, b.body.as_str()), (200, body("prod", "api", 1, true).as_str()));
+    assert_eq!(
+        (b.status, b.body.as_str()),
+        (200, body("prod", "api", 1, true).as_str())
+    );
 
     // Another Service takes p1 over (the old one deleted, port reused).
     checks.insert(p1, hc("other/svc", 3));
     servers.sync(&checks);
     let a = get(p1, "/").await.unwrap();
-    assert_eq!((a.status, a.body.as_str()), (200, body("other", "svc", 3, true).as_str()));
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (200, body("other", "svc", 3, true).as_str())
+    );
 
     // p2's Service goes (deleted, or eTP back to Cluster): closed.
     checks.remove(&p2);
@@ -213,7 +242,10 @@ async fn unbindable_port_is_retried_at_the_next_sync() {
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(r.opened, vec![port]);
     let a = get(port, "/").await.unwrap();
-    assert_eq!((a.status, a.body.as_str()), (200, body("default", "lb", 1, true).as_str()));
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (200, body("default", "lb", 1, true).as_str())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -221,12 +253,16 @@ async fn unhealthy_proxy_answers_503() {
     let port = free_port();
     let healthy = Arc::new(AtomicBool::new(true));
     let h = healthy.clone();
-    let mut servers = HealthCheckServers::new(LOCALHOST).with_proxy_health(move || h.load(Ordering::SeqCst));
+    let mut servers =
+        HealthCheckServers::new(LOCALHOST).with_proxy_health(move || h.load(Ordering::SeqCst));
     servers.sync(&BTreeMap::from([(port, hc("default/web", 1))]));
     assert_eq!(get(port, "/").await.unwrap().status, 200);
     healthy.store(false, Ordering::SeqCst);
     let a = get(port, "/").await.unwrap();
-    assert_eq!((a.status, a.body.as_str()), (503, body("default", "web", 1, false).as_str()));
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (503, body("default", "web", 1, false).as_str())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1056,12 +1056,28 @@ fn metrics_counters_move_with_real_traffic() {
         let new_flows = d("proxy_agent_datapath_packets_total", "reason", "fwd_new");
         println!("metrics: +{fe_packets} packets / +{fe_bytes} bytes on {fe}, +{be_packets} on {be}, +{new_flows} new flows");
         // 20 connections, each at least SYN, SYN-ACK, ACK, request, reply, FINs.
-        assert!(fe_packets >= 20 * 5, "frontend packets moved by {fe_packets}");
-        assert_eq!(fe_packets, be_packets, "one frontend, one backend: same packets");
+        assert!(
+            fe_packets >= 20 * 5,
+            "frontend packets moved by {fe_packets}"
+        );
+        assert_eq!(
+            fe_packets, be_packets,
+            "one frontend, one backend: same packets"
+        );
         assert!(fe_bytes >= fe_packets * 54, "bytes count whole frames");
         assert_eq!(new_flows, 20, "one new flow per connection");
-        let health = http_get_in(&node_ns, SocketAddrV4::new(lab.node().ip, 10256), "/healthz");
-        assert!(health.starts_with("HTTP/1.0 200") || health.starts_with("HTTP/1.1 200"), "{health}");
-        assert!(health.contains("\"lastUpdated\"") && health.contains("\"currentTime\""), "{health}");
+        let health = http_get_in(
+            &node_ns,
+            SocketAddrV4::new(lab.node().ip, 10256),
+            "/healthz",
+        );
+        assert!(
+            health.starts_with("HTTP/1.0 200") || health.starts_with("HTTP/1.1 200"),
+            "{health}"
+        );
+        assert!(
+            health.contains("\"lastUpdated\"") && health.contains("\"currentTime\""),
+            "{health}"
+        );
     });
 }

@@ -44,15 +44,27 @@ impl Stream {
         let mut reader = BufReader::new(s);
         let mut greeting = String::new();
         reader.read_line(&mut greeting).unwrap();
-        let pod = greeting.split_whitespace().next().unwrap_or_default().to_string();
-        Stream { pod, reader, writer }
+        let pod = greeting
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        Stream {
+            pod,
+            reader,
+            writer,
+        }
     }
 
     /// One exchange; the answer must come from the same pod.
     fn ping(&mut self, n: usize) -> Result<(), String> {
-        self.writer.write_all(format!("ping {n}\n").as_bytes()).map_err(|e| e.to_string())?;
+        self.writer
+            .write_all(format!("ping {n}\n").as_bytes())
+            .map_err(|e| e.to_string())?;
         let mut line = String::new();
-        self.reader.read_line(&mut line).map_err(|e| e.to_string())?;
+        self.reader
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
         let expected = format!("{} ping {n}", self.pod);
         if line.trim_end() == expected {
             Ok(())
@@ -63,7 +75,13 @@ impl Stream {
 }
 
 /// Opens new TCP connections to `vip` from `ns` until stopped; counts them.
-fn churn(ns: String, vip: SocketAddrV4, stop: Arc<AtomicBool>, ok: Arc<AtomicUsize>, failed: Arc<AtomicUsize>) -> std::thread::JoinHandle<Vec<String>> {
+fn churn(
+    ns: String,
+    vip: SocketAddrV4,
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+) -> std::thread::JoinHandle<Vec<String>> {
     std::thread::spawn(move || {
         let mut errors = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -112,7 +130,9 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
     lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
     let ns = lab.client().netns.clone();
     let vip = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
-    let vip_udp = lab.cluster_frontend("web", 80, "UDP").expect("UDP frontend");
+    let vip_udp = lab
+        .cluster_frontend("web", 80, "UDP")
+        .expect("UDP frontend");
 
     let mut streams: Vec<Stream> = (0..10).map(|_| Stream::open(&ns, vip)).collect();
     let udp_before = udp_pod(&ns, vip_udp, 41234);
@@ -135,19 +155,35 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
     for (round, how) in [(1, "kill -9"), (2, "SIGTERM --on-exit keep")] {
         let pid = lab.info().agent.as_ref().expect("agent running").pid;
         if how == "kill -9" {
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap();
         }
         lab.stop_agent().expect("stop agent");
         // No agent at all for a while: the datapath alone carries the traffic.
         std::thread::sleep(Duration::from_millis(700));
         exchange_all(&mut streams, round * 10);
-        assert_eq!(udp_pod(&ns, vip_udp, 41234), udp_before, "{how}: UDP flow moved while no agent ran");
+        assert_eq!(
+            udp_pod(&ns, vip_udp, 41234),
+            udp_before,
+            "{how}: UDP flow moved while no agent ran"
+        );
         let restarted = Instant::now();
         lab.start_agent().expect("start agent");
-        lab.wait_ready(SYNC_TIMEOUT).expect("agent ready after restart");
-        println!("S8 {how}: agent back in {} ms", restarted.elapsed().as_millis());
+        lab.wait_ready(SYNC_TIMEOUT)
+            .expect("agent ready after restart");
+        println!(
+            "S8 {how}: agent back in {} ms",
+            restarted.elapsed().as_millis()
+        );
         exchange_all(&mut streams, round * 10 + 1);
-        assert_eq!(udp_pod(&ns, vip_udp, 41234), udp_before, "{how}: UDP flow moved after the restart");
+        assert_eq!(
+            udp_pod(&ns, vip_udp, 41234),
+            udp_before,
+            "{how}: UDP flow moved after the restart"
+        );
     }
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
@@ -159,7 +195,10 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
         ok + failed
     );
     assert!(lost.is_empty(), "established connections lost: {lost:?}");
-    assert_eq!(failed, 0, "new connections failed during restarts: {errors:?}");
+    assert_eq!(
+        failed, 0,
+        "new connections failed during restarts: {errors:?}"
+    );
     assert!(ok > 20, "too few connections made ({ok}) to say anything");
 }
 
@@ -185,7 +224,9 @@ fn restart_reconciles_changes_made_while_down() {
         .expect("apply web2");
     lab.start_agent().expect("start");
     lab.wait_ready(SYNC_TIMEOUT).expect("ready");
-    let new = lab.cluster_frontend("web2", 8080, "TCP").expect("web2 frontend");
+    let new = lab
+        .cluster_frontend("web2", 8080, "TCP")
+        .expect("web2 frontend");
     let r = client::tcp_request(&ns, new, b"hostname\n", T).map(|r| reply_text(&r));
     assert!(matches!(&r, Ok(n) if n.starts_with("web-")), "web2: {r:?}");
     let gone = client::tcp_request(&ns, old, b"hostname\n", T);

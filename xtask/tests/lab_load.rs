@@ -209,7 +209,11 @@ impl Stream {
         if reader.read_line(&mut greeting)? == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
         }
-        let pod = greeting.split_whitespace().next().unwrap_or_default().to_string();
+        let pod = greeting
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
         Ok(Stream {
             pod,
             reader,
@@ -235,7 +239,9 @@ impl Stream {
         }
         let expected = format!("{} ping {n}", self.pod);
         if line.trim_end() != expected {
-            return Err(io::Error::other(format!("got {line:?}, expected {expected:?}")));
+            return Err(io::Error::other(format!(
+                "got {line:?}, expected {expected:?}"
+            )));
         }
         self.exchanges += 1;
         Ok(())
@@ -244,7 +250,12 @@ impl Stream {
 
 /// Threads that each keep a share of the streams exchanging a line every
 /// `interval` until stopped; a stream that fails is marked broken and left.
-fn run_streams(streams: Vec<Stream>, threads: usize, interval: Duration, stop: Arc<AtomicBool>) -> Vec<JoinHandle<Vec<Stream>>> {
+fn run_streams(
+    streams: Vec<Stream>,
+    threads: usize,
+    interval: Duration,
+    stop: Arc<AtomicBool>,
+) -> Vec<JoinHandle<Vec<Stream>>> {
     let mut shares: Vec<Vec<Stream>> = (0..threads).map(|_| Vec::new()).collect();
     for (i, s) in streams.into_iter().enumerate() {
         shares[i % threads].push(s);
@@ -285,7 +296,13 @@ struct Churn {
 
 /// `threads` threads in `ns`, each opening new TCP connections (`hostname`)
 /// to `vip` at `per_thread` per second until stopped.
-fn run_churn(ns: &str, vip: SocketAddrV4, threads: usize, per_thread: f64, stop: Arc<AtomicBool>) -> Vec<JoinHandle<Churn>> {
+fn run_churn(
+    ns: &str,
+    vip: SocketAddrV4,
+    threads: usize,
+    per_thread: f64,
+    stop: Arc<AtomicBool>,
+) -> Vec<JoinHandle<Churn>> {
     (0..threads)
         .map(|_| {
             let (ns, stop) = (ns.to_string(), stop.clone());
@@ -302,7 +319,9 @@ fn run_churn(ns: &str, vip: SocketAddrV4, threads: usize, per_thread: f64, stop:
                                 *c.per_pod.entry(p).or_insert(0) += 1;
                             }
                             Ok(_) => c.failed.push((Instant::now(), "empty reply".into())),
-                            Err(e) => c.failed.push((Instant::now(), format!("{:?}: {e}", e.kind()))),
+                            Err(e) => c
+                                .failed
+                                .push((Instant::now(), format!("{:?}: {e}", e.kind()))),
                         }
                         next += gap;
                         let now = Instant::now();
@@ -368,7 +387,11 @@ impl UdpProbe {
                 Ok(())
             })
         });
-        UdpProbe { stop, shots, handle }
+        UdpProbe {
+            stop,
+            shots,
+            handle,
+        }
     }
 
     fn snapshot(&self) -> Vec<Shot> {
@@ -408,7 +431,10 @@ fn updates_under_load_lose_nothing() {
     const STREAMS: usize = 50;
     const OTHER_SERVICES: usize = 1000;
     const BATCH: usize = 100;
-    let yaml = svc("web", Some("web"), &[]) + &pod("web-1", "web") + &pod("web-2", "web") + &pod("web-3", "web");
+    let yaml = svc("web", Some("web"), &[])
+        + &pod("web-1", "web")
+        + &pod("web-2", "web")
+        + &pod("web-3", "web");
     with_lab("updates_under_load", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
@@ -431,9 +457,15 @@ fn updates_under_load_lose_nothing() {
         // The UDP flow's backend, and a second original to remove.
         let first = probe.snapshot();
         let answered: Vec<String> = first.iter().filter_map(|s| s.result.clone().ok()).collect();
-        assert!(answered.len() >= 5, "load: the UDP flow got no answers before any change: {first:?}");
+        assert!(
+            answered.len() >= 5,
+            "load: the UDP flow got no answers before any change: {first:?}"
+        );
         let udp_pod = answered[0].clone();
-        assert!(answered.iter().all(|a| *a == udp_pod), "load: one UDP flow answered by several pods: {answered:?}");
+        assert!(
+            answered.iter().all(|a| *a == udp_pod),
+            "load: one UDP flow answered by several pods: {answered:?}"
+        );
         let other = ["web-1", "web-2", "web-3"]
             .into_iter()
             .find(|p| *p != udp_pod)
@@ -443,7 +475,11 @@ fn updates_under_load_lose_nothing() {
         let mut steps: Vec<String> = Vec::new();
         let origin = churn_start;
         let mut step = |what: String, took: Duration| {
-            println!("load: +{} ms {what} (sync {} ms)", origin.elapsed().as_millis(), took.as_millis());
+            println!(
+                "load: +{} ms {what} (sync {} ms)",
+                origin.elapsed().as_millis(),
+                took.as_millis()
+            );
             steps.push(what);
             // Traffic runs on the new state for a while (≈ 20 s in all).
             std::thread::sleep(Duration::from_millis(1000));
@@ -456,19 +492,29 @@ fn updates_under_load_lose_nothing() {
         step("web-4, web-5 selected (2 backends added)".into(), took);
 
         // 500 other services.
-        let other_svc = |i: usize| svc(&format!("other-{i:04}"), Some(&format!("other-{i:04}")), &[]);
+        let other_svc = |i: usize| {
+            svc(
+                &format!("other-{i:04}"),
+                Some(&format!("other-{i:04}")),
+                &[],
+            )
+        };
         let mut svc_sync = Duration::ZERO;
         for b in 0..OTHER_SERVICES / BATCH / 2 {
             let y: String = (b * BATCH..(b + 1) * BATCH).map(other_svc).collect();
             svc_sync += apply(lab, &y);
         }
-        step(format!("{} other services created", OTHER_SERVICES / 2), svc_sync);
+        step(
+            format!("{} other services created", OTHER_SERVICES / 2),
+            svc_sync,
+        );
 
         // Remove the UDP flow's backend.
         let t_udp_removed = Instant::now();
         let took = {
             let t = Instant::now();
-            lab.delete_pod(&udp_pod).unwrap_or_else(|e| panic!("delete_pod({udp_pod}): {e:#}"));
+            lab.delete_pod(&udp_pod)
+                .unwrap_or_else(|e| panic!("delete_pod({udp_pod}): {e:#}"));
             t.elapsed()
         };
         step(format!("{udp_pod} removed (the UDP flow's backend)"), took);
@@ -479,13 +525,20 @@ fn updates_under_load_lose_nothing() {
         step("port 81 added".into(), took);
         let on81 = client::batch(
             &ns,
-            (0..20).map(|_| client::Request::tcp(vip81, b"hostname\n", T)).collect(),
+            (0..20)
+                .map(|_| client::Request::tcp(vip81, b"hostname\n", T))
+                .collect(),
             Some(Instant::now() + Duration::from_secs(30)),
         )
         .expect("enter client namespace");
         let ok81 = on81.iter().filter(|r| r.is_ok()).count();
         println!("load: {ok81} of 20 connections to {vip81} answered");
-        assert_eq!(ok81, 20, "load: the added port 81 did not work: {:?}", on81.iter().find(|r| r.is_err()));
+        assert_eq!(
+            ok81,
+            20,
+            "load: the added port 81 did not work: {:?}",
+            on81.iter().find(|r| r.is_err())
+        );
 
         // 500 more other services.
         let mut svc_sync = Duration::ZERO;
@@ -493,7 +546,14 @@ fn updates_under_load_lose_nothing() {
             let y: String = (b * BATCH..(b + 1) * BATCH).map(other_svc).collect();
             svc_sync += apply(lab, &y);
         }
-        step(format!("{} other services created ({} in all)", OTHER_SERVICES / 2, OTHER_SERVICES), svc_sync);
+        step(
+            format!(
+                "{} other services created ({} in all)",
+                OTHER_SERVICES / 2,
+                OTHER_SERVICES
+            ),
+            svc_sync,
+        );
 
         let took = apply(lab, &svc("web", Some("web"), &[]));
         step("port 81 removed".into(), took);
@@ -501,7 +561,8 @@ fn updates_under_load_lose_nothing() {
         let t_other_removed = Instant::now();
         let took = {
             let t = Instant::now();
-            lab.delete_pod(&other).unwrap_or_else(|e| panic!("delete_pod({other}): {e:#}"));
+            lab.delete_pod(&other)
+                .unwrap_or_else(|e| panic!("delete_pod({other}): {e:#}"));
             t.elapsed()
         };
         step(format!("{other} removed"), took);
@@ -509,7 +570,9 @@ fn updates_under_load_lose_nothing() {
         // Delete the other services, BATCH at a time.
         let mut svc_sync = Duration::ZERO;
         for b in 0..OTHER_SERVICES / BATCH {
-            let gone: BTreeSet<String> = (b * BATCH..(b + 1) * BATCH).map(|i| format!("other-{i:04}")).collect();
+            let gone: BTreeSet<String> = (b * BATCH..(b + 1) * BATCH)
+                .map(|i| format!("other-{i:04}"))
+                .collect();
             let keep: Vec<_> = lab
                 .objects()
                 .iter()
@@ -520,19 +583,33 @@ fn updates_under_load_lose_nothing() {
                 .cloned()
                 .collect();
             let text = xtask::manifests::render(&keep).expect("render manifests");
-            lab.replace_manifests(&text).unwrap_or_else(|e| panic!("replace_manifests: {e:#}"));
+            lab.replace_manifests(&text)
+                .unwrap_or_else(|e| panic!("replace_manifests: {e:#}"));
             svc_sync += synced(lab);
         }
         step(format!("{OTHER_SERVICES} other services deleted"), svc_sync);
-        let left = lab.frontends().iter().filter(|f| f.service.contains("other-")).count();
-        assert_eq!(left, 0, "load: frontends of the other services left in the lab");
+        let left = lab
+            .frontends()
+            .iter()
+            .filter(|f| f.service.contains("other-"))
+            .count();
+        assert_eq!(
+            left, 0,
+            "load: frontends of the other services left in the lab"
+        );
 
         std::thread::sleep(Duration::from_millis(1000));
         stop.store(true, Ordering::Relaxed);
         let churn_time = churn_start.elapsed();
         let shots = probe.finish();
-        let streams: Vec<Stream> = stream_threads.into_iter().flat_map(|h| h.join().expect("stream thread")).collect();
-        let churns: Vec<Churn> = churn_threads.into_iter().map(|h| h.join().expect("churn thread")).collect();
+        let streams: Vec<Stream> = stream_threads
+            .into_iter()
+            .flat_map(|h| h.join().expect("stream thread"))
+            .collect();
+        let churns: Vec<Churn> = churn_threads
+            .into_iter()
+            .map(|h| h.join().expect("churn thread"))
+            .collect();
 
         // ---- new connections
         let ok: usize = churns.iter().map(|c| c.ok).sum();
@@ -564,7 +641,11 @@ fn updates_under_load_lose_nothing() {
                     to_removed_broken += 1;
                 }
             } else if let Some((t, e)) = &s.broken {
-                lost.push(format!("stream {i} to {} at +{} ms: {e}", s.pod, ms(origin, *t)));
+                lost.push(format!(
+                    "stream {i} to {} at +{} ms: {e}",
+                    s.pod,
+                    ms(origin, *t)
+                ));
             }
         }
         println!(
@@ -577,7 +658,9 @@ fn updates_under_load_lose_nothing() {
         // ---- UDP flow
         let before: Vec<&Shot> = shots.iter().filter(|s| s.sent < t_udp_removed).collect();
         let after: Vec<&Shot> = shots.iter().filter(|s| s.sent >= t_udp_removed).collect();
-        let moved = after.iter().find(|s| matches!(&s.result, Ok(p) if *p != udp_pod));
+        let moved = after
+            .iter()
+            .find(|s| matches!(&s.result, Ok(p) if *p != udp_pod));
         let udp_failed: Vec<String> = shots
             .iter()
             .filter(|s| s.result.is_err())
@@ -594,9 +677,19 @@ fn updates_under_load_lose_nothing() {
         );
         println!("load: steps: {steps:?}");
 
-        assert!(failed.is_empty(), "load: {} new connections failed, e.g. {:?}", failed.len(), &failed[..failed.len().min(10)]);
-        assert!(lost.is_empty(), "load: established connections to stayed-ready backends lost: {lost:?}");
-        let Some(moved) = moved else { panic!("load: the UDP flow never left the removed {udp_pod}") };
+        assert!(
+            failed.is_empty(),
+            "load: {} new connections failed, e.g. {:?}",
+            failed.len(),
+            &failed[..failed.len().min(10)]
+        );
+        assert!(
+            lost.is_empty(),
+            "load: established connections to stayed-ready backends lost: {lost:?}"
+        );
+        let Some(moved) = moved else {
+            panic!("load: the UDP flow never left the removed {udp_pod}")
+        };
         let el = moved.sent - t_udp_removed;
         assert!(
             el < Duration::from_secs(1),
@@ -606,28 +699,49 @@ fn updates_under_load_lose_nothing() {
         // Until the next removal, the flow stays where it moved.
         let drifted: Vec<String> = after
             .iter()
-            .filter(|s| s.sent > moved.sent && s.sent < t_other_removed && s.result.as_deref() != Ok(new_pod.as_str()))
+            .filter(|s| {
+                s.sent > moved.sent
+                    && s.sent < t_other_removed
+                    && s.result.as_deref() != Ok(new_pod.as_str())
+            })
             .map(|s| format!("+{} ms {:?}", ms(origin, s.sent), s.result))
             .collect();
-        assert!(drifted.is_empty(), "load: the UDP flow did not stay on {new_pod}: {drifted:?}");
+        assert!(
+            drifted.is_empty(),
+            "load: the UDP flow did not stay on {new_pod}: {drifted:?}"
+        );
         if new_pod == other {
             // It moved to the second removed backend: it must move again.
-            let again = shots.iter().find(|s| s.sent >= t_other_removed && matches!(&s.result, Ok(p) if *p != other));
-            let Some(again) = again else { panic!("load: the UDP flow never left the removed {other}") };
+            let again = shots
+                .iter()
+                .find(|s| s.sent >= t_other_removed && matches!(&s.result, Ok(p) if *p != other));
+            let Some(again) = again else {
+                panic!("load: the UDP flow never left the removed {other}")
+            };
             let el = again.sent - t_other_removed;
-            println!("load: UDP flow moved again to {:?} {} ms after {other}'s removal started", again.result, el.as_millis());
+            println!(
+                "load: UDP flow moved again to {:?} {} ms after {other}'s removal started",
+                again.result,
+                el.as_millis()
+            );
             assert!(
                 el < Duration::from_secs(1),
                 "load: the UDP flow left {other} only after {el:?} (from the manifest write; it includes the agent's sync, see `sync complete … elapsed_ms` in its log)"
             );
         }
-        assert!(udp_failed.is_empty(), "load: UDP datagrams failed: {udp_failed:?}");
+        assert!(
+            udp_failed.is_empty(),
+            "load: UDP datagrams failed: {udp_failed:?}"
+        );
         if rate < 200.0 {
             println!("load: WARNING: only {rate:.0} new connections/s (target 200/s)");
             assert!(rate >= 100.0, "load: only {rate:.0} new connections/s");
         }
     });
 }
+
+/// Poll results: when each was sent, and the pod that answered or the error.
+type Polls = Vec<(Instant, Result<String, String>)>;
 
 /// P3 — "Connectivity Pod Lifecycle should be able to have zero downtime on a
 /// Blue Green deployment using Services and Readiness Gates: blue ready → only
@@ -645,13 +759,29 @@ fn p3_blue_green_through_readiness() {
         + &pod("green-2", "none");
     with_lab("p3", &yaml, |lab| {
         let ip = |lab: &Lab, n: &str| lab.pod(n).unwrap().ip;
-        let (b1, b2, g1, g2) = (ip(lab, "blue-1"), ip(lab, "blue-2"), ip(lab, "green-1"), ip(lab, "green-2"));
-        apply(lab, &slice("web", &[(b1, true, true, false), (b2, true, true, false), (g1, false, false, false), (g2, false, false, false)]));
+        let (b1, b2, g1, g2) = (
+            ip(lab, "blue-1"),
+            ip(lab, "blue-2"),
+            ip(lab, "green-1"),
+            ip(lab, "green-2"),
+        );
+        apply(
+            lab,
+            &slice(
+                "web",
+                &[
+                    (b1, true, true, false),
+                    (b2, true, true, false),
+                    (g1, false, false, false),
+                    (g2, false, false, false),
+                ],
+            ),
+        );
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
 
         let stop = Arc::new(AtomicBool::new(false));
-        let polls: Arc<Mutex<Vec<(Instant, Result<String, String>)>>> = Arc::default();
+        let polls: Arc<Mutex<Polls>> = Arc::default();
         let (flag, out, ns2) = (stop.clone(), polls.clone(), ns.clone());
         let poller = std::thread::spawn(move || {
             in_netns(&ns2, move || {
@@ -671,14 +801,39 @@ fn p3_blue_green_through_readiness() {
         let mut marks = vec![("blue ready", origin)];
         // The blue phase ends when the flip is written (green may answer from then on).
         marks.push(("green ready (written, until its sync)", Instant::now()));
-        apply(lab, &slice("web", &[(b1, true, true, false), (b2, true, true, false), (g1, true, true, false), (g2, true, true, false)]));
+        apply(
+            lab,
+            &slice(
+                "web",
+                &[
+                    (b1, true, true, false),
+                    (b2, true, true, false),
+                    (g1, true, true, false),
+                    (g2, true, true, false),
+                ],
+            ),
+        );
         marks.push(("green ready", Instant::now()));
         std::thread::sleep(phase);
-        apply(lab, &slice("web", &[(b1, false, false, false), (b2, false, false, false), (g1, true, true, false), (g2, true, true, false)]));
+        apply(
+            lab,
+            &slice(
+                "web",
+                &[
+                    (b1, false, false, false),
+                    (b2, false, false, false),
+                    (g1, true, true, false),
+                    (g2, true, true, false),
+                ],
+            ),
+        );
         let blue_unready = Instant::now();
         marks.push(("blue not ready", blue_unready));
         std::thread::sleep(phase);
-        apply(lab, &slice("web", &[(g1, true, true, false), (g2, true, true, false)]));
+        apply(
+            lab,
+            &slice("web", &[(g1, true, true, false), (g2, true, true, false)]),
+        );
         marks.push(("blue removed", Instant::now()));
         std::thread::sleep(phase);
         stop.store(true, Ordering::Relaxed);
@@ -698,28 +853,53 @@ fn p3_blue_green_through_readiness() {
                     .or_insert(0) += 1;
                 }
             }
-            println!("P3: phase '{name}' (from +{} ms): {c:?}", ms(origin, *start));
+            println!(
+                "P3: phase '{name}' (from +{} ms): {c:?}",
+                ms(origin, *start)
+            );
             phases.push((name, c));
         }
         let failed: Vec<String> = polls
             .iter()
-            .filter_map(|(t, r)| r.as_ref().err().map(|e| format!("+{} ms {e}", ms(origin, *t))))
+            .filter_map(|(t, r)| {
+                r.as_ref()
+                    .err()
+                    .map(|e| format!("+{} ms {e}", ms(origin, *t)))
+            })
             .collect();
         println!("P3: {} polls, {} failed", polls.len(), failed.len());
-        assert!(failed.is_empty(), "P3: polls failed during the swap: {failed:?}");
+        assert!(
+            failed.is_empty(),
+            "P3: polls failed during the swap: {failed:?}"
+        );
         let blue_phase = &phases[0].1;
-        assert!(blue_phase.keys().all(|p| p.starts_with("blue-")) && !blue_phase.is_empty(), "P3: blue phase answered by {blue_phase:?}");
+        assert!(
+            blue_phase.keys().all(|p| p.starts_with("blue-")) && !blue_phase.is_empty(),
+            "P3: blue phase answered by {blue_phase:?}"
+        );
         let late_blue: Vec<String> = polls
             .iter()
             .filter(|(t, r)| *t >= blue_unready && matches!(r, Ok(p) if p.starts_with("blue-")))
             .map(|(t, r)| format!("+{} ms {r:?}", ms(origin, *t)))
             .collect();
-        assert!(late_blue.is_empty(), "P3: blue answered after it was not ready (and synced): {late_blue:?}");
-        let (answers, errors): (Vec<_>, Vec<_>) = (0..30).map(|_| client::tcp_request(&ns, vip, b"hostname\n", T).map(|r| reply_text(&r))).partition(|r| r.is_ok());
+        assert!(
+            late_blue.is_empty(),
+            "P3: blue answered after it was not ready (and synced): {late_blue:?}"
+        );
+        let (answers, errors): (Vec<_>, Vec<_>) = (0..30)
+            .map(|_| client::tcp_request(&ns, vip, b"hostname\n", T).map(|r| reply_text(&r)))
+            .partition(|r| r.is_ok());
         let after: BTreeSet<String> = answers.into_iter().map(|r| r.unwrap()).collect();
-        println!("P3: afterwards 30 connections answered by {after:?}, {} errors", errors.len());
+        println!(
+            "P3: afterwards 30 connections answered by {after:?}, {} errors",
+            errors.len()
+        );
         assert!(errors.is_empty(), "P3: afterwards: {errors:?}");
-        assert_eq!(after, BTreeSet::from(["green-1".to_string(), "green-2".to_string()]), "P3: afterwards");
+        assert_eq!(
+            after,
+            BTreeSet::from(["green-1".to_string(), "green-2".to_string()]),
+            "P3: afterwards"
+        );
     });
 }
 
@@ -740,9 +920,13 @@ fn tcp_to_a_removed_backend_fails_fast_with_reset() {
         apply(lab, &slice("web", &[(a, true, true, false)]));
         let mut s = Stream::open(&ns, vip);
         assert_eq!(s.pod, "a");
-        apply(lab, &slice("web", &[(a, true, true, false), (b, true, true, false)]));
+        apply(
+            lab,
+            &slice("web", &[(a, true, true, false), (b, true, true, false)]),
+        );
         for i in 0..5 {
-            s.ping(i).unwrap_or_else(|e| panic!("stream to A with A and B: {e}"));
+            s.ping(i)
+                .unwrap_or_else(|e| panic!("stream to A with A and B: {e}"));
         }
         apply(lab, &slice("web", &[(b, true, true, false)]));
         let t = Instant::now();
@@ -763,7 +947,8 @@ fn tcp_to_a_removed_backend_fails_fast_with_reset() {
             el.as_millis(),
             s.exchanges
         );
-        let agent_alive_a = client::tcp_request(&ns, SocketAddrV4::new(a, 80), b"hostname\n", T).map(|r| reply_text(&r));
+        let agent_alive_a = client::tcp_request(&ns, SocketAddrV4::new(a, 80), b"hostname\n", T)
+            .map(|r| reply_text(&r));
         println!("removed backend: A's server directly: {agent_alive_a:?}");
         match &result {
             Err(e) if matches!(
@@ -772,6 +957,9 @@ fn tcp_to_a_removed_backend_fails_fast_with_reset() {
             ) => {}
             other => panic!("removed backend: expected a reset (ConnectionReset / BrokenPipe / EOF), got {other:?} after {el:?}"),
         }
-        assert!(el < Duration::from_secs(1), "removed backend: the stream failed only after {el:?}");
+        assert!(
+            el < Duration::from_secs(1),
+            "removed backend: the stream failed only after {el:?}"
+        );
     });
 }

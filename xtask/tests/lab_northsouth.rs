@@ -135,11 +135,19 @@ impl Svc {
             y.push_str(&format!("  healthCheckNodePort: {h}\n"));
         }
         if !self.external_ips.is_empty() {
-            let v: Vec<String> = self.external_ips.iter().map(|a| format!("\"{a}\"")).collect();
+            let v: Vec<String> = self
+                .external_ips
+                .iter()
+                .map(|a| format!("\"{a}\""))
+                .collect();
             y.push_str(&format!("  externalIPs: [{}]\n", v.join(", ")));
         }
         if !self.source_ranges.is_empty() {
-            let v: Vec<String> = self.source_ranges.iter().map(|a| format!("\"{a}\"")).collect();
+            let v: Vec<String> = self
+                .source_ranges
+                .iter()
+                .map(|a| format!("\"{a}\""))
+                .collect();
             y.push_str(&format!("  loadBalancerSourceRanges: [{}]\n", v.join(", ")));
         }
         match self.affinity {
@@ -305,7 +313,10 @@ fn synced(lab: &mut Lab) {
 
 /// The external client's namespace.
 fn ext(lab: &Lab) -> String {
-    lab.external().expect("the lab has an external client").netns.clone()
+    lab.external()
+        .expect("the lab has an external client")
+        .netns
+        .clone()
 }
 
 /// A client pod namespace on `node`: the default client on node-1, else a
@@ -332,7 +343,17 @@ fn ext_route(lab: &Lab, ip: Ipv4Addr, node: &str) {
     let via = lab.node_named(node).expect("node").ip.to_string();
     let ns = ext(lab);
     let out = Command::new("ip")
-        .args(["-n", &ns, "route", "replace", &format!("{ip}/32"), "via", &via, "dev", "eth0"])
+        .args([
+            "-n",
+            &ns,
+            "route",
+            "replace",
+            &format!("{ip}/32"),
+            "via",
+            &via,
+            "dev",
+            "eth0",
+        ])
         .output()
         .expect("run ip");
     assert!(
@@ -357,7 +378,9 @@ fn node_port(lab: &Lab, service: &str, port: u16, proto: &str, node: &str) -> So
             f.kind == "NodePort" && f.ip == ip && f.protocol.eq_ignore_ascii_case(proto) && {
                 // The NodePort frontend of the port whose service port is `port`.
                 lab.info().frontends_of(service).iter().any(|c| {
-                    c.kind == "ClusterIP" && c.port == port && c.port_name == f.port_name
+                    c.kind == "ClusterIP"
+                        && c.port == port
+                        && c.port_name == f.port_name
                         && c.protocol == f.protocol
                 })
             }
@@ -375,7 +398,12 @@ fn cluster_ip(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 
 
 /// `n` new TCP connections sending `req`, one after another: counts per
 /// answer, and the errors.
-fn tcp_answers(ns: &str, addr: SocketAddrV4, req: &[u8], n: usize) -> (BTreeMap<String, usize>, Vec<String>) {
+fn tcp_answers(
+    ns: &str,
+    addr: SocketAddrV4,
+    req: &[u8],
+    n: usize,
+) -> (BTreeMap<String, usize>, Vec<String>) {
     let reqs = (0..n).map(|_| Request::tcp(addr, req, T)).collect();
     let deadline = Instant::now() + Duration::from_secs(120);
     let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
@@ -391,7 +419,12 @@ fn tcp_answers(ns: &str, addr: SocketAddrV4, req: &[u8], n: usize) -> (BTreeMap<
 }
 
 /// As [`tcp_answers`] over UDP (a new socket, so a new flow, per datagram).
-fn udp_answers(ns: &str, addr: SocketAddrV4, req: &[u8], n: usize) -> (BTreeMap<String, usize>, Vec<String>) {
+fn udp_answers(
+    ns: &str,
+    addr: SocketAddrV4,
+    req: &[u8],
+    n: usize,
+) -> (BTreeMap<String, usize>, Vec<String>) {
     let reqs = (0..n).map(|_| Request::udp(addr, req, T)).collect();
     let deadline = Instant::now() + Duration::from_secs(120);
     let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
@@ -408,13 +441,23 @@ fn udp_answers(ns: &str, addr: SocketAddrV4, req: &[u8], n: usize) -> (BTreeMap<
 
 /// Asserts that `n` requests (TCP or UDP) from `ns` to `addr` all succeed and
 /// are answered by exactly the pods `expected`.
-fn assert_answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, expected: &[&str], what: &str) {
+fn assert_answered_by(
+    ns: &str,
+    addr: SocketAddrV4,
+    proto: &str,
+    n: usize,
+    expected: &[&str],
+    what: &str,
+) {
     let (counts, errors) = if proto == "UDP" {
         udp_answers(ns, addr, b"hostname\n", n)
     } else {
         tcp_answers(ns, addr, b"hostname\n", n)
     };
-    println!("{what}: {n} {proto} requests to {addr}: {counts:?}, {} errors", errors.len());
+    println!(
+        "{what}: {n} {proto} requests to {addr}: {counts:?}, {} errors",
+        errors.len()
+    );
     assert!(
         errors.is_empty(),
         "{what}: {} of {n} {proto} requests to {addr} failed: {:?} (answers: {counts:?})",
@@ -423,7 +466,10 @@ fn assert_answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, expec
     );
     let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
     let want: BTreeSet<&str> = expected.iter().copied().collect();
-    assert_eq!(seen, want, "{what}: pods answering {proto} {addr} (counts {counts:?})");
+    assert_eq!(
+        seen, want,
+        "{what}: pods answering {proto} {addr} (counts {counts:?})"
+    );
 }
 
 /// One `clientip` request over TCP: (pod answering via hostname is not
@@ -442,10 +488,17 @@ fn assert_tcp_ok(ns: &str, addr: SocketAddrV4, what: &str) -> String {
     match client::tcp_request(ns, addr, b"hostname\n", T) {
         Ok(r) => {
             let pod = reply_text(&r);
-            println!("{what}: TCP {addr} answered by {pod} in {} ms", t.elapsed().as_millis());
+            println!(
+                "{what}: TCP {addr} answered by {pod} in {} ms",
+                t.elapsed().as_millis()
+            );
             pod
         }
-        Err(e) => panic!("{what}: TCP {addr}: {:?} {e} after {} ms", e.kind(), t.elapsed().as_millis()),
+        Err(e) => panic!(
+            "{what}: TCP {addr}: {:?} {e} after {} ms",
+            e.kind(),
+            t.elapsed().as_millis()
+        ),
     }
 }
 
@@ -513,10 +566,18 @@ fn assert_no_answer(ns: &str, addr: SocketAddrV4, proto: &str, tries: usize, wha
         }
         .map(|r| reply_text(&r));
         match r {
-            Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
+                ) =>
+            {
                 *outcomes.entry(format!("{:?}", e.kind())).or_insert(0) += 1;
             }
-            other => panic!("{what}: {proto} {addr} try {}: expected no answer, got {other:?}", i + 1),
+            other => panic!(
+                "{what}: {proto} {addr} try {}: expected no answer, got {other:?}",
+                i + 1
+            ),
         }
     }
     println!("{what}: {proto} {addr}: {tries} tries, no answer: {outcomes:?}");
@@ -536,7 +597,9 @@ fn http_get(ns: &str, addr: SocketAddrV4, path: &str) -> io::Result<Http> {
     in_netns(ns, move || -> io::Result<Http> {
         let mut s = TcpStream::connect_timeout(&SocketAddr::V4(addr), T)?;
         s.set_read_timeout(Some(T))?;
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )?;
         let mut raw = Vec::new();
         s.read_to_end(&mut raw)?;
         let text = String::from_utf8_lossy(&raw).into_owned();
@@ -565,13 +628,26 @@ fn http_get(ns: &str, addr: SocketAddrV4, path: &str) -> io::Result<Http> {
 /// kube-proxy's body for `service` (`default/<name>`) and `local` endpoints.
 fn assert_hcnp(lab: &Lab, node: &str, hcnp: u16, status: u16, service: &str, local: usize) {
     let addr = SocketAddrV4::new(node_ip(lab, node), hcnp);
-    let r = http_get(&ext(lab), addr, "/").unwrap_or_else(|e| panic!("HCNP {node} {addr}: {:?} {e}", e.kind()));
-    println!("HCNP {node} {addr}: {} {}", r.status, r.body.replace(['\n', '\t'], ""));
+    let r = http_get(&ext(lab), addr, "/")
+        .unwrap_or_else(|e| panic!("HCNP {node} {addr}: {:?} {e}", e.kind()));
+    println!(
+        "HCNP {node} {addr}: {} {}",
+        r.status,
+        r.body.replace(['\n', '\t'], "")
+    );
     assert_eq!(r.status, status, "HCNP {node} {addr}: {r:?}");
-    assert_eq!(r.headers.get("content-type").map(String::as_str), Some("application/json"), "{r:?}");
-    assert_eq!(r.headers.get("x-content-type-options").map(String::as_str), Some("nosniff"), "{r:?}");
-    let v: serde_json::Value =
-        serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("HCNP {node}: body {:?}: {e}", r.body));
+    assert_eq!(
+        r.headers.get("content-type").map(String::as_str),
+        Some("application/json"),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.headers.get("x-content-type-options").map(String::as_str),
+        Some("nosniff"),
+        "{r:?}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&r.body)
+        .unwrap_or_else(|e| panic!("HCNP {node}: body {:?}: {e}", r.body));
     assert_eq!(
         v,
         serde_json::json!({"service": {"namespace": "default", "name": service}, "localEndpoints": local, "serviceProxyHealthy": true}),
@@ -606,14 +682,21 @@ fn listeners(lab: &Lab, node: &str) -> String {
         .args(["netns", "exec", &ns, "ss", "-ltnuH"])
         .output()
         .expect("run ss");
-    assert!(out.status.success(), "ss: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ss: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn listens_on(ss: &str, port: u16) -> bool {
     let suffix = format!(":{port}");
-    ss.lines()
-        .any(|l| l.split_whitespace().nth(4).is_some_and(|local| local.ends_with(&suffix)))
+    ss.lines().any(|l| {
+        l.split_whitespace()
+            .nth(4)
+            .is_some_and(|local| local.ends_with(&suffix))
+    })
 }
 
 // ================================================================ tests
@@ -635,10 +718,24 @@ fn s10_nodeport_reachable_from_external_on_every_node() {
         let x = ext(lab);
         for node in ["node-1", "node-2", "node-3"] {
             let np = node_port(lab, "web", 80, "TCP", node);
-            assert_answered_by(&x, np, "TCP", N, &["web-1", "web-2"], &format!("S10 external → {node}"));
+            assert_answered_by(
+                &x,
+                np,
+                "TCP",
+                N,
+                &["web-1", "web-2"],
+                &format!("S10 external → {node}"),
+            );
         }
         let c = lab.client().netns.clone();
-        assert_answered_by(&c, cluster_ip(lab, "web", 80, "TCP"), "TCP", N, &["web-1", "web-2"], "S10 pod → ClusterIP");
+        assert_answered_by(
+            &c,
+            cluster_ip(lab, "web", 80, "TCP"),
+            "TCP",
+            N,
+            &["web-1", "web-2"],
+            "S10 pod → ClusterIP",
+        );
         println!(
             "S10 snat_node: node-1 {}, node-2 {}, node-3 {}",
             stat(lab, "node-1", "snat_node"),
@@ -656,10 +753,18 @@ fn s11_external_ip_not_owned_by_any_interface() {
     let eip = Ipv4Addr::new(198, 19, 200, 1);
     let mut s = Svc::new("web", "ClusterIP", Some("web"), vec![tcp(80), udp(80)]);
     s.external_ips = vec![eip];
-    let yaml = [pod("web-1", "web", "node-1", 80), pod("web-2", "web", "node-2", 80), s.yaml()].concat();
+    let yaml = [
+        pod("web-1", "web", "node-1", 80),
+        pod("web-2", "web", "node-2", 80),
+        s.yaml(),
+    ]
+    .concat();
     with_lab("s11", 2, &yaml, |lab| {
         for n in lab.nodes() {
-            let out = Command::new("ip").args(["-n", &n.netns, "-4", "addr"]).output().unwrap();
+            let out = Command::new("ip")
+                .args(["-n", &n.netns, "-4", "addr"])
+                .output()
+                .unwrap();
             assert!(
                 !String::from_utf8_lossy(&out.stdout).contains(&eip.to_string()),
                 "{} owns {eip}",
@@ -668,14 +773,49 @@ fn s11_external_ip_not_owned_by_any_interface() {
         }
         let addr = SocketAddrV4::new(eip, 80);
         let (c, _) = client_on(lab, "node-1");
-        assert_answered_by(&c, addr, "TCP", N, &["web-1", "web-2"], "S11 pod (node-1) → externalIP");
-        assert_answered_by(&c, addr, "UDP", N, &["web-1", "web-2"], "S11 pod (node-1) → externalIP");
+        assert_answered_by(
+            &c,
+            addr,
+            "TCP",
+            N,
+            &["web-1", "web-2"],
+            "S11 pod (node-1) → externalIP",
+        );
+        assert_answered_by(
+            &c,
+            addr,
+            "UDP",
+            N,
+            &["web-1", "web-2"],
+            "S11 pod (node-1) → externalIP",
+        );
         let (c2, _) = client_on(lab, "node-2");
-        assert_answered_by(&c2, addr, "TCP", N, &["web-1", "web-2"], "S11 pod (node-2) → externalIP");
+        assert_answered_by(
+            &c2,
+            addr,
+            "TCP",
+            N,
+            &["web-1", "web-2"],
+            "S11 pod (node-2) → externalIP",
+        );
         ext_route(lab, eip, "node-1");
         let x = ext(lab);
-        assert_answered_by(&x, addr, "TCP", N, &["web-1", "web-2"], "S11 external → externalIP via node-1");
-        assert_answered_by(&x, addr, "UDP", N, &["web-1", "web-2"], "S11 external → externalIP via node-1");
+        assert_answered_by(
+            &x,
+            addr,
+            "TCP",
+            N,
+            &["web-1", "web-2"],
+            "S11 external → externalIP via node-1",
+        );
+        assert_answered_by(
+            &x,
+            addr,
+            "UDP",
+            N,
+            &["web-1", "web-2"],
+            "S11 external → externalIP via node-1",
+        );
     });
 }
 
@@ -685,7 +825,12 @@ fn s11_external_ip_not_owned_by_any_interface() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
-    let both = Svc::new("dual", "NodePort", Some("dual"), vec![tcp(80).node_port(30080), udp(80).node_port(30080)]);
+    let both = Svc::new(
+        "dual",
+        "NodePort",
+        Some("dual"),
+        vec![tcp(80).node_port(30080), udp(80).node_port(30080)],
+    );
     let yaml = [pod("dual-1", "dual", "node-2", 80), both.yaml()].concat();
     with_lab("s12_s39", 2, &yaml, |lab| {
         let x = ext(lab);
@@ -693,29 +838,98 @@ fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
         let tcp_np = SocketAddrV4::new(node_ip(lab, "node-1"), 30080);
         let tcp_np2 = SocketAddrV4::new(node_ip(lab, "node-2"), 30080);
         for (proto, what) in [("TCP", "S12 both"), ("UDP", "S12 both")] {
-            assert_answered_by(&x, tcp_np, proto, 5, &["dual-1"], &format!("{what} external → node-1"));
-            assert_answered_by(&x, tcp_np2, proto, 5, &["dual-1"], &format!("{what} external → node-2"));
-            assert_answered_by(&c, tcp_np, proto, 5, &["dual-1"], &format!("{what} pod → node-1"));
-            assert_answered_by(&c, cluster_ip(lab, "dual", 80, proto), proto, 5, &["dual-1"], &format!("S39 {what} pod → ClusterIP"));
+            assert_answered_by(
+                &x,
+                tcp_np,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} external → node-1"),
+            );
+            assert_answered_by(
+                &x,
+                tcp_np2,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} external → node-2"),
+            );
+            assert_answered_by(
+                &c,
+                tcp_np,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} pod → node-1"),
+            );
+            assert_answered_by(
+                &c,
+                cluster_ip(lab, "dual", 80, proto),
+                proto,
+                5,
+                &["dual-1"],
+                &format!("S39 {what} pod → ClusterIP"),
+            );
         }
         // TCP only: UDP stops on the NodePort and the ClusterIP.
-        let tcp_only = Svc::new("dual", "NodePort", Some("dual"), vec![tcp(80).node_port(30080)]);
+        let tcp_only = Svc::new(
+            "dual",
+            "NodePort",
+            Some("dual"),
+            vec![tcp(80).node_port(30080)],
+        );
         let cip = lab.service_ip("dual").unwrap();
         let t = Instant::now();
         apply(lab, &tcp_only.yaml());
         println!("S39 TCP only: synced in {} ms", t.elapsed().as_millis());
-        assert_answered_by(&x, tcp_np, "TCP", 5, &["dual-1"], "S39 TCP only, external → node-1");
-        assert_answered_by(&c, SocketAddrV4::new(cip, 80), "TCP", 5, &["dual-1"], "S39 TCP only, pod → ClusterIP");
+        assert_answered_by(
+            &x,
+            tcp_np,
+            "TCP",
+            5,
+            &["dual-1"],
+            "S39 TCP only, external → node-1",
+        );
+        assert_answered_by(
+            &c,
+            SocketAddrV4::new(cip, 80),
+            "TCP",
+            5,
+            &["dual-1"],
+            "S39 TCP only, pod → ClusterIP",
+        );
         assert_refused(&x, tcp_np, "UDP", 3, "S39 TCP only: UDP external → node-1");
         // The pod's own namespace has no UDP frontend for the ClusterIP any more.
         let r = client::udp_request(&c, SocketAddrV4::new(cip, 80), b"hostname\n", T, None);
         println!("S39 TCP only: UDP pod → ClusterIP: {r:?}");
-        assert!(r.is_err(), "S39 TCP only: UDP ClusterIP still answered: {r:?}");
+        assert!(
+            r.is_err(),
+            "S39 TCP only: UDP ClusterIP still answered: {r:?}"
+        );
         // UDP only.
-        let udp_only = Svc::new("dual", "NodePort", Some("dual"), vec![udp(80).node_port(30080)]);
+        let udp_only = Svc::new(
+            "dual",
+            "NodePort",
+            Some("dual"),
+            vec![udp(80).node_port(30080)],
+        );
         apply(lab, &udp_only.yaml());
-        assert_answered_by(&x, tcp_np, "UDP", 5, &["dual-1"], "S39 UDP only, external → node-1");
-        assert_answered_by(&c, SocketAddrV4::new(cip, 80), "UDP", 5, &["dual-1"], "S39 UDP only, pod → ClusterIP");
+        assert_answered_by(
+            &x,
+            tcp_np,
+            "UDP",
+            5,
+            &["dual-1"],
+            "S39 UDP only, external → node-1",
+        );
+        assert_answered_by(
+            &c,
+            SocketAddrV4::new(cip, 80),
+            "UDP",
+            5,
+            &["dual-1"],
+            "S39 UDP only, pod → ClusterIP",
+        );
         assert_refused(&x, tcp_np, "TCP", 3, "S39 UDP only: TCP external → node-1");
     });
 }
@@ -726,7 +940,12 @@ fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s17_no_listener_on_node_port() {
-    let s = Svc::new("web", "NodePort", Some("web"), vec![tcp(80).node_port(30017), udp(80).node_port(30017)]);
+    let s = Svc::new(
+        "web",
+        "NodePort",
+        Some("web"),
+        vec![tcp(80).node_port(30017), udp(80).node_port(30017)],
+    );
     let yaml = [pod("web-1", "web", "node-2", 80), s.yaml()].concat();
     with_lab("s17", 2, &yaml, |lab| {
         let x = ext(lab);
@@ -735,7 +954,10 @@ fn s17_no_listener_on_node_port() {
         for node in ["node-1", "node-2"] {
             let ss = listeners(lab, node);
             println!("S17 {node} listeners:\n{ss}");
-            assert!(!listens_on(&ss, 30017), "S17: something listens on {node}:30017:\n{ss}");
+            assert!(
+                !listens_on(&ss, 30017),
+                "S17: something listens on {node}:30017:\n{ss}"
+            );
         }
         lab.delete_service("web").unwrap();
         synced(lab);
@@ -745,7 +967,10 @@ fn s17_no_listener_on_node_port() {
         assert_answered_by(&x, np, "UDP", 3, &["web-1"], "S17 re-created");
         for node in ["node-1", "node-2"] {
             let ss = listeners(lab, node);
-            assert!(!listens_on(&ss, 30017), "S17: something listens on {node}:30017 after re-creation:\n{ss}");
+            assert!(
+                !listens_on(&ss, 30017),
+                "S17: something listens on {node}:30017 after re-creation:\n{ss}"
+            );
         }
     });
 }
@@ -759,7 +984,12 @@ fn s17_no_listener_on_node_port() {
 fn s24_s25_s26_client_ip_affinity_through_nodeport() {
     let mut s = Svc::new("aff", "NodePort", Some("aff"), vec![tcp(80)]);
     s.affinity = Some(10_800);
-    let pods = [pod("aff-1", "aff", "node-1", 80), pod("aff-2", "aff", "node-2", 80), pod("aff-3", "aff", "node-3", 80)].concat();
+    let pods = [
+        pod("aff-1", "aff", "node-1", 80),
+        pod("aff-2", "aff", "node-2", 80),
+        pod("aff-3", "aff", "node-3", 80),
+    ]
+    .concat();
     let yaml = [pods.clone(), s.yaml()].concat();
     with_lab("s24_s26", 3, &yaml, |lab| {
         let x = ext(lab);
@@ -767,9 +997,16 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         for node in ["node-1", "node-3"] {
             let np = node_port(lab, "aff", 80, "TCP", node);
             let (counts, errors) = tcp_answers(&x, np, b"hostname\n", N);
-            println!("S24 external → {node} {np}: {counts:?}, {} errors", errors.len());
+            println!(
+                "S24 external → {node} {np}: {counts:?}, {} errors",
+                errors.len()
+            );
             assert!(errors.is_empty(), "S24: {errors:?}");
-            assert_eq!(counts.len(), 1, "S24: not sticky through {node}: {counts:?}");
+            assert_eq!(
+                counts.len(),
+                1,
+                "S24: not sticky through {node}: {counts:?}"
+            );
         }
         let np = node_port(lab, "aff", 80, "TCP", "node-1");
         // S26: None spreads.
@@ -779,13 +1016,20 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         let (counts, errors) = tcp_answers(&x, np, b"hostname\n", N);
         println!("S26 None: {counts:?}, {} errors", errors.len());
         assert!(errors.is_empty(), "S26 None: {errors:?}");
-        assert!(counts.len() >= 2, "S26: affinity None still sticky: {counts:?}");
+        assert!(
+            counts.len() >= 2,
+            "S26: affinity None still sticky: {counts:?}"
+        );
         // Back to ClientIP: sticky again.
         apply(lab, &s.yaml());
         let (counts, errors) = tcp_answers(&x, np, b"hostname\n", N);
         println!("S26 ClientIP again: {counts:?}, {} errors", errors.len());
         assert!(errors.is_empty(), "S26: {errors:?}");
-        assert_eq!(counts.len(), 1, "S26: not sticky after switching back: {counts:?}");
+        assert_eq!(
+            counts.len(),
+            1,
+            "S26: not sticky after switching back: {counts:?}"
+        );
         // S25: timeout 2 s. Within the timeout: sticky; after idle periods
         // longer than it: chosen again (3 pods: 8 draws all equal has
         // probability 3^-7).
@@ -794,7 +1038,11 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         apply(lab, &short.yaml());
         let (counts, _) = tcp_answers(&x, np, b"hostname\n", 10);
         println!("S25 within the timeout: {counts:?}");
-        assert_eq!(counts.len(), 1, "S25: not sticky within the timeout: {counts:?}");
+        assert_eq!(
+            counts.len(),
+            1,
+            "S25: not sticky within the timeout: {counts:?}"
+        );
         let mut seen = Vec::new();
         for _ in 0..8 {
             std::thread::sleep(Duration::from_millis(3_200));
@@ -802,8 +1050,14 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         }
         let distinct: BTreeSet<&String> = seen.iter().collect();
         println!("S25 after idle periods > timeout: {seen:?}");
-        assert!(distinct.len() >= 2, "S25: affinity outlived its 2 s timeout: {seen:?}");
-        println!("S24-S26 affinity_hit node-1: {}", stat(lab, "node-1", "affinity_hit"));
+        assert!(
+            distinct.len() >= 2,
+            "S25: affinity outlived its 2 s timeout: {seen:?}"
+        );
+        println!(
+            "S24-S26 affinity_hit node-1: {}",
+            stat(lab, "node-1", "affinity_hit")
+        );
     });
 }
 
@@ -821,7 +1075,12 @@ fn s34_e3_health_check_node_port() {
     s.etp = Some("Local");
     s.hcnp = Some(HCNP);
     s.lb_ips = vec![lb];
-    let yaml = [pod("lb-1", "x", "node-1", 80), pod("lb-2", "x", "node-2", 80), s.yaml()].concat();
+    let yaml = [
+        pod("lb-1", "x", "node-1", 80),
+        pod("lb-2", "x", "node-2", 80),
+        s.yaml(),
+    ]
+    .concat();
     with_lab("s34_e3", 3, &yaml, |lab| {
         // Slice: lb-1 ready on node-1.
         apply(lab, &slice(lab, "lb-a", "lb", 80, &[("lb-1", true, false)]));
@@ -832,21 +1091,51 @@ fn s34_e3_health_check_node_port() {
         assert!(listens_on(&ss, HCNP), "no HCNP listener on node-2:\n{ss}");
         let x = ext(lab);
         ext_route(lab, lb, "node-1");
-        assert_answered_by(&x, SocketAddrV4::new(lb, 80), "TCP", 5, &["lb-1"], "E3 LB IP via node-1");
+        assert_answered_by(
+            &x,
+            SocketAddrV4::new(lb, 80),
+            "TCP",
+            5,
+            &["lb-1"],
+            "E3 LB IP via node-1",
+        );
         // S34: the only local endpoint is terminating.
         apply(lab, &slice(lab, "lb-a", "lb", 80, &[("lb-1", false, true)]));
         assert_hcnp(lab, "node-1", HCNP, 503, "lb", 0);
         let np1 = node_port(lab, "lb", 80, "TCP", "node-1");
-        assert_answered_by(&x, np1, "TCP", 5, &["lb-1"], "S34 NodePort still serves the terminating endpoint");
+        assert_answered_by(
+            &x,
+            np1,
+            "TCP",
+            5,
+            &["lb-1"],
+            "S34 NodePort still serves the terminating endpoint",
+        );
         // E3: the backend moves to node-2.
         apply(lab, &slice(lab, "lb-a", "lb", 80, &[("lb-2", true, false)]));
         assert_hcnp(lab, "node-1", HCNP, 503, "lb", 0);
         assert_hcnp(lab, "node-2", HCNP, 200, "lb", 1);
         assert_hcnp(lab, "node-3", HCNP, 503, "lb", 0);
         ext_route(lab, lb, "node-2");
-        assert_answered_by(&x, SocketAddrV4::new(lb, 80), "TCP", 5, &["lb-2"], "E3 LB IP via node-2");
+        assert_answered_by(
+            &x,
+            SocketAddrV4::new(lb, 80),
+            "TCP",
+            5,
+            &["lb-2"],
+            "E3 LB IP via node-2",
+        );
         // Both nodes: 200 on both.
-        apply(lab, &slice(lab, "lb-a", "lb", 80, &[("lb-1", true, false), ("lb-2", true, false)]));
+        apply(
+            lab,
+            &slice(
+                lab,
+                "lb-a",
+                "lb",
+                80,
+                &[("lb-1", true, false), ("lb-2", true, false)],
+            ),
+        );
         assert_hcnp(lab, "node-1", HCNP, 200, "lb", 1);
         assert_hcnp(lab, "node-2", HCNP, 200, "lb", 1);
         // Deleted: no listener left.
@@ -855,7 +1144,10 @@ fn s34_e3_health_check_node_port() {
         for node in ["node-1", "node-2", "node-3"] {
             assert_hcnp_closed(lab, node, HCNP);
             let ss = listeners(lab, node);
-            assert!(!listens_on(&ss, HCNP), "HCNP listener left on {node} after the delete:\n{ss}");
+            assert!(
+                !listens_on(&ss, HCNP),
+                "HCNP listener left on {node} after the delete:\n{ss}"
+            );
         }
     });
 }
@@ -869,17 +1161,41 @@ fn s37_terminating_fallback_through_nodeport_etp_cluster() {
     let s = Svc::new("term", "NodePort", None, vec![tcp(80)]);
     let yaml = [pod("term-1", "x", "node-1", 80), s.yaml()].concat();
     with_lab("s37", 2, &yaml, |lab| {
-        apply(lab, &slice(lab, "term-a", "term", 80, &[("term-1", false, true)]));
+        apply(
+            lab,
+            &slice(lab, "term-a", "term", 80, &[("term-1", false, true)]),
+        );
         let x = ext(lab);
         let (c1, _) = client_on(lab, "node-1");
         let (c2, _) = client_on(lab, "node-2");
         for node in ["node-1", "node-2"] {
             let np = node_port(lab, "term", 80, "TCP", node);
-            assert_answered_by(&x, np, "TCP", 5, &["term-1"], &format!("S37 external → {node}"));
+            assert_answered_by(
+                &x,
+                np,
+                "TCP",
+                5,
+                &["term-1"],
+                &format!("S37 external → {node}"),
+            );
         }
         let np1 = node_port(lab, "term", 80, "TCP", "node-1");
-        assert_answered_by(&c1, np1, "TCP", 5, &["term-1"], "S37 pod on node-1 → node-1");
-        assert_answered_by(&c2, np1, "TCP", 5, &["term-1"], "S37 pod on node-2 → node-1");
+        assert_answered_by(
+            &c1,
+            np1,
+            "TCP",
+            5,
+            &["term-1"],
+            "S37 pod on node-1 → node-1",
+        );
+        assert_answered_by(
+            &c2,
+            np1,
+            "TCP",
+            5,
+            &["term-1"],
+            "S37 pod on node-2 → node-1",
+        );
     });
 }
 
@@ -894,20 +1210,33 @@ fn s38_terminating_fallback_through_nodeport_etp_local() {
     s.etp = Some("Local");
     let yaml = [pod("term-1", "x", "node-1", 80), s.yaml()].concat();
     with_lab("s38", 2, &yaml, |lab| {
-        apply(lab, &slice(lab, "term-a", "term", 80, &[("term-1", false, true)]));
+        apply(
+            lab,
+            &slice(lab, "term-a", "term", 80, &[("term-1", false, true)]),
+        );
         let x = ext(lab);
         let (c1, _) = client_on(lab, "node-1");
         let (c2, _) = client_on(lab, "node-2");
         let np1 = node_port(lab, "term", 80, "TCP", "node-1");
         let np2 = node_port(lab, "term", 80, "TCP", "node-2");
-        assert_answered_by(&c2, np1, "TCP", 5, &["term-1"], "S38 pod on node-2 → node-1");
+        assert_answered_by(
+            &c2,
+            np1,
+            "TCP",
+            5,
+            &["term-1"],
+            "S38 pod on node-2 → node-1",
+        );
         assert_answered_by(&x, np1, "TCP", 5, &["term-1"], "S38 external → node-1");
         let before = stat(lab, "node-2", "drop_no_local_backend");
         assert_tcp_dropped(&c1, np2, 2, "S38 pod on node-1 → node-2");
         assert_tcp_dropped(&x, np2, 2, "S38 external → node-2");
         let after = stat(lab, "node-2", "drop_no_local_backend");
         println!("S38 node-2 drop_no_local_backend: {before} → {after}");
-        assert!(after > before, "S38: node-2's drop_no_local_backend did not move ({before} → {after})");
+        assert!(
+            after > before,
+            "S38: node-2's drop_no_local_backend did not move ({before} → {after})"
+        );
     });
 }
 
@@ -941,21 +1270,50 @@ fn s42_e4_etp_local_from_inside_short_circuits() {
             let np1 = node_port(lab, "esipp", 80, "TCP", "node-1");
             let np2 = node_port(lab, "esipp", 80, "TCP", "node-2");
             let np3 = node_port(lab, "esipp", 80, "TCP", "node-3");
-            let seen = client_ip_seen(&c, np1).unwrap_or_else(|e| panic!("S42 {phase}: pod → node-1 NodePort: {e}"));
+            let seen = client_ip_seen(&c, np1)
+                .unwrap_or_else(|e| panic!("S42 {phase}: pod → node-1 NodePort: {e}"));
             println!("S42 {phase}: pod {cip} → node-1 {np1}: backend saw {seen}");
-            assert_eq!(seen, cip, "S42 {phase}: client address not preserved through node-1's NodePort");
-            let seen = client_ip_seen(&c, np2).unwrap_or_else(|e| panic!("S42 {phase}: pod → own node-2 NodePort: {e}"));
-            println!("S42 {phase}: pod {cip} → own node-2 {np2} (short-circuit): backend saw {seen}");
-            assert_eq!(seen, cip, "S42 {phase}: short-circuit through the own node's NodePort SNATed");
-            assert_tcp_dropped(&c, np3, 1, &format!("S42 {phase}: pod on node-2 → node-3 NodePort"));
+            assert_eq!(
+                seen, cip,
+                "S42 {phase}: client address not preserved through node-1's NodePort"
+            );
+            let seen = client_ip_seen(&c, np2)
+                .unwrap_or_else(|e| panic!("S42 {phase}: pod → own node-2 NodePort: {e}"));
+            println!(
+                "S42 {phase}: pod {cip} → own node-2 {np2} (short-circuit): backend saw {seen}"
+            );
+            assert_eq!(
+                seen, cip,
+                "S42 {phase}: short-circuit through the own node's NodePort SNATed"
+            );
+            assert_tcp_dropped(
+                &c,
+                np3,
+                1,
+                &format!("S42 {phase}: pod on node-2 → node-3 NodePort"),
+            );
             // E4: pod → LB IP short-circuits to the cluster endpoints, no SNAT.
-            let seen = client_ip_seen(&c, SocketAddrV4::new(lb, 80)).unwrap_or_else(|e| panic!("E4 {phase}: pod → LB IP: {e}"));
+            let seen = client_ip_seen(&c, SocketAddrV4::new(lb, 80))
+                .unwrap_or_else(|e| panic!("E4 {phase}: pod → LB IP: {e}"));
             println!("E4 {phase}: pod {cip} → LB IP {lb}: backend saw {seen}");
-            assert_eq!(seen, cip, "E4 {phase}: LB IP from a pod not short-circuited without SNAT");
+            assert_eq!(
+                seen, cip,
+                "E4 {phase}: LB IP from a pod not short-circuited without SNAT"
+            );
             // External: node-1 preserves, node-3 drops.
-            let seen = client_ip_seen(&x, np1).unwrap_or_else(|e| panic!("S42 {phase}: external → node-1: {e}"));
-            assert_eq!(seen, Ipv4Addr::new(198, 18, 0, 100), "S42 {phase}: external client address not preserved");
-            assert_tcp_dropped(&x, np3, 1, &format!("S42 {phase}: external → node-3 NodePort"));
+            let seen = client_ip_seen(&x, np1)
+                .unwrap_or_else(|e| panic!("S42 {phase}: external → node-1: {e}"));
+            assert_eq!(
+                seen,
+                Ipv4Addr::new(198, 18, 0, 100),
+                "S42 {phase}: external client address not preserved"
+            );
+            assert_tcp_dropped(
+                &x,
+                np3,
+                1,
+                &format!("S42 {phase}: external → node-3 NodePort"),
+            );
         };
         check_local(lab, "Local");
         apply(lab, &cluster.yaml());
@@ -964,8 +1322,22 @@ fn s42_e4_etp_local_from_inside_short_circuits() {
         }
         for node in ["node-1", "node-2", "node-3"] {
             let np = node_port(lab, "esipp", 80, "TCP", node);
-            assert_answered_by(&c, np, "TCP", 3, &["esipp-1"], &format!("S42 Cluster: pod on node-2 → {node}"));
-            assert_answered_by(&x, np, "TCP", 3, &["esipp-1"], &format!("S42 Cluster: external → {node}"));
+            assert_answered_by(
+                &c,
+                np,
+                "TCP",
+                3,
+                &["esipp-1"],
+                &format!("S42 Cluster: pod on node-2 → {node}"),
+            );
+            assert_answered_by(
+                &x,
+                np,
+                "TCP",
+                3,
+                &["esipp-1"],
+                &format!("S42 Cluster: external → {node}"),
+            );
         }
         apply(lab, &local.yaml());
         check_local(lab, "back to Local");
@@ -994,8 +1366,14 @@ fn e2_source_ip_local_preserved_cluster_snat() {
         let np1 = node_port(lab, "src", 80, "TCP", "node-1");
         let before = stat(lab, "node-1", "snat_node");
         let seen = client_ip_seen(&x, np1).expect("E2 Cluster: external → node-1");
-        println!("E2 Cluster: external {ext_ip} → node-1 {np1} (remote backend): backend saw {seen}");
-        assert_eq!(seen, node_ip(lab, "node-1"), "E2 Cluster: remote backend should see node-1's address");
+        println!(
+            "E2 Cluster: external {ext_ip} → node-1 {np1} (remote backend): backend saw {seen}"
+        );
+        assert_eq!(
+            seen,
+            node_ip(lab, "node-1"),
+            "E2 Cluster: remote backend should see node-1's address"
+        );
         let after = stat(lab, "node-1", "snat_node");
         println!("E2 Cluster: node-1 snat_node {before} → {after}");
         let seen = client_ip_seen(&x, np2).expect("E2 Cluster: external → node-2");
@@ -1015,16 +1393,25 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
         let x = ext(lab);
         let np = node_port(lab, "cyc", 80, "UDP", "node-2");
         const SPORT: u16 = 41000;
-        let ask = || client::udp_request(&x, np, b"hostname\n", T, Some(SPORT)).map(|r| reply_text(&r));
+        let ask =
+            || client::udp_request(&x, np, b"hostname\n", T, Some(SPORT)).map(|r| reply_text(&r));
         for i in 0..3 {
             let r = ask();
             println!("C1 round {i}: {r:?}");
-            assert_eq!(r.as_deref().ok(), Some("backend1"), "C1: before the cycle: {r:?}");
+            assert_eq!(
+                r.as_deref().ok(),
+                Some("backend1"),
+                "C1: before the cycle: {r:?}"
+            );
         }
         apply(lab, &pod("backend2", "cyc", "node-2", 80));
         let r = ask();
         println!("C1 with backend2 added: {r:?}");
-        assert_eq!(r.as_deref().ok(), Some("backend1"), "C1: an established UDP flow moved when a backend was added: {r:?}");
+        assert_eq!(
+            r.as_deref().ok(),
+            Some("backend1"),
+            "C1: an established UDP flow moved when a backend was added: {r:?}"
+        );
         let t = Instant::now();
         lab.delete_pod("backend1").unwrap();
         synced(lab);
@@ -1040,7 +1427,11 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
             }
             std::thread::sleep(Duration::from_millis(200));
         };
-        println!("C1 after deleting backend1: {} tries over {} ms: {got:?}", got.len(), t.elapsed().as_millis());
+        println!(
+            "C1 after deleting backend1: {} tries over {} ms: {got:?}",
+            got.len(),
+            t.elapsed().as_millis()
+        );
         assert!(ok, "C1: the fixed 5-tuple never reached backend2: {got:?}");
         for _ in 0..3 {
             assert_eq!(ask().as_deref().ok(), Some("backend2"));
@@ -1064,13 +1455,41 @@ fn n2_n3_pod_to_node_ip_node_port() {
     with_lab("n2_n3", 3, &yaml, |lab| {
         let (c, _) = client_on(lab, "node-1");
         let all = ["net-1", "net-2", "net-3"];
-        assert_answered_by(&c, cluster_ip(lab, "net", 80, "TCP"), "TCP", N, &all, "N2 pod → ClusterIP");
-        assert_answered_by(&c, cluster_ip(lab, "net", 80, "UDP"), "UDP", N, &all, "N3 pod → ClusterIP");
+        assert_answered_by(
+            &c,
+            cluster_ip(lab, "net", 80, "TCP"),
+            "TCP",
+            N,
+            &all,
+            "N2 pod → ClusterIP",
+        );
+        assert_answered_by(
+            &c,
+            cluster_ip(lab, "net", 80, "UDP"),
+            "UDP",
+            N,
+            &all,
+            "N3 pod → ClusterIP",
+        );
         for node in ["node-1", "node-2", "node-3"] {
             let tnp = node_port(lab, "net", 80, "TCP", node);
             let unp = node_port(lab, "net", 80, "UDP", node);
-            assert_answered_by(&c, tnp, "TCP", N, &all, &format!("N2 pod (node-1) → {node} NodePort"));
-            assert_answered_by(&c, unp, "UDP", N, &all, &format!("N3 pod (node-1) → {node} NodePort"));
+            assert_answered_by(
+                &c,
+                tnp,
+                "TCP",
+                N,
+                &all,
+                &format!("N2 pod (node-1) → {node} NodePort"),
+            );
+            assert_answered_by(
+                &c,
+                unp,
+                "UDP",
+                N,
+                &all,
+                &format!("N3 pod (node-1) → {node} NodePort"),
+            );
         }
     });
 }
@@ -1083,14 +1502,26 @@ fn n2_n3_pod_to_node_ip_node_port() {
 #[ignore = "needs root: run with cargo xtask test"]
 fn n14_n16_nodeport_stops_answering_after_delete() {
     let s = Svc::new("gone", "NodePort", Some("gone"), vec![tcp(80), udp(80)]);
-    let yaml = [pod("gone-1", "gone", "node-1", 80), pod("gone-2", "gone", "node-2", 80), s.yaml()].concat();
+    let yaml = [
+        pod("gone-1", "gone", "node-1", 80),
+        pod("gone-2", "gone", "node-2", 80),
+        s.yaml(),
+    ]
+    .concat();
     with_lab("n14_n16", 2, &yaml, |lab| {
         let x = ext(lab);
         let mut addrs = Vec::new();
         for node in ["node-1", "node-2"] {
             for proto in ["TCP", "UDP"] {
                 let np = node_port(lab, "gone", 80, proto, node);
-                assert_answered_by(&x, np, proto, N, &["gone-1", "gone-2"], &format!("N14/N16 before, {node}"));
+                assert_answered_by(
+                    &x,
+                    np,
+                    proto,
+                    N,
+                    &["gone-1", "gone-2"],
+                    &format!("N14/N16 before, {node}"),
+                );
                 addrs.push((np, proto));
             }
         }
@@ -1119,20 +1550,41 @@ fn k4_external_nodeport_no_endpoints_refused_etp_local_dropped() {
         for proto in ["TCP", "UDP"] {
             for node in ["node-1", "node-2"] {
                 let np = node_port(lab, "empty", 80, proto, node);
-                assert_refused(&x, np, proto, 3, &format!("K4 no endpoints, external → {node}"));
+                assert_refused(
+                    &x,
+                    np,
+                    proto,
+                    3,
+                    &format!("K4 no endpoints, external → {node}"),
+                );
             }
         }
         let after = stat(lab, "node-2", "reject_no_backend");
         println!("K4 node-2 reject_no_backend {before} → {after}");
-        assert!(after > before, "K4: refusals not counted by the datapath on node-2 ({before} → {after})");
+        assert!(
+            after > before,
+            "K4: refusals not counted by the datapath on node-2 ({before} → {after})"
+        );
         let mut local = Svc::new("empty", "NodePort", Some("k4"), vec![tcp(80), udp(80)]);
         local.etp = Some("Local");
         apply(lab, &local.yaml());
         let np1 = node_port(lab, "empty", 80, "TCP", "node-1");
         let np2 = node_port(lab, "empty", 80, "TCP", "node-2");
-        assert_answered_by(&x, np1, "TCP", 5, &["k4-1"], "K4 eTP Local, external → node-1");
+        assert_answered_by(
+            &x,
+            np1,
+            "TCP",
+            5,
+            &["k4-1"],
+            "K4 eTP Local, external → node-1",
+        );
         let before = stat(lab, "node-2", "drop_no_local_backend");
-        assert_tcp_dropped(&x, np2, 2, "K4 eTP Local, external → node-2 (no local endpoint)");
+        assert_tcp_dropped(
+            &x,
+            np2,
+            2,
+            "K4 eTP Local, external → node-2 (no local endpoint)",
+        );
         let unp2 = node_port(lab, "empty", 80, "UDP", "node-2");
         let r = client::udp_request(&x, unp2, b"hostname\n", T, None);
         println!("K4 eTP Local, UDP external → node-2: {r:?}");
@@ -1142,7 +1594,10 @@ fn k4_external_nodeport_no_endpoints_refused_etp_local_dropped() {
         );
         let after = stat(lab, "node-2", "drop_no_local_backend");
         println!("K4 node-2 drop_no_local_backend {before} → {after}");
-        assert!(after >= before + 3, "K4: node-2 drops not counted ({before} → {after})");
+        assert!(
+            after >= before + 3,
+            "K4: node-2 drops not counted ({before} → {after})"
+        );
     });
 }
 
@@ -1158,12 +1613,24 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
     let mut s = Svc::new("ranged", "LoadBalancer", Some("ranged"), vec![tcp(80)]);
     s.lb_ips = vec![lb];
     s.source_ranges = vec!["198.18.0.100/32".into(), "198.18.7.0/24".into()];
-    let yaml = [pod("ranged-1", "ranged", "node-1", 80), pod("ranged-2", "ranged", "node-2", 80), s.yaml()].concat();
+    let yaml = [
+        pod("ranged-1", "ranged", "node-1", 80),
+        pod("ranged-2", "ranged", "node-2", 80),
+        s.yaml(),
+    ]
+    .concat();
     with_lab("source_ranges", 2, &yaml, |lab| {
         ext_route(lab, lb, "node-1");
         let x = ext(lab);
         let vip = SocketAddrV4::new(lb, 80);
-        assert_answered_by(&x, vip, "TCP", N, &["ranged-1", "ranged-2"], "source ranges: inside (198.18.0.100/32)");
+        assert_answered_by(
+            &x,
+            vip,
+            "TCP",
+            N,
+            &["ranged-1", "ranged-2"],
+            "source ranges: inside (198.18.0.100/32)",
+        );
         let mut outside = s.clone();
         outside.source_ranges = vec!["198.18.7.0/24".into()];
         apply(lab, &outside.yaml());
@@ -1172,10 +1639,27 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
         let after = stat(lab, "node-1", "drop_source_range");
         println!("source ranges: node-1 drop_source_range {before} → {after}");
         // A dropped SYN is retransmitted within the 2 s timeout: at least one per try.
-        assert!(after >= before + 3, "source ranges: drops not counted ({before} → {after})");
+        assert!(
+            after >= before + 3,
+            "source ranges: drops not counted ({before} → {after})"
+        );
         let np = node_port(lab, "ranged", 80, "TCP", "node-1");
-        assert_answered_by(&x, np, "TCP", 5, &["ranged-1", "ranged-2"], "source ranges: the NodePort is not filtered");
+        assert_answered_by(
+            &x,
+            np,
+            "TCP",
+            5,
+            &["ranged-1", "ranged-2"],
+            "source ranges: the NodePort is not filtered",
+        );
         apply(lab, &s.yaml());
-        assert_answered_by(&x, vip, "TCP", 10, &["ranged-1", "ranged-2"], "source ranges: inside again");
+        assert_answered_by(
+            &x,
+            vip,
+            "TCP",
+            10,
+            &["ranged-1", "ranged-2"],
+            "source ranges: inside again",
+        );
     });
 }

@@ -206,8 +206,7 @@ fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
 
 /// `lab.apply(yaml)`, then waits for the agent's sync and its attachments.
 fn apply(lab: &mut Lab, yaml: &str) {
-    lab.apply(yaml)
-        .unwrap_or_else(|e| panic!("apply: {e:#}"));
+    lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
     lab.wait_synced(SYNC_TIMEOUT)
         .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
     lab.wait_attached(SYNC_TIMEOUT)
@@ -257,10 +256,19 @@ fn counts(answers: &[String]) -> BTreeMap<String, usize> {
 }
 
 /// `n` requests that must all succeed; returns the answers' counts.
-fn all_ok(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, what: &str) -> BTreeMap<String, usize> {
+fn all_ok(
+    ns: &str,
+    addr: SocketAddrV4,
+    proto: &str,
+    n: usize,
+    what: &str,
+) -> BTreeMap<String, usize> {
     let (answers, errors) = hostnames(ns, addr, proto, n);
     let c = counts(&answers);
-    println!("{what}: {n} {proto} requests to {addr}: {c:?}, {} errors", errors.len());
+    println!(
+        "{what}: {n} {proto} requests to {addr}: {c:?}, {} errors",
+        errors.len()
+    );
     assert!(
         errors.is_empty(),
         "{what}: {} of {n} {proto} requests to {addr} failed: {:?}",
@@ -286,7 +294,10 @@ fn answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, pods: &[&str
     let c = all_ok(ns, addr, proto, n, what);
     let seen: BTreeSet<&str> = c.keys().map(String::as_str).collect();
     let want: BTreeSet<&str> = pods.iter().copied().collect();
-    assert_eq!(seen, want, "{what}: pods answering {proto} {addr} (counts {c:?})");
+    assert_eq!(
+        seen, want,
+        "{what}: pods answering {proto} {addr} (counts {c:?})"
+    );
 }
 
 /// A TCP connect to `addr` must be refused (RST or ICMP), quickly.
@@ -343,7 +354,11 @@ impl Stream {
         if reader.read_line(&mut greeting)? == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
         }
-        let pod = greeting.split_whitespace().next().unwrap_or_default().to_string();
+        let pod = greeting
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
         Ok(Stream {
             pod,
             reader,
@@ -368,7 +383,9 @@ impl Stream {
         }
         let expected = format!("{} ping {tag}", self.pod);
         if line.trim_end() != expected {
-            return Err(io::Error::other(format!("got {line:?}, expected {expected:?}")));
+            return Err(io::Error::other(format!(
+                "got {line:?}, expected {expected:?}"
+            )));
         }
         self.exchanges += 1;
         Ok(())
@@ -406,7 +423,11 @@ fn s21_n17_session_affinity_client_ip_tcp() {
         let p2 = sticky(&c2.netns, vip, "TCP", 30, "S21 client-2");
         // Still the same for client-1 after client-2's connections.
         assert_eq!(sticky(&ns1, vip, "TCP", 15, "S21 client-1 again"), p1);
-        println!("S21/N17: client-1 ({}) -> {p1}, client-2 ({}) -> {p2}", lab.client().ip, c2.ip);
+        println!(
+            "S21/N17: client-1 ({}) -> {p1}, client-2 ({}) -> {p2}",
+            lab.client().ip,
+            c2.ip
+        );
     });
 }
 
@@ -460,7 +481,13 @@ fn s22_k7_p3_session_affinity_expires_after_timeout() {
         let mut changed = 0;
         for k in 1..=K {
             std::thread::sleep(idle);
-            let now = sticky(&ns, vip, "TCP", 30, &format!("K7 trial {k} after {} ms idle", idle.as_millis()));
+            let now = sticky(
+                &ns,
+                vip,
+                "TCP",
+                30,
+                &format!("K7 trial {k} after {} ms idle", idle.as_millis()),
+            );
             if now != prev {
                 changed += 1;
             }
@@ -505,12 +532,18 @@ fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
 
         apply(lab, &pod("web-4", "web"));
         let after_add = sticky(&ns, vip, "TCP", 30, "S23 web-4 added");
-        assert_eq!(after_add, again, "S23: adding a backend moved the affine client");
+        assert_eq!(
+            after_add, again,
+            "S23: adding a backend moved the affine client"
+        );
 
         let t = Instant::now();
         lab.delete_pod(&again)
             .unwrap_or_else(|e| panic!("delete_pod({again}): {e:#}"));
-        println!("S23: delete_pod({again}) returned after {} ms", t.elapsed().as_millis());
+        println!(
+            "S23: delete_pod({again}) returned after {} ms",
+            t.elapsed().as_millis()
+        );
         let moved = sticky(&ns, vip, "TCP", 30, "S23 affine pod removed");
         assert_ne!(moved, again, "S23: the removed pod still answers");
         println!(
@@ -531,7 +564,7 @@ fn c5_last_endpoint_terminating_keeps_established_flows() {
     let yaml = svc("web", None, "") + &pod("a", "none");
     with_lab("c5", &yaml, |lab| {
         let a = Ep::of(lab, "a");
-        apply(lab, &slice("web", &[a.clone()]));
+        apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
         answered_by(&ns, vip, "TCP", 5, &["a"], "C5 A ready");
@@ -541,14 +574,24 @@ fn c5_last_endpoint_terminating_keeps_established_flows() {
 
         apply(lab, &slice("web", &[a.clone().terminating_serving()]));
         s.pings(10, "terminating-serving");
-        answered_by(&ns, vip, "TCP", 10, &["a"], "C5 A terminating, serving (fallback)");
+        answered_by(
+            &ns,
+            vip,
+            "TCP",
+            10,
+            &["a"],
+            "C5 A terminating, serving (fallback)",
+        );
 
         apply(lab, &slice("web", &[a.clone().terminating_not_serving()]));
         s.pings(10, "terminating-not-serving");
         assert_tcp_refused(&ns, vip, "C5 A terminating, not serving");
         // The established connection still works after the refusal.
         s.pings(5, "after-refusal");
-        println!("C5: {} exchanges on the established stream to A, none lost", s.exchanges);
+        println!(
+            "C5: {} exchanges on the established stream to A, none lost",
+            s.exchanges
+        );
     });
 }
 
@@ -567,16 +610,51 @@ fn s35_s36_ready_first_then_terminating_fallback() {
         apply(lab, &slice("web", &[a.clone(), b]));
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
-        answered_by(&ns, vip, "TCP", 30, &["b"], "S35 ready B + terminating-serving A");
-        answered_by(&ns, frontend(lab, "web", "UDP"), "UDP", 15, &["b"], "S35 UDP ready B + terminating A");
+        answered_by(
+            &ns,
+            vip,
+            "TCP",
+            30,
+            &["b"],
+            "S35 ready B + terminating-serving A",
+        );
+        answered_by(
+            &ns,
+            frontend(lab, "web", "UDP"),
+            "UDP",
+            15,
+            &["b"],
+            "S35 UDP ready B + terminating A",
+        );
 
-        apply(lab, &slice("web", &[a.clone()]));
-        answered_by(&ns, vip, "TCP", 30, &["a"], "S35 B removed: fallback to terminating A");
-        answered_by(&ns, frontend(lab, "web", "UDP"), "UDP", 15, &["a"], "S35 UDP fallback to A");
+        apply(lab, &slice("web", std::slice::from_ref(&a)));
+        answered_by(
+            &ns,
+            vip,
+            "TCP",
+            30,
+            &["a"],
+            "S35 B removed: fallback to terminating A",
+        );
+        answered_by(
+            &ns,
+            frontend(lab, "web", "UDP"),
+            "UDP",
+            15,
+            &["a"],
+            "S35 UDP fallback to A",
+        );
 
         // A local (same node) terminating endpoint under internalTrafficPolicy Local.
         apply(lab, &svc("web", None, "  internalTrafficPolicy: Local\n"));
-        answered_by(&ns, vip, "TCP", 15, &["a"], "S36 iTP=Local: local terminating fallback");
+        answered_by(
+            &ns,
+            vip,
+            "TCP",
+            15,
+            &["a"],
+            "S36 iTP=Local: local terminating fallback",
+        );
     });
 }
 
@@ -590,7 +668,7 @@ fn s20_terminating_not_serving_alone_is_refused() {
     let yaml = svc("web", None, "") + &pod("a", "none");
     with_lab("s20", &yaml, |lab| {
         let a = Ep::of(lab, "a");
-        apply(lab, &slice("web", &[a.clone()]));
+        apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
         let vip_udp = frontend(lab, "web", "UDP");
         let ns = lab.client().netns.clone();
@@ -629,17 +707,30 @@ fn s18_s19_publish_not_ready_addresses() {
         // S19: deleted (terminating), unready, PNRA: ready=true, serving=false, terminating=true.
         apply(lab, &slice("web", &[a.clone().cond(true, false, true)]));
         for round in 0..5 {
-            answered_by(&ns, vip, "TCP", 3, &["a"], &format!("S19 round {round}: terminating unready under PNRA"));
+            answered_by(
+                &ns,
+                vip,
+                "TCP",
+                3,
+                &["a"],
+                &format!("S19 round {round}: terminating unready under PNRA"),
+            );
         }
 
         // (b) PNRA=false: ready=false, serving=false, terminating=true.
-        apply(lab, &(svc("web", None, "") + &slice("web", &[a.clone().cond(false, false, true)])));
+        apply(
+            lab,
+            &(svc("web", None, "") + &slice("web", &[a.clone().cond(false, false, true)])),
+        );
         for round in 0..3 {
             assert_tcp_refused(&ns, vip, &format!("S18(b) round {round}: PNRA=false"));
         }
 
         // (c) PNRA=true again.
-        apply(lab, &(svc("web", None, pnra) + &slice("web", &[a.clone().cond(true, false, true)])));
+        apply(
+            lab,
+            &(svc("web", None, pnra) + &slice("web", &[a.clone().cond(true, false, true)])),
+        );
         answered_by(&ns, vip, "TCP", 5, &["a"], "S18(c) PNRA=true again");
     });
 }
@@ -671,7 +762,11 @@ fn connect_from(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<TcpStream> {
     // SAFETY: plain socket syscalls on a descriptor owned by `stream` from
     // its creation on (closed on every error path by its drop).
     unsafe {
-        let fd = check(libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0))?;
+        let fd = check(libc::socket(
+            libc::AF_INET,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+        ))?;
         let stream = TcpStream::from_raw_fd(fd);
         let one: libc::c_int = 1;
         for opt in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
@@ -696,9 +791,17 @@ fn connect_from(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<TcpStream> {
         ))?;
         let s = sockaddr_in(src);
         let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        check(libc::bind(fd, &s as *const libc::sockaddr_in as *const libc::sockaddr, len))?;
+        check(libc::bind(
+            fd,
+            &s as *const libc::sockaddr_in as *const libc::sockaddr,
+            len,
+        ))?;
         let d = sockaddr_in(dst);
-        check(libc::connect(fd, &d as *const libc::sockaddr_in as *const libc::sockaddr, len))?;
+        check(libc::connect(
+            fd,
+            &d as *const libc::sockaddr_in as *const libc::sockaddr,
+            len,
+        ))?;
         Ok(stream)
     }
 }
@@ -718,16 +821,27 @@ fn c6_two_vips_one_backend_same_client_port() {
         assert_ne!(vip1.ip(), vip2.ip());
         let client = lab.client().clone();
         let src = SocketAddrV4::new(client.ip, 40000);
-        let (s1, s2) = in_netns(&client.netns, move || -> io::Result<(TcpStream, TcpStream)> {
-            let s1 = connect_from(src, vip1)?;
-            let s2 = connect_from(src, vip2)?;
-            Ok((s1, s2))
-        })
+        let (s1, s2) = in_netns(
+            &client.netns,
+            move || -> io::Result<(TcpStream, TcpStream)> {
+                let s1 = connect_from(src, vip1)?;
+                let s2 = connect_from(src, vip2)?;
+                Ok((s1, s2))
+            },
+        )
         .and_then(|r| r)
         .unwrap_or_else(|e| panic!("C6: two sockets from {src} to {vip1} and {vip2}: {e}"));
         for (s, vip) in [(&s1, vip1), (&s2, vip2)] {
-            assert_eq!(s.local_addr().unwrap().to_string(), src.to_string(), "C6 source");
-            assert_eq!(s.peer_addr().unwrap().to_string(), vip.to_string(), "C6: peer of the socket to {vip}");
+            assert_eq!(
+                s.local_addr().unwrap().to_string(),
+                src.to_string(),
+                "C6 source"
+            );
+            assert_eq!(
+                s.peer_addr().unwrap().to_string(),
+                vip.to_string(),
+                "C6: peer of the socket to {vip}"
+            );
         }
         let mut st1 = Stream::from_tcp(s1).unwrap_or_else(|e| panic!("C6 stream via {vip1}: {e}"));
         let mut st2 = Stream::from_tcp(s2).unwrap_or_else(|e| panic!("C6 stream via {vip2}: {e}"));
@@ -773,7 +887,7 @@ fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
         let vip_udp = frontend(lab, "web", "UDP");
         let ns = lab.client().netns.clone();
         // The endpoint on this node: reachable (the setup works).
-        apply(lab, &slice("web", &[a.clone()]));
+        apply(lab, &slice("web", std::slice::from_ref(&a)));
         answered_by(&ns, vip, "TCP", 5, &["a"], "P2 local endpoint");
 
         // The same endpoint claimed by node-2: nothing local, dropped.
@@ -782,15 +896,24 @@ fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
             let t = Instant::now();
             let r = tcp_hostname(&ns, vip);
             let el = t.elapsed();
-            println!("P2 round {round}: TCP {vip} -> {r:?} after {} ms", el.as_millis());
+            println!(
+                "P2 round {round}: TCP {vip} -> {r:?} after {} ms",
+                el.as_millis()
+            );
             match &r {
                 Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {}
                 other => panic!("P2: iTP=Local with the only endpoint on node-2: expected a timeout (drop), got {other:?}"),
             }
-            assert!(el >= Duration::from_millis(1500), "P2: answered too early for a drop: {el:?}");
+            assert!(
+                el >= Duration::from_millis(1500),
+                "P2: answered too early for a drop: {el:?}"
+            );
             let t = Instant::now();
             let u = client::udp_request(&ns, vip_udp, b"hostname", T, None).map(|r| reply_text(&r));
-            println!("P2 round {round}: UDP {vip_udp} -> {u:?} after {} ms", t.elapsed().as_millis());
+            println!(
+                "P2 round {round}: UDP {vip_udp} -> {u:?} after {} ms",
+                t.elapsed().as_millis()
+            );
             assert!(
                 matches!(&u, Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)),
                 "P2: UDP expected a timeout (drop), got {u:?}"
