@@ -1,6 +1,7 @@
 //! Developer and CI tasks of the eBPF kube-proxy replacement, and the lab
 //! library the integration tests drive.
 
+pub mod bench;
 pub mod client;
 pub mod lab;
 pub mod manifests;

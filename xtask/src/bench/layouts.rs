@@ -1,0 +1,534 @@
+//! kube-proxy's iptables and nftables rule layouts for N ClusterIP services,
+//! ported from `shared/reference/kube-proxy-layouts.py` (same chain names,
+//! same hashes, same rule order), parameterised by the endpoints of each
+//! service so the benchmark's target services point at the lab's pods and
+//! every other service at dummy endpoints that are never contacted.
+//!
+//! Also renders the same services as manifests (Services and
+//! EndpointSlices) for the agent.
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use sha2::{Digest, Sha256};
+
+/// kube-proxy's "cluster CIDR" in the layouts (the lab's pods and clients are in it).
+pub const CLUSTER_CIDR: &str = "198.18.0.0/16";
+/// The Service CIDR the VIPs come from.
+pub const SVC_CIDR: &str = "198.19.0.0/16";
+/// Service port.
+pub const PORT: u16 = 80;
+/// Target (container) port: the bench servers listen on it in the pods.
+pub const TPORT: u16 = 8080;
+
+/// The VIP of service `i` (as the reference: `i + 1` avoids .0.0).
+pub fn vip(i: usize) -> Ipv4Addr {
+    let i = i + 1;
+    assert!(i < 65_535, "service index {i} out of the /16");
+    Ipv4Addr::new(198, 19, ((i >> 8) & 0xff) as u8, (i & 0xff) as u8)
+}
+
+/// Dummy endpoint `e` (198.18.200.x: routed nowhere, never contacted).
+pub fn dummy_ep(e: usize) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 200, 2 + (e % 250) as u8)
+}
+
+fn base32(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::with_capacity(bytes.len() * 8 / 5 + 8);
+    let mut acc: u64 = 0;
+    let mut bits = 0;
+    for &b in bytes {
+        acc = (acc << 8) | b as u64;
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            out.push(ALPHABET[((acc >> bits) & 31) as usize] as char);
+        }
+    }
+    if bits > 0 {
+        out.push(ALPHABET[((acc << (5 - bits)) & 31) as usize] as char);
+    }
+    out
+}
+
+/// kube-proxy's 16-character chain-name hash.
+pub fn h16(s: &str) -> String {
+    let digest = Sha256::digest(s.as_bytes());
+    base32(&digest)[..16].to_string()
+}
+
+/// kube-proxy's 8-character hash (nftables mode).
+pub fn h8(s: &str) -> String {
+    h16(s)[..8].to_string()
+}
+
+/// One service port (a frontend) of the layout.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Service index.
+    pub index: usize,
+    /// `ns<i>/svc<i>`.
+    pub name: String,
+    /// Port name (`p80` for TCP, `u80` for UDP).
+    pub port_name: String,
+    /// `tcp` or `udp`.
+    pub proto: &'static str,
+    pub vip: Ipv4Addr,
+    pub eps: Vec<Ipv4Addr>,
+}
+
+impl Entry {
+    /// `ns<i>/svc<i>:<port name>` (kube-proxy's ServicePortName).
+    pub fn spn(&self) -> String {
+        format!("{}:{}", self.name, self.port_name)
+    }
+}
+
+/// The entries of service `i`: TCP always; UDP too when `udp`.
+pub fn service_entries(i: usize, eps: &[Ipv4Addr], udp: bool) -> Vec<Entry> {
+    let name = format!("ns{i}/svc{i}");
+    let mut v = vec![Entry {
+        index: i,
+        name: name.clone(),
+        port_name: "p80".into(),
+        proto: "tcp",
+        vip: vip(i),
+        eps: eps.to_vec(),
+    }];
+    if udp {
+        v.push(Entry {
+            index: i,
+            name,
+            port_name: "u80".into(),
+            proto: "udp",
+            vip: vip(i),
+            eps: eps.to_vec(),
+        });
+    }
+    v
+}
+
+// ------------------------------------------------------------------ iptables
+
+fn ipt_kube_services_rule(e: &Entry) -> String {
+    let spn = e.spn();
+    let svc_chain = format!("KUBE-SVC-{}", h16(&format!("{spn}{}", e.proto)));
+    format!(
+        "-A KUBE-SERVICES -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} -j {svc_chain}",
+        p = e.proto,
+        v = e.vip
+    )
+}
+
+/// (KUBE-SERVICES rule, chain declarations, chain rules) of one entry.
+fn ipt_entry(e: &Entry) -> (String, Vec<String>, Vec<String>) {
+    let spn = e.spn();
+    let p = e.proto;
+    let v = e.vip;
+    let svc_chain = format!("KUBE-SVC-{}", h16(&format!("{spn}{p}")));
+    let ks = ipt_kube_services_rule(e);
+    let mut decls = vec![format!(":{svc_chain} - [0:0]")];
+    let mut rules = vec![format!(
+        "-A {svc_chain} -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ"
+    )];
+    let n = e.eps.len();
+    for (k, ep) in e.eps.iter().enumerate() {
+        let sep = format!("KUBE-SEP-{}", h16(&format!("{spn}{p}{ep}:{TPORT}")));
+        decls.push(format!(":{sep} - [0:0]"));
+        let left = n - k;
+        if left > 1 {
+            rules.push(format!(
+                "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{TPORT}\" -m statistic --mode random --probability {:.10} -j {sep}",
+                1.0 / left as f64
+            ));
+        } else {
+            rules.push(format!(
+                "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{TPORT}\" -j {sep}"
+            ));
+        }
+        rules.push(format!(
+            "-A {sep} -m comment --comment {spn} -s {ep} -j KUBE-MARK-MASQ"
+        ));
+        rules.push(format!(
+            "-A {sep} -m comment --comment {spn} -m {p} -p {p} -j DNAT --to-destination {ep}:{TPORT}"
+        ));
+    }
+    (ks, decls, rules)
+}
+
+const NODEPORTS_RULE: &str = "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS";
+
+/// A full iptables-restore file (filter and nat), as kube-proxy's full sync.
+pub fn ipt_full(entries: &[Entry]) -> String {
+    let mut out = String::with_capacity(entries.len() * 1200 + 4096);
+    out.push_str(
+        r#"*filter
+:KUBE-EXTERNAL-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-PROXY-FIREWALL - [0:0]
+:KUBE-SERVICES - [0:0]
+-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A INPUT -m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS
+-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark 0x4000/0x4000 -j ACCEPT
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
+COMMIT
+*nat
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-SERVICES - [0:0]
+"#,
+    );
+    let mut ks_rules = Vec::with_capacity(entries.len());
+    let mut rules = Vec::with_capacity(entries.len() * 6);
+    for e in entries {
+        let (k, d, r) = ipt_entry(e);
+        ks_rules.push(k);
+        for l in d {
+            out.push_str(&l);
+            out.push('\n');
+        }
+        rules.extend(r);
+    }
+    out.push_str(
+        r#"-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING
+-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000
+-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN
+-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000
+-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully
+"#,
+    );
+    for l in ks_rules {
+        out.push_str(&l);
+        out.push('\n');
+    }
+    out.push_str(NODEPORTS_RULE);
+    out.push('\n');
+    for l in rules {
+        out.push_str(&l);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// kube-proxy's partial sync after adding `new` to `existing` (for
+/// `iptables-restore --noflush`): KUBE-SERVICES rewritten in full, only the
+/// new service's chains written.
+pub fn ipt_partial_add(existing: &[Entry], new: &[Entry]) -> String {
+    let mut out = String::with_capacity(existing.len() * 200 + 4096);
+    out.push_str("*nat\n:KUBE-SERVICES - [0:0]\n");
+    let mut new_rules = Vec::new();
+    let mut new_ks = Vec::new();
+    for e in new {
+        let (k, d, r) = ipt_entry(e);
+        for l in d {
+            out.push_str(&l);
+            out.push('\n');
+        }
+        new_ks.push(k);
+        new_rules.extend(r);
+    }
+    for e in existing {
+        out.push_str(&ipt_kube_services_rule(e));
+        out.push('\n');
+    }
+    for l in new_ks {
+        out.push_str(&l);
+        out.push('\n');
+    }
+    out.push_str(NODEPORTS_RULE);
+    out.push('\n');
+    for l in new_rules {
+        out.push_str(&l);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// Restores the filter and nat tables to empty (deletes every user chain).
+pub const IPT_EMPTY: &str = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n";
+
+// ------------------------------------------------------------------ nftables
+
+const NFT_BASE: &str = r#"add table ip kube-proxy { comment "rules for kube-proxy" ; }
+add set ip kube-proxy cluster-ips { type ipv4_addr ; comment "Active ClusterIPs" ; }
+add set ip kube-proxy nodeport-ips { type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }
+add map ip kube-proxy firewall-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment "destinations that are subject to LoadBalancerSourceRanges" ; }
+add map ip kube-proxy no-endpoint-nodeports { type inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }
+add map ip kube-proxy no-endpoint-services { type ipv4_addr . inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to services with no endpoints" ; }
+add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }
+add map ip kube-proxy service-nodeports { type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }
+add chain ip kube-proxy cluster-ips-check
+add chain ip kube-proxy filter-prerouting-pre-dnat { type filter hook prerouting priority -110 ; }
+add chain ip kube-proxy filter-output-pre-dnat { type filter hook output priority -110 ; }
+add chain ip kube-proxy filter-forward { type filter hook forward priority 0 ; }
+add chain ip kube-proxy filter-input { type filter hook input priority 0 ; }
+add chain ip kube-proxy filter-output { type filter hook output priority 0 ; }
+add chain ip kube-proxy firewall-check
+add chain ip kube-proxy mark-for-masquerade
+add chain ip kube-proxy masquerading
+add chain ip kube-proxy nat-output { type nat hook output priority -100 ; }
+add chain ip kube-proxy nat-postrouting { type nat hook postrouting priority 100 ; }
+add chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -100 ; }
+add chain ip kube-proxy nodeport-endpoints-check
+add chain ip kube-proxy reject-chain { comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }
+add chain ip kube-proxy services
+add chain ip kube-proxy service-endpoints-check
+add rule ip kube-proxy cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"
+add rule ip kube-proxy cluster-ips-check ip daddr { SVC_CIDR } drop comment "Drop traffic to unallocated ClusterIPs"
+add rule ip kube-proxy filter-prerouting-pre-dnat ct state new jump firewall-check
+add rule ip kube-proxy filter-forward ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-forward ct state new jump cluster-ips-check
+add rule ip kube-proxy filter-input ct state new jump nodeport-endpoints-check
+add rule ip kube-proxy filter-input ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-output ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-output-pre-dnat ct state new jump firewall-check
+add rule ip kube-proxy filter-output ct state new jump cluster-ips-check
+add rule ip kube-proxy firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips
+add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000
+add rule ip kube-proxy masquerading mark and 0x4000 == 0 return
+add rule ip kube-proxy masquerading mark set mark xor 0x4000
+add rule ip kube-proxy masquerading masquerade fully-random
+add rule ip kube-proxy nat-output jump services
+add rule ip kube-proxy nat-postrouting jump masquerading
+add rule ip kube-proxy nat-prerouting jump services
+add rule ip kube-proxy nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports
+add rule ip kube-proxy reject-chain reject
+add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips
+add rule ip kube-proxy services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports
+add rule ip kube-proxy service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services
+"#;
+
+/// The base of kube-proxy's nftables table (no services).
+pub fn nft_base() -> String {
+    NFT_BASE.replace("SVC_CIDR", SVC_CIDR)
+}
+
+/// The `nft -f` lines of one entry.
+pub fn nft_entry(e: &Entry, out: &mut String) {
+    let spn = e.spn();
+    let p = e.proto;
+    let v = e.vip;
+    let suffix = format!("{}/{p}/{}", e.name, e.port_name);
+    let sc = format!("service-{}-{suffix}", h8(&format!("{spn}{p}")));
+    let _ = writeln!(out, "add chain ip kube-proxy {sc}");
+    let mut eps = Vec::new();
+    for ep in &e.eps {
+        let ec = format!(
+            "endpoint-{}-{suffix}__{ep}/{TPORT}",
+            h8(&format!("{spn}{p}{ep}"))
+        );
+        let _ = writeln!(out, "add chain ip kube-proxy {ec}");
+        eps.push((ec, *ep));
+    }
+    let _ = writeln!(
+        out,
+        "add rule ip kube-proxy {sc} ip daddr {v} {p} dport {PORT} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade"
+    );
+    let vm: Vec<String> = eps
+        .iter()
+        .enumerate()
+        .map(|(k, (c, _))| format!("{k} : goto {c}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "add rule ip kube-proxy {sc} numgen random mod {} vmap {{ {} }}",
+        eps.len(),
+        vm.join(" , ")
+    );
+    for (ec, ep) in &eps {
+        let _ = writeln!(
+            out,
+            "add rule ip kube-proxy {ec} ip saddr {ep} jump mark-for-masquerade"
+        );
+        let _ = writeln!(
+            out,
+            "add rule ip kube-proxy {ec} meta l4proto {p} dnat to {ep}:{TPORT}"
+        );
+    }
+    let _ = writeln!(out, "add element ip kube-proxy cluster-ips {{ {v} }}");
+    let _ = writeln!(
+        out,
+        "add element ip kube-proxy service-ips {{ {v} . {p} . {PORT} : goto {sc} }}"
+    );
+}
+
+/// `nft -f` texts loading `entries`: the base plus entries of up to
+/// `chunk` services per transaction (kube-proxy's cold start), or one
+/// transaction when `chunk` is 0.
+pub fn nft_chunks(entries: &[Entry], chunk: usize) -> Vec<String> {
+    let mut out = vec![nft_base()];
+    let mut services_in_chunk = 0;
+    let mut last_index = None;
+    for e in entries {
+        if last_index != Some(e.index) {
+            last_index = Some(e.index);
+            if chunk > 0 && services_in_chunk == chunk {
+                out.push(String::new());
+                services_in_chunk = 0;
+            }
+            services_in_chunk += 1;
+        }
+        nft_entry(e, out.last_mut().expect("one chunk"));
+    }
+    out
+}
+
+/// One `nft -f` transaction adding `new`.
+pub fn nft_add(new: &[Entry]) -> String {
+    let mut s = String::new();
+    for e in new {
+        nft_entry(e, &mut s);
+    }
+    s
+}
+
+// ----------------------------------------------------------------- manifests
+
+/// The entries as manifests for the agent: one Service (ClusterIP given)
+/// and one EndpointSlice per service, as JSON documents of one YAML stream.
+pub fn manifests(entries: &[Entry]) -> String {
+    let mut out = String::with_capacity(entries.len() * 700);
+    let mut i = 0;
+    while i < entries.len() {
+        let idx = entries[i].index;
+        let mut j = i;
+        while j < entries.len() && entries[j].index == idx {
+            j += 1;
+        }
+        let group = &entries[i..j];
+        let first = &group[0];
+        let (ns, name) = first.name.split_once('/').expect("ns/name");
+        let proto = |p: &str| if p == "udp" { "UDP" } else { "TCP" };
+        let svc_ports: Vec<String> = group
+            .iter()
+            .map(|e| {
+                format!(
+                    r#"{{"name":"{}","port":{PORT},"protocol":"{}","targetPort":{TPORT}}}"#,
+                    e.port_name,
+                    proto(e.proto)
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            r#"---
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{ports}]}}}}"#,
+            v = first.vip,
+            ports = svc_ports.join(",")
+        );
+        let eps: Vec<String> = first
+            .eps
+            .iter()
+            .map(|ep| format!(r#"{{"addresses":["{ep}"],"conditions":{{"ready":true}}}}"#))
+            .collect();
+        let slice_ports: Vec<String> = group
+            .iter()
+            .map(|e| {
+                format!(
+                    r#"{{"name":"{}","port":{TPORT},"protocol":"{}"}}"#,
+                    e.port_name,
+                    proto(e.proto)
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            r#"---
+{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{name}-bench","namespace":"{ns}","labels":{{"kubernetes.io/service-name":"{name}"}}}},"addressType":"IPv4","endpoints":[{eps}],"ports":[{ports}]}}"#,
+            eps = eps.join(","),
+            ports = slice_ports.join(",")
+        );
+        i = j;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_match_kube_proxy() {
+        // kube-proxy's own unit test: ns1/svc1:p80 tcp -> KUBE-SVC-XPGD46QRK7WJZT7O.
+        assert_eq!(h16("ns1/svc1:p80tcp"), "XPGD46QRK7WJZT7O");
+    }
+
+    #[test]
+    fn vips_and_layout() {
+        assert_eq!(vip(0), Ipv4Addr::new(198, 19, 0, 1));
+        assert_eq!(vip(255), Ipv4Addr::new(198, 19, 1, 0));
+        let eps = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 1, 3)];
+        let entries: Vec<Entry> = (0..3)
+            .flat_map(|i| service_entries(i, &eps, false))
+            .collect();
+        let t = ipt_full(&entries);
+        assert!(t.contains("--probability 0.5000000000"));
+        assert!(t.contains("-j DNAT --to-destination 198.18.1.3:8080"));
+        let chunks = nft_chunks(&entries, 2);
+        assert_eq!(chunks.len(), 2);
+        assert!(chunks[0].contains("numgen random mod 2 vmap"));
+    }
+
+    /// The port prints what the reference script prints (when the script
+    /// and python3 are there: `../shared/reference/kube-proxy-layouts.py`).
+    #[test]
+    fn matches_the_reference_script() {
+        let script =
+            crate::setup::workspace_root().join("../shared/reference/kube-proxy-layouts.py");
+        if !script.exists() {
+            eprintln!("skipped: {} missing", script.display());
+            return;
+        }
+        let eps = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 1, 3)];
+        let entries: Vec<Entry> = (0..3)
+            .flat_map(|i| service_entries(i, &eps, false))
+            .collect();
+        let py = |kind: &str, n: &str| -> Option<String> {
+            let o = std::process::Command::new("python3")
+                .arg(&script)
+                .args([kind, n, "2"])
+                .output()
+                .ok()?;
+            o.status
+                .success()
+                .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+        };
+        let Some(ipt) = py("ipt_full", "3") else {
+            eprintln!("skipped: python3 not available");
+            return;
+        };
+        assert_eq!(ipt_full(&entries), ipt);
+        assert_eq!(
+            ipt_partial_add(&entries, &service_entries(3, &eps, false)),
+            py("ipt_partial_add", "3").unwrap()
+        );
+        let nft_mine = nft_chunks(&entries, 0).remove(0);
+        let nft_ref = py("nft_full", "3").unwrap();
+        let norm = |t: &str| {
+            t.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(norm(&nft_mine), norm(&nft_ref));
+        assert_eq!(
+            nft_add(&service_entries(3, &eps, false)),
+            py("nft_add_one", "3").unwrap()
+        );
+    }
+}

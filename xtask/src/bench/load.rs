@@ -1,0 +1,472 @@
+//! The load generator and the pods' bench servers.
+//!
+//! Servers (one TCP and one UDP thread per pod, pinned to [`SERVER_CPU`],
+//! listening on [`TPORT`] inside the pod's namespace). TCP: the first byte
+//! chooses the exchange:
+//! - `C`: reply `<pod index> <client ip>\n`, close (one connection, one
+//!   request, one response);
+//! - `K`: ack with `k`, then echo every byte until EOF (request/response on
+//!   a kept connection);
+//! - `B`: count bytes until EOF, reply the count as a little-endian u64.
+//!
+//! UDP: every datagram is answered with one byte, the pod index.
+//!
+//! Clients are threads that join the client namespace, pinned to
+//! [`CLIENT_CPU`], recording into hdrhistograms (nanoseconds).
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use hdrhistogram::Histogram;
+
+use super::layouts::TPORT;
+use super::sys::{pin_to, spawn_in, CLIENT_CPU, SERVER_CPU};
+use crate::netns::in_netns;
+
+/// Timeout of one exchange: long enough for one SYN retransmission (1 s),
+/// so a lost SYN shows as a slow connection, not a failed one.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The bench servers of a lab's pods.
+pub struct Servers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<io::Result<()>>>,
+}
+
+fn set_accept_timeout(l: &TcpListener, d: Duration) {
+    let tv = libc::timeval {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_usec: d.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: setsockopt on a socket we own with a properly sized timeval.
+    unsafe {
+        libc::setsockopt(
+            l.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+    }
+}
+
+fn serve_conn(mut s: TcpStream, peer: SocketAddr, idx: usize) -> io::Result<()> {
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.set_write_timeout(Some(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = s.read(&mut buf)?;
+    if n == 0 {
+        return Ok(());
+    }
+    match buf[0] {
+        b'C' => {
+            let reply = format!("{idx} {}\n", peer.ip());
+            s.write_all(reply.as_bytes())?;
+        }
+        b'K' => {
+            s.write_all(b"k")?;
+            let mut pending = n - 1;
+            loop {
+                if pending > 0 {
+                    let out = vec![b'r'; pending];
+                    s.write_all(&out)?;
+                }
+                let m = s.read(&mut buf)?;
+                if m == 0 {
+                    break;
+                }
+                pending = m;
+            }
+        }
+        b'B' => {
+            let mut total = (n - 1) as u64;
+            loop {
+                let m = s.read(&mut buf)?;
+                if m == 0 {
+                    break;
+                }
+                total += m as u64;
+            }
+            s.write_all(&total.to_le_bytes())?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+impl Servers {
+    /// Starts the servers in each `(namespace, pod index)`.
+    pub fn start(pods: &[(String, usize)]) -> Result<Servers> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let mut ready = Vec::new();
+        for (ns, idx) in pods {
+            let idx = *idx;
+            let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
+            let st = stop.clone();
+            threads.push(spawn_in(ns, &format!("bench-tcp-{idx}"), move || {
+                pin_to(SERVER_CPU);
+                let l = match TcpListener::bind((Ipv4Addr::UNSPECIFIED, TPORT)) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                set_accept_timeout(&l, Duration::from_millis(100));
+                let _ = tx.send(Ok(()));
+                while !st.load(Ordering::Relaxed) {
+                    if let Ok((s, peer)) = l.accept() {
+                        let _ = serve_conn(s, peer, idx);
+                    }
+                }
+            })?);
+            ready.push(rx);
+            let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
+            let st = stop.clone();
+            threads.push(spawn_in(ns, &format!("bench-udp-{idx}"), move || {
+                pin_to(SERVER_CPU);
+                let s = match UdpSocket::bind((Ipv4Addr::UNSPECIFIED, TPORT)) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+                let _ = tx.send(Ok(()));
+                let mut buf = [0u8; 2048];
+                while !st.load(Ordering::Relaxed) {
+                    if let Ok((_, peer)) = s.recv_from(&mut buf) {
+                        let _ = s.send_to(&[idx as u8], peer);
+                    }
+                }
+            })?);
+            ready.push(rx);
+        }
+        let servers = Servers { stop, threads };
+        for rx in ready {
+            rx.recv_timeout(Duration::from_secs(5))
+                .map_err(|_| anyhow!("bench server did not start"))?
+                .map_err(|e| anyhow!("bench server: {e}"))?;
+        }
+        Ok(servers)
+    }
+
+    /// Stops and joins every server thread.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1_000, 60_000_000_000, 3).expect("histogram bounds")
+}
+
+/// Result of a connection-latency cell.
+#[derive(Debug, Clone)]
+pub struct ConnCell {
+    pub hist: Histogram<u64>,
+    pub ok: usize,
+    pub failed: usize,
+    /// Replies per backend (pod index).
+    pub backends: BTreeMap<usize, usize>,
+    /// Replies whose server saw another client address than ours (NAT).
+    pub wrong_client_ip: usize,
+    /// Connections whose peer was not the address we dialled.
+    pub wrong_peer: usize,
+    pub first_error: Option<String>,
+}
+
+fn one_conn(addr: SocketAddrV4) -> io::Result<(usize, Ipv4Addr, SocketAddr)> {
+    let mut s = TcpStream::connect_timeout(&SocketAddr::V4(addr), IO_TIMEOUT)?;
+    let peer = s.peer_addr()?;
+    s.set_read_timeout(Some(IO_TIMEOUT))?;
+    s.set_nodelay(true)?;
+    s.write_all(b"C")?;
+    let mut buf = [0u8; 64];
+    let mut n = 0;
+    loop {
+        let m = s.read(&mut buf[n..])?;
+        if m == 0 {
+            break;
+        }
+        n += m;
+        if n == buf.len() {
+            break;
+        }
+    }
+    let text = std::str::from_utf8(&buf[..n]).map_err(|_| io::Error::other("bad reply"))?;
+    let mut it = text.trim().split(' ');
+    let idx = it
+        .next()
+        .and_then(|x| x.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("bad reply {text:?}")))?;
+    let ip = it
+        .next()
+        .and_then(|x| x.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("bad reply {text:?}")))?;
+    Ok((idx, ip, peer))
+}
+
+/// `samples` sequential connections (connect, one request, one response,
+/// close) from `ns`, round robin over `targets`. Stops early after 50
+/// failures in a row.
+pub fn conn_latency(
+    ns: &str,
+    targets: Vec<SocketAddrV4>,
+    samples: usize,
+    client_ip: Ipv4Addr,
+) -> Result<ConnCell> {
+    Ok(in_netns(ns, move || {
+        pin_to(CLIENT_CPU);
+        let mut c = ConnCell {
+            hist: hist(),
+            ok: 0,
+            failed: 0,
+            backends: BTreeMap::new(),
+            wrong_client_ip: 0,
+            wrong_peer: 0,
+            first_error: None,
+        };
+        let mut in_a_row = 0;
+        for i in 0..samples {
+            let addr = targets[i % targets.len()];
+            let t = Instant::now();
+            match one_conn(addr) {
+                Ok((idx, ip, peer)) => {
+                    let dt = t.elapsed().as_nanos() as u64;
+                    let _ = c.hist.record(dt.max(1_000));
+                    c.ok += 1;
+                    in_a_row = 0;
+                    *c.backends.entry(idx).or_default() += 1;
+                    if ip != client_ip {
+                        c.wrong_client_ip += 1;
+                    }
+                    if peer != SocketAddr::V4(addr) {
+                        c.wrong_peer += 1;
+                    }
+                }
+                Err(e) => {
+                    c.failed += 1;
+                    in_a_row += 1;
+                    c.first_error.get_or_insert_with(|| format!("{addr}: {e}"));
+                    if in_a_row >= 50 {
+                        c.failed += samples - i - 1;
+                        break;
+                    }
+                }
+            }
+        }
+        c
+    })?)
+}
+
+/// New connections per second: `threads` closed-loop clients (all pinned
+/// to the client CPU) for `duration`. Returns (rate, failures).
+pub fn conn_rate(
+    ns: &str,
+    targets: Vec<SocketAddrV4>,
+    threads: usize,
+    duration: Duration,
+) -> Result<(f64, usize)> {
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut handles = Vec::new();
+    for t in 0..threads {
+        let ns = ns.to_string();
+        let targets = targets.clone();
+        handles.push(std::thread::spawn(move || {
+            in_netns(&ns, move || {
+                pin_to(CLIENT_CPU);
+                let (mut ok, mut failed, mut in_a_row) = (0usize, 0usize, 0);
+                let mut i = t;
+                while Instant::now() < deadline && in_a_row < 50 {
+                    match one_conn(targets[i % targets.len()]) {
+                        Ok(_) => {
+                            ok += 1;
+                            in_a_row = 0;
+                        }
+                        Err(e) => {
+                            if failed == 0 {
+                                eprintln!("[bench] conn/s cell: first failure: {e}");
+                            }
+                            failed += 1;
+                            in_a_row += 1;
+                        }
+                    }
+                    i += 1;
+                }
+                (ok, failed)
+            })
+        }));
+    }
+    let (mut ok, mut failed) = (0, 0);
+    for h in handles {
+        let (o, f) = h.join().map_err(|_| anyhow!("client thread panicked"))??;
+        ok += o;
+        failed += f;
+    }
+    Ok((ok as f64 / start.elapsed().as_secs_f64(), failed))
+}
+
+/// Result of a request/response cell.
+#[derive(Debug, Clone)]
+pub struct RrCell {
+    pub hist: Histogram<u64>,
+    pub ok: usize,
+    pub failed: usize,
+    pub first_error: Option<String>,
+}
+
+/// Request/response of one byte on one kept TCP connection.
+pub fn tcp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> {
+    Ok(in_netns(ns, move || {
+        pin_to(CLIENT_CPU);
+        let mut c = RrCell {
+            hist: hist(),
+            ok: 0,
+            failed: 0,
+            first_error: None,
+        };
+        let r = (|| -> io::Result<()> {
+            let mut s = TcpStream::connect_timeout(&SocketAddr::V4(target), IO_TIMEOUT)?;
+            s.set_read_timeout(Some(IO_TIMEOUT))?;
+            s.set_nodelay(true)?;
+            s.write_all(b"K")?;
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b)?;
+            for _ in 0..samples {
+                let t = Instant::now();
+                s.write_all(b"x")?;
+                s.read_exact(&mut b)?;
+                let _ = c.hist.record((t.elapsed().as_nanos() as u64).max(1_000));
+                c.ok += 1;
+            }
+            s.shutdown(Shutdown::Write)?;
+            Ok(())
+        })();
+        if let Err(e) = r {
+            c.failed = samples - c.ok;
+            c.first_error = Some(e.to_string());
+        }
+        c
+    })?)
+}
+
+/// Request/response of one datagram on one connected UDP socket (a reply
+/// from any other address than `target` is not received). Timeouts count
+/// as drops; stops after 50 in a row.
+pub fn udp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> {
+    Ok(in_netns(ns, move || {
+        pin_to(CLIENT_CPU);
+        let mut c = RrCell {
+            hist: hist(),
+            ok: 0,
+            failed: 0,
+            first_error: None,
+        };
+        let r = (|| -> io::Result<()> {
+            let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            s.connect(target)?;
+            s.set_read_timeout(Some(Duration::from_millis(200)))?;
+            let mut b = [0u8; 16];
+            let mut in_a_row = 0;
+            for _ in 0..samples {
+                let t = Instant::now();
+                s.send(b"u")?;
+                match s.recv(&mut b) {
+                    Ok(_) => {
+                        let _ = c.hist.record((t.elapsed().as_nanos() as u64).max(1_000));
+                        c.ok += 1;
+                        in_a_row = 0;
+                    }
+                    Err(e) => {
+                        c.failed += 1;
+                        in_a_row += 1;
+                        c.first_error.get_or_insert_with(|| e.to_string());
+                        if in_a_row >= 50 {
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            c.failed = samples - c.ok;
+            c.first_error = Some(e.to_string());
+        }
+        c
+    })?)
+}
+
+/// Bulk TCP stream for `duration`; bits per second counted by the server.
+pub fn bulk(ns: &str, target: SocketAddrV4, duration: Duration) -> Result<f64> {
+    in_netns(ns, move || -> Result<f64> {
+        pin_to(CLIENT_CPU);
+        let t = Instant::now();
+        let mut s = TcpStream::connect_timeout(&SocketAddr::V4(target), IO_TIMEOUT)?;
+        s.set_write_timeout(Some(Duration::from_secs(5)))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"B")?;
+        let buf = vec![0x5au8; 128 * 1024];
+        while t.elapsed() < duration {
+            s.write_all(&buf)?;
+        }
+        s.shutdown(Shutdown::Write)?;
+        let mut b = [0u8; 8];
+        s.read_exact(&mut b)?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok(u64::from_le_bytes(b) as f64 * 8.0 / secs)
+    })?
+}
+
+/// Polls `target` with fresh connections (each with a 5 ms connect timeout,
+/// 1 ms apart) until one succeeds; returns when, relative to `t0`.
+pub fn first_success(
+    ns: &str,
+    target: SocketAddrV4,
+    t0: Instant,
+    limit: Duration,
+) -> Result<Option<Duration>> {
+    Ok(in_netns(ns, move || {
+        pin_to(CLIENT_CPU);
+        while t0.elapsed() < limit {
+            let ok = TcpStream::connect_timeout(&SocketAddr::V4(target), Duration::from_millis(5))
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_millis(200)))?;
+                    s.write_all(b"C")?;
+                    let mut b = [0u8; 1];
+                    s.read_exact(&mut b)
+                })
+                .is_ok();
+            if ok {
+                return Some(t0.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        None
+    })?)
+}

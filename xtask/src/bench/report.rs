@@ -1,0 +1,282 @@
+//! The benchmark's outputs: `results.json` and `results.md`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Result;
+
+use super::{ModeResult, NResult, Results};
+
+/// The mode ratios are taken against.
+pub const BASE: &str = "iptables-legacy";
+/// The floor.
+pub const FLOOR: &str = "none";
+
+/// Writes `results.json` and `results.md` into `dir`.
+pub fn write(dir: &Path, r: &Results) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(r)?)?;
+    std::fs::write(dir.join("results.md"), markdown(r))?;
+    Ok(())
+}
+
+fn main_pos(n: &NResult) -> &'static str {
+    if n.n <= 1 {
+        "all"
+    } else {
+        "middle"
+    }
+}
+
+fn conn_main<'a>(n: &NResult, mode: &str, mr: &'a ModeResult) -> Option<&'a super::ConnStats> {
+    if mode == FLOOR {
+        mr.conn.get("direct")
+    } else {
+        mr.conn.get(main_pos(n))
+    }
+}
+
+fn ratio(x: Option<f64>, base: Option<f64>) -> String {
+    match (x, base) {
+        (Some(x), Some(b)) if b > 0.0 => format!("{:.2}", x / b),
+        _ => "-".into(),
+    }
+}
+
+fn with_ratios(
+    abs: String,
+    x: Option<f64>,
+    ipt: Option<f64>,
+    floor: Option<f64>,
+    has_floor: bool,
+) -> String {
+    if x.is_none() {
+        return abs;
+    }
+    if has_floor {
+        format!("{abs} ({}/{})", ratio(x, ipt), ratio(x, floor))
+    } else {
+        format!("{abs} ({})", ratio(x, ipt))
+    }
+}
+
+fn fmt_dur_s(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{:.0} µs", s * 1e6)
+    }
+}
+
+fn fmt_bytes(b: f64) -> String {
+    let a = b.abs();
+    if a >= 1024.0 * 1024.0 {
+        format!("{:.1} MiB", b / 1024.0 / 1024.0)
+    } else if a >= 1024.0 {
+        format!("{:.0} KiB", b / 1024.0)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+/// The Markdown report.
+pub fn markdown(r: &Results) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "Machine: {} CPUs, {}, kernel {}. Agent: {}. Command: `{}`.\n",
+        r.machine.get("nproc").cloned().unwrap_or_default(),
+        r.machine.get("cpu").cloned().unwrap_or_default(),
+        r.machine.get("kernel").cloned().unwrap_or_default(),
+        r.config.get("agent_bin").cloned().unwrap_or_default(),
+        r.config
+            .get("command")
+            .cloned()
+            .unwrap_or_else(|| "cargo xtask bench".into()),
+    );
+    let _ = writeln!(
+        s,
+        "Cells: `abs (×{BASE} / ×floor)`; for times, lower is better; for rates, higher. Latencies in µs, medians over {} rounds of {} connections / {} round trips each. Connection latency at the `middle` target (one service, at N = 1); every position below.\n",
+        r.config.get("rounds").cloned().unwrap_or_default(),
+        r.config.get("samples").cloned().unwrap_or_default(),
+        r.config.get("rr_samples").cloned().unwrap_or_default(),
+    );
+    for n in &r.results {
+        let get = |m: &str| n.modes.get(m);
+        let _ = writeln!(
+            s,
+            "### N = {} services, {} endpoints each\n",
+            n.n,
+            r.config.get("endpoints").cloned().unwrap_or_default()
+        );
+        let _ = writeln!(
+            s,
+            "| mode | conn p50 | conn p99 | conn p99.9 | conn/s | TCP RR p50 | UDP RR p50 | bulk Gbit/s |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+        let metric = |m: &str, f: &dyn Fn(&ModeResult, &str) -> Option<f64>| -> Option<f64> {
+            get(m).and_then(|mr| f(mr, m))
+        };
+        type F<'a> = Box<dyn Fn(&ModeResult, &str) -> Option<f64> + 'a>;
+        let cols: Vec<(F, u8)> = vec![
+            (
+                Box::new(|mr: &ModeResult, m: &str| conn_main(n, m, mr).map(|c| c.p50_us)),
+                1,
+            ),
+            (
+                Box::new(|mr: &ModeResult, m: &str| conn_main(n, m, mr).map(|c| c.p99_us)),
+                1,
+            ),
+            (
+                Box::new(|mr: &ModeResult, m: &str| conn_main(n, m, mr).map(|c| c.p999_us)),
+                1,
+            ),
+            (Box::new(|mr: &ModeResult, _: &str| mr.conn_rate), 0),
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.tcp_rr.as_ref().map(|x| x.p50_us)),
+                1,
+            ),
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.udp_rr.as_ref().map(|x| x.p50_us)),
+                1,
+            ),
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.bulk_bps.map(|b| b / 1e9)),
+                2,
+            ),
+        ];
+        for (mode, mr) in n.modes.iter().chain(std::iter::once((
+            &"proxy-xdp".to_string(),
+            &ModeResult::default(),
+        ))) {
+            let mut row = format!("| {mode} |");
+            if mode == "proxy-xdp" {
+                row.push_str(" n/a (no XDP datapath yet) | | | | | | |");
+                let _ = writeln!(s, "{row}");
+                continue;
+            }
+            for (f, prec) in &cols {
+                let x = f(mr, mode);
+                let ipt = metric(BASE, &**f);
+                let fl = metric(FLOOR, &**f);
+                let abs = x.map_or("-".into(), |v| format!("{v:.*}", *prec as usize));
+                let _ = write!(row, " {} |", with_ratios(abs, x, ipt, fl, true));
+            }
+            let _ = writeln!(s, "{row}");
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "| mode | program N from empty | nft single transaction | one change at N | change → first connection | kernel memory | agent RSS |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+        for (mode, mr) in &n.modes {
+            if mode == FLOOR {
+                continue;
+            }
+            let b = get(BASE).map(|m| &m.prog);
+            let p = &mr.prog;
+            let prog = with_ratios(
+                p.from_empty_s.map_or("-".into(), fmt_dur_s),
+                p.from_empty_s,
+                b.and_then(|b| b.from_empty_s),
+                None,
+                false,
+            );
+            let single = match (p.single_tx_s, p.single_tx_capped) {
+                (Some(x), true) => format!("> {}", fmt_dur_s(x)),
+                (Some(x), false) => fmt_dur_s(x),
+                _ => "-".into(),
+            };
+            let change = with_ratios(
+                p.change_ms.map_or("-".into(), |x| fmt_dur_s(x / 1e3)),
+                p.change_ms,
+                b.and_then(|b| b.change_ms),
+                None,
+                false,
+            );
+            let npl = with_ratios(
+                p.npl_ms.map_or("-".into(), |x| fmt_dur_s(x / 1e3)),
+                p.npl_ms,
+                b.and_then(|b| b.npl_ms),
+                None,
+                false,
+            );
+            let kmem = match (p.bpf_memlock, p.kernel_mem_delta) {
+                (Some(ml), Some(d)) => {
+                    format!("maps {} (Δ {})", fmt_bytes(ml as f64), fmt_bytes(d as f64))
+                }
+                (None, Some(d)) => format!("Δ {}", fmt_bytes(d as f64)),
+                _ => "-".into(),
+            };
+            let rss = p.agent_rss.map_or("-".into(), |x| fmt_bytes(x as f64));
+            let _ = writeln!(
+                s,
+                "| {mode} | {prog} | {single} | {change} | {npl} | {kmem} | {rss} |"
+            );
+        }
+        let _ = writeln!(s);
+        if n.positions.len() > 1 {
+            let pos: Vec<&String> = n.positions.keys().collect();
+            let _ = writeln!(
+                s,
+                "Connection latency p50 (µs, ×{BASE}) by the target's position in KUBE-SERVICES ({}):\n",
+                n.positions.iter().map(|(k, v)| format!("{k} = #{v}")).collect::<Vec<_>>().join(", ")
+            );
+            let _ = writeln!(
+                s,
+                "| mode | {} |",
+                pos.iter()
+                    .map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+            let _ = writeln!(s, "|---|{}", "---|".repeat(pos.len()));
+            for (mode, mr) in &n.modes {
+                if mode == FLOOR {
+                    continue;
+                }
+                let mut row = format!("| {mode} |");
+                for p in &pos {
+                    let x = mr.conn.get(*p).map(|c| c.p50_us);
+                    let b = get(BASE).and_then(|m| m.conn.get(*p)).map(|c| c.p50_us);
+                    let _ = write!(
+                        row,
+                        " {} |",
+                        with_ratios(
+                            x.map_or("-".into(), |v| format!("{v:.1}")),
+                            x,
+                            b,
+                            None,
+                            false
+                        )
+                    );
+                }
+                let _ = writeln!(s, "{row}");
+            }
+            let _ = writeln!(s);
+        }
+        let failed: Vec<String> = n
+            .modes
+            .iter()
+            .flat_map(|(m, mr)| {
+                mr.checks
+                    .iter()
+                    .filter(|c| !c.ok)
+                    .map(move |c| format!("{m}: {} ({})", c.name, c.detail))
+            })
+            .collect();
+        if failed.is_empty() {
+            let _ = writeln!(s, "Harness checks: all hold (traffic delivered in every mode, spread over the backends within ±50% of a fair share, replies from the dialled address, client address kept, no failed exchange).\n");
+        } else {
+            let _ = writeln!(s, "Harness checks FAILED:\n");
+            for f in failed {
+                let _ = writeln!(s, "- {f}");
+            }
+            let _ = writeln!(s);
+        }
+    }
+    s
+}
