@@ -44,6 +44,7 @@ pub struct RunConfig {
     pub pod_interfaces: Vec<glob::Pattern>,
     pub external_interfaces: Vec<glob::Pattern>,
     pub on_exit: crate::config::OnExit,
+    pub acceleration: crate::config::Acceleration,
     /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
@@ -67,6 +68,7 @@ impl From<&Settings> for RunConfig {
             pod_interfaces: s.pod_interfaces.clone(),
             external_interfaces: s.external_interfaces.clone(),
             on_exit: s.on_exit,
+            acceleration: s.acceleration,
             node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
@@ -118,21 +120,27 @@ fn link_name(msg: &LinkMessage) -> Option<&str> {
     })
 }
 
-/// Which program an interface gets, by name: pod interfaces first.
+/// Which programs an interface gets, by name: pod interfaces first.
 #[derive(Clone)]
 struct Patterns {
     pod: Vec<glob::Pattern>,
     external: Vec<glob::Pattern>,
+    xdp: bool,
 }
 
 impl Patterns {
-    fn kind(&self, name: &str) -> Option<IfaceKind> {
+    fn kinds(&self, name: &str) -> &'static [IfaceKind] {
         if matches(&self.pod, name) {
-            Some(IfaceKind::Pod)
+            &[IfaceKind::Pod]
         } else if matches(&self.external, name) {
-            Some(IfaceKind::External)
+            if self.xdp {
+                // tc first: what XDP passes on must find its program there.
+                &[IfaceKind::External, IfaceKind::ExternalXdp]
+            } else {
+                &[IfaceKind::External]
+            }
         } else {
-            None
+            &[]
         }
     }
 }
@@ -140,26 +148,32 @@ impl Patterns {
 fn on_new_link(attacher: &Mutex<Attacher>, patterns: &Patterns, msg: &LinkMessage) {
     let index = msg.header.index;
     let Some(name) = link_name(msg) else { return };
-    let Some(kind) = patterns.kind(name) else {
-        return;
-    };
     let mut a = attacher.lock().expect("attacher lock");
-    if a.is_attached(index) {
-        return;
-    }
-    match a.attach(index, name, kind) {
-        Ok(()) => match kind {
-            IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
-            IfaceKind::External => {
-                info!(
-                    interface = name,
-                    ifindex = index,
-                    "attached external program"
-                )
-            }
-        },
-        // The interface may be gone already (a pod deleted right after creation).
-        Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach"),
+    for &kind in patterns.kinds(name) {
+        if a.is_attached(index, kind) {
+            continue;
+        }
+        match a.attach(index, name, kind) {
+            Ok(()) => match kind {
+                IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
+                IfaceKind::External => {
+                    info!(
+                        interface = name,
+                        ifindex = index,
+                        "attached external program"
+                    )
+                }
+                IfaceKind::ExternalXdp => {
+                    info!(
+                        interface = name,
+                        ifindex = index,
+                        "attached external XDP program"
+                    )
+                }
+            },
+            // The interface may be gone already (a pod deleted right after creation).
+            Err(e) => warn!(interface = name, ifindex = index, error = %e, "cannot attach"),
+        }
     }
 }
 
@@ -197,7 +211,7 @@ async fn follow_links(attacher: Arc<Mutex<Attacher>>, patterns: Patterns, mut ev
             }
             NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
                 let mut a = attacher.lock().expect("attacher lock");
-                if a.is_attached(m.header.index) {
+                if a.has_links(m.header.index) {
                     a.detach(m.header.index);
                     info!(ifindex = m.header.index, "interface gone, link released");
                 }
@@ -342,6 +356,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     let patterns = Patterns {
         pod: cfg.pod_interfaces.clone(),
         external: cfg.external_interfaces.clone(),
+        xdp: cfg.acceleration == crate::config::Acceleration::Xdp,
     };
     let events = attach_existing(&attacher, &patterns).await?;
     attacher.lock().expect("attacher lock").prune_pins();

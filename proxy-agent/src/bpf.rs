@@ -15,7 +15,8 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
-        SchedClassifier, TcAttachType,
+        xdp::XdpLink,
+        SchedClassifier, TcAttachType, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader,
 };
@@ -34,14 +35,20 @@ pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
 /// Name of the tc program for the node's external devices.
 pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
 
-/// Which side of the node an interface is, and so which program it gets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Name of the XDP program for the node's external devices (`--acceleration xdp`).
+pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
+
+/// Which program a link attaches, and so to which side of the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum IfaceKind {
-    /// The host side of a pod's veth: `pod_ingress`, delivered to with
-    /// `bpf_redirect_peer`.
+    /// The host side of a pod's veth: `pod_ingress` at tc ingress, delivered
+    /// to with `bpf_redirect_peer`.
     Pod,
-    /// A device towards other nodes and external clients: `ext_ingress`.
+    /// A device towards other nodes and external clients: `ext_ingress` at tc
+    /// ingress.
     External,
+    /// The same device's XDP hook: `ext_xdp` (XDP acceleration).
+    ExternalXdp,
 }
 
 impl IfaceKind {
@@ -49,6 +56,7 @@ impl IfaceKind {
         match self {
             IfaceKind::Pod => POD_INGRESS_PROGRAM,
             IfaceKind::External => EXT_INGRESS_PROGRAM,
+            IfaceKind::ExternalXdp => EXT_XDP_PROGRAM,
         }
     }
 }
@@ -189,6 +197,21 @@ pub fn load_with_migrations(
         prog.load()
             .map_err(|source| BpfError::Program { name, source })?;
     }
+    let xdp: &mut Xdp = ebpf
+        .program_mut(EXT_XDP_PROGRAM)
+        .ok_or(BpfError::Program {
+            name: EXT_XDP_PROGRAM,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(|source| BpfError::Program {
+            name: EXT_XDP_PROGRAM,
+            source,
+        })?;
+    xdp.load().map_err(|source| BpfError::Program {
+        name: EXT_XDP_PROGRAM,
+        source,
+    })?;
     migrate(pin_dir, &mut ebpf, migrations)?;
     Ok(Loaded {
         ebpf,
@@ -645,7 +668,7 @@ struct Held {
 pub struct Attacher {
     ebpf: Ebpf,
     ifaces: HashMap<MapData, u32, Iface>,
-    links: BTreeMap<u32, Held>,
+    links: BTreeMap<(u32, IfaceKind), Held>,
     link_dir: PathBuf,
 }
 
@@ -688,14 +711,60 @@ impl Attacher {
             .expect("program type checked at load")
     }
 
-    pub fn is_attached(&self, ifindex: u32) -> bool {
-        self.links.contains_key(&ifindex)
+    fn xdp(&mut self) -> &mut Xdp {
+        self.ebpf
+            .program_mut(EXT_XDP_PROGRAM)
+            .expect("program checked at load")
+            .try_into()
+            .expect("program type checked at load")
+    }
+
+    pub fn is_attached(&self, ifindex: u32, kind: IfaceKind) -> bool {
+        self.links.contains_key(&(ifindex, kind))
+    }
+
+    /// Takes over a pinned link with the current program (`bpf_link_update`).
+    fn take_over(&mut self, fd: FdLink, kind: IfaceKind) -> Result<FdLink, BpfError> {
+        let name = kind.program();
+        let perr = |source| BpfError::Program { name, source };
+        if kind == IfaceKind::ExternalXdp {
+            let link = XdpLink::try_from(fd).map_err(|e| link_err(name, e))?;
+            let xdp = self.xdp();
+            let id = xdp.attach_to_link(link).map_err(perr)?;
+            let link = xdp.take_link(id).map_err(perr)?;
+            return FdLink::try_from(link).map_err(|e| link_err(name, e));
+        }
+        let link = SchedClassifierLink::try_from(fd).map_err(|e| link_err(name, e))?;
+        let prog = self.program(kind);
+        let id = prog.attach_to_link(link).map_err(perr)?;
+        let link = prog.take_link(id).map_err(perr)?;
+        FdLink::try_from(link).map_err(|e| link_err(name, e))
+    }
+
+    /// A new link of `kind` on interface `name`.
+    fn attach_new(&mut self, name: &str, kind: IfaceKind) -> Result<FdLink, BpfError> {
+        let prog_name = kind.program();
+        let perr = |source| BpfError::Program {
+            name: prog_name,
+            source,
+        };
+        if kind == IfaceKind::ExternalXdp {
+            let xdp = self.xdp();
+            let id = xdp.attach(name, XdpMode::Default).map_err(perr)?;
+            let link = xdp.take_link(id).map_err(perr)?;
+            return FdLink::try_from(link).map_err(|e| link_err(prog_name, e));
+        }
+        let prog = self.program(kind);
+        let id = prog.attach(name, TcAttachType::Ingress).map_err(perr)?;
+        let link = prog.take_link(id).map_err(perr)?;
+        FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
     }
 
     fn pin_path(&self, ifindex: u32, name: &str, kind: IfaceKind) -> PathBuf {
         let k = match kind {
             IfaceKind::Pod => "pod",
             IfaceKind::External => "ext",
+            IfaceKind::ExternalXdp => "xdp",
         };
         self.link_dir.join(format!("{ifindex}-{name}-{k}"))
     }
@@ -706,56 +775,26 @@ impl Attacher {
         let prog_name = kind.program();
         let pin = self.pin_path(ifindex, name, kind);
         let adopted = match PinnedLink::from_pin(&pin) {
-            Ok(pinned) => {
-                let fd = FdLink::from(pinned);
-                let replaced = SchedClassifierLink::try_from(fd)
-                    .map_err(|e| link_err(prog_name, e))
-                    .and_then(|link| {
-                        let prog = self.program(kind);
-                        let id = prog
-                            .attach_to_link(link)
-                            .map_err(|source| BpfError::Program {
-                                name: prog_name,
-                                source,
-                            })?;
-                        let link = prog.take_link(id).map_err(|source| BpfError::Program {
-                            name: prog_name,
-                            source,
-                        })?;
-                        FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
-                    });
-                match replaced {
-                    Ok(fd) => Some(fd),
-                    Err(e) => {
-                        // A defunct link (its interface was recreated): start afresh.
-                        tracing::debug!(pin = %pin.display(), error = %e, "pinned link not reusable");
-                        let _ = std::fs::remove_file(&pin);
-                        None
-                    }
+            Ok(pinned) => match self.take_over(FdLink::from(pinned), kind) {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    // A defunct link (its interface was recreated): start afresh.
+                    tracing::debug!(pin = %pin.display(), error = %e, "pinned link not reusable");
+                    let _ = std::fs::remove_file(&pin);
+                    None
                 }
-            }
+            },
             Err(_) => None,
         };
         let fd = match adopted {
             Some(fd) => fd,
             None => {
-                let prog = self.program(kind);
-                let id = prog.attach(name, TcAttachType::Ingress).map_err(|source| {
-                    BpfError::Program {
-                        name: prog_name,
-                        source,
-                    }
-                })?;
-                let link = prog.take_link(id).map_err(|source| BpfError::Program {
-                    name: prog_name,
-                    source,
-                })?;
-                let fd = FdLink::try_from(link).map_err(|e| link_err(prog_name, e))?;
+                let fd = self.attach_new(name, kind)?;
                 FdLink::from(fd.pin(&pin).map_err(|e| link_err(prog_name, e))?)
             }
         };
         self.links.insert(
-            ifindex,
+            (ifindex, kind),
             Held {
                 name: name.to_owned(),
                 kind,
@@ -777,17 +816,30 @@ impl Attacher {
         Ok(())
     }
 
-    /// Detaches the link on `ifindex` (removing its pin) and forgets it.
+    /// Detaches every link on `ifindex` (removing their pins) and forgets them.
     pub fn detach(&mut self, ifindex: u32) {
-        if let Some(held) = self.links.remove(&ifindex) {
-            let _ = std::fs::remove_file(&held.pin);
-            drop(held.fd);
+        let keys: Vec<(u32, IfaceKind)> = self
+            .links
+            .keys()
+            .filter(|(i, _)| *i == ifindex)
+            .copied()
+            .collect();
+        for k in keys {
+            if let Some(held) = self.links.remove(&k) {
+                let _ = std::fs::remove_file(&held.pin);
+                drop(held.fd);
+            }
         }
         let _ = self.ifaces.remove(&ifindex);
     }
 
+    /// Whether any link is held on `ifindex`.
+    pub fn has_links(&self, ifindex: u32) -> bool {
+        self.links.keys().any(|(i, _)| *i == ifindex)
+    }
+
     pub fn detach_all(&mut self) {
-        let all: Vec<u32> = self.links.keys().copied().collect();
+        let all: std::collections::BTreeSet<u32> = self.links.keys().map(|(i, _)| *i).collect();
         for i in all {
             self.detach(i);
         }
@@ -817,7 +869,7 @@ impl Attacher {
     pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
         self.links
             .iter()
-            .map(|(i, h)| (*i, h.name.as_str(), h.kind))
+            .map(|((i, _), h)| (*i, h.name.as_str(), h.kind))
     }
 }
 

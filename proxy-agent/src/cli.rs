@@ -75,6 +75,10 @@ pub struct RunArgs {
     /// restarts and rolling updates) [default: detach].
     #[arg(long, value_enum)]
     pub on_exit: Option<crate::config::OnExit>,
+    /// Acceleration of external traffic: `none` (tc) or `xdp` (XDP on the
+    /// external devices, falling back to tc) [default: none].
+    #[arg(long, value_enum)]
+    pub acceleration: Option<crate::config::Acceleration>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

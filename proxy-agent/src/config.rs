@@ -66,6 +66,19 @@ pub enum SourceKind {
     Kubernetes,
 }
 
+/// Acceleration of external traffic (NodePort, load-balancer IPs, externalIPs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Acceleration {
+    /// tc only.
+    #[default]
+    None,
+    /// XDP on the external devices translates and forwards flows to backends
+    /// on other nodes at the driver (XDP_TX / XDP_REDIRECT); the rest falls
+    /// back to tc.
+    Xdp,
+}
+
 /// What the agent does with the datapath when it exits (SIGTERM / SIGINT).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -196,6 +209,7 @@ pub struct ConfigFile {
     pub pod_interfaces: Option<Vec<String>>,
     pub external_interfaces: Option<Vec<String>>,
     pub on_exit: Option<OnExit>,
+    pub acceleration: Option<Acceleration>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -298,6 +312,7 @@ pub struct Settings {
     pub pod_interfaces: Vec<glob::Pattern>,
     pub external_interfaces: Vec<glob::Pattern>,
     pub on_exit: OnExit,
+    pub acceleration: Acceleration,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -498,6 +513,7 @@ impl Settings {
             pod_interfaces,
             external_interfaces,
             on_exit: flags.on_exit.or(file.on_exit).unwrap_or_default(),
+            acceleration: flags.acceleration.or(file.acceleration).unwrap_or_default(),
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)

@@ -1095,16 +1095,27 @@ fn conntrack_full_evicts_and_counts() {
     let maps = PinnedMaps::new(&h.pin_dir);
     let n = maps.conntrack().unwrap().len();
     assert!(n <= 64, "the LRU holds at most its capacity ({n})");
-    // The first flow was evicted long ago: its next segment starts a new flow.
-    let o = parse_checked(&h.run(&tcp_packet(CLIENT, 20000, VIP, 80, ACK, b"x")).1);
-    assert_eq!((o.dst, o.dport), (B1, 8080), "still translated");
-    assert!(h.stats()[&stat::CT_NEW_MIDSTREAM] >= 1);
+    // At most 32 flows (64 entries) are still tracked: among the first 100,
+    // most were evicted, and their next segment starts a new flow. (The
+    // kernel's LRU is approximate: which ones were evicted is not fixed.)
+    for port in 0..100u16 {
+        let o = parse_checked(
+            &h.run(&tcp_packet(CLIENT, 20000 + port, VIP, 80, ACK, b"x"))
+                .1,
+        );
+        assert_eq!((o.dst, o.dport), (B1, 8080), "still translated");
+    }
+    assert!(
+        h.stats()[&stat::CT_NEW_MIDSTREAM] >= 68,
+        "{:?}",
+        h.stats()[&stat::CT_NEW_MIDSTREAM]
+    );
     // The newest flow's reply entry, removed: restored by its next packet.
     let last = maps
         .conntrack()
         .unwrap()
         .into_iter()
-        .find(|(k, _)| k.dir == proxy_common::ct_dir::REPLY && k.dport_be == 20199u16.to_be())
+        .find(|(k, _)| k.dir == proxy_common::ct_dir::REPLY && k.dport_be == 20099u16.to_be())
         .expect("reply entry of the newest flow");
     let pinned: aya::maps::MapData =
         aya::maps::MapData::from_pin(h.pin_dir.join(map_names::CONNTRACK)).unwrap();
@@ -1113,9 +1124,164 @@ fn conntrack_full_evicts_and_counts() {
         proxy_common::Ct4Key,
         proxy_common::Ct4Value,
     > = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
+    let restored_before = h.stats()[&stat::CT_REPLY_RESTORED];
     ct.remove(&last.0).unwrap();
-    h.run(&tcp_packet(CLIENT, 20199, VIP, 80, ACK, b"y"));
-    assert_eq!(h.stats()[&stat::CT_REPLY_RESTORED], 1);
-    let r = parse_checked(&h.run(&tcp_packet(B1, 8080, CLIENT, 20199, ACK, b"z")).1);
+    h.run(&tcp_packet(CLIENT, 20099, VIP, 80, ACK, b"y"));
+    assert_eq!(h.stats()[&stat::CT_REPLY_RESTORED], restored_before + 1);
+    let r = parse_checked(&h.run(&tcp_packet(B1, 8080, CLIENT, 20099, ACK, b"z")).1);
     assert_eq!((r.src, r.sport), (VIP, 80), "the reply is translated again");
+}
+
+/// XDP acceleration: external traffic to a backend on another node is
+/// translated at XDP (DNAT, SNAT to the node with a source port), TTL
+/// decremented, MACs from the FIB, and redirected; its reply is translated
+/// back; a flow to a local backend is passed on to tc untouched.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn xdp_translates_external_flows_to_remote_backends() {
+    use aya::programs::Xdp;
+    use proxy_common::SCOPE_EXTERNAL;
+    const XDP_PASS: u32 = 2;
+    const XDP_REDIRECT: u32 = 4;
+    let node = Ipv4Addr::new(198, 18, 0, 10);
+    let ext_client = Ipv4Addr::new(198, 18, 0, 100);
+    let remote = Ipv4Addr::new(198, 18, 2, 10);
+    let mut h = Harness::new();
+    h.writer
+        .dataplane_mut()
+        .set_config(
+            Config::default()
+                .with_hairpin_addr(HAIRPIN)
+                .with_node_addr(node),
+        )
+        .unwrap();
+    let np = FrontendKey {
+        addr: node,
+        port: 30080,
+        proto: IPPROTO_TCP,
+        scope: SCOPE_EXTERNAL,
+    };
+    let np_local = FrontendKey {
+        addr: node,
+        port: 30081,
+        proto: IPPROTO_TCP,
+        scope: SCOPE_EXTERNAL,
+    };
+    let mut d = DesiredState::default();
+    for (k, b) in [(np, remote), (np_local, B1)] {
+        d.frontends.insert(
+            k,
+            Frontend {
+                service: "default/np".into(),
+                backends: vec![be(b, 8080, IPPROTO_TCP)],
+                ..Default::default()
+            },
+        );
+    }
+    d.local_endpoints.insert(B1);
+    assert!(h.writer.sync(&d).errors.is_empty());
+    h.ip(&["link", "set", "lo", "up"]);
+    h.ip(&[
+        "link",
+        "add",
+        "kprv0",
+        "address",
+        "02:00:00:00:00:aa",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "kprv1",
+    ]);
+    h.ip(&["link", "set", "kprv0", "up"]);
+    h.ip(&["link", "set", "kprv1", "up"]);
+    h.ip(&["route", "add", "198.18.0.0/16", "dev", "kprv0"]);
+    h.ip(&[
+        "neigh",
+        "add",
+        "198.18.2.10",
+        "lladdr",
+        "02:00:00:00:00:bb",
+        "dev",
+        "kprv0",
+        "nud",
+        "permanent",
+    ]);
+    h.ip(&[
+        "neigh",
+        "add",
+        "198.18.0.100",
+        "lladdr",
+        "02:00:00:00:00:cc",
+        "dev",
+        "kprv0",
+        "nud",
+        "permanent",
+    ]);
+    let ok = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &h.netns,
+            "sysctl",
+            "-qw",
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.lo.forwarding=1",
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let xdp: &Xdp = h
+        .ebpf
+        .program(proxy_agent::bpf::EXT_XDP_PROGRAM)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let ns = std::fs::File::open(format!("/run/netns/{}", h.netns)).unwrap();
+    let run = |input: &[u8]| -> (u32, Vec<u8>) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+                let mut out = vec![0u8; input.len() + 256];
+                let r = xdp
+                    .test_run(TestRunOptions {
+                        data_in: Some(input),
+                        data_out: Some(&mut out),
+                        ..Default::default()
+                    })
+                    .expect("BPF_PROG_TEST_RUN (XDP)");
+                out.truncate(r.data_size_out as usize);
+                (r.return_value, out)
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    let (rc, out) = run(&tcp_packet(ext_client, 40000, node, 30080, SYN, b""));
+    assert_eq!(
+        rc, XDP_REDIRECT,
+        "remote backend: translated and redirected at XDP"
+    );
+    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 0xbb]);
+    let o = parse_checked(&out);
+    assert_eq!((o.src, o.dst, o.dport, o.ttl), (node, remote, 8080, 63));
+    assert!(
+        o.sport >= 32768,
+        "a source port allocated for the SNAT: {}",
+        o.sport
+    );
+    let (rc, back) = run(&tcp_packet(remote, 8080, node, o.sport, SYN | ACK, b""));
+    assert_eq!(rc, XDP_REDIRECT);
+    let r = parse_checked(&back);
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (node, 30080, ext_client, 40000)
+    );
+    assert_eq!(&back[0..6], &[0x02, 0, 0, 0, 0, 0xcc]);
+    // A local backend: tc's business (bpf_redirect_peer); XDP leaves it alone.
+    let local = tcp_packet(ext_client, 40001, node, 30081, SYN, b"");
+    assert_eq!(run(&local), (XDP_PASS, local.clone()));
+    let s = h.stats();
+    assert_eq!((s[&stat::XDP_REDIRECT], s[&stat::SNAT_NODE]), (2, 1));
 }

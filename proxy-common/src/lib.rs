@@ -585,9 +585,16 @@ pub mod stat {
     /// A tracked flow's reply entry was missing (evicted by the LRU) and was
     /// written again, so its replies keep being translated.
     pub const CT_REPLY_RESTORED: u32 = 29;
+    /// XDP: a flow to a backend on this node (or something XDP does not
+    /// handle) passed on to tc untouched.
+    pub const XDP_DEFERRED: u32 = 30;
+    /// XDP: translated and sent back out of the device it came in on (XDP_TX).
+    pub const XDP_TX: u32 = 31;
+    /// XDP: translated and redirected to another device (XDP_REDIRECT).
+    pub const XDP_REDIRECT: u32 = 32;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 30] = [
+    pub const NAMES: [&str; 33] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -618,6 +625,9 @@ pub mod stat {
         "snat_node",
         "ct_new_midstream",
         "ct_reply_restored",
+        "xdp_deferred",
+        "xdp_tx",
+        "xdp_redirect",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

@@ -23,17 +23,17 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, bpf_redir_neigh, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK,
-        TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, bpf_redir_neigh, xdp_action, BPF_ANY,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0,
+        BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{lpm_trie::Key as LpmKey, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     helpers::{
         bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
         bpf_redirect_peer, bpf_skb_change_tail,
     },
-    macros::{btf_map, classifier},
-    programs::TcContext,
+    macros::{btf_map, classifier, xdp},
+    programs::{TcContext, XdpContext},
 };
 use proxy_common::{
     backend_state, capacity, ct_dir, ct_flags, iface_flags, stat, svc_flags, Affinity4Key,
@@ -122,8 +122,7 @@ const TCP_ACK: u8 = 0x10;
 
 /// Accounts a translated packet to its frontend and backend.
 #[inline(always)]
-fn account(ctx: &TcContext, rev_nat_id: u16, backend_id: u32) {
-    let len = ctx.len() as u64;
+fn account(len: u64, rev_nat_id: u16, backend_id: u32) {
     for p in [
         FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32),
         BE_TRAFFIC_V1.get_ptr_mut(backend_id),
@@ -286,7 +285,7 @@ fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Option<Result<
     let rev = REVNAT4_V1.get_ptr(ct.rev_nat_id)?;
     // SAFETY: as above.
     let rev = unsafe { *rev };
-    account(ctx, ct.rev_nat_id, ct.backend_id);
+    account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
     Some(reverse_nat(ctx, pkt, &ct, &rev))
 }
 
@@ -381,7 +380,7 @@ fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
 }
 
 /// The state of one flow as the forward path needs it.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Flow {
     backend_id: u32,
     backend: Backend4,
@@ -545,12 +544,105 @@ fn source_allowed(rev_nat_id: u16, addr_be: u32) -> bool {
 /// Translates a packet for frontend `fe`. `external`: it arrived on an
 /// external device (NodePort, load-balancer IP, externalIP from outside).
 /// (At most five arguments, the sret pointer included: a BPF call limit.)
+#[inline(always)]
 fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Result<Verdict, u32> {
+    let mut flow = Flow::default();
+    let out = decide(pkt, fe, scope, &mut flow);
+    match out.kind {
+        OUT_TRANSLATE => {}
+        OUT_VERDICT if out.action == DEFER => return Ok((TC_ACT_OK as i32, out.code)),
+        OUT_VERDICT => return Ok((out.action, out.code)),
+        _ => return Err(out.code),
+    }
+    let established = out.established != 0;
+    account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
+    // 6. DNAT (and SNAT for hairpin, another node, or a port collision).
+    rewrite_daddr(ctx, pkt, flow.backend.addr_be)?;
+    rewrite_dport(ctx, pkt, flow.backend.port_be)?;
+    if flow.flags & ct_flags::SNAT_ADDR != 0 {
+        rewrite_saddr(ctx, pkt, flow.nat_addr_be)?;
+        if scope != SCOPE_EXTERNAL {
+            count(stat::HAIRPIN);
+        }
+    }
+    if flow.flags & ct_flags::SNAT_PORT != 0 {
+        rewrite_sport(ctx, pkt, flow.nat_port_be)?;
+    }
+    let code = if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    };
+    Ok((DELIVER, code))
+}
+
+/// Not a verdict: "pass it on" — to the stack from tc, to tc from XDP.
+const DEFER: i32 = -2;
+/// [`decide`] mode bit: called from XDP.
+const FROM_XDP: u8 = 0x80;
+
+/// The forward direction's decision for a packet to frontend `fe`: conntrack
+/// first, else affinity or a random backend (with the SNATs it needs), and the
+/// conntrack entries written. `Err` carries what to do instead: a verdict, a
+/// drop code, or `REJECT_NO_BACKEND`. With `xdp`, flows to a backend on this
+/// node are deferred to tc (which delivers to pods with `bpf_redirect_peer`)
+/// before anything is written.
+///
+/// `mode`: the frontend scope, or-ed with [`FROM_XDP`]. (A BPF call takes at
+/// most five arguments, the sret pointer included.)
+fn decide(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Outcome {
+    match decide_inner(pkt, fe, mode) {
+        Ok((f, established)) => {
+            *flow = f;
+            Outcome {
+                kind: OUT_TRANSLATE,
+                action: 0,
+                code: 0,
+                established: established as u32,
+            }
+        }
+        Err(Ok((action, code))) => Outcome {
+            kind: OUT_VERDICT,
+            action,
+            code,
+            established: 0,
+        },
+        Err(Err(code)) => Outcome {
+            kind: OUT_ERR,
+            action: 0,
+            code,
+            established: 0,
+        },
+    }
+}
+
+/// What [`decide`] concluded, every byte initialized (an enum with undefined
+/// bytes must not cross a BPF call: the verifier refuses reading them).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Outcome {
+    kind: u32,
+    action: i32,
+    code: u32,
+    established: u32,
+}
+const OUT_TRANSLATE: u32 = 0;
+const OUT_VERDICT: u32 = 1;
+const OUT_ERR: u32 = 2;
+
+#[inline(always)]
+fn decide_inner(
+    pkt: &Packet,
+    fe: &Svc4Value,
+    mode: u8,
+) -> Result<(Flow, bool), Result<Verdict, u32>> {
+    let xdp = mode & FROM_XDP != 0;
+    let scope = mode & !FROM_XDP;
     let Some(cfg) = CONFIG_V1.get(0) else {
-        return Ok((TC_ACT_OK as i32, stat::PASS_UNCONFIGURED));
+        return Err(Ok((DEFER, stat::PASS_UNCONFIGURED)));
     };
     if cfg.layout_version != MAP_LAYOUT_VERSION {
-        return Ok((TC_ACT_OK as i32, stat::PASS_UNCONFIGURED));
+        return Err(Ok((DEFER, stat::PASS_UNCONFIGURED)));
     }
     let external = scope == SCOPE_EXTERNAL;
     let fe_key = &Svc4Key {
@@ -576,7 +668,10 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
     let client_port_be = pkt.sport_be;
 
     // 1. Conntrack first: a tracked flow keeps its backend while it exists.
-    let mut tracked: Option<Flow> = None;
+    // (No Option<Flow>: LLVM may read the undefined payload of a None
+    // speculatively, which the verifier refuses.)
+    let mut tracked = Flow::default();
+    let mut established = false;
     if let Some(ct) = CT4_V1.get_ptr_mut(skey) {
         // SAFETY: LRU value pointer; fields are read and written individually.
         let c = unsafe { &mut *ct };
@@ -591,36 +686,38 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
                     c.flags = flags;
                     c.last_seen_ns = now;
                 }
-                tracked = Some(Flow {
+                tracked = Flow {
                     backend_id: c.backend_id,
                     backend: b,
                     flags: c.flags,
                     nat_addr_be: c.nat_addr_be,
                     nat_port_be: c.nat_port_be,
-                });
+                };
+                established = true;
             }
         }
     }
-    let established = tracked.is_some();
-
-    let flow = match tracked {
-        Some(f) => f,
-        None if !pkt.l4_present => {
+    if xdp && established && tracked.backend.state & backend_state::LOCAL != 0 {
+        return Err(Ok((DEFER, stat::XDP_DEFERRED)));
+    }
+    let flow = match established {
+        true => tracked,
+        false if !pkt.l4_present => {
             // A later fragment of a flow that is not tracked: nothing to follow.
-            return Ok((TC_ACT_OK as i32, stat::PASS_FRAGMENT));
+            return Err(Ok((DEFER, stat::PASS_FRAGMENT)));
         }
-        None => {
+        false => {
             if external
                 && fe.flags & svc_flags::SOURCE_RANGES != 0
                 && !source_allowed(fe.rev_nat_id, client_be)
             {
-                return Err(stat::DROP_SOURCE_RANGE);
+                return Err(Err(stat::DROP_SOURCE_RANGE));
             }
             // 2. A new flow: affinity or a random backend (or reject / drop).
-            let (backend_id, b) = match select(pkt, fe_key, fe, now) {
-                Ok(v) => v,
-                Err(r) => return r,
-            };
+            let (backend_id, b) = select(pkt, fe_key, fe, now)?;
+            if xdp && b.state & backend_state::LOCAL != 0 {
+                return Err(Ok((DEFER, stat::XDP_DEFERRED)));
+            }
             let mut flags = 0;
             let mut nat_addr_be = 0;
             if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
@@ -660,13 +757,13 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
             let mut nat_port_be = 0;
             if flags & ct_flags::SNAT_PORT != 0 {
                 let Some(p) = free_nat_port(&mut rkey) else {
-                    return Err(stat::DROP_NO_FREE_PORT);
+                    return Err(Err(stat::DROP_NO_FREE_PORT));
                 };
                 nat_port_be = p;
                 count(stat::SNAT_NODE);
             } else if reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
                 let Some(p) = free_nat_port(&mut rkey) else {
-                    return Err(stat::DROP_NO_FREE_PORT);
+                    return Err(Err(stat::DROP_NO_FREE_PORT));
                 };
                 nat_port_be = p;
                 flags |= ct_flags::SNAT_PORT;
@@ -757,25 +854,7 @@ fn service(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Resu
         }
     }
 
-    account(ctx, fe.rev_nat_id, flow.backend_id);
-    // 6. DNAT (and SNAT for hairpin, another node, or a port collision).
-    rewrite_daddr(ctx, pkt, flow.backend.addr_be)?;
-    rewrite_dport(ctx, pkt, flow.backend.port_be)?;
-    if snat_addr {
-        rewrite_saddr(ctx, pkt, flow.nat_addr_be)?;
-        if !external {
-            count(stat::HAIRPIN);
-        }
-    }
-    if snat_port {
-        rewrite_sport(ctx, pkt, flow.nat_port_be)?;
-    }
-    let code = if established {
-        stat::FWD_ESTABLISHED
-    } else {
-        stat::FWD_NEW
-    };
-    Ok((DELIVER, code))
+    Ok((flow, established))
 }
 
 fn l4_flags(pkt: &Packet) -> u64 {
@@ -983,6 +1062,302 @@ fn reject(ctx: &TcContext, ip: &Ipv4Hdr) -> Result<Verdict, u32> {
     // SAFETY: plain helper taking an ifindex.
     let r = unsafe { bpf_redirect(ifindex, 0) };
     Ok((r as i32, stat::REJECT_NO_BACKEND))
+}
+
+// ---------------------------------------------------------------------------
+// XDP acceleration of the external devices
+// ---------------------------------------------------------------------------
+
+/// XDP on the node's external devices (`--acceleration xdp`): translates, at
+/// the driver, external traffic to backends on other nodes (DNAT + SNAT to the
+/// node) and their replies, and sends them back out (XDP_TX) or to another
+/// device (XDP_REDIRECT) after a FIB lookup. Everything else — flows to local
+/// backends, packets without a usable FIB answer, no backend (reject), IP
+/// options, fragments, other protocols — is passed on to `ext_ingress` (tc)
+/// untouched or, once translated, to the stack.
+#[xdp]
+pub fn ext_xdp(ctx: XdpContext) -> u32 {
+    match try_ext_xdp(&ctx) {
+        Ok((action, code)) => {
+            if action != xdp_action::XDP_PASS || code != stat::XDP_DEFERRED {
+                count(code);
+            }
+            action
+        }
+        Err(code) => {
+            count(code);
+            xdp_action::XDP_DROP
+        }
+    }
+}
+
+/// A translated 4-tuple (network byte order).
+struct Tuple {
+    saddr_be: u32,
+    daddr_be: u32,
+    sport_be: u16,
+    dport_be: u16,
+}
+
+/// A pointer to a `T` at `off` in the XDP frame, bounds-checked.
+#[inline(always)]
+fn xdp_ptr<T>(ctx: &XdpContext, off: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + off + size_of::<T>() > end {
+        return None;
+    }
+    Some((start + off) as *mut T)
+}
+
+/// RFC 1624 incremental update of a checksum for 16-bit words `old` → `new`
+/// (words as they are in memory).
+#[inline(always)]
+fn csum_update(check: u16, old: &[u16; 6], new: &[u16; 6]) -> u16 {
+    let mut sum: u32 = (!check) as u32;
+    let mut i = 0;
+    while i < 6 {
+        sum += (!old[i]) as u32;
+        sum += new[i] as u32;
+        i += 1;
+    }
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
+#[inline(always)]
+fn words(addr_be: u32) -> [u16; 2] {
+    let b = addr_be.to_ne_bytes();
+    [
+        u16::from_ne_bytes([b[0], b[1]]),
+        u16::from_ne_bytes([b[2], b[3]]),
+    ]
+}
+
+/// Rewrites the 4-tuple of an IPv4 TCP/UDP frame in place (no IP options),
+/// updating the IPv4 and L4 checksums incrementally.
+fn xdp_rewrite(ctx: &XdpContext, pkt: &mut Packet, to: &Tuple) -> Result<(), u32> {
+    let (saddr, sport, daddr, dport) = (to.saddr_be, to.sport_be, to.daddr_be, to.dport_be);
+    let e = stat::DROP_REWRITE_FAILED;
+    let ip = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN).ok_or(e)?;
+    let (os, od) = (words(pkt.saddr_be), words(pkt.daddr_be));
+    let (ns, nd) = (words(saddr), words(daddr));
+    let old = [os[0], os[1], od[0], od[1], pkt.sport_be, pkt.dport_be];
+    let new = [ns[0], ns[1], nd[0], nd[1], sport, dport];
+    let old_ip = [os[0], os[1], od[0], od[1], 0, 0];
+    let new_ip = [ns[0], ns[1], nd[0], nd[1], 0, 0];
+    let l4 = ETH_HLEN + 20;
+    if pkt.proto == IPPROTO_TCP {
+        let c = xdp_ptr::<u16>(ctx, l4 + 16).ok_or(e)?;
+        // SAFETY: bounds-checked frame pointers.
+        unsafe { *c = csum_update(*c, &old, &new) };
+    } else {
+        let c = xdp_ptr::<u16>(ctx, l4 + 6).ok_or(e)?;
+        // SAFETY: bounds-checked frame pointers.
+        unsafe {
+            if *c != 0 {
+                let v = csum_update(*c, &old, &new);
+                *c = if v == 0 { 0xffff } else { v };
+            }
+        }
+    }
+    let ports = xdp_ptr::<[u16; 2]>(ctx, l4).ok_or(e)?;
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        (*ip).check = csum_update((*ip).check, &old_ip, &new_ip);
+        (*ip).saddr_be = saddr;
+        (*ip).daddr_be = daddr;
+        *ports = [sport, dport];
+    }
+    pkt.saddr_be = saddr;
+    pkt.daddr_be = daddr;
+    pkt.sport_be = sport;
+    pkt.dport_be = dport;
+    Ok(())
+}
+
+fn try_ext_xdp(ctx: &XdpContext) -> Result<(u32, u32), u32> {
+    let defer = Ok((xdp_action::XDP_PASS, stat::XDP_DEFERRED));
+    let Some(eth_proto) = xdp_ptr::<u16>(ctx, 12) else {
+        return defer;
+    };
+    // SAFETY: bounds-checked frame pointer.
+    if u16::from_be(unsafe { *eth_proto }) != ETH_P_IP {
+        return defer;
+    }
+    let Some(ip) = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+        return defer;
+    };
+    // SAFETY: bounds-checked frame pointer, copied.
+    let ip = unsafe { *ip };
+    let frag = u16::from_be(ip.frag_off_be) & 0x3fff != 0;
+    if ip.ver_ihl != 0x45 || frag || (ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP) {
+        return defer;
+    }
+    let l4 = ETH_HLEN + 20;
+    let l4_len = if ip.proto == IPPROTO_TCP { 20 } else { 8 };
+    if ctx.data() + l4 + l4_len > ctx.data_end() {
+        return defer;
+    }
+    let ports = xdp_ptr::<[u16; 2]>(ctx, l4).ok_or(stat::DROP_MALFORMED)?;
+    // SAFETY: bounds-checked frame pointer, copied.
+    let ports = unsafe { *ports };
+    let mut pkt = Packet {
+        l4_off: l4,
+        csum_off: 0,
+        proto: ip.proto,
+        saddr_be: ip.saddr_be,
+        daddr_be: ip.daddr_be,
+        sport_be: ports[0],
+        dport_be: ports[1],
+        tot_len: u16::from_be(ip.tot_len_be),
+        tcp_flags: 0,
+        l4_present: true,
+    };
+    if pkt.proto == IPPROTO_TCP {
+        let f = xdp_ptr::<u8>(ctx, l4 + 13).ok_or(stat::DROP_MALFORMED)?;
+        // SAFETY: bounds-checked frame pointer.
+        pkt.tcp_flags = unsafe { *f };
+    }
+    let len = (ctx.data_end() - ctx.data()) as u64;
+    let fe_key = Svc4Key {
+        addr_be: pkt.daddr_be,
+        port_be: pkt.dport_be,
+        slot: 0,
+        proto: pkt.proto,
+        scope: SCOPE_EXTERNAL,
+        _pad: [0; 2],
+    };
+    let code = if let Some(fe) = SVC4_V1.get_ptr(fe_key) {
+        // SAFETY: map value pointer, copied.
+        let fe = unsafe { *fe };
+        let mut flow = Flow::default();
+        let out = decide(&pkt, &fe, SCOPE_EXTERNAL | FROM_XDP, &mut flow);
+        match out.kind {
+            OUT_TRANSLATE => {}
+            // Reject, pass, defer: tc does the rest.
+            OUT_VERDICT => return defer,
+            _ if out.code == stat::REJECT_NO_BACKEND => return defer,
+            _ => return Err(out.code),
+        }
+        let established = out.established != 0;
+        account(len, fe.rev_nat_id, flow.backend_id);
+        let (saddr, sport) = (
+            if flow.flags & ct_flags::SNAT_ADDR != 0 {
+                flow.nat_addr_be
+            } else {
+                pkt.saddr_be
+            },
+            if flow.flags & ct_flags::SNAT_PORT != 0 {
+                flow.nat_port_be
+            } else {
+                pkt.sport_be
+            },
+        );
+        let to = Tuple {
+            saddr_be: saddr,
+            sport_be: sport,
+            daddr_be: flow.backend.addr_be,
+            dport_be: flow.backend.port_be,
+        };
+        xdp_rewrite(ctx, &mut pkt, &to)?;
+        if established {
+            stat::FWD_ESTABLISHED
+        } else {
+            stat::FWD_NEW
+        }
+    } else {
+        let rkey = Ct4Key {
+            saddr_be: pkt.saddr_be,
+            daddr_be: pkt.daddr_be,
+            sport_be: pkt.sport_be,
+            dport_be: pkt.dport_be,
+            proto: pkt.proto,
+            dir: ct_dir::REPLY,
+            _pad: [0; 2],
+        };
+        let Some(ct) = CT4_V1.get_ptr(rkey) else {
+            return defer;
+        };
+        // SAFETY: map value pointer, copied.
+        let ct = unsafe { *ct };
+        let Some(rev) = REVNAT4_V1.get_ptr(ct.rev_nat_id) else {
+            return defer;
+        };
+        // SAFETY: map value pointer, copied.
+        let rev = unsafe { *rev };
+        account(len, ct.rev_nat_id, ct.backend_id);
+        let daddr = if ct.flags & ct_flags::SNAT_ADDR != 0 {
+            ct.nat_addr_be
+        } else {
+            pkt.daddr_be
+        };
+        let dport = if ct.flags & ct_flags::SNAT_PORT != 0 {
+            ct.nat_port_be
+        } else {
+            pkt.dport_be
+        };
+        let to = Tuple {
+            saddr_be: rev.addr_be,
+            sport_be: rev.port_be,
+            daddr_be: daddr,
+            dport_be: dport,
+        };
+        xdp_rewrite(ctx, &mut pkt, &to)?;
+        stat::FWD_REPLY
+    };
+    count(code);
+    Ok(xdp_deliver(ctx, &pkt))
+}
+
+/// FIB lookup, then XDP_TX (same device) or XDP_REDIRECT; the translated frame
+/// goes to the stack when the FIB has no complete answer or the next hop is a
+/// pod (delivered by the stack; tc does not translate it again).
+fn xdp_deliver(ctx: &XdpContext, pkt: &Packet) -> (u32, u32) {
+    let pass = (xdp_action::XDP_PASS, stat::PASS_FIB_MISS);
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = pkt.proto;
+    p.sport = pkt.sport_be;
+    p.dport = pkt.dport_be;
+    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    p.__bindgen_anon_3.ipv4_src = pkt.saddr_be;
+    p.__bindgen_anon_4.ipv4_dst = pkt.daddr_be;
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
+        as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
+        return pass;
+    }
+    let Some(ip) = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+        return pass;
+    };
+    let Some(eth) = xdp_ptr::<[u8; 12]>(ctx, 0) else {
+        return pass;
+    };
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        if (*ip).ttl <= 1 {
+            return (xdp_action::XDP_PASS, stat::PASS_TTL);
+        }
+        let old = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];
+        (*ip).ttl -= 1;
+        let new = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];
+        (*ip).check = csum_update((*ip).check, &old, &new);
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&p.dmac);
+        macs[6..].copy_from_slice(&p.smac);
+        *eth = macs;
+    }
+    if p.ifindex == ctx.ingress_ifindex() as u32 {
+        return (xdp_action::XDP_TX, stat::XDP_TX);
+    }
+    // SAFETY: plain helper taking an ifindex.
+    let r = unsafe { bpf_redirect(p.ifindex, 0) } as u32;
+    (r, stat::XDP_REDIRECT)
 }
 
 #[cfg(not(test))]
