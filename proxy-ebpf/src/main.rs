@@ -1229,7 +1229,7 @@ fn try_ext_xdp(ctx: &XdpContext) -> Result<(u32, u32), u32> {
         scope: SCOPE_EXTERNAL,
         _pad: [0; 2],
     };
-    let code = if let Some(fe) = SVC4_V1.get_ptr(fe_key) {
+    let code: (Tuple, u32) = if let Some(fe) = SVC4_V1.get_ptr(fe_key) {
         // SAFETY: map value pointer, copied.
         let fe = unsafe { *fe };
         let mut flow = Flow::default();
@@ -1261,12 +1261,12 @@ fn try_ext_xdp(ctx: &XdpContext) -> Result<(u32, u32), u32> {
             daddr_be: flow.backend.addr_be,
             dport_be: flow.backend.port_be,
         };
-        xdp_rewrite(ctx, &mut pkt, &to)?;
-        if established {
+        let code = if established {
             stat::FWD_ESTABLISHED
         } else {
             stat::FWD_NEW
-        }
+        };
+        (to, code)
     } else {
         let rkey = Ct4Key {
             saddr_be: pkt.saddr_be,
@@ -1304,43 +1304,56 @@ fn try_ext_xdp(ctx: &XdpContext) -> Result<(u32, u32), u32> {
             daddr_be: daddr,
             dport_be: dport,
         };
-        xdp_rewrite(ctx, &mut pkt, &to)?;
-        stat::FWD_REPLY
+        (to, stat::FWD_REPLY)
     };
+    let (to, code) = code;
+    // Where the translated packet goes, asked before translating: what XDP
+    // cannot send itself (no neighbour entry yet, a pod, no route) goes to tc
+    // untouched, which finds the conntrack entries just written and finishes
+    // the job (a translated packet handed to the stack could carry this
+    // node's own address as its source: a martian).
+    let Some(fib) = xdp_fib(ctx, &pkt, &to) else {
+        return defer;
+    };
+    xdp_rewrite(ctx, &mut pkt, &to)?;
     count(code);
-    Ok(xdp_deliver(ctx, &pkt))
+    Ok(xdp_send(ctx, &fib))
 }
 
-/// FIB lookup, then XDP_TX (same device) or XDP_REDIRECT; the translated frame
-/// goes to the stack when the FIB has no complete answer or the next hop is a
-/// pod (delivered by the stack; tc does not translate it again).
-fn xdp_deliver(ctx: &XdpContext, pkt: &Packet) -> (u32, u32) {
-    let pass = (xdp_action::XDP_PASS, stat::PASS_FIB_MISS);
+/// The FIB's answer for the translated tuple `to`: the output device and
+/// MACs, when XDP can send there itself (a complete answer, not a pod).
+fn xdp_fib(ctx: &XdpContext, pkt: &Packet, to: &Tuple) -> Option<FibParams> {
     // SAFETY: zeroed plain-old-data struct.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.family = AF_INET;
     p.l4_protocol = pkt.proto;
-    p.sport = pkt.sport_be;
-    p.dport = pkt.dport_be;
+    p.sport = to.sport_be;
+    p.dport = to.dport_be;
     p.__bindgen_anon_1.tot_len = pkt.tot_len;
     p.ifindex = ctx.ingress_ifindex() as u32;
-    p.__bindgen_anon_3.ipv4_src = pkt.saddr_be;
-    p.__bindgen_anon_4.ipv4_dst = pkt.daddr_be;
+    p.__bindgen_anon_3.ipv4_src = to.saddr_be;
+    p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
         as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
-        return pass;
+        return None;
     }
-    let Some(ip) = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN) else {
-        return pass;
-    };
-    let Some(eth) = xdp_ptr::<[u8; 12]>(ctx, 0) else {
-        return pass;
+    Some(p)
+}
+
+/// TTL, MACs, then XDP_TX (same device) or XDP_REDIRECT.
+fn xdp_send(ctx: &XdpContext, p: &FibParams) -> (u32, u32) {
+    let (Some(ip), Some(eth)) = (
+        xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN),
+        xdp_ptr::<[u8; 12]>(ctx, 0),
+    ) else {
+        return (xdp_action::XDP_DROP, stat::DROP_REWRITE_FAILED);
     };
     // SAFETY: bounds-checked frame pointers.
     unsafe {
         if (*ip).ttl <= 1 {
+            // Translated already; the stack answers with time exceeded.
             return (xdp_action::XDP_PASS, stat::PASS_TTL);
         }
         let old = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];

@@ -1019,6 +1019,51 @@ impl Lab {
         Ok(())
     }
 
+    /// A pinned XDP program that passes every frame (`r0 = XDP_PASS; exit`),
+    /// loaded once per lab under its own bpffs directory.
+    fn xdp_pass_program(&self) -> Result<PathBuf> {
+        let dir = PathBuf::from(format!("{BPFFS_PREFIX}{}", self.info.id));
+        let pin = dir.join("xdp_pass");
+        if pin.exists() {
+            return Ok(pin);
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        // mov r0, 2 (XDP_PASS); exit
+        let insns: [u64; 2] = [0x0000_0002_0000_00b7, 0x0000_0000_0000_0095];
+        let license = b"GPL\0";
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&6u32.to_ne_bytes()); // BPF_PROG_TYPE_XDP
+        attr[4..8].copy_from_slice(&2u32.to_ne_bytes());
+        attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+        // SAFETY: BPF_PROG_LOAD (5) with a zero-padded attribute pointing at
+        // live buffers.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_ptr(), attr.len() as u32) };
+        if fd < 0 {
+            bail!(
+                "BPF_PROG_LOAD (XDP pass): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let path = std::ffi::CString::new(pin.to_string_lossy().as_bytes())?;
+        let mut pin_attr = [0u8; 16];
+        pin_attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
+        pin_attr[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
+        // SAFETY: BPF_OBJ_PIN (6) with the fd just loaded and a C string path.
+        let r =
+            unsafe { libc::syscall(libc::SYS_bpf, 6, pin_attr.as_ptr(), pin_attr.len() as u32) };
+        // SAFETY: our own fd; the pin keeps the program.
+        unsafe { libc::close(fd as i32) };
+        if r < 0 {
+            bail!(
+                "pin the XDP pass program at {}: {}",
+                pin.display(),
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(pin)
+    }
+
     /// A veth from the switch's bridge (port `port`) to `eth0` in `ns`, with
     /// `ip`/24 on it, up.
     fn plug_into_switch(&mut self, ns: &str, port: &str, ip: Ipv4Addr) -> Result<()> {
@@ -1036,6 +1081,27 @@ impl Lab {
         )?;
         ip_in(&sw, &["link", "set", port, "master", BRIDGE])?;
         ip_in(&sw, &["link", "set", port, "up"])?;
+        // Frames a node sends with XDP_TX (XDP acceleration) reach the other
+        // end of a veth only when that end runs an XDP program too (a real
+        // NIC has no such need): the switch side gets one that passes
+        // everything. And with TX checksum offload off on `eth0`, frames on
+        // this "wire" carry complete checksums, as on a real one (a veth
+        // otherwise passes partial checksums, which XDP cannot update).
+        let pass = self.xdp_pass_program()?;
+        let attach = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{sw}"))
+            .args(["ip", "link", "set", "dev", port, "xdpdrv", "pinned"])
+            .arg(&pass)
+            .output();
+        if !attach.as_ref().is_ok_and(|o| o.status.success()) {
+            eprintln!("lab: could not attach the XDP pass program to {port}: {attach:?}");
+        }
+        let tx = Command::new("ip")
+            .args(["netns", "exec", ns, "ethtool", "-K", "eth0", "tx", "off"])
+            .output();
+        if !tx.as_ref().is_ok_and(|o| o.status.success()) {
+            eprintln!("lab: could not turn TX checksum offload off on eth0 in {ns} (is ethtool installed?)");
+        }
         ip_in(
             ns,
             &[
@@ -1880,6 +1946,7 @@ impl Lab {
         let own = format!("{BPFFS_PREFIX}{}", self.info.id);
         let mut pin_dirs: Vec<PathBuf> = self.info.nodes.iter().map(|n| n.bpffs.clone()).collect();
         pin_dirs.push(self.info.bpffs.clone());
+        pin_dirs.push(PathBuf::from(&own));
         pin_dirs.sort();
         pin_dirs.dedup();
         for bpffs in pin_dirs {

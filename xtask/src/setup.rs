@@ -16,6 +16,7 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "nftables",
     "socat",
     "netcat-openbsd",
+    "ethtool",
     "procps",
 ];
 /// Where bpffs must be mounted.

@@ -264,13 +264,24 @@ fn diagnostics(lab: &Lab) {
 /// `yaml`; waits for every agent's first sync and attachments (pod veths and
 /// `eth0`), runs `f`. On a panic in `f`, prints diagnostics while the lab
 /// still exists; the lab is torn down before the panic resumes.
-fn with_lab(test: &str, nodes: usize, yaml: &str, f: impl FnOnce(&mut Lab)) {
+///
+/// Every scenario runs twice, in both acceleration modes: tc only
+/// (`--acceleration none`) and XDP (`--acceleration xdp`), in a fresh lab each.
+fn with_lab(test: &str, nodes: usize, yaml: &str, f: impl Fn(&mut Lab)) {
+    for mode in ["none", "xdp"] {
+        with_lab_mode(&format!("{test}/{mode}"), mode, nodes, yaml, &f);
+    }
+}
+
+fn with_lab_mode(test: &str, mode: &str, nodes: usize, yaml: &str, f: &impl Fn(&mut Lab)) {
     let started = Instant::now();
     let mut lab = Lab::builder()
         .nodes(nodes)
         .external(true)
         .manifests_yaml(yaml)
         .server_bin(env!("CARGO_BIN_EXE_lab-server"))
+        .agent_arg("--acceleration")
+        .agent_arg(mode)
         .start()
         .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
@@ -1644,11 +1655,12 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
             "source ranges: drops not counted ({before} → {after})"
         );
         let np = node_port(lab, "ranged", 80, "TCP", "node-1");
+        // 20 requests: both pods answer but with probability 2^-19.
         assert_answered_by(
             &x,
             np,
             "TCP",
-            5,
+            20,
             &["ranged-1", "ranged-2"],
             "source ranges: the NodePort is not filtered",
         );
