@@ -91,6 +91,8 @@ struct Observers {
     datapath: Config,
     /// The `healthCheckNodePort` listeners, reconciled after every sync.
     health_checks: crate::healthcheck::HealthCheckServers,
+    /// The Service each frontend was last programmed for.
+    owners: std::collections::BTreeMap<crate::model::FrontendKey, String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +236,7 @@ fn sync_once(
     let opts = ModelOptions {
         service_proxy_name: cfg.service_proxy_name.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
+        current_owners: obs.owners.clone(),
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
@@ -255,8 +258,23 @@ fn sync_once(
         }
     }
     let report = writer.sync(&desired);
-    for (what, e) in &report.errors {
+    obs.owners = desired
+        .frontends
+        .iter()
+        .filter(|(k, _)| writer.rev_nat_ids().contains_key(k))
+        .map(|(k, f)| (*k, f.service.clone()))
+        .collect();
+    // Over capacity, thousands of frontends fail the same way at every sync:
+    // the first few are named, the rest counted.
+    const NAMED: usize = 10;
+    for (what, e) in report.errors.iter().take(NAMED) {
         error!(frontend = %what, error = %e, "cannot program");
+    }
+    if report.errors.len() > NAMED {
+        error!(
+            more = report.errors.len() - NAMED,
+            "cannot program more frontends (same causes; see the map sizes)"
+        );
     }
     // Ports that cannot be bound are logged inside and retried next sync.
     obs.health_checks.sync(&desired.health_checks);
@@ -327,6 +345,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         metrics: Arc::new(Metrics::new(Some(loaded.pin_dir.clone()))),
         latency: ProgrammingLatency::default(),
         datapath,
+        owners: Default::default(),
         health_checks: crate::healthcheck::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
     };

@@ -597,12 +597,14 @@ impl PinnedMaps {
             )
         };
         let mut out = ProgrammedTraffic::default();
+        let protos: BTreeMap<u16, u8> = p
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| (v.rev_nat_id, k.proto))
+            .collect();
         for (id, rev) in &p.rev_nat {
-            let proto = p
-                .services
-                .iter()
-                .find(|(k, v)| k.slot == 0 && v.rev_nat_id == *id)
-                .map_or(0, |(k, _)| k.proto);
+            let proto = protos.get(id).copied().unwrap_or(0);
             out.frontends.insert(
                 *id,
                 (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))),

@@ -412,6 +412,10 @@ pub struct Writer<D: Dataplane> {
     rev_nat_owner: BTreeMap<u16, FrontendKey>,
     /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
     source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
+    /// Set when the reverse-NAT id space was found full during this sync.
+    rev_nat_exhausted: bool,
+    /// Set when the backend id space was found full during this sync.
+    backend_ids_exhausted: bool,
     next_backend_id: u32,
     next_rev_nat_id: u16,
 }
@@ -492,6 +496,8 @@ impl<D: Dataplane> Writer<D> {
             rev_nat_ids,
             rev_nat_owner,
             source_ranges: programmed.source_ranges,
+            rev_nat_exhausted: false,
+            backend_ids_exhausted: false,
             next_backend_id: max_backend.map_or(1, |m| m.wrapping_add(1).max(1)),
             next_rev_nat_id: max_rev_nat.map_or(1, |m| m.wrapping_add(1).max(1)),
         })
@@ -536,6 +542,9 @@ impl<D: Dataplane> Writer<D> {
     /// counters. Allocation goes round that space, so an id freed now is
     /// reused only after every other one was.
     fn allocate_backend_id(&mut self, referenced: &BTreeSet<u32>) -> Option<u32> {
+        if self.backend_ids_exhausted {
+            return None;
+        }
         let next = |id: u32| {
             if id + 1 >= proxy_common::capacity::BACKENDS {
                 1
@@ -554,12 +563,18 @@ impl<D: Dataplane> Writer<D> {
             }
             id = next(id);
             if id == start {
+                self.backend_ids_exhausted = true;
                 return None;
             }
         }
     }
 
     fn allocate_rev_nat_id(&mut self) -> Option<u16> {
+        // Once the id space was found full in this sync, it still is: do not
+        // scan 65 535 ids again for every frontend that does not fit.
+        if self.rev_nat_exhausted {
+            return None;
+        }
         let start = self.next_rev_nat_id.max(1);
         let mut id = start;
         loop {
@@ -569,6 +584,7 @@ impl<D: Dataplane> Writer<D> {
             }
             id = id.wrapping_add(1).max(1);
             if id == start {
+                self.rev_nat_exhausted = true;
                 return None;
             }
         }
@@ -629,6 +645,8 @@ impl<D: Dataplane> Writer<D> {
     /// every other frontend is still synced.
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
         let mut report = SyncReport::default();
+        self.rev_nat_exhausted = false;
+        self.backend_ids_exhausted = false;
         let mut failed: BTreeSet<FrontendKey> = BTreeSet::new();
         let fail = |failed: &mut BTreeSet<FrontendKey>, report: &mut SyncReport, key, fe, e| {
             failed.insert(key);

@@ -397,7 +397,16 @@ pub fn watch(
             rules.push((dir, name));
         }
     }
-    let dirs: BTreeSet<PathBuf> = rules.iter().map(|(d, _)| d.clone()).collect();
+    let mut dirs: BTreeSet<PathBuf> = rules.iter().map(|(d, _)| d.clone()).collect();
+    // A watched directory's parent too, so that the directory being deleted
+    // and created again is noticed (its own watch dies with it).
+    for (dir, name) in &rules {
+        if name.is_none() {
+            if let Some(parent) = dir.parent() {
+                dirs.insert(parent.to_path_buf());
+            }
+        }
+    }
     let matcher = rules.clone();
     let mut watcher =
         notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
@@ -425,7 +434,9 @@ pub fn watch(
             }
         })?;
     for dir in &dirs {
-        watcher.watch(dir, RecursiveMode::NonRecursive)?;
+        if dir.exists() {
+            watcher.watch(dir, RecursiveMode::NonRecursive)?;
+        }
     }
     Ok(watcher)
 }

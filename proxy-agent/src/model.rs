@@ -190,6 +190,9 @@ pub struct ModelOptions {
     /// kube-proxy's `nodePortAddresses`: which of this node's addresses
     /// NodePorts are served on. See [`NodePortAddresses`].
     pub node_port_addresses: Vec<NodePortAddresses>,
+    /// The Service each frontend is programmed for now (`namespace/name`):
+    /// when two Services claim one frontend, its current owner keeps it.
+    pub current_owners: BTreeMap<FrontendKey, String>,
 }
 
 /// One entry of kube-proxy's `--nodeport-addresses` / `nodePortAddresses`.
@@ -729,6 +732,23 @@ pub fn desired_state_with(
     let mut desired = DesiredState::default();
     let node = NodeTopology::from_snapshot(snapshot, node_name);
 
+    // A Pod address that is no IP at all would be skipped silently below.
+    for pod in &snapshot.pods {
+        let Some(status) = pod.status.as_ref() else {
+            continue;
+        };
+        let ips = status
+            .pod_ip
+            .iter()
+            .chain(status.pod_ips.iter().flatten().map(|p| &p.ip));
+        for ip in ips.filter(|ip| !ip.is_empty() && ip.parse::<std::net::IpAddr>().is_err()) {
+            warnings.push(ModelWarning {
+                object: format!("Pod {}/{}", namespace(&pod.metadata), name(&pod.metadata)),
+                message: format!("invalid pod IP {ip:?}; the pod is not an endpoint"),
+            });
+        }
+    }
+
     // This node's addresses: the SNAT source and the NodePort addresses.
     let node_object = snapshot
         .nodes
@@ -897,7 +917,14 @@ pub fn desired_state_with(
                 });
             }
             let mut claim = |key: FrontendKey, fe: Frontend| {
-                insert_frontend(&mut desired.frontends, &mut warnings, &object, key, fe);
+                insert_frontend(
+                    &mut desired.frontends,
+                    &mut warnings,
+                    &object,
+                    key,
+                    fe,
+                    &opts.current_owners,
+                );
             };
 
             // ClusterIP: internalTrafficPolicy.
@@ -997,19 +1024,33 @@ fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> FrontendKey 
 }
 
 /// Claims `key` for `fe`, unless already claimed: silently when by the same
-/// Service (its first claim wins), with a warning when by another.
+/// Service (its first claim wins), with a warning when by another. Between two
+/// Services, the one that owns the frontend now (`current_owners`) keeps it —
+/// an API server would have refused the newcomer's address — else the first
+/// by namespace/name.
 fn insert_frontend(
     frontends: &mut BTreeMap<FrontendKey, Frontend>,
     warnings: &mut Vec<ModelWarning>,
     object: &str,
     key: FrontendKey,
     fe: Frontend,
+    current_owners: &BTreeMap<FrontendKey, String>,
 ) {
     match frontends.get(&key) {
         None => {
             frontends.insert(key, fe);
         }
         Some(existing) if existing.service == fe.service => {}
+        Some(existing) if current_owners.get(&key) == Some(&fe.service) => {
+            warnings.push(ModelWarning {
+                object: format!("Service {}", existing.service),
+                message: format!(
+                    "frontend {key} already belongs to service {}; skipped",
+                    fe.service
+                ),
+            });
+            frontends.insert(key, fe);
+        }
         Some(existing) => warnings.push(ModelWarning {
             object: object.to_string(),
             message: format!(
@@ -1200,14 +1241,25 @@ fn port_endpoints(
         else {
             continue;
         };
+        let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
         let Some(backend_port) = slice_port
             .port
             .and_then(|p| u16::try_from(p).ok())
             .filter(|p| *p != 0)
         else {
+            // kube-proxy skips such a port too; say so, once per slice.
+            if reported.insert((slice_id.clone(), "port".to_string())) {
+                warnings.push(ModelWarning {
+                    object: format!("EndpointSlice {slice_id}"),
+                    message: format!(
+                        "port {:?} has no usable port number ({:?}); its endpoints are not used",
+                        slice_port.name.as_deref().unwrap_or(""),
+                        slice_port.port
+                    ),
+                });
+            }
             continue;
         };
-        let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
         for endpoint in &slice.endpoints {
             let Some(address) = endpoint.addresses.first() else {
                 continue;

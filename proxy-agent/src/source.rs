@@ -35,6 +35,9 @@ pub enum SourceError {
 pub struct ManifestsSource {
     paths: Vec<PathBuf>,
     watcher: Option<notify::RecommendedWatcher>,
+    changes: Option<UnboundedSender<()>>,
+    /// A path went missing: its watch must be made again once it is back.
+    rewatch: bool,
     last_good: Snapshot,
 }
 
@@ -43,6 +46,8 @@ impl ManifestsSource {
         Self {
             paths,
             watcher: None,
+            changes: None,
+            rewatch: false,
             last_good: Snapshot::default(),
         }
     }
@@ -50,12 +55,14 @@ impl ManifestsSource {
 
 impl Source for ManifestsSource {
     fn start(&mut self, changes: UnboundedSender<()>) -> Result<(), SourceError> {
-        let w =
-            manifests::watch(self.paths.clone(), changes).map_err(|source| SourceError::Watch {
+        let w = manifests::watch(self.paths.clone(), changes.clone()).map_err(|source| {
+            SourceError::Watch {
                 paths: self.paths.clone(),
                 source,
-            })?;
+            }
+        })?;
         self.watcher = Some(w);
+        self.changes = Some(changes);
         Ok(())
     }
 
@@ -66,6 +73,26 @@ impl Source for ManifestsSource {
     /// Reads every file again. An object whose document turned bad keeps its
     /// last good version.
     fn snapshot(&mut self) -> (Snapshot, usize) {
+        // A configured file or directory that is gone (deleted, being
+        // replaced) is a mistake or a moment, not "no Services": keep the last
+        // good state rather than withdraw everything.
+        let missing: Vec<&PathBuf> = self.paths.iter().filter(|p| !p.exists()).collect();
+        if !missing.is_empty() {
+            error!(paths = ?missing, "manifests path missing; keeping the last good state until it is back");
+            self.rewatch = true;
+            return (self.last_good.clone(), missing.len());
+        }
+        if self.rewatch {
+            if let Some(tx) = self.changes.clone() {
+                match manifests::watch(self.paths.clone(), tx) {
+                    Ok(w) => {
+                        self.watcher = Some(w);
+                        self.rewatch = false;
+                    }
+                    Err(e) => error!(error = %e, "cannot watch the manifests again"),
+                }
+            }
+        }
         let (mut snapshot, errors) = manifests::load_paths(&self.paths);
         for e in &errors {
             error!("{e}");

@@ -180,3 +180,55 @@ fn a_document_turned_bad_keeps_the_last_good_object() {
         .port;
     assert_eq!(port, 80, "the good version is kept");
 }
+
+/// The manifests directory deleted (an operator's mistake, or a directory
+/// swap): the last good state is kept rather than every Service withdrawn,
+/// and once the directory is back, changes are applied live again.
+#[test]
+fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
+    use proxy_agent::source::{ManifestsSource, Source};
+    let svc = |name: &str, ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut source = ManifestsSource::new(vec![dir.clone()]);
+    source.start(tx).unwrap();
+    assert_eq!(source.snapshot().0.services.len(), 1);
+    // Gone: the last good state, and an error counted.
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (snap, errors) = source.snapshot();
+    assert_eq!((snap.services.len(), errors), (1, 1));
+    // Back, with two Services: noticed (through the parent's watch).
+    let wait_change = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if rx.try_recv().is_ok() {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                while rx.try_recv().is_ok() {}
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    };
+    while rx.try_recv().is_ok() {}
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
+    std::fs::write(dir.join("b.yaml"), svc("b", "198.19.0.11")).unwrap();
+    assert!(
+        wait_change(&mut rx),
+        "the directory coming back was not noticed"
+    );
+    assert_eq!(source.snapshot().0.services.len(), 2);
+    // And it is watched again: a third file is a change.
+    std::fs::write(dir.join("c.yaml"), svc("c", "198.19.0.12")).unwrap();
+    assert!(
+        wait_change(&mut rx),
+        "a new file in the recreated directory was not noticed"
+    );
+    assert_eq!(source.snapshot().0.services.len(), 3);
+}

@@ -996,7 +996,9 @@ fn slice_edge_cases_ipv6_port_zero_and_local_duplicate() {
         )
         .replace("addressType: IPv4", "addressType: IPv6");
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert!(warnings.is_empty(), "{warnings:?}");
+    // Port 0 is skipped (as kube-proxy does), and said: one warning, naming the slice.
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].object, "EndpointSlice default/web-zero");
     assert_eq!(
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080"]
@@ -1730,4 +1732,34 @@ fn external_address_colliding_with_another_service_warns() {
         "default/zz"
     );
     assert!(!state.frontends.contains_key(&ext("198.19.0.2", 80)));
+}
+
+/// Two Services claiming one ClusterIP (a mistake an API server would refuse):
+/// the one that owns the frontend now keeps it, whatever the names' order;
+/// the newcomer is skipped with a warning naming it.
+#[test]
+fn colliding_cluster_ip_stays_with_its_current_owner() {
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: zzz-old}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: aaa-new}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n";
+    let (mut snap, mut errs) = (proxy_agent::manifests::Snapshot::default(), Vec::new());
+    proxy_agent::manifests::load_str(std::path::Path::new("c.yaml"), yaml, &mut snap, &mut errs);
+    assert!(errs.is_empty());
+    let key = proxy_agent::model::FrontendKey {
+        addr: "198.19.0.10".parse().unwrap(),
+        port: 80,
+        proto: proxy_common::IPPROTO_TCP,
+        scope: proxy_common::SCOPE_INTERNAL,
+    };
+    // Nobody owns it yet: the first by namespace/name.
+    let (d, w) = proxy_agent::model::desired_state(&snap, "node-1");
+    assert_eq!(d.frontends[&key].service, "default/aaa-new");
+    assert_eq!(w.len(), 1);
+    // zzz-old owns it: it keeps it, and the warning names aaa-new.
+    let opts = proxy_agent::model::ModelOptions {
+        current_owners: [(key, "default/zzz-old".to_string())].into_iter().collect(),
+        ..Default::default()
+    };
+    let (d, w) = proxy_agent::model::desired_state_with(&snap, "node-1", &opts);
+    assert_eq!(d.frontends[&key].service, "default/zzz-old");
+    assert_eq!(w.len(), 1);
+    assert!(w[0].object.contains("aaa-new"), "{w:?}");
 }

@@ -327,7 +327,7 @@ impl LabBuilder {
     }
 
     /// The proxy-agent binary (default: `KPR_AGENT_BIN`, else
-    /// `target/debug/proxy-agent`, built if missing).
+    /// the release agent, built or brought up to date first).
     pub fn agent_bin(mut self, path: impl Into<PathBuf>) -> Self {
         self.agent_bin = Some(path.into());
         self
@@ -413,15 +413,12 @@ fn new_allocator(nodes: &[NodeInfo]) -> Allocator {
     a
 }
 
+/// `KPR_AGENT_BIN`, else the release agent, built (or brought up to date —
+/// a no-op when it is) first, so that a lab never runs a stale binary.
 fn find_agent_bin() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("KPR_AGENT_BIN") {
         return Ok(PathBuf::from(p));
     }
-    let p = setup::target_dir().join("debug/proxy-agent");
-    if p.exists() {
-        return Ok(p);
-    }
-    eprintln!("{} missing: building proxy-agent", p.display());
     setup::build_agent()
 }
 
