@@ -92,7 +92,18 @@ fn main() -> anyhow::Result<()> {
         "ip netns add (root needed)"
     );
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kpr-cost-{}", std::process::id()));
-    let result = measure(&netns, &pin_dir, &ns_list, runs);
+    let mut result = measure(&netns, &pin_dir, &ns_list, runs);
+    if result.is_ok() && args.iter().any(|a| a == "--external") {
+        let ext_pins = PathBuf::from(format!("{}-ext", pin_dir.display()));
+        let ext = measure_external(&netns, &ext_pins, runs);
+        let _ = std::fs::remove_dir_all(&ext_pins);
+        result = ext.and_then(|e| {
+            result.map(|mut r| {
+                r.extend(e);
+                r
+            })
+        });
+    }
     let _ = Command::new("ip").args(["netns", "del", &netns]).status();
     let _ = std::fs::remove_dir_all(&pin_dir);
     let rows = result?;
@@ -101,7 +112,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         println!("| services | new flow ns | established ns | no service ns | baseline ns |");
         println!("|---:|---:|---:|---:|---:|");
-        for r in &rows {
+        for r in rows.iter().filter(|r| r.get("program").is_none()) {
             println!(
                 "| {} | {} | {} | {} | {} |",
                 r["services"],
@@ -111,8 +122,150 @@ fn main() -> anyhow::Result<()> {
                 r["baseline_ns"]
             );
         }
+        let ext: Vec<_> = rows.iter().filter(|r| r.get("program").is_some()).collect();
+        if !ext.is_empty() {
+            println!();
+            println!(
+                "| external device, NodePort to a remote backend | new flow ns | established ns |"
+            );
+            println!("|---|---:|---:|");
+            for r in ext {
+                println!(
+                    "| {} | {} | {} |",
+                    r["program"], r["new_flow_ns"], r["established_ns"]
+                );
+            }
+        }
     }
     Ok(())
+}
+
+/// External traffic (a NodePort whose backend is on another node: DNAT, SNAT
+/// to the node, FIB lookup, redirect) through `ext_ingress` (tc) and `ext_xdp`
+/// (XDP), new flows and established ones. The netns gets a route and
+/// neighbour entries so that the FIB answers, as on a node.
+fn measure_external(
+    netns: &str,
+    pin_dir: &std::path::Path,
+    runs: usize,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use aya::programs::Xdp;
+    use proxy_agent::bpf::{EXT_INGRESS_PROGRAM, EXT_XDP_PROGRAM};
+    use proxy_common::SCOPE_EXTERNAL;
+    let node = Ipv4Addr::new(198, 18, 0, 10);
+    let remote = Ipv4Addr::new(198, 18, 2, 10);
+    let mut loaded = bpf::load(pin_dir, MapSizes::default())?;
+    let mut dp = BpfDataplane::new(&mut loaded.ebpf, MapSizes::default())?;
+    dp.set_config(Config::default().with_node_addr(node))?;
+    let mut writer = Writer::adopt(dp)?;
+    let mut d = DesiredState::default();
+    d.frontends.insert(
+        FrontendKey {
+            addr: node,
+            port: 30080,
+            proto: IPPROTO_TCP,
+            scope: SCOPE_EXTERNAL,
+        },
+        Frontend {
+            service: "default/np".into(),
+            backends: vec![BackendAddr {
+                addr: remote,
+                port: 8080,
+                proto: IPPROTO_TCP,
+            }],
+            ..Default::default()
+        },
+    );
+    anyhow::ensure!(
+        writer.sync(&d).errors.is_empty(),
+        "programming the NodePort"
+    );
+    for args in [
+        vec!["link", "set", "lo", "up"],
+        vec![
+            "link", "add", "kprv0", "type", "veth", "peer", "name", "kprv1",
+        ],
+        vec!["link", "set", "kprv0", "up"],
+        vec!["link", "set", "kprv1", "up"],
+        vec!["route", "add", "198.18.0.0/16", "dev", "kprv0"],
+        vec![
+            "neigh",
+            "add",
+            "198.18.2.10",
+            "lladdr",
+            "02:00:00:00:00:bb",
+            "dev",
+            "kprv0",
+            "nud",
+            "permanent",
+        ],
+    ] {
+        anyhow::ensure!(
+            Command::new("ip")
+                .arg("-n")
+                .arg(netns)
+                .args(&args)
+                .status()?
+                .success(),
+            "ip {args:?}"
+        );
+    }
+    anyhow::ensure!(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                netns,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+                "net.ipv4.conf.lo.forwarding=1"
+            ])
+            .status()?
+            .success(),
+        "sysctl"
+    );
+    let tc: &SchedClassifier = loaded
+        .ebpf
+        .program(EXT_INGRESS_PROGRAM)
+        .unwrap()
+        .try_into()?;
+    let xdp: &Xdp = loaded.ebpf.program(EXT_XDP_PROGRAM).unwrap().try_into()?;
+    let ns_file = std::fs::File::open(format!("/run/netns/{netns}"))?;
+    let median = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    let rows = std::thread::scope(|s| {
+        s.spawn(|| -> anyhow::Result<Vec<serde_json::Value>> {
+            nix::sched::setns(ns_file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let mut rows = Vec::new();
+            for (name, client_base) in [("tc (ext_ingress)", 0u32), ("xdp (ext_xdp)", 1u32)] {
+                let run1 = |p: &[u8]| -> anyhow::Result<u64> {
+                    let mut out = vec![0u8; p.len() + 128];
+                    let opts = TestRunOptions { data_in: Some(p), data_out: Some(&mut out), ..Default::default() };
+                    let r = if client_base == 0 { tc.test_run(opts)? } else { xdp.test_run(opts)? };
+                    Ok(r.duration.as_nanos() as u64)
+                };
+                // Distinct clients per program, so that each creates its own flows.
+                let client = Ipv4Addr::new(198, 18, 5 + client_base as u8, 1);
+                let mut new_flow = Vec::with_capacity(runs);
+                for k in 0..runs {
+                    let sport = 1024 + (k as u32 % 60_000) as u16;
+                    new_flow.push(run1(&tcp_packet(client, sport, node, 30080, 0x02))?);
+                }
+                let est = tcp_packet(client, 1024, node, 30080, 0x10);
+                let established = (0..runs).map(|_| run1(&est)).collect::<anyhow::Result<Vec<_>>>()?;
+                let (n, e) = (median(new_flow), median(established));
+                eprintln!("external {name}: new {n} ns, established {e} ns");
+                rows.push(serde_json::json!({"program": name, "new_flow_ns": n, "established_ns": e, "runs": runs}));
+            }
+            Ok(rows)
+        })
+        .join()
+        .expect("measuring thread")
+    })?;
+    Ok(rows)
 }
 
 fn measure(
