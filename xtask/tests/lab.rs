@@ -9,23 +9,21 @@
 //! are printed before the lab is torn down; set `KPR_LAB_DIAG=1` to print them
 //! after every test.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
-use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use xtask::client::{self, reply_text, Request};
+use xtask::client::{self, reply_text};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
-/// Timeout of one request.
-const T: Duration = Duration::from_secs(2);
+mod support;
+use support::{
+    assert_tcp_refused, describe, frontend, run_lab, tcp_hostname, tcp_hostnames, wait_veth_gone,
+    Shot, UdpProbe, T,
+};
+
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -81,69 +79,21 @@ fn svc_ip(
 
 // ---------------------------------------------------------------- lab runner
 
-fn agent_bin() -> PathBuf {
-    std::env::var_os("KPR_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
-}
-
-/// Prints what helps to understand a failure: the agent log tail and the
-/// agent's pinned maps.
-fn diagnostics(lab: &Lab) {
-    let log = lab.agent_log();
-    let lines: Vec<&str> = log.lines().collect();
-    eprintln!(
-        "==== lab {} agent.log (last 60 of {} lines) ====\n{}",
-        lab.id(),
-        lines.len(),
-        lines[lines.len().saturating_sub(60)..].join("\n")
-    );
-    for what in ["services", "stats", "conntrack"] {
-        let out = Command::new(agent_bin())
-            .args(["inspect", what, "--bpffs"])
-            .arg(&lab.info().bpffs)
-            .output();
-        match out {
-            Ok(o) => eprintln!(
-                "==== proxy-agent inspect {what} --bpffs {} ====\n{}{}",
-                lab.info().bpffs.display(),
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-            Err(e) => eprintln!("==== proxy-agent inspect {what}: {e}"),
-        }
-    }
-}
-
-/// Starts a lab with `yaml`, waits for the agent's first sync, runs `f`. On a
-/// panic in `f`, prints diagnostics while the lab still exists; the lab is
-/// dropped (torn down) before the panic resumes.
+/// Starts a lab with `yaml`, waits for the agent's first sync and its
+/// attachments ([`wait_attached`]), runs `f`; see [`support::run_lab`].
 fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    let started = Instant::now();
-    let mut lab = Lab::builder()
-        .manifests_yaml(yaml)
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .start()
-        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
-    let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        lab.wait_ready(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-        wait_attached(&lab);
-        println!(
-            "[{test}] lab {} ready in {} ms",
-            lab.id(),
-            started.elapsed().as_millis()
-        );
-        f(&mut lab)
-    }));
-    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
-        diagnostics(&lab);
-    }
-    drop(lab);
-    println!("[{test}] done in {} ms", started.elapsed().as_millis());
-    if let Err(e) = result {
-        panic::resume_unwind(e);
-    }
+    run_lab(
+        test,
+        Lab::builder().manifests_yaml(yaml),
+        "",
+        |lab| {
+            lab.wait_ready(SYNC_TIMEOUT)
+                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
+            wait_attached(lab);
+        },
+        |lab| support::diagnostics(lab, None),
+        f,
+    )
 }
 
 /// Waits until the agent logged `attached pod program` for the host-side
@@ -201,36 +151,11 @@ fn delete_pod(lab: &mut Lab, name: &str) -> Duration {
         return took;
     }
     let node = lab.node().netns.clone();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let present = Command::new("ip")
-            .args(["-n", &node, "link", "show", "dev", &host_if])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !present {
-            return took;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "veth {host_if} of deleted pod {name} still in {node} after 5 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
-    lab.cluster_frontend(service, port, proto)
-        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
+    wait_veth_gone(&node, &host_if, name);
+    took
 }
 
 // ---------------------------------------------------------------- requests
-
-fn tcp_hostname(ns: &str, addr: SocketAddrV4) -> io::Result<String> {
-    client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r))
-}
 
 fn udp_hostname(
     ns: &str,
@@ -241,175 +166,10 @@ fn udp_hostname(
     client::udp_request(ns, addr, b"hostname", timeout, bind_port).map(|r| reply_text(&r))
 }
 
-/// `n` new TCP connections asking `hostname`, one after another on one
-/// thread: counts per answer, and the errors.
-fn tcp_hostnames(ns: &str, addr: SocketAddrV4, n: usize) -> (BTreeMap<String, usize>, Vec<String>) {
-    let reqs = (0..n)
-        .map(|_| Request::tcp(addr, b"hostname\n", T))
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
-    let mut counts = BTreeMap::new();
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(reply) => *counts.entry(reply_text(&reply)).or_insert(0) += 1,
-            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
-        }
-    }
-    (counts, errors)
-}
-
 /// Asserts that `n` connections to `addr` all succeed and are answered by
 /// exactly the pods `expected`.
 fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    let (counts, errors) = tcp_hostnames(ns, addr, n);
-    println!(
-        "{what}: {n} connections to {addr}: {counts:?}, {} errors",
-        errors.len()
-    );
-    assert!(
-        errors.is_empty(),
-        "{what}: {} of {n} connections to {addr} failed: {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
-    let want: BTreeSet<&str> = expected.iter().copied().collect();
-    assert_eq!(
-        seen, want,
-        "{what}: pods answering {addr} (counts {counts:?})"
-    );
-}
-
-/// Asserts a TCP connect to `addr` is refused (RST or ICMP) quickly; returns
-/// the time it took.
-fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) -> Duration {
-    let t = Instant::now();
-    let r = tcp_hostname(ns, addr);
-    let el = t.elapsed();
-    match r {
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            println!("{what}: TCP {addr} refused in {} ms", el.as_millis());
-            el
-        }
-        other => panic!(
-            "{what}: TCP {addr}: expected ConnectionRefused, got {other:?} after {} ms",
-            el.as_millis()
-        ),
-    }
-}
-
-// ---------------------------------------------------------------- UDP probe
-
-/// What one datagram of a [`UdpProbe`] got.
-#[derive(Debug, Clone)]
-struct Shot {
-    sent: Instant,
-    result: Result<String, io::ErrorKind>,
-}
-
-/// One UDP socket bound to a fixed source port, connected to a VIP, sending
-/// `hostname` every `interval` (like a statsd or DNS client) until stopped
-/// or `max` has passed.
-struct UdpProbe {
-    stop: Arc<AtomicBool>,
-    shots: Arc<Mutex<Vec<Shot>>>,
-    handle: JoinHandle<io::Result<io::Result<()>>>,
-}
-
-impl UdpProbe {
-    fn start(
-        ns: &str,
-        addr: SocketAddrV4,
-        bind_port: u16,
-        interval: Duration,
-        max: Duration,
-    ) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let shots = Arc::new(Mutex::new(Vec::new()));
-        let (flag, out) = (stop.clone(), shots.clone());
-        let ns = ns.to_string();
-        let handle = std::thread::spawn(move || {
-            in_netns(&ns, move || -> io::Result<()> {
-                let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))?;
-                sock.connect(addr)?;
-                sock.set_read_timeout(Some(interval))?;
-                let begin = Instant::now();
-                let mut buf = vec![0u8; 65536];
-                for _ in 0..1000 {
-                    if flag.load(Ordering::SeqCst) || begin.elapsed() >= max {
-                        break;
-                    }
-                    let sent = Instant::now();
-                    let result = match sock.send(b"hostname") {
-                        Err(e) => Err(e.kind()),
-                        Ok(_) => match sock.recv(&mut buf) {
-                            Ok(n) => Ok(reply_text(&buf[..n])),
-                            Err(e) => Err(match e.kind() {
-                                io::ErrorKind::WouldBlock => io::ErrorKind::TimedOut,
-                                k => k,
-                            }),
-                        },
-                    };
-                    out.lock().unwrap().push(Shot { sent, result });
-                    let spent = sent.elapsed();
-                    if spent < interval {
-                        std::thread::sleep(interval - spent);
-                    }
-                }
-                Ok(())
-            })
-        });
-        UdpProbe {
-            stop,
-            shots,
-            handle,
-        }
-    }
-
-    /// What the probe got so far.
-    fn snapshot(&self) -> Vec<Shot> {
-        self.shots.lock().unwrap().clone()
-    }
-
-    fn finish(self) -> Vec<Shot> {
-        self.stop.store(true, Ordering::SeqCst);
-        let shots = self.shots.clone();
-        self.handle
-            .join()
-            .expect("probe thread panicked")
-            .expect("enter client namespace")
-            .expect("probe socket");
-        let v = shots.lock().unwrap().clone();
-        v
-    }
-}
-
-/// Signed milliseconds from `origin` to `t`.
-fn ms_since(origin: Instant, t: Instant) -> i64 {
-    if t >= origin {
-        (t - origin).as_millis() as i64
-    } else {
-        -((origin - t).as_millis() as i64)
-    }
-}
-
-fn describe(shots: &[Shot], origin: Instant) -> String {
-    shots
-        .iter()
-        .map(|s| {
-            format!(
-                "{:+}ms:{}",
-                ms_since(origin, s.sent),
-                match &s.result {
-                    Ok(n) => n.clone(),
-                    Err(k) => format!("{k:?}"),
-                }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+    support::assert_answered_by(ns, addr, n, expected, what, false)
 }
 
 // ================================================================ tests

@@ -11,7 +11,9 @@ use xtask::client::{self, reply_text};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
-const T: Duration = Duration::from_secs(2);
+mod support;
+use support::T;
+
 const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
 
 fn manifests() -> String {

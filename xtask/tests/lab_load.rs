@@ -13,9 +13,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket};
-use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -25,8 +22,10 @@ use xtask::client::{self, reply_text};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
-/// Timeout of one request (connect, each read and write).
-const T: Duration = Duration::from_secs(2);
+mod support;
+// `T` (2 s): also the timeout of a stream's connect, and of each read and write.
+use support::{frontend, ms_since as ms, pod, T};
+
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// No traffic thread runs longer than this, whatever happens.
@@ -53,13 +52,6 @@ fn svc(name: &str, app: Option<&str>, extra_tcp: &[(&str, u16)]) -> String {
     y
 }
 
-/// A Pod labelled `app: <app>`; its server listens on 80 (TCP and UDP).
-fn pod(name: &str, app: &str) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
-    )
-}
-
 /// An EndpointSlice `<service>-1` (ports `tcp`, `udp` 80) with endpoints
 /// `(ip, ready, serving, terminating)` on node-1.
 fn slice(service: &str, eps: &[(Ipv4Addr, bool, bool, bool)]) -> String {
@@ -80,109 +72,26 @@ fn slice(service: &str, eps: &[(Ipv4Addr, bool, bool, bool)]) -> String {
 
 // ---------------------------------------------------------------- lab runner
 
-fn agent_bin() -> PathBuf {
-    std::env::var_os("KPR_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
-}
-
-/// The agent's log tail and its pinned maps, while the lab still exists.
-fn diagnostics(lab: &Lab) {
-    let log = lab.agent_log();
-    let lines: Vec<&str> = log.lines().collect();
-    eprintln!(
-        "==== lab {} agent.log (last 60 of {} lines) ====\n{}",
-        lab.id(),
-        lines.len(),
-        lines[lines.len().saturating_sub(60)..].join("\n")
-    );
-    for what in ["services", "stats", "conntrack"] {
-        let out = Command::new(agent_bin())
-            .args(["inspect", what, "--bpffs"])
-            .arg(&lab.info().bpffs)
-            .output();
-        match out {
-            Ok(o) => {
-                let text = String::from_utf8_lossy(&o.stdout);
-                let lines: Vec<&str> = text.lines().collect();
-                eprintln!(
-                    "==== proxy-agent inspect {what} --bpffs {} ({} lines, first 80) ====\n{}{}",
-                    lab.info().bpffs.display(),
-                    lines.len(),
-                    lines[..lines.len().min(80)].join("\n"),
-                    String::from_utf8_lossy(&o.stderr)
-                )
-            }
-            Err(e) => eprintln!("==== proxy-agent inspect {what}: {e}"),
-        }
-    }
-}
-
 /// Starts a lab with `yaml`, waits for the agent's first sync and its
-/// attachments, runs `f`. On a panic in `f`, prints diagnostics while the lab
-/// still exists; the lab is dropped (torn down) before the panic resumes.
+/// attachments, runs `f`; see [`support::with_lab`]. On failure, prints the
+/// first 80 lines of each `proxy-agent inspect`.
 fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    let started = Instant::now();
-    let mut lab = Lab::builder()
-        .manifests_yaml(yaml)
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .start()
-        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
-    let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        lab.wait_ready(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-        lab.wait_attached(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-        println!(
-            "[{test}] lab {} ready in {} ms",
-            lab.id(),
-            started.elapsed().as_millis()
-        );
-        f(&mut lab)
-    }));
-    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
-        diagnostics(&lab);
-    }
-    drop(lab);
-    println!("[{test}] done in {} ms", started.elapsed().as_millis());
-    if let Err(e) = result {
-        panic::resume_unwind(e);
-    }
+    support::with_lab(test, yaml, SYNC_TIMEOUT, Some(80), f)
 }
 
 /// Waits for the agent's sync after the last manifest write, and its
 /// attachments; returns how long that took.
 fn synced(lab: &mut Lab) -> Duration {
-    let t = Instant::now();
-    lab.wait_synced(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
-    lab.wait_attached(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-    t.elapsed()
+    support::synced(lab, SYNC_TIMEOUT)
 }
 
 /// `lab.apply(yaml)` and [`synced`].
 fn apply(lab: &mut Lab, yaml: &str) -> Duration {
-    lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
-    synced(lab)
-}
-
-fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
-    lab.cluster_frontend(service, port, proto)
-        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
+    support::apply(lab, yaml, SYNC_TIMEOUT)
 }
 
 fn tcp_hostname_here(addr: SocketAddrV4) -> io::Result<String> {
     client::tcp_request_here(addr, b"hostname\n", T).map(|r| reply_text(&r))
-}
-
-/// Milliseconds from `origin` to `t` (negative before).
-fn ms(origin: Instant, t: Instant) -> i64 {
-    if t >= origin {
-        (t - origin).as_millis() as i64
-    } else {
-        -((origin - t).as_millis() as i64)
-    }
 }
 
 // ---------------------------------------------------------------- traffic

@@ -16,23 +16,20 @@
 //! backends (S32, S33: host-originated traffic), service-behaviours K1/K2
 //! (CLOSE_WAIT sysctl, iptables metric).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
-use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use xtask::client::{self, reply_text, Request};
-use xtask::netns::in_netns;
+use xtask::client::{self, reply_text};
 use xtask::Lab;
 
-/// Timeout of one request.
-const T: Duration = Duration::from_secs(2);
+mod support;
+use support::{
+    assert_tcp_dropped, describe, diagnostics_nodes, frontend, run_lab, wait_veth_gone, Shot,
+    UdpProbe, T,
+};
+
 /// How long the agents may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections per client when checking which pods answer.
@@ -177,97 +174,33 @@ fn slice(name: &str, service: &str, port: u16, proto: &str, eps: &[Ep]) -> Strin
 
 // ---------------------------------------------------------------- lab runner
 
-fn agent_bin() -> PathBuf {
-    std::env::var_os("KPR_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
-}
-
-/// `proxy-agent inspect <what> --bpffs <dir>` as text.
-fn inspect(what: &str, bpffs: &std::path::Path) -> String {
-    match Command::new(agent_bin())
-        .args(["inspect", what, "--bpffs"])
-        .arg(bpffs)
-        .output()
-    {
-        Ok(o) => format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => format!("cannot run proxy-agent inspect: {e}"),
-    }
-}
-
-/// Every node's agent log tail and pinned maps.
-fn diagnostics(lab: &Lab) {
-    for n in lab.nodes() {
-        let log = std::fs::read_to_string(&n.agent_log).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        eprintln!(
-            "==== lab {} {} ({}) {} (last 40 of {} lines) ====\n{}",
-            lab.id(),
-            n.name,
-            n.ip,
-            n.agent_log.display(),
-            lines.len(),
-            lines[lines.len().saturating_sub(40)..].join("\n")
-        );
-        for what in ["services", "stats", "conntrack"] {
-            eprintln!(
-                "==== {}: proxy-agent inspect {what} --bpffs {} ====\n{}",
-                n.name,
-                n.bpffs.display(),
-                inspect(what, &n.bpffs)
-            );
-        }
-    }
-}
-
 /// Starts a lab with `nodes` nodes in `zones` and `yaml`, waits for every
-/// agent's first sync and attachments, runs `f`. On a panic in `f`, prints
-/// diagnostics while the lab still exists; the lab is torn down before the
-/// panic resumes.
+/// agent's first sync and attachments, runs `f`; see [`support::run_lab`].
 fn with_lab(test: &str, nodes: usize, zones: &[&str], yaml: &str, f: impl FnOnce(&mut Lab)) {
-    let started = Instant::now();
-    let mut lab = Lab::builder()
-        .nodes(nodes)
-        .zones(zones)
-        .manifests_yaml(yaml)
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .start()
-        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
-    let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        lab.wait_ready(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
-        attached(&mut lab);
-        println!(
-            "[{test}] lab {} with {nodes} nodes ready in {} ms",
-            lab.id(),
-            started.elapsed().as_millis()
-        );
-        f(&mut lab)
-    }));
-    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
-        diagnostics(&lab);
-    }
-    drop(lab);
-    println!("[{test}] done in {} ms", started.elapsed().as_millis());
-    if let Err(e) = result {
-        panic::resume_unwind(e);
-    }
+    run_lab(
+        test,
+        Lab::builder()
+            .nodes(nodes)
+            .zones(zones)
+            .manifests_yaml(yaml),
+        &format!(" with {nodes} nodes"),
+        |lab| {
+            lab.wait_ready(SYNC_TIMEOUT)
+                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
+            attached(lab);
+        },
+        diagnostics_nodes,
+        f,
+    )
 }
 
 fn attached(lab: &mut Lab) {
-    lab.wait_attached(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    support::attached(lab, SYNC_TIMEOUT)
 }
 
 /// `wait_synced` on every agent after a manifest change, then attachments.
 fn synced(lab: &mut Lab) {
-    lab.wait_synced(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agents did not sync: {e:#}"));
-    attached(lab);
+    support::synced_nodes(lab, SYNC_TIMEOUT)
 }
 
 /// A client namespace on `node`: the default client on node-1, else a new
@@ -306,205 +239,13 @@ fn delete_pod(lab: &mut Lab, name: &str) {
     if host_if.is_empty() {
         return;
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let present = Command::new("ip")
-            .args(["-n", &node_ns, "link", "show", "dev", &host_if])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !present {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "veth {host_if} of deleted pod {name} still in {node_ns} after 5 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
-    lab.cluster_frontend(service, port, proto)
-        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
-}
-
-// ---------------------------------------------------------------- requests
-
-/// `n` new TCP connections asking `hostname`, one after another: counts per
-/// answer, and the errors.
-fn tcp_hostnames(ns: &str, addr: SocketAddrV4, n: usize) -> (BTreeMap<String, usize>, Vec<String>) {
-    let reqs = (0..n)
-        .map(|_| Request::tcp(addr, b"hostname\n", T))
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
-    let mut counts = BTreeMap::new();
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(reply) => *counts.entry(reply_text(&reply)).or_insert(0) += 1,
-            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
-        }
-    }
-    (counts, errors)
+    wait_veth_gone(&node_ns, &host_if, name);
 }
 
 /// Asserts that `n` connections from `ns` to `addr` all succeed and are
 /// answered by exactly the pods `expected`.
 fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    let (counts, errors) = tcp_hostnames(ns, addr, n);
-    println!(
-        "{what}: {n} connections to {addr}: {counts:?}, {} errors",
-        errors.len()
-    );
-    assert!(
-        errors.is_empty(),
-        "{what}: {} of {n} connections to {addr} failed: {:?} (answers: {counts:?})",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
-    let want: BTreeSet<&str> = expected.iter().copied().collect();
-    assert_eq!(
-        seen, want,
-        "{what}: pods answering {addr} (counts {counts:?})"
-    );
-}
-
-/// Asserts that `tries` TCP connects from `ns` to `addr` are dropped: each
-/// times out after [`T`] (no RST, no ICMP: not "refused", no answer).
-fn assert_tcp_dropped(ns: &str, addr: SocketAddrV4, tries: usize, what: &str) {
-    for i in 0..tries {
-        let t = Instant::now();
-        let r = client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
-        let el = t.elapsed();
-        match r {
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                println!(
-                    "{what}: TCP {addr} try {}: dropped (timed out after {} ms)",
-                    i + 1,
-                    el.as_millis()
-                );
-            }
-            other => panic!(
-                "{what}: TCP {addr} try {}: expected a drop (timeout), got {other:?} after {} ms",
-                i + 1,
-                el.as_millis()
-            ),
-        }
-    }
-}
-
-// ---------------------------------------------------------------- UDP probe
-
-/// What one datagram of a [`UdpProbe`] got.
-#[derive(Debug, Clone)]
-struct Shot {
-    sent: Instant,
-    result: Result<String, io::ErrorKind>,
-}
-
-/// One UDP socket bound to a fixed source port, connected to a VIP, sending
-/// `hostname` every `interval` until stopped or `max` has passed.
-struct UdpProbe {
-    stop: Arc<AtomicBool>,
-    shots: Arc<Mutex<Vec<Shot>>>,
-    handle: JoinHandle<io::Result<io::Result<()>>>,
-}
-
-impl UdpProbe {
-    fn start(
-        ns: &str,
-        addr: SocketAddrV4,
-        bind_port: u16,
-        interval: Duration,
-        max: Duration,
-    ) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let shots = Arc::new(Mutex::new(Vec::new()));
-        let (flag, out) = (stop.clone(), shots.clone());
-        let ns = ns.to_string();
-        let handle = std::thread::spawn(move || {
-            in_netns(&ns, move || -> io::Result<()> {
-                let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))?;
-                sock.connect(addr)?;
-                sock.set_read_timeout(Some(interval))?;
-                let begin = Instant::now();
-                let mut buf = vec![0u8; 65536];
-                for _ in 0..1000 {
-                    if flag.load(Ordering::SeqCst) || begin.elapsed() >= max {
-                        break;
-                    }
-                    let sent = Instant::now();
-                    let result = match sock.send(b"hostname") {
-                        Err(e) => Err(e.kind()),
-                        Ok(_) => match sock.recv(&mut buf) {
-                            Ok(n) => Ok(reply_text(&buf[..n])),
-                            Err(e) => Err(match e.kind() {
-                                io::ErrorKind::WouldBlock => io::ErrorKind::TimedOut,
-                                k => k,
-                            }),
-                        },
-                    };
-                    out.lock().unwrap().push(Shot { sent, result });
-                    let spent = sent.elapsed();
-                    if spent < interval {
-                        std::thread::sleep(interval - spent);
-                    }
-                }
-                Ok(())
-            })
-        });
-        UdpProbe {
-            stop,
-            shots,
-            handle,
-        }
-    }
-
-    fn snapshot(&self) -> Vec<Shot> {
-        self.shots.lock().unwrap().clone()
-    }
-
-    fn finish(self) -> Vec<Shot> {
-        self.stop.store(true, Ordering::SeqCst);
-        let shots = self.shots.clone();
-        self.handle
-            .join()
-            .expect("probe thread panicked")
-            .expect("enter client namespace")
-            .expect("probe socket");
-        let v = shots.lock().unwrap().clone();
-        v
-    }
-}
-
-fn ms_since(origin: Instant, t: Instant) -> i64 {
-    if t >= origin {
-        (t - origin).as_millis() as i64
-    } else {
-        -((origin - t).as_millis() as i64)
-    }
-}
-
-fn describe(shots: &[Shot], origin: Instant) -> String {
-    shots
-        .iter()
-        .map(|s| {
-            format!(
-                "{:+}ms:{}",
-                ms_since(origin, s.sent),
-                match &s.result {
-                    Ok(n) => n.clone(),
-                    Err(k) => format!("{k:?}"),
-                }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+    support::assert_answered_by(ns, addr, n, expected, what, true)
 }
 
 // ================================================================ tests

@@ -27,8 +27,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::panic::{self, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -36,8 +34,13 @@ use xtask::client::{self, reply_text, Request};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
-/// Timeout of one request (also how long a drop takes to show).
-const T: Duration = Duration::from_secs(2);
+mod support;
+// `T` (2 s) is also how long a drop takes to show.
+use support::{
+    assert_tcp_dropped, count_answers, diagnostics_nodes, frontend as cluster_ip, inspect, run_lab,
+    T,
+};
+
 /// How long the agents may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections per check of which pods answer.
@@ -197,28 +200,6 @@ fn slice(lab: &Lab, name: &str, service: &str, port: u16, eps: &[(&str, bool, bo
 
 // ---------------------------------------------------------------- lab runner
 
-fn agent_bin() -> PathBuf {
-    std::env::var_os("KPR_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
-}
-
-/// `proxy-agent inspect <what> --bpffs <dir>` as text.
-fn inspect(what: &str, bpffs: &Path) -> String {
-    match Command::new(agent_bin())
-        .args(["inspect", what, "--bpffs"])
-        .arg(bpffs)
-        .output()
-    {
-        Ok(o) => format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => format!("cannot run proxy-agent inspect: {e}"),
-    }
-}
-
 /// One counter of `proxy-agent inspect stats` on `node` (0 if not listed).
 fn stat(lab: &Lab, node: &str, name: &str) -> u64 {
     let n = lab.node_named(node).expect("node");
@@ -235,31 +216,6 @@ fn stat(lab: &Lab, node: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Every node's agent log tail and pinned maps.
-fn diagnostics(lab: &Lab) {
-    for n in lab.nodes() {
-        let log = std::fs::read_to_string(&n.agent_log).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        eprintln!(
-            "==== lab {} {} ({}) {} (last 40 of {} lines) ====\n{}",
-            lab.id(),
-            n.name,
-            n.ip,
-            n.agent_log.display(),
-            lines.len(),
-            lines[lines.len().saturating_sub(40)..].join("\n")
-        );
-        for what in ["services", "stats", "conntrack"] {
-            eprintln!(
-                "==== {}: proxy-agent inspect {what} --bpffs {} ====\n{}",
-                n.name,
-                n.bpffs.display(),
-                inspect(what, &n.bpffs)
-            );
-        }
-    }
-}
-
 /// Starts a lab with `nodes` nodes, the switch and the external client, and
 /// `yaml`; waits for every agent's first sync and attachments (pod veths and
 /// `eth0`), runs `f`. On a panic in `f`, prints diagnostics while the lab
@@ -274,40 +230,27 @@ fn with_lab(test: &str, nodes: usize, yaml: &str, f: impl Fn(&mut Lab)) {
 }
 
 fn with_lab_mode(test: &str, mode: &str, nodes: usize, yaml: &str, f: &impl Fn(&mut Lab)) {
-    let started = Instant::now();
-    let mut lab = Lab::builder()
-        .nodes(nodes)
-        .external(true)
-        .manifests_yaml(yaml)
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--acceleration")
-        .agent_arg(mode)
-        .start()
-        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
-    let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        lab.wait_ready(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
-        attached(&mut lab);
-        println!(
-            "[{test}] lab {} with {nodes} nodes ready in {} ms",
-            lab.id(),
-            started.elapsed().as_millis()
-        );
-        f(&mut lab)
-    }));
-    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
-        diagnostics(&lab);
-    }
-    drop(lab);
-    println!("[{test}] done in {} ms", started.elapsed().as_millis());
-    if let Err(e) = result {
-        panic::resume_unwind(e);
-    }
+    run_lab(
+        test,
+        Lab::builder()
+            .nodes(nodes)
+            .external(true)
+            .manifests_yaml(yaml)
+            .agent_arg("--acceleration")
+            .agent_arg(mode),
+        &format!(" with {nodes} nodes"),
+        |lab| {
+            lab.wait_ready(SYNC_TIMEOUT)
+                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
+            attached(lab);
+        },
+        diagnostics_nodes,
+        f,
+    )
 }
 
 fn attached(lab: &mut Lab) {
-    lab.wait_attached(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    support::attached(lab, SYNC_TIMEOUT)
 }
 
 /// `apply`, then every agent's sync, then attachments.
@@ -317,9 +260,7 @@ fn apply(lab: &mut Lab, yaml: &str) {
 }
 
 fn synced(lab: &mut Lab) {
-    lab.wait_synced(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agents did not sync: {e:#}"));
-    attached(lab);
+    support::synced_nodes(lab, SYNC_TIMEOUT)
 }
 
 /// The external client's namespace.
@@ -400,11 +341,6 @@ fn node_port(lab: &Lab, service: &str, port: u16, proto: &str, node: &str) -> So
         .unwrap_or_else(|| panic!("no {proto} NodePort of {service}:{port} on {node}"))
 }
 
-fn cluster_ip(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
-    lab.cluster_frontend(service, port, proto)
-        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
-}
-
 // ---------------------------------------------------------------- requests
 
 /// `n` new TCP connections sending `req`, one after another: counts per
@@ -415,18 +351,7 @@ fn tcp_answers(
     req: &[u8],
     n: usize,
 ) -> (BTreeMap<String, usize>, Vec<String>) {
-    let reqs = (0..n).map(|_| Request::tcp(addr, req, T)).collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
-    let mut counts = BTreeMap::new();
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(reply) => *counts.entry(reply_text(&reply)).or_insert(0) += 1,
-            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
-        }
-    }
-    (counts, errors)
+    count_answers(ns, (0..n).map(|_| Request::tcp(addr, req, T)).collect())
 }
 
 /// As [`tcp_answers`] over UDP (a new socket, so a new flow, per datagram).
@@ -436,18 +361,7 @@ fn udp_answers(
     req: &[u8],
     n: usize,
 ) -> (BTreeMap<String, usize>, Vec<String>) {
-    let reqs = (0..n).map(|_| Request::udp(addr, req, T)).collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
-    let mut counts = BTreeMap::new();
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(reply) => *counts.entry(reply_text(&reply)).or_insert(0) += 1,
-            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
-        }
-    }
-    (counts, errors)
+    count_answers(ns, (0..n).map(|_| Request::udp(addr, req, T)).collect())
 }
 
 /// Asserts that `n` requests (TCP or UDP) from `ns` to `addr` all succeed and
@@ -510,28 +424,6 @@ fn assert_tcp_ok(ns: &str, addr: SocketAddrV4, what: &str) -> String {
             e.kind(),
             t.elapsed().as_millis()
         ),
-    }
-}
-
-/// Asserts that `tries` TCP connects from `ns` to `addr` are dropped: each
-/// times out after [`T`] (no RST, no ICMP).
-fn assert_tcp_dropped(ns: &str, addr: SocketAddrV4, tries: usize, what: &str) {
-    for i in 0..tries {
-        let t = Instant::now();
-        let r = client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
-        let el = t.elapsed();
-        match r {
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => println!(
-                "{what}: TCP {addr} try {}: dropped (timed out after {} ms)",
-                i + 1,
-                el.as_millis()
-            ),
-            other => panic!(
-                "{what}: TCP {addr} try {}: expected a drop (timeout), got {other:?} after {} ms",
-                i + 1,
-                el.as_millis()
-            ),
-        }
     }
 }
 

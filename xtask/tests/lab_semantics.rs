@@ -20,8 +20,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
-use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -29,8 +27,10 @@ use xtask::client::{self, reply_text, Request};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
-/// Timeout of one request (connect, each read and write).
-const T: Duration = Duration::from_secs(2);
+mod support;
+// `T` (2 s): also the timeout of a stream's connect, and of each read and write.
+use support::{agent_bin, assert_tcp_refused, pod, tcp_hostname, T};
+
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -60,13 +60,6 @@ fn client_ip_affinity(timeout: Option<u32>) -> String {
         ));
     }
     y
-}
-
-/// A Pod labelled `app: <app>`; its server listens on 80 (TCP and UDP).
-fn pod(name: &str, app: &str) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
-    )
 }
 
 /// One endpoint of an EndpointSlice written by a test.
@@ -139,90 +132,22 @@ fn slice(service: &str, eps: &[Ep]) -> String {
 
 // ---------------------------------------------------------------- lab runner
 
-fn agent_bin() -> PathBuf {
-    std::env::var_os("KPR_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
-}
-
-/// The agent's log tail and its pinned maps, while the lab still exists.
-fn diagnostics(lab: &Lab) {
-    let log = lab.agent_log();
-    let lines: Vec<&str> = log.lines().collect();
-    eprintln!(
-        "==== lab {} agent.log (last 60 of {} lines) ====\n{}",
-        lab.id(),
-        lines.len(),
-        lines[lines.len().saturating_sub(60)..].join("\n")
-    );
-    for what in ["services", "stats", "conntrack"] {
-        let out = Command::new(agent_bin())
-            .args(["inspect", what, "--bpffs"])
-            .arg(&lab.info().bpffs)
-            .output();
-        match out {
-            Ok(o) => eprintln!(
-                "==== proxy-agent inspect {what} --bpffs {} ====\n{}{}",
-                lab.info().bpffs.display(),
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-            Err(e) => eprintln!("==== proxy-agent inspect {what}: {e}"),
-        }
-    }
-}
-
 /// Starts a lab with `yaml`, waits for the agent's first sync and its
-/// attachments, runs `f`. On a panic in `f`, prints diagnostics while the lab
-/// still exists; the lab is dropped (torn down) before the panic resumes.
+/// attachments, runs `f`; see [`support::with_lab`].
 fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    let started = Instant::now();
-    let mut lab = Lab::builder()
-        .manifests_yaml(yaml)
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .start()
-        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
-    let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        lab.wait_ready(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-        lab.wait_attached(SYNC_TIMEOUT)
-            .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-        println!(
-            "[{test}] lab {} ready in {} ms",
-            lab.id(),
-            started.elapsed().as_millis()
-        );
-        f(&mut lab)
-    }));
-    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
-        diagnostics(&lab);
-    }
-    drop(lab);
-    println!("[{test}] done in {} ms", started.elapsed().as_millis());
-    if let Err(e) = result {
-        panic::resume_unwind(e);
-    }
+    support::with_lab(test, yaml, SYNC_TIMEOUT, None, f)
 }
 
 /// `lab.apply(yaml)`, then waits for the agent's sync and its attachments.
 fn apply(lab: &mut Lab, yaml: &str) {
-    lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
-    lab.wait_synced(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
-    lab.wait_attached(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+    support::apply(lab, yaml, SYNC_TIMEOUT);
 }
 
 fn frontend(lab: &Lab, service: &str, proto: &str) -> SocketAddrV4 {
-    lab.cluster_frontend(service, 80, proto)
-        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:80"))
+    support::frontend(lab, service, 80, proto)
 }
 
 // ---------------------------------------------------------------- requests
-
-fn tcp_hostname(ns: &str, addr: SocketAddrV4) -> io::Result<String> {
-    client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r))
-}
 
 /// `n` requests (new TCP connections, or UDP datagrams each from a new
 /// socket, i.e. a new source port) asking `hostname`, one after another:
@@ -298,22 +223,6 @@ fn answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, pods: &[&str
         seen, want,
         "{what}: pods answering {proto} {addr} (counts {c:?})"
     );
-}
-
-/// A TCP connect to `addr` must be refused (RST or ICMP), quickly.
-fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) {
-    let t = Instant::now();
-    let r = tcp_hostname(ns, addr);
-    let el = t.elapsed();
-    match r {
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            println!("{what}: TCP {addr} refused in {} ms", el.as_millis())
-        }
-        other => panic!(
-            "{what}: TCP {addr}: expected ConnectionRefused, got {other:?} after {} ms",
-            el.as_millis()
-        ),
-    }
 }
 
 /// A UDP datagram to `addr` must be refused (ICMP port unreachable).

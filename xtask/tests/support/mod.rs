@@ -1,0 +1,472 @@
+//! Helpers shared by the lab tests (`tests/lab*.rs`): the lab runner with
+//! diagnostics on failure, requests counting which pod answered, and the
+//! assertions built on them. Each test file includes it with `mod support;`.
+
+// Each test file is its own crate and uses only part of this module: what one
+// file leaves unused would otherwise warn as dead code in that crate.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use xtask::client::{self, reply_text, Request};
+use xtask::lab::LabBuilder;
+use xtask::netns::in_netns;
+use xtask::Lab;
+
+/// Timeout of one request.
+pub const T: Duration = Duration::from_secs(2);
+
+// ---------------------------------------------------------------- manifests
+
+/// A Pod labelled `app: <app>`; its server listens on 80 (TCP and UDP).
+pub fn pod(name: &str, app: &str) -> String {
+    format!(
+        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
+    )
+}
+
+// ---------------------------------------------------------------- lab runner
+
+pub fn agent_bin() -> PathBuf {
+    std::env::var_os("KPR_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| xtask::setup::target_dir().join("debug/proxy-agent"))
+}
+
+/// `proxy-agent inspect <what> --bpffs <dir>` as text.
+pub fn inspect(what: &str, bpffs: &Path) -> String {
+    match Command::new(agent_bin())
+        .args(["inspect", what, "--bpffs"])
+        .arg(bpffs)
+        .output()
+    {
+        Ok(o) => format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => format!("cannot run proxy-agent inspect: {e}"),
+    }
+}
+
+/// The agent's log tail and its pinned maps, while the (one-node) lab still
+/// exists. `inspect_lines`: print at most the first that many lines of each
+/// `inspect` output (None: all of it).
+pub fn diagnostics(lab: &Lab, inspect_lines: Option<usize>) {
+    let log = lab.agent_log();
+    let lines: Vec<&str> = log.lines().collect();
+    eprintln!(
+        "==== lab {} agent.log (last 60 of {} lines) ====\n{}",
+        lab.id(),
+        lines.len(),
+        lines[lines.len().saturating_sub(60)..].join("\n")
+    );
+    for what in ["services", "stats", "conntrack"] {
+        let out = Command::new(agent_bin())
+            .args(["inspect", what, "--bpffs"])
+            .arg(&lab.info().bpffs)
+            .output();
+        match (out, inspect_lines) {
+            (Ok(o), None) => eprintln!(
+                "==== proxy-agent inspect {what} --bpffs {} ====\n{}{}",
+                lab.info().bpffs.display(),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            (Ok(o), Some(max)) => {
+                let text = String::from_utf8_lossy(&o.stdout);
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!(
+                    "==== proxy-agent inspect {what} --bpffs {} ({} lines, first {max}) ====\n{}{}",
+                    lab.info().bpffs.display(),
+                    lines.len(),
+                    lines[..lines.len().min(max)].join("\n"),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            }
+            (Err(e), _) => eprintln!("==== proxy-agent inspect {what}: {e}"),
+        }
+    }
+}
+
+/// Every node's agent log tail and pinned maps (multi-node labs).
+pub fn diagnostics_nodes(lab: &Lab) {
+    for n in lab.nodes() {
+        let log = std::fs::read_to_string(&n.agent_log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        eprintln!(
+            "==== lab {} {} ({}) {} (last 40 of {} lines) ====\n{}",
+            lab.id(),
+            n.name,
+            n.ip,
+            n.agent_log.display(),
+            lines.len(),
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        );
+        for what in ["services", "stats", "conntrack"] {
+            eprintln!(
+                "==== {}: proxy-agent inspect {what} --bpffs {} ====\n{}",
+                n.name,
+                n.bpffs.display(),
+                inspect(what, &n.bpffs)
+            );
+        }
+    }
+}
+
+/// Starts the lab `builder` describes (with the lab server), runs `ready`
+/// (which waits for the agents), prints `[<test>] lab <id><label> ready in`,
+/// runs `f`. On a panic in `ready` or `f`, runs `diagnostics` while the lab
+/// still exists (also with `KPR_LAB_DIAG` set); the lab is torn down before
+/// the panic resumes.
+pub fn run_lab<F: FnOnce(&mut Lab)>(
+    test: &str,
+    builder: LabBuilder,
+    label: &str,
+    ready: impl FnOnce(&mut Lab),
+    diagnostics: impl FnOnce(&Lab),
+    f: F,
+) {
+    let started = Instant::now();
+    let mut lab = builder
+        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
+        .start()
+        .unwrap_or_else(|e| panic!("{test}: lab start: {e:#}"));
+    let result = panic::catch_unwind(AssertUnwindSafe(|| {
+        ready(&mut lab);
+        println!(
+            "[{test}] lab {}{label} ready in {} ms",
+            lab.id(),
+            started.elapsed().as_millis()
+        );
+        f(&mut lab)
+    }));
+    if result.is_err() || std::env::var_os("KPR_LAB_DIAG").is_some() {
+        diagnostics(&lab);
+    }
+    drop(lab);
+    println!("[{test}] done in {} ms", started.elapsed().as_millis());
+    if let Err(e) = result {
+        panic::resume_unwind(e);
+    }
+}
+
+/// Starts a one-node lab with `yaml`, waits (up to `sync_timeout`) for the
+/// agent's first sync and its attachments, runs `f` (see [`run_lab`]);
+/// `inspect_lines` as in [`diagnostics`].
+pub fn with_lab(
+    test: &str,
+    yaml: &str,
+    sync_timeout: Duration,
+    inspect_lines: Option<usize>,
+    f: impl FnOnce(&mut Lab),
+) {
+    run_lab(
+        test,
+        Lab::builder().manifests_yaml(yaml),
+        "",
+        |lab| {
+            lab.wait_ready(sync_timeout)
+                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
+            lab.wait_attached(sync_timeout)
+                .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+        },
+        |lab| diagnostics(lab, inspect_lines),
+        f,
+    )
+}
+
+/// Waits (up to `sync_timeout`) for the agent's sync after the last manifest
+/// write, and its attachments; returns how long that took.
+pub fn synced(lab: &mut Lab, sync_timeout: Duration) -> Duration {
+    let t = Instant::now();
+    lab.wait_synced(sync_timeout)
+        .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
+    lab.wait_attached(sync_timeout)
+        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+    t.elapsed()
+}
+
+/// `lab.apply(yaml)` and [`synced`]; returns how long the sync took.
+pub fn apply(lab: &mut Lab, yaml: &str, sync_timeout: Duration) -> Duration {
+    lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
+    synced(lab, sync_timeout)
+}
+
+/// Waits for every agent's attachments (multi-node labs).
+pub fn attached(lab: &mut Lab, sync_timeout: Duration) {
+    lab.wait_attached(sync_timeout)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+/// `wait_synced` on every agent after a manifest change, then [`attached`]
+/// (multi-node labs).
+pub fn synced_nodes(lab: &mut Lab, sync_timeout: Duration) {
+    lab.wait_synced(sync_timeout)
+        .unwrap_or_else(|e| panic!("agents did not sync: {e:#}"));
+    attached(lab, sync_timeout);
+}
+
+/// Waits (up to 5 s) until the host-side veth `host_if` of the deleted pod
+/// `name` is gone from the node namespace `node_ns`. `ip netns del` returns
+/// before the kernel destroyed the namespace's veth.
+pub fn wait_veth_gone(node_ns: &str, host_if: &str, name: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let present = Command::new("ip")
+            .args(["-n", node_ns, "link", "show", "dev", host_if])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if !present {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "veth {host_if} of deleted pod {name} still in {node_ns} after 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The ClusterIP frontend of `service`'s `proto` port `port`.
+pub fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
+    lab.cluster_frontend(service, port, proto)
+        .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
+}
+
+// ---------------------------------------------------------------- requests
+
+pub fn tcp_hostname(ns: &str, addr: SocketAddrV4) -> io::Result<String> {
+    client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r))
+}
+
+/// `reqs` sent from `ns` one after another (within 120 s): counts per
+/// answer, and the errors.
+pub fn count_answers(ns: &str, reqs: Vec<Request>) -> (BTreeMap<String, usize>, Vec<String>) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
+    let mut counts = BTreeMap::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(reply) => *counts.entry(reply_text(&reply)).or_insert(0) += 1,
+            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
+        }
+    }
+    (counts, errors)
+}
+
+/// `n` new TCP connections asking `hostname`, one after another on one
+/// thread: counts per answer, and the errors.
+pub fn tcp_hostnames(
+    ns: &str,
+    addr: SocketAddrV4,
+    n: usize,
+) -> (BTreeMap<String, usize>, Vec<String>) {
+    count_answers(
+        ns,
+        (0..n)
+            .map(|_| Request::tcp(addr, b"hostname\n", T))
+            .collect(),
+    )
+}
+
+/// Asserts that `n` connections from `ns` to `addr` all succeed and are
+/// answered by exactly the pods `expected`. `show_answers`: the failure
+/// message on errors also lists the answers.
+pub fn assert_answered_by(
+    ns: &str,
+    addr: SocketAddrV4,
+    n: usize,
+    expected: &[&str],
+    what: &str,
+    show_answers: bool,
+) {
+    let (counts, errors) = tcp_hostnames(ns, addr, n);
+    println!(
+        "{what}: {n} connections to {addr}: {counts:?}, {} errors",
+        errors.len()
+    );
+    let answers = if show_answers {
+        format!(" (answers: {counts:?})")
+    } else {
+        String::new()
+    };
+    assert!(
+        errors.is_empty(),
+        "{what}: {} of {n} connections to {addr} failed: {:?}{answers}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
+    let want: BTreeSet<&str> = expected.iter().copied().collect();
+    assert_eq!(
+        seen, want,
+        "{what}: pods answering {addr} (counts {counts:?})"
+    );
+}
+
+/// Asserts a TCP connect to `addr` is refused (RST or ICMP) quickly; returns
+/// the time it took.
+pub fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) -> Duration {
+    let t = Instant::now();
+    let r = tcp_hostname(ns, addr);
+    let el = t.elapsed();
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            println!("{what}: TCP {addr} refused in {} ms", el.as_millis());
+            el
+        }
+        other => panic!(
+            "{what}: TCP {addr}: expected ConnectionRefused, got {other:?} after {} ms",
+            el.as_millis()
+        ),
+    }
+}
+
+/// Asserts that `tries` TCP connects from `ns` to `addr` are dropped: each
+/// times out after [`T`] (no RST, no ICMP: not "refused", no answer).
+pub fn assert_tcp_dropped(ns: &str, addr: SocketAddrV4, tries: usize, what: &str) {
+    for i in 0..tries {
+        let t = Instant::now();
+        let r = client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
+        let el = t.elapsed();
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => println!(
+                "{what}: TCP {addr} try {}: dropped (timed out after {} ms)",
+                i + 1,
+                el.as_millis()
+            ),
+            other => panic!(
+                "{what}: TCP {addr} try {}: expected a drop (timeout), got {other:?} after {} ms",
+                i + 1,
+                el.as_millis()
+            ),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- UDP probe
+
+/// What one datagram of a [`UdpProbe`] got.
+#[derive(Debug, Clone)]
+pub struct Shot {
+    pub sent: Instant,
+    pub result: Result<String, io::ErrorKind>,
+}
+
+/// One UDP socket bound to a fixed source port, connected to a VIP, sending
+/// `hostname` every `interval` (like a statsd or DNS client) until stopped
+/// or `max` has passed.
+pub struct UdpProbe {
+    stop: Arc<AtomicBool>,
+    shots: Arc<Mutex<Vec<Shot>>>,
+    handle: JoinHandle<io::Result<io::Result<()>>>,
+}
+
+impl UdpProbe {
+    pub fn start(
+        ns: &str,
+        addr: SocketAddrV4,
+        bind_port: u16,
+        interval: Duration,
+        max: Duration,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let shots = Arc::new(Mutex::new(Vec::new()));
+        let (flag, out) = (stop.clone(), shots.clone());
+        let ns = ns.to_string();
+        let handle = std::thread::spawn(move || {
+            in_netns(&ns, move || -> io::Result<()> {
+                let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))?;
+                sock.connect(addr)?;
+                sock.set_read_timeout(Some(interval))?;
+                let begin = Instant::now();
+                let mut buf = vec![0u8; 65536];
+                for _ in 0..1000 {
+                    if flag.load(Ordering::SeqCst) || begin.elapsed() >= max {
+                        break;
+                    }
+                    let sent = Instant::now();
+                    let result = match sock.send(b"hostname") {
+                        Err(e) => Err(e.kind()),
+                        Ok(_) => match sock.recv(&mut buf) {
+                            Ok(n) => Ok(reply_text(&buf[..n])),
+                            Err(e) => Err(match e.kind() {
+                                io::ErrorKind::WouldBlock => io::ErrorKind::TimedOut,
+                                k => k,
+                            }),
+                        },
+                    };
+                    out.lock().unwrap().push(Shot { sent, result });
+                    let spent = sent.elapsed();
+                    if spent < interval {
+                        std::thread::sleep(interval - spent);
+                    }
+                }
+                Ok(())
+            })
+        });
+        UdpProbe {
+            stop,
+            shots,
+            handle,
+        }
+    }
+
+    /// What the probe got so far.
+    pub fn snapshot(&self) -> Vec<Shot> {
+        self.shots.lock().unwrap().clone()
+    }
+
+    pub fn finish(self) -> Vec<Shot> {
+        self.stop.store(true, Ordering::SeqCst);
+        let shots = self.shots.clone();
+        self.handle
+            .join()
+            .expect("probe thread panicked")
+            .expect("enter client namespace")
+            .expect("probe socket");
+        let v = shots.lock().unwrap().clone();
+        v
+    }
+}
+
+/// Signed milliseconds from `origin` to `t`.
+pub fn ms_since(origin: Instant, t: Instant) -> i64 {
+    if t >= origin {
+        (t - origin).as_millis() as i64
+    } else {
+        -((origin - t).as_millis() as i64)
+    }
+}
+
+/// The shots as `+<ms>:<answer or error>`, from `origin`.
+pub fn describe(shots: &[Shot], origin: Instant) -> String {
+    shots
+        .iter()
+        .map(|s| {
+            format!(
+                "{:+}ms:{}",
+                ms_since(origin, s.sent),
+                match &s.result {
+                    Ok(n) => n.clone(),
+                    Err(k) => format!("{k:?}"),
+                }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
