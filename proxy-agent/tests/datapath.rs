@@ -155,6 +155,55 @@ impl Harness {
         assert!(ok, "ip -n {} {args:?}", self.netns);
     }
 
+    /// Gives the test netns a "wire": a veth `kprv0` (MAC 02:..:aa) with a
+    /// route to `route` and permanent neighbours `(address, MAC)`, and turns
+    /// forwarding on, so that the FIB answers as on a node.
+    fn wire(&self, route: &str, neighbours: &[(&str, &str)]) {
+        self.ip(&["link", "set", "lo", "up"]);
+        self.ip(&[
+            "link",
+            "add",
+            "kprv0",
+            "address",
+            "02:00:00:00:00:aa",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "kprv1",
+        ]);
+        self.ip(&["link", "set", "kprv0", "up"]);
+        self.ip(&["link", "set", "kprv1", "up"]);
+        self.ip(&["route", "add", route, "dev", "kprv0"]);
+        for (addr, mac) in neighbours {
+            self.ip(&[
+                "neigh",
+                "add",
+                addr,
+                "lladdr",
+                mac,
+                "dev",
+                "kprv0",
+                "nud",
+                "permanent",
+            ]);
+        }
+        let ok = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.netns,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+                "net.ipv4.conf.lo.forwarding=1",
+            ])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "sysctl in {}", self.netns);
+    }
+
     fn stats(&self) -> BTreeMap<u32, u64> {
         PinnedMaps::new(&self.pin_dir).stats().expect("stats")
     }
@@ -396,47 +445,7 @@ fn dnat_and_reverse_nat_udp() {
 fn translated_packet_is_redirected_with_fib_macs() {
     let mut h = Harness::new();
     h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
-    h.ip(&["link", "set", "lo", "up"]);
-    h.ip(&[
-        "link",
-        "add",
-        "kprv0",
-        "address",
-        "02:00:00:00:00:aa",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "kprv1",
-    ]);
-    h.ip(&["link", "set", "kprv0", "up"]);
-    h.ip(&["link", "set", "kprv1", "up"]);
-    h.ip(&["route", "add", "198.18.1.0/24", "dev", "kprv0"]);
-    h.ip(&[
-        "neigh",
-        "add",
-        "198.18.1.10",
-        "lladdr",
-        "02:00:00:00:00:bb",
-        "dev",
-        "kprv0",
-        "nud",
-        "permanent",
-    ]);
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &h.netns,
-            "sysctl",
-            "-qw",
-            "net.ipv4.ip_forward=1",
-            "net.ipv4.conf.lo.forwarding=1",
-        ])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
+    h.wire("198.18.1.0/24", &[("198.18.1.10", "02:00:00:00:00:bb")]);
     let (rc, out) = h.run(&tcp_packet(CLIENT, 40001, VIP, 80, SYN, b""));
     assert_eq!(rc, TC_ACT_REDIRECT);
     assert_eq!(
@@ -1180,58 +1189,13 @@ fn xdp_translates_external_flows_to_remote_backends() {
     }
     d.local_endpoints.insert(B1);
     assert!(h.writer.sync(&d).errors.is_empty());
-    h.ip(&["link", "set", "lo", "up"]);
-    h.ip(&[
-        "link",
-        "add",
-        "kprv0",
-        "address",
-        "02:00:00:00:00:aa",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "kprv1",
-    ]);
-    h.ip(&["link", "set", "kprv0", "up"]);
-    h.ip(&["link", "set", "kprv1", "up"]);
-    h.ip(&["route", "add", "198.18.0.0/16", "dev", "kprv0"]);
-    h.ip(&[
-        "neigh",
-        "add",
-        "198.18.2.10",
-        "lladdr",
-        "02:00:00:00:00:bb",
-        "dev",
-        "kprv0",
-        "nud",
-        "permanent",
-    ]);
-    h.ip(&[
-        "neigh",
-        "add",
-        "198.18.0.100",
-        "lladdr",
-        "02:00:00:00:00:cc",
-        "dev",
-        "kprv0",
-        "nud",
-        "permanent",
-    ]);
-    let ok = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &h.netns,
-            "sysctl",
-            "-qw",
-            "net.ipv4.ip_forward=1",
-            "net.ipv4.conf.lo.forwarding=1",
-        ])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
+    h.wire(
+        "198.18.0.0/16",
+        &[
+            ("198.18.2.10", "02:00:00:00:00:bb"),
+            ("198.18.0.100", "02:00:00:00:00:cc"),
+        ],
+    );
     let xdp: &Xdp = h
         .ebpf
         .program(proxy_agent::bpf::EXT_XDP_PROGRAM)
