@@ -153,7 +153,7 @@ pub fn markdown(r: &Results) -> String {
         ))) {
             let mut row = format!("| {mode} |");
             if mode == "proxy-xdp" {
-                row.push_str(" n/a (no XDP datapath yet) | | | | | | |");
+                row.push_str(" n/a (XDP only changes external traffic to backends on other nodes; none in this lab) | | | | | | |");
                 let _ = writeln!(s, "{row}");
                 continue;
             }
