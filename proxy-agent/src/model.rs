@@ -107,11 +107,14 @@ pub struct Frontend {
     pub port_name: String,
     /// The backends new flows are balanced over. Sorted, without duplicates.
     pub backends: Vec<BackendAddr>,
-    /// Terminating endpoints of this service port that are not in `backends`:
-    /// kept in the backends map, without a slot, so that flows already using
-    /// them keep working until they end (field bug C5). Sorted, without
-    /// duplicates, disjoint from `backends`. Endpoints that are merely not
-    /// ready (not terminating) are not retained.
+    /// Endpoints of this service port still listed but not in `backends`
+    /// (terminating, not ready, or filtered out by topology or a Local
+    /// policy): kept in the backends map, without a slot, so that flows
+    /// already using them keep working until they end (field bug C5; as
+    /// kube-proxy, whose conntrack keeps established TCP connections to an
+    /// endpoint that turned unready). An endpoint removed from the slices is
+    /// not retained: its flows move on (UDP) or are reset (TCP). Sorted,
+    /// without duplicates, disjoint from `backends`.
     pub retained: Vec<BackendAddr>,
     /// [`proxy_common::svc_flags`] bits: [`svc_flags::DROP_NO_BACKEND`] when
     /// `backends` is empty but usable endpoints exist elsewhere in the
@@ -1201,13 +1204,13 @@ fn local_endpoint_addresses<'a>(
         .collect()
 }
 
-/// The terminating endpoints not in `backends` (field bug C5: "Keep
-/// terminating backends in the backend map with a flag (excluded from
-/// selection, valid for existing flows)"). Sorted, deduplicated.
+/// The listed endpoints not in `backends` (field bug C5: "Keep terminating
+/// backends in the backend map with a flag (excluded from selection, valid
+/// for existing flows)"; the same holds for endpoints that turned unready, as
+/// kube-proxy's conntrack keeps their established connections). Sorted,
+/// deduplicated.
 fn retained_backends(endpoints: &[EndpointInfo], backends: &[BackendAddr]) -> Vec<BackendAddr> {
-    select(endpoints, |e| {
-        e.terminating && backends.binary_search(&e.addr).is_err()
-    })
+    select(endpoints, |e| !backends.contains(&e.addr))
 }
 
 /// Whether an EndpointSlice port serves this service port: same name (empty
