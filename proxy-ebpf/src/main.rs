@@ -115,6 +115,22 @@ struct Packet {
     l4_present: bool,
 }
 
+impl Packet {
+    /// The conntrack key of this packet's tuple, as it is in the packet.
+    #[inline(always)]
+    fn ct_key(&self, dir: u8) -> Ct4Key {
+        Ct4Key {
+            saddr_be: self.saddr_be,
+            daddr_be: self.daddr_be,
+            sport_be: self.sport_be,
+            dport_be: self.dport_be,
+            proto: self.proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
@@ -266,15 +282,7 @@ fn try_ext_ingress(ctx: &TcContext) -> Result<Verdict, u32> {
 /// frontend; for hairpin and port-SNAT flows the destination back to the
 /// client), then delivery. `None` when the packet is no such reply.
 fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Option<Result<Verdict, u32>> {
-    let rkey = Ct4Key {
-        saddr_be: pkt.saddr_be,
-        daddr_be: pkt.daddr_be,
-        sport_be: pkt.sport_be,
-        dport_be: pkt.dport_be,
-        proto: pkt.proto,
-        dir: ct_dir::REPLY,
-        _pad: [0; 2],
-    };
+    let rkey = pkt.ct_key(ct_dir::REPLY);
     let ct = CT4_V1.get_ptr(rkey)?;
     if !l4_complete {
         return Some(Ok((TC_ACT_OK as i32, stat::PASS_MALFORMED)));
@@ -655,15 +663,7 @@ fn decide_inner(
     };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let skey = Ct4Key {
-        saddr_be: pkt.saddr_be,
-        daddr_be: pkt.daddr_be,
-        sport_be: pkt.sport_be,
-        dport_be: pkt.dport_be,
-        proto: pkt.proto,
-        dir: ct_dir::SERVICE,
-        _pad: [0; 2],
-    };
+    let skey = pkt.ct_key(ct_dir::SERVICE);
     let client_be = pkt.saddr_be;
     let client_port_be = pkt.sport_be;
 
@@ -1268,15 +1268,7 @@ fn try_ext_xdp(ctx: &XdpContext) -> Result<(u32, u32), u32> {
         };
         (to, code)
     } else {
-        let rkey = Ct4Key {
-            saddr_be: pkt.saddr_be,
-            daddr_be: pkt.daddr_be,
-            sport_be: pkt.sport_be,
-            dport_be: pkt.dport_be,
-            proto: pkt.proto,
-            dir: ct_dir::REPLY,
-            _pad: [0; 2],
-        };
+        let rkey = pkt.ct_key(ct_dir::REPLY);
         let Some(ct) = CT4_V1.get_ptr(rkey) else {
             return defer;
         };
