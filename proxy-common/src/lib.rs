@@ -11,6 +11,9 @@
 //! new one; aya truncates names past 15 bytes, so they stay short.
 #![no_std]
 
+pub mod conntrack;
+pub mod csum;
+
 use core::mem::{offset_of, size_of};
 use core::net::Ipv4Addr;
 

@@ -1,0 +1,290 @@
+//! Conntrack rules both sides apply: the datapath when it judges a flow, the
+//! agent when it garbage-collects the map. Written once, here, so that the two
+//! can never disagree about when an entry expires or which entries belong to
+//! one flow.
+//!
+//! A flow has two entries: the SERVICE entry, keyed by the tuple the client
+//! sends (before DNAT), and the REPLY entry, keyed by the tuple the backend
+//! sends back (before reverse NAT). The derivations below turn one into the
+//! other.
+
+use crate::{ct_dir, ct_flags, Config, Ct4Key, Ct4Value, RevNat4, IPPROTO_TCP};
+
+/// Nanoseconds in a second (`bpf_ktime_get_ns()` counts nanoseconds).
+pub const NSEC_PER_SEC: u64 = 1_000_000_000;
+
+/// TCP header flag bits (byte 13 of the TCP header).
+pub mod tcp {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const ACK: u8 = 0x10;
+}
+
+/// How long an entry of protocol `proto` with [`ct_flags`] `flags` lives
+/// without traffic, in nanoseconds: per protocol and, for TCP, per state
+/// (opening, established, closing), from the configured timeouts.
+#[inline(always)]
+pub fn timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
+    let s = if proto != IPPROTO_TCP {
+        cfg.ct_udp_s
+    } else if flags & ct_flags::TCP_CLOSING != 0 {
+        cfg.ct_tcp_closing_s
+    } else if flags & ct_flags::TCP_SYN != 0 {
+        cfg.ct_tcp_syn_s
+    } else {
+        cfg.ct_tcp_established_s
+    };
+    s as u64 * NSEC_PER_SEC
+}
+
+/// Whether entry `v` of protocol `proto` is still alive at `now_ns`.
+#[inline(always)]
+pub fn alive(cfg: &Config, proto: u8, v: &Ct4Value, now_ns: u64) -> bool {
+    now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns(cfg, proto, v.flags)
+}
+
+/// The TCP state bits of an entry after a segment with header flags
+/// `tcp_flags`, given its previous [`ct_flags`] `prev` (non-state bits kept).
+///
+/// FIN or RST: closing. A SYN without ACK: opening, which also reopens a
+/// closing tuple (the client reused its port). Anything else: established.
+#[inline(always)]
+pub fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
+    let mut f = prev & !(ct_flags::TCP_SYN);
+    if tcp_flags & (tcp::FIN | tcp::RST) != 0 {
+        f |= ct_flags::TCP_CLOSING;
+    } else if tcp_flags & tcp::SYN != 0 && tcp_flags & tcp::ACK == 0 {
+        f = (f & !ct_flags::TCP_CLOSING) | ct_flags::TCP_SYN;
+    }
+    f
+}
+
+/// Whether an entry should be refreshed: its state changed, or its timestamp
+/// is more than a second old (refreshing on every packet would make every
+/// packet write the entry).
+#[inline(always)]
+pub fn needs_refresh(v: &Ct4Value, flags: u16, now_ns: u64) -> bool {
+    flags != v.flags || now_ns.saturating_sub(v.last_seen_ns) > NSEC_PER_SEC
+}
+
+impl Ct4Key {
+    /// The REPLY key of a flow: the backend (`backend_addr_be`,
+    /// `backend_port_be`) answering the client as the backend sees it
+    /// (`client_addr_be`, `client_port_be`: after any SNAT).
+    #[inline(always)]
+    pub const fn reply(
+        proto: u8,
+        backend_addr_be: u32,
+        backend_port_be: u16,
+        client_addr_be: u32,
+        client_port_be: u16,
+    ) -> Self {
+        Self {
+            saddr_be: backend_addr_be,
+            daddr_be: client_addr_be,
+            sport_be: backend_port_be,
+            dport_be: client_port_be,
+            proto,
+            dir: ct_dir::REPLY,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The SERVICE key of the flow this REPLY key and entry `v` belong to:
+    /// the client as it sent the packet (the REPLY entry keeps its original
+    /// address and port when they were SNATed) to the frontend `rev`.
+    #[inline(always)]
+    pub const fn service_of_reply(&self, v: &Ct4Value, rev: &RevNat4) -> Self {
+        Self {
+            saddr_be: if v.flags & ct_flags::SNAT_ADDR != 0 {
+                v.nat_addr_be
+            } else {
+                self.daddr_be
+            },
+            daddr_be: rev.addr_be,
+            sport_be: if v.flags & ct_flags::SNAT_PORT != 0 {
+                v.nat_port_be
+            } else {
+                self.dport_be
+            },
+            dport_be: rev.port_be,
+            proto: self.proto,
+            dir: ct_dir::SERVICE,
+            _pad: [0; 2],
+        }
+    }
+}
+
+impl Ct4Value {
+    /// The REPLY entry of a flow of frontend `rev_nat_id` to backend
+    /// `backend_id` whose SERVICE entry has [`ct_flags`] `flags`, for the
+    /// client `client_addr_be`:`client_port_be` as it sent the packet: it
+    /// names the frontend to restore as the source and, where the client was
+    /// SNATed, the client's own address and port to restore as destination.
+    #[inline(always)]
+    pub const fn reply_of(
+        backend_id: u32,
+        rev_nat_id: u16,
+        flags: u16,
+        client_addr_be: u32,
+        client_port_be: u16,
+        now_ns: u64,
+    ) -> Self {
+        let snat_addr = flags & ct_flags::SNAT_ADDR != 0;
+        let snat_port = flags & ct_flags::SNAT_PORT != 0;
+        Self {
+            backend_id,
+            nat_addr_be: if snat_addr { client_addr_be } else { 0 },
+            rev_nat_id,
+            flags: flags & (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT),
+            nat_port_be: if snat_port { client_port_be } else { 0 },
+            _pad: 0,
+            last_seen_ns: now_ns,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IPPROTO_UDP;
+
+    fn entry(flags: u16, last_seen_ns: u64) -> Ct4Value {
+        Ct4Value {
+            flags,
+            last_seen_ns,
+            ..Ct4Value::default()
+        }
+    }
+
+    #[test]
+    fn timeouts_follow_protocol_and_tcp_state() {
+        let cfg = Config::default();
+        let s = |n: u32| n as u64 * NSEC_PER_SEC;
+        assert_eq!(timeout_ns(&cfg, IPPROTO_UDP, 0), s(cfg.ct_udp_s));
+        // UDP ignores TCP state bits.
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_UDP, ct_flags::TCP_CLOSING),
+            s(cfg.ct_udp_s)
+        );
+        assert_eq!(timeout_ns(&cfg, IPPROTO_TCP, 0), s(cfg.ct_tcp_established_s));
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::TCP_SYN),
+            s(cfg.ct_tcp_syn_s)
+        );
+        // Closing wins over an opening bit left set.
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::TCP_SYN | ct_flags::TCP_CLOSING),
+            s(cfg.ct_tcp_closing_s)
+        );
+        // SNAT bits do not change the timeout.
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT),
+            s(cfg.ct_tcp_established_s)
+        );
+    }
+
+    #[test]
+    fn alive_until_the_timeout_inclusive() {
+        let cfg = Config::default();
+        let t = timeout_ns(&cfg, IPPROTO_UDP, 0);
+        let v = entry(0, 1_000);
+        assert!(alive(&cfg, IPPROTO_UDP, &v, 1_000 + t));
+        assert!(!alive(&cfg, IPPROTO_UDP, &v, 1_000 + t + 1));
+        // A clock before the entry (another CPU wrote it a moment later) is alive.
+        assert!(alive(&cfg, IPPROTO_UDP, &v, 0));
+    }
+
+    #[test]
+    fn tcp_state_transitions() {
+        use tcp::*;
+        // SYN opens; SYN+ACK, ACK and data establish.
+        assert_eq!(tcp_state(0, SYN), ct_flags::TCP_SYN);
+        assert_eq!(tcp_state(ct_flags::TCP_SYN, SYN | ACK), 0);
+        assert_eq!(tcp_state(ct_flags::TCP_SYN, ACK), 0);
+        // FIN or RST closes, and closing stays until a new SYN.
+        assert_eq!(tcp_state(0, FIN | ACK), ct_flags::TCP_CLOSING);
+        assert_eq!(tcp_state(0, RST), ct_flags::TCP_CLOSING);
+        assert_eq!(tcp_state(ct_flags::TCP_CLOSING, ACK), ct_flags::TCP_CLOSING);
+        assert_eq!(tcp_state(ct_flags::TCP_CLOSING, SYN), ct_flags::TCP_SYN);
+        // A SYN+ACK does not reopen a closing tuple.
+        assert_eq!(
+            tcp_state(ct_flags::TCP_CLOSING, SYN | ACK),
+            ct_flags::TCP_CLOSING
+        );
+        // NAT bits survive every transition.
+        let nat = ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
+        assert_eq!(tcp_state(nat | ct_flags::TCP_SYN, ACK), nat);
+        assert_eq!(tcp_state(nat, FIN), nat | ct_flags::TCP_CLOSING);
+        assert_eq!(tcp_state(nat | ct_flags::TCP_CLOSING, SYN), nat | ct_flags::TCP_SYN);
+    }
+
+    #[test]
+    fn refresh_on_state_change_or_after_a_second() {
+        let v = entry(0, 10 * NSEC_PER_SEC);
+        assert!(!needs_refresh(&v, 0, 10 * NSEC_PER_SEC + NSEC_PER_SEC));
+        assert!(needs_refresh(&v, 0, 11 * NSEC_PER_SEC + 1));
+        assert!(needs_refresh(&v, ct_flags::TCP_CLOSING, 10 * NSEC_PER_SEC));
+    }
+
+    const CLIENT: u32 = u32::from_ne_bytes([198, 18, 1, 2]);
+    const NODE: u32 = u32::from_ne_bytes([198, 18, 0, 1]);
+    const BACKEND: u32 = u32::from_ne_bytes([198, 18, 2, 10]);
+    const VIP: u32 = u32::from_ne_bytes([198, 19, 0, 10]);
+
+    /// A flow's SERVICE key → its REPLY key and entry → back to the SERVICE
+    /// key, with and without SNAT of the address and the port.
+    #[test]
+    fn reply_and_service_keys_are_inverse() {
+        let rev = RevNat4 {
+            addr_be: VIP,
+            port_be: 80u16.to_be(),
+            _pad: 0,
+        };
+        let (cport, bport, nport) = (40000u16.to_be(), 8080u16.to_be(), 50000u16.to_be());
+        let skey = Ct4Key {
+            saddr_be: CLIENT,
+            daddr_be: VIP,
+            sport_be: cport,
+            dport_be: rev.port_be,
+            proto: IPPROTO_TCP,
+            dir: ct_dir::SERVICE,
+            _pad: [0; 2],
+        };
+        let cases = [
+            (0, CLIENT, cport),
+            (ct_flags::SNAT_ADDR, NODE, cport),
+            (ct_flags::SNAT_PORT, CLIENT, nport),
+            (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, NODE, nport),
+        ];
+        for (flags, seen_addr, seen_port) in cases {
+            let service = Ct4Value {
+                backend_id: 7,
+                nat_addr_be: if flags & ct_flags::SNAT_ADDR != 0 { NODE } else { 0 },
+                rev_nat_id: 3,
+                flags: flags | ct_flags::TCP_SYN,
+                nat_port_be: if flags & ct_flags::SNAT_PORT != 0 { nport } else { 0 },
+                _pad: 0,
+                last_seen_ns: 5,
+            };
+            let rkey = Ct4Key::reply(IPPROTO_TCP, BACKEND, bport, seen_addr, seen_port);
+            assert_eq!(rkey.dir, ct_dir::REPLY);
+            assert_eq!((rkey.saddr_be, rkey.sport_be), (BACKEND, bport));
+            let rval = Ct4Value::reply_of(
+                service.backend_id,
+                service.rev_nat_id,
+                service.flags,
+                CLIENT,
+                cport,
+                9,
+            );
+            assert_eq!(rval.backend_id, 7);
+            assert_eq!(rval.rev_nat_id, 3);
+            assert_eq!(rval.last_seen_ns, 9);
+            // Only the NAT bits, never the TCP state, go to the reply entry.
+            assert_eq!(rval.flags, flags);
+            assert_eq!(rkey.service_of_reply(&rval, &rev), skey, "flags {flags:#x}");
+        }
+    }
+}
