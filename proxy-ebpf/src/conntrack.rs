@@ -1,0 +1,197 @@
+//! Connection tracking: the two entries of every translated flow (SERVICE,
+//! keyed by what the client sends; REPLY, keyed by what the backend sends
+//! back), their lookup, creation and restoration. The rules for timeouts, TCP
+//! state and key derivations are `proxy_common::conntrack`'s, shared with the
+//! agent's garbage collector.
+
+use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
+use proxy_common::{
+    conntrack::{alive, needs_refresh, tcp_state},
+    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, IPPROTO_TCP,
+};
+
+use crate::{
+    lb::{backend, rev_nat},
+    maps::{count, CT4_V1},
+    parse::Packet,
+};
+
+/// The state of one flow as the forward path needs it.
+#[derive(Clone, Copy, Default)]
+pub struct Flow {
+    pub backend_id: u32,
+    pub backend: Backend4,
+    /// [`ct_flags`] of the SERVICE entry.
+    pub flags: u16,
+    /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
+    pub nat_addr_be: u32,
+    /// With [`ct_flags::SNAT_PORT`]: the source port the backend sees.
+    pub nat_port_be: u16,
+}
+
+impl Flow {
+    #[inline(always)]
+    fn of(v: &Ct4Value, backend: Backend4) -> Self {
+        Flow {
+            backend_id: v.backend_id,
+            backend,
+            flags: v.flags,
+            nat_addr_be: v.nat_addr_be,
+            nat_port_be: v.nat_port_be,
+        }
+    }
+
+    /// The client's address and port as the backend sees them (after SNAT).
+    #[inline(always)]
+    pub fn client_seen(&self, pkt: &Packet) -> (u32, u16) {
+        (
+            if self.flags & ct_flags::SNAT_ADDR != 0 {
+                self.nat_addr_be
+            } else {
+                pkt.saddr_be
+            },
+            if self.flags & ct_flags::SNAT_PORT != 0 {
+                self.nat_port_be
+            } else {
+                pkt.sport_be
+            },
+        )
+    }
+
+    /// The REPLY key of this flow.
+    #[inline(always)]
+    pub fn reply_key(&self, pkt: &Packet) -> Ct4Key {
+        let (addr, port) = self.client_seen(pkt);
+        Ct4Key::reply(
+            pkt.proto,
+            self.backend.addr_be,
+            self.backend.port_be,
+            addr,
+            port,
+        )
+    }
+}
+
+/// Conntrack first: the tracked flow of `skey` (the packet's SERVICE key)
+/// while its entry is alive and its backend exists; its TCP state follows the
+/// packet. Fills `flow` and returns true when there is one.
+///
+/// (An out-parameter, not `Option<Flow>`: LLVM may read the undefined payload
+/// of a `None` speculatively, which the verifier refuses.)
+#[inline(always)]
+pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Flow) -> bool {
+    let Some(ct) = CT4_V1.get_ptr_mut(*skey) else {
+        return false;
+    };
+    // SAFETY: LRU value pointer; fields are read and written individually.
+    let c = unsafe { &mut *ct };
+    if !alive(cfg, pkt.proto, c, now) {
+        return false;
+    }
+    let Some(b) = backend(c.backend_id) else {
+        return false;
+    };
+    let flags = if pkt.proto == IPPROTO_TCP && pkt.l4_present {
+        tcp_state(c.flags, pkt.tcp_flags)
+    } else {
+        c.flags
+    };
+    if needs_refresh(c, flags, now) {
+        c.flags = flags;
+        c.last_seen_ns = now;
+    }
+    *flow = Flow::of(c, b);
+    true
+}
+
+/// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
+#[inline(always)]
+pub fn lookup_reply(pkt: &Packet) -> Option<Ct4Value> {
+    let ct = CT4_V1.get_ptr(pkt.ct_key(ct_dir::REPLY))?;
+    // SAFETY: a map value pointer, read once into a copy.
+    Some(unsafe { *ct })
+}
+
+/// Whether the backend-side tuple `rkey` belongs to another live flow: one of
+/// another frontend (two frontends sharing a backend, hit from the same client
+/// address and port — field bug C6) whose SERVICE entry is still alive.
+pub fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64) -> bool {
+    let Some(e) = CT4_V1.get_ptr(*rkey) else {
+        return false;
+    };
+    // SAFETY: map value pointer, copied.
+    let e = unsafe { *e };
+    if e.rev_nat_id == rev_nat_id {
+        // An earlier flow of the same frontend on the same tuple: reused.
+        return false;
+    }
+    let Some(rev) = rev_nat(e.rev_nat_id) else {
+        return false;
+    };
+    match CT4_V1.get_ptr(rkey.service_of_reply(&e, &rev)) {
+        // SAFETY: map value pointer, copied.
+        Some(o) => {
+            let o = unsafe { *o };
+            o.backend_id == e.backend_id && alive(cfg, rkey.proto, &o, now)
+        }
+        None => false,
+    }
+}
+
+/// Creates the SERVICE entry `sval` of a new flow `mine` at `skey`, and
+/// sets `flow` to the flow as it stands. A racing first packet of the same
+/// flow on another CPU may have won: its choice is followed rather than the
+/// flow split (field bug K8).
+#[inline(always)]
+pub fn create(
+    cfg: &Config,
+    pkt: &Packet,
+    skey: &Ct4Key,
+    sval: &Ct4Value,
+    mine: &Flow,
+    now: u64,
+    flow: &mut Flow,
+) {
+    *flow = *mine;
+    if CT4_V1.insert(*skey, *sval, BPF_NOEXIST as u64).is_ok() {
+        return;
+    }
+    if let Some(w) = CT4_V1.get_ptr(*skey) {
+        // SAFETY: map value pointer, copied.
+        let w = unsafe { *w };
+        if alive(cfg, pkt.proto, &w, now) {
+            if let Some(wb) = backend(w.backend_id) {
+                *flow = Flow::of(&w, wb);
+                return;
+            }
+        }
+    }
+    if CT4_V1.insert(*skey, *sval, BPF_ANY as u64).is_err() {
+        count(stat::CT_INSERT_FAILED);
+    }
+}
+
+/// The REPLY entry of `flow`: written for a new flow; written again for a
+/// tracked flow whose reply entry the LRU evicted, so replies are always
+/// translated.
+#[inline(always)]
+pub fn ensure_reply(pkt: &Packet, flow: &Flow, rev_nat_id: u16, established: bool, now: u64) {
+    let rkey = flow.reply_key(pkt);
+    let restore = established && CT4_V1.get_ptr(rkey).is_none();
+    if restore {
+        count(stat::CT_REPLY_RESTORED);
+    }
+    if !established || restore {
+        let rval = Ct4Value::reply_of(
+            flow.backend_id,
+            rev_nat_id,
+            flow.flags,
+            pkt.saddr_be,
+            pkt.sport_be,
+            now,
+        );
+        if CT4_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+            count(stat::CT_INSERT_FAILED);
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Delivery of translated packets: a FIB lookup, the TTL decremented as
+//! forwarding would, the MACs written, then a redirect — `bpf_redirect_peer`
+//! into a local pod, `bpf_redirect` / `bpf_redirect_neigh` otherwise (tc), or
+//! XDP_TX / XDP_REDIRECT (XDP) — so neither direction walks netfilter.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, bpf_redir_neigh, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
+    },
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::{csum, iface_flags, stat};
+
+use crate::{
+    maps::{count, IFACE_V1},
+    nat::Tuple,
+    parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_TTL_OFF},
+};
+
+const AF_INET: u8 = 2;
+
+/// Delivers a translated tc packet (counted under `code`) by redirect after
+/// a FIB lookup; falls back to the stack when the FIB has no answer.
+pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
+    count(code);
+    let pass = (TC_ACT_OK as i32, stat::PASS_FIB_MISS);
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = pkt.proto;
+    p.sport = pkt.sport_be;
+    p.dport = pkt.dport_be;
+    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    // SAFETY: the context pointer is valid for this program run.
+    p.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    p.__bindgen_anon_3.ipv4_src = pkt.saddr_be;
+    p.__bindgen_anon_4.ipv4_dst = pkt.daddr_be;
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            &mut p,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    } as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        return pass;
+    }
+    // Forwarding decrements the TTL, as the stack would have.
+    let Ok(ttl_proto) = ctx.load::<[u8; 2]>(IP_TTL_OFF) else {
+        return pass;
+    };
+    if ttl_proto[0] <= 1 {
+        return (TC_ACT_OK as i32, stat::PASS_TTL);
+    }
+    let new = [ttl_proto[0] - 1, ttl_proto[1]];
+    let old_w = u16::from_ne_bytes(ttl_proto) as u64;
+    let new_w = u16::from_ne_bytes(new) as u64;
+    if ctx.l3_csum_replace(IP_CSUM_OFF, old_w, new_w, 2).is_err()
+        || ctx.store(IP_TTL_OFF, &new, 0).is_err()
+    {
+        return (TC_ACT_SHOT as i32, stat::DROP_REWRITE_FAILED);
+    }
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        let mut nh = bpf_redir_neigh {
+            nh_family: AF_INET as u32,
+            __bindgen_anon_1: unsafe { core::mem::zeroed() },
+        };
+        // SAFETY: writing a plain field of a stack union.
+        unsafe { nh.__bindgen_anon_1.ipv4_nh = p.__bindgen_anon_4.ipv4_dst };
+        // SAFETY: nh is a stack struct of the size given.
+        let r = unsafe {
+            bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
+        };
+        return (r as i32, stat::REDIRECT_NEIGH);
+    }
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&p.dmac);
+    macs[6..].copy_from_slice(&p.smac);
+    if ctx.store(0, &macs, 0).is_err() {
+        return (TC_ACT_SHOT as i32, stat::DROP_REWRITE_FAILED);
+    }
+    let pod = match IFACE_V1.get_ptr(p.ifindex) {
+        // SAFETY: map value pointer, read once.
+        Some(i) => (unsafe { (*i).flags } & iface_flags::POD) != 0,
+        None => false,
+    };
+    // SAFETY: plain helpers taking an ifindex.
+    let r = unsafe {
+        if pod {
+            bpf_redirect_peer(p.ifindex, 0)
+        } else {
+            bpf_redirect(p.ifindex, 0)
+        }
+    };
+    (r as i32, stat::REDIRECT)
+}
+
+/// The FIB's answer for the translated tuple `to` of an XDP frame: the output
+/// device and MACs, when XDP can send there itself (a complete answer, not a
+/// pod).
+pub fn xdp_fib(ctx: &XdpContext, pkt: &Packet, to: &Tuple) -> Option<FibParams> {
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = pkt.proto;
+    p.sport = to.sport_be;
+    p.dport = to.dport_be;
+    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    p.__bindgen_anon_3.ipv4_src = to.saddr_be;
+    p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
+        as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
+        return None;
+    }
+    Some(p)
+}
+
+/// TTL, MACs, then XDP_TX (same device) or XDP_REDIRECT.
+pub fn xdp_send(ctx: &XdpContext, p: &FibParams) -> (u32, u32) {
+    let (Some(ip), Some(eth)) = (
+        xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN),
+        xdp_ptr::<[u8; 12]>(ctx, 0),
+    ) else {
+        return (xdp_action::XDP_DROP, stat::DROP_REWRITE_FAILED);
+    };
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        if (*ip).ttl <= 1 {
+            // Translated already; the stack answers with time exceeded.
+            return (xdp_action::XDP_PASS, stat::PASS_TTL);
+        }
+        let old = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];
+        (*ip).ttl -= 1;
+        let new = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];
+        (*ip).check = csum::update((*ip).check, &old, &new);
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&p.dmac);
+        macs[6..].copy_from_slice(&p.smac);
+        *eth = macs;
+    }
+    if p.ifindex == ctx.ingress_ifindex() as u32 {
+        return (xdp_action::XDP_TX, stat::XDP_TX);
+    }
+    // SAFETY: plain helper taking an ifindex.
+    let r = unsafe { bpf_redirect(p.ifindex, 0) } as u32;
+    (r, stat::XDP_REDIRECT)
+}

@@ -1,0 +1,140 @@
+//! The forward decision for a packet sent to a frontend, shared by tc and
+//! XDP: conntrack first (a tracked flow keeps its backend while that backend
+//! exists); else a new flow — source ranges, [`lb::select`], the SNAT it needs
+//! and its source port, [`conntrack::create`]; then the REPLY entry. Only the
+//! rewrite and the delivery differ between the programs.
+
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use proxy_common::{
+    backend_state, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags,
+    Config, Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
+};
+
+use crate::{
+    conntrack::{self, Flow},
+    lb,
+    maps::{count, CONFIG_V1},
+    nat,
+    parse::Packet,
+    verdict::Verdict,
+};
+
+/// [`decide`] mode bit: called from XDP.
+pub const FROM_XDP: u8 = 0x80;
+
+/// The forward direction's decision for a packet to frontend `fe`: fills
+/// `flow` and returns `Deliver(FWD_NEW | FWD_ESTABLISHED)` when the packet is
+/// to be translated; otherwise what to do instead. From XDP, flows to a
+/// backend on this node are deferred to tc (which delivers to pods with
+/// `bpf_redirect_peer`) before anything is written.
+///
+/// `mode`: the frontend scope, or-ed with [`FROM_XDP`]. A BPF function call of
+/// its own (the verifier limits the stack of one frame); a BPF call takes at
+/// most five arguments.
+pub fn decide(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Verdict {
+    match decide_inner(pkt, fe, mode, flow) {
+        Ok(code) => Verdict::Deliver(code),
+        Err(v) => v,
+    }
+}
+
+/// The datapath's configuration, once an agent of this layout wrote it.
+#[inline(always)]
+fn config() -> Result<&'static Config, Verdict> {
+    match CONFIG_V1.get(0) {
+        Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
+        _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
+    }
+}
+
+#[inline(always)]
+fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Result<u32, Verdict> {
+    let xdp = mode & FROM_XDP != 0;
+    let cfg = config()?;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let skey = pkt.ct_key(ct_dir::SERVICE);
+
+    let established = conntrack::lookup(cfg, pkt, &skey, now, flow);
+    if established {
+        if xdp && flow.backend.state & backend_state::LOCAL != 0 {
+            return Err(Verdict::Pass(stat::XDP_DEFERRED));
+        }
+    } else {
+        if !pkt.l4_present {
+            // A later fragment of a flow that is not tracked: nothing to follow.
+            return Err(Verdict::Pass(stat::PASS_FRAGMENT));
+        }
+        new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
+    }
+    conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, established, now);
+    Ok(if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    })
+}
+
+/// A new flow to frontend `fe`: source ranges checked, a backend selected,
+/// its SNAT and source port chosen, its SERVICE entry created; `flow` is
+/// the flow as it stands (ours, or a racing packet's).
+#[inline(always)]
+fn new_flow(
+    cfg: &Config,
+    pkt: &Packet,
+    skey: &Ct4Key,
+    fe: &Svc4Value,
+    mode: u8,
+    now: u64,
+    flow: &mut Flow,
+) -> Result<(), Verdict> {
+    let xdp = mode & FROM_XDP != 0;
+    let scope = mode & !FROM_XDP;
+    let external = scope == SCOPE_EXTERNAL;
+    let client_be = pkt.saddr_be;
+    if external
+        && fe.flags & svc_flags::SOURCE_RANGES != 0
+        && !lb::source_allowed(fe.rev_nat_id, client_be)
+    {
+        return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
+    }
+    let (backend_id, b) = lb::select(pkt, &lb::frontend_key(pkt, scope), fe, now)?;
+    if xdp && b.state & backend_state::LOCAL != 0 {
+        return Err(Verdict::Pass(stat::XDP_DEFERRED));
+    }
+    let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, external);
+    if pkt.proto == IPPROTO_TCP {
+        flags |= tcp_state(0, pkt.tcp_flags);
+        if pkt.tcp_flags & tcp::SYN == 0 {
+            count(stat::CT_NEW_MIDSTREAM);
+        }
+    }
+    let mut mine = Flow {
+        backend_id,
+        backend: b,
+        flags,
+        nat_addr_be,
+        nat_port_be: 0,
+    };
+    // The backend-side tuple must not belong to another live flow.
+    let mut rkey = mine.reply_key(pkt);
+    if flags & ct_flags::SNAT_PORT != 0 {
+        mine.nat_port_be = nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+        count(stat::SNAT_NODE);
+    } else if conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
+        mine.nat_port_be = nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+        mine.flags |= ct_flags::SNAT_PORT;
+        count(stat::SNAT_PORT_COLLISION);
+    }
+    let sval = Ct4Value {
+        backend_id,
+        nat_addr_be,
+        rev_nat_id: fe.rev_nat_id,
+        flags: mine.flags,
+        nat_port_be: mine.nat_port_be,
+        _pad: 0,
+        last_seen_ns: now,
+    };
+    conntrack::create(cfg, pkt, skey, &sval, &mine, now, flow);
+    Ok(())
+}

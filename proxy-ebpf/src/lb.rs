@@ -1,0 +1,117 @@
+//! Load balancing: the frontend lookup and the choice of a backend for a new
+//! flow (session affinity, else a random slot), from the services, backends,
+//! affinity and source-range maps. Hash lookups only; nothing here loops
+//! over backends.
+
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey, helpers::bpf_get_prandom_u32};
+use proxy_common::{
+    conntrack::NSEC_PER_SEC, stat, svc_flags, Affinity4Key, Affinity4Value, Backend4, RevNat4,
+    SourceRange4, Svc4Key, Svc4Value, SOURCE_RANGE_ID_BITS,
+};
+
+use crate::{
+    maps::{count, AFFINITY4_V1, BACKEND4_V1, REVNAT4_V1, SRCRANGE4_V1, SVC4_V1},
+    parse::Packet,
+    verdict::Verdict,
+};
+
+/// The services-map key of the frontend a packet is sent to, in `scope`
+/// (slot 0).
+#[inline(always)]
+pub fn frontend_key(pkt: &Packet, scope: u8) -> Svc4Key {
+    Svc4Key {
+        addr_be: pkt.daddr_be,
+        port_be: pkt.dport_be,
+        slot: 0,
+        proto: pkt.proto,
+        scope,
+        _pad: [0; 2],
+    }
+}
+
+/// The backend with id `id`.
+pub fn backend(id: u32) -> Option<Backend4> {
+    // SAFETY: map value pointer, copied.
+    BACKEND4_V1.get_ptr(id).map(|b| unsafe { *b })
+}
+
+/// The frontend that replies of reverse-NAT id `id` come from.
+#[inline(always)]
+pub fn rev_nat(id: u16) -> Option<RevNat4> {
+    // SAFETY: map value pointer, copied.
+    REVNAT4_V1.get_ptr(id).map(|r| unsafe { *r })
+}
+
+/// Whether a client in `addr_be` may open flows to the frontend with
+/// `rev_nat_id` (its `loadBalancerSourceRanges`).
+pub fn source_allowed(rev_nat_id: u16, addr_be: u32) -> bool {
+    let key = LpmKey {
+        prefix_len: SOURCE_RANGE_ID_BITS + 32,
+        data: SourceRange4 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be,
+        },
+    };
+    SRCRANGE4_V1.get(&key).is_some()
+}
+
+/// Picks a backend for a new flow to frontend `fe` (at `fe_key`): the
+/// client's session affinity while it is valid, else a random slot. `Err`
+/// when there is none to pick: drop when the endpoints may not be used from
+/// this node, else reject.
+pub fn select(
+    pkt: &Packet,
+    fe_key: &Svc4Key,
+    fe: &Svc4Value,
+    now: u64,
+) -> Result<(u32, Backend4), Verdict> {
+    if fe.count == 0 {
+        if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
+            return Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND));
+        }
+        // Answered by the caller, outside this call chain (stack depth).
+        return Err(Verdict::Reject(stat::REJECT_NO_BACKEND));
+    }
+    let akey = Affinity4Key {
+        client_be: pkt.saddr_be,
+        rev_nat_id: fe.rev_nat_id,
+        _pad: 0,
+    };
+    let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
+    if timeout_ns != 0 {
+        if let Some(a) = AFFINITY4_V1.get_ptr_mut(akey) {
+            // SAFETY: LRU value pointer; fields read and written individually.
+            let a = unsafe { &mut *a };
+            if now.saturating_sub(a.last_used_ns) <= timeout_ns {
+                if let Some(b) = backend(a.backend_id) {
+                    // Refreshed by each new connection, as kube-proxy's
+                    // `recent --set` does; conntrack never extends it.
+                    a.last_used_ns = now;
+                    count(stat::AFFINITY_HIT);
+                    return Ok((a.backend_id, b));
+                }
+            }
+        }
+    }
+    // SAFETY: helper without arguments.
+    let r = unsafe { bpf_get_prandom_u32() };
+    let slot = (r % fe.count as u32) as u16 + 1;
+    let Some(sv) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
+        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    // SAFETY: map value pointer, copied.
+    let id = unsafe { (*sv).backend_id };
+    let Some(b) = backend(id) else {
+        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    if timeout_ns != 0 {
+        let av = Affinity4Value {
+            backend_id: id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        let _ = AFFINITY4_V1.insert(akey, av, BPF_ANY as u64);
+    }
+    Ok((id, b))
+}

@@ -1,0 +1,86 @@
+//! Every map of the datapath, and the per-CPU counters written on the way.
+//!
+//! Names carry the layout version (`_V1`) and match
+//! [`proxy_common::map_names`]; keys and values are the `#[repr(C)]` types of
+//! `proxy-common`, so `bpftool map dump` prints their fields by name.
+
+use aya_ebpf::{
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    capacity, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key,
+    Frag4Ports, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic,
+};
+
+/// Frontends (slot 0) and their backend slots (1..=count).
+#[btf_map]
+pub static SVC4_V1: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> =
+    HashMap::new();
+/// Backend id → backend.
+#[btf_map]
+pub static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> =
+    HashMap::new();
+/// Reverse-NAT id → the frontend replies come from.
+#[btf_map]
+pub static REVNAT4_V1: HashMap<u16, RevNat4, { capacity::REV_NAT as usize }> = HashMap::new();
+/// Both directions of every translated flow.
+#[btf_map]
+pub static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> =
+    LruHashMap::new();
+/// Verdict and event counters, indexed by [`proxy_common::stat`] codes.
+#[btf_map]
+pub static STATS_V1: PerCpuArray<u64, { capacity::STATS as usize }> = PerCpuArray::new();
+/// The agent's configuration, at index 0.
+#[btf_map]
+pub static CONFIG_V1: Array<Config, 1> = Array::new();
+/// Pod-facing interfaces (delivered to with `bpf_redirect_peer`).
+#[btf_map]
+pub static IFACE_V1: HashMap<u32, Iface, { capacity::IFACES as usize }> = HashMap::new();
+/// Ports of IPv4 datagrams being fragmented, from their first fragment.
+#[btf_map]
+pub static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
+/// `loadBalancerSourceRanges`: (reverse-NAT id, client prefix) → allowed.
+#[btf_map]
+pub static SRCRANGE4_V1: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+/// Traffic of each frontend, by reverse-NAT id.
+#[btf_map]
+pub static FE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::FRONTEND_TRAFFIC as usize }> =
+    PerCpuArray::new();
+/// Traffic of each backend, by backend id.
+#[btf_map]
+pub static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> =
+    PerCpuArray::new();
+/// Session affinity: (client, reverse-NAT id) → backend, last use.
+#[btf_map]
+pub static AFFINITY4_V1: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
+    LruHashMap::new();
+
+/// Counts one event under `code` ([`proxy_common::stat`]).
+#[inline(always)]
+pub fn count(code: u32) {
+    if let Some(p) = STATS_V1.get_ptr_mut(code) {
+        // SAFETY: per-CPU slot of this CPU; no other writer while we run.
+        unsafe { *p += 1 };
+    }
+}
+
+/// Accounts a translated packet of `len` bytes to its frontend and backend.
+#[inline(always)]
+pub fn account(len: u64, rev_nat_id: u16, backend_id: u32) {
+    for p in [
+        FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32),
+        BE_TRAFFIC_V1.get_ptr_mut(backend_id),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        // SAFETY: per-CPU slot of this CPU; no other writer while we run.
+        unsafe {
+            (*p).packets += 1;
+            (*p).bytes += len;
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Address and port translation: which SNAT a new flow needs, the source port
+//! it gets, the translated tuples of both directions, and their rewrite into
+//! the packet (tc: skb helpers that keep the checksums; XDP: in place, with
+//! RFC 1624 incremental checksum updates).
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::bpf_get_prandom_u32,
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::{
+    backend_state, csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
+    Svc4Value, IPPROTO_TCP, IPPROTO_UDP,
+};
+
+use crate::{
+    conntrack::Flow,
+    maps::CT4_V1,
+    parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
+    verdict::Verdict,
+};
+
+const NAT_PORT_MIN: u32 = 32768;
+const NAT_PORT_RANGE: u32 = 65536 - NAT_PORT_MIN;
+const NAT_PORT_TRIES: u32 = 4;
+
+/// A translated 4-tuple (network byte order).
+pub struct Tuple {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub sport_be: u16,
+    pub dport_be: u16,
+}
+
+/// The tuple a packet of `flow` is sent on with: to its backend, from the
+/// client as the backend sees it.
+#[inline(always)]
+pub fn forward_tuple(pkt: &Packet, flow: &Flow) -> Tuple {
+    let (saddr_be, sport_be) = flow.client_seen(pkt);
+    Tuple {
+        saddr_be,
+        sport_be,
+        daddr_be: flow.backend.addr_be,
+        dport_be: flow.backend.port_be,
+    }
+}
+
+/// The tuple a reply (REPLY entry `ct`) is sent on with: from the frontend
+/// `rev`, to the client's own address and port.
+#[inline(always)]
+pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
+    Tuple {
+        saddr_be: rev.addr_be,
+        sport_be: rev.port_be,
+        daddr_be: if ct.flags & ct_flags::SNAT_ADDR != 0 {
+            ct.nat_addr_be
+        } else {
+            pkt.daddr_be
+        },
+        dport_be: if ct.flags & ct_flags::SNAT_PORT != 0 {
+            ct.nat_port_be
+        } else {
+            pkt.dport_be
+        },
+    }
+}
+
+/// The SNAT a new flow from `client_be` to backend `b` needs, as
+/// ([`ct_flags`], new source address):
+/// - hairpin: a pod reaching itself would drop its own address as a martian
+///   source, so it gets the hairpin address;
+/// - `externalTrafficPolicy: Cluster` to a backend on another node: the
+///   node's address and a port of its own, so replies come back through
+///   this node.
+#[inline(always)]
+pub fn snat_for(cfg: &Config, fe: &Svc4Value, b: &Backend4, client_be: u32, external: bool) -> (u16, u32) {
+    if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
+        (ct_flags::SNAT_ADDR, cfg.hairpin_addr_be)
+    } else if external
+        && b.state & backend_state::LOCAL == 0
+        && fe.flags & svc_flags::EXTERNAL_LOCAL == 0
+        && cfg.node_addr_be != 0
+    {
+        (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, cfg.node_addr_be)
+    } else {
+        (0, 0)
+    }
+}
+
+/// A free source port for a flow whose backend-side tuple is `rkey`: a few
+/// random tries in [`NAT_PORT_MIN`, 65535]; `None` when all were taken.
+pub fn free_nat_port(rkey: &mut Ct4Key) -> Option<u16> {
+    for _ in 0..NAT_PORT_TRIES {
+        // SAFETY: helper without arguments.
+        let r = unsafe { bpf_get_prandom_u32() };
+        let port_be = ((NAT_PORT_MIN + r % NAT_PORT_RANGE) as u16).to_be();
+        rkey.dport_be = port_be;
+        if CT4_V1.get_ptr(*rkey).is_none() {
+            return Some(port_be);
+        }
+    }
+    None
+}
+
+// --- tc: rewrites through skb helpers --------------------------------------
+
+const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
+
+fn l4_flags(pkt: &Packet) -> u64 {
+    if pkt.proto == IPPROTO_UDP {
+        BPF_F_MARK_MANGLED_0 as u64
+    } else {
+        0
+    }
+}
+
+fn rewrite_addr(ctx: &TcContext, pkt: &Packet, off: usize, old: u32, new: u32) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
+    if pkt.l4_present {
+        ctx.l4_csum_replace(
+            pkt.csum_off,
+            old as u64,
+            new as u64,
+            BPF_F_PSEUDO_HDR as u64 | 4 | l4_flags(pkt),
+        )
+        .map_err(|_| REWRITE_FAILED)?;
+    }
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
+        .map_err(|_| REWRITE_FAILED)?;
+    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+}
+
+fn rewrite_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Result<(), Verdict> {
+    if old == new || !pkt.l4_present {
+        return Ok(());
+    }
+    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
+        .map_err(|_| REWRITE_FAILED)?;
+    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+}
+
+/// Rewrites a tc packet to tuple `to` (unchanged fields are left alone), with
+/// the IPv4 and L4 checksums kept valid; a later fragment only gets its
+/// addresses rewritten.
+pub fn rewrite(ctx: &TcContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verdict> {
+    rewrite_addr(ctx, pkt, IP_DST_OFF, pkt.daddr_be, to.daddr_be)?;
+    pkt.daddr_be = to.daddr_be;
+    rewrite_port(ctx, pkt, pkt.l4_off + 2, pkt.dport_be, to.dport_be)?;
+    pkt.dport_be = to.dport_be;
+    rewrite_addr(ctx, pkt, IP_SRC_OFF, pkt.saddr_be, to.saddr_be)?;
+    pkt.saddr_be = to.saddr_be;
+    rewrite_port(ctx, pkt, pkt.l4_off, pkt.sport_be, to.sport_be)?;
+    pkt.sport_be = to.sport_be;
+    Ok(())
+}
+
+// --- XDP: rewrites in place -------------------------------------------------
+
+/// Rewrites the 4-tuple of an IPv4 TCP/UDP frame in place (no IP options),
+/// updating the IPv4 and L4 checksums incrementally.
+pub fn xdp_rewrite(ctx: &XdpContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verdict> {
+    let (saddr, sport, daddr, dport) = (to.saddr_be, to.sport_be, to.daddr_be, to.dport_be);
+    let ip = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
+    let (os, od) = (csum::words(pkt.saddr_be), csum::words(pkt.daddr_be));
+    let (ns, nd) = (csum::words(saddr), csum::words(daddr));
+    let old = [os[0], os[1], od[0], od[1], pkt.sport_be, pkt.dport_be];
+    let new = [ns[0], ns[1], nd[0], nd[1], sport, dport];
+    let old_ip = [os[0], os[1], od[0], od[1], 0, 0];
+    let new_ip = [ns[0], ns[1], nd[0], nd[1], 0, 0];
+    let l4 = ETH_HLEN + 20;
+    if pkt.proto == IPPROTO_TCP {
+        let c = xdp_ptr::<u16>(ctx, l4 + 16).ok_or(REWRITE_FAILED)?;
+        // SAFETY: bounds-checked frame pointers.
+        unsafe { *c = csum::update(*c, &old, &new) };
+    } else {
+        let c = xdp_ptr::<u16>(ctx, l4 + 6).ok_or(REWRITE_FAILED)?;
+        // SAFETY: bounds-checked frame pointers.
+        unsafe {
+            // A UDP checksum of 0 means "none"; a computed 0 is sent as 0xffff.
+            if *c != 0 {
+                let v = csum::update(*c, &old, &new);
+                *c = if v == 0 { 0xffff } else { v };
+            }
+        }
+    }
+    let ports = xdp_ptr::<[u16; 2]>(ctx, l4).ok_or(REWRITE_FAILED)?;
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        (*ip).check = csum::update((*ip).check, &old_ip, &new_ip);
+        (*ip).saddr_be = saddr;
+        (*ip).daddr_be = daddr;
+        *ports = [sport, dport];
+    }
+    pkt.saddr_be = saddr;
+    pkt.daddr_be = daddr;
+    pkt.sport_be = sport;
+    pkt.dport_be = dport;
+    Ok(())
+}

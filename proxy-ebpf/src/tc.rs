@@ -1,0 +1,110 @@
+//! The tc path, shared by `pod_ingress` (internal frontends) and
+//! `ext_ingress` (external ones): parse; a packet to a frontend is translated
+//! ([`forward::decide`], then the rewrite); otherwise a reply of a tracked
+//! flow is reverse-translated; anything else passes untouched. A translated
+//! packet is delivered by [`fib::deliver`]; a frontend without endpoints is
+//! answered by [`icmp::reject`].
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    programs::TcContext,
+};
+use proxy_common::{ct_flags, stat, Svc4Value, SCOPE_EXTERNAL};
+
+use crate::{
+    conntrack::{self, Flow},
+    fib, forward, icmp,
+    lb::{self, rev_nat},
+    maps::{account, count, SVC4_V1},
+    nat,
+    parse::{self, Ipv4Hdr, Packet},
+    verdict::Verdict,
+};
+
+/// Runs the tc path for frontends of `scope`; returns the tc action and the
+/// counter it is recorded under.
+#[inline(always)]
+pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
+    let (mut pkt, ip, l4_end) = match parse::parse(ctx) {
+        Ok(p) => p,
+        Err(Verdict::Drop(code)) => return (TC_ACT_SHOT as i32, code),
+        Err(Verdict::Pass(code) | Verdict::Deliver(code) | Verdict::Reject(code)) => {
+            return (TC_ACT_OK as i32, code)
+        }
+    };
+    let verdict = steps(ctx, &mut pkt, l4_end, scope);
+    act(ctx, &pkt, &ip, verdict)
+}
+
+/// The verdict as a tc action: delivery and the reject run here, in the
+/// program's top frame.
+#[inline(always)]
+fn act(ctx: &TcContext, pkt: &Packet, ip: &Ipv4Hdr, verdict: Verdict) -> (i32, u32) {
+    match verdict {
+        Verdict::Pass(code) => (TC_ACT_OK as i32, code),
+        Verdict::Drop(code) => (TC_ACT_SHOT as i32, code),
+        Verdict::Deliver(code) => fib::deliver(ctx, pkt, code),
+        Verdict::Reject(_) => icmp::reject(ctx, ip),
+    }
+}
+
+#[inline(always)]
+fn steps(ctx: &TcContext, pkt: &mut Packet, l4_end: usize, scope: u8) -> Verdict {
+    let frontend = SVC4_V1.get_ptr(lb::frontend_key(pkt, scope));
+    let l4_complete = ctx.len() as usize >= l4_end;
+    let Some(frontend) = frontend else {
+        // Not for a frontend: perhaps a reply of a tracked flow.
+        return reply(ctx, pkt, l4_complete);
+    };
+    if !l4_complete {
+        return Verdict::Drop(stat::DROP_MALFORMED);
+    }
+    if let Err(v) = parse::load_tcp_flags(ctx, pkt) {
+        return v;
+    }
+    // SAFETY: a map value pointer, read once into a copy.
+    let fe = unsafe { *frontend };
+    translate(ctx, pkt, &fe, scope)
+}
+
+/// A packet to frontend `fe`: the forward decision, then DNAT (and SNAT for
+/// hairpin, another node, or a port collision).
+#[inline(always)]
+fn translate(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Verdict {
+    let mut flow = Flow::default();
+    let verdict = forward::decide(pkt, fe, scope, &mut flow);
+    if !matches!(verdict, Verdict::Deliver(_)) {
+        return verdict;
+    }
+    account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
+    let to = nat::forward_tuple(pkt, &flow);
+    if let Err(v) = nat::rewrite(ctx, pkt, &to) {
+        return v;
+    }
+    if flow.flags & ct_flags::SNAT_ADDR != 0 && scope != SCOPE_EXTERNAL {
+        count(stat::HAIRPIN);
+    }
+    verdict
+}
+
+/// The reply direction of a tracked flow: reverse NAT (source back to the
+/// frontend; for SNATed flows the destination back to the client).
+/// `Pass(PASS_NO_SERVICE)` when the packet is no such reply.
+fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Verdict {
+    let Some(ct) = conntrack::lookup_reply(pkt) else {
+        return Verdict::Pass(stat::PASS_NO_SERVICE);
+    };
+    if !l4_complete {
+        return Verdict::Pass(stat::PASS_MALFORMED);
+    }
+    // The frontend is gone: nothing to translate back to.
+    let Some(rev) = rev_nat(ct.rev_nat_id) else {
+        return Verdict::Pass(stat::PASS_NO_SERVICE);
+    };
+    account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
+    let to = nat::reverse_tuple(pkt, &ct, &rev);
+    match nat::rewrite(ctx, pkt, &to) {
+        Ok(()) => Verdict::Deliver(stat::FWD_REPLY),
+        Err(v) => v,
+    }
+}

@@ -1,0 +1,79 @@
+//! The XDP path of the external devices (`--acceleration xdp`): translates,
+//! at the driver, external traffic to backends on other nodes (DNAT + SNAT to
+//! the node) and their replies, and sends them back out (XDP_TX) or to
+//! another device (XDP_REDIRECT) after a FIB lookup. Everything else — flows
+//! to local backends, packets without a usable FIB answer, no backend
+//! (reject), IP options, fragments, other protocols — is passed on to
+//! `ext_ingress` (tc) untouched.
+
+use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
+use proxy_common::{stat, SCOPE_EXTERNAL};
+
+use crate::{
+    conntrack::{self, Flow},
+    fib,
+    forward::{self, FROM_XDP},
+    lb::{self, rev_nat},
+    maps::{account, count, SVC4_V1},
+    nat::{self, Tuple},
+    parse::{self, Packet},
+    verdict::Verdict,
+};
+
+/// Handed to tc untouched (not counted here: tc counts the packet).
+const DEFER: Verdict = Verdict::Pass(stat::XDP_DEFERRED);
+
+/// Runs the XDP path; returns the XDP action and the counter it is recorded
+/// under (`XDP_DEFERRED` is not counted: tc counts the packet).
+#[inline(always)]
+pub fn run(ctx: &XdpContext) -> (u32, u32) {
+    match try_run(ctx) {
+        Ok(v) => v,
+        Err(Verdict::Pass(code)) => (xdp_action::XDP_PASS, code),
+        Err(Verdict::Drop(code)) => (xdp_action::XDP_DROP, code),
+        // Not produced here; tc would do the rest.
+        Err(Verdict::Deliver(_) | Verdict::Reject(_)) => (xdp_action::XDP_PASS, stat::XDP_DEFERRED),
+    }
+}
+
+fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
+    let mut pkt = parse::parse_xdp(ctx)?;
+    let len = (ctx.data_end() - ctx.data()) as u64;
+    let (to, code): (Tuple, u32) =
+        if let Some(fe) = SVC4_V1.get_ptr(lb::frontend_key(&pkt, SCOPE_EXTERNAL)) {
+            // SAFETY: map value pointer, copied.
+            let fe = unsafe { *fe };
+            let mut flow = Flow::default();
+            let code = match forward::decide(&pkt, &fe, SCOPE_EXTERNAL | FROM_XDP, &mut flow) {
+                Verdict::Deliver(code) => code,
+                // Reject, pass, defer: tc does the rest.
+                Verdict::Pass(_) | Verdict::Reject(_) => return Err(DEFER),
+                v => return Err(v),
+            };
+            account(len, fe.rev_nat_id, flow.backend_id);
+            (nat::forward_tuple(&pkt, &flow), code)
+        } else {
+            let ct = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
+            let rev = rev_nat(ct.rev_nat_id).ok_or(DEFER)?;
+            account(len, ct.rev_nat_id, ct.backend_id);
+            (nat::reverse_tuple(&pkt, &ct, &rev), stat::FWD_REPLY)
+        };
+    transmit(ctx, &mut pkt, &to, code)
+}
+
+/// Where the translated packet goes, asked before translating: what XDP
+/// cannot send itself (no neighbour entry yet, a pod, no route) goes to tc
+/// untouched, which finds the conntrack entries just written and finishes the
+/// job (a translated packet handed to the stack could carry this node's own
+/// address as its source: a martian). Then the rewrite to `to`, counted under
+/// `code`, and the send.
+///
+/// A BPF call of its own: the FIB parameters live in its frame, not in the
+/// program's, whose stack adds up with [`forward::decide`]'s.
+#[inline(never)]
+fn transmit(ctx: &XdpContext, pkt: &mut Packet, to: &Tuple, code: u32) -> Result<(u32, u32), Verdict> {
+    let fib = fib::xdp_fib(ctx, pkt, to).ok_or(DEFER)?;
+    nat::xdp_rewrite(ctx, pkt, to)?;
+    count(code);
+    Ok(fib::xdp_send(ctx, &fib))
+}
