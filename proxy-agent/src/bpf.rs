@@ -21,7 +21,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    capacity, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key,
+    capacity, conntrack, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key,
     Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
@@ -292,20 +292,6 @@ pub fn ktime_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The conntrack timeout of an entry, as the datapath computes it.
-fn ct_timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
-    let s = if proto != proxy_common::IPPROTO_TCP {
-        cfg.ct_udp_s
-    } else if flags & proxy_common::ct_flags::TCP_CLOSING != 0 {
-        cfg.ct_tcp_closing_s
-    } else if flags & proxy_common::ct_flags::TCP_SYN != 0 {
-        cfg.ct_tcp_syn_s
-    } else {
-        cfg.ct_tcp_established_s
-    };
-    u64::from(s) * 1_000_000_000
-}
-
 fn source_range_key(rev_nat_id: u16, (addr, len): SourceRange) -> LpmKey<SourceRange4> {
     LpmKey::new(
         SOURCE_RANGE_ID_BITS + u32::from(len.min(32)),
@@ -386,8 +372,7 @@ impl BpfDataplane {
         let live: std::collections::HashSet<Ct4Key> = entries
             .iter()
             .filter(|(k, v)| {
-                k.dir == proxy_common::ct_dir::SERVICE
-                    && now_ns.saturating_sub(v.last_seen_ns) <= ct_timeout_ns(cfg, k.proto, v.flags)
+                k.dir == proxy_common::ct_dir::SERVICE && conntrack::alive(cfg, k.proto, v, now_ns)
             })
             .map(|(k, _)| *k)
             .collect();
@@ -401,20 +386,10 @@ impl BpfDataplane {
                         report.expired += usize::from(self.conntrack.remove(k).is_ok());
                         continue;
                     };
-                    let snat_addr = v.flags & proxy_common::ct_flags::SNAT_ADDR != 0;
-                    let snat_port = v.flags & proxy_common::ct_flags::SNAT_PORT != 0;
-                    let skey = Ct4Key {
-                        saddr_be: if snat_addr { v.nat_addr_be } else { k.daddr_be },
-                        daddr_be: r.addr_be,
-                        sport_be: if snat_port { v.nat_port_be } else { k.dport_be },
-                        dport_be: r.port_be,
-                        proto: k.proto,
-                        dir: proxy_common::ct_dir::SERVICE,
-                        _pad: [0; 2],
-                    };
+                    let skey = k.service_of_reply(v, r);
                     // A reply entry younger than a second may belong to a
                     // flow being created right now.
-                    live.contains(&skey) || now_ns.saturating_sub(v.last_seen_ns) < 1_000_000_000
+                    live.contains(&skey) || now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC
                 }
             };
             if !keep && self.conntrack.remove(k).is_ok() {
