@@ -493,7 +493,7 @@ fn test(args: Vec<String>) -> Result<()> {
     if !setup::is_root() {
         bail!("`cargo xtask test` must run as root: the packet and lab tests load eBPF programs and create network namespaces");
     }
-    setup::setup()?;
+    setup::ensure_setup()?;
     // The lab runs the agent as it ships (release): a debug agent parses and
     // syncs thousands of objects several times slower, which the "within 1 s"
     // rows (K1, updates under load) would measure instead of the proxy.

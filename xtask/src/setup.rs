@@ -67,15 +67,30 @@ pub fn cargo_build(package: &str, extra: &[&str]) -> Result<()> {
     run_visible(cargo().args(["build", "-p", package]).args(extra))
 }
 
+/// Runs [`setup`] once per process before anything is built: every command
+/// that builds the agent or its eBPF object (demo, lab, bench, test) needs the
+/// `rust-src` component and bpf-linker, and a fresh machine has neither.
+pub fn ensure_setup() -> Result<()> {
+    static DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    if DONE.get().is_some() {
+        return Ok(());
+    }
+    setup()?;
+    let _ = DONE.set(());
+    Ok(())
+}
+
 /// Builds proxy-agent in release (whose build.rs builds the eBPF object) and
 /// returns the agent binary.
 pub fn build_agent() -> Result<PathBuf> {
+    ensure_setup()?;
     cargo_build("proxy-agent", &["--release", "--bins"])?;
     Ok(target_dir().join("release/proxy-agent"))
 }
 
 /// Builds the lab's pod server and returns its path.
 pub fn build_lab_server() -> Result<PathBuf> {
+    ensure_setup()?;
     cargo_build("xtask", &["--bin", "lab-server"])?;
     Ok(target_dir().join("debug/lab-server"))
 }
@@ -119,6 +134,7 @@ pub fn find_ebpf_object() -> Result<PathBuf> {
 
 /// `cargo xtask build-ebpf`: builds proxy-agent and returns the object path.
 pub fn build_ebpf() -> Result<PathBuf> {
+    ensure_setup()?;
     cargo_build("proxy-agent", &[])?;
     find_ebpf_object()
 }
