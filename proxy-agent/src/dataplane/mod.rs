@@ -8,11 +8,13 @@
 //! | --- | --- |
 //! | `mod.rs` | the [`Dataplane`] operations, [`Programmed`], [`DataplaneError`] |
 //! | `writer.rs` | the [`Writer`] |
+//! | `ids.rs` | backend and reverse-NAT id allocation |
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value};
 
+mod ids;
 mod in_memory;
 mod writer;
 

@@ -5,6 +5,7 @@ use std::fmt;
 
 use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Key, Svc4Value};
 
+use super::ids::{BackendIds, RevNatIds};
 use super::{Dataplane, DataplaneError, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
 
@@ -75,14 +76,6 @@ fn frontend_key(key: &Svc4Key) -> FrontendKey {
     }
 }
 
-fn backend_addr(b: &Backend4) -> BackendAddr {
-    BackendAddr {
-        addr: b.addr(),
-        port: b.port(),
-        proto: b.proto,
-    }
-}
-
 fn frontend_label(key: &FrontendKey, fe: Option<&Frontend>) -> String {
     match fe {
         Some(fe) => format!("{} {key}", fe.service),
@@ -100,17 +93,10 @@ pub struct Writer<D: Dataplane> {
     frontends: BTreeMap<FrontendKey, FrontendEntries>,
     backends: BTreeMap<u32, Backend4>,
     rev_nat: BTreeMap<u16, RevNat4>,
-    backend_ids: BTreeMap<BackendAddr, u32>,
-    rev_nat_ids: BTreeMap<FrontendKey, u16>,
-    rev_nat_owner: BTreeMap<u16, FrontendKey>,
+    backend_ids: BackendIds,
+    rev_nat_ids: RevNatIds,
     /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
     source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
-    /// Set when the reverse-NAT id space was found full during this sync.
-    rev_nat_exhausted: bool,
-    /// Set when the backend id space was found full during this sync.
-    backend_ids_exhausted: bool,
-    next_backend_id: u32,
-    next_rev_nat_id: u16,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -140,24 +126,6 @@ impl<D: Dataplane> Writer<D> {
                     .map(|(_, id)| *id)
             })
             .collect();
-        let mut backend_ids = BTreeMap::new();
-        let (used, unused): (Vec<_>, Vec<_>) = programmed
-            .backends
-            .iter()
-            .partition(|(id, _)| live.contains(id));
-        for (id, b) in used.into_iter().chain(unused) {
-            backend_ids.entry(backend_addr(b)).or_insert(*id);
-        }
-        let mut rev_nat_ids = BTreeMap::new();
-        let mut rev_nat_owner = BTreeMap::new();
-        for (key, entries) in &frontends {
-            if let Some(v) = entries.slot0 {
-                if v.rev_nat_id != 0 && !rev_nat_owner.contains_key(&v.rev_nat_id) {
-                    rev_nat_ids.insert(*key, v.rev_nat_id);
-                    rev_nat_owner.insert(v.rev_nat_id, *key);
-                }
-            }
-        }
         let max_backend = programmed
             .backends
             .keys()
@@ -174,6 +142,13 @@ impl<D: Dataplane> Writer<D> {
                     .filter_map(|e| e.slot0.map(|v| v.rev_nat_id)),
             )
             .max();
+        let backend_ids = BackendIds::adopt(&programmed.backends, &live, max_backend);
+        let rev_nat_ids = RevNatIds::adopt(
+            frontends
+                .iter()
+                .filter_map(|(key, e)| e.slot0.map(|v| (*key, v.rev_nat_id))),
+            max_rev_nat,
+        );
         tracing::debug!(
             frontends = frontends.len(),
             backends = programmed.backends.len(),
@@ -187,12 +162,7 @@ impl<D: Dataplane> Writer<D> {
             rev_nat: programmed.rev_nat,
             backend_ids,
             rev_nat_ids,
-            rev_nat_owner,
             source_ranges: programmed.source_ranges,
-            rev_nat_exhausted: false,
-            backend_ids_exhausted: false,
-            next_backend_id: max_backend.map_or(1, |m| m.wrapping_add(1).max(1)),
-            next_rev_nat_id: max_rev_nat.map_or(1, |m| m.wrapping_add(1).max(1)),
         })
     }
 
@@ -210,12 +180,12 @@ impl<D: Dataplane> Writer<D> {
 
     /// The backend id of every programmed backend.
     pub fn backend_ids(&self) -> &BTreeMap<BackendAddr, u32> {
-        &self.backend_ids
+        self.backend_ids.as_map()
     }
 
     /// The reverse-NAT id of every frontend that has one.
     pub fn rev_nat_ids(&self) -> &BTreeMap<FrontendKey, u16> {
-        &self.rev_nat_ids
+        self.rev_nat_ids.as_map()
     }
 
     /// The backend ids in a frontend's slots `1..=count`, as programmed.
@@ -227,60 +197,6 @@ impl<D: Dataplane> Writer<D> {
                 .filter_map(|s| e.slots.get(&s).copied())
                 .collect(),
         )
-    }
-
-    /// A free backend id: not in the map and not in any slot (`referenced`).
-    /// A free backend id: not in the map and not in any slot (`referenced`).
-    /// Ids stay below `capacity::BACKENDS`: they index the per-backend traffic
-    /// counters. Allocation goes round that space, so an id freed now is
-    /// reused only after every other one was.
-    fn allocate_backend_id(&mut self, referenced: &BTreeSet<u32>) -> Option<u32> {
-        if self.backend_ids_exhausted {
-            return None;
-        }
-        let next = |id: u32| {
-            if id + 1 >= proxy_common::capacity::BACKENDS {
-                1
-            } else {
-                id + 1
-            }
-        };
-        let start = self
-            .next_backend_id
-            .clamp(1, proxy_common::capacity::BACKENDS - 1);
-        let mut id = start;
-        loop {
-            if !self.backends.contains_key(&id) && !referenced.contains(&id) {
-                self.next_backend_id = next(id);
-                return Some(id);
-            }
-            id = next(id);
-            if id == start {
-                self.backend_ids_exhausted = true;
-                return None;
-            }
-        }
-    }
-
-    fn allocate_rev_nat_id(&mut self) -> Option<u16> {
-        // Once the id space was found full in this sync, it still is: do not
-        // scan 65 535 ids again for every frontend that does not fit.
-        if self.rev_nat_exhausted {
-            return None;
-        }
-        let start = self.next_rev_nat_id.max(1);
-        let mut id = start;
-        loop {
-            if !self.rev_nat.contains_key(&id) && !self.rev_nat_owner.contains_key(&id) {
-                self.next_rev_nat_id = id.wrapping_add(1).max(1);
-                return Some(id);
-            }
-            id = id.wrapping_add(1).max(1);
-            if id == start {
-                self.rev_nat_exhausted = true;
-                return None;
-            }
-        }
     }
 
     /// Deletes slots of a frontend that failed to program, beyond what packets
@@ -307,12 +223,11 @@ impl<D: Dataplane> Writer<D> {
             }
         }
         if !has_slot0 {
-            if let Some(id) = self.rev_nat_ids.get(key).copied() {
+            if let Some(id) = self.rev_nat_ids.get(key) {
                 if self.dp.delete_rev_nat(id).is_ok() {
                     report.writes += 1;
                     self.rev_nat.remove(&id);
-                    self.rev_nat_ids.remove(key);
-                    self.rev_nat_owner.remove(&id);
+                    self.rev_nat_ids.release(key);
                 }
             }
         }
@@ -338,8 +253,8 @@ impl<D: Dataplane> Writer<D> {
     /// every other frontend is still synced.
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
         let mut report = SyncReport::default();
-        self.rev_nat_exhausted = false;
-        self.backend_ids_exhausted = false;
+        self.backend_ids.begin_sync();
+        self.rev_nat_ids.begin_sync();
         let mut failed: BTreeSet<FrontendKey> = BTreeSet::new();
         let fail = |failed: &mut BTreeSet<FrontendKey>, report: &mut SyncReport, key, fe, e| {
             failed.insert(key);
@@ -385,8 +300,11 @@ impl<D: Dataplane> Writer<D> {
             .collect();
         for (addr, value) in &wanted {
             let (id, new) = match self.backend_ids.get(addr) {
-                Some(id) => (*id, false),
-                None => match self.allocate_backend_id(&referenced) {
+                Some(id) => (id, false),
+                None => match self
+                    .backend_ids
+                    .allocate(|id| self.backends.contains_key(&id) || referenced.contains(&id))
+                {
                     Some(id) => (id, true),
                     None => {
                         let e = DataplaneError::Full {
@@ -407,7 +325,7 @@ impl<D: Dataplane> Writer<D> {
                     self.backends.insert(id, *value);
                     if new {
                         report.backends_added += 1;
-                        self.backend_ids.insert(*addr, id);
+                        self.backend_ids.assign(*addr, id);
                     }
                 }
                 Err(e) => report.errors.push((format!("backend {addr}"), e)),
@@ -420,7 +338,7 @@ impl<D: Dataplane> Writer<D> {
             let missing = fe
                 .backends
                 .iter()
-                .find(|b| !self.backend_ids.contains_key(b));
+                .find(|b| self.backend_ids.get(b).is_none());
             if let Some(b) = missing {
                 let e = DataplaneError::Op {
                     map: map_names::BACKENDS,
@@ -443,7 +361,11 @@ impl<D: Dataplane> Writer<D> {
                 fail(&mut failed, &mut report, *key, Some(fe), e);
                 continue;
             };
-            let ids = fe.backends.iter().map(|b| self.backend_ids[b]).collect();
+            let ids = fe
+                .backends
+                .iter()
+                .map(|b| self.backend_ids.as_map()[b])
+                .collect();
             targets.insert(*key, (ids, count));
         }
 
@@ -453,8 +375,11 @@ impl<D: Dataplane> Writer<D> {
                 continue;
             }
             let (id, new) = match self.rev_nat_ids.get(key) {
-                Some(id) => (*id, false),
-                None => match self.allocate_rev_nat_id() {
+                Some(id) => (id, false),
+                None => match self
+                    .rev_nat_ids
+                    .allocate(|id| self.rev_nat.contains_key(&id))
+                {
                     Some(id) => (id, true),
                     None => {
                         let e = DataplaneError::Full {
@@ -475,8 +400,7 @@ impl<D: Dataplane> Writer<D> {
                     report.writes += 1;
                     self.rev_nat.insert(id, value);
                     if new {
-                        self.rev_nat_ids.insert(*key, id);
-                        self.rev_nat_owner.insert(id, *key);
+                        self.rev_nat_ids.assign(*key, id);
                     }
                 }
                 Err(e) => fail(&mut failed, &mut report, *key, Some(fe), e),
@@ -488,7 +412,7 @@ impl<D: Dataplane> Writer<D> {
             if failed.contains(key) {
                 continue;
             }
-            let Some(id) = self.rev_nat_ids.get(key).copied() else {
+            let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
             for range in &fe.source_ranges {
@@ -559,7 +483,7 @@ impl<D: Dataplane> Writer<D> {
             let fe = &desired.frontends[key];
             let value = Svc4Value::frontend(
                 *count,
-                self.rev_nat_ids[key],
+                self.rev_nat_ids.as_map()[key],
                 fe.flags,
                 fe.affinity_timeout_s,
             );
@@ -617,7 +541,7 @@ impl<D: Dataplane> Writer<D> {
             if failed.contains(key) {
                 continue;
             }
-            let Some(id) = self.rev_nat_ids.get(key).copied() else {
+            let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
             let wanted: BTreeSet<SourceRange> = fe.source_ranges.iter().copied().collect();
@@ -657,7 +581,7 @@ impl<D: Dataplane> Writer<D> {
             } else {
                 BTreeSet::new()
             };
-            if let Err(e) = self.dp.prune_affinity(*id, &keep) {
+            if let Err(e) = self.dp.prune_affinity(id, &keep) {
                 report.errors.push((frontend_label(key, Some(fe)), e));
             }
         }
@@ -709,14 +633,13 @@ impl<D: Dataplane> Writer<D> {
                     }
                 }
             }
-            if let Some(id) = self.rev_nat_ids.get(&key).copied() {
+            if let Some(id) = self.rev_nat_ids.get(&key) {
                 if clean && slot0_refs.get(&id).copied().unwrap_or(0) == 0 {
                     match self.dp.delete_rev_nat(id) {
                         Ok(()) => {
                             report.writes += 1;
                             self.rev_nat.remove(&id);
-                            self.rev_nat_ids.remove(&key);
-                            self.rev_nat_owner.remove(&id);
+                            self.rev_nat_ids.release(&key);
                         }
                         Err(e) => report.errors.push((frontend_label(&key, None), e)),
                     }
@@ -731,7 +654,7 @@ impl<D: Dataplane> Writer<D> {
             .keys()
             .copied()
             .filter(|id| {
-                !self.rev_nat_owner.contains_key(id)
+                self.rev_nat_ids.owner(*id).is_none()
                     && slot0_refs.get(id).copied().unwrap_or(0) == 0
             })
             .collect();
@@ -750,8 +673,8 @@ impl<D: Dataplane> Writer<D> {
             .source_ranges
             .iter()
             .filter(|(id, _)| {
-                self.rev_nat_owner
-                    .get(id)
+                self.rev_nat_ids
+                    .owner(**id)
                     .is_none_or(|k| !desired.frontends.contains_key(k))
             })
             .flat_map(|(id, set)| set.iter().map(move |r| (*id, *r)))
@@ -782,7 +705,7 @@ impl<D: Dataplane> Writer<D> {
                 .frontends
                 .values()
                 .flat_map(|fe| fe.retained.iter())
-                .filter_map(|b| self.backend_ids.get(b).copied()),
+                .filter_map(|b| self.backend_ids.get(b)),
         );
         let unused: Vec<u32> = self
             .backends
@@ -796,10 +719,7 @@ impl<D: Dataplane> Writer<D> {
                     report.writes += 1;
                     report.backends_removed += 1;
                     if let Some(b) = self.backends.remove(&id) {
-                        let addr = backend_addr(&b);
-                        if self.backend_ids.get(&addr) == Some(&id) {
-                            self.backend_ids.remove(&addr);
-                        }
+                        self.backend_ids.release(&b, id);
                     }
                 }
                 Err(e) => report.errors.push((format!("backend id {id}"), e)),
