@@ -7,7 +7,9 @@
 //! | file | what |
 //! | --- | --- |
 //! | `mod.rs` | the [`Dataplane`] operations, [`Programmed`], [`DataplaneError`] |
-//! | `writer.rs` | the [`Writer`] |
+//! | `writer.rs` | the [`Writer`]: its mirror of the maps, adoption, [`Writer::sync`] as a list of phases |
+//! | `writer/update.rs` | the phases that make desired frontends (backends, reverse NAT, slots, slot 0, ...) |
+//! | `writer/prune.rs` | the phases that break what nothing wants any more |
 //! | `ids.rs` | backend and reverse-NAT id allocation |
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,13 +1,20 @@
 //! The [`Writer`]: keeps a [`Dataplane`] equal to a [`DesiredState`], writing
-//! only differences, in make-before-break order.
+//! only differences, in make-before-break order. [`Writer::sync`] is a list of
+//! phases, as Cilium's `pkg/loadbalancer/reconciler/bpf_reconciler.go`: those
+//! that make what desired frontends need are in `update.rs`, those that break
+//! what nothing wants any more in `prune.rs`. Each phase says the invariant it
+//! keeps; what the phases of one sync hand each other is a [`SyncState`].
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Key, Svc4Value};
+use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{Dataplane, DataplaneError, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
+
+mod prune;
+mod update;
 
 /// What one [`Writer::sync`] did.
 #[derive(Default)]
@@ -60,6 +67,57 @@ impl FrontendEntries {
     /// The number of slots packets may read.
     fn live_count(&self) -> u16 {
         self.slot0.map_or(0, |v| v.count)
+    }
+}
+
+/// What a desired frontend's entries become: the backend id of each slot
+/// `1..=count`, in order, and the count its slot 0 gets.
+struct Target {
+    ids: Vec<u32>,
+    count: u16,
+}
+
+/// What the phases of one [`Writer::sync`] hand each other.
+#[derive(Default)]
+struct SyncState {
+    out: Outcome,
+    /// Every desired frontend that can be programmed (see
+    /// [`Writer::plan_targets`]).
+    targets: BTreeMap<FrontendKey, Target>,
+    /// Frontends whose slots or slot 0 were written in this sync.
+    touched: BTreeSet<FrontendKey>,
+    /// Reverse-NAT id → how many programmed slot 0 entries name it (counted
+    /// when removed frontends start to be deleted, kept up to date after).
+    slot0_refs: BTreeMap<u16, usize>,
+}
+
+/// The report of one sync, and the frontends that failed in it: those are
+/// left as they were, and later phases skip them.
+#[derive(Default)]
+struct Outcome {
+    report: SyncReport,
+    failed: BTreeSet<FrontendKey>,
+}
+
+impl Outcome {
+    /// A map operation took effect.
+    fn wrote(&mut self) {
+        self.report.writes += 1;
+    }
+
+    /// Something other than a desired frontend could not be written.
+    fn error(&mut self, what: String, e: DataplaneError) {
+        self.report.errors.push((what, e));
+    }
+
+    /// The desired frontend `key` cannot be programmed in this sync.
+    fn fail(&mut self, key: FrontendKey, fe: Option<&Frontend>, e: DataplaneError) {
+        self.failed.insert(key);
+        self.error(frontend_label(&key, fe), e);
+    }
+
+    fn is_failed(&self, key: &FrontendKey) -> bool {
+        self.failed.contains(key)
     }
 }
 
@@ -199,10 +257,61 @@ impl<D: Dataplane> Writer<D> {
         )
     }
 
+    /// Makes the dataplane equal to `desired`, writing only what differs, in
+    /// make-before-break order: first what desired frontends need, each piece
+    /// before anything names it (backends, reverse NAT, source ranges, slots
+    /// `1..=n`, then slot 0 with the new count), then what slot 0 no longer
+    /// names (obsolete slots, source ranges, affinity), then removed frontends
+    /// (slot 0, then slots, then reverse NAT) and whatever nothing names any
+    /// more (reverse-NAT entries, source ranges, backends). A frontend that
+    /// cannot be programmed is reported and left as it was; every other
+    /// frontend is still synced.
+    pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
+        self.backend_ids.begin_sync();
+        self.rev_nat_ids.begin_sync();
+        let mut s = SyncState::default();
+
+        // Make (update.rs).
+        self.update_backends(desired, &mut s);
+        self.plan_targets(desired, &mut s);
+        self.update_rev_nat(desired, &mut s);
+        self.add_source_ranges(desired, &mut s);
+        self.update_slots(desired, &mut s);
+        self.update_slot0(desired, &mut s);
+        self.delete_obsolete_slots(desired, &mut s);
+        self.remove_source_ranges(desired, &mut s);
+        self.prune_changed_affinity(desired, &mut s);
+        s.count_updated();
+
+        // Break (prune.rs).
+        self.remove_frontends(desired, &mut s);
+        self.delete_stale_rev_nat(&mut s);
+        self.delete_stale_source_ranges(desired, &mut s);
+        self.delete_unused_backends(desired, &mut s);
+
+        let report = s.out.report;
+        if !report.errors.is_empty() {
+            tracing::warn!(
+                errors = report.errors.len(),
+                "writer: sync incomplete; failed frontends retried next sync"
+            );
+        }
+        tracing::debug!(report = ?report, "writer: sync done");
+        report
+    }
+
+    /// The backend ids named by programmed slots (live or not).
+    fn slot_backend_ids(&self) -> BTreeSet<u32> {
+        self.frontends
+            .values()
+            .flat_map(|e| e.slots.values().copied())
+            .collect()
+    }
+
     /// Deletes slots of a frontend that failed to program, beyond what packets
     /// may read, and its reverse-NAT entry if no slot 0 uses it, so that a
     /// failure leaves nothing behind but the previous working state.
-    fn clean_failed(&mut self, key: &FrontendKey, report: &mut SyncReport) {
+    fn clean_failed(&mut self, key: &FrontendKey, out: &mut Outcome) {
         let Some(entries) = self.frontends.get(key) else {
             return;
         };
@@ -216,7 +325,7 @@ impl<D: Dataplane> Writer<D> {
         let has_slot0 = entries.slot0.is_some();
         for slot in extra {
             if self.dp.delete_service(svc_key(key, slot)).is_ok() {
-                report.writes += 1;
+                out.wrote();
                 if let Some(e) = self.frontends.get_mut(key) {
                     e.slots.remove(&slot);
                 }
@@ -225,7 +334,7 @@ impl<D: Dataplane> Writer<D> {
         if !has_slot0 {
             if let Some(id) = self.rev_nat_ids.get(key) {
                 if self.dp.delete_rev_nat(id).is_ok() {
-                    report.writes += 1;
+                    out.wrote();
                     self.rev_nat.remove(&id);
                     self.rev_nat_ids.release(key);
                 }
@@ -243,496 +352,18 @@ impl<D: Dataplane> Writer<D> {
             self.frontends.remove(key);
         }
     }
+}
 
-    /// Makes the dataplane equal to `desired`, writing only what differs, in
-    /// make-before-break order: (1) new backends, (2) reverse-NAT entries of new
-    /// frontends, (3) slots `1..=n` of changed frontends, (4) their slot 0 with
-    /// the new count, (5) their obsolete slots, (6) removed frontends (slot 0,
-    /// then slots, then reverse NAT), (7) backends no frontend uses any more.
-    /// A frontend that cannot be programmed is reported and left as it was;
-    /// every other frontend is still synced.
-    pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
-        let mut report = SyncReport::default();
-        self.backend_ids.begin_sync();
-        self.rev_nat_ids.begin_sync();
-        let mut failed: BTreeSet<FrontendKey> = BTreeSet::new();
-        let fail = |failed: &mut BTreeSet<FrontendKey>, report: &mut SyncReport, key, fe, e| {
-            failed.insert(key);
-            report.errors.push((frontend_label(&key, fe), e));
-        };
-
-        // Endpoints on this node: external traffic to the others is SNATed.
-        let local = |b: &BackendAddr| {
-            if desired.local_endpoints.contains(&b.addr) {
-                backend_state::LOCAL
-            } else {
-                0
-            }
-        };
-        // (1) Backends: those in slots are active; terminating ones that flows
-        // may still use (`retained`) stay in the map without a slot.
-        let mut wanted: BTreeMap<BackendAddr, Backend4> = BTreeMap::new();
-        for fe in desired.frontends.values() {
-            for b in &fe.retained {
-                wanted.insert(
-                    *b,
-                    Backend4::new(
-                        b.addr,
-                        b.port,
-                        b.proto,
-                        backend_state::TERMINATING | local(b),
-                    ),
-                );
-            }
-        }
-        for fe in desired.frontends.values() {
-            for b in &fe.backends {
-                wanted.insert(
-                    *b,
-                    Backend4::new(b.addr, b.port, b.proto, backend_state::ACTIVE | local(b)),
-                );
-            }
-        }
-        let referenced: BTreeSet<u32> = self
-            .frontends
-            .values()
-            .flat_map(|e| e.slots.values().copied())
-            .collect();
-        for (addr, value) in &wanted {
-            let (id, new) = match self.backend_ids.get(addr) {
-                Some(id) => (id, false),
-                None => match self
-                    .backend_ids
-                    .allocate(|id| self.backends.contains_key(&id) || referenced.contains(&id))
-                {
-                    Some(id) => (id, true),
-                    None => {
-                        let e = DataplaneError::Full {
-                            map: map_names::BACKENDS,
-                            capacity: u32::MAX,
-                        };
-                        report.errors.push((format!("backend {addr}"), e));
-                        continue;
-                    }
-                },
-            };
-            if self.backends.get(&id) == Some(value) {
-                continue;
-            }
-            match self.dp.put_backend(id, *value) {
-                Ok(()) => {
-                    report.writes += 1;
-                    self.backends.insert(id, *value);
-                    if new {
-                        report.backends_added += 1;
-                        self.backend_ids.assign(*addr, id);
-                    }
-                }
-                Err(e) => report.errors.push((format!("backend {addr}"), e)),
-            }
-        }
-
-        // The target of every desired frontend: slot 0's fields and the slots.
-        let mut targets: BTreeMap<FrontendKey, (Vec<u32>, u16)> = BTreeMap::new();
-        for (key, fe) in &desired.frontends {
-            let missing = fe
-                .backends
-                .iter()
-                .find(|b| self.backend_ids.get(b).is_none());
-            if let Some(b) = missing {
-                let e = DataplaneError::Op {
-                    map: map_names::BACKENDS,
-                    op: "put",
-                    reason: format!("backend {b} could not be written"),
-                };
-                fail(&mut failed, &mut report, *key, Some(fe), e);
-                continue;
-            }
-            let Ok(count) = u16::try_from(fe.backends.len()) else {
-                let e = DataplaneError::Op {
-                    map: map_names::SERVICES,
-                    op: "put",
-                    reason: format!(
-                        "{} backends, at most {} per frontend",
-                        fe.backends.len(),
-                        u16::MAX
-                    ),
-                };
-                fail(&mut failed, &mut report, *key, Some(fe), e);
-                continue;
-            };
-            let ids = fe
-                .backends
-                .iter()
-                .map(|b| self.backend_ids.as_map()[b])
-                .collect();
-            targets.insert(*key, (ids, count));
-        }
-
-        // (2) Reverse-NAT entries.
-        for (key, fe) in &desired.frontends {
-            if failed.contains(key) {
-                continue;
-            }
-            let (id, new) = match self.rev_nat_ids.get(key) {
-                Some(id) => (id, false),
-                None => match self
-                    .rev_nat_ids
-                    .allocate(|id| self.rev_nat.contains_key(&id))
-                {
-                    Some(id) => (id, true),
-                    None => {
-                        let e = DataplaneError::Full {
-                            map: map_names::REV_NAT,
-                            capacity: u16::MAX as u32,
-                        };
-                        fail(&mut failed, &mut report, *key, Some(fe), e);
-                        continue;
-                    }
-                },
-            };
-            let value = RevNat4::new(key.addr, key.port);
-            if self.rev_nat.get(&id) == Some(&value) {
-                continue;
-            }
-            match self.dp.put_rev_nat(id, value) {
-                Ok(()) => {
-                    report.writes += 1;
-                    self.rev_nat.insert(id, value);
-                    if new {
-                        self.rev_nat_ids.assign(*key, id);
-                    }
-                }
-                Err(e) => fail(&mut failed, &mut report, *key, Some(fe), e),
-            }
-        }
-
-        // (2b) Source ranges a frontend gains, before its slot 0 may use them.
-        for (key, fe) in &desired.frontends {
-            if failed.contains(key) {
-                continue;
-            }
-            let Some(id) = self.rev_nat_ids.get(key) else {
-                continue;
-            };
-            for range in &fe.source_ranges {
-                if self
-                    .source_ranges
-                    .get(&id)
-                    .is_some_and(|s| s.contains(range))
-                {
-                    continue;
-                }
-                match self.dp.put_source_range(id, *range) {
-                    Ok(()) => {
-                        report.writes += 1;
-                        self.source_ranges.entry(id).or_default().insert(*range);
-                    }
-                    Err(e) => {
-                        fail(&mut failed, &mut report, *key, Some(fe), e);
-                        break;
-                    }
-                }
-            }
-        }
-
-        // (3) Slots 1..=n of changed frontends.
-        let mut touched: BTreeSet<FrontendKey> = BTreeSet::new();
-        for (key, (ids, _)) in &targets {
-            if failed.contains(key) {
-                continue;
-            }
-            for (i, id) in ids.iter().enumerate() {
-                let slot = i as u16 + 1;
-                if self.frontends.get(key).and_then(|e| e.slots.get(&slot)) == Some(id) {
-                    continue;
-                }
-                match self
-                    .dp
-                    .put_service(svc_key(key, slot), Svc4Value::slot(*id))
-                {
-                    Ok(()) => {
-                        report.writes += 1;
-                        touched.insert(*key);
-                        self.frontends
-                            .entry(*key)
-                            .or_default()
-                            .slots
-                            .insert(slot, *id);
-                    }
-                    Err(e) => {
-                        fail(
-                            &mut failed,
-                            &mut report,
-                            *key,
-                            desired.frontends.get(key),
-                            e,
-                        );
-                        self.clean_failed(key, &mut report);
-                        break;
-                    }
-                }
-            }
-        }
-
-        // (4) Slot 0 with the new count.
-        for (key, (_, count)) in &targets {
-            if failed.contains(key) {
-                continue;
-            }
-            let fe = &desired.frontends[key];
-            let value = Svc4Value::frontend(
-                *count,
-                self.rev_nat_ids.as_map()[key],
-                fe.flags,
-                fe.affinity_timeout_s,
-            );
-            let previous = self.frontends.get(key).and_then(|e| e.slot0);
-            if previous == Some(value) {
-                continue;
-            }
-            match self.dp.put_service(svc_key(key, 0), value) {
-                Ok(()) => {
-                    report.writes += 1;
-                    touched.insert(*key);
-                    self.frontends.entry(*key).or_default().slot0 = Some(value);
-                    if previous.is_none() {
-                        report.frontends_added += 1;
-                    }
-                }
-                Err(e) => {
-                    fail(&mut failed, &mut report, *key, Some(fe), e);
-                    self.clean_failed(key, &mut report);
-                }
-            }
-        }
-
-        // (5) Obsolete slots of changed frontends.
-        for (key, (_, count)) in &targets {
-            if failed.contains(key) {
-                continue;
-            }
-            let Some(entries) = self.frontends.get(key) else {
-                continue;
-            };
-            let obsolete: Vec<u16> = entries
-                .slots
-                .keys()
-                .copied()
-                .filter(|s| s > count)
-                .collect();
-            for slot in obsolete {
-                match self.dp.delete_service(svc_key(key, slot)) {
-                    Ok(()) => {
-                        report.writes += 1;
-                        touched.insert(*key);
-                        if let Some(e) = self.frontends.get_mut(key) {
-                            e.slots.remove(&slot);
-                        }
-                    }
-                    Err(e) => report
-                        .errors
-                        .push((frontend_label(key, desired.frontends.get(key)), e)),
-                }
-            }
-        }
-        // (5b) Source ranges a frontend no longer has (its slot 0 is written).
-        for (key, fe) in &desired.frontends {
-            if failed.contains(key) {
-                continue;
-            }
-            let Some(id) = self.rev_nat_ids.get(key) else {
-                continue;
-            };
-            let wanted: BTreeSet<SourceRange> = fe.source_ranges.iter().copied().collect();
-            let extra: Vec<SourceRange> = self
-                .source_ranges
-                .get(&id)
-                .map(|s| s.difference(&wanted).copied().collect())
-                .unwrap_or_default();
-            for range in extra {
-                match self.dp.delete_source_range(id, range) {
-                    Ok(()) => {
-                        report.writes += 1;
-                        if let Some(s) = self.source_ranges.get_mut(&id) {
-                            s.remove(&range);
-                        }
-                    }
-                    Err(e) => report.errors.push((frontend_label(key, Some(fe)), e)),
-                }
-            }
-        }
-
-        // Session affinity of changed frontends: a client's entry ends when its
-        // backend left the frontend, every entry when affinity is off.
-        for key in &touched {
-            let (Some(fe), Some((ids, _)), Some(id)) = (
-                desired.frontends.get(key),
-                targets.get(key),
-                self.rev_nat_ids.get(key),
-            ) else {
-                continue;
-            };
-            if failed.contains(key) {
-                continue;
-            }
-            let keep: BTreeSet<u32> = if fe.affinity_timeout_s > 0 {
-                ids.iter().copied().collect()
-            } else {
-                BTreeSet::new()
-            };
-            if let Err(e) = self.dp.prune_affinity(id, &keep) {
-                report.errors.push((frontend_label(key, Some(fe)), e));
-            }
-        }
-        report.frontends_updated = touched
+impl SyncState {
+    /// `frontends_updated`: touched frontends that did not fail, other than
+    /// the added ones.
+    fn count_updated(&mut self) {
+        let report = &mut self.out.report;
+        report.frontends_updated = self
+            .touched
             .iter()
-            .filter(|k| !failed.contains(k))
+            .filter(|k| !self.out.failed.contains(k))
             .count()
             .saturating_sub(report.frontends_added);
-
-        // (6) Removed frontends: slot 0, then the slots, then reverse NAT.
-        let removed: Vec<FrontendKey> = self
-            .frontends
-            .keys()
-            .filter(|k| !desired.frontends.contains_key(k))
-            .copied()
-            .collect();
-        let mut slot0_refs: BTreeMap<u16, usize> = BTreeMap::new();
-        for e in self.frontends.values() {
-            if let Some(v) = e.slot0 {
-                *slot0_refs.entry(v.rev_nat_id).or_default() += 1;
-            }
-        }
-        for key in removed {
-            let entries = self.frontends[&key].clone();
-            if let Some(v) = entries.slot0 {
-                if let Err(e) = self.dp.delete_service(svc_key(&key, 0)) {
-                    report.errors.push((frontend_label(&key, None), e));
-                    continue;
-                }
-                report.writes += 1;
-                report.frontends_removed += 1;
-                if let Some(e) = self.frontends.get_mut(&key) {
-                    e.slot0 = None;
-                }
-                slot0_refs.entry(v.rev_nat_id).and_modify(|n| *n -= 1);
-            }
-            let mut clean = true;
-            for slot in entries.slots.keys() {
-                match self.dp.delete_service(svc_key(&key, *slot)) {
-                    Ok(()) => {
-                        report.writes += 1;
-                        if let Some(e) = self.frontends.get_mut(&key) {
-                            e.slots.remove(slot);
-                        }
-                    }
-                    Err(e) => {
-                        report.errors.push((frontend_label(&key, None), e));
-                        clean = false;
-                    }
-                }
-            }
-            if let Some(id) = self.rev_nat_ids.get(&key) {
-                if clean && slot0_refs.get(&id).copied().unwrap_or(0) == 0 {
-                    match self.dp.delete_rev_nat(id) {
-                        Ok(()) => {
-                            report.writes += 1;
-                            self.rev_nat.remove(&id);
-                            self.rev_nat_ids.release(&key);
-                        }
-                        Err(e) => report.errors.push((frontend_label(&key, None), e)),
-                    }
-                }
-            }
-            self.forget_if_empty(&key);
-        }
-
-        // Reverse-NAT entries nobody owns or uses (leftovers of a previous agent).
-        let stale_rev_nat: Vec<u16> = self
-            .rev_nat
-            .keys()
-            .copied()
-            .filter(|id| {
-                self.rev_nat_ids.owner(*id).is_none()
-                    && slot0_refs.get(id).copied().unwrap_or(0) == 0
-            })
-            .collect();
-        for id in stale_rev_nat {
-            match self.dp.delete_rev_nat(id) {
-                Ok(()) => {
-                    report.writes += 1;
-                    self.rev_nat.remove(&id);
-                }
-                Err(e) => report.errors.push((format!("reverse NAT {id}"), e)),
-            }
-        }
-
-        // Source ranges of reverse-NAT ids no desired frontend owns.
-        let stale_ranges: Vec<(u16, SourceRange)> = self
-            .source_ranges
-            .iter()
-            .filter(|(id, _)| {
-                self.rev_nat_ids
-                    .owner(**id)
-                    .is_none_or(|k| !desired.frontends.contains_key(k))
-            })
-            .flat_map(|(id, set)| set.iter().map(move |r| (*id, *r)))
-            .collect();
-        for (id, range) in stale_ranges {
-            match self.dp.delete_source_range(id, range) {
-                Ok(()) => {
-                    report.writes += 1;
-                    if let Some(s) = self.source_ranges.get_mut(&id) {
-                        s.remove(&range);
-                    }
-                }
-                Err(e) => report
-                    .errors
-                    .push((format!("source range of reverse NAT {id}"), e)),
-            }
-        }
-        self.source_ranges.retain(|_, s| !s.is_empty());
-
-        // (7) Backends no slot refers to and no frontend retains.
-        let mut referenced: BTreeSet<u32> = self
-            .frontends
-            .values()
-            .flat_map(|e| e.slots.values().copied())
-            .collect();
-        referenced.extend(
-            desired
-                .frontends
-                .values()
-                .flat_map(|fe| fe.retained.iter())
-                .filter_map(|b| self.backend_ids.get(b)),
-        );
-        let unused: Vec<u32> = self
-            .backends
-            .keys()
-            .copied()
-            .filter(|id| !referenced.contains(id))
-            .collect();
-        for id in unused {
-            match self.dp.delete_backend(id) {
-                Ok(()) => {
-                    report.writes += 1;
-                    report.backends_removed += 1;
-                    if let Some(b) = self.backends.remove(&id) {
-                        self.backend_ids.release(&b, id);
-                    }
-                }
-                Err(e) => report.errors.push((format!("backend id {id}"), e)),
-            }
-        }
-
-        if !report.errors.is_empty() {
-            tracing::warn!(
-                errors = report.errors.len(),
-                "writer: sync incomplete; failed frontends retried next sync"
-            );
-        }
-        tracing::debug!(report = ?report, "writer: sync done");
-        report
     }
 }
