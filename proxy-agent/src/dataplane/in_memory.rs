@@ -1,0 +1,247 @@
+//! The in-memory dataplane of the tests: the maps as BTreeMaps with their
+//! capacities, a log of the operations, injectable failures, and a check after
+//! every operation of the invariant a packet relies on.
+use std::collections::BTreeMap;
+
+use proxy_common::{map_names, Backend4, RevNat4, Svc4Key, Svc4Value};
+
+use super::{Dataplane, DataplaneError, Programmed, SourceRange};
+
+/// One applied map operation, as recorded by [`InMemory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    PutBackend(u32, Backend4),
+    DeleteBackend(u32),
+    PutService(Svc4Key, Svc4Value),
+    DeleteService(Svc4Key),
+    PutRevNat(u16, RevNat4),
+    DeleteRevNat(u16),
+    PutSourceRange(u16, SourceRange),
+    DeleteSourceRange(u16, SourceRange),
+}
+
+/// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
+/// injectable failure, and a check after every operation of the invariant a
+/// packet relies on (see [`InMemory::violations`]).
+#[derive(Clone, Debug)]
+pub struct InMemory {
+    state: Programmed,
+    cap_services: u32,
+    cap_backends: u32,
+    cap_rev_nat: u32,
+    ops: Vec<Op>,
+    violations: Vec<String>,
+    /// Operations to let through before failing `fail_count` of them.
+    fail_skip: usize,
+    fail_count: usize,
+}
+
+impl Default for InMemory {
+    fn default() -> Self {
+        use proxy_common::capacity;
+        Self::with_capacity(capacity::SERVICES, capacity::BACKENDS, capacity::REV_NAT)
+    }
+}
+
+impl InMemory {
+    pub fn with_capacity(services: u32, backends: u32, rev_nat: u32) -> Self {
+        Self {
+            state: Programmed::default(),
+            cap_services: services,
+            cap_backends: backends,
+            cap_rev_nat: rev_nat,
+            ops: Vec::new(),
+            violations: Vec::new(),
+            fail_skip: 0,
+            fail_count: 0,
+        }
+    }
+
+    /// The maps' contents.
+    pub fn programmed(&self) -> &Programmed {
+        &self.state
+    }
+
+    /// Every applied operation, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// Returns and clears the op log.
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        std::mem::take(&mut self.ops)
+    }
+
+    /// Invariant violations seen after any operation: a frontend whose count
+    /// covers a missing slot, a slot naming a missing backend, or a frontend
+    /// whose reverse-NAT entry is missing or names another address.
+    pub fn violations(&self) -> &[String] {
+        &self.violations
+    }
+
+    /// Makes the next `n` operations fail (without effect); 0 cancels.
+    pub fn fail_next(&mut self, n: usize) {
+        self.fail_after(0, n);
+    }
+
+    /// Lets `skip` operations through, then makes the `n` following fail.
+    pub fn fail_after(&mut self, skip: usize, n: usize) {
+        self.fail_skip = skip;
+        self.fail_count = n;
+    }
+
+    fn injected(&mut self, map: &'static str, op: &'static str) -> Result<(), DataplaneError> {
+        if self.fail_count == 0 {
+            return Ok(());
+        }
+        if self.fail_skip > 0 {
+            self.fail_skip -= 1;
+            return Ok(());
+        }
+        self.fail_count -= 1;
+        Err(DataplaneError::Op {
+            map,
+            op,
+            reason: "injected failure".into(),
+        })
+    }
+
+    /// Logs `op` and checks, for every slot 0, the make-before-break
+    /// invariant: each slot it counts exists and names a backend that
+    /// exists, and its reverse-NAT entry exists with its own address.
+    fn record(&mut self, op: Op) {
+        self.ops.push(op);
+        for (key, value) in self.state.services.iter().filter(|(k, _)| k.slot == 0) {
+            for slot in 1..=value.count {
+                match self.state.services.get(&key.with_slot(slot)) {
+                    None => self.violations.push(format!(
+                        "after {op:?}: {key:?} count {} but slot {slot} missing",
+                        value.count
+                    )),
+                    Some(s) if !self.state.backends.contains_key(&s.backend_id) => {
+                        self.violations.push(format!(
+                            "after {op:?}: {key:?} slot {slot} names missing backend {}",
+                            s.backend_id
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            match self.state.rev_nat.get(&value.rev_nat_id) {
+                Some(r) if r.addr() == key.addr() && r.port() == key.port() => {}
+                other => self.violations.push(format!(
+                    "after {op:?}: {key:?} rev_nat_id {} has entry {other:?}",
+                    value.rev_nat_id
+                )),
+            }
+        }
+    }
+
+    /// A put into one of the capacity-bound maps (`entries` picks it):
+    /// the injected failure first, then a full map, then the write.
+    fn put_entry<K: Ord, V>(
+        &mut self,
+        map: &'static str,
+        entries: fn(&mut Programmed) -> &mut BTreeMap<K, V>,
+        capacity: u32,
+        (key, value): (K, V),
+        op: Op,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map, "put")?;
+        let entries = entries(&mut self.state);
+        if !entries.contains_key(&key) && entries.len() >= capacity as usize {
+            return Err(DataplaneError::Full { map, capacity });
+        }
+        entries.insert(key, value);
+        self.record(op);
+        Ok(())
+    }
+
+    /// A delete from one of the capacity-bound maps (`entries` picks it).
+    fn delete_entry<K: Ord, V>(
+        &mut self,
+        map: &'static str,
+        entries: fn(&mut Programmed) -> &mut BTreeMap<K, V>,
+        key: K,
+        op: Op,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map, "delete")?;
+        entries(&mut self.state).remove(&key);
+        self.record(op);
+        Ok(())
+    }
+}
+
+impl Dataplane for InMemory {
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map_names::SOURCE_RANGES, "put")?;
+        self.state
+            .source_ranges
+            .entry(rev_nat_id)
+            .or_default()
+            .insert(range);
+        self.record(Op::PutSourceRange(rev_nat_id, range));
+        Ok(())
+    }
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map_names::SOURCE_RANGES, "delete")?;
+        if let Some(set) = self.state.source_ranges.get_mut(&rev_nat_id) {
+            set.remove(&range);
+            if set.is_empty() {
+                self.state.source_ranges.remove(&rev_nat_id);
+            }
+        }
+        self.record(Op::DeleteSourceRange(rev_nat_id, range));
+        Ok(())
+    }
+    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::BACKENDS,
+            |s| &mut s.backends,
+            self.cap_backends,
+            (id, backend),
+            Op::PutBackend(id, backend),
+        )
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let op = Op::DeleteBackend(id);
+        self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op)
+    }
+    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::SERVICES,
+            |s| &mut s.services,
+            self.cap_services,
+            (key, value),
+            Op::PutService(key, value),
+        )
+    }
+    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+        let op = Op::DeleteService(key);
+        self.delete_entry(map_names::SERVICES, |s| &mut s.services, key, op)
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::REV_NAT,
+            |s| &mut s.rev_nat,
+            self.cap_rev_nat,
+            (id, value),
+            Op::PutRevNat(id, value),
+        )
+    }
+    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let op = Op::DeleteRevNat(id);
+        self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op)
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        Ok(self.state.clone())
+    }
+}

@@ -1,0 +1,371 @@
+//! The phases of [`Writer::sync`] that make desired frontends as they should
+//! be, in the order `sync` runs them. Each writes an entry only before
+//! anything names it, or after nothing does any more.
+use std::collections::{BTreeMap, BTreeSet};
+
+use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Value};
+
+use super::{
+    frontend_label, svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target, Writer,
+};
+use crate::model::{BackendAddr, DesiredState};
+
+/// Every backend the desired frontends need, with its state: those in slots
+/// are active; terminating ones that flows may still use (`retained`) stay in
+/// the map without a slot. Endpoints on this node are marked local: external
+/// traffic to the others is SNATed.
+fn wanted_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend4> {
+    let local = |b: &BackendAddr| {
+        if desired.local_endpoints.contains(&b.addr) {
+            backend_state::LOCAL
+        } else {
+            0
+        }
+    };
+    let mut wanted: BTreeMap<BackendAddr, Backend4> = BTreeMap::new();
+    for fe in desired.frontends.values() {
+        for b in &fe.retained {
+            let state = backend_state::TERMINATING | local(b);
+            wanted.insert(*b, Backend4::new(b.addr, b.port, b.proto, state));
+        }
+    }
+    for fe in desired.frontends.values() {
+        for b in &fe.backends {
+            let state = backend_state::ACTIVE | local(b);
+            wanted.insert(*b, Backend4::new(b.addr, b.port, b.proto, state));
+        }
+    }
+    wanted
+}
+
+impl<D: Dataplane> Writer<D> {
+    /// Writes every wanted backend that is new or changed, allocating ids for
+    /// new ones. Invariant: a backend is written before any slot names it (a
+    /// frontend with a backend that could not be written gets no target, so
+    /// no slot); a new id is one no slot names, even a slot packets do not
+    /// read.
+    pub(super) fn update_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        let referenced = self.slot_backend_ids();
+        for (addr, value) in &wanted_backends(desired) {
+            let (id, new) = match self.backend_ids.get(addr) {
+                Some(id) => (id, false),
+                None => match self
+                    .backend_ids
+                    .allocate(|id| self.backends.contains_key(&id) || referenced.contains(&id))
+                {
+                    Some(id) => (id, true),
+                    None => {
+                        let e = DataplaneError::Full {
+                            map: map_names::BACKENDS,
+                            capacity: u32::MAX,
+                        };
+                        s.out.error(format!("backend {addr}"), e);
+                        continue;
+                    }
+                },
+            };
+            if self.backends.get(&id) == Some(value) {
+                continue;
+            }
+            match self.dp.put_backend(id, *value) {
+                Ok(()) => {
+                    s.out.wrote();
+                    self.backends.insert(id, *value);
+                    if new {
+                        s.out.report.backends_added += 1;
+                        self.backend_ids.assign(*addr, id);
+                    }
+                }
+                Err(e) => s.out.error(format!("backend {addr}"), e),
+            }
+        }
+    }
+
+    /// Plans the target of every desired frontend: the ids of its slots and
+    /// its count. Writes nothing. Invariant: a frontend gets a target only if
+    /// every one of its backends is written, and a count a slot 0 can hold;
+    /// the others fail and stay as they were.
+    pub(super) fn plan_targets(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, fe) in &desired.frontends {
+            let missing = fe
+                .backends
+                .iter()
+                .find(|b| self.backend_ids.get(b).is_none());
+            if let Some(b) = missing {
+                let e = DataplaneError::Op {
+                    map: map_names::BACKENDS,
+                    op: "put",
+                    reason: format!("backend {b} could not be written"),
+                };
+                s.out.fail(*key, Some(fe), e);
+                continue;
+            }
+            let Ok(count) = u16::try_from(fe.backends.len()) else {
+                let e = DataplaneError::Op {
+                    map: map_names::SERVICES,
+                    op: "put",
+                    reason: format!(
+                        "{} backends, at most {} per frontend",
+                        fe.backends.len(),
+                        u16::MAX
+                    ),
+                };
+                s.out.fail(*key, Some(fe), e);
+                continue;
+            };
+            let ids = fe
+                .backends
+                .iter()
+                .map(|b| self.backend_ids.as_map()[b])
+                .collect();
+            s.targets.insert(*key, Target { ids, count });
+        }
+    }
+
+    /// Writes the reverse-NAT entry of every desired frontend that is new or
+    /// changed, allocating ids for new frontends. Invariant: a frontend's
+    /// reverse-NAT entry is written before its slot 0 names it (slot 0 is
+    /// written only for frontends that have an id, and an id is kept only
+    /// once its entry is written).
+    pub(super) fn update_rev_nat(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, fe) in &desired.frontends {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let (id, new) = match self.rev_nat_ids.get(key) {
+                Some(id) => (id, false),
+                None => match self
+                    .rev_nat_ids
+                    .allocate(|id| self.rev_nat.contains_key(&id))
+                {
+                    Some(id) => (id, true),
+                    None => {
+                        let e = DataplaneError::Full {
+                            map: map_names::REV_NAT,
+                            capacity: u16::MAX as u32,
+                        };
+                        s.out.fail(*key, Some(fe), e);
+                        continue;
+                    }
+                },
+            };
+            let value = RevNat4::new(key.addr, key.port);
+            if self.rev_nat.get(&id) == Some(&value) {
+                continue;
+            }
+            match self.dp.put_rev_nat(id, value) {
+                Ok(()) => {
+                    s.out.wrote();
+                    self.rev_nat.insert(id, value);
+                    if new {
+                        self.rev_nat_ids.assign(*key, id);
+                    }
+                }
+                Err(e) => s.out.fail(*key, Some(fe), e),
+            }
+        }
+    }
+
+    /// Writes the source ranges a frontend gains. Invariant: a range is
+    /// written before a slot 0 that restricts clients to its ranges takes
+    /// effect, so no allowed client is refused in between.
+    pub(super) fn add_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, fe) in &desired.frontends {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let Some(id) = self.rev_nat_ids.get(key) else {
+                continue;
+            };
+            for range in &fe.source_ranges {
+                if self
+                    .source_ranges
+                    .get(&id)
+                    .is_some_and(|set| set.contains(range))
+                {
+                    continue;
+                }
+                match self.dp.put_source_range(id, *range) {
+                    Ok(()) => {
+                        s.out.wrote();
+                        self.source_ranges.entry(id).or_default().insert(*range);
+                    }
+                    Err(e) => {
+                        s.out.fail(*key, Some(fe), e);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes slots `1..=count` of every target that differ from what is
+    /// programmed. Invariant: a slot 0 never counts a slot that is not yet
+    /// written: slots are written before the slot 0 with the new count, and a
+    /// frontend whose slot fails is failed (its slot 0 is not written) and
+    /// cleaned of the slots beyond its current count.
+    pub(super) fn update_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, target) in &s.targets {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            for (i, id) in target.ids.iter().enumerate() {
+                let slot = i as u16 + 1;
+                if self.frontends.get(key).and_then(|e| e.slots.get(&slot)) == Some(id) {
+                    continue;
+                }
+                match self
+                    .dp
+                    .put_service(svc_key(key, slot), Svc4Value::slot(*id))
+                {
+                    Ok(()) => {
+                        s.out.wrote();
+                        s.touched.insert(*key);
+                        self.frontends
+                            .entry(*key)
+                            .or_default()
+                            .slots
+                            .insert(slot, *id);
+                    }
+                    Err(e) => {
+                        s.out.fail(*key, desired.frontends.get(key), e);
+                        self.clean_failed(key, &mut s.out);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes slot 0 of every target whose count, reverse-NAT id, flags or
+    /// affinity differ. Invariant: slot 0 is written last, once every slot it
+    /// counts, its reverse-NAT entry and its source ranges are; a frontend
+    /// whose slot 0 fails keeps its previous slot 0, and the slots beyond it
+    /// are cleaned.
+    pub(super) fn update_slot0(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, target) in &s.targets {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let fe = &desired.frontends[key];
+            // A target that did not fail has a reverse-NAT id.
+            let value = Svc4Value::frontend(
+                target.count,
+                self.rev_nat_ids.as_map()[key],
+                fe.flags,
+                fe.affinity_timeout_s,
+            );
+            let previous = self.frontends.get(key).and_then(|e| e.slot0);
+            if previous == Some(value) {
+                continue;
+            }
+            match self.dp.put_service(svc_key(key, 0), value) {
+                Ok(()) => {
+                    s.out.wrote();
+                    s.touched.insert(*key);
+                    self.frontends.entry(*key).or_default().slot0 = Some(value);
+                    if previous.is_none() {
+                        s.out.report.frontends_added += 1;
+                    }
+                }
+                Err(e) => {
+                    s.out.fail(*key, Some(fe), e);
+                    self.clean_failed(key, &mut s.out);
+                }
+            }
+        }
+    }
+
+    /// Deletes the slots beyond each target's count. Invariant: a slot is
+    /// deleted only once slot 0 no longer counts it (its slot 0 with the new
+    /// count is written: failed frontends are skipped).
+    pub(super) fn delete_obsolete_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, target) in &s.targets {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let Some(entries) = self.frontends.get(key) else {
+                continue;
+            };
+            let obsolete: Vec<u16> = entries
+                .slots
+                .keys()
+                .copied()
+                .filter(|slot| *slot > target.count)
+                .collect();
+            for slot in obsolete {
+                match self.dp.delete_service(svc_key(key, slot)) {
+                    Ok(()) => {
+                        s.out.wrote();
+                        s.touched.insert(*key);
+                        if let Some(e) = self.frontends.get_mut(key) {
+                            e.slots.remove(&slot);
+                        }
+                    }
+                    Err(e) => s
+                        .out
+                        .error(frontend_label(key, desired.frontends.get(key)), e),
+                }
+            }
+        }
+    }
+
+    /// Deletes the source ranges a desired frontend no longer has.
+    /// Invariant: a range is deleted only once slot 0 is as desired (failed
+    /// frontends are skipped), so a client is refused only by the new state.
+    pub(super) fn remove_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for (key, fe) in &desired.frontends {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let Some(id) = self.rev_nat_ids.get(key) else {
+                continue;
+            };
+            let wanted: BTreeSet<SourceRange> = fe.source_ranges.iter().copied().collect();
+            let extra: Vec<SourceRange> = self
+                .source_ranges
+                .get(&id)
+                .map(|set| set.difference(&wanted).copied().collect())
+                .unwrap_or_default();
+            for range in extra {
+                match self.dp.delete_source_range(id, range) {
+                    Ok(()) => {
+                        s.out.wrote();
+                        if let Some(set) = self.source_ranges.get_mut(&id) {
+                            set.remove(&range);
+                        }
+                    }
+                    Err(e) => s.out.error(frontend_label(key, Some(fe)), e),
+                }
+            }
+        }
+    }
+
+    /// Ends the session affinity of changed frontends: a client's entry ends
+    /// when its backend left the frontend, every entry when affinity is off.
+    /// Invariant: affinity is pruned only once slot 0 no longer balances over
+    /// the backends it drops (failed frontends are skipped), so a client is
+    /// not pinned again to a backend that is leaving.
+    pub(super) fn prune_changed_affinity(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        for key in &s.touched {
+            let (Some(fe), Some(target), Some(id)) = (
+                desired.frontends.get(key),
+                s.targets.get(key),
+                self.rev_nat_ids.get(key),
+            ) else {
+                continue;
+            };
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let keep: BTreeSet<u32> = if fe.affinity_timeout_s > 0 {
+                target.ids.iter().copied().collect()
+            } else {
+                BTreeSet::new()
+            };
+            if let Err(e) = self.dp.prune_affinity(id, &keep) {
+                s.out.error(frontend_label(key, Some(fe)), e);
+            }
+        }
+    }
+}
