@@ -110,7 +110,11 @@ fn main() -> anyhow::Result<()> {
 fn measure_external(runs: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let node = Ipv4Addr::new(198, 18, 0, 10);
     let remote = Ipv4Addr::new(198, 18, 2, 10);
-    let mut h = Harness::try_new("kpr-cost", MapSizes::default(), Config::default().with_node_addr(node))?;
+    let mut h = Harness::try_new(
+        "kpr-cost",
+        MapSizes::default(),
+        Config::default().with_node_addr(node),
+    )?;
     let mut d = DesiredState::default();
     d.frontends.insert(
         FrontendKey {
@@ -133,7 +137,8 @@ fn measure_external(runs: usize) -> anyhow::Result<Vec<serde_json::Value>> {
         h.writer.sync(&d).errors.is_empty(),
         "programming the NodePort"
     );
-    h.netns.wire("198.18.0.0/16", &[("198.18.2.10", "02:00:00:00:00:bb")])?;
+    h.netns
+        .wire("198.18.0.0/16", &[("198.18.2.10", "02:00:00:00:00:bb")])?;
     let h = &h;
     h.enter(|| -> anyhow::Result<Vec<serde_json::Value>> {
         let mut rows = Vec::new();
@@ -165,7 +170,11 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
         backends: capacity::BACKENDS,
         ..MapSizes::default()
     };
-    let mut h = Harness::try_new("kpr-cost", sizes, Config::default().with_hairpin_addr(HAIRPIN))?;
+    let mut h = Harness::try_new(
+        "kpr-cost",
+        sizes,
+        Config::default().with_hairpin_addr(HAIRPIN),
+    )?;
     let client = Ipv4Addr::new(198, 18, 1, 2);
     let mut rows = Vec::new();
     for &n in ns_list {

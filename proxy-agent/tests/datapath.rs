@@ -21,15 +21,12 @@ use kit::{
     case::{run_cases, Case, Expect, Field, Ran, Setup},
     check::{ipv4_addrs_checked, l4_csum4, parse_checked},
     frame::{
-        ipv4_split, tcp4, udp4, udp4_no_csum, with_byte, with_ethertype, ACK,
-        ETH_P_ARP, FIN, PSH, SYN,
+        ipv4_split, tcp4, udp4, udp4_no_csum, with_byte, with_ethertype, ACK, ETH_P_ARP, FIN, PSH,
+        SYN,
     },
     harness::{be, fe, fe_ext, Harness, PinDir, Prog, Verdict, HAIRPIN},
 };
-use proxy_agent::{
-    bpf::MapSizes,
-    model::BackendAddr,
-};
+use proxy_agent::{bpf::MapSizes, model::BackendAddr};
 use proxy_common::{map_names, stat, svc_flags, Config, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 2);
@@ -58,7 +55,11 @@ fn not_for_the_external_device(c: Case) -> Case {
 }
 
 fn tcp_setup() -> Setup {
-    Setup::new(vec![(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)])
+    Setup::new(vec![(
+        fe(VIP, 80, IPPROTO_TCP),
+        vec![be(B1, 8080, IPPROTO_TCP)],
+        0,
+    )])
 }
 
 /// DNAT of a new TCP flow and reverse NAT of its reply, checksums recomputed.
@@ -73,40 +74,81 @@ fn dnat_and_reverse_nat_tcp() {
     fn traffic_of_three(h: &Harness, ran: &Ran) {
         let t = h.maps().traffic().unwrap();
         let bytes: u64 = ran.inputs.iter().map(|f| f.len() as u64).sum();
-        let (_, _, _, fe_t) = t.frontends.values().find(|(a, p, _, _)| *a == VIP && *p == 80).unwrap();
+        let (_, _, _, fe_t) = t
+            .frontends
+            .values()
+            .find(|(a, p, _, _)| *a == VIP && *p == 80)
+            .unwrap();
         assert_eq!((fe_t.packets, fe_t.bytes), (3, bytes));
-        let (_, _, _, be_t) = t.backends.values().find(|(a, p, _, _)| *a == B1 && *p == 8080).unwrap();
+        let (_, _, _, be_t) = t
+            .backends
+            .values()
+            .find(|(a, p, _, _)| *a == B1 && *p == 8080)
+            .unwrap();
         assert_eq!((be_t.packets, be_t.bytes), (3, bytes));
     }
     let forwarded = [(stat::FWD_NEW, 1), (stat::FWD_ESTABLISHED, 1)];
     run_cases(&[
         // No route in the test netns: translated, then handed to the stack.
-        not_for_the_external_device(Case::new("TCP SYN to a ClusterIP: DNAT, handed to the stack", &s, syn.clone()).expect(
-            PodIngress,
-            Expect::fields(Pass, vec![Field::Tuple(CLIENT, 40000, B1, 8080), Field::Ttl(64)]).stats(&[(stat::FWD_NEW, 1)]),
-        )),
+        not_for_the_external_device(
+            Case::new(
+                "TCP SYN to a ClusterIP: DNAT, handed to the stack",
+                &s,
+                syn.clone(),
+            )
+            .expect(
+                PodIngress,
+                Expect::fields(
+                    Pass,
+                    vec![Field::Tuple(CLIENT, 40000, B1, 8080), Field::Ttl(64)],
+                )
+                .stats(&[(stat::FWD_NEW, 1)]),
+            ),
+        ),
         // A data segment with payload: same translation, checksum still right.
         not_for_the_external_device(
-            Case::new("TCP data segment of a tracked flow: same DNAT, payload intact", &s, data.clone())
-                .after(Some(PodIngress), syn.clone())
-                .expect(
-                    PodIngress,
-                    Expect::fields(Pass, vec![Field::Dst(B1, 8080), Field::L4From(20, b"hostname\n".to_vec())]).stats(&forwarded),
-                ),
+            Case::new(
+                "TCP data segment of a tracked flow: same DNAT, payload intact",
+                &s,
+                data.clone(),
+            )
+            .after(Some(PodIngress), syn.clone())
+            .expect(
+                PodIngress,
+                Expect::fields(
+                    Pass,
+                    vec![
+                        Field::Dst(B1, 8080),
+                        Field::L4From(20, b"hostname\n".to_vec()),
+                    ],
+                )
+                .stats(&forwarded),
+            ),
         ),
         // The reply, as the backend sends it: the client must see the frontend.
         // The reply path is the same in both tc programs; XDP has no FIB answer
         // here (no route), so it passes the reply on to tc untouched.
-        Case::new("TCP reply of the backend: reverse NAT to the frontend", &s, reply)
-            .after(Some(PodIngress), syn)
-            .after(Some(PodIngress), data)
-            .expect_all(
-                &[PodIngress, ExtIngress],
-                Expect::fields(Pass, vec![Field::Tuple(VIP, 80, CLIENT, 40000)])
-                    .stats(&[(stat::FWD_NEW, 1), (stat::FWD_ESTABLISHED, 1), (stat::FWD_REPLY, 1)])
-                    .then(traffic_of_three),
-            )
-            .expect(ExtXdp, Expect::unchanged(Pass).stats(&[(stat::FWD_REPLY, 0), (stat::XDP_REDIRECT, 0)])),
+        Case::new(
+            "TCP reply of the backend: reverse NAT to the frontend",
+            &s,
+            reply,
+        )
+        .after(Some(PodIngress), syn)
+        .after(Some(PodIngress), data)
+        .expect_all(
+            &[PodIngress, ExtIngress],
+            Expect::fields(Pass, vec![Field::Tuple(VIP, 80, CLIENT, 40000)])
+                .stats(&[
+                    (stat::FWD_NEW, 1),
+                    (stat::FWD_ESTABLISHED, 1),
+                    (stat::FWD_REPLY, 1),
+                ])
+                .then(traffic_of_three),
+        )
+        .expect(
+            ExtXdp,
+            Expect::unchanged(Pass).stats(&[(stat::FWD_REPLY, 0), (stat::XDP_REDIRECT, 0)]),
+        ),
     ]);
 }
 
@@ -114,21 +156,47 @@ fn dnat_and_reverse_nat_tcp() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn dnat_and_reverse_nat_udp() {
-    let s = Setup::new(vec![(fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0)]);
+    let s = Setup::new(vec![(
+        fe(VIP, 53, IPPROTO_UDP),
+        vec![be(B1, 5353, IPPROTO_UDP)],
+        0,
+    )]);
     let q = udp4(CLIENT, 41000, VIP, 53, b"query");
     run_cases(&[
-        not_for_the_external_device(Case::new("UDP datagram to a ClusterIP: DNAT", &s, q.clone()).expect(
-            PodIngress,
-            Expect::fields(Pass, vec![Field::Tuple(CLIENT, 41000, B1, 5353), Field::L4From(8, b"query".to_vec())]),
-        )),
         not_for_the_external_device(
-            Case::new("UDP datagram without checksum: DNAT, the zero checksum stays zero", &s, udp4_no_csum(CLIENT, 41001, VIP, 53, b"query"))
-                .expect(PodIngress, Expect::fields(Pass, vec![Field::Dst(B1, 5353), Field::L4At(6, vec![0, 0])])),
+            Case::new("UDP datagram to a ClusterIP: DNAT", &s, q.clone()).expect(
+                PodIngress,
+                Expect::fields(
+                    Pass,
+                    vec![
+                        Field::Tuple(CLIENT, 41000, B1, 5353),
+                        Field::L4From(8, b"query".to_vec()),
+                    ],
+                ),
+            ),
         ),
-        Case::new("UDP reply of the backend: reverse NAT to the frontend", &s, udp4(B1, 5353, CLIENT, 41000, b"answer"))
-            .after(Some(PodIngress), q)
-            .expect_all(&[PodIngress, ExtIngress], Expect::fields(Pass, vec![Field::Tuple(VIP, 53, CLIENT, 41000)]))
-            .expect(ExtXdp, Expect::unchanged(Pass)),
+        not_for_the_external_device(
+            Case::new(
+                "UDP datagram without checksum: DNAT, the zero checksum stays zero",
+                &s,
+                udp4_no_csum(CLIENT, 41001, VIP, 53, b"query"),
+            )
+            .expect(
+                PodIngress,
+                Expect::fields(Pass, vec![Field::Dst(B1, 5353), Field::L4At(6, vec![0, 0])]),
+            ),
+        ),
+        Case::new(
+            "UDP reply of the backend: reverse NAT to the frontend",
+            &s,
+            udp4(B1, 5353, CLIENT, 41000, b"answer"),
+        )
+        .after(Some(PodIngress), q)
+        .expect_all(
+            &[PodIngress, ExtIngress],
+            Expect::fields(Pass, vec![Field::Tuple(VIP, 53, CLIENT, 41000)]),
+        )
+        .expect(ExtXdp, Expect::unchanged(Pass)),
     ]);
 }
 
@@ -140,7 +208,12 @@ fn translated_packet_is_redirected_with_fib_macs() {
     let mut s = tcp_setup();
     s.wire = Some(("198.18.1.0/24", vec![("198.18.1.10", "02:00:00:00:00:bb")]));
     run_cases(&[not_for_the_external_device(
-        Case::new("TCP SYN to a ClusterIP, FIB answers: DNAT, redirected", &s, tcp4(CLIENT, 40001, VIP, 80, SYN, b"")).expect(
+        Case::new(
+            "TCP SYN to a ClusterIP, FIB answers: DNAT, redirected",
+            &s,
+            tcp4(CLIENT, 40001, VIP, 80, SYN, b""),
+        )
+        .expect(
             PodIngress,
             Expect::fields(
                 Redirect,
@@ -164,13 +237,27 @@ fn translated_packet_is_redirected_with_fib_macs() {
 fn non_service_traffic_passes_unchanged() {
     let s = tcp_setup();
     let untouched = Expect::unchanged(Pass).stats(&[(stat::FWD_NEW, 0)]);
-    let case = |what: &str, frame: Vec<u8>| Case::new(what, &s, frame).expect_all(&Prog::ALL, untouched.clone());
+    let case = |what: &str, frame: Vec<u8>| {
+        Case::new(what, &s, frame).expect_all(&Prog::ALL, untouched.clone())
+    };
     run_cases(&[
         case("pod to pod", tcp4(CLIENT, 40000, B1, 8080, SYN, b"")),
-        case("a port the frontend lacks", tcp4(CLIENT, 40000, VIP, 81, SYN, b"")),
-        case("other protocol, same port", udp4(CLIENT, 40000, VIP, 80, b"x")),
-        case("a reply of no tracked flow", tcp4(B2, 8080, CLIENT, 40000, SYN | ACK, b"")),
-        case("not IPv4 (ARP)", with_ethertype(&tcp4(CLIENT, 1, VIP, 80, SYN, b""), ETH_P_ARP)),
+        case(
+            "a port the frontend lacks",
+            tcp4(CLIENT, 40000, VIP, 81, SYN, b""),
+        ),
+        case(
+            "other protocol, same port",
+            udp4(CLIENT, 40000, VIP, 80, b"x"),
+        ),
+        case(
+            "a reply of no tracked flow",
+            tcp4(B2, 8080, CLIENT, 40000, SYN | ACK, b""),
+        ),
+        case(
+            "not IPv4 (ARP)",
+            with_ethertype(&tcp4(CLIENT, 1, VIP, 80, SYN, b""), ETH_P_ARP),
+        ),
     ]);
 }
 
@@ -201,32 +288,69 @@ fn no_backend_rejects_with_icmp_port_unreachable() {
         .stats(&[(stat::REJECT_NO_BACKEND, 1)])
         .then(no_conntrack)
     };
-    let s = Setup::new(vec![(fe(VIP, 80, IPPROTO_TCP), vec![], 0), (fe(VIP, 53, IPPROTO_UDP), vec![], 0)]);
+    let s = Setup::new(vec![
+        (fe(VIP, 80, IPPROTO_TCP), vec![], 0),
+        (fe(VIP, 53, IPPROTO_UDP), vec![], 0),
+    ]);
     // Endpoints only elsewhere (a Local policy): drop, not reject.
-    let s_local = Setup::new(vec![(fe(VIP, 80, IPPROTO_TCP), vec![], svc_flags::DROP_NO_BACKEND)]);
+    let s_local = Setup::new(vec![(
+        fe(VIP, 80, IPPROTO_TCP),
+        vec![],
+        svc_flags::DROP_NO_BACKEND,
+    )]);
     let np = Setup::new(vec![(fe_ext(NODE, 30080, IPPROTO_TCP), vec![], 0)]);
-    let np_local = Setup::new(vec![(fe_ext(NODE, 30080, IPPROTO_TCP), vec![], svc_flags::DROP_NO_BACKEND)]);
+    let np_local = Setup::new(vec![(
+        fe_ext(NODE, 30080, IPPROTO_TCP),
+        vec![],
+        svc_flags::DROP_NO_BACKEND,
+    )]);
     let np_syn = tcp4(CLIENT, 40000, NODE, 30080, SYN, b"");
     run_cases(&[
         not_for_the_external_device(
-            Case::new("TCP SYN to a ClusterIP without endpoints: ICMP port unreachable", &s, tcp4(CLIENT, 40000, VIP, 80, SYN, b""))
-                .expect(PodIngress, rejected(VIP)),
+            Case::new(
+                "TCP SYN to a ClusterIP without endpoints: ICMP port unreachable",
+                &s,
+                tcp4(CLIENT, 40000, VIP, 80, SYN, b""),
+            )
+            .expect(PodIngress, rejected(VIP)),
         ),
         not_for_the_external_device(
-            Case::new("UDP to a ClusterIP without endpoints: ICMP port unreachable", &s, udp4(CLIENT, 40000, VIP, 53, &[7u8; 100]))
-                .expect(PodIngress, rejected(VIP)),
+            Case::new(
+                "UDP to a ClusterIP without endpoints: ICMP port unreachable",
+                &s,
+                udp4(CLIENT, 40000, VIP, 53, &[7u8; 100]),
+            )
+            .expect(PodIngress, rejected(VIP)),
         ),
         not_for_the_external_device(
-            Case::new("TCP SYN to a ClusterIP with endpoints only elsewhere: dropped", &s_local, tcp4(CLIENT, 40000, VIP, 80, SYN, b""))
-                .expect(PodIngress, Expect::verdict(Drop)),
+            Case::new(
+                "TCP SYN to a ClusterIP with endpoints only elsewhere: dropped",
+                &s_local,
+                tcp4(CLIENT, 40000, VIP, 80, SYN, b""),
+            )
+            .expect(PodIngress, Expect::verdict(Drop)),
         ),
-        Case::new("TCP SYN to a NodePort without endpoints: ICMP port unreachable (tc)", &np, np_syn.clone())
-            .expect(PodIngress, Expect::unchanged(Pass))
-            .expect(ExtIngress, rejected(NODE))
-            .expect(ExtXdp, Expect::unchanged(Pass).stats(&[(stat::REJECT_NO_BACKEND, 0)])),
-        Case::new("TCP SYN to a NodePort with endpoints only elsewhere: dropped", &np_local, np_syn)
-            .expect(PodIngress, Expect::unchanged(Pass))
-            .expect_all(&Prog::EXT, Expect::verdict(Drop).stats(&[(stat::DROP_NO_LOCAL_BACKEND, 1)])),
+        Case::new(
+            "TCP SYN to a NodePort without endpoints: ICMP port unreachable (tc)",
+            &np,
+            np_syn.clone(),
+        )
+        .expect(PodIngress, Expect::unchanged(Pass))
+        .expect(ExtIngress, rejected(NODE))
+        .expect(
+            ExtXdp,
+            Expect::unchanged(Pass).stats(&[(stat::REJECT_NO_BACKEND, 0)]),
+        ),
+        Case::new(
+            "TCP SYN to a NodePort with endpoints only elsewhere: dropped",
+            &np_local,
+            np_syn,
+        )
+        .expect(PodIngress, Expect::unchanged(Pass))
+        .expect_all(
+            &Prog::EXT,
+            Expect::verdict(Drop).stats(&[(stat::DROP_NO_LOCAL_BACKEND, 1)]),
+        ),
     ]);
 }
 
@@ -238,17 +362,30 @@ fn hairpin_snat_and_reverse() {
     let s = tcp_setup();
     let syn = tcp4(B1, 40000, VIP, 80, SYN, b"");
     run_cases(&[
-        not_for_the_external_device(Case::new("a pod to its own ClusterIP: DNAT and SNAT to the hairpin address", &s, syn.clone()).expect(
-            PodIngress,
-            Expect::fields(Pass, vec![Field::Tuple(HAIRPIN, 40000, B1, 8080)]).stats(&[(stat::HAIRPIN, 1)]),
-        )),
-        Case::new("the hairpin flow's reply: both addresses restored", &s, tcp4(B1, 8080, HAIRPIN, 40000, SYN | ACK, b""))
-            .after(Some(PodIngress), syn)
-            .expect_all(
-                &[PodIngress, ExtIngress],
-                Expect::fields(Pass, vec![Field::Tuple(VIP, 80, B1, 40000)]).stats(&[(stat::HAIRPIN, 1)]),
+        not_for_the_external_device(
+            Case::new(
+                "a pod to its own ClusterIP: DNAT and SNAT to the hairpin address",
+                &s,
+                syn.clone(),
             )
-            .expect(ExtXdp, Expect::unchanged(Pass)),
+            .expect(
+                PodIngress,
+                Expect::fields(Pass, vec![Field::Tuple(HAIRPIN, 40000, B1, 8080)])
+                    .stats(&[(stat::HAIRPIN, 1)]),
+            ),
+        ),
+        Case::new(
+            "the hairpin flow's reply: both addresses restored",
+            &s,
+            tcp4(B1, 8080, HAIRPIN, 40000, SYN | ACK, b""),
+        )
+        .after(Some(PodIngress), syn)
+        .expect_all(
+            &[PodIngress, ExtIngress],
+            Expect::fields(Pass, vec![Field::Tuple(VIP, 80, B1, 40000)])
+                .stats(&[(stat::HAIRPIN, 1)]),
+        )
+        .expect(ExtXdp, Expect::unchanged(Pass)),
     ]);
 }
 
@@ -276,9 +413,16 @@ fn truncated_and_malformed_packets() {
         };
         let refusable = |e: Expect| if len < 14 + 20 { e.may_refuse() } else { e };
         cases.push(
-            Case::new(format!("the first {len} bytes of a SYN to a ClusterIP"), &s, full[..len].to_vec())
-                .expect(PodIngress, refusable(pod.stats(&nothing_translated)))
-                .expect_all(&Prog::EXT, refusable(Expect::verdict(Pass).stats(&nothing_translated))),
+            Case::new(
+                format!("the first {len} bytes of a SYN to a ClusterIP"),
+                &s,
+                full[..len].to_vec(),
+            )
+            .expect(PodIngress, refusable(pod.stats(&nothing_translated)))
+            .expect_all(
+                &Prog::EXT,
+                refusable(Expect::verdict(Pass).stats(&nothing_translated)),
+            ),
         );
     }
     // A fragment without its first (offset 16 * 8 bytes) passes untouched.
@@ -287,10 +431,23 @@ fn truncated_and_malformed_packets() {
     frag[21] = 0x10;
     let untouched = Expect::unchanged(Pass).stats(&nothing_translated);
     cases.extend([
-        Case::new("IPv4 header length 12 (IHL 3)", &s, with_byte(&full, 14, 0x43)).expect_all(&Prog::ALL, untouched.clone()),
-        Case::new("IP version 6 in an IPv4 frame", &s, with_byte(&full, 14, 0x65)).expect_all(&Prog::ALL, untouched.clone()),
+        Case::new(
+            "IPv4 header length 12 (IHL 3)",
+            &s,
+            with_byte(&full, 14, 0x43),
+        )
+        .expect_all(&Prog::ALL, untouched.clone()),
+        Case::new(
+            "IP version 6 in an IPv4 frame",
+            &s,
+            with_byte(&full, 14, 0x65),
+        )
+        .expect_all(&Prog::ALL, untouched.clone()),
         Case::new("a later fragment whose first was not seen", &s, frag)
-            .expect_all(&[PodIngress, ExtIngress], untouched.clone().stats(&[(stat::PASS_FRAGMENT, 1)]))
+            .expect_all(
+                &[PodIngress, ExtIngress],
+                untouched.clone().stats(&[(stat::PASS_FRAGMENT, 1)]),
+            )
             .expect(ExtXdp, untouched.clone()),
     ]);
     run_cases(&cases);
@@ -301,22 +458,44 @@ fn truncated_and_malformed_packets() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn external_device_translates_replies_of_remote_backends() {
-    let s = Setup::new(vec![(fe(VIP, 80, IPPROTO_TCP), vec![be(REMOTE, 8080, IPPROTO_TCP)], 0)]);
+    let s = Setup::new(vec![(
+        fe(VIP, 80, IPPROTO_TCP),
+        vec![be(REMOTE, 8080, IPPROTO_TCP)],
+        0,
+    )]);
     let syn = tcp4(CLIENT, 40000, VIP, 80, SYN, b"");
     run_cases(&[
         // A frontend-bound packet arriving from outside is not translated by
         // ext_ingress (external frontends are NodePorts and the like, not ClusterIPs).
-        Case::new("TCP SYN to a ClusterIP with a remote backend", &s, tcp4(Ipv4Addr::new(198, 18, 0, 99), 40000, VIP, 80, SYN, b""))
-            .expect(PodIngress, Expect::fields(Pass, vec![Field::Dst(REMOTE, 8080)]))
-            .expect_all(&Prog::EXT, Expect::unchanged(Pass)),
+        Case::new(
+            "TCP SYN to a ClusterIP with a remote backend",
+            &s,
+            tcp4(Ipv4Addr::new(198, 18, 0, 99), 40000, VIP, 80, SYN, b""),
+        )
+        .expect(
+            PodIngress,
+            Expect::fields(Pass, vec![Field::Dst(REMOTE, 8080)]),
+        )
+        .expect_all(&Prog::EXT, Expect::unchanged(Pass)),
         // No FIB answer in the test netns: XDP passes the reply on to tc.
-        Case::new("the remote backend's reply: reverse NAT", &s, tcp4(REMOTE, 8080, CLIENT, 40000, SYN | ACK, b""))
-            .after(Some(PodIngress), syn.clone())
-            .expect_all(&[ExtIngress, PodIngress], Expect::fields(Pass, vec![Field::Tuple(VIP, 80, CLIENT, 40000)]))
-            .expect(ExtXdp, Expect::unchanged(Pass)),
-        Case::new("a packet from the remote backend of no tracked flow", &s, tcp4(REMOTE, 8080, CLIENT, 40001, SYN | ACK, b""))
-            .after(Some(PodIngress), syn)
-            .expect_all(&Prog::ALL, Expect::unchanged(Pass)),
+        Case::new(
+            "the remote backend's reply: reverse NAT",
+            &s,
+            tcp4(REMOTE, 8080, CLIENT, 40000, SYN | ACK, b""),
+        )
+        .after(Some(PodIngress), syn.clone())
+        .expect_all(
+            &[ExtIngress, PodIngress],
+            Expect::fields(Pass, vec![Field::Tuple(VIP, 80, CLIENT, 40000)]),
+        )
+        .expect(ExtXdp, Expect::unchanged(Pass)),
+        Case::new(
+            "a packet from the remote backend of no tracked flow",
+            &s,
+            tcp4(REMOTE, 8080, CLIENT, 40001, SYN | ACK, b""),
+        )
+        .after(Some(PodIngress), syn)
+        .expect_all(&Prog::ALL, Expect::unchanged(Pass)),
     ]);
 }
 
@@ -329,12 +508,26 @@ fn external_device_translates_replies_of_remote_backends() {
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn xdp_translates_external_flows_to_remote_backends() {
     let mut s = Setup::new(vec![
-        (fe_ext(NODE, 30080, IPPROTO_TCP), vec![be(REMOTE, 8080, IPPROTO_TCP)], 0),
-        (fe_ext(NODE, 30081, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
+        (
+            fe_ext(NODE, 30080, IPPROTO_TCP),
+            vec![be(REMOTE, 8080, IPPROTO_TCP)],
+            0,
+        ),
+        (
+            fe_ext(NODE, 30081, IPPROTO_TCP),
+            vec![be(B1, 8080, IPPROTO_TCP)],
+            0,
+        ),
     ]);
     s.local = vec![B1];
     s.node = Some(NODE);
-    s.wire = Some(("198.18.0.0/16", vec![("198.18.2.10", "02:00:00:00:00:bb"), ("198.18.0.100", "02:00:00:00:00:cc")]));
+    s.wire = Some((
+        "198.18.0.0/16",
+        vec![
+            ("198.18.2.10", "02:00:00:00:00:bb"),
+            ("198.18.0.100", "02:00:00:00:00:cc"),
+        ],
+    ));
     let syn = tcp4(EXT_CLIENT, 40000, NODE, 30080, SYN, b"");
     let snat = vec![
         Field::DstMac(MAC_BB),
@@ -343,29 +536,60 @@ fn xdp_translates_external_flows_to_remote_backends() {
         Field::Ttl(63),
         Field::SportAtLeast(32768),
     ];
-    let back = vec![Field::Tuple(NODE, 30080, EXT_CLIENT, 40000), Field::DstMac(MAC_CC)];
+    let back = vec![
+        Field::Tuple(NODE, 30080, EXT_CLIENT, 40000),
+        Field::DstMac(MAC_CC),
+    ];
     let local = tcp4(EXT_CLIENT, 40001, NODE, 30081, SYN, b"");
     run_cases(&[
         // Remote backend: translated and redirected at XDP.
-        Case::new("TCP SYN to a NodePort with a remote backend: DNAT + SNAT to the node, redirected", &s, syn.clone())
-            .expect(ExtXdp, Expect::fields(Redirect, snat.clone()).stats(&[(stat::XDP_REDIRECT, 1), (stat::SNAT_NODE, 1)]))
-            .expect(ExtIngress, Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]))
-            .expect(PodIngress, Expect::unchanged(Pass)),
-        Case::new("its reply: back to the client from the NodePort, redirected", &s, Vec::new())
-            .after(None, syn)
-            .input_from_last(|o| tcp4(REMOTE, 8080, NODE, o.sport, SYN | ACK, b""))
-            .expect(ExtXdp, Expect::fields(Redirect, back.clone()).stats(&[(stat::XDP_REDIRECT, 2), (stat::SNAT_NODE, 1)]))
-            .expect(ExtIngress, Expect::fields(Redirect, back).stats(&[(stat::REDIRECT, 2), (stat::SNAT_NODE, 1)])),
+        Case::new(
+            "TCP SYN to a NodePort with a remote backend: DNAT + SNAT to the node, redirected",
+            &s,
+            syn.clone(),
+        )
+        .expect(
+            ExtXdp,
+            Expect::fields(Redirect, snat.clone())
+                .stats(&[(stat::XDP_REDIRECT, 1), (stat::SNAT_NODE, 1)]),
+        )
+        .expect(
+            ExtIngress,
+            Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]),
+        )
+        .expect(PodIngress, Expect::unchanged(Pass)),
+        Case::new(
+            "its reply: back to the client from the NodePort, redirected",
+            &s,
+            Vec::new(),
+        )
+        .after(None, syn)
+        .input_from_last(|o| tcp4(REMOTE, 8080, NODE, o.sport, SYN | ACK, b""))
+        .expect(
+            ExtXdp,
+            Expect::fields(Redirect, back.clone())
+                .stats(&[(stat::XDP_REDIRECT, 2), (stat::SNAT_NODE, 1)]),
+        )
+        .expect(
+            ExtIngress,
+            Expect::fields(Redirect, back).stats(&[(stat::REDIRECT, 2), (stat::SNAT_NODE, 1)]),
+        ),
         // A local backend: tc's business (bpf_redirect_peer); XDP leaves it alone.
         Case::new("TCP SYN to a NodePort with a local backend", &s, local)
-            .expect(ExtXdp, Expect::unchanged(Pass).stats(&[(stat::XDP_REDIRECT, 0), (stat::SNAT_NODE, 0)]))
+            .expect(
+                ExtXdp,
+                Expect::unchanged(Pass).stats(&[(stat::XDP_REDIRECT, 0), (stat::SNAT_NODE, 0)]),
+            )
             // tc: DNAT only (the client's address is kept for a local
             // backend); the FIB knows the route but no neighbour: redirected
             // through the neighbour subsystem.
             .expect(
                 ExtIngress,
-                Expect::fields(Redirect, vec![Field::Tuple(EXT_CLIENT, 40001, B1, 8080), Field::Ttl(63)])
-                    .stats(&[(stat::REDIRECT_NEIGH, 1), (stat::SNAT_NODE, 0)]),
+                Expect::fields(
+                    Redirect,
+                    vec![Field::Tuple(EXT_CLIENT, 40001, B1, 8080), Field::Ttl(63)],
+                )
+                .stats(&[(stat::REDIRECT_NEIGH, 1), (stat::SNAT_NODE, 0)]),
             )
             .expect(PodIngress, Expect::unchanged(Pass)),
     ]);
@@ -390,13 +614,7 @@ fn conntrack_keeps_backend_until_it_is_removed() {
     // New flows spread over both backends.
     let mut seen = std::collections::BTreeSet::new();
     for port in 0..64u16 {
-        seen.insert(
-            parse_checked(
-                &h.run(&tcp4(CLIENT, 42000 + port, VIP, 80, SYN, b""))
-                    .1,
-            )
-            .dst,
-        );
+        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 42000 + port, VIP, 80, SYN, b"")).1).dst);
     }
     assert_eq!(
         seen.len(),
@@ -424,10 +642,7 @@ fn session_affinity_pins_new_connections_of_a_client() {
     h.sync_with_affinity(&[(key, backends.clone(), 0)], 10_800);
     let first = parse_checked(&h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b"")).1).dst;
     for port in 1..40u16 {
-        let o = parse_checked(
-            &h.run(&tcp4(CLIENT, 40000 + port, VIP, 80, SYN, b""))
-                .1,
-        );
+        let o = parse_checked(&h.run(&tcp4(CLIENT, 40000 + port, VIP, 80, SYN, b"")).1);
         assert_eq!(
             o.dst, first,
             "new connection {port} left the affine backend"
@@ -438,13 +653,7 @@ fn session_affinity_pins_new_connections_of_a_client() {
     h.sync_with_affinity(&[(key, backends, 0)], 0);
     let mut seen = std::collections::BTreeSet::new();
     for port in 0..64u16 {
-        seen.insert(
-            parse_checked(
-                &h.run(&tcp4(CLIENT, 50000 + port, VIP, 80, SYN, b""))
-                    .1,
-            )
-            .dst,
-        );
+        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 50000 + port, VIP, 80, SYN, b"")).1).dst);
     }
     assert_eq!(
         seen.len(),
@@ -474,11 +683,7 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
     );
     for port in 1..20u16 {
         assert_eq!(
-            parse_checked(
-                &h.run(&tcp4(CLIENT, 40000 + port, VIP, 80, SYN, b""))
-                    .1
-            )
-            .dst,
+            parse_checked(&h.run(&tcp4(CLIENT, 40000 + port, VIP, 80, SYN, b"")).1).dst,
             B1
         );
     }
@@ -493,13 +698,7 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
     );
     let mut seen = std::collections::BTreeSet::new();
     for port in 0..64u16 {
-        seen.insert(
-            parse_checked(
-                &h.run(&tcp4(CLIENT, 45000 + port, VIP, 80, SYN, b""))
-                    .1,
-            )
-            .dst,
-        );
+        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 45000 + port, VIP, 80, SYN, b"")).1).dst);
     }
     // The removal ended the old entry; the next choice is made afresh (and then
     // sticks): all 64 connections agree with the first one after the removal.
@@ -538,18 +737,12 @@ fn two_frontends_sharing_a_backend_do_not_collide() {
     let o2b = parse_checked(&h.run(&tcp4(CLIENT, 40000, vip2, 80, ACK, b"x")).1);
     assert_eq!(o2b.sport, o2.sport);
     // Replies: each to its own frontend, to the client's real port.
-    let r1 = parse_checked(
-        &h.run(&tcp4(B1, 8080, CLIENT, 40000, SYN | ACK, b""))
-            .1,
-    );
+    let r1 = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 40000, SYN | ACK, b"")).1);
     assert_eq!(
         (r1.src, r1.sport, r1.dst, r1.dport),
         (VIP, 80, CLIENT, 40000)
     );
-    let r2 = parse_checked(
-        &h.run(&tcp4(B1, 8080, CLIENT, o2.sport, SYN | ACK, b""))
-            .1,
-    );
+    let r2 = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, o2.sport, SYN | ACK, b"")).1);
     assert_eq!(
         (r2.src, r2.sport, r2.dst, r2.dport),
         (vip2, 80, CLIENT, 40000)
@@ -774,10 +967,7 @@ fn conntrack_full_evicts_and_counts() {
     // most were evicted, and their next segment starts a new flow. (The
     // kernel's LRU is approximate: which ones were evicted is not fixed.)
     for port in 0..100u16 {
-        let o = parse_checked(
-            &h.run(&tcp4(CLIENT, 20000 + port, VIP, 80, ACK, b"x"))
-                .1,
-        );
+        let o = parse_checked(&h.run(&tcp4(CLIENT, 20000 + port, VIP, 80, ACK, b"x")).1);
         assert_eq!((o.dst, o.dport), (B1, 8080), "still translated");
     }
     assert!(

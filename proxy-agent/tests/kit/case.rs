@@ -40,7 +40,11 @@ impl Setup {
     pub fn harness(&self) -> Harness {
         let mut h = Harness::new();
         if let Some(node) = self.node {
-            h.set_config(Config::default().with_hairpin_addr(HAIRPIN).with_node_addr(node));
+            h.set_config(
+                Config::default()
+                    .with_hairpin_addr(HAIRPIN)
+                    .with_node_addr(node),
+            );
         }
         let mut d = desired(&self.frontends, 0);
         d.local_endpoints.extend(self.local.iter().copied());
@@ -251,17 +255,27 @@ impl Case {
 
 fn check_field(f: &Field, o: &Parsed, input: &[u8]) {
     match f {
-        Field::Tuple(s, sp, d, dp) => assert_eq!(o.tuple(), (*s, *sp, *d, *dp), "(src, sport, dst, dport)"),
+        Field::Tuple(s, sp, d, dp) => {
+            assert_eq!(o.tuple(), (*s, *sp, *d, *dp), "(src, sport, dst, dport)")
+        }
         Field::Dst(d, dp) => assert_eq!((o.dst, o.dport), (*d, *dp), "(dst, dport)"),
         Field::SrcAddr(s) => assert_eq!(o.src, *s, "src"),
         Field::Addrs(s, d) => assert_eq!((o.src, o.dst), (*s, *d), "(src, dst)"),
-        Field::SportAtLeast(p) => assert!(o.sport >= *p, "a source port allocated for the SNAT: {}", o.sport),
+        Field::SportAtLeast(p) => assert!(
+            o.sport >= *p,
+            "a source port allocated for the SNAT: {}",
+            o.sport
+        ),
         Field::Ttl(t) => assert_eq!(o.ttl, *t, "TTL"),
         Field::Proto(p) => assert_eq!(o.proto, *p, "IP protocol"),
         Field::DstMac(m) => assert_eq!(o.dmac, *m, "destination MAC"),
         Field::SrcMac(m) => assert_eq!(o.smac, *m, "source MAC"),
         Field::L4From(at, bytes) => assert_eq!(&o.l4[*at..], &bytes[..], "L4 bytes from {at}"),
-        Field::L4At(at, bytes) => assert_eq!(&o.l4[*at..*at + bytes.len()], &bytes[..], "L4 bytes at {at}"),
+        Field::L4At(at, bytes) => assert_eq!(
+            &o.l4[*at..*at + bytes.len()],
+            &bytes[..],
+            "L4 bytes at {at}"
+        ),
         Field::MacsSwapped => {
             assert_eq!(&o.dmac[..], &input[6..12], "to the sender's MAC");
             assert_eq!(&o.smac[..], &input[0..6], "from the MAC it was sent to");
@@ -281,7 +295,11 @@ pub fn run_cases(cases: &[Case]) {
     let mut failures = String::new();
     let mut n = 0;
     for c in cases {
-        assert!(!c.expect.is_empty(), "case `{}` applies to no program", c.what);
+        assert!(
+            !c.expect.is_empty(),
+            "case `{}` applies to no program",
+            c.what
+        );
         for (prog, e) in &c.expect {
             n += 1;
             let r = catch_unwind(AssertUnwindSafe(|| c.run_through(*prog, e)));

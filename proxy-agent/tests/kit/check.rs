@@ -63,10 +63,17 @@ impl Parsed {
 /// total length and that the IPv4 header checksum and the TCP, UDP (unless 0,
 /// "none") or ICMP checksum are valid.
 pub fn parse_checked(frame: &[u8]) -> Parsed {
-    assert!(frame.len() >= 14 + 20, "frame too short for IPv4: {} bytes", frame.len());
+    assert!(
+        frame.len() >= 14 + 20,
+        "frame too short for IPv4: {} bytes",
+        frame.len()
+    );
     assert_eq!(&frame[12..14], &[0x08, 0x00], "ethertype");
     let ihl = usize::from(frame[14] & 0x0f) * 4;
-    assert!(ihl >= 20 && frame.len() >= 14 + ihl, "IPv4 header length {ihl}");
+    assert!(
+        ihl >= 20 && frame.len() >= 14 + ihl,
+        "IPv4 header length {ihl}"
+    );
     let ip = &frame[14..14 + ihl];
     assert_eq!(ip_csum(ip), 0, "IPv4 header checksum invalid: {ip:02x?}");
     let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;

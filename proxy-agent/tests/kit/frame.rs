@@ -56,8 +56,20 @@ pub fn seal4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, mut seg: Vec<u8>) -> Vec<u
 
 /// Ethernet + IPv4 (20 bytes, TTL 64, DF) + TCP (20 bytes, given flags) +
 /// payload, with valid checksums.
-pub fn tcp4(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-    let seg = seal4(src, dst, IPPROTO_TCP, tcp_segment(sport, dport, flags, payload));
+pub fn tcp4(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let seg = seal4(
+        src,
+        dst,
+        IPPROTO_TCP,
+        tcp_segment(sport, dport, flags, payload),
+    );
     ipv4(src, dst, IPPROTO_TCP, &seg)
 }
 
@@ -68,7 +80,13 @@ pub fn udp4(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8]
 }
 
 /// As [`udp4`], with UDP checksum 0 ("no checksum").
-pub fn udp4_no_csum(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
+pub fn udp4_no_csum(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
     ipv4(src, dst, IPPROTO_UDP, &udp_segment(sport, dport, payload))
 }
 
@@ -80,7 +98,13 @@ pub fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload: &[u8]) -> Vec<u8> 
 
 /// As [`ipv4`], with IP `options` (padded with zeros, end of options, to a
 /// multiple of 4 bytes) after the fixed header.
-pub fn ipv4_with_options(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, options: &[u8], payload: &[u8]) -> Vec<u8> {
+pub fn ipv4_with_options(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    options: &[u8],
+    payload: &[u8],
+) -> Vec<u8> {
     let mut opts = options.to_vec();
     opts.resize(options.len().div_ceil(4) * 4, 0);
     let hlen = 20 + opts.len();
@@ -105,7 +129,14 @@ pub fn ipv4_with_options(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, options: &[u8]
 /// An IPv4 fragment (no options) carrying `data`, the bytes at `offset` (a
 /// multiple of 8) of the original datagram's IP payload; `more`: more
 /// fragments follow. DF is clear, identification as [`ipv4`].
-pub fn ipv4_fragment(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, offset: usize, more: bool, data: &[u8]) -> Vec<u8> {
+pub fn ipv4_fragment(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    offset: usize,
+    more: bool,
+    data: &[u8],
+) -> Vec<u8> {
     assert_eq!(offset % 8, 0, "fragment offsets are in units of 8 bytes");
     let mut p = ipv4(src, dst, proto, data);
     let fo = ((offset / 8) as u16) | if more { 0x2000 } else { 0 };

@@ -14,7 +14,10 @@ use std::{
 use anyhow::Context;
 use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, Xdp};
 use proxy_agent::{
-    bpf::{self, BpfDataplane, MapSizes, PinnedMaps, EXT_INGRESS_PROGRAM, EXT_XDP_PROGRAM, POD_INGRESS_PROGRAM},
+    bpf::{
+        self, BpfDataplane, MapSizes, PinnedMaps, EXT_INGRESS_PROGRAM, EXT_XDP_PROGRAM,
+        POD_INGRESS_PROGRAM,
+    },
     dataplane::Writer,
     model::{BackendAddr, DesiredState, Frontend, FrontendKey},
 };
@@ -96,7 +99,11 @@ pub struct NetNs {
 
 impl NetNs {
     pub fn new(prefix: &str) -> anyhow::Result<Self> {
-        let name = format!("{prefix}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
         netns::create_netns(&name).with_context(|| format!("ip netns add {name} (root needed)"))?;
         Ok(Self { name })
     }
@@ -116,13 +123,32 @@ impl NetNs {
     pub fn wire(&self, route: &str, neighbours: &[(&str, &str)]) -> anyhow::Result<()> {
         self.ip(&["link", "set", "lo", "up"])?;
         self.ip(&[
-            "link", "add", "kprv0", "address", "02:00:00:00:00:aa", "type", "veth", "peer", "name", "kprv1",
+            "link",
+            "add",
+            "kprv0",
+            "address",
+            "02:00:00:00:00:aa",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "kprv1",
         ])?;
         self.ip(&["link", "set", "kprv0", "up"])?;
         self.ip(&["link", "set", "kprv1", "up"])?;
         self.ip(&["route", "add", route, "dev", "kprv0"])?;
         for (addr, mac) in neighbours {
-            self.ip(&["neigh", "add", addr, "lladdr", mac, "dev", "kprv0", "nud", "permanent"])?;
+            self.ip(&[
+                "neigh",
+                "add",
+                addr,
+                "lladdr",
+                mac,
+                "dev",
+                "kprv0",
+                "nud",
+                "permanent",
+            ])?;
         }
         netns::sysctl_in(&self.name, "net.ipv4.ip_forward", "1")?;
         netns::sysctl_in(&self.name, "net.ipv4.conf.lo.forwarding", "1")?;
@@ -135,7 +161,8 @@ impl NetNs {
         let file = std::fs::File::open(netns::netns_path(&self.name)).expect("open netns");
         std::thread::scope(|s| {
             s.spawn(|| {
-                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                    .expect("setns");
                 f()
             })
             .join()
@@ -194,7 +221,12 @@ impl Harness {
     }
 
     pub fn with_sizes(sizes: MapSizes) -> Self {
-        Self::try_new("kpr-pkt", sizes, Config::default().with_hairpin_addr(HAIRPIN)).expect("packet-test harness")
+        Self::try_new(
+            "kpr-pkt",
+            sizes,
+            Config::default().with_hairpin_addr(HAIRPIN),
+        )
+        .expect("packet-test harness")
     }
 
     /// A harness whose namespace and pin dir are named `<prefix>-<pid>-<n>`.
@@ -226,7 +258,10 @@ impl Harness {
     }
 
     pub fn set_config(&mut self, config: Config) {
-        self.writer.dataplane_mut().set_config(config).expect("config");
+        self.writer
+            .dataplane_mut()
+            .set_config(config)
+            .expect("config");
     }
 
     /// Programs `desired`; panics on any error of the writer.
@@ -240,7 +275,11 @@ impl Harness {
         self.sync_with_affinity(frontends, 0)
     }
 
-    pub fn sync_with_affinity(&mut self, frontends: &[(FrontendKey, Vec<BackendAddr>, u16)], affinity_timeout_s: u32) {
+    pub fn sync_with_affinity(
+        &mut self,
+        frontends: &[(FrontendKey, Vec<BackendAddr>, u16)],
+        affinity_timeout_s: u32,
+    ) {
         self.sync_desired(&desired(frontends, affinity_timeout_s))
     }
 
@@ -257,7 +296,10 @@ impl Harness {
             data_out: Some(&mut out),
             ..Default::default()
         };
-        let p = self.ebpf.program(prog.name()).expect("program in the object");
+        let p = self
+            .ebpf
+            .program(prog.name())
+            .expect("program in the object");
         let r = if prog.is_xdp() {
             let x: &Xdp = p.try_into()?;
             x.test_run(opts)?
@@ -280,7 +322,8 @@ impl Harness {
 
     /// Runs one frame through `prog` inside the namespace: (verdict, output).
     pub fn try_run_prog(&self, prog: Prog, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
-        self.enter(|| self.test_run(prog, input)).map(|r| (r.retval, r.frame))
+        self.enter(|| self.test_run(prog, input))
+            .map(|r| (r.retval, r.frame))
     }
 
     pub fn run_prog(&self, prog: Prog, input: &[u8]) -> (u32, Vec<u8>) {
@@ -298,7 +341,10 @@ impl Harness {
 }
 
 /// The desired state of `frontends` (all of service `default/test`).
-pub fn desired(frontends: &[(FrontendKey, Vec<BackendAddr>, u16)], affinity_timeout_s: u32) -> DesiredState {
+pub fn desired(
+    frontends: &[(FrontendKey, Vec<BackendAddr>, u16)],
+    affinity_timeout_s: u32,
+) -> DesiredState {
     let mut d = DesiredState::default();
     for (k, b, flags) in frontends {
         d.frontends.insert(
