@@ -15,10 +15,10 @@
 //! plain `cargo test`).
 mod kit;
 
-use std::net::Ipv4Addr;
+use std::{collections::BTreeSet, net::Ipv4Addr};
 
 use kit::{
-    case::{run_cases, Case, Expect, Field, Ran, Setup},
+    case::{run_cases, run_stateless_cases, Case, Expect, Field, Ran, Setup},
     check::{ipv4_addrs_checked, l4_csum4, parse_checked},
     frame::{
         ipv4_split, tcp4, udp4, udp4_no_csum, with_byte, with_ethertype, ACK, ETH_P_ARP, FIN, PSH,
@@ -240,7 +240,7 @@ fn non_service_traffic_passes_unchanged() {
     let case = |what: &str, frame: Vec<u8>| {
         Case::new(what, &s, frame).expect_all(&Prog::ALL, untouched.clone())
     };
-    run_cases(&[
+    run_stateless_cases(&[
         case("pod to pod", tcp4(CLIENT, 40000, B1, 8080, SYN, b"")),
         case(
             "a port the frontend lacks",
@@ -450,7 +450,7 @@ fn truncated_and_malformed_packets() {
             )
             .expect(ExtXdp, untouched.clone()),
     ]);
-    run_cases(&cases);
+    run_stateless_cases(&cases);
 }
 
 /// Replies from a backend on another node arrive on the external device:
@@ -541,6 +541,18 @@ fn xdp_translates_external_flows_to_remote_backends() {
         Field::DstMac(MAC_CC),
     ];
     let local = tcp4(EXT_CLIENT, 40001, NODE, 30081, SYN, b"");
+    /// tc and XDP alike: translated (one SNAT to the node), redirected, the
+    /// `n`-th redirect of the case (each counts under its own code).
+    trait Redirected {
+        fn expect_redirected(self, fields: Vec<Field>, n: u64) -> Self;
+    }
+    impl Redirected for Case {
+        fn expect_redirected(self, fields: Vec<Field>, n: u64) -> Self {
+            let e = Expect::fields(Redirect, fields).stats(&[(stat::SNAT_NODE, 1)]);
+            self.expect(ExtXdp, e.clone().stats(&[(stat::XDP_REDIRECT, n)]))
+                .expect(ExtIngress, e.stats(&[(stat::REDIRECT, n)]))
+        }
+    }
     run_cases(&[
         // Remote backend: translated and redirected at XDP.
         Case::new(
@@ -548,15 +560,7 @@ fn xdp_translates_external_flows_to_remote_backends() {
             &s,
             syn.clone(),
         )
-        .expect(
-            ExtXdp,
-            Expect::fields(Redirect, snat.clone())
-                .stats(&[(stat::XDP_REDIRECT, 1), (stat::SNAT_NODE, 1)]),
-        )
-        .expect(
-            ExtIngress,
-            Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]),
-        )
+        .expect_redirected(snat, 1)
         .expect(PodIngress, Expect::unchanged(Pass)),
         Case::new(
             "its reply: back to the client from the NodePort, redirected",
@@ -565,15 +569,7 @@ fn xdp_translates_external_flows_to_remote_backends() {
         )
         .after(None, syn)
         .input_from_last(|o| tcp4(REMOTE, 8080, NODE, o.sport, SYN | ACK, b""))
-        .expect(
-            ExtXdp,
-            Expect::fields(Redirect, back.clone())
-                .stats(&[(stat::XDP_REDIRECT, 2), (stat::SNAT_NODE, 1)]),
-        )
-        .expect(
-            ExtIngress,
-            Expect::fields(Redirect, back).stats(&[(stat::REDIRECT, 2), (stat::SNAT_NODE, 1)]),
-        ),
+        .expect_redirected(back, 2),
         // A local backend: tc's business (bpf_redirect_peer); XDP leaves it alone.
         Case::new("TCP SYN to a NodePort with a local backend", &s, local)
             .expect(
@@ -595,6 +591,14 @@ fn xdp_translates_external_flows_to_remote_backends() {
     ]);
 }
 
+/// The backends that 64 new TCP flows of `CLIENT` to `VIP:80` (source ports
+/// from `first_port` on) were sent to.
+fn backends_of_new_flows(h: &Harness, first_port: u16) -> BTreeSet<Ipv4Addr> {
+    (0..64u16)
+        .map(|i| parse_checked(&h.run(&tcp4(CLIENT, first_port + i, VIP, 80, SYN, b"")).1).dst)
+        .collect()
+}
+
 /// An established flow keeps its backend; a new flow may pick either.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
@@ -612,10 +616,7 @@ fn conntrack_keeps_backend_until_it_is_removed() {
         assert_eq!(o.dst, first, "a tracked flow changed backend");
     }
     // New flows spread over both backends.
-    let mut seen = std::collections::BTreeSet::new();
-    for port in 0..64u16 {
-        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 42000 + port, VIP, 80, SYN, b"")).1).dst);
-    }
+    let seen = backends_of_new_flows(&h, 42000);
     assert_eq!(
         seen.len(),
         2,
@@ -628,8 +629,6 @@ fn conntrack_keeps_backend_until_it_is_removed() {
     assert_eq!(o.dst, other);
 }
 
-/// S5: a pod reaching itself through the frontend is SNATed to the hairpin
-/// address; the reply gets both addresses restored.
 /// Session affinity (S21-S23 in the packet tier): within the timeout every new
 /// connection of a client goes to the same backend; another client is free to
 /// go elsewhere; switching affinity off ends it.
@@ -651,10 +650,7 @@ fn session_affinity_pins_new_connections_of_a_client() {
     assert_eq!(h.stats()[&stat::AFFINITY_HIT], 39);
     // Without affinity the same client spreads again.
     h.sync_with_affinity(&[(key, backends, 0)], 0);
-    let mut seen = std::collections::BTreeSet::new();
-    for port in 0..64u16 {
-        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 50000 + port, VIP, 80, SYN, b"")).1).dst);
-    }
+    let seen = backends_of_new_flows(&h, 50000);
     assert_eq!(
         seen.len(),
         2,
@@ -696,10 +692,7 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
         )],
         10_800,
     );
-    let mut seen = std::collections::BTreeSet::new();
-    for port in 0..64u16 {
-        seen.insert(parse_checked(&h.run(&tcp4(CLIENT, 45000 + port, VIP, 80, SYN, b"")).1).dst);
-    }
+    let seen = backends_of_new_flows(&h, 45000);
     // The removal ended the old entry; the next choice is made afresh (and then
     // sticks): all 64 connections agree with the first one after the removal.
     assert_eq!(seen.len(), 1);

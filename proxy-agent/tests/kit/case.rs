@@ -16,7 +16,7 @@ use super::check::{parse_checked, Parsed};
 use super::harness::{desired, Harness, Prog, Verdict, HAIRPIN};
 
 /// The maps and the namespace a case starts from.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, PartialEq)]
 pub struct Setup {
     /// Frontends as `(key, backends, service flags)`.
     pub frontends: Vec<(FrontendKey, Vec<BackendAddr>, u16)>,
@@ -101,7 +101,8 @@ pub enum Want {
 pub struct Expect {
     pub verdict: Verdict,
     pub frame: Want,
-    /// Counters (stat codes) after the case, earlier packets included: exact.
+    /// How much counters (stat codes) grew over the case, earlier packets
+    /// included: exact.
     pub stats: Vec<(u32, u64)>,
     /// The kernel may refuse the frame (EINVAL) before the program runs.
     pub may_refuse: bool,
@@ -205,7 +206,13 @@ impl Case {
     /// Runs the case through one of its programs, in a fresh harness; panics
     /// on any difference.
     pub fn run_through(&self, prog: Prog, e: &Expect) {
-        let h = self.setup.harness();
+        self.run_in(&self.setup.harness(), prog, e)
+    }
+
+    /// Runs the case through one of its programs in `h` (set up as the
+    /// case's `setup`); panics on any difference.
+    fn run_in(&self, h: &Harness, prog: Prog, e: &Expect) {
+        let stats_before = h.stats();
         let mut inputs = Vec::new();
         let mut last = None;
         for (p, frame) in &self.before {
@@ -237,12 +244,14 @@ impl Case {
         if !e.stats.is_empty() {
             let s = h.stats();
             for (code, n) in &e.stats {
-                assert_eq!(s.get(code).copied().unwrap_or(0), *n, "counter {code}");
+                let grew = s.get(code).copied().unwrap_or(0)
+                    - stats_before.get(code).copied().unwrap_or(0);
+                assert_eq!(grew, *n, "counter {code}");
             }
         }
         if let Some(then) = e.then {
             then(
-                &h,
+                h,
                 &Ran {
                     prog,
                     inputs: &inputs,
@@ -289,30 +298,77 @@ fn check_field(f: &Field, o: &Parsed, input: &[u8]) {
     }
 }
 
-/// Runs every case through every program it applies to, and fails listing
-/// each (case, program) that did not do what the table says.
+/// Runs every case through every program it applies to, each in a harness
+/// of its own, and fails listing each (case, program) that did not do what
+/// the table says.
 pub fn run_cases(cases: &[Case]) {
-    let mut failures = String::new();
-    let mut n = 0;
+    each_applies(cases);
+    report(cases.iter().flat_map(|c| {
+        c.expect
+            .iter()
+            .map(move |(prog, e)| (c, *prog, catch(|| c.run_through(*prog, e))))
+    }));
+}
+
+/// As [`run_cases`], with one harness per program for the whole table: for
+/// tables of cases that leave no state behind (nothing translated, nothing
+/// tracked, no earlier packets), all of the same setup, where a harness per
+/// case would only cost time.
+pub fn run_stateless_cases(cases: &[Case]) {
+    each_applies(cases);
+    let Some(first) = cases.first() else { return };
+    for c in cases {
+        assert!(
+            c.before.is_empty() && c.setup == first.setup,
+            "case `{}`: not stateless, or another setup",
+            c.what
+        );
+    }
+    let mut results = Vec::new();
+    for prog in Prog::ALL {
+        let mut h = None;
+        for c in cases {
+            for (_, e) in c.expect.iter().filter(|(p, _)| *p == prog) {
+                let h = h.get_or_insert_with(|| first.setup.harness());
+                results.push((c, prog, catch(|| c.run_in(h, prog, e))));
+            }
+        }
+    }
+    report(results);
+}
+
+fn each_applies(cases: &[Case]) {
     for c in cases {
         assert!(
             !c.expect.is_empty(),
             "case `{}` applies to no program",
             c.what
         );
-        for (prog, e) in &c.expect {
-            n += 1;
-            let r = catch_unwind(AssertUnwindSafe(|| c.run_through(*prog, e)));
-            if let Err(p) = r {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                let _ = writeln!(failures, "- `{}` through {}: {msg}", c.what, prog.name());
-            }
+    }
+}
+
+/// The panic message of `f`, if it panicked.
+fn catch(f: impl FnOnce()) -> Option<String> {
+    let p = catch_unwind(AssertUnwindSafe(f)).err()?;
+    Some(
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+    )
+}
+
+/// Fails listing each (case, program) whose run panicked.
+fn report<'a>(results: impl IntoIterator<Item = (&'a Case, Prog, Option<String>)>) {
+    let mut failures = String::new();
+    let mut n = 0;
+    for (c, prog, failed) in results {
+        n += 1;
+        if let Some(msg) = failed {
+            let _ = writeln!(failures, "- `{}` through {}: {msg}", c.what, prog.name());
         }
     }
+    assert!(n > 0, "a table of no (case, program) runs");
     assert!(failures.is_empty(), "packet cases failed:\n{failures}");
     eprintln!("{n} (case, program) runs passed");
 }
