@@ -21,8 +21,8 @@ use kit::{
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Ran, Setup},
     check::{ipv4_addrs_checked, l4_csum4, parse_checked},
     frame::{
-        ipv4_split, tcp4, udp4, udp4_no_csum, with_byte, with_ethertype, ACK, ETH_P_ARP, FIN, PSH,
-        SYN,
+        ipv4_split, ipv4_with_options, seal4, tcp4, tcp_segment, udp4, udp4_no_csum, with_byte,
+        with_ethertype, ACK, ETH_P_ARP, FIN, PSH, SYN,
     },
     harness::{be, fe, fe_ext, Harness, PinDir, Prog, Verdict, HAIRPIN},
 };
@@ -46,6 +46,13 @@ const MAC_CC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xcc];
 
 use Prog::{ExtIngress, ExtXdp, PodIngress};
 use Verdict::{Drop, Pass, Redirect};
+
+/// A TCP SYN whose IPv4 header carries 4 bytes of options (NOP, NOP, NOP,
+/// end of options).
+fn tcp4_with_ip_options(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Vec<u8> {
+    let seg = seal4(src, dst, IPPROTO_TCP, tcp_segment(sport, dport, SYN, b""));
+    ipv4_with_options(src, dst, IPPROTO_TCP, &[1, 1, 1, 0], &seg)
+}
 
 /// A frontend of internal scope (a ClusterIP) is `pod_ingress`'s alone:
 /// through the external device's programs its packets pass untouched (tc
@@ -123,6 +130,19 @@ fn dnat_and_reverse_nat_tcp() {
                     ],
                 )
                 .stats(&forwarded),
+            ),
+        ),
+        // IP options move the TCP header: tc finds it where the header length says.
+        not_for_the_external_device(
+            Case::new(
+                "TCP SYN with IP options to a ClusterIP: DNAT",
+                &s,
+                tcp4_with_ip_options(CLIENT, 40000, VIP, 80),
+            )
+            .expect(
+                PodIngress,
+                Expect::fields(Pass, vec![Field::Tuple(CLIENT, 40000, B1, 8080)])
+                    .stats(&[(stat::FWD_NEW, 1)]),
             ),
         ),
         // The reply, as the backend sends it: the client must see the frontend.
@@ -340,6 +360,19 @@ fn no_backend_rejects_with_icmp_port_unreachable() {
         .expect(
             ExtXdp,
             Expect::unchanged(Pass).stats(&[(stat::REJECT_NO_BACKEND, 0)]),
+        ),
+        // With IP options the quoted header would be longer: no reject is
+        // generated (a documented limit); the packet is dropped.
+        not_for_the_external_device(
+            Case::new(
+                "TCP SYN with IP options to a ClusterIP without endpoints: dropped",
+                &s,
+                tcp4_with_ip_options(CLIENT, 40000, VIP, 80),
+            )
+            .expect(
+                PodIngress,
+                Expect::verdict(Drop).stats(&[(stat::DROP_REJECT_FAILED, 1)]),
+            ),
         ),
         Case::new(
             "TCP SYN to a NodePort with endpoints only elsewhere: dropped",
@@ -560,8 +593,20 @@ fn xdp_translates_external_flows_to_remote_backends() {
             &s,
             syn.clone(),
         )
-        .expect_redirected(snat, 1)
+        .expect_redirected(snat.clone(), 1)
         .expect(PodIngress, Expect::unchanged(Pass)),
+        // XDP translates only IPv4 headers without options: it passes this one
+        // on to tc, which translates it.
+        Case::new(
+            "TCP SYN with IP options to a NodePort with a remote backend",
+            &s,
+            tcp4_with_ip_options(EXT_CLIENT, 40000, NODE, 30080),
+        )
+        .expect(ExtXdp, Expect::unchanged(Pass))
+        .expect(
+            ExtIngress,
+            Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]),
+        ),
         Case::new(
             "its reply: back to the client from the NodePort, redirected",
             &s,
