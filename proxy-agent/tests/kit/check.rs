@@ -1,0 +1,115 @@
+//! The independent checker: RFC 1071 checksums computed here, from the bytes,
+//! without any code of the datapath, and a parser that verifies every checksum
+//! of an output frame (IPv4 header, TCP/UDP over the pseudo-header, ICMP).
+use std::net::Ipv4Addr;
+
+use proxy_common::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
+
+/// Sum of the 16-bit big-endian words of `data` (an odd last byte padded).
+pub fn sum16(data: &[u8]) -> u32 {
+    data.chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum()
+}
+
+/// Folds a 32-bit sum into 16 bits and inverts it.
+pub fn fold(mut s: u32) -> u16 {
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+
+/// The Internet checksum of `data` (0 over data that carries a valid one):
+/// IPv4 headers, ICMP messages.
+pub fn ip_csum(data: &[u8]) -> u16 {
+    fold(sum16(data))
+}
+
+/// The TCP/UDP checksum of `seg` over the IPv4 pseudo-header (0 over a
+/// segment that carries a valid one).
+pub fn l4_csum4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, seg: &[u8]) -> u16 {
+    let mut pseudo = Vec::with_capacity(12);
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, proto]);
+    pseudo.extend_from_slice(&(seg.len() as u16).to_be_bytes());
+    fold(sum16(&pseudo) + sum16(seg))
+}
+
+/// A parsed view of an output frame, with every checksum verified.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub ttl: u8,
+    pub proto: u8,
+    /// The IPv4 payload (L4 header and data).
+    pub l4: Vec<u8>,
+}
+
+impl Parsed {
+    /// (source, source port, destination, destination port).
+    pub fn tuple(&self) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
+        (self.src, self.sport, self.dst, self.dport)
+    }
+}
+
+/// Parses an Ethernet + IPv4 frame, asserting that its length matches the IPv4
+/// total length and that the IPv4 header checksum and the TCP, UDP (unless 0,
+/// "none") or ICMP checksum are valid.
+pub fn parse_checked(frame: &[u8]) -> Parsed {
+    assert!(
+        frame.len() >= 14 + 20,
+        "frame too short for IPv4: {} bytes",
+        frame.len()
+    );
+    assert_eq!(&frame[12..14], &[0x08, 0x00], "ethertype");
+    let ihl = usize::from(frame[14] & 0x0f) * 4;
+    assert!(
+        ihl >= 20 && frame.len() >= 14 + ihl,
+        "IPv4 header length {ihl}"
+    );
+    let ip = &frame[14..14 + ihl];
+    assert_eq!(ip_csum(ip), 0, "IPv4 header checksum invalid: {ip:02x?}");
+    let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    assert_eq!(frame.len(), 14 + tot, "frame length vs IPv4 total length");
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let l4 = frame[14 + ihl..].to_vec();
+    let proto = ip[9];
+    match proto {
+        IPPROTO_TCP => assert_eq!(l4_csum4(src, dst, proto, &l4), 0, "TCP checksum invalid"),
+        IPPROTO_UDP if l4[6..8] != [0, 0] => {
+            assert_eq!(l4_csum4(src, dst, proto, &l4), 0, "UDP checksum invalid")
+        }
+        IPPROTO_ICMP => assert_eq!(ip_csum(&l4), 0, "ICMP checksum invalid"),
+        _ => {}
+    }
+    let mac = |at: usize| -> [u8; 6] { frame[at..at + 6].try_into().unwrap() };
+    Parsed {
+        dmac: mac(0),
+        smac: mac(6),
+        src,
+        dst,
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        ttl: ip[8],
+        proto,
+        l4,
+    }
+}
+
+/// Source and destination of an IPv4 frame, header checksum verified; for
+/// fragments, whose L4 checksum only holds over the reassembled datagram.
+pub fn ipv4_addrs_checked(frame: &[u8]) -> (Ipv4Addr, Ipv4Addr) {
+    assert_eq!(ip_csum(&frame[14..34]), 0, "IPv4 header checksum invalid");
+    (
+        Ipv4Addr::new(frame[26], frame[27], frame[28], frame[29]),
+        Ipv4Addr::new(frame[30], frame[31], frame[32], frame[33]),
+    )
+}

@@ -1,0 +1,189 @@
+//! Frame builders: Ethernet + IPv4 + TCP/UDP with valid checksums, IPv4
+//! fragments and options. Names carry the family (`tcp4`, `ipv4_*`) so that
+//! IPv6 builders (`tcp6`, `ipv6_*`) can stand beside them; the L4 segment
+//! builders (`tcp_segment`, `udp_segment`) are family-neutral.
+use std::net::Ipv4Addr;
+
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+
+use super::check::{ip_csum, l4_csum4};
+
+/// MACs of every built frame: from the "client" (`SRC_MAC`) to the "node".
+pub const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+pub const DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_ARP: u16 = 0x0806;
+/// Ethernet + IPv4 header without options.
+pub const L4_OFF4: usize = 14 + 20;
+
+pub const FIN: u8 = 0x01;
+pub const SYN: u8 = 0x02;
+pub const PSH: u8 = 0x08;
+pub const ACK: u8 = 0x10;
+
+/// A TCP header (20 bytes: sequence 1000, window 64240, given flags) and
+/// payload, checksum left 0.
+pub fn tcp_segment(sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let mut seg = vec![0u8; 20];
+    seg[0..2].copy_from_slice(&sport.to_be_bytes());
+    seg[2..4].copy_from_slice(&dport.to_be_bytes());
+    seg[4..8].copy_from_slice(&1000u32.to_be_bytes());
+    seg[12] = 5 << 4;
+    seg[13] = flags;
+    seg[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    seg.extend_from_slice(payload);
+    seg
+}
+
+/// A UDP header and payload, checksum left 0 ("none").
+pub fn udp_segment(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let mut seg = vec![0u8; 8];
+    seg[0..2].copy_from_slice(&sport.to_be_bytes());
+    seg[2..4].copy_from_slice(&dport.to_be_bytes());
+    seg[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    seg.extend_from_slice(payload);
+    seg
+}
+
+/// Fills in the L4 checksum of `seg` (TCP or UDP) over the IPv4 pseudo-header.
+pub fn seal4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, mut seg: Vec<u8>) -> Vec<u8> {
+    let at = if proto == IPPROTO_TCP { 16 } else { 6 };
+    seg[at..at + 2].copy_from_slice(&[0, 0]);
+    let c = l4_csum4(src, dst, proto, &seg);
+    seg[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    seg
+}
+
+/// Ethernet + IPv4 (20 bytes, TTL 64, DF) + TCP (20 bytes, given flags) +
+/// payload, with valid checksums.
+pub fn tcp4(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let seg = seal4(
+        src,
+        dst,
+        IPPROTO_TCP,
+        tcp_segment(sport, dport, flags, payload),
+    );
+    ipv4(src, dst, IPPROTO_TCP, &seg)
+}
+
+/// Ethernet + IPv4 + UDP + payload, with valid checksums.
+pub fn udp4(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let seg = seal4(src, dst, IPPROTO_UDP, udp_segment(sport, dport, payload));
+    ipv4(src, dst, IPPROTO_UDP, &seg)
+}
+
+/// As [`udp4`], with UDP checksum 0 ("no checksum").
+pub fn udp4_no_csum(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
+    ipv4(src, dst, IPPROTO_UDP, &udp_segment(sport, dport, payload))
+}
+
+/// Ethernet + a 20-byte IPv4 header (identification 0x1234, DF, TTL 64, valid
+/// checksum) + `payload` as it is.
+pub fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload: &[u8]) -> Vec<u8> {
+    ipv4_with_options(src, dst, proto, &[], payload)
+}
+
+/// As [`ipv4`], with IP `options` (padded with zeros, end of options, to a
+/// multiple of 4 bytes) after the fixed header.
+pub fn ipv4_with_options(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    options: &[u8],
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut opts = options.to_vec();
+    opts.resize(options.len().div_ceil(4) * 4, 0);
+    let hlen = 20 + opts.len();
+    let mut ip = vec![0u8; 20];
+    ip[0] = 0x40 | (hlen / 4) as u8;
+    ip[2..4].copy_from_slice(&((hlen + payload.len()) as u16).to_be_bytes());
+    ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+    ip[6] = 0x40; // DF
+    ip[8] = 64;
+    ip[9] = proto;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    ip.extend_from_slice(&opts);
+    let c = ip_csum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut p = ethernet(ETH_P_IP);
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(payload);
+    p
+}
+
+/// An IPv4 fragment (no options) carrying `data`, the bytes at `offset` (a
+/// multiple of 8) of the original datagram's IP payload; `more`: more
+/// fragments follow. DF is clear, identification as [`ipv4`].
+pub fn ipv4_fragment(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    proto: u8,
+    offset: usize,
+    more: bool,
+    data: &[u8],
+) -> Vec<u8> {
+    assert_eq!(offset % 8, 0, "fragment offsets are in units of 8 bytes");
+    let mut p = ipv4(src, dst, proto, data);
+    let fo = ((offset / 8) as u16) | if more { 0x2000 } else { 0 };
+    p[20..22].copy_from_slice(&fo.to_be_bytes());
+    reseal_ipv4_header(&mut p);
+    p
+}
+
+/// Cuts a built IPv4 frame (no options) into two fragments, the first carrying
+/// `at` bytes (a multiple of 8) of its IP payload.
+pub fn ipv4_split(frame: &[u8], at: usize) -> (Vec<u8>, Vec<u8>) {
+    let src = Ipv4Addr::new(frame[26], frame[27], frame[28], frame[29]);
+    let dst = Ipv4Addr::new(frame[30], frame[31], frame[32], frame[33]);
+    let proto = frame[23];
+    let payload = &frame[L4_OFF4..];
+    (
+        ipv4_fragment(src, dst, proto, 0, true, &payload[..at]),
+        ipv4_fragment(src, dst, proto, at, false, &payload[at..]),
+    )
+}
+
+/// Recomputes the IPv4 header checksum of a frame after an edit of its header.
+pub fn reseal_ipv4_header(frame: &mut [u8]) {
+    let ihl = usize::from(frame[14] & 0x0f) * 4;
+    frame[24..26].copy_from_slice(&[0, 0]);
+    let c = ip_csum(&frame[14..14 + ihl]);
+    frame[24..26].copy_from_slice(&c.to_be_bytes());
+}
+
+/// `frame` with another EtherType (e.g. [`ETH_P_ARP`]), bytes otherwise kept.
+pub fn with_ethertype(frame: &[u8], ethertype: u16) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[12..14].copy_from_slice(&ethertype.to_be_bytes());
+    f
+}
+
+/// `frame` with one byte replaced (a malformed header), checksums kept as they were.
+pub fn with_byte(frame: &[u8], at: usize, value: u8) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[at] = value;
+    f
+}
+
+fn ethernet(ethertype: u16) -> Vec<u8> {
+    let mut p = Vec::with_capacity(1514);
+    p.extend_from_slice(&DST_MAC);
+    p.extend_from_slice(&SRC_MAC);
+    p.extend_from_slice(&ethertype.to_be_bytes());
+    p
+}

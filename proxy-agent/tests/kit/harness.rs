@@ -1,0 +1,387 @@
+//! The harness: a network namespace and a bpffs pin directory of their own
+//! (both removed on drop, also when a test panics), the real object loaded
+//! with the agent's `bpf::load`, its maps filled by the agent's own `Writer`,
+//! and `BPF_PROG_TEST_RUN` of any of its programs inside that namespace.
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
+};
+
+use anyhow::Context;
+use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, Xdp};
+use proxy_agent::{
+    bpf::{
+        self, BpfDataplane, MapSizes, PinnedMaps, EXT_INGRESS_PROGRAM, EXT_XDP_PROGRAM,
+        POD_INGRESS_PROGRAM,
+    },
+    dataplane::Writer,
+    model::{BackendAddr, DesiredState, Frontend, FrontendKey},
+};
+use proxy_common::{Config, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use xtask::netns;
+
+/// The datapath's programs that take packets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Prog {
+    /// tc ingress of the pods' host-side interfaces (internal frontends).
+    PodIngress,
+    /// tc ingress of the node's external devices (external frontends, replies).
+    ExtIngress,
+    /// XDP of the node's external devices (acceleration of `ext_ingress`).
+    ExtXdp,
+}
+
+impl Prog {
+    pub const ALL: [Prog; 3] = [Prog::PodIngress, Prog::ExtIngress, Prog::ExtXdp];
+    /// Both external-device programs: tc and XDP.
+    pub const EXT: [Prog; 2] = [Prog::ExtIngress, Prog::ExtXdp];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Prog::PodIngress => POD_INGRESS_PROGRAM,
+            Prog::ExtIngress => EXT_INGRESS_PROGRAM,
+            Prog::ExtXdp => EXT_XDP_PROGRAM,
+        }
+    }
+
+    pub fn is_xdp(self) -> bool {
+        self == Prog::ExtXdp
+    }
+}
+
+/// A program's verdict, named once for tc and XDP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// tc: `TC_ACT_OK`; XDP: `XDP_PASS` (on to tc / the stack).
+    Pass,
+    /// tc: `TC_ACT_SHOT`; XDP: `XDP_DROP`.
+    Drop,
+    /// tc: `TC_ACT_REDIRECT`; XDP: `XDP_REDIRECT`.
+    Redirect,
+    /// XDP only: `XDP_TX`.
+    Tx,
+}
+
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_REDIRECT: u32 = 7;
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
+
+impl Verdict {
+    /// The return value of `prog` that means this verdict.
+    pub fn code(self, prog: Prog) -> u32 {
+        match (self, prog.is_xdp()) {
+            (Verdict::Pass, false) => TC_ACT_OK,
+            (Verdict::Drop, false) => TC_ACT_SHOT,
+            (Verdict::Redirect, false) => TC_ACT_REDIRECT,
+            (Verdict::Tx, false) => panic!("XDP_TX is no tc verdict"),
+            (Verdict::Pass, true) => XDP_PASS,
+            (Verdict::Drop, true) => XDP_DROP,
+            (Verdict::Redirect, true) => XDP_REDIRECT,
+            (Verdict::Tx, true) => XDP_TX,
+        }
+    }
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A network namespace of its own, named `<prefix>-<pid>-<n>`, deleted on drop.
+pub struct NetNs {
+    name: String,
+}
+
+impl NetNs {
+    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst)
+        );
+        netns::create_netns(&name).with_context(|| format!("ip netns add {name} (root needed)"))?;
+        Ok(Self { name })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `ip -n <ns> <args>`.
+    pub fn ip(&self, args: &[&str]) -> anyhow::Result<()> {
+        netns::ip_in(&self.name, args).map(drop)
+    }
+
+    /// Gives the namespace a "wire": a veth `kprv0` (MAC 02:..:aa) with a
+    /// route to `route` and permanent neighbours `(address, MAC)`, and turns
+    /// forwarding on, so that the FIB answers as on a node.
+    pub fn wire(&self, route: &str, neighbours: &[(&str, &str)]) -> anyhow::Result<()> {
+        self.ip(&["link", "set", "lo", "up"])?;
+        self.ip(&[
+            "link",
+            "add",
+            "kprv0",
+            "address",
+            "02:00:00:00:00:aa",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "kprv1",
+        ])?;
+        self.ip(&["link", "set", "kprv0", "up"])?;
+        self.ip(&["link", "set", "kprv1", "up"])?;
+        self.ip(&["route", "add", route, "dev", "kprv0"])?;
+        for (addr, mac) in neighbours {
+            self.ip(&[
+                "neigh",
+                "add",
+                addr,
+                "lladdr",
+                mac,
+                "dev",
+                "kprv0",
+                "nud",
+                "permanent",
+            ])?;
+        }
+        netns::sysctl_in(&self.name, "net.ipv4.ip_forward", "1")?;
+        netns::sysctl_in(&self.name, "net.ipv4.conf.lo.forwarding", "1")?;
+        Ok(())
+    }
+
+    /// Runs `f` on a scoped thread that first joins the namespace (the calling
+    /// thread stays where it is). `f` may borrow.
+    pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let file = std::fs::File::open(netns::netns_path(&self.name)).expect("open netns");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                    .expect("setns");
+                f()
+            })
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+        })
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = netns::delete_netns(&self.name);
+    }
+}
+
+/// A bpffs pin directory, removed (with every pin in it) on drop.
+pub struct PinDir(PathBuf);
+
+impl PinDir {
+    pub fn new(name: &str) -> Self {
+        Self(PathBuf::from("/sys/fs/bpf").join(name))
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The hairpin address every harness configures (as a node would).
+pub const HAIRPIN: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 254);
+
+/// One program run: return value, output frame, the kernel's duration.
+pub struct Run {
+    pub retval: u32,
+    pub frame: Vec<u8>,
+    pub duration: Duration,
+}
+
+/// A fresh netns, a pin dir, the object loaded, and a writer over its maps.
+/// Fields drop in order: the object's fds, then the pins, then the namespace.
+pub struct Harness {
+    pub ebpf: aya::Ebpf,
+    pub writer: Writer<BpfDataplane>,
+    pub pins: PinDir,
+    pub netns: NetNs,
+}
+
+impl Harness {
+    /// Default map sizes, config with the hairpin address [`HAIRPIN`].
+    pub fn new() -> Self {
+        Self::with_sizes(MapSizes::default())
+    }
+
+    pub fn with_sizes(sizes: MapSizes) -> Self {
+        Self::try_new(
+            "kpr-pkt",
+            sizes,
+            Config::default().with_hairpin_addr(HAIRPIN),
+        )
+        .expect("packet-test harness")
+    }
+
+    /// A harness whose namespace and pin dir are named `<prefix>-<pid>-<n>`.
+    pub fn try_new(prefix: &str, sizes: MapSizes, config: Config) -> anyhow::Result<Self> {
+        let netns = NetNs::new(prefix)?;
+        let pins = PinDir::new(netns.name());
+        let mut loaded = bpf::load(pins.path(), sizes).context("load datapath")?;
+        let mut dp = BpfDataplane::new(&mut loaded.ebpf, sizes).context("maps")?;
+        dp.set_config(config).context("config")?;
+        let writer = Writer::adopt(dp).context("adopt")?;
+        Ok(Self {
+            ebpf: loaded.ebpf,
+            writer,
+            pins,
+            netns,
+        })
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        self.pins.path()
+    }
+
+    pub fn maps(&self) -> PinnedMaps {
+        PinnedMaps::new(self.pin_dir())
+    }
+
+    pub fn stats(&self) -> BTreeMap<u32, u64> {
+        self.maps().stats().expect("stats")
+    }
+
+    pub fn set_config(&mut self, config: Config) {
+        self.writer
+            .dataplane_mut()
+            .set_config(config)
+            .expect("config");
+    }
+
+    /// Programs `desired`; panics on any error of the writer.
+    pub fn sync_desired(&mut self, desired: &DesiredState) {
+        let r = self.writer.sync(desired);
+        assert!(r.errors.is_empty(), "sync errors: {:?}", r.errors);
+    }
+
+    /// Frontends as `(key, backends, flags)`, all of service `default/test`.
+    pub fn sync(&mut self, frontends: &[(FrontendKey, Vec<BackendAddr>, u16)]) {
+        self.sync_with_affinity(frontends, 0)
+    }
+
+    pub fn sync_with_affinity(
+        &mut self,
+        frontends: &[(FrontendKey, Vec<BackendAddr>, u16)],
+        affinity_timeout_s: u32,
+    ) {
+        self.sync_desired(&desired(frontends, affinity_timeout_s))
+    }
+
+    pub fn wire(&self, route: &str, neighbours: &[(&str, &str)]) {
+        self.netns.wire(route, neighbours).expect("wire the netns");
+    }
+
+    /// One `BPF_PROG_TEST_RUN` of `prog` on the calling thread, which must be
+    /// inside the namespace already (see [`Harness::enter`]).
+    pub fn test_run(&self, prog: Prog, input: &[u8]) -> Result<Run, ProgramError> {
+        let mut out = vec![0u8; input.len() + 256];
+        let opts = TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ..Default::default()
+        };
+        let p = self
+            .ebpf
+            .program(prog.name())
+            .expect("program in the object");
+        let r = if prog.is_xdp() {
+            let x: &Xdp = p.try_into()?;
+            x.test_run(opts)?
+        } else {
+            let c: &SchedClassifier = p.try_into()?;
+            c.test_run(opts)?
+        };
+        out.truncate(r.data_size_out as usize);
+        Ok(Run {
+            retval: r.return_value,
+            frame: out,
+            duration: r.duration,
+        })
+    }
+
+    /// Runs `f` on a thread inside the harness's namespace.
+    pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.netns.enter(f)
+    }
+
+    /// Runs one frame through `prog` inside the namespace: (verdict, output).
+    pub fn try_run_prog(&self, prog: Prog, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
+        self.enter(|| self.test_run(prog, input))
+            .map(|r| (r.retval, r.frame))
+    }
+
+    pub fn run_prog(&self, prog: Prog, input: &[u8]) -> (u32, Vec<u8>) {
+        self.try_run_prog(prog, input).expect("BPF_PROG_TEST_RUN")
+    }
+
+    /// Through `pod_ingress`.
+    pub fn run(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        self.run_prog(Prog::PodIngress, input)
+    }
+
+    pub fn try_run(&self, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
+        self.try_run_prog(Prog::PodIngress, input)
+    }
+}
+
+/// The desired state of `frontends` (all of service `default/test`).
+pub fn desired(
+    frontends: &[(FrontendKey, Vec<BackendAddr>, u16)],
+    affinity_timeout_s: u32,
+) -> DesiredState {
+    let mut d = DesiredState::default();
+    for (k, b, flags) in frontends {
+        d.frontends.insert(
+            *k,
+            Frontend {
+                service: "default/test".into(),
+                port_name: String::new(),
+                backends: b.clone(),
+                flags: *flags,
+                affinity_timeout_s,
+                ..Default::default()
+            },
+        );
+    }
+    d
+}
+
+/// An internal (ClusterIP) frontend key.
+pub fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr,
+        port,
+        proto,
+        scope: SCOPE_INTERNAL,
+    }
+}
+
+/// An external (NodePort, LB IP, externalIP) frontend key.
+pub fn fe_ext(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr,
+        port,
+        proto,
+        scope: SCOPE_EXTERNAL,
+    }
+}
+
+pub fn be(addr: Ipv4Addr, port: u16, proto: u8) -> BackendAddr {
+    BackendAddr { addr, port, proto }
+}

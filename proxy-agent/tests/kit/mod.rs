@@ -1,0 +1,11 @@
+//! The packet-test kit shared by `tests/datapath.rs` and
+//! `examples/prog_cost.rs` (included there with `#[path]`): frame builders,
+//! the independent checksum checker, the harness (a namespace and pin dir of
+//! its own, the real object, the agent's writer, `BPF_PROG_TEST_RUN` of tc and
+//! XDP programs) and packet cases as a table.
+#![allow(dead_code)]
+
+pub mod case;
+pub mod check;
+pub mod frame;
+pub mod harness;
