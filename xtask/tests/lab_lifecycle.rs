@@ -25,6 +25,20 @@ fn manifests() -> String {
     fixtures::manifests(&[&web, &pod("web-1"), &pod("web-2")])
 }
 
+/// A lab with [`manifests`] whose agent runs with `--on-exit keep` (what a
+/// rolling update uses), once the agent synced.
+fn start_lab() -> Lab {
+    let mut lab = Lab::builder()
+        .manifests_yaml(&manifests())
+        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
+        .agent_arg("--on-exit")
+        .agent_arg("keep")
+        .start()
+        .expect("lab");
+    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    lab
+}
+
 /// Opens new TCP connections to `vip` from `ns` until stopped; counts them.
 fn churn(
     ns: String,
@@ -71,14 +85,7 @@ fn udp_pod(ns: &str, vip: SocketAddrV4, port: u16) -> String {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s8_restart_keeps_flows_and_refuses_nothing() {
-    let mut lab = Lab::builder()
-        .manifests_yaml(&manifests())
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--on-exit")
-        .agent_arg("keep")
-        .start()
-        .expect("lab");
-    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    let mut lab = start_lab();
     let ns = lab.client().netns.clone();
     let vip = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
     let vip_udp = lab
@@ -158,14 +165,7 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn restart_reconciles_changes_made_while_down() {
-    let mut lab = Lab::builder()
-        .manifests_yaml(&manifests())
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--on-exit")
-        .agent_arg("keep")
-        .start()
-        .expect("lab");
-    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    let mut lab = start_lab();
     let ns = lab.client().netns.clone();
     let old = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
     assert!(client::tcp_request(&ns, old, b"hostname\n", T).is_ok());

@@ -1,10 +1,11 @@
 //! Typed builders for the objects the lab tests write: Services, Pods and
 //! EndpointSlices (in the style of kube-rs controller-rs `fixtures.rs`). Each
-//! builder holds the k8s-openapi object itself and renders it to one YAML
-//! document (`---` first) with [`yaml`](Svc::yaml) (several: [`manifests`]), which the lab takes as
-//! manifests (`Lab::builder().manifests_yaml`, `Lab::apply`). A field is
-//! written only when a test sets it: what a builder does not set, the lab and
-//! the agent default as the API server would.
+//! builder holds the k8s-openapi object itself and renders it (serde) to one
+//! YAML document, `---` first, with [`yaml`](Svc::yaml); [`manifests`] joins
+//! several. The lab takes them as manifests (`Lab::builder().manifests_yaml`,
+//! `Lab::apply`). A field is written only when a test sets it: what a
+//! builder does not set, the lab and the agent default as the API server
+//! would.
 //!
 //! ```ignore
 //! let yaml = manifests(&[
