@@ -24,6 +24,10 @@
 //! On failure every node's agent log tail and `proxy-agent inspect
 //! services|stats|conntrack` of every node are printed before the lab is torn
 //! down; `KPR_LAB_DIAG=1` prints them after every test.
+//!
+//! The file is long (15 scenarios and their north-south-only helpers: NodePort
+//! lookup, routes from the external client, HTTP health checks); what other
+//! lab tests share lives in `support/`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
