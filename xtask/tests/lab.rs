@@ -19,63 +19,12 @@ use xtask::netns::in_netns;
 use xtask::Lab;
 
 mod support;
-use support::{
-    assert_tcp_refused, describe, frontend, run_lab, tcp_hostname, tcp_hostnames, wait_veth_gone,
-    Shot, UdpProbe, T,
-};
+use support::fixtures::{manifests, Pod, Port, Svc};
+use support::flows::{self, Placement};
+use support::{assert_tcp_refused, delete_pod, frontend, run_lab, tcp_hostname, tcp_hostnames, T};
 
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
-
-// ---------------------------------------------------------------- manifests
-
-/// A Pod labelled `app: <app>`; `ports` are `(name, containerPort, protocol)`
-/// (empty name: unnamed). No ports: the lab's server listens on 80.
-fn pod(name: &str, app: &str, ports: &[(&str, u16, &str)]) -> String {
-    let mut y = format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
-    );
-    if !ports.is_empty() {
-        y.push_str("    ports:\n");
-        for (n, p, proto) in ports {
-            y.push_str(&format!(
-                "    - containerPort: {p}\n      protocol: {proto}\n"
-            ));
-            if !n.is_empty() {
-                y.push_str(&format!("      name: {n}\n"));
-            }
-        }
-    }
-    y
-}
-
-/// A Service selecting `app: <app>`; `ports` are `(name, port, targetPort,
-/// protocol)` where targetPort is a number or a port name.
-fn svc(name: &str, app: &str, ports: &[(&str, u16, &str, &str)]) -> String {
-    svc_ip(name, app, ports, None)
-}
-
-/// [`svc`] with an explicit ClusterIP.
-fn svc_ip(
-    name: &str,
-    app: &str,
-    ports: &[(&str, u16, &str, &str)],
-    cluster_ip: Option<&str>,
-) -> String {
-    let mut y = format!(
-        "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n  selector:\n    app: {app}\n"
-    );
-    if let Some(ip) = cluster_ip {
-        y.push_str(&format!("  clusterIP: {ip}\n"));
-    }
-    y.push_str("  ports:\n");
-    for (n, p, t, proto) in ports {
-        y.push_str(&format!(
-            "  - name: {n}\n    port: {p}\n    targetPort: {t}\n    protocol: {proto}\n"
-        ));
-    }
-    y
-}
 
 // ---------------------------------------------------------------- lab runner
 
@@ -135,26 +84,6 @@ fn synced(lab: &mut Lab) {
     wait_attached(lab);
 }
 
-/// `lab.delete_pod(name)` (which waits for the agent's sync), then waits
-/// until the pod's host-side veth is gone from the node namespace. `ip netns
-/// del` returns before the kernel destroyed the namespace's veth, and the lab
-/// frees the pod's IP at once: a pod created right after may get the same IP
-/// and fail with `route add ...: File exists` while the old veth (and its /32
-/// route) linger. Returns how long `lab.delete_pod` took.
-fn delete_pod(lab: &mut Lab, name: &str) -> Duration {
-    let host_if = lab.pod(name).map(|p| p.host_if.clone()).unwrap_or_default();
-    let t = Instant::now();
-    lab.delete_pod(name)
-        .unwrap_or_else(|e| panic!("delete_pod({name}): {e:#}"));
-    let took = t.elapsed();
-    if host_if.is_empty() {
-        return took;
-    }
-    let node = lab.node().netns.clone();
-    wait_veth_gone(&node, &host_if, name);
-    took
-}
-
 // ---------------------------------------------------------------- requests
 
 fn udp_hostname(
@@ -169,7 +98,7 @@ fn udp_hostname(
 /// Asserts that `n` connections to `addr` all succeed and are answered by
 /// exactly the pods `expected`.
 fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    support::assert_answered_by(ns, addr, n, expected, what, false)
+    support::assert_answered_by(ns, addr, "TCP", n, expected, what)
 }
 
 // ================================================================ tests
@@ -181,14 +110,17 @@ fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str],
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s1_basic_endpoint_added_and_removed() {
-    let yaml =
-        svc("web", "web", &[("http", 80, "80", "TCP")]) + &pod("pod-1", "web", &[("", 80, "TCP")]);
+    let yaml = manifests(&[
+        &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
+        &Pod::new("pod-1", "web").port(80, "TCP"),
+    ]);
     with_lab("s1", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
         assert_answered_by(&ns, vip, 10, &["pod-1"], "S1 pod-1 only");
 
-        lab.apply(&pod("pod-2", "web", &[("", 80, "TCP")])).unwrap();
+        lab.apply(&Pod::new("pod-2", "web").port(80, "TCP").yaml())
+            .unwrap();
         synced(lab);
         assert_answered_by(&ns, vip, 60, &["pod-1", "pod-2"], "S1 pod-1 + pod-2");
 
@@ -207,12 +139,14 @@ fn s1_basic_endpoint_added_and_removed() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s2_multiport_named_target_ports() {
-    let yaml = svc(
-        "multi",
-        "multi",
-        &[("p80", 80, "svc1", "TCP"), ("p81", 81, "svc2", "TCP")],
-    ) + &pod("pod-1", "multi", &[("svc1", 100, "TCP")])
-        + &pod("pod-2", "multi", &[("svc2", 101, "TCP")]);
+    let yaml = manifests(&[
+        &Svc::new("multi")
+            .selector("multi")
+            .port(Port::tcp("p80", 80).target_name("svc1"))
+            .port(Port::tcp("p81", 81).target_name("svc2")),
+        &Pod::new("pod-1", "multi").named_port("svc1", 100, "TCP"),
+        &Pod::new("pod-2", "multi").named_port("svc2", 101, "TCP"),
+    ]);
     with_lab("s2", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let p80 = frontend(lab, "multi", 80, "TCP");
@@ -228,8 +162,12 @@ fn s2_multiport_named_target_ports() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s4_client_ip_preserved_through_cluster_ip() {
-    let yaml = svc("echo", "echo", &[("http", 8080, "8080", "TCP")])
-        + &pod("echo-1", "echo", &[("", 8080, "TCP")]);
+    let yaml = manifests(&[
+        &Svc::new("echo")
+            .selector("echo")
+            .port(Port::tcp("http", 8080)),
+        &Pod::new("echo-1", "echo").port(8080, "TCP"),
+    ]);
     with_lab("s4", &yaml, |lab| {
         let client = lab.client().clone();
         let vip = frontend(lab, "echo", 8080, "TCP");
@@ -254,8 +192,12 @@ fn s4_client_ip_preserved_through_cluster_ip() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s5_hairpin_pod_reaches_itself_through_its_service() {
-    let yaml = svc("hairpin", "hp", &[("http", 8080, "8080", "TCP")])
-        + &pod("hp-1", "hp", &[("", 8080, "TCP")]);
+    let yaml = manifests(&[
+        &Svc::new("hairpin")
+            .selector("hp")
+            .port(Port::tcp("http", 8080)),
+        &Pod::new("hp-1", "hp").port(8080, "TCP"),
+    ]);
     with_lab("s5", &yaml, |lab| {
         let p = lab.pod("hp-1").expect("pod hp-1").clone();
         let vip = frontend(lab, "hairpin", 8080, "TCP");
@@ -283,9 +225,12 @@ fn s5_hairpin_pod_reaches_itself_through_its_service() {
 fn s6_s7_services_up_down_and_recreated() {
     let mut yaml = String::new();
     for s in ["a", "b", "c"] {
-        yaml += &svc(&format!("svc-{s}"), s, &[("http", 80, "80", "TCP")]);
-        yaml += &pod(&format!("{s}-1"), s, &[]);
-        yaml += &pod(&format!("{s}-2"), s, &[]);
+        yaml += &Svc::new(&format!("svc-{s}"))
+            .selector(s)
+            .port(Port::tcp("http", 80))
+            .yaml();
+        yaml += &Pod::new(&format!("{s}-1"), s).yaml();
+        yaml += &Pod::new(&format!("{s}-2"), s).yaml();
     }
     with_lab("s6_s7", &yaml, |lab| {
         let ns = lab.client().netns.clone();
@@ -337,11 +282,11 @@ fn s6_s7_services_up_down_and_recreated() {
 
         // A new service: the lab's allocator may hand out svc-a's old VIP; only
         // svc-d's pods may answer there.
-        lab.apply(
-            &(svc("svc-d", "d", &[("http", 80, "80", "TCP")])
-                + &pod("d-1", "d", &[])
-                + &pod("d-2", "d", &[])),
-        )
+        lab.apply(&manifests(&[
+            &Svc::new("svc-d").selector("d").port(Port::tcp("http", 80)),
+            &Pod::new("d-1", "d"),
+            &Pod::new("d-2", "d"),
+        ]))
         .unwrap();
         synced(lab);
         let d = frontend(lab, "svc-d", 80, "TCP");
@@ -350,11 +295,14 @@ fn s6_s7_services_up_down_and_recreated() {
 
         // S7: recreate svc-a (and its pods) with a new ClusterIP.
         let new_ip = "198.19.0.200";
-        lab.apply(
-            &(svc_ip("svc-a", "a", &[("http", 80, "80", "TCP")], Some(new_ip))
-                + &pod("a-1", "a", &[])
-                + &pod("a-2", "a", &[])),
-        )
+        lab.apply(&manifests(&[
+            &Svc::new("svc-a")
+                .selector("a")
+                .cluster_ip(new_ip)
+                .port(Port::tcp("http", 80)),
+            &Pod::new("a-1", "a"),
+            &Pod::new("a-2", "a"),
+        ]))
         .unwrap();
         synced(lab);
         let a2 = frontend(lab, "svc-a", 80, "TCP");
@@ -376,11 +324,11 @@ fn s6_s7_services_up_down_and_recreated() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s29_k4_no_endpoints_rejected_from_pod() {
-    let yaml = svc(
-        "empty",
-        "nobody",
-        &[("http", 80, "80", "TCP"), ("dns", 53, "53", "UDP")],
-    );
+    let yaml = Svc::new("empty")
+        .selector("nobody")
+        .port(Port::tcp("http", 80))
+        .port(Port::udp("dns", 53))
+        .yaml();
     with_lab("s29_k4", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let tcp = frontend(lab, "empty", 80, "TCP");
@@ -418,17 +366,25 @@ fn s29_k4_no_endpoints_rejected_from_pod() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s45_named_target_port_differs_per_endpoint() {
-    let yaml = svc("mutable", "mut", &[("http", 8001, "http", "TCP")])
-        + &pod("pod-1", "mut", &[("http", 8080, "TCP")])
-        + &pod("pod-2", "mut", &[("http", 9090, "TCP")]);
+    let yaml = manifests(&[
+        &Svc::new("mutable")
+            .selector("mut")
+            .port(Port::tcp("http", 8001).target_name("http")),
+        &Pod::new("pod-1", "mut").named_port("http", 8080, "TCP"),
+        &Pod::new("pod-2", "mut").named_port("http", 9090, "TCP"),
+    ]);
     with_lab("s45", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "mutable", 8001, "TCP");
         assert_answered_by(&ns, vip, 60, &["pod-1", "pod-2"], "S45 8080 + 9090");
 
         let _ = delete_pod(lab, "pod-1");
-        lab.apply(&pod("pod-3", "mut", &[("http", 8000, "TCP")]))
-            .unwrap();
+        lab.apply(
+            &Pod::new("pod-3", "mut")
+                .named_port("http", 8000, "TCP")
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         assert_answered_by(
             &ns,
@@ -451,7 +407,10 @@ fn payload_2000() -> Vec<u8> {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn n19_large_tcp_request_echoed() {
-    let yaml = svc("echo", "echo", &[("tcp", 80, "80", "TCP")]) + &pod("echo-1", "echo", &[]);
+    let yaml = manifests(&[
+        &Svc::new("echo").selector("echo").port(Port::tcp("tcp", 80)),
+        &Pod::new("echo-1", "echo"),
+    ]);
     with_lab("n19", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "TCP");
@@ -478,8 +437,10 @@ fn n19_large_tcp_request_echoed() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn n20_large_udp_datagram_echoed() {
-    let yaml = svc("echo", "echo", &[("udp", 80, "80", "UDP")])
-        + &pod("echo-1", "echo", &[("", 80, "UDP")]);
+    let yaml = manifests(&[
+        &Svc::new("echo").selector("echo").port(Port::udp("udp", 80)),
+        &Pod::new("echo-1", "echo").port(80, "UDP"),
+    ]);
     with_lab("n20", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "UDP");
@@ -512,205 +473,47 @@ fn n20_large_udp_datagram_echoed() {
     });
 }
 
-/// K1 — UDP flow keeps using a deleted endpoint. A client binds one socket
-/// and sends a datagram to VIP every 100 ms. "Step 1: new datagrams reach B
-/// within about 1 s. Step 2: no datagram is forwarded towards any old backend
-/// IP. The client gets ICMP port-unreachable, i.e. reject semantics. Step 3:
-/// datagrams reach D within about 1 s."
+/// K1 — UDP flow keeps using a deleted endpoint, on one node: see
+/// [`flows::k1_udp_flow_leaves_deleted_endpoint`].
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn k1_udp_flow_leaves_deleted_endpoint() {
-    let yaml = svc("statsd", "statsd", &[("udp", 8125, "8125", "UDP")])
-        + &pod("pod-a", "statsd", &[("", 8125, "UDP")])
-        + &pod("pod-b", "statsd", &[("", 8125, "UDP")]);
+    let yaml = manifests(&[
+        &Svc::new("statsd")
+            .selector("statsd")
+            .port(Port::udp("udp", 8125)),
+        &Pod::new("pod-a", "statsd").port(8125, "UDP"),
+        &Pod::new("pod-b", "statsd").port(8125, "UDP"),
+    ]);
     with_lab("k1", &yaml, |lab| {
-        let ns = lab.client().netns.clone();
-        let vip = frontend(lab, "statsd", 8125, "UDP");
-        let interval = Duration::from_millis(100);
-        let probe = UdpProbe::start(&ns, vip, 40001, interval, Duration::from_secs(30));
-        let origin = Instant::now();
-        std::thread::sleep(Duration::from_millis(600));
-
-        // Which pod does the flow use?
-        let first = probe.snapshot();
-        let answered: Vec<&str> = first
-            .iter()
-            .filter_map(|s| s.result.as_deref().ok())
-            .collect();
-        println!("K1 before any change: {}", describe(&first, origin));
-        assert!(
-            answered.len() >= 3,
-            "K1: the flow was not answered before any change: {}",
-            describe(&first, origin)
-        );
-        let x = answered[0].to_string();
-        assert!(
-            answered.iter().all(|a| *a == x),
-            "K1: one UDP flow (same 5-tuple) was answered by different pods: {answered:?}"
-        );
-        let y = if x == "pod-a" { "pod-b" } else { "pod-a" }.to_string();
-
-        // Step 1: delete the pod the flow uses.
-        let t1 = Instant::now();
-        let sync1 = delete_pod(lab, &x);
-        std::thread::sleep(Duration::from_millis(1200).saturating_sub(t1.elapsed()));
-
-        // Step 2: delete the last pod.
-        let t2 = Instant::now();
-        let sync2 = delete_pod(lab, &y);
-        std::thread::sleep(Duration::from_millis(1500).saturating_sub(t2.elapsed()));
-
-        // Step 3: a new pod.
-        lab.apply(&pod("pod-d", "statsd", &[("", 8125, "UDP")]))
-            .unwrap();
-        let t3 = Instant::now();
-        std::thread::sleep(Duration::from_millis(1500));
-        let shots = probe.finish();
-        println!(
-            "K1 flow (ms from first manifest change): {}",
-            describe(&shots, t1)
-        );
-        println!(
-            "K1: delete_pod({x}) returned after {} ms, delete_pod({y}) after {} ms",
-            sync1.as_millis(),
-            sync2.as_millis()
-        );
-
-        // Step 1.
-        let step1: Vec<&Shot> = shots
-            .iter()
-            .filter(|s| s.sent >= t1 && s.sent < t2)
-            .collect();
-        let reach_y = step1.iter().find(|s| s.result.as_deref() == Ok(y.as_str()));
-        let Some(reach_y) = reach_y else {
-            panic!("K1 step 1: the flow never reached {y} after {x} was deleted")
-        };
-        let el1 = reach_y.sent - t1;
-        println!(
-            "K1 step 1: flow reached {y} {} ms after {x} was removed from the manifests",
-            el1.as_millis()
-        );
-        assert!(
-            el1 < Duration::from_secs(1),
-            "K1 step 1: flow reached {y} only after {el1:?}"
-        );
-        let after: Vec<&&Shot> = step1.iter().filter(|s| s.sent >= reach_y.sent).collect();
-        assert!(
-            after.iter().all(|s| s.result.as_deref() == Ok(y.as_str())),
-            "K1 step 1: after reaching {y}, the flow did not stay there"
-        );
-
-        // Step 2.
-        let step2: Vec<&Shot> = shots
-            .iter()
-            .filter(|s| s.sent >= t2 && s.sent < t3)
-            .collect();
-        let refused = step2
-            .iter()
-            .position(|s| s.result == Err(io::ErrorKind::ConnectionRefused));
-        let Some(refused) = refused else {
-            panic!("K1 step 2: with 0 endpoints the flow was never refused (ICMP)")
-        };
-        let el2 = step2[refused].sent - t2;
-        println!(
-            "K1 step 2: flow refused {} ms after the last pod was removed",
-            el2.as_millis()
-        );
-        assert!(
-            el2 < Duration::from_secs(1),
-            "K1 step 2: refused only after {el2:?}"
-        );
-        let bad: Vec<&&Shot> = step2[refused..]
-            .iter()
-            .filter(|s| s.result != Err(io::ErrorKind::ConnectionRefused))
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "K1 step 2: with 0 endpoints some datagrams were not refused: {:?}",
-            bad
-        );
-
-        // Step 3.
-        let reach_d = shots
-            .iter()
-            .filter(|s| s.sent >= t3)
-            .find(|s| s.result.as_deref() == Ok("pod-d"));
-        let Some(reach_d) = reach_d else {
-            panic!("K1 step 3: the flow never reached the new pod-d")
-        };
-        let el3 = reach_d.sent - t3;
-        println!(
-            "K1 step 3: flow reached pod-d {} ms after it was added to the manifests",
-            el3.as_millis()
-        );
-        assert!(
-            el3 < Duration::from_secs(1),
-            "K1 step 3: reached pod-d only after {el3:?}"
+        flows::k1_udp_flow_leaves_deleted_endpoint(
+            lab,
+            &Placement {
+                what: "K1",
+                bind_port: 40001,
+                new_pod_node: None,
+            },
         );
     });
 }
 
-/// K2 — UDP blackhole survives endpoints going 0→N: service with an empty
-/// endpoint set, a client sending from a fixed source port; add a ready pod:
-/// "the first datagram after the change is forwarded to A, within about 1 s".
-/// Also: "the no-backend path must not create a CT entry or any
-/// negative-cache state" (before the change, datagrams are refused).
+/// K2 — UDP blackhole survives endpoints going 0→N, on one node: see
+/// [`flows::k2_udp_zero_to_one_endpoint`].
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn k2_udp_zero_to_one_endpoint_same_source_port() {
-    let yaml = svc("dns", "dns", &[("dns", 53, "53", "UDP")]);
+    let yaml = Svc::new("dns")
+        .selector("dns")
+        .port(Port::udp("dns", 53))
+        .yaml();
     with_lab("k2", &yaml, |lab| {
-        let ns = lab.client().netns.clone();
-        let vip = frontend(lab, "dns", 53, "UDP");
-        let probe = UdpProbe::start(
-            &ns,
-            vip,
-            40002,
-            Duration::from_millis(100),
-            Duration::from_secs(20),
-        );
-        std::thread::sleep(Duration::from_millis(500));
-        lab.apply(&pod("dns-1", "dns", &[("", 53, "UDP")])).unwrap();
-        let t = Instant::now();
-        // About 20 more datagrams after the change.
-        std::thread::sleep(Duration::from_millis(2000));
-        let shots = probe.finish();
-        println!(
-            "K2 flow (ms from the pod's addition): {}",
-            describe(&shots, t)
-        );
-
-        let before: Vec<&Shot> = shots.iter().filter(|s| s.sent < t).collect();
-        assert!(before.len() >= 3, "K2: too few datagrams before the change");
-        assert!(
-            before
-                .iter()
-                .all(|s| s.result == Err(io::ErrorKind::ConnectionRefused)),
-            "K2: with 0 endpoints the datagrams were not all refused: {}",
-            describe(&shots, t)
-        );
-        let after: Vec<&Shot> = shots.iter().filter(|s| s.sent >= t).collect();
-        let Some(first) = after
-            .iter()
-            .position(|s| s.result.as_deref() == Ok("dns-1"))
-        else {
-            panic!("K2: the same source port never reached dns-1 after it was added")
-        };
-        let el = after[first].sent - t;
-        println!(
-            "K2: first answer from dns-1 {} ms after the change (datagram #{} after it)",
-            el.as_millis(),
-            first + 1
-        );
-        assert!(
-            el < Duration::from_secs(1),
-            "K2: reached dns-1 only after {el:?}"
-        );
-        assert!(
-            after[first..]
-                .iter()
-                .all(|s| s.result.as_deref() == Ok("dns-1")),
-            "K2: after reaching dns-1 the flow did not stay there"
+        flows::k2_udp_zero_to_one_endpoint(
+            lab,
+            &Placement {
+                what: "K2",
+                bind_port: 40002,
+                new_pod_node: None,
+            },
         );
     });
 }
@@ -720,10 +523,12 @@ fn k2_udp_zero_to_one_endpoint_same_source_port() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn distribution_three_pods_3000_connections() {
-    let yaml = svc("web", "web", &[("http", 80, "80", "TCP")])
-        + &pod("web-1", "web", &[])
-        + &pod("web-2", "web", &[])
-        + &pod("web-3", "web", &[]);
+    let yaml = manifests(&[
+        &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
+        &Pod::new("web-1", "web"),
+        &Pod::new("web-2", "web"),
+        &Pod::new("web-3", "web"),
+    ]);
     with_lab("distribution", &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
@@ -792,7 +597,10 @@ fn series(text: &str, name: &str, label: &str, value: &str) -> u64 {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn metrics_counters_move_with_real_traffic() {
-    let yaml = svc("web", "web", &[("http", 80, "80", "TCP")]) + &pod("web-1", "web", &[]);
+    let yaml = manifests(&[
+        &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
+        &Pod::new("web-1", "web"),
+    ]);
     with_lab("metrics", &yaml, |lab| {
         let node_ns = lab.node().netns.clone();
         let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);

@@ -1,79 +1,42 @@
 //! Lab tests of the agent's lifecycle (root): restarts and upgrades keep the
 //! datapath and its flows, and a restarted agent reconciles what changed while
 //! it was down. Run with `cargo xtask test`.
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddrV4, TcpStream};
+use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xtask::client::{self, reply_text};
-use xtask::netns::in_netns;
 use xtask::Lab;
 
 mod support;
-use support::T;
+use support::fixtures::{self, Pod, Port, Svc};
+use support::{Stream, T};
 
 const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Service `web` (`http` 80/TCP, `udp` 80/UDP) and its pods web-1 and web-2.
 fn manifests() -> String {
-    let mut y = String::from(
-        "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  selector: {app: web}\n  ports:\n  - {name: http, protocol: TCP, port: 80, targetPort: 80}\n  - {name: udp, protocol: UDP, port: 80, targetPort: 80}\n",
-    );
-    for i in 1..=2 {
-        y.push_str(&format!(
-            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: web-{i}, labels: {{app: web}}}}\nspec: {{containers: [{{name: c, image: lab-server, ports: [{{containerPort: 80, protocol: TCP}}, {{containerPort: 80, protocol: UDP}}]}}]}}\n"
-        ));
-    }
-    y
+    let web = Svc::new("web")
+        .selector("web")
+        .port(Port::tcp("http", 80))
+        .port(Port::udp("udp", 80));
+    let pod = |name| Pod::new(name, "web").port(80, "TCP").port(80, "UDP");
+    fixtures::manifests(&[&web, &pod("web-1"), &pod("web-2")])
 }
 
-/// A long-lived connection through the frontend (the lab server's `stream`).
-struct Stream {
-    pod: String,
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-}
-
-impl Stream {
-    fn open(ns: &str, vip: SocketAddrV4) -> Stream {
-        let s = in_netns(ns, move || TcpStream::connect_timeout(&vip.into(), T))
-            .and_then(|r| r)
-            .unwrap_or_else(|e| panic!("stream connect: {e}"));
-        s.set_read_timeout(Some(T)).unwrap();
-        let mut writer = s.try_clone().unwrap();
-        writer.write_all(b"stream\n").unwrap();
-        let mut reader = BufReader::new(s);
-        let mut greeting = String::new();
-        reader.read_line(&mut greeting).unwrap();
-        let pod = greeting
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        Stream {
-            pod,
-            reader,
-            writer,
-        }
-    }
-
-    /// One exchange; the answer must come from the same pod.
-    fn ping(&mut self, n: usize) -> Result<(), String> {
-        self.writer
-            .write_all(format!("ping {n}\n").as_bytes())
-            .map_err(|e| e.to_string())?;
-        let mut line = String::new();
-        self.reader
-            .read_line(&mut line)
-            .map_err(|e| e.to_string())?;
-        let expected = format!("{} ping {n}", self.pod);
-        if line.trim_end() == expected {
-            Ok(())
-        } else {
-            Err(format!("got {line:?}, expected {expected:?}"))
-        }
-    }
+/// A lab with [`manifests`] whose agent runs with `--on-exit keep` (what a
+/// rolling update uses), once the agent synced.
+fn start_lab() -> Lab {
+    let mut lab = Lab::builder()
+        .manifests_yaml(&manifests())
+        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
+        .agent_arg("--on-exit")
+        .agent_arg("keep")
+        .start()
+        .expect("lab");
+    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    lab
 }
 
 /// Opens new TCP connections to `vip` from `ns` until stopped; counts them.
@@ -122,14 +85,7 @@ fn udp_pod(ns: &str, vip: SocketAddrV4, port: u16) -> String {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s8_restart_keeps_flows_and_refuses_nothing() {
-    let mut lab = Lab::builder()
-        .manifests_yaml(&manifests())
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--on-exit")
-        .agent_arg("keep")
-        .start()
-        .expect("lab");
-    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    let mut lab = start_lab();
     let ns = lab.client().netns.clone();
     let vip = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
     let vip_udp = lab
@@ -209,21 +165,19 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn restart_reconciles_changes_made_while_down() {
-    let mut lab = Lab::builder()
-        .manifests_yaml(&manifests())
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--on-exit")
-        .agent_arg("keep")
-        .start()
-        .expect("lab");
-    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
+    let mut lab = start_lab();
     let ns = lab.client().netns.clone();
     let old = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
     assert!(client::tcp_request(&ns, old, b"hostname\n", T).is_ok());
     lab.stop_agent().expect("stop");
     lab.delete_service("web").expect("delete web");
-    lab.apply("apiVersion: v1\nkind: Service\nmetadata: {name: web2}\nspec:\n  selector: {app: web}\n  ports:\n  - {protocol: TCP, port: 8080, targetPort: 80}\n")
-        .expect("apply web2");
+    lab.apply(
+        &Svc::new("web2")
+            .selector("web")
+            .port(Port::tcp("", 8080).target_port(80))
+            .yaml(),
+    )
+    .expect("apply web2");
     lab.start_agent().expect("start");
     lab.wait_ready(SYNC_TIMEOUT).expect("ready");
     let new = lab

@@ -1,7 +1,8 @@
 //! Multi-node lab tests: several node namespaces on a switch, one agent per
 //! node, pods and clients spread over the nodes. Each test is named after a
-//! row of /work/shared/conformance (service-behaviours.md, field-bugs.md) and
-//! builds its own lab, torn down at the end, also on failure.
+//! row of `../shared/conformance/` (from the repository root, as in the
+//! README: service-behaviours.md, field-bugs.md) and builds its own lab, torn
+//! down at the end, also on failure.
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_multinode -- --include-ignored --test-threads=2`.
@@ -10,192 +11,42 @@
 //! services|stats|conntrack` of every node are printed before the lab is torn
 //! down; `KPR_LAB_DIAG=1` prints them after every test.
 //!
-//! Not covered here (they need what is not built yet, or are not proxy
-//! behaviour): NodePort / externalIP / load-balancer rows (S34, S37, S38,
-//! S42, TP*, the NodePort and LB parts of P2), hostNetwork clients and
-//! backends (S32, S33: host-originated traffic), service-behaviours K1/K2
-//! (CLOSE_WAIT sysctl, iptables metric).
+//! Not covered here: the NodePort / externalIP / load-balancer rows (S34,
+//! S37, S38, S42, ...) are in `lab_northsouth.rs`. Not covered by the lab
+//! tests (they need what is not built yet, or are not proxy behaviour): TP*,
+//! the NodePort and LB parts of P2, hostNetwork clients and backends (S32,
+//! S33: host-originated traffic), service-behaviours K1/K2 (CLOSE_WAIT
+//! sysctl, iptables metric).
 
 use std::collections::BTreeSet;
-use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use xtask::client::{self, reply_text};
 use xtask::Lab;
 
 mod support;
-use support::{
-    assert_tcp_dropped, describe, diagnostics_nodes, frontend, run_lab, wait_veth_gone, Shot,
-    UdpProbe, T,
-};
+use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
+use support::flows::{self, Placement};
+use support::{assert_tcp_dropped, delete_pod, frontend, T};
 
 /// How long the agents may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections per client when checking which pods answer.
 const N: usize = 30;
 
-// ---------------------------------------------------------------- manifests
-
-/// A Pod on `node` (empty: round-robin) labelled `app: <app>`, its server
-/// listening on `port` (TCP and UDP).
-fn pod(name: &str, app: &str, node: &str, port: u16, proto: &str) -> String {
-    let node_line = if node.is_empty() {
-        String::new()
-    } else {
-        format!("  nodeName: {node}\n")
-    };
-    format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n{node_line}  containers:\n  - name: c\n    image: lab-server\n    ports:\n    - containerPort: {port}\n      protocol: {proto}\n"
-    )
-}
-
-/// A Service. `selector` None: selector-less (endpoints come from
-/// EndpointSlices written by the test). `itp`: internalTrafficPolicy;
-/// `distribution`: spec.trafficDistribution (informational: kube-proxy acts
-/// on the slices' hints only).
-fn svc(
-    name: &str,
-    selector: Option<&str>,
-    port: u16,
-    proto: &str,
-    itp: Option<&str>,
-    distribution: Option<&str>,
-) -> String {
-    let mut y = format!("---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n");
-    if let Some(app) = selector {
-        y.push_str(&format!("  selector:\n    app: {app}\n"));
-    }
-    if let Some(p) = itp {
-        y.push_str(&format!("  internalTrafficPolicy: {p}\n"));
-    }
-    if let Some(d) = distribution {
-        y.push_str(&format!("  trafficDistribution: {d}\n"));
-    }
-    y.push_str(&format!(
-        "  ports:\n  - name: p\n    port: {port}\n    targetPort: {port}\n    protocol: {proto}\n"
-    ));
-    y
-}
-
-/// One endpoint of an EndpointSlice written by a test.
-#[derive(Clone, Debug)]
-struct Ep {
-    ip: Ipv4Addr,
-    node: String,
-    zone: Option<String>,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    for_zones: Vec<String>,
-    for_nodes: Vec<String>,
-}
-
-impl Ep {
-    /// A ready endpoint at pod `name`'s IP on its node, no zone, no hints.
-    fn of(lab: &Lab, name: &str) -> Ep {
-        let p = lab
-            .pod(name)
-            .unwrap_or_else(|| panic!("no pod {name} in the lab"));
-        let zone = lab.node_named(&p.node).and_then(|n| n.zone.clone());
-        Ep {
-            ip: p.ip,
-            node: p.node.clone(),
-            zone,
-            ready: true,
-            serving: true,
-            terminating: false,
-            for_zones: Vec::new(),
-            for_nodes: Vec::new(),
-        }
-    }
-
-    /// ready=false serving=true terminating=true.
-    fn terminating(mut self) -> Ep {
-        self.ready = false;
-        self.serving = true;
-        self.terminating = true;
-        self
-    }
-
-    /// A hint for the endpoint's own zone (what the EndpointSlice controller
-    /// writes for PreferClose / PreferSameZone when every zone is covered,
-    /// and with per-endpoint zone hints regardless).
-    fn zone_hint(mut self) -> Ep {
-        self.for_zones = self.zone.iter().cloned().collect();
-        self
-    }
-
-    /// Hints for the endpoint's own node and zone (PreferSameNode).
-    fn node_hint(mut self) -> Ep {
-        self.for_nodes = vec![self.node.clone()];
-        self.zone_hint()
-    }
-}
-
-/// An EndpointSlice `name` of Service `service` with port `p`.
-fn slice(name: &str, service: &str, port: u16, proto: &str, eps: &[Ep]) -> String {
-    let mut y = format!(
-        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: p\n  port: {port}\n  protocol: {proto}\nendpoints:\n"
-    );
-    if eps.is_empty() {
-        y = y.replace("endpoints:\n", "endpoints: []\n");
-    }
-    for e in eps {
-        y.push_str(&format!(
-            "- addresses: [\"{}\"]\n  conditions: {{ready: {}, serving: {}, terminating: {}}}\n  nodeName: {}\n",
-            e.ip, e.ready, e.serving, e.terminating, e.node
-        ));
-        if let Some(z) = &e.zone {
-            y.push_str(&format!("  zone: {z}\n"));
-        }
-        if !e.for_zones.is_empty() || !e.for_nodes.is_empty() {
-            y.push_str("  hints:\n");
-            if !e.for_zones.is_empty() {
-                let zs: Vec<String> = e
-                    .for_zones
-                    .iter()
-                    .map(|z| format!("{{name: {z}}}"))
-                    .collect();
-                y.push_str(&format!("    forZones: [{}]\n", zs.join(", ")));
-            }
-            if !e.for_nodes.is_empty() {
-                let ns: Vec<String> = e
-                    .for_nodes
-                    .iter()
-                    .map(|n| format!("{{name: {n}}}"))
-                    .collect();
-                y.push_str(&format!("    forNodes: [{}]\n", ns.join(", ")));
-            }
-        }
-    }
-    y
-}
-
 // ---------------------------------------------------------------- lab runner
 
 /// Starts a lab with `nodes` nodes in `zones` and `yaml`, waits for every
 /// agent's first sync and attachments, runs `f`; see [`support::run_lab`].
 fn with_lab(test: &str, nodes: usize, zones: &[&str], yaml: &str, f: impl FnOnce(&mut Lab)) {
-    run_lab(
+    support::with_nodes(
         test,
-        Lab::builder()
-            .nodes(nodes)
-            .zones(zones)
-            .manifests_yaml(yaml),
-        &format!(" with {nodes} nodes"),
-        |lab| {
-            lab.wait_ready(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
-            attached(lab);
-        },
-        diagnostics_nodes,
+        Lab::builder().zones(zones).manifests_yaml(yaml),
+        nodes,
+        SYNC_TIMEOUT,
         f,
     )
-}
-
-fn attached(lab: &mut Lab) {
-    support::attached(lab, SYNC_TIMEOUT)
 }
 
 /// `wait_synced` on every agent after a manifest change, then attachments.
@@ -203,49 +54,15 @@ fn synced(lab: &mut Lab) {
     support::synced_nodes(lab, SYNC_TIMEOUT)
 }
 
-/// A client namespace on `node`: the default client on node-1, else a new
-/// one named `client-<node>`. Returns its namespace.
+/// A client namespace on `node` (see [`support::client_on`]).
 fn client_on(lab: &mut Lab, node: &str) -> String {
-    if node == "node-1" {
-        return lab.client().netns.clone();
-    }
-    let name = format!("client-{node}");
-    if let Some(c) = lab.client_named(&name) {
-        return c.netns.clone();
-    }
-    let c = lab
-        .add_client_on(&name, node)
-        .unwrap_or_else(|e| panic!("add_client_on({name}, {node}): {e:#}"));
-    attached(lab);
-    c.netns
-}
-
-/// `lab.delete_pod` (waits for every agent's sync), then waits until the
-/// pod's host-side veth is gone from its node (see tests/lab.rs).
-fn delete_pod(lab: &mut Lab, name: &str) {
-    let (host_if, node_ns) = lab
-        .pod(name)
-        .map(|p| {
-            (
-                p.host_if.clone(),
-                lab.node_named(&p.node)
-                    .map(|n| n.netns.clone())
-                    .unwrap_or_default(),
-            )
-        })
-        .unwrap_or_default();
-    lab.delete_pod(name)
-        .unwrap_or_else(|e| panic!("delete_pod({name}): {e:#}"));
-    if host_if.is_empty() {
-        return;
-    }
-    wait_veth_gone(&node_ns, &host_if, name);
+    support::client_on(lab, node, SYNC_TIMEOUT).netns
 }
 
 /// Asserts that `n` connections from `ns` to `addr` all succeed and are
 /// answered by exactly the pods `expected`.
 fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    support::assert_answered_by(ns, addr, n, expected, what, true)
+    support::assert_answered_by(ns, addr, "TCP", n, expected, what)
 }
 
 // ================================================================ tests
@@ -257,9 +74,11 @@ fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str],
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn cross_node_cluster_ip_reaches_pod_on_other_node() {
-    let yaml = svc("web", Some("web"), 80, "TCP", None, None)
-        + &svc("webu", Some("web"), 80, "UDP", None, None)
-        + &pod("web-2", "web", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web").selector("web").port(Port::tcp("p", 80)),
+        &Svc::new("webu").selector("web").port(Port::udp("p", 80)),
+        &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
+    ]);
     with_lab("cross-node", 2, &[], &yaml, |lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
@@ -287,9 +106,14 @@ fn cross_node_cluster_ip_reaches_pod_on_other_node() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s31_internal_traffic_policy_local_pod_to_pod() {
-    let yaml = svc("web", Some("web"), 80, "TCP", Some("Local"), None)
-        + &pod("web-n1", "web", "node-1", 80, "TCP")
-        + &pod("web-n2", "web", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .selector("web")
+            .internal_traffic_policy("Local")
+            .port(Port::tcp("p", 80)),
+        &Pod::new("web-n1", "web").node("node-1").port(80, "TCP"),
+        &Pod::new("web-n2", "web").node("node-2").port(80, "TCP"),
+    ]);
     with_lab("s31", 3, &[], &yaml, |lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let c1 = client_on(lab, "node-1");
@@ -311,15 +135,28 @@ fn s31_internal_traffic_policy_local_pod_to_pod() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
-    let yaml = svc("web", None, 80, "TCP", Some("Local"), None)
-        + &pod("term-n1", "backend", "node-1", 80, "TCP")
-        + &pod("ready-n2", "backend", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .internal_traffic_policy("Local")
+            .port(Port::tcp("p", 80)),
+        &Pod::new("term-n1", "backend")
+            .node("node-1")
+            .port(80, "TCP"),
+        &Pod::new("ready-n2", "backend")
+            .node("node-2")
+            .port(80, "TCP"),
+    ]);
     with_lab("s36", 2, &[], &yaml, |lab| {
         let vip = frontend(lab, "web", 80, "TCP");
-        let term = Ep::of(lab, "term-n1").terminating();
+        let term = Ep::of(lab, "term-n1").terminating_serving();
         let ready = Ep::of(lab, "ready-n2");
-        lab.apply(&slice("web-1", "web", 80, "TCP", &[term.clone(), ready]))
-            .unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&[term.clone(), ready])
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         let c1 = client_on(lab, "node-1");
         let c2 = client_on(lab, "node-2");
@@ -338,8 +175,13 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
             "S36 client on node-2 (local ready)",
         );
 
-        lab.apply(&slice("web-1", "web", 80, "TCP", &[term]))
-            .unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&[term])
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         assert_answered_by(
             &c1,
@@ -358,193 +200,47 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
 }
 
 /// K1 across nodes — UDP flow keeps using a deleted endpoint: both endpoints
-/// on node-2, the client on node-1 sends from one socket every 100 ms.
-/// "Step 1: new datagrams reach B within about 1 s. Step 2: ... the client
-/// gets ICMP port-unreachable. Step 3: datagrams reach D within about 1 s"
-/// (D on node-3).
+/// on node-2, the client on node-1, D on node-3; see
+/// [`flows::k1_udp_flow_leaves_deleted_endpoint`].
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn k1_udp_flow_leaves_deleted_endpoint_on_other_node() {
-    let yaml = svc("statsd", Some("statsd"), 8125, "UDP", None, None)
-        + &pod("pod-a", "statsd", "node-2", 8125, "UDP")
-        + &pod("pod-b", "statsd", "node-2", 8125, "UDP");
+    let yaml = manifests(&[
+        &Svc::new("statsd")
+            .selector("statsd")
+            .port(Port::udp("p", 8125)),
+        &Pod::new("pod-a", "statsd").node("node-2").port(8125, "UDP"),
+        &Pod::new("pod-b", "statsd").node("node-2").port(8125, "UDP"),
+    ]);
     with_lab("k1-cross", 3, &[], &yaml, |lab| {
-        let ns = lab.client().netns.clone();
-        let vip = frontend(lab, "statsd", 8125, "UDP");
-        let probe = UdpProbe::start(
-            &ns,
-            vip,
-            40011,
-            Duration::from_millis(100),
-            Duration::from_secs(30),
-        );
-        let origin = Instant::now();
-        std::thread::sleep(Duration::from_millis(600));
-        let first = probe.snapshot();
-        let answered: Vec<&str> = first
-            .iter()
-            .filter_map(|s| s.result.as_deref().ok())
-            .collect();
-        println!("K1 before any change: {}", describe(&first, origin));
-        if answered.len() < 3 {
-            let shots = probe.finish();
-            panic!(
-                "K1: the flow to endpoints on node-2 was not answered before any change: {}",
-                describe(&shots, origin)
-            );
-        }
-        let x = answered[0].to_string();
-        assert!(
-            answered.iter().all(|a| *a == x),
-            "K1: one UDP flow was answered by different pods: {answered:?}"
-        );
-        let y = if x == "pod-a" { "pod-b" } else { "pod-a" }.to_string();
-
-        let t1 = Instant::now();
-        delete_pod(lab, &x);
-        std::thread::sleep(Duration::from_millis(1200).saturating_sub(t1.elapsed()));
-        let t2 = Instant::now();
-        delete_pod(lab, &y);
-        std::thread::sleep(Duration::from_millis(1500).saturating_sub(t2.elapsed()));
-        lab.apply(&pod("pod-d", "statsd", "node-3", 8125, "UDP"))
-            .unwrap();
-        let t3 = Instant::now();
-        std::thread::sleep(Duration::from_millis(1500));
-        let shots = probe.finish();
-        println!(
-            "K1 flow (ms from the first change): {}",
-            describe(&shots, t1)
-        );
-
-        let step1: Vec<&Shot> = shots
-            .iter()
-            .filter(|s| s.sent >= t1 && s.sent < t2)
-            .collect();
-        let Some(reach_y) = step1.iter().find(|s| s.result.as_deref() == Ok(y.as_str())) else {
-            panic!("K1 step 1: the flow never reached {y} after {x} was deleted")
-        };
-        let el1 = reach_y.sent - t1;
-        println!(
-            "K1 step 1: reached {y} {} ms after {x} was removed",
-            el1.as_millis()
-        );
-        assert!(
-            el1 < Duration::from_secs(1),
-            "K1 step 1: reached {y} only after {el1:?}"
-        );
-        assert!(
-            step1
-                .iter()
-                .filter(|s| s.sent >= reach_y.sent)
-                .all(|s| s.result.as_deref() == Ok(y.as_str())),
-            "K1 step 1: after reaching {y}, the flow did not stay there"
-        );
-
-        let step2: Vec<&Shot> = shots
-            .iter()
-            .filter(|s| s.sent >= t2 && s.sent < t3)
-            .collect();
-        let Some(refused) = step2
-            .iter()
-            .position(|s| s.result == Err(io::ErrorKind::ConnectionRefused))
-        else {
-            panic!("K1 step 2: with 0 endpoints the flow was never refused (ICMP)")
-        };
-        let el2 = step2[refused].sent - t2;
-        println!(
-            "K1 step 2: refused {} ms after the last pod was removed",
-            el2.as_millis()
-        );
-        assert!(
-            el2 < Duration::from_secs(1),
-            "K1 step 2: refused only after {el2:?}"
-        );
-        let bad: Vec<&&Shot> = step2[refused..]
-            .iter()
-            .filter(|s| s.result != Err(io::ErrorKind::ConnectionRefused))
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "K1 step 2: with 0 endpoints some datagrams were not refused: {bad:?}"
-        );
-
-        let Some(reach_d) = shots
-            .iter()
-            .filter(|s| s.sent >= t3)
-            .find(|s| s.result.as_deref() == Ok("pod-d"))
-        else {
-            panic!("K1 step 3: the flow never reached pod-d on node-3")
-        };
-        let el3 = reach_d.sent - t3;
-        println!(
-            "K1 step 3: reached pod-d {} ms after it was added",
-            el3.as_millis()
-        );
-        assert!(
-            el3 < Duration::from_secs(1),
-            "K1 step 3: reached pod-d only after {el3:?}"
+        flows::k1_udp_flow_leaves_deleted_endpoint(
+            lab,
+            &Placement {
+                what: "K1 across nodes",
+                bind_port: 40011,
+                new_pod_node: Some("node-3"),
+            },
         );
     });
 }
 
-/// K2 across nodes — UDP blackhole survives endpoints going 0→N: no
-/// endpoint, a client on node-1 sending from a fixed source port (refused);
-/// a ready pod appears on node-2: "the first datagram after the change is
-/// forwarded to A, within about 1 s".
+/// K2 across nodes — UDP blackhole survives endpoints going 0→N: a client on
+/// node-1, the pod appears on node-2; see [`flows::k2_udp_zero_to_one_endpoint`].
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn k2_udp_zero_to_one_endpoint_on_other_node() {
-    let yaml = svc("dns", Some("dns"), 53, "UDP", None, None);
+    let yaml = Svc::new("dns")
+        .selector("dns")
+        .port(Port::udp("p", 53))
+        .yaml();
     with_lab("k2-cross", 2, &[], &yaml, |lab| {
-        let ns = lab.client().netns.clone();
-        let vip = frontend(lab, "dns", 53, "UDP");
-        let probe = UdpProbe::start(
-            &ns,
-            vip,
-            40012,
-            Duration::from_millis(100),
-            Duration::from_secs(20),
-        );
-        std::thread::sleep(Duration::from_millis(500));
-        lab.apply(&pod("dns-1", "dns", "node-2", 53, "UDP"))
-            .unwrap();
-        let t = Instant::now();
-        std::thread::sleep(Duration::from_millis(2000));
-        let shots = probe.finish();
-        println!(
-            "K2 flow (ms from the pod's addition): {}",
-            describe(&shots, t)
-        );
-        let before: Vec<&Shot> = shots.iter().filter(|s| s.sent < t).collect();
-        assert!(before.len() >= 3, "K2: too few datagrams before the change");
-        assert!(
-            before
-                .iter()
-                .all(|s| s.result == Err(io::ErrorKind::ConnectionRefused)),
-            "K2: with 0 endpoints the datagrams were not all refused: {}",
-            describe(&shots, t)
-        );
-        let after: Vec<&Shot> = shots.iter().filter(|s| s.sent >= t).collect();
-        let Some(first) = after
-            .iter()
-            .position(|s| s.result.as_deref() == Ok("dns-1"))
-        else {
-            panic!("K2: the same source port never reached dns-1 on node-2 after it was added")
-        };
-        let el = after[first].sent - t;
-        println!(
-            "K2: first answer from dns-1 {} ms after the change",
-            el.as_millis()
-        );
-        assert!(
-            el < Duration::from_secs(1),
-            "K2: reached dns-1 only after {el:?}"
-        );
-        assert!(
-            after[first..]
-                .iter()
-                .all(|s| s.result.as_deref() == Ok("dns-1")),
-            "K2: after reaching dns-1 the flow did not stay there"
+        flows::k2_udp_zero_to_one_endpoint(
+            lab,
+            &Placement {
+                what: "K2 across nodes",
+                bind_port: 40012,
+                new_pod_node: Some("node-2"),
+            },
         );
     });
 }
@@ -556,15 +252,29 @@ fn k2_udp_zero_to_one_endpoint_on_other_node() {
 /// "Client A only reaches server A; client B only B; client C (no
 /// local-zone server) reaches both."
 fn zone_per_node(test: &str, distribution: &str) {
-    let yaml = svc("web", None, 80, "TCP", None, Some(distribution))
-        + &pod("server-a", "backend", "node-1", 80, "TCP")
-        + &pod("server-b", "backend", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .traffic_distribution(distribution)
+            .port(Port::tcp("p", 80)),
+        &Pod::new("server-a", "backend")
+            .node("node-1")
+            .port(80, "TCP"),
+        &Pod::new("server-b", "backend")
+            .node("node-2")
+            .port(80, "TCP"),
+    ]);
     with_lab(test, 3, &["zone-a", "zone-b", "zone-c"], &yaml, |lab| {
         let eps = [
             Ep::of(lab, "server-a").zone_hint(),
             Ep::of(lab, "server-b").zone_hint(),
         ];
-        lab.apply(&slice("web-1", "web", 80, "TCP", &eps)).unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&eps)
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in [
@@ -583,10 +293,14 @@ fn zone_per_node(test: &str, distribution: &str) {
 /// node-4 (zone-2). Clients on node-1, node-2 (zone-1), node-3 (zone-2) and
 /// node-5 (zone-3).
 fn zones_two_nodes(test: &str, distribution: &str, node_hints: bool, expect: &[(&str, &[&str])]) {
-    let yaml = svc("web", None, 80, "TCP", None, Some(distribution))
-        + &pod("s1a", "backend", "node-1", 80, "TCP")
-        + &pod("s1b", "backend", "node-2", 80, "TCP")
-        + &pod("s2", "backend", "node-4", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .traffic_distribution(distribution)
+            .port(Port::tcp("p", 80)),
+        &Pod::new("s1a", "backend").node("node-1").port(80, "TCP"),
+        &Pod::new("s1b", "backend").node("node-2").port(80, "TCP"),
+        &Pod::new("s2", "backend").node("node-4").port(80, "TCP"),
+    ]);
     let zones = ["zone-1", "zone-1", "zone-2", "zone-2", "zone-3", "zone-3"];
     with_lab(test, 6, &zones, &yaml, |lab| {
         let eps: Vec<Ep> = ["s1a", "s1b", "s2"]
@@ -600,7 +314,13 @@ fn zones_two_nodes(test: &str, distribution: &str, node_hints: bool, expect: &[(
                 }
             })
             .collect();
-        lab.apply(&slice("web-1", "web", 80, "TCP", &eps)).unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&eps)
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in expect {
@@ -692,23 +412,41 @@ fn t5_prefer_same_node_falls_back_to_zone() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
-    let yaml = svc("web", None, 80, "TCP", None, Some("PreferSameNode"))
-        + &pod("server-0", "backend", "node-1", 80, "TCP")
-        + &pod("server-1", "backend", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .traffic_distribution("PreferSameNode")
+            .port(Port::tcp("p", 80)),
+        &Pod::new("server-0", "backend")
+            .node("node-1")
+            .port(80, "TCP"),
+        &Pod::new("server-1", "backend")
+            .node("node-2")
+            .port(80, "TCP"),
+    ]);
     with_lab("T6", 2, &["zone-a", "zone-a"], &yaml, |lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let s0 = Ep::of(lab, "server-0").node_hint();
         let s1 = Ep::of(lab, "server-1").node_hint();
-        lab.apply(&slice("web-1", "web", 80, "TCP", &[s0, s1.clone()]))
-            .unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&[s0, s1.clone()])
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         let c1 = client_on(lab, "node-1");
         let c2 = client_on(lab, "node-2");
         assert_answered_by(&c1, vip, N, &["server-0"], "T6 client on node-1");
         assert_answered_by(&c2, vip, N, &["server-1"], "T6 client on node-2");
 
-        lab.apply(&slice("web-1", "web", 80, "TCP", std::slice::from_ref(&s1)))
-            .unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(std::slice::from_ref(&s1))
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         delete_pod(lab, "server-0");
         assert_answered_by(
@@ -726,12 +464,22 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
             "T6 server-0 gone, client on node-2",
         );
 
-        lab.apply(&pod("server-0b", "backend", "node-1", 80, "TCP"))
-            .unwrap();
+        lab.apply(
+            &Pod::new("server-0b", "backend")
+                .node("node-1")
+                .port(80, "TCP")
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         let s0b = Ep::of(lab, "server-0b").node_hint();
-        lab.apply(&slice("web-1", "web", 80, "TCP", &[s0b, s1]))
-            .unwrap();
+        lab.apply(
+            &Slice::new("web-1", "web")
+                .port("p", 80, "TCP")
+                .endpoints(&[s0b, s1])
+                .yaml(),
+        )
+        .unwrap();
         synced(lab);
         assert_answered_by(
             &c1,
@@ -757,8 +505,13 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn p2_itp_local_cluster_ip_dropped_without_local_endpoint() {
-    let yaml = svc("web", Some("web"), 80, "TCP", Some("Local"), None)
-        + &pod("web-n2", "web", "node-2", 80, "TCP");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .selector("web")
+            .internal_traffic_policy("Local")
+            .port(Port::tcp("p", 80)),
+        &Pod::new("web-n2", "web").node("node-2").port(80, "TCP"),
+    ]);
     with_lab("p2", 2, &[], &yaml, |lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let c1 = client_on(lab, "node-1");
@@ -774,10 +527,12 @@ fn p2_itp_local_cluster_ip_dropped_without_local_endpoint() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn lab_multinode_layout_and_self_check() {
-    let yaml = pod("rr-1", "x", "", 80, "TCP")
-        + &pod("rr-2", "x", "", 80, "TCP")
-        + &pod("rr-3", "x", "", 80, "TCP")
-        + &pod("pinned", "x", "node-3", 80, "TCP");
+    let yaml = manifests(&[
+        &Pod::new("rr-1", "x").port(80, "TCP"),
+        &Pod::new("rr-2", "x").port(80, "TCP"),
+        &Pod::new("rr-3", "x").port(80, "TCP"),
+        &Pod::new("pinned", "x").node("node-3").port(80, "TCP"),
+    ]);
     with_lab(
         "self-check",
         3,

@@ -1,15 +1,16 @@
 //! North-south lab tests: NodePorts, load-balancer IPs, externalIPs,
 //! externalTrafficPolicy, health-check node ports and loadBalancerSourceRanges,
 //! from the external client on the nodes' switch (198.18.0.100) and from pods.
-//! Each test is named after rows of /work/shared/conformance
-//! (service-behaviours.md, field-bugs.md) and builds its own multi-node lab,
-//! torn down at the end, also on failure.
+//! Each test is named after rows of `../shared/conformance/` (from the
+//! repository root, as in the README: service-behaviours.md, field-bugs.md)
+//! and builds its own multi-node lab, torn down at the end, also on failure.
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_northsouth -- --include-ignored --test-threads=2`.
 //!
-//! Only tc is tested: the datapath has no XDP program yet (no
-//! `--acceleration` option), so every test runs in the one mode there is.
+//! Every test runs twice, each time in a fresh lab: with the agent's
+//! `--acceleration none` (tc programs only) and `--acceleration xdp` (also
+//! the `ext_xdp` program on the nodes' `eth0`); see [`with_lab`].
 //!
 //! Addresses: load-balancer IPs 198.19.100.x, externalIPs 198.19.200.x. The
 //! lab gives the external client routes to the pod CIDRs only; the tests add
@@ -23,6 +24,10 @@
 //! On failure every node's agent log tail and `proxy-agent inspect
 //! services|stats|conntrack` of every node are printed before the lab is torn
 //! down; `KPR_LAB_DIAG=1` prints them after every test.
+//!
+//! The file is long (15 scenarios and their north-south-only helpers: NodePort
+//! lookup, routes from the external client, HTTP health checks); what other
+//! lab tests share lives in `support/`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
@@ -35,10 +40,10 @@ use xtask::netns::in_netns;
 use xtask::Lab;
 
 mod support;
+use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 // `T` (2 s) is also how long a drop takes to show.
 use support::{
-    assert_tcp_dropped, count_answers, diagnostics_nodes, frontend as cluster_ip, inspect, run_lab,
-    T,
+    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, inspect, T,
 };
 
 /// How long the agents may take to come up, or to sync a change.
@@ -48,154 +53,32 @@ const N: usize = 30;
 
 // ---------------------------------------------------------------- manifests
 
-/// A Pod on `node` labelled `app: <app>`, its server listening on `port`
-/// (the lab server answers TCP and UDP on every declared port).
-fn pod(name: &str, app: &str, node: &str, port: u16) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  nodeName: {node}\n  containers:\n  - name: c\n    image: lab-server\n    ports:\n    - containerPort: {port}\n      protocol: TCP\n"
-    )
+/// A Service `name` of type `type_`, `sessionAffinity: None` written out
+/// (set ClientIP with [`Svc::client_ip_affinity`]).
+fn svc(name: &str, type_: &str) -> Svc {
+    Svc::new(name).service_type(type_).no_affinity()
 }
 
-/// One port of a [`Svc`]: name, port (= targetPort), protocol, nodePort.
-#[derive(Clone, Debug)]
-struct P {
-    name: &'static str,
-    port: u16,
-    proto: &'static str,
-    node_port: Option<u16>,
+/// Port `tcp` `port`/TCP (targetPort `port`).
+fn tcp(port: u16) -> Port {
+    Port::tcp("tcp", port)
 }
 
-fn tcp(port: u16) -> P {
-    P {
-        name: "tcp",
-        port,
-        proto: "TCP",
-        node_port: None,
-    }
+/// Port `udp` `port`/UDP (targetPort `port`).
+fn udp(port: u16) -> Port {
+    Port::udp("udp", port)
 }
 
-fn udp(port: u16) -> P {
-    P {
-        name: "udp",
-        port,
-        proto: "UDP",
-        node_port: None,
-    }
-}
-
-impl P {
-    fn node_port(mut self, np: u16) -> P {
-        self.node_port = Some(np);
-        self
-    }
-}
-
-/// A Service, rendered to YAML by [`Svc::yaml`].
-#[derive(Clone, Debug)]
-struct Svc {
-    name: String,
-    type_: &'static str,
-    /// `app` label selected; None: selector-less (a test writes the slice).
-    selector: Option<String>,
-    ports: Vec<P>,
-    etp: Option<&'static str>,
-    hcnp: Option<u16>,
-    lb_ips: Vec<Ipv4Addr>,
-    external_ips: Vec<Ipv4Addr>,
-    source_ranges: Vec<String>,
-    /// ClientIP affinity with this timeout.
-    affinity: Option<u32>,
-}
-
-impl Svc {
-    fn new(name: &str, type_: &'static str, selector: Option<&str>, ports: Vec<P>) -> Svc {
-        Svc {
-            name: name.to_string(),
-            type_,
-            selector: selector.map(str::to_string),
-            ports,
-            etp: None,
-            hcnp: None,
-            lb_ips: Vec::new(),
-            external_ips: Vec::new(),
-            source_ranges: Vec::new(),
-            affinity: None,
-        }
-    }
-
-    fn yaml(&self) -> String {
-        let mut y = format!(
-            "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {}\nspec:\n  type: {}\n",
-            self.name, self.type_
-        );
-        if let Some(app) = &self.selector {
-            y.push_str(&format!("  selector:\n    app: {app}\n"));
-        }
-        if let Some(p) = self.etp {
-            y.push_str(&format!("  externalTrafficPolicy: {p}\n"));
-        }
-        if let Some(h) = self.hcnp {
-            y.push_str(&format!("  healthCheckNodePort: {h}\n"));
-        }
-        if !self.external_ips.is_empty() {
-            let v: Vec<String> = self
-                .external_ips
-                .iter()
-                .map(|a| format!("\"{a}\""))
-                .collect();
-            y.push_str(&format!("  externalIPs: [{}]\n", v.join(", ")));
-        }
-        if !self.source_ranges.is_empty() {
-            let v: Vec<String> = self
-                .source_ranges
-                .iter()
-                .map(|a| format!("\"{a}\""))
-                .collect();
-            y.push_str(&format!("  loadBalancerSourceRanges: [{}]\n", v.join(", ")));
-        }
-        match self.affinity {
-            Some(t) => y.push_str(&format!(
-                "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
-            )),
-            None => y.push_str("  sessionAffinity: None\n"),
-        }
-        y.push_str("  ports:\n");
-        for p in &self.ports {
-            y.push_str(&format!(
-                "  - name: {}\n    port: {}\n    targetPort: {}\n    protocol: {}\n",
-                p.name, p.port, p.port, p.proto
-            ));
-            if let Some(np) = p.node_port {
-                y.push_str(&format!("    nodePort: {np}\n"));
-            }
-        }
-        if !self.lb_ips.is_empty() {
-            y.push_str("status:\n  loadBalancer:\n    ingress:\n");
-            for ip in &self.lb_ips {
-                y.push_str(&format!("    - ip: \"{ip}\"\n      ipMode: VIP\n"));
-            }
-        }
-        y
-    }
-}
-
-/// An endpoint of a slice written by a test: pod name, ready, terminating.
+/// The EndpointSlice `name` of `service` with port `tcp` `port`/TCP and
+/// endpoints `(pod, ready, terminating)` at the pods' IPs, on their nodes;
+/// serving = ready || terminating.
 fn slice(lab: &Lab, name: &str, service: &str, port: u16, eps: &[(&str, bool, bool)]) -> String {
-    let mut y = format!(
-        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: tcp\n  port: {port}\n  protocol: TCP\nendpoints:\n"
-    );
-    if eps.is_empty() {
-        y = y.replace("endpoints:\n", "endpoints: []\n");
-    }
-    for (pod, ready, terminating) in eps {
-        let p = lab.pod(pod).unwrap_or_else(|| panic!("no pod {pod}"));
-        let serving = *ready || *terminating;
-        y.push_str(&format!(
-            "- addresses: [\"{}\"]\n  conditions: {{ready: {ready}, serving: {serving}, terminating: {terminating}}}\n  nodeName: {}\n",
-            p.ip, p.node
-        ));
-    }
-    y
+    let slice = Slice::new(name, service).port("tcp", port, "TCP");
+    eps.iter()
+        .fold(slice, |s, &(pod, ready, terminating)| {
+            s.endpoint(Ep::of(lab, pod).cond(ready, ready || terminating, terminating))
+        })
+        .yaml()
 }
 
 // ---------------------------------------------------------------- lab runner
@@ -230,27 +113,17 @@ fn with_lab(test: &str, nodes: usize, yaml: &str, f: impl Fn(&mut Lab)) {
 }
 
 fn with_lab_mode(test: &str, mode: &str, nodes: usize, yaml: &str, f: &impl Fn(&mut Lab)) {
-    run_lab(
+    support::with_nodes(
         test,
         Lab::builder()
-            .nodes(nodes)
             .external(true)
             .manifests_yaml(yaml)
             .agent_arg("--acceleration")
             .agent_arg(mode),
-        &format!(" with {nodes} nodes"),
-        |lab| {
-            lab.wait_ready(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
-            attached(lab);
-        },
-        diagnostics_nodes,
+        nodes,
+        SYNC_TIMEOUT,
         f,
     )
-}
-
-fn attached(lab: &mut Lab) {
-    support::attached(lab, SYNC_TIMEOUT)
 }
 
 /// `apply`, then every agent's sync, then attachments.
@@ -271,20 +144,10 @@ fn ext(lab: &Lab) -> String {
         .clone()
 }
 
-/// A client pod namespace on `node`: the default client on node-1, else a
-/// new one named `client-<node>`. Returns (namespace, address).
+/// A client pod namespace on `node` (see [`support::client_on`]): its
+/// namespace and address.
 fn client_on(lab: &mut Lab, node: &str) -> (String, Ipv4Addr) {
-    if node == "node-1" {
-        return (lab.client().netns.clone(), lab.client().ip);
-    }
-    let name = format!("client-{node}");
-    if let Some(c) = lab.client_named(&name) {
-        return (c.netns.clone(), c.ip);
-    }
-    let c = lab
-        .add_client_on(&name, node)
-        .unwrap_or_else(|e| panic!("add_client_on({name}, {node}): {e:#}"));
-    attached(lab);
+    let c = support::client_on(lab, node, SYNC_TIMEOUT);
     (c.netns, c.ip)
 }
 
@@ -352,49 +215,6 @@ fn tcp_answers(
     n: usize,
 ) -> (BTreeMap<String, usize>, Vec<String>) {
     count_answers(ns, (0..n).map(|_| Request::tcp(addr, req, T)).collect())
-}
-
-/// As [`tcp_answers`] over UDP (a new socket, so a new flow, per datagram).
-fn udp_answers(
-    ns: &str,
-    addr: SocketAddrV4,
-    req: &[u8],
-    n: usize,
-) -> (BTreeMap<String, usize>, Vec<String>) {
-    count_answers(ns, (0..n).map(|_| Request::udp(addr, req, T)).collect())
-}
-
-/// Asserts that `n` requests (TCP or UDP) from `ns` to `addr` all succeed and
-/// are answered by exactly the pods `expected`.
-fn assert_answered_by(
-    ns: &str,
-    addr: SocketAddrV4,
-    proto: &str,
-    n: usize,
-    expected: &[&str],
-    what: &str,
-) {
-    let (counts, errors) = if proto == "UDP" {
-        udp_answers(ns, addr, b"hostname\n", n)
-    } else {
-        tcp_answers(ns, addr, b"hostname\n", n)
-    };
-    println!(
-        "{what}: {n} {proto} requests to {addr}: {counts:?}, {} errors",
-        errors.len()
-    );
-    assert!(
-        errors.is_empty(),
-        "{what}: {} of {n} {proto} requests to {addr} failed: {:?} (answers: {counts:?})",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
-    let want: BTreeSet<&str> = expected.iter().copied().collect();
-    assert_eq!(
-        seen, want,
-        "{what}: pods answering {proto} {addr} (counts {counts:?})"
-    );
 }
 
 /// One `clientip` request over TCP: (pod answering via hostname is not
@@ -611,12 +431,11 @@ fn listens_on(ss: &str, port: u16) -> bool {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s10_nodeport_reachable_from_external_on_every_node() {
-    let yaml = [
-        pod("web-1", "web", "node-1", 80),
-        pod("web-2", "web", "node-2", 80),
-        Svc::new("web", "NodePort", Some("web"), vec![tcp(80)]).yaml(),
-    ]
-    .concat();
+    let yaml = manifests(&[
+        &Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
+        &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
+        &svc("web", "NodePort").selector("web").ports([tcp(80)]),
+    ]);
     with_lab("s10", 3, &yaml, |lab| {
         let x = ext(lab);
         for node in ["node-1", "node-2", "node-3"] {
@@ -654,14 +473,15 @@ fn s10_nodeport_reachable_from_external_on_every_node() {
 #[ignore = "needs root: run with cargo xtask test"]
 fn s11_external_ip_not_owned_by_any_interface() {
     let eip = Ipv4Addr::new(198, 19, 200, 1);
-    let mut s = Svc::new("web", "ClusterIP", Some("web"), vec![tcp(80), udp(80)]);
-    s.external_ips = vec![eip];
-    let yaml = [
-        pod("web-1", "web", "node-1", 80),
-        pod("web-2", "web", "node-2", 80),
-        s.yaml(),
-    ]
-    .concat();
+    let s = svc("web", "ClusterIP")
+        .selector("web")
+        .ports([tcp(80), udp(80)])
+        .external_ips(&[eip]);
+    let yaml = manifests(&[
+        &Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
+        &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("s11", 2, &yaml, |lab| {
         for n in lab.nodes() {
             let out = Command::new("ip")
@@ -728,13 +548,13 @@ fn s11_external_ip_not_owned_by_any_interface() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
-    let both = Svc::new(
-        "dual",
-        "NodePort",
-        Some("dual"),
-        vec![tcp(80).node_port(30080), udp(80).node_port(30080)],
-    );
-    let yaml = [pod("dual-1", "dual", "node-2", 80), both.yaml()].concat();
+    let both = svc("dual", "NodePort")
+        .selector("dual")
+        .ports([tcp(80).node_port(30080), udp(80).node_port(30080)]);
+    let yaml = manifests(&[
+        &Pod::new("dual-1", "dual").node("node-2").port(80, "TCP"),
+        &both,
+    ]);
     with_lab("s12_s39", 2, &yaml, |lab| {
         let x = ext(lab);
         let (c, _) = client_on(lab, "node-1");
@@ -775,12 +595,9 @@ fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
             );
         }
         // TCP only: UDP stops on the NodePort and the ClusterIP.
-        let tcp_only = Svc::new(
-            "dual",
-            "NodePort",
-            Some("dual"),
-            vec![tcp(80).node_port(30080)],
-        );
+        let tcp_only = svc("dual", "NodePort")
+            .selector("dual")
+            .ports([tcp(80).node_port(30080)]);
         let cip = lab.service_ip("dual").unwrap();
         let t = Instant::now();
         apply(lab, &tcp_only.yaml());
@@ -810,12 +627,9 @@ fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
             "S39 TCP only: UDP ClusterIP still answered: {r:?}"
         );
         // UDP only.
-        let udp_only = Svc::new(
-            "dual",
-            "NodePort",
-            Some("dual"),
-            vec![udp(80).node_port(30080)],
-        );
+        let udp_only = svc("dual", "NodePort")
+            .selector("dual")
+            .ports([udp(80).node_port(30080)]);
         apply(lab, &udp_only.yaml());
         assert_answered_by(
             &x,
@@ -843,13 +657,10 @@ fn s12_s39_tcp_and_udp_on_same_nodeport_number() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s17_no_listener_on_node_port() {
-    let s = Svc::new(
-        "web",
-        "NodePort",
-        Some("web"),
-        vec![tcp(80).node_port(30017), udp(80).node_port(30017)],
-    );
-    let yaml = [pod("web-1", "web", "node-2", 80), s.yaml()].concat();
+    let s = svc("web", "NodePort")
+        .selector("web")
+        .ports([tcp(80).node_port(30017), udp(80).node_port(30017)]);
+    let yaml = manifests(&[&Pod::new("web-1", "web").node("node-2").port(80, "TCP"), &s]);
     with_lab("s17", 2, &yaml, |lab| {
         let x = ext(lab);
         let np = SocketAddrV4::new(node_ip(lab, "node-1"), 30017);
@@ -885,15 +696,16 @@ fn s17_no_listener_on_node_port() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s24_s25_s26_client_ip_affinity_through_nodeport() {
-    let mut s = Svc::new("aff", "NodePort", Some("aff"), vec![tcp(80)]);
-    s.affinity = Some(10_800);
-    let pods = [
-        pod("aff-1", "aff", "node-1", 80),
-        pod("aff-2", "aff", "node-2", 80),
-        pod("aff-3", "aff", "node-3", 80),
-    ]
-    .concat();
-    let yaml = [pods.clone(), s.yaml()].concat();
+    let s = svc("aff", "NodePort")
+        .selector("aff")
+        .ports([tcp(80)])
+        .client_ip_affinity(Some(10_800));
+    let yaml = manifests(&[
+        &Pod::new("aff-1", "aff").node("node-1").port(80, "TCP"),
+        &Pod::new("aff-2", "aff").node("node-2").port(80, "TCP"),
+        &Pod::new("aff-3", "aff").node("node-3").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("s24_s26", 3, &yaml, |lab| {
         let x = ext(lab);
         // S24.
@@ -913,8 +725,7 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         }
         let np = node_port(lab, "aff", 80, "TCP", "node-1");
         // S26: None spreads.
-        let mut none = s.clone();
-        none.affinity = None;
+        let none = s.clone().no_affinity();
         apply(lab, &none.yaml());
         let (counts, errors) = tcp_answers(&x, np, b"hostname\n", N);
         println!("S26 None: {counts:?}, {} errors", errors.len());
@@ -936,8 +747,7 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
         // S25: timeout 2 s. Within the timeout: sticky; after idle periods
         // longer than it: chosen again (3 pods: 8 draws all equal has
         // probability 3^-7).
-        let mut short = s.clone();
-        short.affinity = Some(2);
+        let short = s.clone().client_ip_affinity(Some(2));
         apply(lab, &short.yaml());
         let (counts, _) = tcp_answers(&x, np, b"hostname\n", 10);
         println!("S25 within the timeout: {counts:?}");
@@ -974,16 +784,16 @@ fn s24_s25_s26_client_ip_affinity_through_nodeport() {
 fn s34_e3_health_check_node_port() {
     const HCNP: u16 = 32000;
     let lb = Ipv4Addr::new(198, 19, 100, 34);
-    let mut s = Svc::new("lb", "LoadBalancer", None, vec![tcp(80)]);
-    s.etp = Some("Local");
-    s.hcnp = Some(HCNP);
-    s.lb_ips = vec![lb];
-    let yaml = [
-        pod("lb-1", "x", "node-1", 80),
-        pod("lb-2", "x", "node-2", 80),
-        s.yaml(),
-    ]
-    .concat();
+    let s = svc("lb", "LoadBalancer")
+        .ports([tcp(80)])
+        .external_traffic_policy("Local")
+        .health_check_node_port(HCNP)
+        .lb_ips(&[lb]);
+    let yaml = manifests(&[
+        &Pod::new("lb-1", "x").node("node-1").port(80, "TCP"),
+        &Pod::new("lb-2", "x").node("node-2").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("s34_e3", 3, &yaml, |lab| {
         // Slice: lb-1 ready on node-1.
         apply(lab, &slice(lab, "lb-a", "lb", 80, &[("lb-1", true, false)]));
@@ -1061,8 +871,8 @@ fn s34_e3_health_check_node_port() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s37_terminating_fallback_through_nodeport_etp_cluster() {
-    let s = Svc::new("term", "NodePort", None, vec![tcp(80)]);
-    let yaml = [pod("term-1", "x", "node-1", 80), s.yaml()].concat();
+    let s = svc("term", "NodePort").ports([tcp(80)]);
+    let yaml = manifests(&[&Pod::new("term-1", "x").node("node-1").port(80, "TCP"), &s]);
     with_lab("s37", 2, &yaml, |lab| {
         apply(
             lab,
@@ -1109,9 +919,10 @@ fn s37_terminating_fallback_through_nodeport_etp_cluster() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s38_terminating_fallback_through_nodeport_etp_local() {
-    let mut s = Svc::new("term", "NodePort", None, vec![tcp(80)]);
-    s.etp = Some("Local");
-    let yaml = [pod("term-1", "x", "node-1", 80), s.yaml()].concat();
+    let s = svc("term", "NodePort")
+        .ports([tcp(80)])
+        .external_traffic_policy("Local");
+    let yaml = manifests(&[&Pod::new("term-1", "x").node("node-1").port(80, "TCP"), &s]);
     with_lab("s38", 2, &yaml, |lab| {
         apply(
             lab,
@@ -1155,14 +966,20 @@ fn s38_terminating_fallback_through_nodeport_etp_local() {
 fn s42_e4_etp_local_from_inside_short_circuits() {
     const HCNP: u16 = 32042;
     let lb = Ipv4Addr::new(198, 19, 100, 42);
-    let mut local = Svc::new("esipp", "LoadBalancer", Some("esipp"), vec![tcp(80)]);
-    local.etp = Some("Local");
-    local.hcnp = Some(HCNP);
-    local.lb_ips = vec![lb];
-    let mut cluster = local.clone();
-    cluster.etp = Some("Cluster");
-    cluster.hcnp = None;
-    let yaml = [pod("esipp-1", "esipp", "node-1", 80), local.yaml()].concat();
+    let local = svc("esipp", "LoadBalancer")
+        .selector("esipp")
+        .ports([tcp(80)])
+        .external_traffic_policy("Local")
+        .health_check_node_port(HCNP)
+        .lb_ips(&[lb]);
+    let cluster = local
+        .clone()
+        .external_traffic_policy("Cluster")
+        .no_health_check_node_port();
+    let yaml = manifests(&[
+        &Pod::new("esipp-1", "esipp").node("node-1").port(80, "TCP"),
+        &local,
+    ]);
     with_lab("s42_e4", 3, &yaml, |lab| {
         let (c, cip) = client_on(lab, "node-2");
         let x = ext(lab);
@@ -1253,9 +1070,11 @@ fn s42_e4_etp_local_from_inside_short_circuits() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn e2_source_ip_local_preserved_cluster_snat() {
-    let mut s = Svc::new("src", "NodePort", Some("src"), vec![tcp(80)]);
-    s.etp = Some("Local");
-    let yaml = [pod("src-1", "src", "node-2", 80), s.yaml()].concat();
+    let s = svc("src", "NodePort")
+        .selector("src")
+        .ports([tcp(80)])
+        .external_traffic_policy("Local");
+    let yaml = manifests(&[&Pod::new("src-1", "src").node("node-2").port(80, "TCP"), &s]);
     with_lab("e2", 2, &yaml, |lab| {
         let x = ext(lab);
         let ext_ip = lab.external().unwrap().ip;
@@ -1263,8 +1082,7 @@ fn e2_source_ip_local_preserved_cluster_snat() {
         let seen = client_ip_seen(&x, np2).expect("E2 Local: external → node-2");
         println!("E2 Local: external {ext_ip} → node-2 {np2}: backend saw {seen}");
         assert_eq!(seen, ext_ip, "E2 Local: source not preserved");
-        let mut c = s.clone();
-        c.etp = Some("Cluster");
+        let c = s.clone().external_traffic_policy("Cluster");
         apply(lab, &c.yaml());
         let np1 = node_port(lab, "src", 80, "TCP", "node-1");
         let before = stat(lab, "node-1", "snat_node");
@@ -1290,8 +1108,11 @@ fn e2_source_ip_local_preserved_cluster_snat() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
-    let s = Svc::new("cyc", "NodePort", Some("cyc"), vec![udp(80)]);
-    let yaml = [pod("backend1", "cyc", "node-2", 80), s.yaml()].concat();
+    let s = svc("cyc", "NodePort").selector("cyc").ports([udp(80)]);
+    let yaml = manifests(&[
+        &Pod::new("backend1", "cyc").node("node-2").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("c1", 2, &yaml, |lab| {
         let x = ext(lab);
         let np = node_port(lab, "cyc", 80, "UDP", "node-2");
@@ -1307,7 +1128,13 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
                 "C1: before the cycle: {r:?}"
             );
         }
-        apply(lab, &pod("backend2", "cyc", "node-2", 80));
+        apply(
+            lab,
+            &Pod::new("backend2", "cyc")
+                .node("node-2")
+                .port(80, "TCP")
+                .yaml(),
+        );
         let r = ask();
         println!("C1 with backend2 added: {r:?}");
         assert_eq!(
@@ -1362,14 +1189,15 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn n2_n3_pod_to_node_ip_node_port() {
-    let s = Svc::new("net", "NodePort", Some("net"), vec![tcp(80), udp(80)]);
-    let yaml = [
-        pod("net-1", "net", "node-1", 80),
-        pod("net-2", "net", "node-2", 80),
-        pod("net-3", "net", "node-3", 80),
-        s.yaml(),
-    ]
-    .concat();
+    let s = svc("net", "NodePort")
+        .selector("net")
+        .ports([tcp(80), udp(80)]);
+    let yaml = manifests(&[
+        &Pod::new("net-1", "net").node("node-1").port(80, "TCP"),
+        &Pod::new("net-2", "net").node("node-2").port(80, "TCP"),
+        &Pod::new("net-3", "net").node("node-3").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("n2_n3", 3, &yaml, |lab| {
         let (c, _) = client_on(lab, "node-1");
         let all = ["net-1", "net-2", "net-3"];
@@ -1419,13 +1247,14 @@ fn n2_n3_pod_to_node_ip_node_port() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn n14_n16_nodeport_stops_answering_after_delete() {
-    let s = Svc::new("gone", "NodePort", Some("gone"), vec![tcp(80), udp(80)]);
-    let yaml = [
-        pod("gone-1", "gone", "node-1", 80),
-        pod("gone-2", "gone", "node-2", 80),
-        s.yaml(),
-    ]
-    .concat();
+    let s = svc("gone", "NodePort")
+        .selector("gone")
+        .ports([tcp(80), udp(80)]);
+    let yaml = manifests(&[
+        &Pod::new("gone-1", "gone").node("node-1").port(80, "TCP"),
+        &Pod::new("gone-2", "gone").node("node-2").port(80, "TCP"),
+        &s,
+    ]);
     with_lab("n14_n16", 2, &yaml, |lab| {
         let x = ext(lab);
         let mut addrs = Vec::new();
@@ -1460,8 +1289,10 @@ fn n14_n16_nodeport_stops_answering_after_delete() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn k4_external_nodeport_no_endpoints_refused_etp_local_dropped() {
-    let s = Svc::new("empty", "NodePort", Some("nobody"), vec![tcp(80), udp(80)]);
-    let yaml = [pod("k4-1", "k4", "node-1", 80), s.yaml()].concat();
+    let s = svc("empty", "NodePort")
+        .selector("nobody")
+        .ports([tcp(80), udp(80)]);
+    let yaml = manifests(&[&Pod::new("k4-1", "k4").node("node-1").port(80, "TCP"), &s]);
     with_lab("k4", 2, &yaml, |lab| {
         let x = ext(lab);
         let before = stat(lab, "node-2", "reject_no_backend");
@@ -1483,8 +1314,10 @@ fn k4_external_nodeport_no_endpoints_refused_etp_local_dropped() {
             after > before,
             "K4: refusals not counted by the datapath on node-2 ({before} → {after})"
         );
-        let mut local = Svc::new("empty", "NodePort", Some("k4"), vec![tcp(80), udp(80)]);
-        local.etp = Some("Local");
+        let local = svc("empty", "NodePort")
+            .selector("k4")
+            .ports([tcp(80), udp(80)])
+            .external_traffic_policy("Local");
         apply(lab, &local.yaml());
         let np1 = node_port(lab, "empty", 80, "TCP", "node-1");
         let np2 = node_port(lab, "empty", 80, "TCP", "node-2");
@@ -1528,15 +1361,20 @@ fn k4_external_nodeport_no_endpoints_refused_etp_local_dropped() {
 #[ignore = "needs root: run with cargo xtask test"]
 fn lb_source_ranges_inside_allowed_outside_dropped() {
     let lb = Ipv4Addr::new(198, 19, 100, 50);
-    let mut s = Svc::new("ranged", "LoadBalancer", Some("ranged"), vec![tcp(80)]);
-    s.lb_ips = vec![lb];
-    s.source_ranges = vec!["198.18.0.100/32".into(), "198.18.7.0/24".into()];
-    let yaml = [
-        pod("ranged-1", "ranged", "node-1", 80),
-        pod("ranged-2", "ranged", "node-2", 80),
-        s.yaml(),
-    ]
-    .concat();
+    let s = svc("ranged", "LoadBalancer")
+        .selector("ranged")
+        .ports([tcp(80)])
+        .lb_ips(&[lb])
+        .source_ranges(&["198.18.0.100/32", "198.18.7.0/24"]);
+    let yaml = manifests(&[
+        &Pod::new("ranged-1", "ranged")
+            .node("node-1")
+            .port(80, "TCP"),
+        &Pod::new("ranged-2", "ranged")
+            .node("node-2")
+            .port(80, "TCP"),
+        &s,
+    ]);
     with_lab("source_ranges", 2, &yaml, |lab| {
         ext_route(lab, lb, "node-1");
         let x = ext(lab);
@@ -1549,8 +1387,7 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
             &["ranged-1", "ranged-2"],
             "source ranges: inside (198.18.0.100/32)",
         );
-        let mut outside = s.clone();
-        outside.source_ranges = vec!["198.18.7.0/24".into()];
+        let outside = s.clone().source_ranges(&["198.18.7.0/24"]);
         apply(lab, &outside.yaml());
         let before = stat(lab, "node-1", "drop_source_range");
         assert_tcp_dropped(&x, vip, 3, "source ranges: outside (198.18.7.0/24 only)");

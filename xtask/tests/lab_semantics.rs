@@ -2,8 +2,9 @@
 //! terminating endpoints, publishNotReadyAddresses, internalTrafficPolicy and
 //! two VIPs sharing a backend. Real sockets between the lab's network
 //! namespaces, through the agent's datapath. Each test is named after the
-//! row(s) of /work/shared/conformance (service-behaviours.md, field-bugs.md)
-//! it shows, builds its own lab and lets it drop at the end (also on panic).
+//! row(s) of `../shared/conformance/` (from the repository root, as in the
+//! README: service-behaviours.md, field-bugs.md) it shows, builds its own lab
+//! and lets it drop at the end (also on panic).
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_semantics -- --include-ignored --test-threads=2`.
@@ -17,117 +18,34 @@
 //! services|stats|conntrack` are printed before the lab is torn down;
 //! `KPR_LAB_DIAG=1` prints them after every test.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::io;
+use std::net::{SocketAddrV4, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use xtask::client::{self, reply_text, Request};
+use xtask::client::{self, reply_text};
 use xtask::netns::in_netns;
 use xtask::Lab;
 
 mod support;
 // `T` (2 s): also the timeout of a stream's connect, and of each read and write.
-use support::{agent_bin, assert_tcp_refused, pod, tcp_hostname, T};
+use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Slice, Svc};
+use support::{
+    agent_bin, all_answered, assert_answered_by, assert_tcp_refused, tcp_hostname, Stream, T,
+};
 
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 
 // ---------------------------------------------------------------- manifests
 
-/// A Service `name` with ports `tcp` (80/TCP) and `udp` (80/UDP), both to
-/// targetPort 80. `selector`: `app: <selector>`, or none (the test writes the
-/// EndpointSlices). `extra`: more `spec` lines, indented by two spaces.
-fn svc(name: &str, selector: Option<&str>, extra: &str) -> String {
-    let mut y = format!("---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n");
-    if let Some(app) = selector {
-        y.push_str(&format!("  selector:\n    app: {app}\n"));
-    }
-    y.push_str(extra);
-    y.push_str(
-        "  ports:\n  - name: tcp\n    port: 80\n    targetPort: 80\n    protocol: TCP\n  - name: udp\n    port: 80\n    targetPort: 80\n    protocol: UDP\n",
-    );
-    y
-}
-
-/// `sessionAffinity: ClientIP` spec lines, with `timeoutSeconds` if given.
-fn client_ip_affinity(timeout: Option<u32>) -> String {
-    let mut y = String::from("  sessionAffinity: ClientIP\n");
-    if let Some(t) = timeout {
-        y.push_str(&format!(
-            "  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
-        ));
-    }
-    y
-}
-
-/// One endpoint of an EndpointSlice written by a test.
-#[derive(Clone, Debug)]
-struct Ep {
-    ip: Ipv4Addr,
-    node: String,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-}
-
-impl Ep {
-    /// A ready endpoint at pod `name`'s IP, on its node.
-    fn of(lab: &Lab, name: &str) -> Ep {
-        let p = lab
-            .pod(name)
-            .unwrap_or_else(|| panic!("no pod {name} in the lab"));
-        Ep {
-            ip: p.ip,
-            node: p.node.clone(),
-            ready: true,
-            serving: true,
-            terminating: false,
-        }
-    }
-
-    fn cond(mut self, ready: bool, serving: bool, terminating: bool) -> Ep {
-        self.ready = ready;
-        self.serving = serving;
-        self.terminating = terminating;
-        self
-    }
-
-    /// ready=false serving=true terminating=true (deleted, still serving).
-    fn terminating_serving(self) -> Ep {
-        self.cond(false, true, true)
-    }
-
-    /// ready=false serving=false terminating=true.
-    fn terminating_not_serving(self) -> Ep {
-        self.cond(false, false, true)
-    }
-
-    fn on_node(mut self, node: &str) -> Ep {
-        self.node = node.to_string();
-        self
-    }
-}
-
 /// The EndpointSlice `<service>-1` of `service` with ports `tcp` and `udp`
 /// (80) and endpoints `eps`.
 fn slice(service: &str, eps: &[Ep]) -> String {
-    let mut y = format!(
-        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {service}-1\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: tcp\n  port: 80\n  protocol: TCP\n- name: udp\n  port: 80\n  protocol: UDP\n"
-    );
-    if eps.is_empty() {
-        y.push_str("endpoints: []\n");
-    } else {
-        y.push_str("endpoints:\n");
-    }
-    for e in eps {
-        y.push_str(&format!(
-            "- addresses: [\"{}\"]\n  conditions: {{ready: {}, serving: {}, terminating: {}}}\n  nodeName: {}\n",
-            e.ip, e.ready, e.serving, e.terminating, e.node
-        ));
-    }
-    y
+    Slice::new(&format!("{service}-1"), service)
+        .tcp_and_udp(80)
+        .endpoints(eps)
+        .yaml()
 }
 
 // ---------------------------------------------------------------- lab runner
@@ -149,80 +67,15 @@ fn frontend(lab: &Lab, service: &str, proto: &str) -> SocketAddrV4 {
 
 // ---------------------------------------------------------------- requests
 
-/// `n` requests (new TCP connections, or UDP datagrams each from a new
-/// socket, i.e. a new source port) asking `hostname`, one after another:
-/// answers in order, and the errors.
-fn hostnames(ns: &str, addr: SocketAddrV4, proto: &str, n: usize) -> (Vec<String>, Vec<String>) {
-    let reqs = (0..n)
-        .map(|_| match proto {
-            "UDP" => Request::udp(addr, b"hostname", T),
-            _ => Request::tcp(addr, b"hostname\n", T),
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let results = client::batch(ns, reqs, Some(deadline)).expect("enter client namespace");
-    let mut answers = Vec::new();
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(reply) => answers.push(reply_text(&reply)),
-            Err(e) => errors.push(format!("{:?}: {e}", e.kind())),
-        }
-    }
-    (answers, errors)
-}
-
-fn counts(answers: &[String]) -> BTreeMap<String, usize> {
-    let mut c = BTreeMap::new();
-    for a in answers {
-        *c.entry(a.clone()).or_insert(0) += 1;
-    }
-    c
-}
-
-/// `n` requests that must all succeed; returns the answers' counts.
-fn all_ok(
-    ns: &str,
-    addr: SocketAddrV4,
-    proto: &str,
-    n: usize,
-    what: &str,
-) -> BTreeMap<String, usize> {
-    let (answers, errors) = hostnames(ns, addr, proto, n);
-    let c = counts(&answers);
-    println!(
-        "{what}: {n} {proto} requests to {addr}: {c:?}, {} errors",
-        errors.len()
-    );
-    assert!(
-        errors.is_empty(),
-        "{what}: {} of {n} {proto} requests to {addr} failed: {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    c
-}
-
 /// `n` requests that must all succeed and all be answered by one pod; returns it.
 fn sticky(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, what: &str) -> String {
-    let c = all_ok(ns, addr, proto, n, what);
+    let c = all_answered(ns, addr, proto, n, what);
     assert_eq!(
         c.len(),
         1,
         "{what}: with ClientIP affinity, {n} {proto} requests from one client were answered by several pods: {c:?}"
     );
     c.into_keys().next().unwrap()
-}
-
-/// `n` requests that must all succeed and be answered by exactly `pods`.
-fn answered_by(ns: &str, addr: SocketAddrV4, proto: &str, n: usize, pods: &[&str], what: &str) {
-    let c = all_ok(ns, addr, proto, n, what);
-    let seen: BTreeSet<&str> = c.keys().map(String::as_str).collect();
-    let want: BTreeSet<&str> = pods.iter().copied().collect();
-    assert_eq!(
-        seen, want,
-        "{what}: pods answering {proto} {addr} (counts {c:?})"
-    );
 }
 
 /// A UDP datagram to `addr` must be refused (ICMP port unreachable).
@@ -241,74 +94,6 @@ fn assert_udp_refused(ns: &str, addr: SocketAddrV4, what: &str) {
     }
 }
 
-// ---------------------------------------------------------------- streams
-
-/// A long-lived connection (the lab server's `stream`): every line sent is
-/// answered with `<pod> <line>`.
-struct Stream {
-    pod: String,
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-    exchanges: usize,
-}
-
-impl Stream {
-    fn from_tcp(s: TcpStream) -> io::Result<Stream> {
-        s.set_read_timeout(Some(T))?;
-        s.set_write_timeout(Some(T))?;
-        let mut writer = s.try_clone()?;
-        writer.write_all(b"stream\n")?;
-        let mut reader = BufReader::new(s);
-        let mut greeting = String::new();
-        if reader.read_line(&mut greeting)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
-        }
-        let pod = greeting
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        Ok(Stream {
-            pod,
-            reader,
-            writer,
-            exchanges: 0,
-        })
-    }
-
-    fn open(ns: &str, vip: SocketAddrV4) -> Stream {
-        in_netns(ns, move || TcpStream::connect_timeout(&vip.into(), T))
-            .and_then(|r| r)
-            .and_then(Stream::from_tcp)
-            .unwrap_or_else(|e| panic!("stream to {vip}: {e}"))
-    }
-
-    /// One exchange; the answer must come from the stream's pod.
-    fn ping(&mut self, tag: &str) -> io::Result<()> {
-        self.writer.write_all(format!("ping {tag}\n").as_bytes())?;
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
-        }
-        let expected = format!("{} ping {tag}", self.pod);
-        if line.trim_end() != expected {
-            return Err(io::Error::other(format!(
-                "got {line:?}, expected {expected:?}"
-            )));
-        }
-        self.exchanges += 1;
-        Ok(())
-    }
-
-    /// `n` exchanges that must all work.
-    fn pings(&mut self, n: usize, what: &str) {
-        for i in 0..n {
-            self.ping(&format!("{what}-{i}"))
-                .unwrap_or_else(|e| panic!("{what}: stream to {} exchange {i}: {e}", self.pod));
-        }
-    }
-}
-
 // ================================================================ tests
 
 /// S21 — "15 consecutive answers from the same pod" (ClusterIP,
@@ -319,10 +104,15 @@ impl Stream {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s21_n17_session_affinity_client_ip_tcp() {
-    let yaml = svc("web", Some("web"), &client_ip_affinity(None))
-        + &pod("web-1", "web")
-        + &pod("web-2", "web")
-        + &pod("web-3", "web");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .selector("web")
+            .ports(tcp_and_udp(80))
+            .client_ip_affinity(None),
+        &Pod::new("web-1", "web"),
+        &Pod::new("web-2", "web"),
+        &Pod::new("web-3", "web"),
+    ]);
     with_lab("s21_n17", &yaml, |lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns1 = lab.client().netns.clone();
@@ -346,10 +136,15 @@ fn s21_n17_session_affinity_client_ip_tcp() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn n18_session_affinity_client_ip_udp() {
-    let yaml = svc("dns", Some("dns"), &client_ip_affinity(None))
-        + &pod("dns-1", "dns")
-        + &pod("dns-2", "dns")
-        + &pod("dns-3", "dns");
+    let yaml = manifests(&[
+        &Svc::new("dns")
+            .selector("dns")
+            .ports(tcp_and_udp(80))
+            .client_ip_affinity(None),
+        &Pod::new("dns-1", "dns"),
+        &Pod::new("dns-2", "dns"),
+        &Pod::new("dns-3", "dns"),
+    ]);
     with_lab("n18", &yaml, |lab| {
         let vip = frontend(lab, "dns", "UDP");
         let ns1 = lab.client().netns.clone();
@@ -378,10 +173,15 @@ fn n18_session_affinity_client_ip_udp() {
 fn s22_k7_p3_session_affinity_expires_after_timeout() {
     const K: usize = 6;
     let idle = Duration::from_millis(3500);
-    let yaml = svc("web", Some("web"), &client_ip_affinity(Some(2)))
-        + &pod("web-1", "web")
-        + &pod("web-2", "web")
-        + &pod("web-3", "web");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .selector("web")
+            .ports(tcp_and_udp(80))
+            .client_ip_affinity(Some(2)),
+        &Pod::new("web-1", "web"),
+        &Pod::new("web-2", "web"),
+        &Pod::new("web-3", "web"),
+    ]);
     with_lab("s22_k7_p3", &yaml, |lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
@@ -421,16 +221,31 @@ fn s22_k7_p3_session_affinity_expires_after_timeout() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
-    let with = svc("web", Some("web"), &client_ip_affinity(None));
-    let yaml = with.clone() + &pod("web-1", "web") + &pod("web-2", "web") + &pod("web-3", "web");
+    let with = Svc::new("web")
+        .selector("web")
+        .ports(tcp_and_udp(80))
+        .client_ip_affinity(None)
+        .yaml();
+    let yaml = with.clone()
+        + &manifests(&[
+            &Pod::new("web-1", "web"),
+            &Pod::new("web-2", "web"),
+            &Pod::new("web-3", "web"),
+        ]);
     with_lab("s23", &yaml, |lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
         let first = sticky(&ns, vip, "TCP", 30, "S23 ClientIP");
 
-        apply(lab, &svc("web", Some("web"), ""));
+        apply(
+            lab,
+            &Svc::new("web")
+                .selector("web")
+                .ports(tcp_and_udp(80))
+                .yaml(),
+        );
         assert_eq!(frontend(lab, "web", "TCP"), vip, "the ClusterIP stays");
-        let spread = all_ok(&ns, vip, "TCP", 30, "S23 switched to None");
+        let spread = all_answered(&ns, vip, "TCP", 30, "S23 switched to None");
         assert!(
             spread.len() >= 2,
             "S23: with sessionAffinity None, 30 new connections all went to one pod: {spread:?}"
@@ -439,7 +254,7 @@ fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
         apply(lab, &with);
         let again = sticky(&ns, vip, "TCP", 30, "S23 back to ClientIP");
 
-        apply(lab, &pod("web-4", "web"));
+        apply(lab, &Pod::new("web-4", "web").yaml());
         let after_add = sticky(&ns, vip, "TCP", 30, "S23 web-4 added");
         assert_eq!(
             after_add, again,
@@ -470,20 +285,23 @@ fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn c5_last_endpoint_terminating_keeps_established_flows() {
-    let yaml = svc("web", None, "") + &pod("a", "none");
+    let yaml = manifests(&[
+        &Svc::new("web").ports(tcp_and_udp(80)),
+        &Pod::new("a", "none"),
+    ]);
     with_lab("c5", &yaml, |lab| {
         let a = Ep::of(lab, "a");
         apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
-        answered_by(&ns, vip, "TCP", 5, &["a"], "C5 A ready");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "C5 A ready");
         let mut s = Stream::open(&ns, vip);
         assert_eq!(s.pod, "a");
         s.pings(5, "ready");
 
         apply(lab, &slice("web", &[a.clone().terminating_serving()]));
         s.pings(10, "terminating-serving");
-        answered_by(
+        assert_answered_by(
             &ns,
             vip,
             "TCP",
@@ -512,14 +330,18 @@ fn c5_last_endpoint_terminating_keeps_established_flows() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s35_s36_ready_first_then_terminating_fallback() {
-    let yaml = svc("web", None, "") + &pod("a", "none") + &pod("b", "none");
+    let yaml = manifests(&[
+        &Svc::new("web").ports(tcp_and_udp(80)),
+        &Pod::new("a", "none"),
+        &Pod::new("b", "none"),
+    ]);
     with_lab("s35_s36", &yaml, |lab| {
         let a = Ep::of(lab, "a").terminating_serving();
         let b = Ep::of(lab, "b");
         apply(lab, &slice("web", &[a.clone(), b]));
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
-        answered_by(
+        assert_answered_by(
             &ns,
             vip,
             "TCP",
@@ -527,7 +349,7 @@ fn s35_s36_ready_first_then_terminating_fallback() {
             &["b"],
             "S35 ready B + terminating-serving A",
         );
-        answered_by(
+        assert_answered_by(
             &ns,
             frontend(lab, "web", "UDP"),
             "UDP",
@@ -537,7 +359,7 @@ fn s35_s36_ready_first_then_terminating_fallback() {
         );
 
         apply(lab, &slice("web", std::slice::from_ref(&a)));
-        answered_by(
+        assert_answered_by(
             &ns,
             vip,
             "TCP",
@@ -545,7 +367,7 @@ fn s35_s36_ready_first_then_terminating_fallback() {
             &["a"],
             "S35 B removed: fallback to terminating A",
         );
-        answered_by(
+        assert_answered_by(
             &ns,
             frontend(lab, "web", "UDP"),
             "UDP",
@@ -555,8 +377,14 @@ fn s35_s36_ready_first_then_terminating_fallback() {
         );
 
         // A local (same node) terminating endpoint under internalTrafficPolicy Local.
-        apply(lab, &svc("web", None, "  internalTrafficPolicy: Local\n"));
-        answered_by(
+        apply(
+            lab,
+            &Svc::new("web")
+                .ports(tcp_and_udp(80))
+                .internal_traffic_policy("Local")
+                .yaml(),
+        );
+        assert_answered_by(
             &ns,
             vip,
             "TCP",
@@ -574,14 +402,17 @@ fn s35_s36_ready_first_then_terminating_fallback() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s20_terminating_not_serving_alone_is_refused() {
-    let yaml = svc("web", None, "") + &pod("a", "none");
+    let yaml = manifests(&[
+        &Svc::new("web").ports(tcp_and_udp(80)),
+        &Pod::new("a", "none"),
+    ]);
     with_lab("s20", &yaml, |lab| {
         let a = Ep::of(lab, "a");
         apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
         let vip_udp = frontend(lab, "web", "UDP");
         let ns = lab.client().netns.clone();
-        answered_by(&ns, vip, "TCP", 5, &["a"], "S20 A ready");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "S20 A ready");
 
         apply(lab, &slice("web", &[a.terminating_not_serving()]));
         for round in 0..5 {
@@ -602,8 +433,12 @@ fn s20_terminating_not_serving_alone_is_refused() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s18_s19_publish_not_ready_addresses() {
-    let pnra = "  publishNotReadyAddresses: true\n";
-    let yaml = svc("web", None, pnra) + &pod("a", "none");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .ports(tcp_and_udp(80))
+            .publish_not_ready_addresses(),
+        &Pod::new("a", "none"),
+    ]);
     with_lab("s18_s19", &yaml, |lab| {
         let a = Ep::of(lab, "a");
         let vip = frontend(lab, "web", "TCP");
@@ -611,12 +446,12 @@ fn s18_s19_publish_not_ready_addresses() {
 
         // (a) An unready pod under PNRA: ready=true, serving=false.
         apply(lab, &slice("web", &[a.clone().cond(true, false, false)]));
-        answered_by(&ns, vip, "TCP", 5, &["a"], "S18(a) unready pod under PNRA");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "S18(a) unready pod under PNRA");
 
         // S19: deleted (terminating), unready, PNRA: ready=true, serving=false, terminating=true.
         apply(lab, &slice("web", &[a.clone().cond(true, false, true)]));
         for round in 0..5 {
-            answered_by(
+            assert_answered_by(
                 &ns,
                 vip,
                 "TCP",
@@ -629,7 +464,8 @@ fn s18_s19_publish_not_ready_addresses() {
         // (b) PNRA=false: ready=false, serving=false, terminating=true.
         apply(
             lab,
-            &(svc("web", None, "") + &slice("web", &[a.clone().cond(false, false, true)])),
+            &(Svc::new("web").ports(tcp_and_udp(80)).yaml()
+                + &slice("web", &[a.clone().cond(false, false, true)])),
         );
         for round in 0..3 {
             assert_tcp_refused(&ns, vip, &format!("S18(b) round {round}: PNRA=false"));
@@ -638,9 +474,13 @@ fn s18_s19_publish_not_ready_addresses() {
         // (c) PNRA=true again.
         apply(
             lab,
-            &(svc("web", None, pnra) + &slice("web", &[a.clone().cond(true, false, true)])),
+            &(Svc::new("web")
+                .ports(tcp_and_udp(80))
+                .publish_not_ready_addresses()
+                .yaml()
+                + &slice("web", &[a.clone().cond(true, false, true)])),
         );
-        answered_by(&ns, vip, "TCP", 5, &["a"], "S18(c) PNRA=true again");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "S18(c) PNRA=true again");
     });
 }
 
@@ -723,7 +563,11 @@ fn connect_from(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<TcpStream> {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn c6_two_vips_one_backend_same_client_port() {
-    let yaml = svc("s1", Some("a"), "") + &svc("s2", Some("a"), "") + &pod("a", "a");
+    let yaml = manifests(&[
+        &Svc::new("s1").selector("a").ports(tcp_and_udp(80)),
+        &Svc::new("s2").selector("a").ports(tcp_and_udp(80)),
+        &Pod::new("a", "a"),
+    ]);
     with_lab("c6", &yaml, |lab| {
         let vip1 = frontend(lab, "s1", "TCP");
         let vip2 = frontend(lab, "s2", "TCP");
@@ -756,9 +600,9 @@ fn c6_two_vips_one_backend_same_client_port() {
         let mut st2 = Stream::from_tcp(s2).unwrap_or_else(|e| panic!("C6 stream via {vip2}: {e}"));
         assert_eq!((st1.pod.as_str(), st2.pod.as_str()), ("a", "a"));
         for i in 0..10 {
-            st1.ping(&format!("vip1-{i}"))
+            st1.ping(format!("vip1-{i}"))
                 .unwrap_or_else(|e| panic!("C6: exchange {i} via {vip1}: {e}"));
-            st2.ping(&format!("vip2-{i}"))
+            st2.ping(format!("vip2-{i}"))
                 .unwrap_or_else(|e| panic!("C6: exchange {i} via {vip2}: {e}"));
         }
         let stats = Command::new(agent_bin())
@@ -788,8 +632,12 @@ fn c6_two_vips_one_backend_same_client_port() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
-    let local = "  internalTrafficPolicy: Local\n";
-    let yaml = svc("web", None, local) + &pod("a", "none");
+    let yaml = manifests(&[
+        &Svc::new("web")
+            .ports(tcp_and_udp(80))
+            .internal_traffic_policy("Local"),
+        &Pod::new("a", "none"),
+    ]);
     with_lab("p2", &yaml, |lab| {
         let a = Ep::of(lab, "a");
         let vip = frontend(lab, "web", "TCP");
@@ -797,10 +645,10 @@ fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
         let ns = lab.client().netns.clone();
         // The endpoint on this node: reachable (the setup works).
         apply(lab, &slice("web", std::slice::from_ref(&a)));
-        answered_by(&ns, vip, "TCP", 5, &["a"], "P2 local endpoint");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "P2 local endpoint");
 
         // The same endpoint claimed by node-2: nothing local, dropped.
-        apply(lab, &slice("web", &[a.clone().on_node("node-2")]));
+        apply(lab, &slice("web", &[a.clone().node("node-2")]));
         for round in 0..2 {
             let t = Instant::now();
             let r = tcp_hostname(&ns, vip);
@@ -830,6 +678,6 @@ fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
         }
         // And back to this node: reachable again.
         apply(lab, &slice("web", &[a]));
-        answered_by(&ns, vip, "TCP", 5, &["a"], "P2 endpoint back on node-1");
+        assert_answered_by(&ns, vip, "TCP", 5, &["a"], "P2 endpoint back on node-1");
     });
 }

@@ -1,14 +1,18 @@
 //! Helpers shared by the lab tests (`tests/lab*.rs`): the lab runner with
 //! diagnostics on failure, requests counting which pod answered, and the
-//! assertions built on them. Each test file includes it with `mod support;`.
+//! assertions built on them; the typed builders of the objects the tests
+//! write are in [`fixtures`]. Each test file includes it with `mod support;`.
 
 // Each test file is its own crate and uses only part of this module: what one
 // file leaves unused would otherwise warn as dead code in that crate.
 #![allow(dead_code)]
 
+pub mod fixtures;
+pub mod flows;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,19 +24,10 @@ use std::time::{Duration, Instant};
 use xtask::client::{self, reply_text, Request};
 use xtask::lab::LabBuilder;
 use xtask::netns::in_netns;
-use xtask::Lab;
+use xtask::{Endpoint, Lab};
 
 /// Timeout of one request.
 pub const T: Duration = Duration::from_secs(2);
-
-// ---------------------------------------------------------------- manifests
-
-/// A Pod labelled `app: <app>`; its server listens on 80 (TCP and UDP).
-pub fn pod(name: &str, app: &str) -> String {
-    format!(
-        "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: {app}\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
-    )
-}
 
 // ---------------------------------------------------------------- lab runner
 
@@ -185,6 +180,31 @@ pub fn with_lab(
     )
 }
 
+/// Starts the multi-node lab `builder` describes with `nodes` nodes, waits
+/// (up to `sync_timeout`) for every agent's first sync and attachments, runs
+/// `f` (see [`run_lab`]); on failure prints every node's diagnostics
+/// ([`diagnostics_nodes`]).
+pub fn with_nodes(
+    test: &str,
+    builder: LabBuilder,
+    nodes: usize,
+    sync_timeout: Duration,
+    f: impl FnOnce(&mut Lab),
+) {
+    run_lab(
+        test,
+        builder.nodes(nodes),
+        &format!(" with {nodes} nodes"),
+        |lab| {
+            lab.wait_ready(sync_timeout)
+                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
+            attached(lab, sync_timeout);
+        },
+        diagnostics_nodes,
+        f,
+    )
+}
+
 /// Waits (up to `sync_timeout`) for the agent's sync after the last manifest
 /// write, and its attachments; returns how long that took.
 pub fn synced(lab: &mut Lab, sync_timeout: Duration) -> Duration {
@@ -240,6 +260,51 @@ pub fn wait_veth_gone(node_ns: &str, host_if: &str, name: &str) {
     }
 }
 
+/// `lab.delete_pod(name)` (which waits for every agent's sync), then waits
+/// until the pod's host-side veth is gone from its node's namespace ([`wait_veth_gone`]):
+/// the lab frees the pod's IP at once, and a pod created right after may get
+/// the same IP and fail with `route add ...: File exists` while the old veth
+/// (and its /32 route) linger. Returns how long `lab.delete_pod` took.
+pub fn delete_pod(lab: &mut Lab, name: &str) -> Duration {
+    let (host_if, node_ns) = lab
+        .pod(name)
+        .map(|p| {
+            (
+                p.host_if.clone(),
+                lab.node_named(&p.node)
+                    .map(|n| n.netns.clone())
+                    .unwrap_or_default(),
+            )
+        })
+        .unwrap_or_default();
+    let t = Instant::now();
+    lab.delete_pod(name)
+        .unwrap_or_else(|e| panic!("delete_pod({name}): {e:#}"));
+    let took = t.elapsed();
+    if !host_if.is_empty() {
+        wait_veth_gone(&node_ns, &host_if, name);
+    }
+    took
+}
+
+/// A client namespace on `node`: the default client on node-1, else one
+/// named `client-<node>`, added the first time (then waits, up to
+/// `sync_timeout`, for every agent's attachments).
+pub fn client_on(lab: &mut Lab, node: &str, sync_timeout: Duration) -> Endpoint {
+    if node == "node-1" {
+        return lab.client().clone();
+    }
+    let name = format!("client-{node}");
+    if let Some(c) = lab.client_named(&name) {
+        return c.clone();
+    }
+    let c = lab
+        .add_client_on(&name, node)
+        .unwrap_or_else(|e| panic!("add_client_on({name}, {node}): {e:#}"));
+    attached(lab, sync_timeout);
+    c
+}
+
 /// The ClusterIP frontend of `service`'s `proto` port `port`.
 pub fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
     lab.cluster_frontend(service, port, proto)
@@ -283,38 +348,57 @@ pub fn tcp_hostnames(
     )
 }
 
-/// Asserts that `n` connections from `ns` to `addr` all succeed and are
-/// answered by exactly the pods `expected`. `show_answers`: the failure
-/// message on errors also lists the answers.
-pub fn assert_answered_by(
+/// `n` requests asking `hostname`, sent one after another: new TCP
+/// connections, or with `proto` "UDP" datagrams each from a new socket (a new
+/// source port, so a new flow).
+pub fn hostname_requests(addr: SocketAddrV4, proto: &str, n: usize) -> Vec<Request> {
+    (0..n)
+        .map(|_| match proto {
+            "UDP" => Request::udp(addr, b"hostname", T),
+            _ => Request::tcp(addr, b"hostname\n", T),
+        })
+        .collect()
+}
+
+/// Asserts that `n` `proto` requests from `ns` to `addr`
+/// ([`hostname_requests`]) all succeed; returns the answers' counts.
+pub fn all_answered(
     ns: &str,
     addr: SocketAddrV4,
+    proto: &str,
     n: usize,
-    expected: &[&str],
     what: &str,
-    show_answers: bool,
-) {
-    let (counts, errors) = tcp_hostnames(ns, addr, n);
+) -> BTreeMap<String, usize> {
+    let (counts, errors) = count_answers(ns, hostname_requests(addr, proto, n));
     println!(
-        "{what}: {n} connections to {addr}: {counts:?}, {} errors",
+        "{what}: {n} {proto} requests to {addr}: {counts:?}, {} errors",
         errors.len()
     );
-    let answers = if show_answers {
-        format!(" (answers: {counts:?})")
-    } else {
-        String::new()
-    };
     assert!(
         errors.is_empty(),
-        "{what}: {} of {n} connections to {addr} failed: {:?}{answers}",
+        "{what}: {} of {n} {proto} requests to {addr} failed: {:?} (answers: {counts:?})",
         errors.len(),
         &errors[..errors.len().min(5)]
     );
+    counts
+}
+
+/// Asserts that `n` `proto` requests from `ns` to `addr` all succeed and are
+/// answered by exactly the pods `expected`.
+pub fn assert_answered_by(
+    ns: &str,
+    addr: SocketAddrV4,
+    proto: &str,
+    n: usize,
+    expected: &[&str],
+    what: &str,
+) {
+    let counts = all_answered(ns, addr, proto, n, what);
     let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
     let want: BTreeSet<&str> = expected.iter().copied().collect();
     assert_eq!(
         seen, want,
-        "{what}: pods answering {addr} (counts {counts:?})"
+        "{what}: pods answering {proto} {addr} (counts {counts:?})"
     );
 }
 
@@ -358,6 +442,87 @@ pub fn assert_tcp_dropped(ns: &str, addr: SocketAddrV4, tries: usize, what: &str
     }
 }
 
+// ---------------------------------------------------------------- streams
+
+/// A long-lived connection (the lab server's `stream`): every line sent is
+/// answered with `<pod> <line>`.
+pub struct Stream {
+    /// The pod that answered the greeting.
+    pub pod: String,
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+    /// Exchanges that worked.
+    pub exchanges: usize,
+    /// When and how it broke (set by a test that keeps going without it).
+    pub broken: Option<(Instant, String)>,
+}
+
+impl Stream {
+    /// Starts the stream on a connected socket (reads and writes time out
+    /// after [`T`]).
+    pub fn from_tcp(s: TcpStream) -> io::Result<Stream> {
+        s.set_read_timeout(Some(T))?;
+        s.set_write_timeout(Some(T))?;
+        let mut writer = s.try_clone()?;
+        writer.write_all(b"stream\n")?;
+        let mut reader = BufReader::new(s);
+        let mut greeting = String::new();
+        if reader.read_line(&mut greeting)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
+        }
+        let pod = greeting
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        Ok(Stream {
+            pod,
+            reader,
+            writer,
+            exchanges: 0,
+            broken: None,
+        })
+    }
+
+    /// Connects to `vip` (within [`T`]) from the current namespace.
+    pub fn open_here(vip: SocketAddrV4) -> io::Result<Stream> {
+        Stream::from_tcp(TcpStream::connect_timeout(&vip.into(), T)?)
+    }
+
+    /// Connects to `vip` from namespace `ns`; panics if that fails.
+    pub fn open(ns: &str, vip: SocketAddrV4) -> Stream {
+        in_netns(ns, move || Stream::open_here(vip))
+            .and_then(|r| r)
+            .unwrap_or_else(|e| panic!("stream to {vip}: {e}"))
+    }
+
+    /// One exchange (`ping <tag>`); the answer must come from the stream's
+    /// pod. EOF is an error (`UnexpectedEof`).
+    pub fn ping(&mut self, tag: impl std::fmt::Display) -> io::Result<()> {
+        self.writer.write_all(format!("ping {tag}\n").as_bytes())?;
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
+        }
+        let expected = format!("{} ping {tag}", self.pod);
+        if line.trim_end() != expected {
+            return Err(io::Error::other(format!(
+                "got {line:?}, expected {expected:?}"
+            )));
+        }
+        self.exchanges += 1;
+        Ok(())
+    }
+
+    /// `n` exchanges (`<what>-<i>`) that must all work.
+    pub fn pings(&mut self, n: usize, what: &str) {
+        for i in 0..n {
+            self.ping(format!("{what}-{i}"))
+                .unwrap_or_else(|e| panic!("{what}: stream to {} exchange {i}: {e}", self.pod));
+        }
+    }
+}
+
 // ---------------------------------------------------------------- UDP probe
 
 /// What one datagram of a [`UdpProbe`] got.
@@ -377,12 +542,38 @@ pub struct UdpProbe {
 }
 
 impl UdpProbe {
+    /// Waits up to `interval` for each answer; at most 1000 datagrams.
     pub fn start(
         ns: &str,
         addr: SocketAddrV4,
         bind_port: u16,
         interval: Duration,
         max: Duration,
+    ) -> Self {
+        Self::spawn(ns, addr, bind_port, interval, interval, max, 1000)
+    }
+
+    /// Waits up to `read_timeout` for each answer; no cap on the number of
+    /// datagrams (until stopped or `max` has passed).
+    pub fn start_waiting(
+        ns: &str,
+        addr: SocketAddrV4,
+        bind_port: u16,
+        interval: Duration,
+        read_timeout: Duration,
+        max: Duration,
+    ) -> Self {
+        Self::spawn(ns, addr, bind_port, interval, read_timeout, max, usize::MAX)
+    }
+
+    fn spawn(
+        ns: &str,
+        addr: SocketAddrV4,
+        bind_port: u16,
+        interval: Duration,
+        read_timeout: Duration,
+        max: Duration,
+        max_shots: usize,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let shots = Arc::new(Mutex::new(Vec::new()));
@@ -392,10 +583,10 @@ impl UdpProbe {
             in_netns(&ns, move || -> io::Result<()> {
                 let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))?;
                 sock.connect(addr)?;
-                sock.set_read_timeout(Some(interval))?;
+                sock.set_read_timeout(Some(read_timeout))?;
                 let begin = Instant::now();
                 let mut buf = vec![0u8; 65536];
-                for _ in 0..1000 {
+                for _ in 0..max_shots {
                     if flag.load(Ordering::SeqCst) || begin.elapsed() >= max {
                         break;
                     }

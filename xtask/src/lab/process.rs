@@ -1,0 +1,321 @@
+//! The lab's processes: one proxy-agent per node, one `lab-server` per pod;
+//! finding their binaries, starting and stopping them.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::wait::{count_markers, tail};
+use super::{AgentInfo, Lab, PodInfo, ServerInfo, DEFAULT_POD_PORT, HAIRPIN_SNAT_IP};
+use crate::{netns, setup};
+
+/// `KPR_AGENT_BIN`, else the release agent, built (or brought up to date —
+/// a no-op when it is) first, so that a lab never runs a stale binary.
+pub(super) fn find_agent_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KPR_AGENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    setup::build_agent()
+}
+
+pub(super) fn find_server_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KPR_LAB_SERVER_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        let mut dir = exe.parent();
+        for _ in 0..2 {
+            let Some(d) = dir else { break };
+            let p = d.join("lab-server");
+            if p.is_file() {
+                return Ok(p);
+            }
+            dir = d.parent();
+        }
+    }
+    let p = setup::target_dir().join("debug/lab-server");
+    if p.is_file() {
+        return Ok(p);
+    }
+    setup::build_lab_server()
+}
+
+pub(super) fn cmdline(pid: u32) -> Option<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+}
+
+pub(super) fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // Field 3 is the state; Z is a zombie waiting for its parent.
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+impl Lab {
+    pub(super) fn spawn_server(&mut self, pod: &PodInfo) -> Result<()> {
+        let bin = match &self.server_bin {
+            Some(b) => b.clone(),
+            None => find_server_bin()?,
+        };
+        let mut ports: Vec<u16> = pod.ports.iter().map(|p| p.port).collect();
+        if ports.is_empty() {
+            ports.push(DEFAULT_POD_PORT);
+        }
+        ports.sort();
+        ports.dedup();
+        let log = self.info.dir.join(format!("server-{}.log", pod.netns));
+        let mut cmd = Command::new(&bin);
+        cmd.args(["--name", &pod.name, "--lab", &self.info.id]);
+        for p in &ports {
+            cmd.args(["--tcp", &p.to_string(), "--udp", &p.to_string()]);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(File::create(&log)?);
+        netns::enter_netns_on_spawn(&mut cmd, &pod.netns)?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let pid = child.id();
+        let stdout = child.stdout.take().expect("piped stdout");
+        self.children.insert(pid, child);
+        self.info.servers.push(ServerInfo {
+            pod: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            pid,
+            log: log.clone(),
+        });
+        self.save()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(l) if l.trim() == "ready" => Ok(()),
+            _ => bail!(
+                "server of pod {} did not start: {}",
+                pod.name,
+                tail(&log, 10)
+            ),
+        }
+    }
+
+    pub(super) fn stop_server(&mut self, namespace: &str, pod: &str) -> Result<()> {
+        let servers: Vec<ServerInfo> = self
+            .info
+            .servers
+            .iter()
+            .filter(|s| s.pod == pod && s.namespace == namespace)
+            .cloned()
+            .collect();
+        for s in servers {
+            self.kill(s.pid, Duration::ZERO)?;
+            self.info.servers.retain(|x| x.pid != s.pid);
+        }
+        Ok(())
+    }
+
+    /// Sends SIGTERM (SIGKILL if `grace` is zero), waits up to `grace`, then
+    /// SIGKILL. Processes not started by this Lab value are only signalled if
+    /// their command line names this lab's id (guards against pid reuse).
+    pub(super) fn kill(&mut self, pid: u32, grace: Duration) -> Result<()> {
+        use nix::sys::signal::{kill, Signal};
+        let npid = nix::unistd::Pid::from_raw(pid as i32);
+        let first = if grace.is_zero() {
+            Signal::SIGKILL
+        } else {
+            Signal::SIGTERM
+        };
+        if let Some(mut child) = self.children.remove(&pid) {
+            if child.try_wait()?.is_some() {
+                return Ok(());
+            }
+            let _ = kill(npid, first);
+            let deadline = Instant::now() + grace;
+            while Instant::now() < deadline {
+                if child.try_wait()?.is_some() {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            child.wait()?;
+            return Ok(());
+        }
+        match cmdline(pid) {
+            Some(c) if c.contains(&self.info.id) => {}
+            _ => return Ok(()),
+        }
+        let _ = kill(npid, first);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline && !process_gone(pid) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !process_gone(pid) {
+            let _ = kill(npid, Signal::SIGKILL);
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < deadline && !process_gone(pid) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// True if the agent binary lists `--external-interfaces` in
+    /// `run --help` (asked once per Lab value).
+    fn agent_knows_external_interfaces(&mut self, bin: &Path) -> bool {
+        if let Some(k) = self.agent_has_ext_flag {
+            return k;
+        }
+        let known = Command::new(bin)
+            .args(["run", "--help"])
+            .stdin(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("--external-interfaces"))
+            .unwrap_or(false);
+        self.agent_has_ext_flag = Some(known);
+        known
+    }
+
+    /// Starts every node's agent that is not running (each in its node
+    /// namespace, appending to its log).
+    pub fn start_agent(&mut self) -> Result<()> {
+        if self.info.nodes.iter().all(|n| n.agent.is_some()) {
+            bail!("the agent is already running");
+        }
+        for i in 0..self.info.nodes.len() {
+            if self.info.nodes[i].agent.is_none() {
+                self.start_agent_idx(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the agent of node `node` (`node-2`).
+    pub fn start_agent_on(&mut self, node: &str) -> Result<()> {
+        let i = self.node_index(node)?;
+        self.start_agent_idx(i)
+    }
+
+    fn start_agent_idx(&mut self, i: usize) -> Result<()> {
+        let node = self.info.nodes[i].clone();
+        if node.agent.is_some() {
+            bail!("the agent of {} is already running", node.name);
+        }
+        let bin = match &self.agent_bin {
+            Some(b) => b.clone(),
+            None => find_agent_bin()?,
+        };
+        self.agent_bin = Some(bin.clone());
+        let log_path = node.agent_log.clone();
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let hairpin = HAIRPIN_SNAT_IP.to_string();
+        let mut cmd = Command::new(&bin);
+        cmd.arg("run");
+        match &self.agent_source_args {
+            Some(args) => cmd.args(args),
+            None => cmd
+                .args(["--source", "manifests", "--manifests"])
+                .arg(&self.info.manifests_dir),
+        };
+        cmd.args(["--node-name", &node.name, "--bpffs"])
+            .arg(&node.bpffs)
+            .args(["--pod-interfaces", "lxc*", "--hairpin-snat-ip", &hairpin])
+            .args(["--min-sync-period", "100ms"]);
+        if !node.eth.is_empty() && self.agent_knows_external_interfaces(&bin) {
+            cmd.args(["--external-interfaces", &node.eth]);
+        }
+        cmd.args(&self.agent_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let rust_log = self
+            .rust_log
+            .clone()
+            .or_else(|| std::env::var("RUST_LOG").ok())
+            .unwrap_or_else(|| "info".to_string());
+        cmd.env("RUST_LOG", rust_log);
+        netns::enter_netns_on_spawn(&mut cmd, &node.netns)?;
+        self.agent_start_marks[i] = count_markers(&log_path);
+        self.write_marks[i] = self.agent_start_marks[i];
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let pid = child.id();
+        self.children.insert(pid, child);
+        self.info.nodes[i].agent = Some(AgentInfo { pid, log: log_path });
+        self.save()
+    }
+
+    /// Stops every agent: SIGTERM, up to 3 s, then SIGKILL. Pinned maps stay.
+    pub fn stop_agent(&mut self) -> Result<()> {
+        for i in 0..self.info.nodes.len() {
+            self.stop_agent_idx(i)?;
+        }
+        Ok(())
+    }
+
+    /// Stops the agent of node `node` (as [`stop_agent`](Lab::stop_agent)).
+    pub fn stop_agent_on(&mut self, node: &str) -> Result<()> {
+        let i = self.node_index(node)?;
+        self.stop_agent_idx(i)
+    }
+
+    fn stop_agent_idx(&mut self, i: usize) -> Result<()> {
+        if let Some(a) = self.info.nodes[i].agent.take() {
+            self.kill(a.pid, Duration::from_secs(3))?;
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    /// Stops and starts every agent (each adopts its pinned state).
+    pub fn restart_agent(&mut self) -> Result<()> {
+        self.stop_agent()?;
+        self.start_agent()
+    }
+
+    /// Stops and starts the agent of node `node`.
+    pub fn restart_agent_on(&mut self, node: &str) -> Result<()> {
+        self.stop_agent_on(node)?;
+        self.start_agent_on(node)
+    }
+
+    /// True if node-1's agent is running.
+    pub fn agent_running(&mut self) -> bool {
+        self.agent_running_idx(0)
+    }
+
+    /// True if the agent of node `node` is running.
+    pub fn agent_running_on(&mut self, node: &str) -> bool {
+        match self.node_index(node) {
+            Ok(i) => self.agent_running_idx(i),
+            Err(_) => false,
+        }
+    }
+
+    pub(super) fn agent_running_idx(&mut self, i: usize) -> bool {
+        let Some(a) = &self.info.nodes[i].agent else {
+            return false;
+        };
+        let pid = a.pid;
+        match self.children.get_mut(&pid) {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => !process_gone(pid),
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Waiting for the agents: their `sync complete` markers and their
+//! attachments.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::{Lab, NODE_NAME, SYNC_MARKER};
+
+pub(super) fn count_markers(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .map(|t| t.lines().filter(|l| l.contains(SYNC_MARKER)).count())
+        .unwrap_or(0)
+}
+
+pub(super) fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+impl Lab {
+    /// How many times node-1's agent has logged [`SYNC_MARKER`] (over all runs).
+    pub fn sync_count(&self) -> usize {
+        count_markers(&self.info.nodes[0].agent_log)
+    }
+
+    /// How many times the agent of node `node` has logged [`SYNC_MARKER`].
+    pub fn sync_count_on(&self, node: &str) -> Result<usize> {
+        Ok(count_markers(&self.node_info(node)?.agent_log))
+    }
+
+    /// Waits until, for every node index in `which`, the agent's marker
+    /// count exceeds `above[i]`.
+    fn wait_markers(
+        &mut self,
+        which: &[usize],
+        above: &[usize],
+        timeout: Duration,
+        what: &str,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut pending: Vec<usize> = which.to_vec();
+        loop {
+            pending.retain(|&i| count_markers(&self.info.nodes[i].agent_log) <= above[i]);
+            if pending.is_empty() {
+                return Ok(());
+            }
+            for &i in &pending {
+                if !self.agent_running_idx(i) {
+                    let n = &self.info.nodes[i];
+                    bail!(
+                        "agent of {} is not running while waiting for {what}; log tail:\n{}",
+                        n.name,
+                        tail(&n.agent_log, 30)
+                    );
+                }
+            }
+            if Instant::now() >= deadline {
+                let n = &self.info.nodes[pending[0]];
+                bail!(
+                    "timed out after {timeout:?} waiting for {what} of {}; log tail of {}:\n{}",
+                    pending
+                        .iter()
+                        .map(|&i| self.info.nodes[i].name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    n.name,
+                    tail(&n.agent_log, 30)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    fn nodes_with_agent(&self) -> Vec<usize> {
+        (0..self.info.nodes.len())
+            .filter(|&i| self.info.nodes[i].agent.is_some())
+            .collect()
+    }
+
+    /// Waits until every agent (since it was last started) logged its first
+    /// `sync complete`. Fails if no agent was started.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let which = self.nodes_with_agent();
+        if which.is_empty() {
+            bail!("no agent was started");
+        }
+        let marks = self.agent_start_marks.clone();
+        self.wait_markers(&which, &marks, timeout, "the agent's first sync")
+    }
+
+    /// Waits for every running agent's next `sync complete` after the last
+    /// manifest write (`apply`, `delete_*`, `replace_manifests`). Returns at
+    /// once without an agent.
+    pub fn wait_synced(&mut self, timeout: Duration) -> Result<()> {
+        let which = self.nodes_with_agent();
+        let marks = self.write_marks.clone();
+        self.wait_markers(&which, &marks, timeout, "a sync after the manifest change")
+    }
+
+    /// Waits for a sync of node-1's agent after marker count `mark` (see
+    /// [`sync_count`](Lab::sync_count)).
+    pub fn wait_synced_since(&mut self, mark: usize, timeout: Duration) -> Result<()> {
+        let mut marks = vec![0; self.info.nodes.len()];
+        marks[0] = mark;
+        self.wait_markers(&[0], &marks, timeout, "a sync")
+    }
+
+    /// Waits until every running agent logged an attachment (a line
+    /// containing `attached`) naming each host-side veth of its node's pods
+    /// and clients and, with a switch and an agent that takes
+    /// `--external-interfaces`, its `eth0`. The agents attach from a netlink
+    /// watch, independently of their syncs: `sync complete` can come before
+    /// the attachments, and traffic in between bypasses the datapath.
+    pub fn wait_attached(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let ext = self.agent_has_ext_flag == Some(true);
+        loop {
+            let mut missing = Vec::new();
+            for n in &self.info.nodes {
+                if n.agent.is_none() {
+                    continue;
+                }
+                let mut ifs: Vec<&str> = Vec::new();
+                if self.info.client.node == n.name
+                    || (n.name == NODE_NAME && self.info.client.node.is_empty())
+                {
+                    ifs.push(&self.info.client.host_if);
+                }
+                ifs.extend(
+                    self.info
+                        .clients
+                        .iter()
+                        .filter(|c| c.node == n.name || (c.node.is_empty() && n.name == NODE_NAME))
+                        .map(|c| c.host_if.as_str()),
+                );
+                ifs.extend(
+                    self.info
+                        .pods
+                        .iter()
+                        .filter(|p| p.node == n.name)
+                        .map(|p| p.host_if.as_str()),
+                );
+                if ext && !n.eth.is_empty() {
+                    ifs.push(&n.eth);
+                }
+                ifs.retain(|i| !i.is_empty());
+                let log = std::fs::read_to_string(&n.agent_log).unwrap_or_default();
+                for i in ifs {
+                    let quoted = format!("\"{i}\"");
+                    let bare = format!("={i}");
+                    let found = log.lines().any(|l| {
+                        l.contains("attached")
+                            && !l.contains("detached")
+                            && (l.contains(&quoted)
+                                || l.split_whitespace().any(|w| w.ends_with(&bare)))
+                    });
+                    if !found {
+                        missing.push(format!("{}:{i}", n.name));
+                    }
+                }
+            }
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("agents did not attach to {missing:?} within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
