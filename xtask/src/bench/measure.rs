@@ -110,26 +110,25 @@ pub(super) fn measure_round(
     let (t, _, _) = cell(ml, cfg, || {
         load::tcp_rr(&ml.client_ns, targets[0], cfg.rr_samples)
     })?;
-    data.tcp_rr.push(RrStats {
-        p50_us: us(&t.hist, 0.5),
-        p99_us: us(&t.hist, 0.99),
-        ok: t.ok,
-        failed: t.failed,
-        first_error: t.first_error,
-    });
+    data.tcp_rr.push(rr_stats(t));
     let (u, _, _) = cell(ml, cfg, || {
         load::udp_rr(&ml.client_ns, targets[0], cfg.rr_samples)
     })?;
-    data.udp_rr.push(RrStats {
-        p50_us: us(&u.hist, 0.5),
-        p99_us: us(&u.hist, 0.99),
-        ok: u.ok,
-        failed: u.failed,
-        first_error: u.first_error,
-    });
+    data.udp_rr.push(rr_stats(u));
     let (b, _, _) = cell(ml, cfg, || {
         load::bulk(&ml.client_ns, targets[0], cfg.bulk_duration)
     })?;
     data.bulk.push(b);
     Ok(())
+}
+
+/// The medians and counts of one request/response cell.
+fn rr_stats(c: load::RrCell) -> RrStats {
+    RrStats {
+        p50_us: us(&c.hist, 0.5),
+        p99_us: us(&c.hist, 0.99),
+        ok: c.ok,
+        failed: c.failed,
+        first_error: c.first_error,
+    }
 }

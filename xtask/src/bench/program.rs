@@ -53,13 +53,7 @@ pub(super) fn program(
             p.from_empty_s = Some(d.as_secs_f64());
         }
         Mode::Nftables => {
-            let _ = sys::exec_in(
-                &node,
-                "nft",
-                &["-f", "/dev/stdin"],
-                "delete table ip kube-proxy\n",
-                None,
-            );
+            nft_delete_table(&node);
             if let Some(cap) = cfg.nft_cap {
                 let text = layouts::nft_chunks(&entries, 0).remove(0);
                 log(format!(
@@ -72,13 +66,7 @@ pub(super) fn program(
                         p.single_tx_capped = true;
                     }
                 }
-                let _ = sys::exec_in(
-                    &node,
-                    "nft",
-                    &["-f", "/dev/stdin"],
-                    "delete table ip kube-proxy\n",
-                    None,
-                );
+                nft_delete_table(&node);
             }
             std::thread::sleep(settle);
             let m0 = sys::kernel_mem_bytes();
@@ -198,4 +186,16 @@ fn npl_poller(
 
 fn join_npl(h: std::thread::JoinHandle<Option<Duration>>) -> Option<Duration> {
     h.join().ok().flatten()
+}
+
+/// Drops kube-proxy's nftables table in `node`, if there is one (an error,
+/// e.g. no such table, is ignored).
+fn nft_delete_table(node: &str) {
+    let _ = sys::exec_in(
+        node,
+        "nft",
+        &["-f", "/dev/stdin"],
+        "delete table ip kube-proxy\n",
+        None,
+    );
 }

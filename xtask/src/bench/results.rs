@@ -119,11 +119,16 @@ pub(super) fn median(v: &mut [f64]) -> Option<f64> {
     Some(v[v.len() / 2])
 }
 
+/// The median of `field` over `v`; 0 when `v` is empty.
+fn median_of<T>(v: &[T], field: impl Fn(&T) -> f64) -> f64 {
+    median(&mut v.iter().map(field).collect::<Vec<_>>()).unwrap_or(0.0)
+}
+
 pub(super) fn merge_conn(v: &[ConnStats]) -> ConnStats {
     let mut out = ConnStats {
-        p50_us: median(&mut v.iter().map(|c| c.p50_us).collect::<Vec<_>>()).unwrap_or(0.0),
-        p99_us: median(&mut v.iter().map(|c| c.p99_us).collect::<Vec<_>>()).unwrap_or(0.0),
-        p999_us: median(&mut v.iter().map(|c| c.p999_us).collect::<Vec<_>>()).unwrap_or(0.0),
+        p50_us: median_of(v, |c| c.p50_us),
+        p99_us: median_of(v, |c| c.p99_us),
+        p999_us: median_of(v, |c| c.p999_us),
         ..Default::default()
     };
     for c in v {
@@ -146,8 +151,8 @@ pub(super) fn merge_conn(v: &[ConnStats]) -> ConnStats {
 
 pub(super) fn merge_rr(v: &[RrStats]) -> RrStats {
     let mut out = RrStats {
-        p50_us: median(&mut v.iter().map(|c| c.p50_us).collect::<Vec<_>>()).unwrap_or(0.0),
-        p99_us: median(&mut v.iter().map(|c| c.p99_us).collect::<Vec<_>>()).unwrap_or(0.0),
+        p50_us: median_of(v, |c| c.p50_us),
+        p99_us: median_of(v, |c| c.p99_us),
         ..Default::default()
     };
     for c in v {
