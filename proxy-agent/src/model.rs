@@ -35,6 +35,7 @@
 //! | `topology` | [`categorize`]: kube-proxy's `CategorizeEndpoints` (traffic policies, topology hints) |
 //! | `addresses` | [`NodePortAddresses`], externalIPs, load-balancer IPs, IPv4/CIDR parsing |
 //! | `frontends` | a frontend's backends and flags, ownership conflicts between Services |
+//! | `health_checks` | the `healthCheckNodePort`s this node serves |
 //! | `pipeline` | [`desired_state_with`]: the steps above, Service by Service |
 #[cfg(doc)]
 use crate::manifests::Snapshot;
@@ -44,6 +45,7 @@ use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 mod addresses;
 mod endpoints;
 mod frontends;
+mod health_checks;
 mod pipeline;
 mod pods;
 mod services;

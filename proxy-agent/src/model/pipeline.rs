@@ -11,11 +11,12 @@ use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 use super::addresses::{external_addresses, node_internal_ips, node_port_addresses};
 use super::endpoints::{local_endpoint_addresses, port_endpoints};
 use super::frontends::{frontend_key, insert_frontend, with_backends};
+use super::health_checks::claim_health_check;
 use super::services::{ignored, name, namespace, parse_proto, service_id};
 use super::{
-    categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, HealthCheck,
-    ModelOptions, ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy,
-    DEFAULT_AFFINITY_TIMEOUT_S, LABEL_SERVICE_NAME,
+    categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, ModelOptions,
+    ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
+    LABEL_SERVICE_NAME,
 };
 use crate::manifests::Snapshot;
 
@@ -290,34 +291,15 @@ pub fn desired_state_with(
             }
         }
 
-        // kube-proxy `apiservice.NeedsHealthCheck`: type LoadBalancer with
-        // externalTrafficPolicy Local (the API server allocates the port).
-        let health_check_port = spec
-            .health_check_node_port
-            .and_then(|p| u16::try_from(p).ok())
-            .filter(|p| *p != 0);
-        if let (Some(hc_port), Some("LoadBalancer"), TrafficPolicy::Local) =
-            (health_check_port, spec.type_.as_deref(), external_policy)
-        {
-            match desired.health_checks.get(&hc_port) {
-                Some(existing) => warnings.push(ModelWarning {
-                    object: object.clone(),
-                    message: format!(
-                        "healthCheckNodePort {hc_port} already belongs to service {}; skipped",
-                        existing.service
-                    ),
-                }),
-                None => {
-                    desired.health_checks.insert(
-                        hc_port,
-                        HealthCheck {
-                            service: id.clone(),
-                            local_endpoints: local_ready.len(),
-                        },
-                    );
-                }
-            }
-        }
+        claim_health_check(
+            &mut desired.health_checks,
+            &mut warnings,
+            &object,
+            &id,
+            spec,
+            external_policy,
+            &local_ready,
+        );
     }
     (desired, warnings)
 }
