@@ -16,6 +16,16 @@
 //!   traffic flowing, and what changed meanwhile is applied afterwards.
 //!
 //! Run with `cargo xtask test` (they are `#[ignore]`d under a plain `cargo test`).
+//!
+//! Why one file of about 900 lines: every test here drives the same
+//! fixtures (the fake API server inside the node namespace, the two
+//! `Driver`s behind one trait, the traffic probes) and every scenario of the
+//! table runs through both sources, so the table and the drivers belong
+//! together; splitting them into several test binaries would link the lab
+//! and the fake API server once per binary and move these fixtures into
+//! `tests/common`, which the other test binaries compile too. The file is in
+//! sections: the fake API server, the Services and the two drivers, traffic,
+//! the scenario table, the tests.
 mod common;
 
 use std::{

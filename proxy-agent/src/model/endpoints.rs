@@ -1,0 +1,131 @@
+//! EndpointSlices to the endpoints of one service port (kube-proxy
+//! `EndpointSliceCache`: port matching, deduplication, conditions and hints),
+//! and this node's endpoint addresses.
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::ServicePort;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
+
+use super::services::{name, namespace, parse_proto};
+use super::{BackendAddr, EndpointInfo, ModelWarning};
+
+/// The addresses (first address of each endpoint, as kube-proxy) of the
+/// endpoints of `slices` whose `nodeName` is `node_name`.
+pub(super) fn local_endpoint_addresses<'a>(
+    slices: impl Iterator<Item = &'a EndpointSlice>,
+    node_name: &str,
+) -> BTreeSet<Ipv4Addr> {
+    slices
+        .flat_map(|s| s.endpoints.iter())
+        .filter(|e| e.node_name.as_deref() == Some(node_name))
+        .filter_map(|e| e.addresses.first()?.parse::<Ipv4Addr>().ok())
+        .collect()
+}
+
+/// Whether an EndpointSlice port serves this service port: same name (empty
+/// and missing are equal) and same protocol.
+fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> bool {
+    let slice_name = slice_port.name.as_deref().unwrap_or("");
+    let svc_name = port.name.as_deref().unwrap_or("");
+    slice_name == svc_name && parse_proto(slice_port.protocol.as_deref()).ok() == Some(proto)
+}
+
+/// The endpoints of one service port across `slices`, deduplicated by
+/// `ip:port` (the first slice by name wins, unless a later copy is local, as in
+/// kube-proxy `EndpointSliceCache.addEndpoints`), sorted. As kube-proxy: a
+/// slice port with no port number or port 0 is skipped; an endpoint's first
+/// address is its address; an endpoint without `nodeName` is never local.
+pub(super) fn port_endpoints(
+    port: &ServicePort,
+    proto: u8,
+    slices: &[&EndpointSlice],
+    node_name: &str,
+    warnings: &mut Vec<ModelWarning>,
+    reported: &mut BTreeSet<(String, String)>,
+) -> Vec<EndpointInfo> {
+    let mut found: BTreeMap<BackendAddr, EndpointInfo> = BTreeMap::new();
+    for slice in slices {
+        let Some(slice_port) = slice
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| port_matches(p, port, proto))
+        else {
+            continue;
+        };
+        let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
+        let Some(backend_port) = slice_port
+            .port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+        else {
+            // kube-proxy skips such a port too; say so, once per slice.
+            if reported.insert((slice_id.clone(), "port".to_string())) {
+                warnings.push(ModelWarning {
+                    object: format!("EndpointSlice {slice_id}"),
+                    message: format!(
+                        "port {:?} has no usable port number ({:?}); its endpoints are not used",
+                        slice_port.name.as_deref().unwrap_or(""),
+                        slice_port.port
+                    ),
+                });
+            }
+            continue;
+        };
+        for endpoint in &slice.endpoints {
+            let Some(address) = endpoint.addresses.first() else {
+                continue;
+            };
+            let addr = match address.parse::<Ipv4Addr>() {
+                Ok(a) => a,
+                Err(_) => {
+                    if reported.insert((slice_id.clone(), address.clone())) {
+                        warnings.push(ModelWarning {
+                            object: format!("EndpointSlice {slice_id}"),
+                            message: format!("invalid IPv4 address {address:?}; endpoint skipped"),
+                        });
+                    }
+                    continue;
+                }
+            };
+            let info = endpoint_info(
+                endpoint,
+                BackendAddr {
+                    addr,
+                    port: backend_port,
+                    proto,
+                },
+            );
+            if !found.contains_key(&info.addr) || info.is_local(node_name) {
+                found.insert(info.addr, info);
+            }
+        }
+    }
+    found.into_values().collect()
+}
+
+fn endpoint_info(endpoint: &Endpoint, addr: BackendAddr) -> EndpointInfo {
+    let c = endpoint.conditions.clone().unwrap_or_default();
+    let hints = endpoint.hints.as_ref();
+    EndpointInfo {
+        addr,
+        ready: c.ready.unwrap_or(true),
+        serving: c.serving.unwrap_or(true),
+        terminating: c.terminating.unwrap_or(false),
+        node_name: endpoint.node_name.clone(),
+        zone: endpoint.zone.clone(),
+        zone_hints: hints
+            .and_then(|h| h.for_zones.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|z| z.name.clone())
+            .collect(),
+        node_hints: hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|n| n.name.clone())
+            .collect(),
+    }
+}

@@ -1,0 +1,305 @@
+//! The pipeline: a [`Snapshot`] to the [`DesiredState`] of one node,
+//! Service by Service and port by port, with the steps of the sibling
+//! modules.
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use super::addresses::{external_addresses, node_internal_ips, node_port_addresses};
+use super::endpoints::{local_endpoint_addresses, port_endpoints};
+use super::frontends::{frontend_key, insert_frontend, with_backends};
+use super::health_checks::claim_health_check;
+use super::services::{ignored, name, namespace, parse_proto, service_id};
+use super::{
+    categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, ModelOptions,
+    ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
+    LABEL_SERVICE_NAME,
+};
+use crate::manifests::Snapshot;
+
+/// The desired state for `node_name`, with default options.
+pub fn desired_state(snapshot: &Snapshot, node_name: &str) -> (DesiredState, Vec<ModelWarning>) {
+    desired_state_with(snapshot, node_name, &ModelOptions::default())
+}
+
+/// The desired state for `node_name`.
+///
+/// Services are taken in `namespace/name` order and, within a Service, port by
+/// port: its ClusterIP frontends, then its north-south ones. When two
+/// Services claim the same frontend the first keeps it and a warning names
+/// the other; within one Service the first claim wins silently (kube-proxy's
+/// rule order: clusterIP, externalIPs, then load-balancer IPs).
+pub fn desired_state_with(
+    snapshot: &Snapshot,
+    node_name: &str,
+    opts: &ModelOptions,
+) -> (DesiredState, Vec<ModelWarning>) {
+    let mut warnings = Vec::new();
+    let mut desired = DesiredState::default();
+    let node = NodeTopology::from_snapshot(snapshot, node_name);
+
+    // A Pod address that is no IP at all would be skipped silently below.
+    for pod in &snapshot.pods {
+        let Some(status) = pod.status.as_ref() else {
+            continue;
+        };
+        let ips = status
+            .pod_ip
+            .iter()
+            .chain(status.pod_ips.iter().flatten().map(|p| &p.ip));
+        for ip in ips.filter(|ip| !ip.is_empty() && ip.parse::<std::net::IpAddr>().is_err()) {
+            warnings.push(ModelWarning {
+                object: format!("Pod {}/{}", namespace(&pod.metadata), name(&pod.metadata)),
+                message: format!("invalid pod IP {ip:?}; the pod is not an endpoint"),
+            });
+        }
+    }
+
+    // This node's addresses: the SNAT source and the NodePort addresses.
+    let node_object = snapshot
+        .nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(node_name));
+    let internal_ips = node_object.map(node_internal_ips).unwrap_or_default();
+    desired.node_addr = internal_ips.first().copied();
+    let node_port_addrs = node_port_addresses(&internal_ips, &opts.node_port_addresses);
+    // Why no NodePort can be served; reported once, when some port has one.
+    let mut node_problem = match node_object {
+        None => Some("no Node object for this node"),
+        Some(_) if internal_ips.is_empty() => Some("the Node has no IPv4 InternalIP address"),
+        Some(_) => None,
+    };
+
+    // Every slice, real and synthesized, indexed by (namespace, service name),
+    // sorted by slice name so that duplicates resolve deterministically.
+    let synthesized = endpoint_slices_from_pods(snapshot);
+    let all_slices = || {
+        snapshot
+            .endpoint_slices
+            .iter()
+            .chain(synthesized.iter())
+            // An IPv4 proxier ignores slices of the other family (and FQDN ones).
+            .filter(|s| s.address_type == "IPv4")
+    };
+    desired.local_endpoints = local_endpoint_addresses(all_slices(), node_name);
+    let mut slices: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
+    for slice in all_slices() {
+        let Some(svc) = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+        else {
+            continue;
+        };
+        slices
+            .entry((namespace(&slice.metadata), svc.as_str()))
+            .or_default()
+            .push(slice);
+    }
+    for list in slices.values_mut() {
+        list.sort_by(|a, b| name(&a.metadata).cmp(name(&b.metadata)));
+    }
+
+    let mut services: Vec<&Service> = snapshot.services.iter().collect();
+    services.sort_by(|a, b| {
+        (namespace(&a.metadata), name(&a.metadata))
+            .cmp(&(namespace(&b.metadata), name(&b.metadata)))
+    });
+    // Invalid addresses are reported once per slice and address.
+    let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
+
+    for svc in services {
+        if let Some(why) = ignored(svc, opts) {
+            tracing::trace!(service = %service_id(svc), why, "model: service ignored");
+            continue;
+        }
+        let id = service_id(svc);
+        let object = format!("Service {id}");
+        let Some(spec) = &svc.spec else { continue };
+
+        let ip_strings: Vec<&str> = match &spec.cluster_ips {
+            Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+            _ => spec.cluster_ip.as_deref().into_iter().collect(),
+        };
+        let mut cluster_ips = Vec::new();
+        let mut bad_ip = None;
+        for s in ip_strings {
+            match s.parse::<IpAddr>() {
+                Ok(IpAddr::V4(ip)) => cluster_ips.push(ip),
+                Ok(IpAddr::V6(_)) => {}
+                Err(_) => bad_ip = Some(s),
+            }
+        }
+        if let Some(s) = bad_ip {
+            warnings.push(ModelWarning {
+                object,
+                message: format!("invalid clusterIP {s:?}; service skipped"),
+            });
+            continue;
+        }
+        if cluster_ips.is_empty() {
+            continue;
+        }
+
+        let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
+            spec.session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds)
+                .and_then(|t| u32::try_from(t).ok())
+                .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S)
+        } else {
+            0
+        };
+        let external = external_addresses(svc, &object, &mut warnings);
+        let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
+        // Local READY endpoints' addresses over all ports, for the health check.
+        let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
+
+        let svc_slices = slices
+            .get(&(namespace(&svc.metadata), name(&svc.metadata)))
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        for port in spec.ports.iter().flatten() {
+            let port_name = port.name.clone().unwrap_or_default();
+            let proto = match parse_proto(port.protocol.as_deref()) {
+                Ok(p) => p,
+                Err(e) => {
+                    warnings.push(ModelWarning {
+                        object: object.clone(),
+                        message: format!("port {:?} ({}): {e}; port skipped", port_name, port.port),
+                    });
+                    continue;
+                }
+            };
+            let svc_port = match u16::try_from(port.port) {
+                Ok(p) if p != 0 => p,
+                _ => {
+                    warnings.push(ModelWarning {
+                        object: object.clone(),
+                        message: format!(
+                            "port {:?}: invalid port number {}; port skipped",
+                            port_name, port.port
+                        ),
+                    });
+                    continue;
+                }
+            };
+
+            let endpoints = port_endpoints(
+                port,
+                proto,
+                svc_slices,
+                node_name,
+                &mut warnings,
+                &mut reported,
+            );
+            local_ready.extend(
+                endpoints
+                    .iter()
+                    .filter(|e| e.ready && e.is_local(node_name))
+                    .map(|e| e.addr.addr),
+            );
+            let info = ServicePortInfo::from_service(svc, port);
+            let categorized = categorize(&info, &endpoints, &node, &opts.gates);
+            let base = Frontend {
+                service: id.clone(),
+                port_name: port_name.clone(),
+                affinity_timeout_s,
+                ..Frontend::default()
+            };
+            // The port's nodePort, if any (0 = none).
+            let node_port = port
+                .node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0);
+            if let (Some(p), Some(why)) = (node_port, node_problem.take()) {
+                warnings.push(ModelWarning {
+                    object: format!("Node {node_name}"),
+                    message: format!(
+                        "{why}: no NodePort frontends on this node (first: {id} port {p})"
+                    ),
+                });
+            }
+            let mut claim = |key: FrontendKey, fe: Frontend| {
+                insert_frontend(
+                    &mut desired.frontends,
+                    &mut warnings,
+                    &object,
+                    key,
+                    fe,
+                    &opts.current_owners,
+                );
+            };
+
+            // ClusterIP: internalTrafficPolicy.
+            let internal_list = match info.internal_traffic_policy {
+                TrafficPolicy::Cluster => &categorized.cluster,
+                TrafficPolicy::Local => &categorized.local,
+            };
+            let internal = with_backends(&base, internal_list, &categorized, &endpoints);
+            for ip in &cluster_ips {
+                claim(
+                    frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
+                    internal.clone(),
+                );
+            }
+
+            // North-south: (address, port, is a load-balancer IP).
+            let targets: Vec<(Ipv4Addr, u16, bool)> = node_port
+                .into_iter()
+                .flat_map(|p| node_port_addrs.iter().map(move |a| (*a, p, false)))
+                .chain(external.external_ips.iter().map(|a| (*a, svc_port, false)))
+                .chain(external.lb_ips.iter().map(|a| (*a, svc_port, true)))
+                .collect();
+            if targets.is_empty() {
+                continue;
+            }
+            // From outside: externalTrafficPolicy (`Local` only matters on an
+            // externally accessible port, which this one is).
+            let external_list = match external_policy {
+                TrafficPolicy::Cluster => &categorized.cluster,
+                TrafficPolicy::Local => &categorized.local,
+            };
+            let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
+            if external_policy == TrafficPolicy::Local {
+                outside.flags |= svc_flags::EXTERNAL_LOCAL;
+            }
+            // From this node's pods: short-circuited to the cluster list
+            // (kube-proxy's external-traffic chain sends traffic that starts
+            // inside the cluster to the cluster endpoints whatever the
+            // externalTrafficPolicy: E4, S42). No source ranges here, as the
+            // datapath filters external traffic only; note that kube-proxy's
+            // firewall chain also filters pods' traffic to a load-balancer IP.
+            let short_circuit =
+                with_backends(&base, &categorized.cluster, &categorized, &endpoints);
+            for (addr, port, is_lb) in targets {
+                let mut fe = outside.clone();
+                if is_lb && !external.source_ranges.is_empty() {
+                    fe.flags |= svc_flags::SOURCE_RANGES;
+                    fe.source_ranges = external.source_ranges.clone();
+                }
+                claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe);
+                claim(
+                    frontend_key(addr, port, proto, SCOPE_INTERNAL),
+                    short_circuit.clone(),
+                );
+            }
+        }
+
+        claim_health_check(
+            &mut desired.health_checks,
+            &mut warnings,
+            &object,
+            &id,
+            spec,
+            external_policy,
+            &local_ready,
+        );
+    }
+    (desired, warnings)
+}

@@ -1,0 +1,141 @@
+//! EndpointSlices synthesized from Pods, standing in for the EndpointSlice
+//! controller when the source (a manifests directory) has Pods but no slices.
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::{Pod, ServicePort};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::services::{name, namespace};
+use super::LABEL_SERVICE_NAME;
+use crate::manifests::Snapshot;
+
+/// Whether the pod may back a Service: an IPv4 pod IP, not finished
+/// (`Succeeded` or `Failed`). Terminating pods may (the EndpointSlice
+/// controller's `ShouldPodBeInEndpoints` with `includeTerminating`). Returns
+/// its IPv4 address.
+fn pod_ipv4(pod: &Pod) -> Option<Ipv4Addr> {
+    let status = pod.status.as_ref()?;
+    if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+        return None;
+    }
+    let primary = status.pod_ip.as_deref().into_iter();
+    let all = status.pod_ips.iter().flatten().map(|p| p.ip.as_str());
+    primary
+        .chain(all)
+        .find_map(|ip| ip.parse::<Ipv4Addr>().ok())
+}
+
+/// The pod's Ready condition; a pod without one counts as ready.
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .is_none_or(|c| c.status == "True")
+}
+
+/// The port a service port's `targetPort` resolves to on `pod`, if any.
+fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Option<i32> {
+    match &port.target_port {
+        None => Some(port.port),
+        Some(IntOrString::Int(n)) => Some(*n),
+        Some(IntOrString::String(s)) => {
+            // A numeric string is a number (the API server normalizes these).
+            if let Ok(n) = s.parse::<i32>() {
+                return Some(n);
+            }
+            let spec = pod.spec.as_ref()?;
+            spec.containers
+                .iter()
+                .flat_map(|c| c.ports.iter().flatten())
+                .find_map(|cp| {
+                    (cp.name.as_deref() == Some(s.as_str())
+                        && cp.protocol.as_deref().unwrap_or("TCP") == proto_name)
+                        .then_some(cp.container_port)
+                })
+        }
+    }
+}
+
+/// EndpointSlices standing in for the EndpointSlice controller: for every
+/// Service with a selector, one slice per matching Pod in its namespace that
+/// has an IPv4 pod IP and has not finished. The slice, named
+/// `<svc>-pod-<pod>`, holds one endpoint and one port per service port whose
+/// `targetPort` resolves on that Pod.
+///
+/// The endpoint's conditions follow the controller's `podToEndpoint`
+/// (pkg/controller/endpointslice, `endpointslice/util`): serving = the Pod's
+/// Ready condition (true when absent, unlike the controller, as manifests
+/// often carry no status conditions); terminating = the Pod has a
+/// `deletionTimestamp`; ready = `publishNotReadyAddresses || (serving &&
+/// !terminating)`.
+pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
+    let mut out = Vec::new();
+    for svc in &snapshot.services {
+        let Some(spec) = &svc.spec else { continue };
+        let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) else {
+            continue;
+        };
+        let ns = namespace(&svc.metadata);
+        let svc_name = name(&svc.metadata);
+        let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
+        for pod in &snapshot.pods {
+            if namespace(&pod.metadata) != ns {
+                continue;
+            }
+            let labels = pod.metadata.labels.as_ref();
+            if !selector
+                .iter()
+                .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+            {
+                continue;
+            }
+            let Some(ip) = pod_ipv4(pod) else { continue };
+            let ports: Vec<EndpointPort> = spec
+                .ports
+                .iter()
+                .flatten()
+                .filter_map(|port| {
+                    let protocol = port.protocol.clone().unwrap_or_else(|| "TCP".to_string());
+                    let target = resolve_target_port(port, &protocol, pod)?;
+                    Some(EndpointPort {
+                        name: port.name.clone(),
+                        port: Some(target),
+                        protocol: Some(protocol),
+                        app_protocol: port.app_protocol.clone(),
+                    })
+                })
+                .collect();
+            let serving = pod_ready(pod);
+            let terminating = pod.metadata.deletion_timestamp.is_some();
+            let ready = publish_not_ready || (serving && !terminating);
+            out.push(EndpointSlice {
+                address_type: "IPv4".to_string(),
+                metadata: ObjectMeta {
+                    name: Some(format!("{svc_name}-pod-{}", name(&pod.metadata))),
+                    namespace: Some(ns.to_string()),
+                    labels: Some(BTreeMap::from([(
+                        LABEL_SERVICE_NAME.to_string(),
+                        svc_name.to_string(),
+                    )])),
+                    ..ObjectMeta::default()
+                },
+                endpoints: vec![Endpoint {
+                    addresses: vec![ip.to_string()],
+                    conditions: Some(EndpointConditions {
+                        ready: Some(ready),
+                        serving: Some(serving),
+                        terminating: Some(terminating),
+                    }),
+                    node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                    ..Endpoint::default()
+                }],
+                ports: Some(ports),
+            });
+        }
+    }
+    out
+}

@@ -1,0 +1,177 @@
+//! The desired state the model produces ([`DesiredState`]: frontends,
+//! backends, health checks), the warnings it reports and its options.
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::Ipv4Addr;
+
+#[cfg(doc)]
+use proxy_common::svc_flags;
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+
+use super::NodePortAddresses;
+
+/// A frontend: what a packet's destination is matched against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FrontendKey {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+}
+
+impl fmt::Display for FrontendKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scope = if self.scope == SCOPE_INTERNAL {
+            "internal"
+        } else {
+            "external"
+        };
+        write!(
+            f,
+            "{}:{}/{} ({scope})",
+            self.addr,
+            self.port,
+            proto_name(self.proto)
+        )
+    }
+}
+
+/// A backend: where a packet is translated to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BackendAddr {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: u8,
+}
+
+impl fmt::Display for BackendAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, proto_name(self.proto))
+    }
+}
+
+/// `TCP`, `UDP` or the protocol number.
+pub fn proto_name(proto: u8) -> String {
+    match proto {
+        IPPROTO_TCP => "TCP".into(),
+        IPPROTO_UDP => "UDP".into(),
+        n => n.to_string(),
+    }
+}
+
+/// What a frontend should do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Frontend {
+    /// The Service, `namespace/name`.
+    pub service: String,
+    /// The service port's name (empty when unnamed).
+    pub port_name: String,
+    /// The backends new flows are balanced over. Sorted, without duplicates.
+    pub backends: Vec<BackendAddr>,
+    /// Endpoints of this service port still listed but not in `backends`
+    /// (terminating, not ready, or filtered out by topology or a Local
+    /// policy): kept in the backends map, without a slot, so that flows
+    /// already using them keep working until they end (field bug C5; as
+    /// kube-proxy, whose conntrack keeps established TCP connections to an
+    /// endpoint that turned unready). An endpoint removed from the slices is
+    /// not retained: its flows move on (UDP) or are reset (TCP). Sorted,
+    /// without duplicates, disjoint from `backends`.
+    pub retained: Vec<BackendAddr>,
+    /// [`proxy_common::svc_flags`] bits: [`svc_flags::DROP_NO_BACKEND`] when
+    /// `backends` is empty but usable endpoints exist elsewhere in the
+    /// cluster (drop, as kube-proxy does, instead of rejecting);
+    /// [`svc_flags::EXTERNAL_LOCAL`] on external frontends of an
+    /// `externalTrafficPolicy: Local` port (client address preserved);
+    /// [`svc_flags::SOURCE_RANGES`] when `source_ranges` applies.
+    pub flags: u16,
+    /// ClientIP session-affinity timeout in seconds; 0 = none.
+    pub affinity_timeout_s: u32,
+    /// The IPv4 `spec.loadBalancerSourceRanges` as (network address, prefix
+    /// length), sorted, without duplicates. Set, with
+    /// [`svc_flags::SOURCE_RANGES`], on external load-balancer-IP frontends
+    /// only: kube-proxy applies the ranges to load-balancer IPs, not to
+    /// NodePorts or externalIPs. Empty elsewhere.
+    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+}
+
+/// A `healthCheckNodePort` this node serves (kube-proxy
+/// `pkg/proxy/healthcheck` service health server): `/healthz` answers 200
+/// when `local_endpoints > 0`, 503 otherwise.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// The Service, `namespace/name`.
+    pub service: String,
+    /// Distinct addresses of the Service's local READY endpoints over all of
+    /// its ports (kube-proxy `EndpointsMap.LocalReadyEndpoints`). Terminating
+    /// local endpoints do not count, although they still carry traffic when
+    /// nothing local is ready: the load balancer must move away from a node
+    /// whose endpoints are shutting down.
+    pub local_endpoints: usize,
+}
+
+/// Every frontend this node should program, and what else the datapath and
+/// the health-check servers need to know about this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<FrontendKey, Frontend>,
+    /// The address of every endpoint whose `nodeName` is this node, over all
+    /// IPv4 EndpointSlices (real and synthesized from Pods). The writer marks
+    /// backends with these addresses local: the datapath SNATs external
+    /// traffic only towards non-local backends.
+    pub local_endpoints: BTreeSet<Ipv4Addr>,
+    /// This node's first IPv4 `InternalIP` (from its Node object): the
+    /// datapath's SNAT source. `None` without a Node object or address.
+    pub node_addr: Option<Ipv4Addr>,
+    /// `healthCheckNodePort` → what it reports, for every `type:
+    /// LoadBalancer` Service with `externalTrafficPolicy: Local` and a
+    /// `healthCheckNodePort` (kube-proxy `apiservice.NeedsHealthCheck`).
+    pub health_checks: BTreeMap<u16, HealthCheck>,
+}
+
+/// Something in the snapshot the model could not use; the rest is unaffected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelWarning {
+    /// The object concerned, e.g. `Service default/web` or `EndpointSlice default/web-abc`.
+    pub object: String,
+    pub message: String,
+}
+
+impl fmt::Display for ModelWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.object, self.message)
+    }
+}
+
+/// Options of the model.
+#[derive(Clone, Debug, Default)]
+pub struct ModelOptions {
+    /// This proxy's name for the `service.kubernetes.io/service-proxy-name`
+    /// label. With `None`, every Service carrying the label is ignored (as
+    /// kube-proxy does); with `Some(n)`, only those naming another proxy.
+    pub service_proxy_name: Option<String>,
+    /// Feature gates, as kube-proxy's.
+    pub gates: Gates,
+    /// kube-proxy's `nodePortAddresses`: which of this node's addresses
+    /// NodePorts are served on. See [`NodePortAddresses`].
+    pub node_port_addresses: Vec<NodePortAddresses>,
+    /// The Service each frontend is programmed for now (`namespace/name`):
+    /// when two Services claim one frontend, its current owner keeps it.
+    pub current_owners: BTreeMap<FrontendKey, String>,
+}
+
+/// The kube-proxy feature gates the model follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gates {
+    /// `PreferSameTrafficDistribution` (default on): node hints
+    /// (`hints.forNodes`) select endpoints.
+    pub prefer_same_traffic_distribution: bool,
+}
+
+impl Default for Gates {
+    /// Every gate at kube-proxy's default.
+    fn default() -> Self {
+        Self {
+            prefer_same_traffic_distribution: true,
+        }
+    }
+}

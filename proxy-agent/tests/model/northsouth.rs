@@ -1,0 +1,495 @@
+//! North-south frontends: NodePort, externalIPs, load-balancer IPs (with
+//! their source ranges) and `nodePortAddresses`.
+use std::net::Ipv4Addr;
+
+use proxy_agent::model::{desired_state, desired_state_with, ModelOptions, NodePortAddresses};
+use proxy_common::{svc_flags, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use super::*;
+
+/// S10: a NodePort service is served on every InternalIP of this node, with
+/// the cluster list, also on a node without a local backend; the same
+/// addresses get an internal (pod-originated) entry. Other address types and
+/// IPv6 are not NodePort addresses.
+#[test]
+fn node_port_frontends_on_each_node_address_use_the_cluster_list_s10() {
+    let yaml = web_svc("  type: NodePort\n", ", nodePort: 30080", "")
+        + &node_addrs(
+            "node-a",
+            &[
+                ("InternalIP", "198.18.0.11"),
+                ("InternalIP", "fd00::11"),
+                ("ExternalIP", "198.18.0.99"),
+                ("InternalIP", "198.18.0.12"),
+                ("Hostname", "node-a"),
+            ],
+        )
+        + &web_endpoints(&[("198.18.1.1", "node-b", ""), ("198.18.1.2", "node-c", "")]);
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(state.node_addr, Some(Ipv4Addr::new(198, 18, 0, 11)));
+    for ip in ["198.18.0.11", "198.18.0.12"] {
+        for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+            let fe = fe_at(&state, ip, 30080, IPPROTO_TCP, scope);
+            assert_eq!(addrs(fe), ["198.18.1.1:8080", "198.18.1.2:8080"]);
+            assert_eq!(fe.flags, 0, "{ip} scope {scope}");
+            assert_eq!(
+                (fe.service.as_str(), fe.port_name.as_str()),
+                ("default/web", "http")
+            );
+            assert!(fe.source_ranges.is_empty());
+        }
+    }
+    // The ClusterIP frontend, and nothing on the ExternalIP address.
+    assert_eq!(state.frontends.len(), 5, "{:?}", state.frontends.keys());
+    assert!(!has_fe(
+        &state,
+        "198.18.0.99",
+        30080,
+        IPPROTO_TCP,
+        SCOPE_EXTERNAL
+    ));
+    assert!(!has_fe(
+        &state,
+        "198.19.0.1",
+        80,
+        IPPROTO_TCP,
+        SCOPE_EXTERNAL
+    ));
+    // No nodePort field (e.g. allocateLoadBalancerNodePorts: false): none.
+    let yaml = web_svc("  type: LoadBalancer\n", "", "") + &two_nodes();
+    let (state, _) = desired_state(&snap(&yaml), "node-a");
+    assert_eq!(state.frontends.len(), 1, "{:?}", state.frontends.keys());
+}
+
+/// S11: an externalIP is captured whether or not an interface owns it, from
+/// outside and from pods; IPv6 externalIPs are not this proxier's, an
+/// invalid one warns.
+#[test]
+fn external_ip_frontend_in_both_scopes_s11() {
+    let yaml = web_svc(
+        "  externalIPs: [198.18.9.250, \"fd00::fa\", 198.18.9.250, not-an-ip, \"\"]\n",
+        "",
+        "",
+    ) + &web_endpoints(&[("198.18.1.1", "node-b", "")]);
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].message.contains("not-an-ip"), "{warnings:?}");
+    for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+        let fe = fe_at(&state, "198.18.9.250", 80, IPPROTO_TCP, scope);
+        assert_eq!(addrs(fe), ["198.18.1.1:8080"]);
+        assert_eq!(fe.flags, 0);
+    }
+    assert_eq!(state.frontends.len(), 3, "{:?}", state.frontends.keys());
+}
+
+/// S12 / S39: TCP and UDP on the same service port number, each with its own
+/// nodePort, are separate frontends in every scope.
+#[test]
+fn tcp_and_udp_on_the_same_port_number_are_separate_node_port_frontends_s12_s39() {
+    let yaml = "---
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec:
+  type: NodePort
+  clusterIP: 198.19.0.1
+  externalIPs: [198.18.9.250]
+  ports:
+    - {name: tcp, port: 80, protocol: TCP, nodePort: 30080}
+    - {name: udp, port: 80, protocol: UDP, nodePort: 30081}
+"
+    .to_string()
+        + &two_nodes()
+        + &slice(
+            "web-1",
+            "web",
+            "{name: tcp, port: 8080, protocol: TCP}, {name: udp, port: 8081, protocol: UDP}",
+            "{addresses: [198.18.1.1], nodeName: node-b}",
+        );
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+        let tcp = fe_at(&state, "198.18.0.11", 30080, IPPROTO_TCP, scope);
+        assert_eq!(addrs(tcp), ["198.18.1.1:8080"]);
+        assert_eq!(tcp.backends[0].proto, IPPROTO_TCP);
+        let udp = fe_at(&state, "198.18.0.11", 30081, IPPROTO_UDP, scope);
+        assert_eq!(addrs(udp), ["198.18.1.1:8081"]);
+        assert_eq!(udp.backends[0].proto, IPPROTO_UDP);
+        assert!(!has_fe(&state, "198.18.0.11", 30080, IPPROTO_UDP, scope));
+        assert!(!has_fe(&state, "198.18.0.11", 30081, IPPROTO_TCP, scope));
+        let ext_tcp = fe_at(&state, "198.18.9.250", 80, IPPROTO_TCP, scope);
+        let ext_udp = fe_at(&state, "198.18.9.250", 80, IPPROTO_UDP, scope);
+        assert_eq!(addrs(ext_tcp), ["198.18.1.1:8080"]);
+        assert_eq!(addrs(ext_udp), ["198.18.1.1:8081"]);
+    }
+    // 2 ClusterIP + 2 × (NodePort + externalIP) × 2 scopes.
+    assert_eq!(state.frontends.len(), 10, "{:?}", state.frontends.keys());
+}
+
+/// Load-balancer ingress IPs: captured in VIP mode (`ipMode` missing or
+/// `VIP`), not in `Proxy` mode (the load balancer then sends to a NodePort);
+/// hostnames and IPv6 are skipped.
+#[test]
+fn lb_ingress_ip_captured_in_vip_mode_not_in_proxy_mode() {
+    let status = "status:
+  loadBalancer:
+    ingress:
+      - {ip: 198.18.9.1}
+      - {ip: 198.18.9.2, ipMode: VIP}
+      - {ip: 198.18.9.3, ipMode: Proxy}
+      - {ip: \"fd00::9\"}
+      - {hostname: lb.example.invalid}
+";
+    let yaml = web_svc(
+        "  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n",
+        "",
+        status,
+    ) + &web_endpoints(&[("198.18.1.1", "node-b", "")]);
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    for ip in ["198.18.9.1", "198.18.9.2"] {
+        for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+            let fe = fe_at(&state, ip, 80, IPPROTO_TCP, scope);
+            assert_eq!(addrs(fe), ["198.18.1.1:8080"]);
+            assert_eq!(fe.flags, 0);
+        }
+    }
+    for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+        assert!(!has_fe(&state, "198.18.9.3", 80, IPPROTO_TCP, scope));
+    }
+    assert_eq!(state.frontends.len(), 5, "{:?}", state.frontends.keys());
+}
+
+/// E2 / S34 / S38 (eTP Local from outside) and E4 / S42 (short-circuit from
+/// pods): an `externalTrafficPolicy: Local` LoadBalancer. On the endpoint's
+/// node the external frontends carry EXTERNAL_LOCAL and only the local
+/// endpoint; on a node without one they drop (DROP_NO_BACKEND) while the
+/// internal entries for the same addresses use the whole cluster list.
+#[test]
+fn external_traffic_policy_local_e2_s34_s42_e4() {
+    let yaml = web_svc(
+        "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 30999\n",
+        ", nodePort: 30080",
+        "status: {loadBalancer: {ingress: [{ip: 198.18.9.1}]}}\n",
+    ) + &two_nodes()
+        + &web_endpoints(&[("198.18.1.1", "node-a", ""), ("198.18.1.2", "node-c", "")]);
+    let snapshot = snap(&yaml);
+
+    // The endpoint's node: local list, client address kept.
+    let (a, warnings) = desired_state(&snapshot, "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    for (ip, port) in [("198.18.0.11", 30080), ("198.18.9.1", 80)] {
+        let fe = fe_at(&a, ip, port, IPPROTO_TCP, SCOPE_EXTERNAL);
+        assert_eq!(addrs(fe), ["198.18.1.1:8080"], "{ip}");
+        assert_eq!(fe.flags, svc_flags::EXTERNAL_LOCAL, "{ip}");
+        let inner = fe_at(&a, ip, port, IPPROTO_TCP, SCOPE_INTERNAL);
+        assert_eq!(addrs(inner), ["198.18.1.1:8080", "198.18.1.2:8080"]);
+        assert_eq!(inner.flags, 0);
+    }
+    // ClusterIP traffic is not affected by externalTrafficPolicy.
+    let cip = fe_at(&a, "198.19.0.1", 80, IPPROTO_TCP, SCOPE_INTERNAL);
+    assert_eq!(addrs(cip), ["198.18.1.1:8080", "198.18.1.2:8080"]);
+    assert_eq!(a.health_checks[&30999].local_endpoints, 1);
+
+    // A node without a local endpoint: external traffic is dropped, pods'
+    // traffic to the same addresses is short-circuited to the cluster list.
+    let (b, _) = desired_state(&snapshot, "node-b");
+    for (ip, port) in [("198.18.0.12", 30080), ("198.18.9.1", 80)] {
+        let fe = fe_at(&b, ip, port, IPPROTO_TCP, SCOPE_EXTERNAL);
+        assert!(fe.backends.is_empty(), "{ip}: {:?}", fe.backends);
+        assert_eq!(
+            fe.flags,
+            svc_flags::EXTERNAL_LOCAL | svc_flags::DROP_NO_BACKEND,
+            "{ip}"
+        );
+        let inner = fe_at(&b, ip, port, IPPROTO_TCP, SCOPE_INTERNAL);
+        assert_eq!(addrs(inner), ["198.18.1.1:8080", "198.18.1.2:8080"]);
+        assert_eq!(inner.flags, 0);
+    }
+    // Only this node's address carries the NodePort.
+    assert!(!has_fe(
+        &b,
+        "198.18.0.11",
+        30080,
+        IPPROTO_TCP,
+        SCOPE_EXTERNAL
+    ));
+    assert_eq!(b.health_checks[&30999].local_endpoints, 0);
+
+    // No endpoint anywhere: reject (no flag but EXTERNAL_LOCAL).
+    let (none, _) = desired_state(
+        &snap(
+            &(web_svc(
+                "  type: NodePort\n  externalTrafficPolicy: Local\n",
+                ", nodePort: 30080",
+                "",
+            ) + &two_nodes()),
+        ),
+        "node-a",
+    );
+    let fe = fe_at(&none, "198.18.0.11", 30080, IPPROTO_TCP, SCOPE_EXTERNAL);
+    assert_eq!(fe.flags, svc_flags::EXTERNAL_LOCAL);
+    let inner = fe_at(&none, "198.18.0.11", 30080, IPPROTO_TCP, SCOPE_INTERNAL);
+    assert_eq!(inner.flags, 0);
+}
+
+/// S37 / S38: with nothing ready, external frontends fall back to serving
+/// terminating endpoints: cluster-wide with eTP Cluster, local ones with eTP
+/// Local (a node without one drops).
+#[test]
+fn external_frontends_fall_back_to_terminating_endpoints_s37_s38() {
+    let terminating = ", conditions: {ready: false, serving: true, terminating: true}";
+    let endpoints = web_endpoints(&[("198.18.1.1", "node-a", terminating)]);
+    let cluster =
+        web_svc("  type: NodePort\n", ", nodePort: 30080", "") + &two_nodes() + &endpoints;
+    for n in ["node-a", "node-b"] {
+        let (state, _) = desired_state(&snap(&cluster), n);
+        let ip = if n == "node-a" {
+            "198.18.0.11"
+        } else {
+            "198.18.0.12"
+        };
+        let fe = fe_at(&state, ip, 30080, IPPROTO_TCP, SCOPE_EXTERNAL);
+        assert_eq!(addrs(fe), ["198.18.1.1:8080"], "{n}");
+        assert_eq!(fe.flags, 0);
+    }
+    let local = web_svc(
+        "  type: NodePort\n  externalTrafficPolicy: Local\n",
+        ", nodePort: 30080",
+        "",
+    ) + &two_nodes()
+        + &endpoints;
+    let (a, _) = desired_state(&snap(&local), "node-a");
+    let fe = fe_at(&a, "198.18.0.11", 30080, IPPROTO_TCP, SCOPE_EXTERNAL);
+    assert_eq!(addrs(fe), ["198.18.1.1:8080"]);
+    assert_eq!(fe.flags, svc_flags::EXTERNAL_LOCAL);
+    let (b, _) = desired_state(&snap(&local), "node-b");
+    let fe = fe_at(&b, "198.18.0.12", 30080, IPPROTO_TCP, SCOPE_EXTERNAL);
+    assert!(fe.backends.is_empty());
+    assert_eq!(
+        fe.flags,
+        svc_flags::EXTERNAL_LOCAL | svc_flags::DROP_NO_BACKEND
+    );
+    // The terminating endpoint stays retained where it is not selectable.
+    assert_eq!(
+        fe.retained
+            .iter()
+            .map(|b| format!("{}:{}", b.addr, b.port))
+            .collect::<Vec<_>>(),
+        ["198.18.1.1:8080"]
+    );
+}
+
+/// `loadBalancerSourceRanges` apply to the external load-balancer-IP
+/// frontends only (not NodePorts, externalIPs or the internal entries):
+/// parsed, host bits cleared, deduplicated, IPv6 skipped, an invalid entry
+/// ignored with a warning.
+#[test]
+fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
+    let yaml = web_svc(
+        "  type: LoadBalancer
+  externalIPs: [198.18.9.250]
+  loadBalancerSourceRanges: [\"198.18.4.7/24\", \" 198.18.8.0/22 \", \"fd00::/64\", not-a-cidr, \"198.18.4.0/24\", \"\"]
+",
+        ", nodePort: 30080",
+        "status: {loadBalancer: {ingress: [{ip: 198.18.9.1}]}}\n",
+    ) + &two_nodes()
+        + &web_endpoints(&[("198.18.1.1", "node-a", "")]);
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings[0].object, "Service default/web");
+    assert!(warnings[0].message.contains("not-a-cidr"), "{warnings:?}");
+
+    let lb = fe_at(&state, "198.18.9.1", 80, IPPROTO_TCP, SCOPE_EXTERNAL);
+    assert_eq!(lb.flags, svc_flags::SOURCE_RANGES);
+    assert_eq!(
+        lb.source_ranges,
+        [
+            (Ipv4Addr::new(198, 18, 4, 0), 24),
+            (Ipv4Addr::new(198, 18, 8, 0), 22)
+        ]
+    );
+    for (ip, port, scope) in [
+        ("198.18.9.1", 80, SCOPE_INTERNAL),
+        ("198.18.9.250", 80, SCOPE_EXTERNAL),
+        ("198.18.9.250", 80, SCOPE_INTERNAL),
+        ("198.18.0.11", 30080, SCOPE_EXTERNAL),
+        ("198.18.0.11", 30080, SCOPE_INTERNAL),
+        ("198.19.0.1", 80, SCOPE_INTERNAL),
+    ] {
+        let fe = fe_at(&state, ip, port, IPPROTO_TCP, scope);
+        assert_eq!(fe.flags, 0, "{ip}:{port} scope {scope}");
+        assert!(fe.source_ranges.is_empty(), "{ip}:{port} scope {scope}");
+    }
+
+    // Only IPv6 ranges: nothing of this family, no filtering.
+    let yaml = web_svc(
+        "  type: LoadBalancer\n  loadBalancerSourceRanges: [\"fd00::/64\"]\n",
+        ", nodePort: 30080",
+        "status: {loadBalancer: {ingress: [{ip: 198.18.9.1}]}}\n",
+    ) + &two_nodes();
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let lb = fe_at(&state, "198.18.9.1", 80, IPPROTO_TCP, SCOPE_EXTERNAL);
+    assert_eq!((lb.flags, lb.source_ranges.len()), (0, 0));
+}
+
+#[test]
+fn node_port_addresses_parse() {
+    assert_eq!(
+        NodePortAddresses::parse("primary"),
+        Ok(NodePortAddresses::Primary)
+    );
+    assert_eq!(
+        NodePortAddresses::parse("198.18.2.7/24"),
+        Ok(NodePortAddresses::Cidr(Ipv4Addr::new(198, 18, 2, 0), 24))
+    );
+    assert_eq!(
+        NodePortAddresses::parse(" 198.18.2.7/32 "),
+        Ok(NodePortAddresses::Cidr(Ipv4Addr::new(198, 18, 2, 7), 32))
+    );
+    assert_eq!(
+        NodePortAddresses::parse("0.0.0.0/0"),
+        Ok(NodePortAddresses::Cidr(Ipv4Addr::UNSPECIFIED, 0))
+    );
+    // Leading zeros are decimal, as in Go's ParseCIDRSloppy.
+    assert_eq!(
+        "198.018.002.0/24".parse::<NodePortAddresses>(),
+        Ok(NodePortAddresses::Cidr(Ipv4Addr::new(198, 18, 2, 0), 24))
+    );
+    assert_eq!(
+        NodePortAddresses::parse("fd00::/64"),
+        Ok(NodePortAddresses::Ipv6Cidr)
+    );
+    for bad in [
+        "",
+        "Primary",
+        "198.18.0.0",
+        "198.18.0.0/33",
+        "198.18.0.0/",
+        "198.18.0/16",
+        "198.18.0.256/24",
+        "fd00::/129",
+        "x/8",
+    ] {
+        assert!(NodePortAddresses::parse(bad).is_err(), "{bad:?} accepted");
+    }
+    assert_eq!(
+        NodePortAddresses::Cidr(Ipv4Addr::new(198, 18, 2, 0), 24).to_string(),
+        "198.18.2.0/24"
+    );
+}
+
+/// `nodePortAddresses`: a CIDR selects the node's InternalIPs inside it,
+/// `primary` the first InternalIP; a list of only IPv6 CIDRs falls back to
+/// every InternalIP (kube-proxy's IPv4 proxier uses 0.0.0.0/0 then).
+#[test]
+fn node_port_addresses_cidr_filter_and_primary() {
+    let yaml = web_svc("  type: NodePort\n", ", nodePort: 30080", "")
+        + &node_addrs(
+            "node-a",
+            &[
+                ("InternalIP", "198.18.0.11"),
+                ("InternalIP", "198.18.2.5"),
+                ("InternalIP", "198.18.3.5"),
+            ],
+        );
+    let snapshot = snap(&yaml);
+    let node_ports = |entries: &[&str]| {
+        let opts = ModelOptions {
+            node_port_addresses: entries
+                .iter()
+                .map(|e| NodePortAddresses::parse(e).unwrap())
+                .collect(),
+            ..ModelOptions::default()
+        };
+        let (state, warnings) = desired_state_with(&snapshot, "node-a", &opts);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(state.node_addr, Some(Ipv4Addr::new(198, 18, 0, 11)));
+        let ext: Vec<String> = state
+            .frontends
+            .keys()
+            .filter(|k| k.scope == SCOPE_EXTERNAL)
+            .map(|k| format!("{}:{}", k.addr, k.port))
+            .collect();
+        let int: Vec<String> = state
+            .frontends
+            .keys()
+            .filter(|k| k.scope == SCOPE_INTERNAL && k.port == 30080)
+            .map(|k| format!("{}:{}", k.addr, k.port))
+            .collect();
+        assert_eq!(ext, int, "{entries:?}: internal entries differ");
+        ext
+    };
+    let all = ["198.18.0.11:30080", "198.18.2.5:30080", "198.18.3.5:30080"];
+    assert_eq!(node_ports(&[]), all);
+    assert_eq!(node_ports(&["198.18.2.0/24"]), ["198.18.2.5:30080"]);
+    assert_eq!(
+        node_ports(&["198.18.2.0/24", "198.18.3.5/32", "198.18.0.0/16"]),
+        all
+    );
+    assert_eq!(node_ports(&["primary"]), ["198.18.0.11:30080"]);
+    assert_eq!(
+        node_ports(&["primary", "198.18.3.0/24", "fd00::/64"]),
+        ["198.18.0.11:30080", "198.18.3.5:30080"]
+    );
+    assert!(node_ports(&["198.18.200.0/24"]).is_empty());
+    assert_eq!(node_ports(&["fd00::/64"]), all);
+}
+
+/// Without a Node object, or one without an IPv4 InternalIP, there is no
+/// NodePort address: no NodePort frontends, one warning however many ports
+/// have a nodePort, and no SNAT address; everything else is built.
+#[test]
+fn node_without_node_object_or_address_has_no_node_ports_and_warns_once() {
+    let services = web_svc(
+        "  type: NodePort\n  externalIPs: [198.18.9.250]\n",
+        ", nodePort: 30080",
+        "",
+    ) + &web_svc("  type: NodePort\n", ", nodePort: 30081", "")
+        .replace("name: web", "name: web2")
+        .replace("198.19.0.1", "198.19.0.2");
+    for (yaml, why) in [
+        (services.clone(), "no Node object"),
+        (
+            services.clone()
+                + &node_addrs(
+                    "node-a",
+                    &[("ExternalIP", "198.18.0.99"), ("InternalIP", "fd00::11")],
+                ),
+            "no IPv4 InternalIP",
+        ),
+        (
+            services.clone() + &node_addrs("node-b", &[("InternalIP", "198.18.0.12")]),
+            "no Node object",
+        ),
+    ] {
+        let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert_eq!(warnings[0].object, "Node node-a");
+        assert!(warnings[0].message.contains(why), "{warnings:?}");
+        assert_eq!(state.node_addr, None);
+        assert!(state
+            .frontends
+            .keys()
+            .all(|k| k.port != 30080 && k.port != 30081));
+        assert!(has_fe(
+            &state,
+            "198.18.9.250",
+            80,
+            IPPROTO_TCP,
+            SCOPE_EXTERNAL
+        ));
+        assert!(has_fe(
+            &state,
+            "198.19.0.2",
+            80,
+            IPPROTO_TCP,
+            SCOPE_INTERNAL
+        ));
+    }
+    // No nodePort anywhere: nothing to warn about.
+    let (_, warnings) = desired_state(&snap(WEB), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+}

@@ -1,0 +1,176 @@
+//! What a run measures: the command's arguments, the modes compared and
+//! the run's [`Config`] (full, quick, or the sanity test's).
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, Result};
+use serde::Serialize;
+
+/// `cargo xtask bench` arguments.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Quick mode: N ∈ {1, 1000}, fewer samples, two rounds.
+    #[arg(long)]
+    pub quick: bool,
+    /// Service counts (default: 1,100,1000,10000,50000; quick: 1,1000).
+    #[arg(long, value_delimiter = ',')]
+    pub n: Vec<usize>,
+    /// Endpoints per service.
+    #[arg(long, default_value_t = 2)]
+    pub endpoints: usize,
+    /// Output directory (default: target/bench/<unix time>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Modes to run (default all): none, iptables-legacy, iptables-nft, nftables, proxy-tc.
+    #[arg(long, value_delimiter = ',')]
+    pub modes: Vec<String>,
+    /// Connections per latency cell.
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Rounds (modes interleaved in each).
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Cap of one single nft transaction loading all N services, seconds.
+    #[arg(long)]
+    pub nft_cap: Option<u64>,
+    /// The proxy-agent binary (default: target/release/proxy-agent if built, else debug).
+    #[arg(long, env = "KPR_BENCH_AGENT_BIN")]
+    pub agent_bin: Option<PathBuf>,
+}
+
+/// A mode of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Mode {
+    None,
+    IptablesLegacy,
+    IptablesNft,
+    Nftables,
+    ProxyTc,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 5] = [
+        Mode::None,
+        Mode::IptablesLegacy,
+        Mode::IptablesNft,
+        Mode::Nftables,
+        Mode::ProxyTc,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::None => "none",
+            Mode::IptablesLegacy => "iptables-legacy",
+            Mode::IptablesNft => "iptables-nft",
+            Mode::Nftables => "nftables",
+            Mode::ProxyTc => "proxy-tc",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Mode> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| anyhow!("unknown mode {s:?}"))
+    }
+
+    pub(super) fn restore_bin(self) -> Option<&'static str> {
+        match self {
+            Mode::IptablesLegacy => Some("iptables-legacy-restore"),
+            Mode::IptablesNft => Some("iptables-nft-restore"),
+            _ => None,
+        }
+    }
+}
+
+/// Everything a run needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub ns: Vec<usize>,
+    pub endpoints: usize,
+    pub modes: Vec<Mode>,
+    pub samples: usize,
+    pub rr_samples: usize,
+    pub rate_threads: usize,
+    pub rate_duration: Duration,
+    pub bulk_duration: Duration,
+    pub rounds: usize,
+    pub changes: usize,
+    pub nft_chunk: usize,
+    /// Cap of the single nft transaction; None: not measured.
+    pub nft_cap: Option<Duration>,
+    /// Redo a cell whose steal time exceeds this (percent), up to twice.
+    pub max_steal_pct: f64,
+    /// Redo a cell when other processes used more than this share of the CPUs.
+    pub max_other_pct: f64,
+    pub agent_bin: Option<PathBuf>,
+    pub out: Option<PathBuf>,
+    pub quick: bool,
+}
+
+impl Config {
+    pub fn from_args(a: &BenchArgs) -> Result<Config> {
+        let full = !a.quick;
+        let modes = if a.modes.is_empty() {
+            Mode::ALL.to_vec()
+        } else {
+            a.modes
+                .iter()
+                .map(|m| Mode::parse(m))
+                .collect::<Result<_>>()?
+        };
+        Ok(Config {
+            ns: if !a.n.is_empty() {
+                a.n.clone()
+            } else if full {
+                vec![1, 100, 1000, 10_000, 50_000]
+            } else {
+                vec![1, 1000]
+            },
+            endpoints: a.endpoints.clamp(1, 8),
+            modes,
+            samples: a.samples.unwrap_or(if full { 3000 } else { 2000 }),
+            rr_samples: if full { 3000 } else { 2000 },
+            rate_threads: 4,
+            rate_duration: Duration::from_millis(if full { 1000 } else { 500 }),
+            bulk_duration: Duration::from_millis(if full { 1000 } else { 500 }),
+            rounds: a.rounds.unwrap_or(2).max(1),
+            changes: if full { 5 } else { 3 },
+            nft_chunk: 1000,
+            nft_cap: Some(Duration::from_secs(a.nft_cap.unwrap_or(if full {
+                30
+            } else {
+                20
+            }))),
+            max_steal_pct: 2.0,
+            max_other_pct: 10.0,
+            agent_bin: a.agent_bin.clone(),
+            out: a.out.clone(),
+            quick: a.quick,
+        })
+    }
+
+    /// The sanity test's configuration: every mode, N = 1 and 100, few
+    /// samples, one round.
+    pub fn sanity() -> Config {
+        Config {
+            ns: vec![1, 100],
+            endpoints: 2,
+            modes: Mode::ALL.to_vec(),
+            samples: 400,
+            rr_samples: 200,
+            rate_threads: 2,
+            rate_duration: Duration::from_millis(200),
+            bulk_duration: Duration::from_millis(200),
+            rounds: 1,
+            changes: 1,
+            nft_chunk: 1000,
+            nft_cap: None,
+            max_steal_pct: 100.0,
+            max_other_pct: 100.0,
+            agent_bin: std::env::var_os("KPR_AGENT_BIN").map(PathBuf::from),
+            out: None,
+            quick: true,
+        }
+    }
+}

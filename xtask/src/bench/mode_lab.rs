@@ -1,0 +1,209 @@
+//! The lab of one mode: a node namespace with the pods' servers and a
+//! client, the agent for `proxy-tc`, and what the measurements do to it
+//! (reset state between cells, follow the agent's syncs, add manifests).
+use std::io::{Read, Seek, SeekFrom};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::layouts::Entry;
+use super::load::Servers;
+use super::{check_interrupted, sys, Config, Mode};
+use crate::lab::Lab;
+use crate::netns::in_netns;
+use crate::setup;
+
+pub(super) struct ModeLab {
+    pub(super) mode: Mode,
+    pub(super) lab: Lab,
+    servers: Option<Servers>,
+    pub(super) node_ns: String,
+    pub(super) client_ns: String,
+    pub(super) client_ip: Ipv4Addr,
+    pub(super) pod_ips: Vec<Ipv4Addr>,
+    /// Entries programmed now.
+    pub(super) entries: Vec<Entry>,
+    bench_files: Vec<PathBuf>,
+}
+
+fn pods_yaml(e: usize) -> String {
+    let mut y = String::new();
+    for i in 0..e {
+        y.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: bench-{i}\n  labels:\n    app: bench\nspec:\n  containers:\n  - name: c\n    image: lab-server\n"
+        ));
+    }
+    y
+}
+
+pub(super) fn agent_bin(cfg: &Config) -> Result<PathBuf> {
+    if let Some(p) = &cfg.agent_bin {
+        return Ok(p.clone());
+    }
+    // The release agent, brought up to date (a no-op when it is).
+    setup::build_agent()
+}
+
+impl ModeLab {
+    pub(super) fn start(mode: Mode, cfg: &Config) -> Result<ModeLab> {
+        let with_agent = mode == Mode::ProxyTc;
+        let mut b = Lab::builder()
+            .manifests_yaml(&pods_yaml(cfg.endpoints))
+            .agent(with_agent);
+        if with_agent {
+            b = b.agent_bin(agent_bin(cfg)?).rust_log("info");
+        }
+        let mut lab = b.start()?;
+        if with_agent {
+            lab.wait_ready(Duration::from_secs(60))?;
+            lab.wait_attached(Duration::from_secs(30))?;
+        }
+        let mut pods: Vec<(String, Ipv4Addr, String)> = lab
+            .pods()
+            .iter()
+            .filter(|p| !p.host_if.is_empty())
+            .map(|p| (p.name.clone(), p.ip, p.netns.clone()))
+            .collect();
+        pods.sort();
+        // A wide ephemeral range in the client: fewer reuses of a 4-tuple
+        // whose previous connection is still in TIME_WAIT at the pod.
+        crate::netns::sysctl_in(
+            &lab.client().netns,
+            "net.ipv4.ip_local_port_range",
+            "1024 65535",
+        )?;
+        if pods.len() != cfg.endpoints {
+            bail!("lab has {} pods, wanted {}", pods.len(), cfg.endpoints);
+        }
+        let servers = Servers::start(
+            &pods
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.2.clone(), i))
+                .collect::<Vec<_>>(),
+        )?;
+        Ok(ModeLab {
+            mode,
+            node_ns: lab.node().netns.clone(),
+            client_ns: lab.client().netns.clone(),
+            client_ip: lab.client().ip,
+            pod_ips: pods.iter().map(|p| p.1).collect(),
+            lab,
+            servers: Some(servers),
+            entries: Vec::new(),
+            bench_files: Vec::new(),
+        })
+    }
+
+    pub(super) fn down(mut self) -> Result<()> {
+        if let Some(s) = self.servers.take() {
+            s.stop();
+        }
+        self.lab.down()
+    }
+
+    /// Forgets kernel conntrack (node namespace) and the agent's LRU
+    /// conntrack, so every cell starts cold.
+    pub(super) fn reset_state(&self) -> Result<()> {
+        let r = in_netns(&self.node_ns, sys::flush_conntrack_here)?;
+        if let Err(e) = r {
+            // No conntrack in this namespace (no rules loaded): nothing to flush.
+            if self.mode != Mode::None && self.mode != Mode::ProxyTc {
+                bail!("conntrack flush in {}: {e}", self.node_ns);
+            }
+        }
+        if self.mode == Mode::ProxyTc {
+            let ct = self.lab.info().bpffs.join(proxy_ct_map());
+            if ct.exists() {
+                sys::clear_pinned_map(&ct).with_context(|| format!("clear {}", ct.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn agent_log_len(&self) -> u64 {
+        std::fs::metadata(self.lab.agent_log_path())
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
+    /// Waits for a `sync complete` line after byte `offset` of the agent's
+    /// log reporting `frontends` frontends; returns when it was seen.
+    pub(super) fn wait_frontends(
+        &mut self,
+        offset: u64,
+        frontends: usize,
+        t0: Instant,
+        timeout: Duration,
+    ) -> Result<Duration> {
+        let path = self.lab.agent_log_path();
+        let mut last = None;
+        loop {
+            let mut text = String::new();
+            if let Ok(mut f) = std::fs::File::open(&path) {
+                let _ = f.seek(SeekFrom::Start(offset));
+                let _ = f.read_to_string(&mut text);
+            }
+            for l in text.lines().filter(|l| l.contains(crate::lab::SYNC_MARKER)) {
+                let n = l
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("frontends="))
+                    .and_then(|v| {
+                        v.trim_matches(|c: char| !c.is_ascii_digit())
+                            .parse::<usize>()
+                            .ok()
+                    });
+                if n == Some(frontends) {
+                    return Ok(t0.elapsed());
+                }
+                last = n.or(last);
+            }
+            if !self.lab.agent_running() {
+                bail!(
+                    "the agent exited; log tail:\n{}",
+                    tail_str(&self.lab.agent_log(), 20)
+                );
+            }
+            if t0.elapsed() > timeout {
+                bail!(
+                    "no sync with {frontends} frontends within {timeout:?} (last seen: {last:?}); log tail:\n{}",
+                    tail_str(&self.lab.agent_log(), 10)
+                );
+            }
+            check_interrupted()?;
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    pub(super) fn remove_bench_files(&mut self) -> Result<bool> {
+        let mut removed = false;
+        for f in self.bench_files.drain(..) {
+            if f.exists() {
+                std::fs::remove_file(&f)?;
+                removed = true;
+            }
+        }
+        Ok(removed)
+    }
+
+    pub(super) fn write_bench_file(&mut self, name: &str, text: &str) -> Result<()> {
+        let dir = self.lab.info().manifests_dir.clone();
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let path = dir.join(name);
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &path)?;
+        self.bench_files.push(path);
+        Ok(())
+    }
+}
+
+fn proxy_ct_map() -> &'static str {
+    "CT4_V1"
+}
+
+fn tail_str(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
