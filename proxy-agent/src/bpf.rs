@@ -21,8 +21,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    capacity, conntrack, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key,
-    Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic, SOURCE_RANGE_ID_BITS,
+    capacity, conntrack, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4,
+    Config, Ct4Key, Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic,
+    SOURCE_RANGE_ID_BITS,
 };
 
 use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
@@ -389,7 +390,8 @@ impl BpfDataplane {
                     let skey = k.service_of_reply(v, r);
                     // A reply entry younger than a second may belong to a
                     // flow being created right now.
-                    live.contains(&skey) || now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC
+                    live.contains(&skey)
+                        || now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC
                 }
             };
             if !keep && self.conntrack.remove(k).is_ok() {

@@ -872,6 +872,7 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
         backend_id: u32,
         last_used_s: u32,
     }
+    // SAFETY: a #[repr(C)] struct of integers without implicit padding.
     unsafe impl aya::Pod for AffinityV0 {}
 
     fn run(old: MapData, new: &mut Map) -> Result<usize, aya::maps::MapError> {

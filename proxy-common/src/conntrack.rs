@@ -168,7 +168,10 @@ mod tests {
             timeout_ns(&cfg, IPPROTO_UDP, ct_flags::TCP_CLOSING),
             s(cfg.ct_udp_s)
         );
-        assert_eq!(timeout_ns(&cfg, IPPROTO_TCP, 0), s(cfg.ct_tcp_established_s));
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_TCP, 0),
+            s(cfg.ct_tcp_established_s)
+        );
         assert_eq!(
             timeout_ns(&cfg, IPPROTO_TCP, ct_flags::TCP_SYN),
             s(cfg.ct_tcp_syn_s)
@@ -217,7 +220,10 @@ mod tests {
         let nat = ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
         assert_eq!(tcp_state(nat | ct_flags::TCP_SYN, ACK), nat);
         assert_eq!(tcp_state(nat, FIN), nat | ct_flags::TCP_CLOSING);
-        assert_eq!(tcp_state(nat | ct_flags::TCP_CLOSING, SYN), nat | ct_flags::TCP_SYN);
+        assert_eq!(
+            tcp_state(nat | ct_flags::TCP_CLOSING, SYN),
+            nat | ct_flags::TCP_SYN
+        );
     }
 
     #[test]
@@ -261,10 +267,18 @@ mod tests {
         for (flags, seen_addr, seen_port) in cases {
             let service = Ct4Value {
                 backend_id: 7,
-                nat_addr_be: if flags & ct_flags::SNAT_ADDR != 0 { NODE } else { 0 },
+                nat_addr_be: if flags & ct_flags::SNAT_ADDR != 0 {
+                    NODE
+                } else {
+                    0
+                },
                 rev_nat_id: 3,
                 flags: flags | ct_flags::TCP_SYN,
-                nat_port_be: if flags & ct_flags::SNAT_PORT != 0 { nport } else { 0 },
+                nat_port_be: if flags & ct_flags::SNAT_PORT != 0 {
+                    nport
+                } else {
+                    0
+                },
                 _pad: 0,
                 last_seen_ns: 5,
             };

@@ -640,18 +640,32 @@ mod user {
     use super::*;
     // SAFETY: plain `#[repr(C)]` structs of integers, padded by hand, no
     // implicit padding (checked by the size asserts above).
+    // SAFETY: as above.
     unsafe impl aya::Pod for Svc4Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Svc4Value {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Backend4 {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for RevNat4 {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Ct4Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Ct4Value {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Config {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Iface {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Affinity4Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Affinity4Value {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Frag4Key {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Frag4Ports {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for SourceRange4 {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for Traffic {}
 }

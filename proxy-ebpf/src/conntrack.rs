@@ -129,8 +129,8 @@ pub fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64)
         return false;
     };
     match CT4_V1.get_ptr(rkey.service_of_reply(&e, &rev)) {
-        // SAFETY: map value pointer, copied.
         Some(o) => {
+            // SAFETY: map value pointer, copied.
             let o = unsafe { *o };
             o.backend_id == e.backend_id && alive(cfg, rkey.proto, &o, now)
         }

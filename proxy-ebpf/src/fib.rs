@@ -27,7 +27,7 @@ const AF_INET: u8 = 2;
 /// a FIB lookup; falls back to the stack when the FIB has no answer.
 pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     count(code);
-    let pass = (TC_ACT_OK as i32, stat::PASS_FIB_MISS);
+    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
     // SAFETY: zeroed plain-old-data struct.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.family = AF_INET;
@@ -56,7 +56,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
         return pass;
     };
     if ttl_proto[0] <= 1 {
-        return (TC_ACT_OK as i32, stat::PASS_TTL);
+        return (TC_ACT_OK, stat::PASS_TTL);
     }
     let new = [ttl_proto[0] - 1, ttl_proto[1]];
     let old_w = u16::from_ne_bytes(ttl_proto) as u64;
@@ -64,11 +64,12 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     if ctx.l3_csum_replace(IP_CSUM_OFF, old_w, new_w, 2).is_err()
         || ctx.store(IP_TTL_OFF, &new, 0).is_err()
     {
-        return (TC_ACT_SHOT as i32, stat::DROP_REWRITE_FAILED);
+        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
         let mut nh = bpf_redir_neigh {
             nh_family: AF_INET as u32,
+            // SAFETY: a union of plain integers; all zeroes is valid.
             __bindgen_anon_1: unsafe { core::mem::zeroed() },
         };
         // SAFETY: writing a plain field of a stack union.
@@ -83,7 +84,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     macs[..6].copy_from_slice(&p.dmac);
     macs[6..].copy_from_slice(&p.smac);
     if ctx.store(0, &macs, 0).is_err() {
-        return (TC_ACT_SHOT as i32, stat::DROP_REWRITE_FAILED);
+        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
     let pod = match IFACE_V1.get_ptr(p.ifindex) {
         // SAFETY: map value pointer, read once.

@@ -6,8 +6,8 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    backend_state, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags,
-    Config, Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
+    backend_state, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config,
+    Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
 };
 
 use crate::{
@@ -119,10 +119,12 @@ fn new_flow(
     // The backend-side tuple must not belong to another live flow.
     let mut rkey = mine.reply_key(pkt);
     if flags & ct_flags::SNAT_PORT != 0 {
-        mine.nat_port_be = nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+        mine.nat_port_be =
+            nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
         count(stat::SNAT_NODE);
     } else if conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
-        mine.nat_port_be = nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+        mine.nat_port_be =
+            nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
         mine.flags |= ct_flags::SNAT_PORT;
         count(stat::SNAT_PORT_COLLISION);
     }

@@ -21,7 +21,7 @@ const ICMP_PORT_UNREACH: u8 = 3;
 pub fn reject(ctx: &TcContext, ip: &Ipv4Hdr) -> (i32, u32) {
     match try_reject(ctx, ip) {
         Ok(v) => v,
-        Err(()) => (TC_ACT_SHOT as i32, stat::DROP_REJECT_FAILED),
+        Err(()) => (TC_ACT_SHOT, stat::DROP_REJECT_FAILED),
     }
 }
 

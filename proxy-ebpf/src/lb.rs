@@ -3,7 +3,9 @@
 //! affinity and source-range maps. Hash lookups only; nothing here loops
 //! over backends.
 
-use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey, helpers::bpf_get_prandom_u32};
+use aya_ebpf::{
+    bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey, helpers::bpf_get_prandom_u32,
+};
 use proxy_common::{
     conntrack::NSEC_PER_SEC, stat, svc_flags, Affinity4Key, Affinity4Value, Backend4, RevNat4,
     SourceRange4, Svc4Key, Svc4Value, SOURCE_RANGE_ID_BITS,

@@ -15,12 +15,10 @@ use proxy_common::{
 
 /// Frontends (slot 0) and their backend slots (1..=count).
 #[btf_map]
-pub static SVC4_V1: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> =
-    HashMap::new();
+pub static SVC4_V1: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> = HashMap::new();
 /// Backend id → backend.
 #[btf_map]
-pub static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> =
-    HashMap::new();
+pub static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> = HashMap::new();
 /// Reverse-NAT id → the frontend replies come from.
 #[btf_map]
 pub static REVNAT4_V1: HashMap<u16, RevNat4, { capacity::REV_NAT as usize }> = HashMap::new();

@@ -73,7 +73,13 @@ pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
 ///   node's address and a port of its own, so replies come back through
 ///   this node.
 #[inline(always)]
-pub fn snat_for(cfg: &Config, fe: &Svc4Value, b: &Backend4, client_be: u32, external: bool) -> (u16, u32) {
+pub fn snat_for(
+    cfg: &Config,
+    fe: &Svc4Value,
+    b: &Backend4,
+    client_be: u32,
+    external: bool,
+) -> (u16, u32) {
     if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
         (ct_flags::SNAT_ADDR, cfg.hairpin_addr_be)
     } else if external
@@ -114,7 +120,13 @@ fn l4_flags(pkt: &Packet) -> u64 {
     }
 }
 
-fn rewrite_addr(ctx: &TcContext, pkt: &Packet, off: usize, old: u32, new: u32) -> Result<(), Verdict> {
+fn rewrite_addr(
+    ctx: &TcContext,
+    pkt: &Packet,
+    off: usize,
+    old: u32,
+    new: u32,
+) -> Result<(), Verdict> {
     if old == new {
         return Ok(());
     }
@@ -132,7 +144,13 @@ fn rewrite_addr(ctx: &TcContext, pkt: &Packet, off: usize, old: u32, new: u32) -
     ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
 }
 
-fn rewrite_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Result<(), Verdict> {
+fn rewrite_port(
+    ctx: &TcContext,
+    pkt: &Packet,
+    off: usize,
+    old: u16,
+    new: u16,
+) -> Result<(), Verdict> {
     if old == new || !pkt.l4_present {
         return Ok(());
     }

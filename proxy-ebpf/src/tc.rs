@@ -27,9 +27,9 @@ use crate::{
 pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
     let (mut pkt, ip, l4_end) = match parse::parse(ctx) {
         Ok(p) => p,
-        Err(Verdict::Drop(code)) => return (TC_ACT_SHOT as i32, code),
+        Err(Verdict::Drop(code)) => return (TC_ACT_SHOT, code),
         Err(Verdict::Pass(code) | Verdict::Deliver(code) | Verdict::Reject(code)) => {
-            return (TC_ACT_OK as i32, code)
+            return (TC_ACT_OK, code)
         }
     };
     let verdict = steps(ctx, &mut pkt, l4_end, scope);
@@ -41,8 +41,8 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
 #[inline(always)]
 fn act(ctx: &TcContext, pkt: &Packet, ip: &Ipv4Hdr, verdict: Verdict) -> (i32, u32) {
     match verdict {
-        Verdict::Pass(code) => (TC_ACT_OK as i32, code),
-        Verdict::Drop(code) => (TC_ACT_SHOT as i32, code),
+        Verdict::Pass(code) => (TC_ACT_OK, code),
+        Verdict::Drop(code) => (TC_ACT_SHOT, code),
         Verdict::Deliver(code) => fib::deliver(ctx, pkt, code),
         Verdict::Reject(_) => icmp::reject(ctx, ip),
     }

@@ -71,7 +71,12 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
 /// A BPF call of its own: the FIB parameters live in its frame, not in the
 /// program's, whose stack adds up with [`forward::decide`]'s.
 #[inline(never)]
-fn transmit(ctx: &XdpContext, pkt: &mut Packet, to: &Tuple, code: u32) -> Result<(u32, u32), Verdict> {
+fn transmit(
+    ctx: &XdpContext,
+    pkt: &mut Packet,
+    to: &Tuple,
+    code: u32,
+) -> Result<(u32, u32), Verdict> {
     let fib = fib::xdp_fib(ctx, pkt, to).ok_or(DEFER)?;
     nat::xdp_rewrite(ctx, pkt, to)?;
     count(code);

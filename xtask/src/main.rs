@@ -38,7 +38,10 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         requests: usize,
     },
-    /// Setup, build, then `cargo test --workspace --exclude proxy-ebpf --
+    /// rustfmt's check and clippy (warnings as errors) on every crate, the
+    /// eBPF one for its own target.
+    Lint,
+    /// Setup, lint, build, then `cargo test --workspace --exclude proxy-ebpf --
     /// --include-ignored --test-threads=2` as root (the eBPF crate only builds
     /// for the bpf target). Arguments go to `cargo test`; those after a
     /// second `--` go to the test binaries.
@@ -127,6 +130,10 @@ fn main() -> Result<()> {
         }
         Cmd::Lab { cmd } => lab_cmd(cmd),
         Cmd::Demo { requests } => demo(requests),
+        Cmd::Lint => {
+            setup::ensure_setup()?;
+            xtask::lint::lint()
+        }
         Cmd::Test { args } => test(args),
         Cmd::Bench(args) => xtask::bench::run(args),
     }
@@ -494,6 +501,7 @@ fn test(args: Vec<String>) -> Result<()> {
         bail!("`cargo xtask test` must run as root: the packet and lab tests load eBPF programs and create network namespaces");
     }
     setup::ensure_setup()?;
+    xtask::lint::lint()?;
     // The lab runs the agent as it ships (release): a debug agent parses and
     // syncs thousands of objects several times slower, which the "within 1 s"
     // rows (K1, updates under load) would measure instead of the proxy.

@@ -250,6 +250,7 @@ fn is_bpffs(path: &str) -> Result<bool> {
     let c = std::ffi::CString::new(path)?;
     // SAFETY: statfs writes into the zeroed struct we pass; the path is a valid C string.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {path}"));
     }
