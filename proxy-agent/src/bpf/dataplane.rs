@@ -1,0 +1,253 @@
+//! [`BpfDataplane`]: the maps the writer programs, and conntrack garbage
+//! collection.
+
+use super::*;
+
+/// The maps the agent writes, taken out of the loaded object.
+pub struct BpfDataplane {
+    services: HashMap<MapData, Svc4Key, Svc4Value>,
+    backends: HashMap<MapData, u32, Backend4>,
+    rev_nat: HashMap<MapData, u16, RevNat4>,
+    config: Array<MapData, Config>,
+    affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
+    source_ranges: LpmTrie<MapData, SourceRange4, u8>,
+    conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
+    sizes: MapSizes,
+}
+
+/// What one conntrack garbage collection did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtGcReport {
+    pub scanned: usize,
+    pub expired: usize,
+}
+
+/// `bpf_ktime_get_ns()` as user space sees it: CLOCK_MONOTONIC.
+pub fn ktime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn source_range_key(rev_nat_id: u16, (addr, len): SourceRange) -> LpmKey<SourceRange4> {
+    LpmKey::new(
+        SOURCE_RANGE_ID_BITS + u32::from(len.min(32)),
+        SourceRange4 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be: u32::from_ne_bytes(addr.octets()),
+        },
+    )
+}
+
+impl BpfDataplane {
+    pub fn new(ebpf: &mut Ebpf, sizes: MapSizes) -> Result<Self, BpfError> {
+        Ok(Self {
+            services: HashMap::try_from(take_map(ebpf, map_names::SERVICES)?)
+                .map_err(map_err(map_names::SERVICES))?,
+            backends: HashMap::try_from(take_map(ebpf, map_names::BACKENDS)?)
+                .map_err(map_err(map_names::BACKENDS))?,
+            rev_nat: HashMap::try_from(take_map(ebpf, map_names::REV_NAT)?)
+                .map_err(map_err(map_names::REV_NAT))?,
+            config: Array::try_from(take_map(ebpf, map_names::CONFIG)?)
+                .map_err(map_err(map_names::CONFIG))?,
+            affinity: HashMap::try_from(take_map(ebpf, map_names::AFFINITY)?)
+                .map_err(map_err(map_names::AFFINITY))?,
+            source_ranges: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES)?)
+                .map_err(map_err(map_names::SOURCE_RANGES))?,
+            conntrack: HashMap::try_from(take_map(ebpf, map_names::CONNTRACK)?)
+                .map_err(map_err(map_names::CONNTRACK))?,
+            sizes,
+        })
+    }
+
+    /// Writes the datapath configuration (index 0 of the config map).
+    pub fn set_config(&mut self, cfg: Config) -> Result<(), BpfError> {
+        self.config
+            .set(0, cfg, 0)
+            .map_err(map_err(map_names::CONFIG))
+    }
+}
+
+fn op_err(map: &'static str, op: &'static str, capacity: u32, e: MapError) -> DataplaneError {
+    if let MapError::SyscallError(s) = &e {
+        if s.io_error.raw_os_error() == Some(libc::E2BIG)
+            || s.io_error.raw_os_error() == Some(libc::ENOMEM)
+        {
+            return DataplaneError::Full { map, capacity };
+        }
+    }
+    DataplaneError::Op {
+        map,
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// Deleting an absent key is not an error: the state wanted is reached.
+fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
+    match r {
+        Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+impl BpfDataplane {
+    /// Garbage-collects conntrack at time `now_ns` ([`ktime_ns`]): a SERVICE
+    /// entry idle for longer than its timeout (per protocol and TCP state, as
+    /// the datapath judges it) is deleted with its REPLY entry; a REPLY entry
+    /// whose SERVICE entry is gone is deleted. The LRU bounds the map anyway;
+    /// this frees entries of finished flows before it has to.
+    pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
+        let entries: Vec<(Ct4Key, Ct4Value)> =
+            self.conntrack.iter().filter_map(Result::ok).collect();
+        let mut report = CtGcReport {
+            scanned: entries.len(),
+            expired: 0,
+        };
+        let live: std::collections::HashSet<Ct4Key> = entries
+            .iter()
+            .filter(|(k, v)| {
+                k.dir == proxy_common::ct_dir::SERVICE && conntrack::alive(cfg, k.proto, v, now_ns)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        let rev: BTreeMap<u16, RevNat4> = self.rev_nat.iter().filter_map(Result::ok).collect();
+        for (k, v) in &entries {
+            let keep = match k.dir {
+                proxy_common::ct_dir::SERVICE => live.contains(k),
+                _ => {
+                    // The SERVICE entry of this reply's flow.
+                    let Some(r) = rev.get(&v.rev_nat_id) else {
+                        report.expired += usize::from(self.conntrack.remove(k).is_ok());
+                        continue;
+                    };
+                    let skey = k.service_of_reply(v, r);
+                    // A reply entry younger than a second may belong to a
+                    // flow being created right now.
+                    live.contains(&skey)
+                        || now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC
+                }
+            };
+            if !keep && self.conntrack.remove(k).is_ok() {
+                report.expired += 1;
+            }
+        }
+        report
+    }
+}
+
+impl Dataplane for BpfDataplane {
+    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
+        let cap = self.sizes.backends;
+        self.backends
+            .insert(id, backend, 0)
+            .map_err(|e| op_err(map_names::BACKENDS, "insert", cap, e))
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let cap = self.sizes.backends;
+        ignore_missing(self.backends.remove(&id))
+            .map_err(|e| op_err(map_names::BACKENDS, "delete", cap, e))
+    }
+    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        let cap = self.sizes.services;
+        self.services
+            .insert(key, value, 0)
+            .map_err(|e| op_err(map_names::SERVICES, "insert", cap, e))
+    }
+    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+        let cap = self.sizes.services;
+        ignore_missing(self.services.remove(&key))
+            .map_err(|e| op_err(map_names::SERVICES, "delete", cap, e))
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
+        self.rev_nat
+            .insert(id, value, 0)
+            .map_err(|e| op_err(map_names::REV_NAT, "insert", cap, e))
+    }
+    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
+        ignore_missing(self.rev_nat.remove(&id))
+            .map_err(|e| op_err(map_names::REV_NAT, "delete", cap, e))
+    }
+    fn prune_affinity(
+        &mut self,
+        rev_nat_id: u16,
+        keep: &BTreeSet<u32>,
+    ) -> Result<usize, DataplaneError> {
+        let stale: Vec<Affinity4Key> = self
+            .affinity
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| k.rev_nat_id == rev_nat_id && !keep.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &stale {
+            let cap = capacity::AFFINITY;
+            ignore_missing(self.affinity.remove(k))
+                .map_err(|e| op_err(map_names::AFFINITY, "delete", cap, e))?;
+        }
+        Ok(stale.len())
+    }
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        let cap = capacity::SOURCE_RANGES;
+        self.source_ranges
+            .insert(&source_range_key(rev_nat_id, range), 1, 0)
+            .map_err(|e| op_err(map_names::SOURCE_RANGES, "insert", cap, e))
+    }
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: u16,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError> {
+        let cap = capacity::SOURCE_RANGES;
+        ignore_missing(
+            self.source_ranges
+                .remove(&source_range_key(rev_nat_id, range)),
+        )
+        .map_err(|e| op_err(map_names::SOURCE_RANGES, "delete", cap, e))
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        let d = |map: &'static str| {
+            move |e: MapError| DataplaneError::Op {
+                map,
+                op: "dump",
+                reason: e.to_string(),
+            }
+        };
+        let mut p = Programmed::default();
+        for kv in self.services.iter() {
+            let (k, v) = kv.map_err(d(map_names::SERVICES))?;
+            p.services.insert(k, v);
+        }
+        for kv in self.backends.iter() {
+            let (k, v) = kv.map_err(d(map_names::BACKENDS))?;
+            p.backends.insert(k, v);
+        }
+        for kv in self.rev_nat.iter() {
+            let (k, v) = kv.map_err(d(map_names::REV_NAT))?;
+            p.rev_nat.insert(k, v);
+        }
+        for k in self.source_ranges.keys() {
+            let k = k.map_err(d(map_names::SOURCE_RANGES))?;
+            let data = k.data();
+            let len = k.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+            let o = data.addr_be.to_ne_bytes();
+            p.source_ranges
+                .entry(u16::from_be(data.rev_nat_id_be))
+                .or_default()
+                .insert((std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3]), len));
+        }
+        Ok(p)
+    }
+}

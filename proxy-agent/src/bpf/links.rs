@@ -1,0 +1,249 @@
+//! [`Attacher`]: the programs' tc and XDP links, pinned under the pin
+//! directory and taken over by the next agent; `cleanup` of a datapath left
+//! attached.
+
+use super::*;
+
+/// A tcx link held by the agent: its fd and where it is pinned.
+struct Held {
+    name: String,
+    kind: IfaceKind,
+    fd: FdLink,
+    pin: PathBuf,
+}
+
+/// Attaches the programs to interfaces, one tcx link per interface, pinned
+/// under `<pin dir>/links/` so that the datapath keeps running while the agent
+/// restarts: a restarted agent finds the pinned link of an interface and
+/// atomically replaces its program (`bpf_link_update`); packets never see an
+/// interface without a program. Also keeps the interfaces map (pod interfaces,
+/// delivered to with `bpf_redirect_peer`) equal to the attached pod interfaces.
+pub struct Attacher {
+    ebpf: Ebpf,
+    ifaces: HashMap<MapData, u32, Iface>,
+    links: BTreeMap<(u32, IfaceKind), Held>,
+    link_dir: PathBuf,
+}
+
+fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
+    BpfError::Link {
+        name,
+        reason: e.to_string(),
+    }
+}
+
+impl Attacher {
+    /// Takes the interfaces map out of `ebpf` and forgets its old entries
+    /// (interfaces are learned again from netlink).
+    pub fn new(mut ebpf: Ebpf, pin_dir: &Path) -> Result<Self, BpfError> {
+        let mut ifaces: HashMap<MapData, u32, Iface> =
+            HashMap::try_from(take_map(&mut ebpf, map_names::IFACES)?)
+                .map_err(map_err(map_names::IFACES))?;
+        let stale: Vec<u32> = ifaces.keys().filter_map(Result::ok).collect();
+        for k in stale {
+            let _ = ifaces.remove(&k);
+        }
+        let link_dir = pin_dir.join("links");
+        std::fs::create_dir_all(&link_dir).map_err(|source| BpfError::PinDir {
+            path: link_dir.clone(),
+            source,
+        })?;
+        Ok(Self {
+            ebpf,
+            ifaces,
+            links: BTreeMap::new(),
+            link_dir,
+        })
+    }
+
+    fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
+        self.ebpf
+            .program_mut(kind.program())
+            .expect("program checked at load")
+            .try_into()
+            .expect("program type checked at load")
+    }
+
+    fn xdp(&mut self) -> &mut Xdp {
+        self.ebpf
+            .program_mut(EXT_XDP_PROGRAM)
+            .expect("program checked at load")
+            .try_into()
+            .expect("program type checked at load")
+    }
+
+    pub fn is_attached(&self, ifindex: u32, kind: IfaceKind) -> bool {
+        self.links.contains_key(&(ifindex, kind))
+    }
+
+    /// Takes over a pinned link with the current program (`bpf_link_update`).
+    fn take_over(&mut self, fd: FdLink, kind: IfaceKind) -> Result<FdLink, BpfError> {
+        let name = kind.program();
+        let perr = |source| BpfError::Program { name, source };
+        if kind == IfaceKind::ExternalXdp {
+            let link = XdpLink::try_from(fd).map_err(|e| link_err(name, e))?;
+            let xdp = self.xdp();
+            let id = xdp.attach_to_link(link).map_err(perr)?;
+            let link = xdp.take_link(id).map_err(perr)?;
+            return FdLink::try_from(link).map_err(|e| link_err(name, e));
+        }
+        let link = SchedClassifierLink::try_from(fd).map_err(|e| link_err(name, e))?;
+        let prog = self.program(kind);
+        let id = prog.attach_to_link(link).map_err(perr)?;
+        let link = prog.take_link(id).map_err(perr)?;
+        FdLink::try_from(link).map_err(|e| link_err(name, e))
+    }
+
+    /// A new link of `kind` on interface `name`.
+    fn attach_new(&mut self, name: &str, kind: IfaceKind) -> Result<FdLink, BpfError> {
+        let prog_name = kind.program();
+        let perr = |source| BpfError::Program {
+            name: prog_name,
+            source,
+        };
+        if kind == IfaceKind::ExternalXdp {
+            let xdp = self.xdp();
+            let id = xdp.attach(name, XdpMode::Default).map_err(perr)?;
+            let link = xdp.take_link(id).map_err(perr)?;
+            return FdLink::try_from(link).map_err(|e| link_err(prog_name, e));
+        }
+        let prog = self.program(kind);
+        let id = prog.attach(name, TcAttachType::Ingress).map_err(perr)?;
+        let link = prog.take_link(id).map_err(perr)?;
+        FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
+    }
+
+    fn pin_path(&self, ifindex: u32, name: &str, kind: IfaceKind) -> PathBuf {
+        let k = match kind {
+            IfaceKind::Pod => "pod",
+            IfaceKind::External => "ext",
+            IfaceKind::ExternalXdp => "xdp",
+        };
+        self.link_dir.join(format!("{ifindex}-{name}-{k}"))
+    }
+
+    /// Attaches the program of `kind` at tc ingress (tcx) of `name`, or takes
+    /// over the link a previous agent pinned for it.
+    pub fn attach(&mut self, ifindex: u32, name: &str, kind: IfaceKind) -> Result<(), BpfError> {
+        let prog_name = kind.program();
+        let pin = self.pin_path(ifindex, name, kind);
+        let adopted = match PinnedLink::from_pin(&pin) {
+            Ok(pinned) => match self.take_over(FdLink::from(pinned), kind) {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    // A defunct link (its interface was recreated): start afresh.
+                    tracing::debug!(pin = %pin.display(), error = %e, "pinned link not reusable");
+                    let _ = std::fs::remove_file(&pin);
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        let fd = match adopted {
+            Some(fd) => fd,
+            None => {
+                let fd = self.attach_new(name, kind)?;
+                FdLink::from(fd.pin(&pin).map_err(|e| link_err(prog_name, e))?)
+            }
+        };
+        self.links.insert(
+            (ifindex, kind),
+            Held {
+                name: name.to_owned(),
+                kind,
+                fd,
+                pin,
+            },
+        );
+        if kind == IfaceKind::Pod {
+            self.ifaces
+                .insert(
+                    ifindex,
+                    Iface {
+                        flags: iface_flags::POD,
+                    },
+                    0,
+                )
+                .map_err(map_err(map_names::IFACES))?;
+        }
+        Ok(())
+    }
+
+    /// Detaches every link on `ifindex` (removing their pins) and forgets them.
+    pub fn detach(&mut self, ifindex: u32) {
+        let keys: Vec<(u32, IfaceKind)> = self
+            .links
+            .keys()
+            .filter(|(i, _)| *i == ifindex)
+            .copied()
+            .collect();
+        for k in keys {
+            if let Some(held) = self.links.remove(&k) {
+                let _ = std::fs::remove_file(&held.pin);
+                drop(held.fd);
+            }
+        }
+        let _ = self.ifaces.remove(&ifindex);
+    }
+
+    /// Whether any link is held on `ifindex`.
+    pub fn has_links(&self, ifindex: u32) -> bool {
+        self.links.keys().any(|(i, _)| *i == ifindex)
+    }
+
+    pub fn detach_all(&mut self) {
+        let all: std::collections::BTreeSet<u32> = self.links.keys().map(|(i, _)| *i).collect();
+        for i in all {
+            self.detach(i);
+        }
+    }
+
+    /// Lets go of every link but leaves it pinned: the programs stay attached
+    /// after the agent exits, until a new agent takes them over.
+    pub fn release_all(&mut self) {
+        self.links.clear();
+    }
+
+    /// Removes pins of links this agent does not hold (interfaces that are
+    /// gone, or no longer match the patterns).
+    pub fn prune_pins(&mut self) {
+        let held: std::collections::BTreeSet<PathBuf> =
+            self.links.values().map(|h| h.pin.clone()).collect();
+        if let Ok(dir) = std::fs::read_dir(&self.link_dir) {
+            for e in dir.flatten() {
+                if !held.contains(&e.path()) {
+                    tracing::info!(pin = %e.path().display(), "removing a stale link pin");
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+
+    pub fn attached(&self) -> impl Iterator<Item = (u32, &str, IfaceKind)> {
+        self.links
+            .iter()
+            .map(|((i, _), h)| (*i, h.name.as_str(), h.kind))
+    }
+}
+
+/// Removes a datapath left attached by an agent that exited with
+/// `--on-exit keep`: every pinned link (detaching the programs) and every
+/// pinned map under `pin_dir`. Returns how many pins were removed.
+pub fn cleanup(pin_dir: &Path) -> Result<usize, BpfError> {
+    if !pin_dir.exists() {
+        return Ok(0);
+    }
+    let mut n = 0;
+    let links = pin_dir.join("links");
+    if let Ok(dir) = std::fs::read_dir(&links) {
+        n += dir.flatten().count();
+    }
+    if let Ok(dir) = std::fs::read_dir(pin_dir) {
+        n += dir.flatten().filter(|e| e.path() != links).count();
+    }
+    std::fs::remove_dir_all(pin_dir).map_err(|source| BpfError::PinDir {
+        path: pin_dir.into(),
+        source,
+    })?;
+    Ok(n)
+}

@@ -1,0 +1,279 @@
+//! The BPF side of the agent: loading the embedded object with its maps pinned
+//! under a bpffs directory (a restarted agent adopts them), the [`Dataplane`]
+//! implementation over those maps, and attaching the tc program to pod
+//! interfaces.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the object, program names, map sizes, loading with pinned maps, layout migrations |
+//! | `dataplane.rs` | [`BpfDataplane`]: the writer's maps, conntrack garbage collection |
+//! | `pinned.rs` | [`PinnedMaps`]: read-only access to a running agent's maps (inspect, metrics) |
+//! | `links.rs` | [`Attacher`]: tc and XDP links, pinned and taken over on restart; `cleanup` |
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{
+        lpm_trie::{Key as LpmKey, LpmTrie},
+        Array, HashMap, MapData, MapError, PerCpuArray,
+    },
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::SchedClassifierLink,
+        xdp::XdpLink,
+        SchedClassifier, TcAttachType, Xdp, XdpMode,
+    },
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    capacity, conntrack, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4,
+    Config, Ct4Key, Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic,
+    SOURCE_RANGE_ID_BITS,
+};
+
+use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
+
+/// The kernel object built from `proxy-ebpf` by `build.rs`.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
+
+/// Name of the tc program for pod interfaces (the function name in `proxy-ebpf`).
+pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+/// Name of the tc program for the node's external devices.
+pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
+
+/// Name of the XDP program for the node's external devices (`--acceleration xdp`).
+pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
+
+/// Which program a link attaches, and so to which side of the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IfaceKind {
+    /// The host side of a pod's veth: `pod_ingress` at tc ingress, delivered
+    /// to with `bpf_redirect_peer`.
+    Pod,
+    /// A device towards other nodes and external clients: `ext_ingress` at tc
+    /// ingress.
+    External,
+    /// The same device's XDP hook: `ext_xdp` (XDP acceleration).
+    ExternalXdp,
+}
+
+impl IfaceKind {
+    pub fn program(self) -> &'static str {
+        match self {
+            IfaceKind::Pod => POD_INGRESS_PROGRAM,
+            IfaceKind::External => EXT_INGRESS_PROGRAM,
+            IfaceKind::ExternalXdp => EXT_XDP_PROGRAM,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BpfError {
+    #[error("cannot prepare the pin directory {path}: {source}")]
+    PinDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not on a bpffs mount (mount one with `mount -t bpf bpf {path}` or pass --bpffs under /sys/fs/bpf)")]
+    NotBpffs { path: PathBuf },
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("map {name}: {source}")]
+    Map {
+        name: &'static str,
+        source: MapError,
+    },
+    #[error("map {0} missing from the object")]
+    MissingMap(&'static str),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+    #[error("program {name}: link: {reason}")]
+    Link { name: &'static str, reason: String },
+}
+
+/// Map sizes, from the agent's configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub rev_nat: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: capacity::SERVICES,
+            backends: capacity::BACKENDS,
+            rev_nat: capacity::REV_NAT,
+            conntrack: capacity::CONNTRACK,
+        }
+    }
+}
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+fn ensure_bpffs_dir(dir: &Path) -> Result<(), BpfError> {
+    std::fs::create_dir_all(dir).map_err(|source| BpfError::PinDir {
+        path: dir.into(),
+        source,
+    })?;
+    let st = nix::sys::statfs::statfs(dir).map_err(|e| BpfError::PinDir {
+        path: dir.into(),
+        source: std::io::Error::from_raw_os_error(e as i32),
+    })?;
+    if st.filesystem_type().0 as i64 != BPF_FS_MAGIC {
+        return Err(BpfError::NotBpffs { path: dir.into() });
+    }
+    Ok(())
+}
+
+/// The loaded object: programs (for attaching) and the maps, pinned.
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub pin_dir: PathBuf,
+}
+
+/// Loads the embedded object. Every map is pinned as `<pin_dir>/<MAP_NAME>`; a
+/// map already pinned there (by an earlier agent) is reused, with its entries,
+/// so established flows keep their conntrack state across restarts.
+pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
+    load_with_migrations(pin_dir, sizes, MIGRATIONS)
+}
+
+/// A change of a map's layout, from the pinned map of an older agent to the
+/// current one. Map names carry their layout version (`CT4_V1`); an agent
+/// that finds a pinned map of an older version copies its entries, converted,
+/// into the current map, then removes the old pin. Entries of an old map with
+/// no migration are dropped (with a warning).
+pub struct Migration {
+    /// Pinned name of the old layout, e.g. `CT4_V0`.
+    pub from: &'static str,
+    /// The current map it migrates into (one of `map_names::ALL`).
+    pub to: &'static str,
+    /// Copies the old map's entries, converted, into the new one; returns how
+    /// many were copied.
+    pub run: fn(old: MapData, new: &mut aya::maps::Map) -> Result<usize, MapError>,
+}
+
+/// Migrations this agent knows. Every map is at its first layout (`_V1`), so
+/// there is none yet; the mechanism is tested with a layout changed on purpose.
+pub const MIGRATIONS: &[Migration] = &[];
+
+/// Whether `name` looks like a versioned map pin (`SOMETHING_V<digits>`).
+fn is_versioned_map_pin(name: &str) -> bool {
+    name.rsplit_once("_V").is_some_and(|(base, v)| {
+        !base.is_empty() && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
+/// [`load`] with the given migrations.
+pub fn load_with_migrations(
+    pin_dir: &Path,
+    sizes: MapSizes,
+    migrations: &[Migration],
+) -> Result<Loaded, BpfError> {
+    ensure_bpffs_dir(pin_dir)?;
+    let paths: Vec<(&'static str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|n| (*n, pin_dir.join(n)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(map_names::SERVICES, sizes.services)
+        .map_max_entries(map_names::BACKENDS, sizes.backends)
+        .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
+        .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    for name in [POD_INGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::Program {
+                name,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?
+            .try_into()
+            .map_err(|source| BpfError::Program { name, source })?;
+        prog.load()
+            .map_err(|source| BpfError::Program { name, source })?;
+    }
+    let xdp: &mut Xdp = ebpf
+        .program_mut(EXT_XDP_PROGRAM)
+        .ok_or(BpfError::Program {
+            name: EXT_XDP_PROGRAM,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(|source| BpfError::Program {
+            name: EXT_XDP_PROGRAM,
+            source,
+        })?;
+    xdp.load().map_err(|source| BpfError::Program {
+        name: EXT_XDP_PROGRAM,
+        source,
+    })?;
+    migrate(pin_dir, &mut ebpf, migrations)?;
+    Ok(Loaded {
+        ebpf,
+        pin_dir: pin_dir.to_owned(),
+    })
+}
+
+/// Runs the migrations whose old map is pinned in `pin_dir`, then removes
+/// pins of older layouts nothing migrates.
+fn migrate(pin_dir: &Path, ebpf: &mut Ebpf, migrations: &[Migration]) -> Result<(), BpfError> {
+    for m in migrations {
+        let old_path = pin_dir.join(m.from);
+        if !old_path.exists() {
+            continue;
+        }
+        let old = MapData::from_pin(&old_path).map_err(map_err(m.to))?;
+        let new = ebpf.map_mut(m.to).ok_or(BpfError::MissingMap(m.to))?;
+        let n = (m.run)(old, new).map_err(map_err(m.to))?;
+        std::fs::remove_file(&old_path).map_err(|source| BpfError::PinDir {
+            path: old_path.clone(),
+            source,
+        })?;
+        tracing::info!(
+            from = m.from,
+            to = m.to,
+            entries = n,
+            "migrated a pinned map to its new layout"
+        );
+    }
+    let Ok(dir) = std::fs::read_dir(pin_dir) else {
+        return Ok(());
+    };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if is_versioned_map_pin(&name) && !map_names::ALL.contains(&name.as_str()) {
+            tracing::warn!(pin = %e.path().display(), "a map of an older layout with no migration: its entries are dropped");
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    Ok(())
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, BpfError> {
+    ebpf.take_map(name).ok_or(BpfError::MissingMap(name))
+}
+
+fn map_err(name: &'static str) -> impl Fn(MapError) -> BpfError {
+    move |source| BpfError::Map { name, source }
+}
+
+mod dataplane;
+mod links;
+mod pinned;
+
+pub use dataplane::{ktime_ns, BpfDataplane, CtGcReport};
+pub use links::{cleanup, Attacher};
+pub use pinned::{PinnedMaps, ProgrammedTraffic};

@@ -1,0 +1,122 @@
+//! [`PinnedMaps`]: a running agent's pinned maps, read without loading the
+//! object (inspect, metrics).
+
+use super::*;
+
+/// Traffic per frontend (reverse-NAT id → address, port, protocol, counters)
+/// and per backend (id → address, port, protocol, counters).
+#[derive(Clone, Debug, Default)]
+pub struct ProgrammedTraffic {
+    pub frontends: BTreeMap<u16, (std::net::Ipv4Addr, u16, u8, Traffic)>,
+    pub backends: BTreeMap<u32, (std::net::Ipv4Addr, u16, u8, Traffic)>,
+}
+
+/// Read-only views of pinned maps, for `inspect` and tests.
+pub struct PinnedMaps {
+    pub dir: PathBuf,
+}
+
+impl PinnedMaps {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    fn open(&self, name: &'static str) -> Result<aya::maps::Map, BpfError> {
+        let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+        Ok(match name {
+            n if n == map_names::STATS => aya::maps::Map::PerCpuArray(data),
+            n if n == map_names::CONNTRACK => aya::maps::Map::LruHashMap(data),
+            n if n == map_names::CONFIG => aya::maps::Map::Array(data),
+            _ => aya::maps::Map::HashMap(data),
+        })
+    }
+
+    /// Counters summed over CPUs, by code.
+    pub fn stats(&self) -> Result<BTreeMap<u32, u64>, BpfError> {
+        let m: PerCpuArray<MapData, u64> = PerCpuArray::try_from(self.open(map_names::STATS)?)
+            .map_err(map_err(map_names::STATS))?;
+        let mut out = BTreeMap::new();
+        for code in 1..stat::NAMES.len() as u32 {
+            let v = m.get(&code, 0).map_err(map_err(map_names::STATS))?;
+            out.insert(code, v.iter().sum());
+        }
+        Ok(out)
+    }
+
+    /// Traffic of every programmed frontend (`addr:port/proto` by reverse-NAT
+    /// id) and backend (by id), summed over CPUs. Reads only the programmed ids.
+    pub fn traffic(&self) -> Result<ProgrammedTraffic, BpfError> {
+        let p = self.programmed()?;
+        let open = |name: &'static str| -> Result<PerCpuArray<MapData, Traffic>, BpfError> {
+            let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(map_err(name))
+        };
+        let fe = open(map_names::FRONTEND_TRAFFIC)?;
+        let be = open(map_names::BACKEND_TRAFFIC)?;
+        let sum = |m: &PerCpuArray<MapData, Traffic>, i: u32| -> Traffic {
+            m.get(&i, 0).map_or_else(
+                |_| Traffic::default(),
+                |v| {
+                    v.iter().fold(Traffic::default(), |a, t| Traffic {
+                        packets: a.packets + t.packets,
+                        bytes: a.bytes + t.bytes,
+                    })
+                },
+            )
+        };
+        let mut out = ProgrammedTraffic::default();
+        let protos: BTreeMap<u16, u8> = p
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| (v.rev_nat_id, k.proto))
+            .collect();
+        for (id, rev) in &p.rev_nat {
+            let proto = protos.get(id).copied().unwrap_or(0);
+            out.frontends.insert(
+                *id,
+                (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))),
+            );
+        }
+        for (id, b) in &p.backends {
+            out.backends
+                .insert(*id, (b.addr(), b.port(), b.proto, sum(&be, *id)));
+        }
+        Ok(out)
+    }
+
+    pub fn conntrack(&self) -> Result<Vec<(Ct4Key, Ct4Value)>, BpfError> {
+        let m: HashMap<MapData, Ct4Key, Ct4Value> =
+            HashMap::try_from(self.open(map_names::CONNTRACK)?)
+                .map_err(map_err(map_names::CONNTRACK))?;
+        m.iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(map_names::CONNTRACK))
+    }
+
+    pub fn programmed(&self) -> Result<Programmed, BpfError> {
+        let services: HashMap<MapData, Svc4Key, Svc4Value> =
+            HashMap::try_from(self.open(map_names::SERVICES)?)
+                .map_err(map_err(map_names::SERVICES))?;
+        let backends: HashMap<MapData, u32, Backend4> =
+            HashMap::try_from(self.open(map_names::BACKENDS)?)
+                .map_err(map_err(map_names::BACKENDS))?;
+        let rev_nat: HashMap<MapData, u16, RevNat4> =
+            HashMap::try_from(self.open(map_names::REV_NAT)?)
+                .map_err(map_err(map_names::REV_NAT))?;
+        let mut p = Programmed::default();
+        for kv in services.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::SERVICES))?;
+            p.services.insert(k, v);
+        }
+        for kv in backends.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::BACKENDS))?;
+            p.backends.insert(k, v);
+        }
+        for kv in rev_nat.iter() {
+            let (k, v) = kv.map_err(map_err(map_names::REV_NAT))?;
+            p.rev_nat.insert(k, v);
+        }
+        Ok(p)
+    }
+}
