@@ -13,6 +13,10 @@
 //! by the kit), so FIB lookups and counters never involve the machine's
 //! namespaces. Run with `cargo xtask test` (they are `#[ignore]`d under a
 //! plain `cargo test`).
+//!
+//! One file of about a thousand lines on purpose: one test binary loads the
+//! object and links the kit once, and every datapath behaviour stands beside
+//! the others it interacts with; the scaffolding lives in `kit/`.
 mod kit;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
