@@ -23,22 +23,36 @@ use crate::{
 
 const AF_INET: u8 = 2;
 
+/// FIB lookup parameters for an IPv4 packet of `pkt`'s protocol and length,
+/// on tuple `to`, arriving on `ifindex`.
+#[inline(always)]
+fn fib_params(pkt: &Packet, to: &Tuple, ifindex: u32) -> FibParams {
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = pkt.proto;
+    p.sport = to.sport_be;
+    p.dport = to.dport_be;
+    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    p.ifindex = ifindex;
+    p.__bindgen_anon_3.ipv4_src = to.saddr_be;
+    p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
+    p
+}
+
 /// Delivers a translated tc packet (counted under `code`) by redirect after
 /// a FIB lookup; falls back to the stack when the FIB has no answer.
 pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     count(code);
     let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
-    // SAFETY: zeroed plain-old-data struct.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.family = AF_INET;
-    p.l4_protocol = pkt.proto;
-    p.sport = pkt.sport_be;
-    p.dport = pkt.dport_be;
-    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    let to = Tuple {
+        saddr_be: pkt.saddr_be,
+        daddr_be: pkt.daddr_be,
+        sport_be: pkt.sport_be,
+        dport_be: pkt.dport_be,
+    };
     // SAFETY: the context pointer is valid for this program run.
-    p.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    p.__bindgen_anon_3.ipv4_src = pkt.saddr_be;
-    p.__bindgen_anon_4.ipv4_dst = pkt.daddr_be;
+    let mut p = fib_params(pkt, &to, unsafe { (*ctx.skb.skb).ifindex });
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -106,16 +120,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
 /// device and MACs, when XDP can send there itself (a complete answer, not a
 /// pod).
 pub fn xdp_fib(ctx: &XdpContext, pkt: &Packet, to: &Tuple) -> Option<FibParams> {
-    // SAFETY: zeroed plain-old-data struct.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.family = AF_INET;
-    p.l4_protocol = pkt.proto;
-    p.sport = to.sport_be;
-    p.dport = to.dport_be;
-    p.__bindgen_anon_1.tot_len = pkt.tot_len;
-    p.ifindex = ctx.ingress_ifindex() as u32;
-    p.__bindgen_anon_3.ipv4_src = to.saddr_be;
-    p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
+    let mut p = fib_params(pkt, to, ctx.ingress_ifindex() as u32);
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
         as u32;

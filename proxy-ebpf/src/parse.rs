@@ -62,6 +62,30 @@ pub struct Packet {
 }
 
 impl Packet {
+    /// The packet of IPv4 header `ip` whose L4 header (or, for a later
+    /// fragment, payload) starts at `l4_off`, with L4 checksum at `csum_off`.
+    #[inline(always)]
+    fn new(
+        ip: &Ipv4Hdr,
+        l4_off: usize,
+        csum_off: usize,
+        ports: [u16; 2],
+        l4_present: bool,
+    ) -> Self {
+        Packet {
+            l4_off,
+            csum_off,
+            proto: ip.proto,
+            saddr_be: ip.saddr_be,
+            daddr_be: ip.daddr_be,
+            sport_be: ports[0],
+            dport_be: ports[1],
+            tot_len: u16::from_be(ip.tot_len_be),
+            tcp_flags: 0,
+            l4_present,
+        }
+    }
+
     /// The conntrack key of this packet's tuple, as it is in the packet.
     #[inline(always)]
     pub fn ct_key(&self, dir: u8) -> Ct4Key {
@@ -132,18 +156,7 @@ pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
         ports
     };
     let (csum_off, l4_min) = l4_layout(ip.proto);
-    let pkt = Packet {
-        l4_off,
-        csum_off: l4_off + csum_off,
-        proto: ip.proto,
-        saddr_be: ip.saddr_be,
-        daddr_be: ip.daddr_be,
-        sport_be: ports[0],
-        dport_be: ports[1],
-        tot_len: u16::from_be(ip.tot_len_be),
-        tcp_flags: 0,
-        l4_present,
-    };
+    let pkt = Packet::new(&ip, l4_off, l4_off + csum_off, ports, l4_present);
     Ok((pkt, ip, if l4_present { l4_off + l4_min } else { l4_off }))
 }
 
@@ -207,18 +220,8 @@ pub fn parse_xdp(ctx: &XdpContext) -> Result<Packet, Verdict> {
     let ports = xdp_ptr::<[u16; 2]>(ctx, l4).ok_or(malformed)?;
     // SAFETY: bounds-checked frame pointer, copied.
     let ports = unsafe { *ports };
-    let mut pkt = Packet {
-        l4_off: l4,
-        csum_off: 0,
-        proto: ip.proto,
-        saddr_be: ip.saddr_be,
-        daddr_be: ip.daddr_be,
-        sport_be: ports[0],
-        dport_be: ports[1],
-        tot_len: u16::from_be(ip.tot_len_be),
-        tcp_flags: 0,
-        l4_present: true,
-    };
+    // XDP rewrites checksums in place (`nat::xdp_rewrite`): no offset kept.
+    let mut pkt = Packet::new(&ip, l4, 0, ports, true);
     if pkt.proto == IPPROTO_TCP {
         let f = xdp_ptr::<u8>(ctx, l4 + TCP_FLAGS_OFF).ok_or(malformed)?;
         // SAFETY: bounds-checked frame pointer.
