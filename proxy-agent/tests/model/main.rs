@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use proxy_agent::manifests::{load_str, Snapshot};
-use proxy_agent::model::{DesiredState, Frontend, FrontendKey};
+use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod health_and_claims;
@@ -47,6 +47,13 @@ fn backends(state: &DesiredState, ip: &str, port: u16, proto: u8) -> Vec<String>
         .iter()
         .map(|b| format!("{}:{}", b.addr, b.port))
         .collect()
+}
+
+/// The backends of `web`'s ClusterIP frontend (198.19.0.1:80/TCP) on
+/// `node-a` for the objects of `yaml`.
+fn web_backends(yaml: &str) -> Vec<String> {
+    let (state, _) = desired_state(&snap(yaml), "node-a");
+    backends(&state, "198.19.0.1", 80, IPPROTO_TCP)
 }
 
 /// The frontend; panics if it does not exist.

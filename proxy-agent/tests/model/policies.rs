@@ -180,11 +180,7 @@ fn ready_endpoint_is_used_even_when_not_serving() {
             "{name: http, port: 8080}",
             "{addresses: [198.18.1.1], conditions: {ready: true, serving: false}}",
         );
-    let (state, _) = desired_state(&snap(&yaml), "node-a");
-    assert_eq!(
-        backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
-        ["198.18.1.1:8080"]
-    );
+    assert_eq!(web_backends(&yaml), ["198.18.1.1:8080"]);
 }
 
 #[test]
