@@ -26,7 +26,7 @@ pub const FROM_XDP: u8 = 0x80;
 /// `flow` and returns `Deliver(FWD_NEW | FWD_ESTABLISHED)` when the packet is
 /// to be translated; otherwise what to do instead. From XDP, flows to a
 /// backend on this node are deferred to tc (which delivers to pods with
-/// `bpf_redirect_peer`) before anything is written.
+/// `bpf_redirect_peer`), a new one once its conntrack entries are written.
 ///
 /// `mode`: the frontend scope, or-ed with [`FROM_XDP`]. A BPF function call of
 /// its own (the verifier limits the stack of one frame); a BPF call takes at
@@ -68,6 +68,13 @@ fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Resu
         new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
     }
     conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, established, now);
+    if xdp && flow.backend.state & backend_state::LOCAL != 0 {
+        // A backend on this node: tc delivers it (`bpf_redirect_peer`). The
+        // flow is written down first, so tc keeps the backend chosen here
+        // instead of choosing again (which would give local backends 1/N²
+        // of the new flows).
+        return Err(Verdict::Pass(stat::XDP_DEFERRED));
+    }
     Ok(if established {
         stat::FWD_ESTABLISHED
     } else {
@@ -88,7 +95,6 @@ fn new_flow(
     now: u64,
     flow: &mut Flow,
 ) -> Result<(), Verdict> {
-    let xdp = mode & FROM_XDP != 0;
     let scope = mode & !FROM_XDP;
     let external = scope == SCOPE_EXTERNAL;
     let client_be = pkt.saddr_be;
@@ -99,9 +105,6 @@ fn new_flow(
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
     let (backend_id, b) = lb::select(pkt, &lb::frontend_key(pkt, scope), fe, now)?;
-    if xdp && b.state & backend_state::LOCAL != 0 {
-        return Err(Verdict::Pass(stat::XDP_DEFERRED));
-    }
     let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, external);
     if pkt.proto == IPPROTO_TCP {
         flags |= tcp_state(0, pkt.tcp_flags);
