@@ -1158,3 +1158,45 @@ fn xdp_deferral_keeps_the_backend_xdp_chose() {
         "local backend share {share:.2} of {flows} flows (expected about 0.5)"
     );
 }
+
+/// A packet XDP hands on to tc (the FIB had no answer for it) is accounted
+/// once, by tc, not once by each program: the per-frontend and per-backend
+/// traffic counters count packets the node forwarded.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn xdp_deferred_packets_are_accounted_once() {
+    let mut s = Setup::new(vec![(
+        fe_ext(NODE, 30083, IPPROTO_TCP),
+        vec![be(REMOTE, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    s.node = Some(NODE);
+    // No wire: the FIB has no route, XDP defers after choosing.
+    let h = s.harness();
+    let syn = tcp4(EXT_CLIENT, 43000, NODE, 30083, SYN, b"");
+    let packets = |h: &Harness| {
+        let t = h.maps().traffic().expect("traffic");
+        let fe = t
+            .frontends
+            .values()
+            .find(|(a, p, _, _)| *a == NODE && *p == 30083)
+            .map_or(0, |(_, _, _, t)| t.packets);
+        let be = t
+            .backends
+            .values()
+            .find(|(a, p, _, _)| *a == REMOTE && *p == 8080)
+            .map_or(0, |(_, _, _, t)| t.packets);
+        (fe, be)
+    };
+    let (rc, _) = h.run_prog(ExtXdp, &syn);
+    assert_eq!(rc, kit::harness::XDP_PASS, "no route: XDP defers");
+    assert_eq!(
+        packets(&h),
+        (0, 0),
+        "XDP accounted a packet it did not send"
+    );
+    let (rc, out) = h.run_prog(ExtIngress, &syn);
+    assert_eq!(rc, Pass.code(ExtIngress), "translated, handed to the stack");
+    assert_eq!(parse_checked(&out).dst, REMOTE);
+    assert_eq!(packets(&h), (1, 1), "tc accounts the packet once");
+}

@@ -39,7 +39,7 @@ pub fn run(ctx: &XdpContext) -> (u32, u32) {
 fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     let mut pkt = parse::parse_xdp(ctx)?;
     let len = (ctx.data_end() - ctx.data()) as u64;
-    let (to, code): (Tuple, u32) =
+    let (to, code, rev_nat_id, backend_id): (Tuple, u32, u16, u32) =
         if let Some(fe) = SVC4_V1.get_ptr(lb::frontend_key(&pkt, SCOPE_EXTERNAL)) {
             // SAFETY: map value pointer, copied.
             let fe = unsafe { *fe };
@@ -50,15 +50,18 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
                 Verdict::Pass(_) | Verdict::Reject(_) => return Err(DEFER),
                 v => return Err(v),
             };
-            account(len, fe.rev_nat_id, flow.backend_id);
-            (nat::forward_tuple(&pkt, &flow), code)
+            let to = nat::forward_tuple(&pkt, &flow);
+            (to, code, fe.rev_nat_id, flow.backend_id)
         } else {
             let ct = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
             let rev = rev_nat(ct.rev_nat_id).ok_or(DEFER)?;
-            account(len, ct.rev_nat_id, ct.backend_id);
-            (nat::reverse_tuple(&pkt, &ct, &rev), stat::FWD_REPLY)
+            let to = nat::reverse_tuple(&pkt, &ct, &rev);
+            (to, stat::FWD_REPLY, ct.rev_nat_id, ct.backend_id)
         };
-    transmit(ctx, &mut pkt, &to, code)
+    let sent = transmit(ctx, &mut pkt, &to, code)?;
+    // Accounted only once sent: a packet handed on to tc is accounted there.
+    account(len, rev_nat_id, backend_id);
+    Ok(sent)
 }
 
 /// Where the translated packet goes, asked before translating: what XDP
