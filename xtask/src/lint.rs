@@ -27,8 +27,15 @@ fn nightly_has_clippy() -> bool {
 pub fn lint() -> Result<()> {
     println!("lint: rustfmt");
     run_visible(cargo().args(["fmt", "--all", "--check"]))?;
-    println!("lint: clippy (user space)");
-    run_visible(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    println!("lint: clippy (every crate on the host, the eBPF one checked only)");
+    run_visible(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     println!("lint: clippy (eBPF crate, bpfel-unknown-none)");
     // Like aya-build: nightly where it is installed, else the stable
     // toolchain with RUSTC_BOOTSTRAP=1 for `-Z build-std`.
