@@ -84,7 +84,9 @@ pub fn k1_udp_flow_leaves_deleted_endpoint(lab: &mut Lab, at: &Placement) {
     let sync2 = delete_pod(lab, &y);
     std::thread::sleep(Duration::from_millis(1500).saturating_sub(t2.elapsed()));
 
-    // Step 3: a new pod.
+    // Step 3: a new pod. The manifest is written inside `apply`, so step 2
+    // ends when `apply` starts (`t3_start`); step 3 is timed from its return.
+    let t3_start = Instant::now();
     lab.apply(&at.pod("pod-d", "statsd", 8125)).unwrap();
     let t3 = Instant::now();
     std::thread::sleep(Duration::from_millis(1500));
@@ -127,7 +129,7 @@ pub fn k1_udp_flow_leaves_deleted_endpoint(lab: &mut Lab, at: &Placement) {
     // Step 2.
     let step2: Vec<&Shot> = shots
         .iter()
-        .filter(|s| s.sent >= t2 && s.sent < t3)
+        .filter(|s| s.sent >= t2 && s.sent < t3_start)
         .collect();
     let Some(refused) = step2
         .iter()
@@ -190,6 +192,11 @@ pub fn k2_udp_zero_to_one_endpoint(lab: &mut Lab, at: &Placement) {
         Duration::from_secs(20),
     );
     std::thread::sleep(Duration::from_millis(500));
+    // The manifest is written inside `apply` (after the pod's namespace is
+    // made), so the agent may program the endpoint before `apply` returns:
+    // "before the change" ends when `apply` starts, "after" starts when it
+    // returns.
+    let t0 = Instant::now();
     lab.apply(&at.pod("dns-1", "dns", 53)).unwrap();
     let t = Instant::now();
     // About 20 more datagrams after the change.
@@ -200,7 +207,7 @@ pub fn k2_udp_zero_to_one_endpoint(lab: &mut Lab, at: &Placement) {
         describe(&shots, t)
     );
 
-    let before: Vec<&Shot> = shots.iter().filter(|s| s.sent < t).collect();
+    let before: Vec<&Shot> = shots.iter().filter(|s| s.sent < t0).collect();
     assert!(
         before.len() >= 3,
         "{what}: too few datagrams before the change"
