@@ -57,6 +57,10 @@ fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Resu
 
     let established = conntrack::lookup(cfg, pkt, &skey, now, flow);
     if established {
+        // Checked again below for new flows; here it spares the reply-entry
+        // work for a tracked flow tc handles anyway (measured: merging the
+        // two checks costs ~120 bytes of program and ~1,400 verified
+        // instructions in every program, `decide` being shared).
         if xdp && flow.backend.state & backend_state::LOCAL != 0 {
             return Err(Verdict::Pass(stat::XDP_DEFERRED));
         }
