@@ -7,13 +7,7 @@ use std::process::Command;
 
 use anyhow::Result;
 
-use crate::setup::{run_visible, target_dir, workspace_root};
-
-fn cargo() -> Command {
-    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    c.current_dir(workspace_root());
-    c
-}
+use crate::setup::{cargo, run_visible, target_dir, workspace_root};
 
 /// Whether `rustup`'s nightly toolchain has clippy.
 fn nightly_has_clippy() -> bool {

@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -512,8 +511,7 @@ fn test(args: Vec<String>) -> Result<()> {
         None => (&args[..], &[][..]),
     };
     let target = setup::target_dir().join("debug");
-    let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-        .current_dir(setup::workspace_root())
+    let status = setup::cargo()
         .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
         .args(cargo_args)
         .args(["--", "--include-ignored", "--test-threads=2"])

@@ -45,7 +45,8 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-fn cargo() -> Command {
+/// `cargo` (the one running xtask, else from PATH) in the workspace root.
+pub fn cargo() -> Command {
     let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     c.current_dir(workspace_root());
     c
