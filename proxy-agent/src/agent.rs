@@ -2,7 +2,8 @@
 //! interfaces as they appear, and keep the maps equal to the desired state of
 //! the source, with kube-proxy's minimum sync period.
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -14,7 +15,7 @@ use netlink_packet_route::{
     link::{LinkAttribute, LinkMessage},
     RouteNetlinkMessage,
 };
-use proxy_common::Config;
+use proxy_common::{Config, SockRevNat4Key, SockRevNat4Value};
 use rtnetlink::{new_multicast_connection, MulticastGroup};
 use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
@@ -58,6 +59,10 @@ pub struct RunConfig {
     pub healthz_bind_address: Option<SocketAddr>,
     /// `/metrics`, `/proxyMode`; `None` disables.
     pub metrics_bind_address: Option<SocketAddr>,
+    /// The cgroup the socket hooks attach to; `None`: host socket LB off.
+    pub host_socket_lb: Option<PathBuf>,
+    /// NodePorts on 127.0.0.1 for the node's own clients.
+    pub localhost_node_ports: bool,
 }
 
 impl From<&Settings> for RunConfig {
@@ -78,6 +83,8 @@ impl From<&Settings> for RunConfig {
             service_proxy_name: s.service_proxy_name.clone(),
             healthz_bind_address: s.healthz_bind_address,
             metrics_bind_address: s.metrics_bind_address,
+            host_socket_lb: s.host_socket_lb.clone(),
+            localhost_node_ports: s.localhost_node_ports,
         }
     }
 }
@@ -93,6 +100,57 @@ struct Observers {
     health_checks: crate::healthcheck::HealthCheckServers,
     /// The Service each frontend was last programmed for.
     owners: std::collections::BTreeMap<crate::model::FrontendKey, String>,
+    /// Backends of UDP frontends as last programmed: connected UDP sockets
+    /// of host clients aimed at one that goes away are destroyed.
+    udp_backends: BTreeSet<SocketAddrV4>,
+    /// The socket-level reverse-NAT map (which sockets the hooks aimed
+    /// where); `None` while host socket LB is off.
+    sock_revnat: Option<aya::maps::HashMap<aya::maps::MapData, SockRevNat4Key, SockRevNat4Value>>,
+}
+
+/// The backends of every UDP frontend of `desired`, retained ones included.
+fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddrV4> {
+    desired
+        .frontends
+        .iter()
+        .filter(|(k, _)| k.proto == proxy_common::IPPROTO_UDP)
+        .flat_map(|(_, f)| f.backends.iter().chain(f.retained.iter()))
+        .map(|b| SocketAddrV4::new(b.addr, b.port))
+        .collect()
+}
+
+/// Destroys host clients' connected UDP sockets that the socket hooks aimed
+/// at a backend no longer programmed (see [`crate::sockdiag`]).
+fn destroy_stale_udp_sockets(obs: &mut Observers, desired: &model::DesiredState) {
+    let now = udp_backends(desired);
+    let gone: BTreeSet<SocketAddrV4> = obs.udp_backends.difference(&now).copied().collect();
+    obs.udp_backends = now;
+    let Some(revnat) = &obs.sock_revnat else {
+        return;
+    };
+    if gone.is_empty() {
+        return;
+    }
+    let ours = |cookie: u64, peer: SocketAddrV4| {
+        let key = SockRevNat4Key {
+            cookie,
+            addr_be: u32::from_ne_bytes(peer.ip().octets()),
+            port_be: peer.port().to_be(),
+            _pad: 0,
+        };
+        revnat.get(&key, 0).is_ok()
+    };
+    match crate::sockdiag::destroy_aimed_at(&gone, ours) {
+        Ok(d) if d.destroyed > 0 || d.failed > 0 => info!(
+            destroyed = d.destroyed,
+            failed = d.failed,
+            "host clients' connected UDP sockets aimed at removed backends destroyed"
+        ),
+        Ok(_) => {}
+        Err(e) => {
+            warn!(error = %e, "cannot list UDP sockets (socket diag); connected UDP sockets of host clients may keep a removed backend")
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +295,7 @@ fn sync_once(
         service_proxy_name: cfg.service_proxy_name.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
         current_owners: obs.owners.clone(),
+        localhost_node_ports: cfg.localhost_node_ports,
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
@@ -276,6 +335,7 @@ fn sync_once(
             "cannot program more frontends (same causes; see the map sizes)"
         );
     }
+    destroy_stale_udp_sockets(obs, &desired);
     // Ports that cannot be bound are logged inside and retried next sync.
     obs.health_checks.sync(&desired.health_checks);
     // A sync that ran is an update for the health check even when single
@@ -310,6 +370,43 @@ fn sync_once(
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
         "{what}: {report:?}"
     );
+}
+
+/// When the agent starts saying why its source is not ready, and how often.
+const NOT_READY_HINT_AFTER: Duration = Duration::from_secs(5);
+const NOT_READY_HINT_EVERY: Duration = Duration::from_secs(15);
+
+/// Attaches the socket hooks for host clients to the configured cgroup, or
+/// says in one line why host socket LB is off.
+fn attach_socket_hooks(cfg: &RunConfig, sock_lb: &bpf::SockLbSupport, attacher: &Mutex<Attacher>) {
+    let Some(cgroup) = &cfg.host_socket_lb else {
+        info!("host socket load balancing off (hostSocketLB.enabled: false): the node's own clients do not reach Services through this agent");
+        return;
+    };
+    if let Err(why) = &sock_lb.loaded {
+        warn!(
+            "host socket load balancing off: {why} (cgroup sock_addr hooks with getpeername need Linux 5.8)"
+        );
+        return;
+    }
+    match attacher
+        .lock()
+        .expect("attacher lock")
+        .attach_cgroup(cgroup)
+    {
+        Ok(()) => {
+            if sock_lb.netns_cookie == 0 {
+                warn!("this kernel has no SO_NETNS_COOKIE (Linux 5.14): the socket hooks serve every network namespace, pods' sockets included");
+            }
+            if !sock_lb.set_retval {
+                info!("this kernel has no bpf_set_retval (Linux 5.18): connect() to a Service without endpoints fails with EPERM instead of ECONNREFUSED");
+            }
+            info!(cgroup = %cgroup.display(), netns_cookie = sock_lb.netns_cookie, "attached the socket hooks for host clients");
+        }
+        Err(e) => {
+            error!(error = %e, "cannot attach the socket hooks: the node's own clients do not reach Services")
+        }
+    }
 }
 
 /// The datapath's configuration: hairpin address and conntrack timeouts.
@@ -348,7 +445,22 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         owners: Default::default(),
         health_checks: crate::healthcheck::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
+        udp_backends: BTreeSet::new(),
+        sock_revnat: None,
     };
+    let sock_lb = loaded.sock_lb.clone();
+    if cfg.host_socket_lb.is_some() && sock_lb.loaded.is_ok() {
+        let pin = loaded.pin_dir.join(proxy_common::map_names::SOCK_REVNAT);
+        match aya::maps::MapData::from_pin(&pin)
+            .map_err(|e| e.to_string())
+            .and_then(|m| {
+                aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(m))
+                    .map_err(|e| e.to_string())
+            }) {
+            Ok(m) => obs.sock_revnat = Some(m),
+            Err(e) => warn!(error = %e, "cannot open the socket-level reverse-NAT map"),
+        }
+    }
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
         let router = servers::health_router(obs.health.clone());
@@ -361,10 +473,24 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
 
     let (tx, mut changes) = mpsc::unbounded_channel();
     source.start(tx)?;
-    // Never act on a half-filled cache.
+    // Never act on a half-filled cache. Say why, within seconds, while the
+    // source is not ready (an unreachable API server names its address and
+    // the setting that fixes it).
+    let waiting = Instant::now();
+    let mut hint = tokio::time::interval_at(
+        (waiting + NOT_READY_HINT_AFTER).into(),
+        NOT_READY_HINT_EVERY,
+    );
     while !source.ready() {
-        if changes.recv().await.is_none() {
-            return Err(SourceError::Other("the source stopped before it was ready".into()).into());
+        tokio::select! {
+            c = changes.recv() => if c.is_none() {
+                return Err(SourceError::Other("the source stopped before it was ready".into()).into());
+            },
+            _ = hint.tick() => {
+                if let Some(h) = source.not_ready_hint(waiting.elapsed()) {
+                    error!("{h}");
+                }
+            }
         }
     }
     // Program the maps before attaching, so the first packets find them.
@@ -378,10 +504,12 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         xdp: cfg.acceleration == crate::config::Acceleration::Xdp,
     };
     let events = attach_existing(&attacher, &patterns).await?;
+    attach_socket_hooks(&cfg, &sock_lb, &attacher);
     attacher.lock().expect("attacher lock").prune_pins();
     let links = tokio::spawn(follow_links(attacher.clone(), patterns, events));
     // Ready: maps programmed and every existing interface attached.
     info!("{SYNC_COMPLETE}: initial state programmed, programs attached");
+    obs.health.set_ready();
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;

@@ -47,6 +47,20 @@ pub struct RunArgs {
     /// $KUBECONFIG or ~/.kube/config.
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
+    /// The API server's own address, e.g. https://198.18.0.1:6443
+    /// (kube-proxy's --master): overrides the kubeconfig's and the in-cluster
+    /// KUBERNETES_SERVICE_HOST, the `kubernetes` Service's ClusterIP, which
+    /// nothing translates on a node before this agent has programmed it.
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Socket-level load balancing for the node's own clients (host
+    /// processes, hostNetwork pods) on cgroup v2 hooks [default: true].
+    #[arg(long, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub host_socket_lb: Option<bool>,
+    /// The cgroup v2 directory the socket hooks attach to [default: the root
+    /// of the cgroup2 hierarchy].
+    #[arg(long)]
+    pub cgroup_root: Option<PathBuf>,
     /// This node's name (endpoints whose nodeName equals it are local)
     /// [default: hostnameOverride, else the host name].
     #[arg(long, env = "NODE_NAME")]

@@ -167,6 +167,21 @@ pub struct ClientConnection {
     pub kubeconfig: Option<PathBuf>,
 }
 
+/// `hostSocketLB`: socket-level load balancing for the node's own clients
+/// (host processes, hostNetwork pods) on cgroup v2 hooks.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostSocketLbFile {
+    /// On by default; off for nodes whose host traffic must not be
+    /// load-balanced by socket hooks (a transparent proxy on the host that
+    /// reads original destinations). Host clients then do not reach Services.
+    pub enabled: Option<bool>,
+    /// The cgroup v2 directory the hooks attach to; default: the root of the
+    /// cgroup2 hierarchy (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a
+    /// hybrid host). In a pod, mount the host's cgroup2 and give its path.
+    pub cgroup_root: Option<PathBuf>,
+}
+
 /// `conntrack`: the datapath's own connection tracking, with kube-proxy's
 /// field names. Sizes the conntrack map and sets its timeouts.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -214,6 +229,16 @@ pub struct ConfigFile {
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
     pub service_proxy_name: Option<String>,
+    /// The API server's own address (kube-proxy's `--master`), e.g.
+    /// `https://198.18.0.1:6443`: what the agent dials instead of
+    /// `KUBERNETES_SERVICE_HOST`, the `kubernetes` Service's ClusterIP that
+    /// nothing translates before this agent has programmed the node.
+    pub master: Option<String>,
+    #[serde(rename = "hostSocketLB")]
+    pub host_socket_lb: Option<HostSocketLbFile>,
+    /// NodePorts on 127.0.0.1 for the node's own clients (kube-proxy's
+    /// `iptables.localhostNodePorts`, default true).
+    pub localhost_node_ports: Option<bool>,
 }
 
 impl ConfigFile {
@@ -326,6 +351,12 @@ pub struct Settings {
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     /// Accepted and checked; not used by the datapath yet.
     pub cluster_cidr: Option<Cidr>,
+    /// The API server URL given (`--master` / `master`), over the
+    /// kubeconfig's or the in-cluster one.
+    pub master: Option<String>,
+    /// The cgroup the socket hooks attach to; `None`: host socket LB off.
+    pub host_socket_lb: Option<PathBuf>,
+    pub localhost_node_ports: bool,
 }
 
 /// Parses a bind address: `ip:port`, or a bare IP with `default_port`, or an
@@ -489,6 +520,38 @@ impl Settings {
                     .map_err(|e| invalid("nodePortAddresses", e))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let master = flags
+            .master
+            .clone()
+            .or_else(|| file.master.clone())
+            .filter(|m| !m.trim().is_empty());
+        if let Some(m) = &master {
+            let ok = m
+                .parse::<axum::http::Uri>()
+                .ok()
+                .is_some_and(|u| u.scheme().is_some() && u.authority().is_some());
+            if !ok {
+                return Err(invalid(
+                    "master",
+                    format!("{m:?} is not a URL (expected e.g. https://198.18.0.1:6443)"),
+                ));
+            }
+        }
+        let sock = file.host_socket_lb.clone().unwrap_or_default();
+        let host_socket_lb = if flags.host_socket_lb.or(sock.enabled).unwrap_or(true) {
+            match flags.cgroup_root.clone().or(sock.cgroup_root) {
+                Some(p) => Some(p),
+                None => Some(crate::bpf::cgroup2_root().ok_or_else(|| {
+                    invalid(
+                        "hostSocketLB.cgroupRoot",
+                        "no cgroup v2 hierarchy found at /sys/fs/cgroup or /sys/fs/cgroup/unified: \
+                         give its path, or set hostSocketLB.enabled: false",
+                    )
+                })?),
+            }
+        } else {
+            None
+        };
         let cluster_cidr = file
             .cluster_cidr
             .as_deref()
@@ -526,6 +589,9 @@ impl Settings {
             conntrack_timeouts,
             node_port_addresses,
             cluster_cidr,
+            master,
+            host_socket_lb,
+            localhost_node_ports: file.localhost_node_ports.unwrap_or(true),
         })
     }
 

@@ -19,6 +19,7 @@ struct Inner {
     last_updated: Option<SystemTime>,
     oldest_pending_queued: Option<Instant>,
     node_eligible: bool,
+    ready: bool,
 }
 
 /// Shared between the sync loop (writer) and the health server (reader).
@@ -50,6 +51,7 @@ impl Health {
                 oldest_pending_queued: None,
                 // Eligible until the Node object says otherwise.
                 node_eligible: true,
+                ready: false,
             }),
         }
     }
@@ -67,6 +69,17 @@ impl Health {
     pub fn queued_update(&self) {
         let mut i = self.lock();
         i.oldest_pending_queued.get_or_insert_with(Instant::now);
+    }
+
+    /// The first complete sync is done: maps programmed from a complete view
+    /// of the source, programs attached. `/readyz` answers 200 from then on.
+    pub fn set_ready(&self) {
+        self.lock().ready = true;
+    }
+
+    /// Whether the first complete sync is done (the pod's readiness).
+    pub fn is_ready(&self) -> bool {
+        self.lock().ready
     }
 
     /// A sync completed.
@@ -113,6 +126,16 @@ impl Health {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{NodeSpec, Taint};
+
+    #[test]
+    fn not_ready_until_the_first_complete_sync() {
+        let h = Health::new(Duration::from_secs(3600));
+        assert!(!h.is_ready());
+        h.updated();
+        assert!(!h.is_ready(), "a sync is not the first complete one");
+        h.set_ready();
+        assert!(h.is_ready());
+    }
 
     #[test]
     fn healthy_at_start_and_while_a_change_is_young() {

@@ -60,26 +60,102 @@ pub enum ClientError {
     Infer(#[from] kube::config::InferConfigError),
     #[error("Kubernetes client: {0}")]
     Client(#[from] kube::Error),
+    #[error("master: not a URL: {0}")]
+    Master(String),
+}
+
+/// Where the API server address the agent dials came from: what a log line
+/// names when the API server cannot be reached, with the setting that fixes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApiServerOrigin {
+    /// `--master` / `master:`.
+    Master,
+    /// A kubeconfig file (given, `$KUBECONFIG` or `~/.kube/config`).
+    Kubeconfig,
+    /// In-cluster: `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT`.
+    InCluster,
+}
+
+/// The API server the agent dials, and why that one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiServer {
+    pub url: String,
+    pub origin: ApiServerOrigin,
+}
+
+impl ApiServer {
+    /// What to tell the operator when no list completed after `waited`.
+    pub fn unreachable_hint(&self, waited: std::time::Duration) -> String {
+        let base = format!(
+            "no complete list from the API server at {} after {:.0?}",
+            self.url, waited
+        );
+        match self.origin {
+            ApiServerOrigin::InCluster => format!(
+                "{base}: that address is KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT, \
+                 the ClusterIP of the `kubernetes` Service, which nothing translates on a node \
+                 before this agent has programmed it; give the API server's own address: \
+                 set KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT in the DaemonSet \
+                 (deploy/api-server.yaml), or `master:` in the config (--master)"
+            ),
+            ApiServerOrigin::Kubeconfig => format!(
+                "{base} (from the kubeconfig's server): check that address, or give the API \
+                 server's own address with `master:` in the config (--master)"
+            ),
+            ApiServerOrigin::Master => {
+                format!("{base} (from `master:` / --master): check that address")
+            }
+        }
+    }
 }
 
 /// A client from `kubeconfig` when given, else inferred as kube-rs does: the
 /// in-cluster service account inside a pod, `$KUBECONFIG` or `~/.kube/config`
-/// outside. Needs a Tokio runtime.
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
-    let config = match kubeconfig {
+/// outside. `master` replaces the server address of either (kube-proxy's
+/// `--master`); with nothing else to go on, it is used without credentials.
+/// Needs a Tokio runtime.
+pub async fn client(
+    kubeconfig: Option<&Path>,
+    master: Option<&str>,
+) -> Result<(Client, ApiServer), ClientError> {
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let inferred = match kubeconfig {
         Some(path) => {
             let err = |source| ClientError::Kubeconfig {
                 path: path.to_owned(),
                 source,
             };
             let kc = Kubeconfig::read_from(path).map_err(err)?;
-            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(err)?
+            Ok(
+                kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                    .await
+                    .map_err(err)?,
+            )
         }
-        None => kube::Config::infer().await?,
+        None => kube::Config::infer().await.map_err(ClientError::Infer),
     };
-    Ok(Client::try_from(config)?)
+    let (config, origin) = match (inferred, master) {
+        (Ok(mut c), Some(m)) => {
+            c.cluster_url = m
+                .parse()
+                .map_err(|e| ClientError::Master(format!("{m}: {e}")))?;
+            (c, ApiServerOrigin::Master)
+        }
+        (Err(_), Some(m)) => {
+            let url = m
+                .parse()
+                .map_err(|e| ClientError::Master(format!("{m}: {e}")))?;
+            (kube::Config::new(url), ApiServerOrigin::Master)
+        }
+        (Ok(c), None) if kubeconfig.is_none() && in_cluster => (c, ApiServerOrigin::InCluster),
+        (Ok(c), None) => (c, ApiServerOrigin::Kubeconfig),
+        (Err(e), None) => return Err(e),
+    };
+    let api = ApiServer {
+        url: config.cluster_url.to_string(),
+        origin,
+    };
+    Ok((Client::try_from(config)?, api))
 }
 
 /// The label selector kube-proxy puts on its Service and EndpointSlice watches.
@@ -112,6 +188,8 @@ pub struct KubernetesOptions {
     pub node_name: String,
     /// This proxy's `service.kubernetes.io/service-proxy-name`, if it has one.
     pub service_proxy_name: Option<String>,
+    /// The API server dialled, named when it cannot be reached.
+    pub api_server: Option<ApiServer>,
 }
 
 /// One reflector: its store, whether it has listed once, its task.
@@ -263,6 +341,11 @@ impl Source for KubernetesSource {
         self.services.as_ref().is_some_and(Reflector::listed)
             && self.slices.as_ref().is_some_and(Reflector::listed)
             && self.nodes.as_ref().is_some_and(Reflector::listed)
+    }
+
+    fn not_ready_hint(&self, waited: std::time::Duration) -> Option<String> {
+        let api = self.opts.api_server.as_ref()?;
+        Some(api.unreachable_hint(waited))
     }
 
     fn snapshot(&mut self) -> (Snapshot, usize) {

@@ -17,4 +17,5 @@ pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod servers;
+pub mod sockdiag;
 pub mod source;

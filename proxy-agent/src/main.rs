@@ -26,14 +26,17 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
     let source: Box<dyn Source> = match settings.source {
         SourceKind::Manifests => Box::new(ManifestsSource::new(settings.manifests.clone())),
         SourceKind::Kubernetes => {
-            let client = k8s::client(settings.kubeconfig.as_deref())
-                .await
-                .context("connecting to the API server")?;
+            let (client, api_server) =
+                k8s::client(settings.kubeconfig.as_deref(), settings.master.as_deref())
+                    .await
+                    .context("connecting to the API server")?;
+            info!(api_server = %api_server.url, origin = ?api_server.origin, "API server");
             Box::new(KubernetesSource::new(
                 client,
                 KubernetesOptions {
                     node_name: settings.node_name.clone(),
                     service_proxy_name: settings.service_proxy_name.clone(),
+                    api_server: Some(api_server),
                 },
             ))
         }

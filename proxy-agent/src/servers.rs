@@ -75,6 +75,22 @@ async fn livez(State(h): State<Arc<Health>>) -> Response {
     )
 }
 
+/// The pod's readiness: 200 once the first complete sync is done (a
+/// complete view of the source programmed and the programs attached), 503
+/// before. Not kube-proxy's (it has none); `/healthz` keeps kube-proxy's rules
+/// for load balancers.
+async fn readyz(State(h): State<Arc<Health>>) -> Response {
+    let ready = h.is_ready();
+    json(
+        if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        },
+        serde_json::json!({ "ready": ready }),
+    )
+}
+
 async fn proxy_mode() -> &'static str {
     PROXY_MODE
 }
@@ -100,6 +116,7 @@ pub fn health_router(health: Arc<Health>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
         .route("/proxyMode", get(proxy_mode))
         .with_state(health)
 }

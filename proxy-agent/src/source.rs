@@ -15,6 +15,11 @@ pub trait Source: Send {
     /// Whether the source has a complete view (for the Kubernetes API: every
     /// watch has listed once). The agent programs nothing before.
     fn ready(&self) -> bool;
+    /// Why the source is still not ready after `waited`, in words that name
+    /// the setting to fix (logged as an error while the agent waits).
+    fn not_ready_hint(&self, _waited: std::time::Duration) -> Option<String> {
+        None
+    }
     /// The current snapshot. Problems with single objects are logged by the
     /// source and counted in the returned number; they never empty the snapshot.
     fn snapshot(&mut self) -> (Snapshot, usize);

@@ -44,12 +44,13 @@ async fn source_for(
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
-    let client = k8s::client(Some(&kubeconfig)).await.expect("client");
+    let (client, _) = k8s::client(Some(&kubeconfig), None).await.expect("client");
     let mut source = KubernetesSource::new(
         client,
         KubernetesOptions {
             node_name: NODE.into(),
             service_proxy_name: proxy_name.map(str::to_string),
+            api_server: None,
         },
     );
     let (tx, rx) = mpsc::unbounded_channel();

@@ -47,9 +47,13 @@ pub mod map_names {
     pub const FRONTEND_TRAFFIC: &str = "FE_TRAFFIC_V1";
     /// Per-CPU traffic of each backend, indexed by backend id → [`super::Traffic`].
     pub const BACKEND_TRAFFIC: &str = "BE_TRAFFIC_V1";
+    /// Socket-level reverse NAT (LRU): [`super::SockRevNat4Key`] →
+    /// [`super::SockRevNat4Value`], written by the cgroup hooks for host
+    /// clients' sockets.
+    pub const SOCK_REVNAT: &str = "SOCK_REVNAT4_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -62,6 +66,7 @@ pub mod map_names {
         SOURCE_RANGES,
         FRONTEND_TRAFFIC,
         BACKEND_TRAFFIC,
+        SOCK_REVNAT,
     ];
 }
 
@@ -79,6 +84,8 @@ pub mod capacity {
     pub const FRONTEND_TRAFFIC: u32 = 65_536;
     /// Number of counters in the stats array; every [`super::stat`] code is below it.
     pub const STATS: u32 = 64;
+    /// Host clients' translated sockets (one entry per socket and backend).
+    pub const SOCK_REVNAT: u32 = 131_072;
 }
 
 /// IP protocol numbers used in keys.
@@ -392,6 +399,36 @@ pub struct Affinity4Value {
 const _: () = assert!(size_of::<Affinity4Value>() == 16);
 const _: () = assert!(offset_of!(Affinity4Value, last_used_ns) == 8);
 
+/// Socket-level reverse-NAT key: one host client's socket (its cookie) and
+/// the backend the cgroup hooks aimed it at. `recvmsg()` and `getpeername()`
+/// on that socket see the frontend instead of this backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockRevNat4Key {
+    /// `bpf_get_socket_cookie()` of the socket.
+    pub cookie: u64,
+    /// Backend address, network byte order.
+    pub addr_be: u32,
+    /// Backend port, network byte order.
+    pub port_be: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(size_of::<SockRevNat4Key>() == 16);
+const _: () = assert!(offset_of!(SockRevNat4Key, addr_be) == 8);
+
+/// Socket-level reverse-NAT value: the frontend the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SockRevNat4Value {
+    /// Frontend address, network byte order.
+    pub addr_be: u32,
+    /// Frontend port, network byte order.
+    pub port_be: u16,
+    /// The frontend's reverse-NAT id (host order).
+    pub rev_nat_id: u16,
+}
+const _: () = assert!(size_of::<SockRevNat4Value>() == 8);
+
 /// Fragment key: one IPv4 datagram being fragmented, as its fragments carry it
 /// (before any translation). Addresses and id in network byte order.
 #[repr(C)]
@@ -595,9 +632,29 @@ pub mod stat {
     pub const XDP_TX: u32 = 31;
     /// XDP: translated and redirected to another device (XDP_REDIRECT).
     pub const XDP_REDIRECT: u32 = 32;
+    /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
+    /// backend.
+    pub const SOCK_CONNECT: u32 = 40;
+    /// Socket LB: an unconnected UDP `sendmsg()` to a frontend was aimed at a
+    /// backend.
+    pub const SOCK_SENDMSG: u32 = 41;
+    /// Socket LB: a `recvmsg()` source or `getpeername()` answer was turned
+    /// back from the backend into the frontend.
+    pub const SOCK_REVNAT: u32 = 42;
+    /// Socket LB: a frontend without a usable endpoint; the call failed with
+    /// ECONNREFUSED (EPERM where the kernel lacks `bpf_set_retval`).
+    pub const SOCK_REJECT_NO_BACKEND: u32 = 43;
+    /// Socket LB: a frontend whose endpoints may not be used from this node
+    /// (a `Local` policy); the call failed with EHOSTUNREACH at once.
+    pub const SOCK_NO_LOCAL_BACKEND: u32 = 44;
+    /// Socket LB: a slot or backend entry was missing; the call failed.
+    pub const SOCK_NO_BACKEND_ENTRY: u32 = 45;
+    /// Socket LB: the reverse-NAT entry could not be written (map full and
+    /// not evictable); the socket was translated anyway.
+    pub const SOCK_REVNAT_INSERT_FAILED: u32 = 46;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 33] = [
+    pub const NAMES: [&str; 47] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -631,6 +688,20 @@ pub mod stat {
         "xdp_deferred",
         "xdp_tx",
         "xdp_redirect",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "sock_connect",
+        "sock_sendmsg",
+        "sock_revnat",
+        "sock_reject_no_backend",
+        "sock_no_local_backend",
+        "sock_no_backend_entry",
+        "sock_revnat_insert_failed",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }
@@ -668,4 +739,8 @@ mod user {
     unsafe impl aya::Pod for SourceRange4 {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Traffic {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SockRevNat4Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SockRevNat4Value {}
 }

@@ -13,6 +13,10 @@
 //!   the same decision for external flows to remote backends and their
 //!   replies, sent at the driver; everything else is deferred to tc.
 //!
+//! - `sock_connect4`, `sock_sendmsg4`, `sock_recvmsg4`, `sock_getpeername4`
+//!   (cgroup v2 socket hooks, `--host-socket-lb`): the node's own clients
+//!   reach frontends by socket-level load balancing, see [`sock`].
+//!
 //! Every step returns a [`verdict::Verdict`]; every packet is counted once
 //! under its verdict in the stats map ([`proxy_common::stat`]).
 //!
@@ -30,14 +34,15 @@ mod lb;
 mod maps;
 mod nat;
 mod parse;
+mod sock;
 mod tc;
 mod verdict;
 mod xdp;
 
 use aya_ebpf::{
     bindings::xdp_action,
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::{stat, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
@@ -78,6 +83,30 @@ pub fn ext_xdp(ctx: XdpContext) -> u32 {
         count(code);
     }
     action
+}
+
+/// Host clients' `connect()`: see [`sock`].
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, stat::SOCK_CONNECT)
+}
+
+/// Host clients' unconnected UDP `sendmsg()`: see [`sock`].
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, stat::SOCK_SENDMSG)
+}
+
+/// Host clients' UDP `recvmsg()` source address: see [`sock`].
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+/// Host clients' `getpeername()`: see [`sock`].
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 // Only for the BPF target: on the host (`cargo clippy --workspace`), feature

@@ -10,7 +10,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     capacity, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key,
-    Frag4Ports, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic,
+    Frag4Ports, Iface, RevNat4, SockRevNat4Key, SockRevNat4Value, SourceRange4, Svc4Key, Svc4Value,
+    Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
@@ -55,6 +56,13 @@ pub static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> 
 #[btf_map]
 pub static AFFINITY4_V1: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
+/// Socket-level reverse NAT: (host client's socket, backend) → frontend.
+#[btf_map]
+pub static SOCK_REVNAT4_V1: LruHashMap<
+    SockRevNat4Key,
+    SockRevNat4Value,
+    { capacity::SOCK_REVNAT as usize },
+> = LruHashMap::new();
 
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]

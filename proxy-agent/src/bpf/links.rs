@@ -22,7 +22,89 @@ pub struct Attacher {
     ebpf: Ebpf,
     ifaces: HashMap<MapData, u32, Iface>,
     links: BTreeMap<(u32, IfaceKind), Held>,
+    /// The socket hooks' links on the cgroup served, with their pins.
+    cgroup_links: Vec<(FdLink, PathBuf)>,
     link_dir: PathBuf,
+}
+
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// The cgroup v2 hierarchy's root on this machine: `/sys/fs/cgroup` on a
+/// unified host, `/sys/fs/cgroup/unified` on a hybrid one.
+pub fn cgroup2_root() -> Option<PathBuf> {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| is_cgroup2(p))
+}
+
+fn is_cgroup2(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|st| st.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
+}
+
+/// `BPF_LINK_UPDATE` on the link pinned at `pin`: points it at program
+/// `prog`, atomically (aya has it for tc and XDP links only).
+fn link_update(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+    use std::os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    };
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    #[repr(C)]
+    struct LinkUpdateAttr {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
+    }
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_LINK_UPDATE: libc::c_long = 29;
+    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let get = ObjGetAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    // SAFETY: the bpf syscall with a valid attr of the size given.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &get as *const ObjGetAttr,
+            std::mem::size_of::<ObjGetAttr>() as u32,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd the kernel just returned to us.
+    let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let attr = LinkUpdateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: prog.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: as above.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_UPDATE,
+            &attr as *const LinkUpdateAttr,
+            std::mem::size_of::<LinkUpdateAttr>() as u32,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
@@ -52,8 +134,72 @@ impl Attacher {
             ebpf,
             ifaces,
             links: BTreeMap::new(),
+            cgroup_links: Vec::new(),
             link_dir,
         })
+    }
+
+    /// Attaches the socket hooks to the cgroup v2 directory `cgroup` (every
+    /// process in it and below: the root cgroup on a node), one link per
+    /// hook pinned as `<pin dir>/links/cgroup-<cgroup id>-<program>`; a
+    /// restarted agent takes each pinned link over (`bpf_link_update`), so
+    /// host clients never see a moment without the hooks.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), BpfError> {
+        use std::os::unix::fs::MetadataExt;
+        let cerr = |reason: String| BpfError::Cgroup {
+            path: cgroup.to_owned(),
+            reason,
+        };
+        if !is_cgroup2(cgroup) {
+            return Err(cerr(
+                "not a cgroup v2 directory (give the cgroup2 mount, e.g. /sys/fs/cgroup)".into(),
+            ));
+        }
+        let dir = std::fs::File::open(cgroup).map_err(|e| cerr(e.to_string()))?;
+        let id = dir.metadata().map_err(|e| cerr(e.to_string()))?.ino();
+        for name in SOCK_PROGRAMS {
+            let pin = self.link_dir.join(format!("cgroup-{id}-{name}"));
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .expect("program checked at load")
+                .try_into()
+                .expect("program type checked at load");
+            let perr = |source| BpfError::Program { name, source };
+            let adopted = match PinnedLink::from_pin(&pin) {
+                Ok(pinned) => {
+                    let fd = FdLink::from(pinned);
+                    let prog_fd = prog.fd().map_err(perr)?;
+                    match link_update(&pin, std::os::fd::AsFd::as_fd(prog_fd)) {
+                        Ok(()) => Some(fd),
+                        Err(e) => {
+                            tracing::debug!(pin = %pin.display(), error = %e, "pinned cgroup link not reusable");
+                            let _ = std::fs::remove_file(&pin);
+                            None
+                        }
+                    }
+                }
+                Err(_) => None,
+            };
+            let fd = match adopted {
+                Some(fd) => fd,
+                None => {
+                    let id = prog
+                        .attach(&dir, aya::programs::CgroupAttachMode::AllowMultiple)
+                        .map_err(perr)?;
+                    let link = prog.take_link(id).map_err(perr)?;
+                    let fd = FdLink::try_from(link).map_err(|e| link_err(name, e))?;
+                    FdLink::from(fd.pin(&pin).map_err(|e| link_err(name, e))?)
+                }
+            };
+            self.cgroup_links.push((fd, pin));
+        }
+        Ok(())
+    }
+
+    /// Whether the socket hooks are attached.
+    pub fn cgroup_attached(&self) -> bool {
+        !self.cgroup_links.is_empty()
     }
 
     fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
@@ -196,19 +342,28 @@ impl Attacher {
         for i in all {
             self.detach(i);
         }
+        for (fd, pin) in self.cgroup_links.drain(..) {
+            let _ = std::fs::remove_file(&pin);
+            drop(fd);
+        }
     }
 
     /// Lets go of every link but leaves it pinned: the programs stay attached
     /// after the agent exits, until a new agent takes them over.
     pub fn release_all(&mut self) {
         self.links.clear();
+        self.cgroup_links.clear();
     }
 
     /// Removes pins of links this agent does not hold (interfaces that are
     /// gone, or no longer match the patterns).
     pub fn prune_pins(&mut self) {
-        let held: std::collections::BTreeSet<PathBuf> =
-            self.links.values().map(|h| h.pin.clone()).collect();
+        let held: std::collections::BTreeSet<PathBuf> = self
+            .links
+            .values()
+            .map(|h| h.pin.clone())
+            .chain(self.cgroup_links.iter().map(|(_, p)| p.clone()))
+            .collect();
         if let Ok(dir) = std::fs::read_dir(&self.link_dir) {
             for e in dir.flatten() {
                 if !held.contains(&e.path()) {

@@ -23,7 +23,7 @@ use aya::{
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
         xdp::XdpLink,
-        SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader,
 };
@@ -45,6 +45,27 @@ pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
 
 /// Name of the XDP program for the node's external devices (`--acceleration xdp`).
 pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
+
+/// The cgroup socket hooks serving the node's own clients (host
+/// processes, hostNetwork pods), see `proxy-ebpf/src/sock.rs`.
+pub const SOCK_PROGRAMS: [&str; 4] = [
+    "sock_connect4",
+    "sock_sendmsg4",
+    "sock_recvmsg4",
+    "sock_getpeername4",
+];
+
+/// What the kernel offers the socket hooks, found at load time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SockLbSupport {
+    /// The hooks loaded; `Err` says why not (the capability is then off).
+    pub loaded: Result<(), String>,
+    /// The netns cookie the hooks serve (0: every namespace, where the kernel
+    /// lacks `SO_NETNS_COOKIE`).
+    pub netns_cookie: u64,
+    /// Whether failed calls get their own errno (`bpf_set_retval`).
+    pub set_retval: bool,
+}
 
 /// Which program a link attaches, and so to which side of the node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -94,6 +115,8 @@ pub enum BpfError {
     },
     #[error("program {name}: link: {reason}")]
     Link { name: &'static str, reason: String },
+    #[error("cgroup {path}: {reason}")]
+    Cgroup { path: PathBuf, reason: String },
 }
 
 /// Map sizes, from the agent's configuration.
@@ -137,6 +160,59 @@ fn ensure_bpffs_dir(dir: &Path) -> Result<(), BpfError> {
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub pin_dir: PathBuf,
+    /// Whether the socket hooks for host clients could be loaded.
+    pub sock_lb: SockLbSupport,
+}
+
+/// This process's network namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14),
+/// the one the socket hooks compare with; `None` where the kernel lacks it.
+pub fn own_netns_cookie() -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").ok()?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into a u64 of the given length, on a socket we own.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && cookie != 0).then_some(cookie)
+}
+
+/// Probes what the socket hooks may use on this kernel (never by version).
+fn probe_sock_lb() -> SockLbSupport {
+    use aya::{programs::ProgramType, sys::BpfHelper};
+    let set_retval =
+        aya::sys::is_helper_supported(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval)
+            .unwrap_or(false);
+    let netns_cookie = own_netns_cookie().unwrap_or(0);
+    SockLbSupport {
+        loaded: Ok(()),
+        netns_cookie,
+        set_retval,
+    }
+}
+
+/// Loads the socket hooks; an error turns host socket load balancing off.
+fn load_sock_programs(ebpf: &mut Ebpf) -> Result<(), String> {
+    for name in SOCK_PROGRAMS {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or_else(|| format!("program {name} missing from the object"))?
+            .try_into()
+            .map_err(|e| format!("program {name}: {e}"))?;
+        prog.load().map_err(|e| {
+            // The verifier's log is for developers: debug level.
+            tracing::debug!(program = name, error = ?e, "socket hook not loaded");
+            format!("program {name} not accepted by this kernel: {e}")
+        })?;
+    }
+    Ok(())
 }
 
 /// Loads the embedded object. Every map is pinned as `<pin_dir>/<MAP_NAME>`; a
@@ -183,7 +259,12 @@ pub fn load_with_migrations(
         .iter()
         .map(|n| (*n, pin_dir.join(n)))
         .collect();
+    let mut sock_lb = probe_sock_lb();
+    let set_retval = u32::from(sock_lb.set_retval);
     let mut loader = EbpfLoader::new();
+    loader
+        .override_global("HOST_NETNS_COOKIE", &sock_lb.netns_cookie, true)
+        .override_global("HAS_SET_RETVAL", &set_retval, true);
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
@@ -220,10 +301,12 @@ pub fn load_with_migrations(
         name: EXT_XDP_PROGRAM,
         source,
     })?;
+    sock_lb.loaded = load_sock_programs(&mut ebpf);
     migrate(pin_dir, &mut ebpf, migrations)?;
     Ok(Loaded {
         ebpf,
         pin_dir: pin_dir.to_owned(),
+        sock_lb,
     })
 }
 
@@ -275,5 +358,5 @@ mod links;
 mod pinned;
 
 pub use dataplane::{ktime_ns, BpfDataplane, CtGcReport};
-pub use links::{cleanup, Attacher};
+pub use links::{cgroup2_root, cleanup, Attacher};
 pub use pinned::{PinnedMaps, ProgrammedTraffic};

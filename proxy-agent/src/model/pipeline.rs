@@ -289,6 +289,13 @@ pub fn desired_state_with(
                     short_circuit.clone(),
                 );
             }
+            // Localhost NodePorts (L1, L2): the node's own clients only.
+            if let (Some(p), true) = (node_port, opts.localhost_node_ports) {
+                claim(
+                    frontend_key(Ipv4Addr::LOCALHOST, p, proto, SCOPE_INTERNAL),
+                    short_circuit.clone(),
+                );
+            }
         }
 
         claim_health_check(

@@ -157,6 +157,10 @@ pub struct ModelOptions {
     /// The Service each frontend is programmed for now (`namespace/name`):
     /// when two Services claim one frontend, its current owner keeps it.
     pub current_owners: BTreeMap<FrontendKey, String>,
+    /// NodePorts also on `127.0.0.1` for the node's own clients (kube-proxy's
+    /// `iptables.localhostNodePorts`); internal scope only, so only the
+    /// socket hooks ever see them.
+    pub localhost_node_ports: bool,
 }
 
 /// The kube-proxy feature gates the model follows.

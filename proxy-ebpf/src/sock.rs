@@ -1,0 +1,219 @@
+//! Socket-level load balancing for the node's own clients (host processes,
+//! hostNetwork pods): cgroup v2 hooks that aim a socket at a backend when it
+//! is connected or sent from, instead of translating its packets.
+//!
+//! - `connect4` (TCP and UDP `connect()`) and `sendmsg4` (unconnected UDP
+//!   `sendmsg()`): a destination that is an internal-scope frontend
+//!   (ClusterIP; externalIPs, load-balancer IPs and this node's
+//!   `nodeIP:nodePort`, short-circuited to the cluster list as kube-proxy
+//!   does for traffic that starts on the node) is replaced by a backend
+//!   chosen as on the pod path ([`lb::select`]: session affinity, else a
+//!   random slot). The socket and the backend are written to the
+//!   socket-level reverse-NAT map.
+//! - `recvmsg4` (UDP `recvmsg()` source) and `getpeername4`: a backend
+//!   address recorded for this socket is shown as its frontend, so the
+//!   application sees the address it asked for, as with kube-proxy's NAT.
+//!
+//! No endpoint at all: the call fails with ECONNREFUSED at once (kube-proxy's
+//! reject); endpoints only elsewhere under a `Local` policy: EHOSTUNREACH at
+//! once (kube-proxy drops, so its clients wait for a timeout). Kernels
+//! without `bpf_set_retval` (before 5.18) fail such calls with EPERM.
+//!
+//! Only sockets of the agent's own network namespace are touched (its netns
+//! cookie, set at load): pods keep the tc path, which sees every packet.
+//! Host clients have no client address at `connect()` (the kernel picks it
+//! when routing); they share one affinity identity per node, address 0.
+//!
+//! Connected UDP sockets keep the backend they were aimed at; the agent
+//! destroys those whose backend is removed (socket diag `SOCK_DESTROY`), so
+//! the application sees an error and reconnects instead of sending into a
+//! void.
+
+use aya_ebpf::{
+    bindings::{bpf_sock_addr, BPF_ANY},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    programs::SockAddrContext,
+    EbpfContext,
+};
+use proxy_common::{
+    stat, SockRevNat4Key, SockRevNat4Value, Svc4Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+};
+
+use crate::{
+    lb,
+    maps::{account, count, SOCK_REVNAT4_V1, SVC4_V1},
+    parse::Packet,
+    verdict::Verdict,
+};
+
+/// The network namespace whose sockets are load-balanced (its cookie); 0:
+/// every namespace (kernels without `SO_NETNS_COOKIE`). Set by the agent at
+/// load time; read-only to the verifier.
+#[unsafe(no_mangle)]
+static HOST_NETNS_COOKIE: u64 = 0;
+
+/// 1 when the kernel has `bpf_set_retval` for cgroup hooks (5.18). A
+/// constant to the verifier, which then never sees the helper call on
+/// kernels without it.
+#[unsafe(no_mangle)]
+static HAS_SET_RETVAL: u32 = 0;
+
+const SOCK_STREAM: u32 = 1;
+const SOCK_DGRAM: u32 = 2;
+const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
+
+/// Return value of a cgroup hook: let the call proceed / fail it.
+const PROCEED: i32 = 1;
+const REJECT: i32 = 0;
+
+#[inline(always)]
+fn sock_addr(ctx: &SockAddrContext) -> *mut bpf_sock_addr {
+    ctx.sock_addr
+}
+
+/// Whether this socket belongs to the namespace the agent serves.
+#[inline(always)]
+fn served(ctx: &SockAddrContext) -> bool {
+    // SAFETY: a read-only global of this object.
+    let want = unsafe { core::ptr::read_volatile(&HOST_NETNS_COOKIE) };
+    // SAFETY: helper on this program's context.
+    want == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == want
+}
+
+/// The protocol of a stream or datagram socket we translate, if it is one.
+#[inline(always)]
+fn protocol(sa: *mut bpf_sock_addr) -> Option<u8> {
+    // SAFETY: context fields readable by every sock_addr hook.
+    let (ty, proto) = unsafe { ((*sa).type_, (*sa).protocol) };
+    match (ty, proto as u8) {
+        (SOCK_STREAM, IPPROTO_TCP) => Some(IPPROTO_TCP),
+        (SOCK_DGRAM, IPPROTO_UDP) => Some(IPPROTO_UDP),
+        _ => None,
+    }
+}
+
+/// Fails the call with `errno` where the kernel lets us choose it.
+#[inline(always)]
+fn fail(errno: i32) -> i32 {
+    // SAFETY: a read-only global of this object.
+    if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
+        // SAFETY: helper of cgroup hooks; the verifier never sees it on
+        // kernels without it (constant above).
+        unsafe { bpf_set_retval(-errno) };
+    }
+    REJECT
+}
+
+/// `connect4` and `sendmsg4`: aims a socket sent to a frontend at a backend.
+#[inline(always)]
+pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
+    let sa = sock_addr(ctx);
+    let Some(proto) = protocol(sa) else {
+        return PROCEED;
+    };
+    if !served(ctx) {
+        return PROCEED;
+    }
+    // SAFETY: context fields writable by connect4 and sendmsg4.
+    let (daddr_be, dport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    let key = Svc4Key {
+        addr_be: daddr_be,
+        port_be: dport_be,
+        slot: 0,
+        proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    };
+    let Some(fe) = SVC4_V1.get_ptr(key) else {
+        return PROCEED;
+    };
+    // SAFETY: map value pointer, copied.
+    let fe = unsafe { *fe };
+    // The fields `select` reads (the client, as the affinity key, and the
+    // destination); the host client's own address is not known yet.
+    let pkt = Packet {
+        l4_off: 0,
+        csum_off: 0,
+        proto,
+        saddr_be: 0,
+        daddr_be,
+        sport_be: 0,
+        dport_be,
+        tot_len: 0,
+        tcp_flags: 0,
+        l4_present: true,
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (backend_id, b) = match lb::select(&pkt, &key, &fe, now) {
+        Ok(chosen) => chosen,
+        Err(Verdict::Reject(_)) => {
+            count(stat::SOCK_REJECT_NO_BACKEND);
+            return fail(ECONNREFUSED);
+        }
+        Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
+            count(stat::SOCK_NO_LOCAL_BACKEND);
+            return fail(EHOSTUNREACH);
+        }
+        Err(_) => {
+            count(stat::SOCK_NO_BACKEND_ENTRY);
+            return fail(EHOSTUNREACH);
+        }
+    };
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rkey = SockRevNat4Key {
+        cookie,
+        addr_be: b.addr_be,
+        port_be: b.port_be,
+        _pad: 0,
+    };
+    let rval = SockRevNat4Value {
+        addr_be: daddr_be,
+        port_be: dport_be,
+        rev_nat_id: fe.rev_nat_id,
+    };
+    if SOCK_REVNAT4_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+        count(stat::SOCK_REVNAT_INSERT_FAILED);
+    }
+    // SAFETY: context fields writable by connect4 and sendmsg4.
+    unsafe {
+        (*sa).user_ip4 = b.addr_be;
+        (*sa).user_port = b.port_be as u32;
+    }
+    count(translated);
+    // One flow opened: its packets never meet a program (bytes unknown).
+    account(0, fe.rev_nat_id, backend_id);
+    PROCEED
+}
+
+/// `recvmsg4` and `getpeername4`: shows a backend this socket was aimed at
+/// as its frontend.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    let sa = sock_addr(ctx);
+    if protocol(sa).is_none() || !served(ctx) {
+        return PROCEED;
+    }
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: context fields readable and writable by these hooks.
+    let (addr_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    let key = SockRevNat4Key {
+        cookie,
+        addr_be,
+        port_be,
+        _pad: 0,
+    };
+    if let Some(v) = SOCK_REVNAT4_V1.get_ptr(key) {
+        // SAFETY: LRU value pointer, copied; context fields as above.
+        unsafe {
+            let v = *v;
+            (*sa).user_ip4 = v.addr_be;
+            (*sa).user_port = v.port_be as u32;
+        }
+        count(stat::SOCK_REVNAT);
+    }
+    PROCEED
+}
