@@ -191,7 +191,8 @@ struct Patterns {
 impl Patterns {
     fn kinds(&self, name: &str) -> &'static [IfaceKind] {
         if matches(&self.pod, name) {
-            &[IfaceKind::Pod]
+            // Egress first: the ingress line is what waiters look for.
+            &[IfaceKind::PodEgress, IfaceKind::Pod]
         } else if matches(&self.external, name) {
             if self.xdp {
                 // tc first: what XDP passes on must find its program there.
@@ -216,6 +217,13 @@ fn on_new_link(attacher: &Mutex<Attacher>, patterns: &Patterns, msg: &LinkMessag
         match a.attach(index, name, kind) {
             Ok(()) => match kind {
                 IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
+                IfaceKind::PodEgress => {
+                    debug!(
+                        interface = name,
+                        ifindex = index,
+                        "attached pod egress program"
+                    )
+                }
                 IfaceKind::External => {
                     info!(
                         interface = name,

@@ -61,6 +61,18 @@ fn try_pod_ingress(ctx: &TcContext) -> (i32, u32) {
     tc::run(ctx, SCOPE_INTERNAL)
 }
 
+/// tc egress of pod interfaces: reverse NAT of replies the node's own stack
+/// sends to pods (hostNetwork backends on this node).
+#[classifier]
+pub fn pod_egress(ctx: TcContext) -> i32 {
+    let (action, code) = tc::run_egress(&ctx);
+    // Only translations are counted: every packet to a pod passes here.
+    if code == stat::FWD_REPLY {
+        count(code);
+    }
+    action
+}
+
 /// tc ingress of the node's external devices: external frontends (NodePort,
 /// externalIPs, load-balancer IPs), and replies from backends on other nodes,
 /// the first hook they meet on this node.

@@ -36,6 +36,28 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
     act(ctx, &pkt, &ip, verdict)
 }
 
+/// tc egress of pod interfaces: replies the node's own stack sends to a pod
+/// (from a hostNetwork backend on this node, which the pod reached through a
+/// frontend) get their reverse NAT here, the last hook before the pod; the
+/// packet then goes on as the stack routed it. Everything else passes.
+#[inline(always)]
+pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
+    let (mut pkt, _ip, l4_end) = match parse::parse(ctx) {
+        Ok(p) => p,
+        Err(
+            Verdict::Drop(code)
+            | Verdict::Pass(code)
+            | Verdict::Deliver(code)
+            | Verdict::Reject(code),
+        ) => return (TC_ACT_OK, code),
+    };
+    let l4_complete = ctx.len() as usize >= l4_end;
+    match reply(ctx, &mut pkt, l4_complete) {
+        Verdict::Drop(code) => (TC_ACT_SHOT, code),
+        Verdict::Pass(code) | Verdict::Deliver(code) | Verdict::Reject(code) => (TC_ACT_OK, code),
+    }
+}
+
 /// The verdict as a tc action: delivery and the reject run here, in the
 /// program's top frame.
 #[inline(always)]

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 
-pub use lab::{Endpoint, Frontend, Lab, LabBuilder, LabInfo, NodeInfo, PodInfo};
+pub use lab::{
+    Endpoint, Frontend, HostClient, HostReply, Lab, LabBuilder, LabInfo, NodeInfo, PodInfo,
+};
 
 /// Checks the lab's plumbing without any proxy: from the client namespace
 /// on node-1, every pod's server on every node answers on its pod IP over

@@ -92,7 +92,10 @@ pub fn build_agent() -> Result<PathBuf> {
 /// Builds the lab's pod server and returns its path.
 pub fn build_lab_server() -> Result<PathBuf> {
     ensure_setup()?;
-    cargo_build("xtask", &["--bin", "lab-server"])?;
+    cargo_build(
+        "xtask",
+        &["--bin", "lab-server", "--bin", "lab-host-client"],
+    )?;
     Ok(target_dir().join("debug/lab-server"))
 }
 

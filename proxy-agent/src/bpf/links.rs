@@ -184,8 +184,10 @@ impl Attacher {
             let fd = match adopted {
                 Some(fd) => fd,
                 None => {
+                    // A cgroup link is always one of many (the kernel refuses
+                    // flags on link creation): `Single` passes none.
                     let id = prog
-                        .attach(&dir, aya::programs::CgroupAttachMode::AllowMultiple)
+                        .attach(&dir, aya::programs::CgroupAttachMode::Single)
                         .map_err(perr)?;
                     let link = prog.take_link(id).map_err(perr)?;
                     let fd = FdLink::try_from(link).map_err(|e| link_err(name, e))?;
@@ -253,8 +255,13 @@ impl Attacher {
             let link = xdp.take_link(id).map_err(perr)?;
             return FdLink::try_from(link).map_err(|e| link_err(prog_name, e));
         }
+        let side = if kind == IfaceKind::PodEgress {
+            TcAttachType::Egress
+        } else {
+            TcAttachType::Ingress
+        };
         let prog = self.program(kind);
-        let id = prog.attach(name, TcAttachType::Ingress).map_err(perr)?;
+        let id = prog.attach(name, side).map_err(perr)?;
         let link = prog.take_link(id).map_err(perr)?;
         FdLink::try_from(link).map_err(|e| link_err(prog_name, e))
     }
@@ -262,6 +269,7 @@ impl Attacher {
     fn pin_path(&self, ifindex: u32, name: &str, kind: IfaceKind) -> PathBuf {
         let k = match kind {
             IfaceKind::Pod => "pod",
+            IfaceKind::PodEgress => "pod-egress",
             IfaceKind::External => "ext",
             IfaceKind::ExternalXdp => "xdp",
         };

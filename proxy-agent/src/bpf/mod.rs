@@ -40,6 +40,9 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DI
 
 /// Name of the tc program for pod interfaces (the function name in `proxy-ebpf`).
 pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+/// Name of the tc egress program for pod interfaces (reverse NAT of replies
+/// from hostNetwork backends on this node).
+pub const POD_EGRESS_PROGRAM: &str = "pod_egress";
 /// Name of the tc program for the node's external devices.
 pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
 
@@ -73,6 +76,9 @@ pub enum IfaceKind {
     /// The host side of a pod's veth: `pod_ingress` at tc ingress, delivered
     /// to with `bpf_redirect_peer`.
     Pod,
+    /// The same veth's tc egress: `pod_egress`, reverse NAT of replies the
+    /// node's own stack sends to the pod.
+    PodEgress,
     /// A device towards other nodes and external clients: `ext_ingress` at tc
     /// ingress.
     External,
@@ -84,6 +90,7 @@ impl IfaceKind {
     pub fn program(self) -> &'static str {
         match self {
             IfaceKind::Pod => POD_INGRESS_PROGRAM,
+            IfaceKind::PodEgress => POD_EGRESS_PROGRAM,
             IfaceKind::External => EXT_INGRESS_PROGRAM,
             IfaceKind::ExternalXdp => EXT_XDP_PROGRAM,
         }
@@ -274,7 +281,7 @@ pub fn load_with_migrations(
         .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
         .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    for name in [POD_INGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
+    for name in [POD_INGRESS_PROGRAM, POD_EGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .ok_or(BpfError::Program {

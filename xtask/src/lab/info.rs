@@ -33,6 +33,12 @@ pub struct NodeInfo {
     /// Interface towards the switch (`eth0`), empty without a switch.
     #[serde(default)]
     pub eth: String,
+    /// The node's own cgroup v2 directory (`<cgroup2>/kpr-lab-<id>/node-i`):
+    /// the agent attaches its socket hooks there, never to the machine's
+    /// root cgroup, and the node's host clients run in it. `None` where the
+    /// machine has no cgroup2 hierarchy (host socket LB off).
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
 }
 
 /// A pod-like namespace attached to the node by a veth pair.

@@ -28,6 +28,8 @@
 //! | `reconcile.rs` | manifests: apply, replace, delete; pods and frontends from objects |
 //! | `wait.rs` | waiting for the agents' syncs and attachments |
 
+mod cgroup;
+mod host_client;
 mod info;
 mod process;
 mod reconcile;
@@ -46,6 +48,7 @@ use crate::manifests::{self, Allocator, Object};
 use crate::netns::{self, delete_netns};
 use crate::setup;
 
+pub use host_client::{HostClient, HostReply};
 pub use info::{AgentInfo, Endpoint, Frontend, LabInfo, NodeInfo, PodInfo, PortInfo, ServerInfo};
 use process::{find_agent_bin, find_server_bin};
 use wait::count_markers;
@@ -347,6 +350,7 @@ impl Lab {
                     } else {
                         String::new()
                     },
+                    cgroup: cgroup::lab_root(&id).map(|r| r.join(format!("node-{i}"))),
                 }
             })
             .collect();
@@ -549,6 +553,18 @@ impl Lab {
             match delete_netns(ns) {
                 Ok(()) => self.info.namespaces.retain(|n| n != ns),
                 Err(e) => errors.push(format!("{e:#}")),
+            }
+        }
+        for n in &self.info.nodes {
+            if let Some(cg) = &n.cgroup {
+                if let Err(e) = cgroup::remove(cg) {
+                    errors.push(format!("cgroup {}: {e:#}", cg.display()));
+                }
+            }
+        }
+        if let Some(root) = cgroup::lab_root(&self.info.id) {
+            if let Err(e) = cgroup::remove(&root) {
+                errors.push(format!("cgroup {}: {e:#}", root.display()));
             }
         }
         let own = format!("{BPFFS_PREFIX}{}", self.info.id);

@@ -22,7 +22,7 @@ pub(super) fn find_agent_bin() -> Result<PathBuf> {
     setup::build_agent()
 }
 
-pub(super) fn find_server_bin() -> Result<PathBuf> {
+pub(crate) fn find_server_bin() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("KPR_LAB_SERVER_BIN") {
         return Ok(PathBuf::from(p));
     }
@@ -236,6 +236,11 @@ impl Lab {
             .arg(&node.bpffs)
             .args(["--pod-interfaces", "lxc*", "--hairpin-snat-ip", &hairpin])
             .args(["--min-sync-period", "100ms"]);
+        // The socket hooks go to the node's own cgroup, never the machine's.
+        match &node.cgroup {
+            Some(cg) => cmd.arg("--cgroup-root").arg(cg),
+            None => cmd.args(["--host-socket-lb", "false"]),
+        };
         if !node.eth.is_empty() && self.agent_knows_external_interfaces(&bin) {
             cmd.args(["--external-interfaces", &node.eth]);
         }
@@ -250,6 +255,10 @@ impl Lab {
             .unwrap_or_else(|| "info".to_string());
         cmd.env("RUST_LOG", rust_log);
         netns::enter_netns_on_spawn(&mut cmd, &node.netns)?;
+        // The agent is one of the node's own processes, as on a real node.
+        if let Some(cg) = &node.cgroup {
+            super::cgroup::join_on_spawn(&mut cmd, cg)?;
+        }
         self.agent_start_marks[i] = count_markers(&log_path);
         self.write_marks[i] = self.agent_start_marks[i];
         let child = cmd

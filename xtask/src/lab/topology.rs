@@ -129,6 +129,9 @@ impl Lab {
         self.info.namespaces.push(ns.clone());
         self.save()?;
         create_netns(&ns)?;
+        if let Some(cg) = &node.cgroup {
+            super::cgroup::create(cg)?;
+        }
         for (k, v) in [
             ("net.ipv4.ip_forward", "1"),
             ("net.ipv4.conf.all.rp_filter", "0"),

@@ -1,0 +1,165 @@
+//! [`HostClient`]: requests from a lab node's own namespace and cgroup, as
+//! a host process or hostNetwork pod makes them (through the socket hooks).
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::SocketAddrV4,
+    path::PathBuf,
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+};
+
+use anyhow::{bail, Context, Result};
+
+use super::{process::find_server_bin, Lab};
+use crate::netns;
+
+/// The answer to one request: the reply, and the address the client saw
+/// (`getpeername()` for TCP, the datagram's source for UDP), or the error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostReply {
+    Ok {
+        peer: String,
+        text: String,
+    },
+    /// `kind`: `refused`, `timeout`, `aborted`, `unreachable`, `denied`, `other`.
+    Err {
+        kind: String,
+        message: String,
+    },
+}
+
+impl HostReply {
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            HostReply::Ok { text, .. } => Some(text),
+            HostReply::Err { .. } => None,
+        }
+    }
+    pub fn error_kind(&self) -> Option<&str> {
+        match self {
+            HostReply::Ok { .. } => None,
+            HostReply::Err { kind, .. } => Some(kind),
+        }
+    }
+}
+
+/// One `lab-host-client` process in a node's namespace and cgroup. Killed
+/// on drop (and, being in the node's cgroup, at the lab's teardown).
+pub struct HostClient {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+fn bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KPR_LAB_HOST_CLIENT_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let server = find_server_bin()?;
+    let p = server.with_file_name("lab-host-client");
+    if p.is_file() {
+        return Ok(p);
+    }
+    crate::setup::build_lab_server()?;
+    Ok(crate::setup::target_dir().join("debug/lab-host-client"))
+}
+
+impl Lab {
+    /// A host client of node `node` (`node-1`): in its network namespace and
+    /// its cgroup, so that the node's socket hooks serve it.
+    pub fn host_client(&self, node: &str) -> Result<HostClient> {
+        let n = self
+            .info
+            .nodes
+            .iter()
+            .find(|n| n.name == node)
+            .with_context(|| format!("no node {node}"))?;
+        let Some(cg) = &n.cgroup else {
+            bail!("this machine has no cgroup v2 hierarchy: no host clients");
+        };
+        let mut cmd = Command::new(bin()?);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        netns::enter_netns_on_spawn(&mut cmd, &n.netns)?;
+        super::cgroup::join_on_spawn(&mut cmd, cg)?;
+        let mut child = cmd.spawn().context("spawn lab-host-client")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("stdout")?);
+        Ok(HostClient {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+}
+
+impl HostClient {
+    fn ask(&mut self, line: &str) -> Result<HostReply> {
+        writeln!(self.stdin, "{line}")?;
+        self.stdin.flush()?;
+        let mut answer = String::new();
+        if self.stdout.read_line(&mut answer)? == 0 {
+            bail!("lab-host-client exited");
+        }
+        let answer = answer.trim_end();
+        if let Some(rest) = answer.strip_prefix("ok ") {
+            let (peer, text) = rest.split_once(' ').unwrap_or((rest, ""));
+            return Ok(HostReply::Ok {
+                peer: peer.to_string(),
+                text: text.to_string(),
+            });
+        }
+        if answer == "ok" {
+            return Ok(HostReply::Ok {
+                peer: String::new(),
+                text: String::new(),
+            });
+        }
+        let rest = answer.strip_prefix("err ").unwrap_or(answer);
+        let (kind, message) = rest.split_once(' ').unwrap_or((rest, ""));
+        Ok(HostReply::Err {
+            kind: kind.to_string(),
+            message: message.to_string(),
+        })
+    }
+
+    /// A TCP request (one line) to `addr`.
+    pub fn tcp(&mut self, addr: SocketAddrV4, request: &str) -> Result<HostReply> {
+        self.ask(&format!("tcp {addr} {request}"))
+    }
+
+    /// A UDP request from a fresh unconnected socket.
+    pub fn udp(&mut self, addr: SocketAddrV4, request: &str) -> Result<HostReply> {
+        self.ask(&format!("udp {addr} {request}"))
+    }
+
+    /// Opens (or reopens) the connected UDP socket `name` to `addr`; the
+    /// reply's `peer` is what `getpeername()` says.
+    pub fn udp_connect(&mut self, name: &str, addr: SocketAddrV4) -> Result<HostReply> {
+        self.ask(&format!("udpc-open {name} {addr}"))
+    }
+
+    /// Opens the long-lived TCP connection `name` to `addr` (the lab
+    /// server's `stream` mode); `peer` is what `getpeername()` says.
+    pub fn tcp_stream_open(&mut self, name: &str, addr: SocketAddrV4) -> Result<HostReply> {
+        self.ask(&format!("tcps-open {name} {addr}"))
+    }
+
+    /// One line on the TCP connection `name`; the reply is `<pod> <line>`
+    /// (`peer` is `-`).
+    pub fn tcp_stream_send(&mut self, name: &str, line: &str) -> Result<HostReply> {
+        self.ask(&format!("tcps {name} {line}"))
+    }
+
+    /// A request on the connected UDP socket `name` (`peer` is `-`).
+    pub fn udp_send(&mut self, name: &str, request: &str) -> Result<HostReply> {
+        self.ask(&format!("udpc {name} {request}"))
+    }
+}
+
+impl Drop for HostClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
