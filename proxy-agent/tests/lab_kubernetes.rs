@@ -915,3 +915,221 @@ fn s9_apiserver_outage_keeps_traffic_and_catches_up_kubernetes_source() {
     assert!(ok > 100, "enough connections were made ({ok})");
     assert!(caught_up <= CHANGE, "caught up within {CHANGE:?}");
 }
+
+// ---------------------------------------------------------------------------
+// First start on a node without kube-proxy (issue: the agent's own access)
+
+/// The in-cluster service account a pod gets, in a private mount namespace of
+/// the agent's (a tmpfs over /run, so nothing of the machine changes):
+/// `/run/secrets/kubernetes.io/serviceaccount/{token,ca.crt,namespace}`.
+fn in_cluster_files_on_spawn(cmd: &mut std::process::Command) {
+    use std::ffi::CString;
+    use std::os::unix::process::CommandExt;
+    let ca = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/fake-serviceaccount-ca.crt"
+    ))
+    .expect("test CA");
+    let dirs: Vec<CString> = [
+        "/run/secrets",
+        "/run/secrets/kubernetes.io",
+        "/run/secrets/kubernetes.io/serviceaccount",
+    ]
+    .iter()
+    .map(|d| CString::new(*d).unwrap())
+    .collect();
+    let files: Vec<(CString, Vec<u8>)> = [
+        ("token", b"fake-token".to_vec()),
+        ("ca.crt", ca),
+        ("namespace", b"kube-system".to_vec()),
+    ]
+    .into_iter()
+    .map(|(n, c)| {
+        (
+            CString::new(format!("/run/secrets/kubernetes.io/serviceaccount/{n}")).unwrap(),
+            c,
+        )
+    })
+    .collect();
+    let run = CString::new("/run").unwrap();
+    let root = CString::new("/").unwrap();
+    let tmpfs = CString::new("tmpfs").unwrap();
+    // SAFETY: only async-signal-safe calls after fork (unshare, mount, mkdir,
+    // open, write, close) on memory prepared before it.
+    unsafe {
+        cmd.pre_exec(move || {
+            let check = |rc: libc::c_int| {
+                if rc < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(())
+                }
+            };
+            check(libc::unshare(libc::CLONE_NEWNS))?;
+            check(libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ))?;
+            check(libc::mount(
+                tmpfs.as_ptr(),
+                run.as_ptr(),
+                tmpfs.as_ptr(),
+                0,
+                std::ptr::null(),
+            ))?;
+            for d in &dirs {
+                check(libc::mkdir(d.as_ptr(), 0o755))?;
+            }
+            for (path, content) in &files {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CREAT, 0o600);
+                check(fd)?;
+                let n = libc::write(fd, content.as_ptr().cast(), content.len());
+                libc::close(fd);
+                check(n as libc::c_int)?;
+            }
+            Ok(())
+        });
+    }
+}
+
+/// An agent started by hand in the lab's node namespace and cgroup, as the
+/// DaemonSet runs it: `--source kubernetes`, in-cluster config whose
+/// KUBERNETES_SERVICE_HOST is a ClusterIP, and `extra` flags.
+fn spawn_in_cluster_agent(
+    lab: &Lab,
+    log: &std::path::Path,
+    extra: &[String],
+) -> std::process::Child {
+    let node = lab.node();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-agent"));
+    cmd.args([
+        "run",
+        "--source",
+        "kubernetes",
+        "--node-name",
+        &node.name,
+        "--bpffs",
+    ])
+    .arg(&node.bpffs)
+    .args(["--pod-interfaces", "lxc*", "--min-sync-period", "100ms"])
+    .args([
+        "--healthz-bind-address",
+        "127.0.0.1:10256",
+        "--metrics-bind-address",
+        "",
+    ])
+    .args(extra)
+    .env("KUBERNETES_SERVICE_HOST", IN_CLUSTER_VIP.to_string())
+    .env("KUBERNETES_SERVICE_PORT", "443")
+    .env("RUST_LOG", "info")
+    .stdin(std::process::Stdio::null())
+    .stdout(std::fs::File::create(log).expect("log"))
+    .stderr(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(log)
+            .expect("log"),
+    );
+    match &node.cgroup {
+        Some(cg) => cmd.arg("--cgroup-root").arg(cg),
+        None => cmd.args(["--host-socket-lb", "false"]),
+    };
+    xtask::netns::enter_netns_on_spawn(&mut cmd, &node.netns).expect("netns");
+    in_cluster_files_on_spawn(&mut cmd);
+    cmd.spawn().expect("spawn agent")
+}
+
+/// The ClusterIP of the `kubernetes` Service in this test (nothing serves it).
+const IN_CLUSTER_VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 1);
+
+/// `/readyz` of the hand-started agent: its HTTP status, if it answers.
+fn readyz(lab: &Lab) -> Option<u16> {
+    use std::io::{Read, Write};
+    // Not tcp_request_here: hyper answers nothing to a half-closed request.
+    let r = in_netns(&lab.node().netns, || -> std::io::Result<Vec<u8>> {
+        let addr = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, 10256));
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+        s.set_read_timeout(Some(Duration::from_secs(1)))?;
+        s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n")?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf)?;
+        Ok(buf)
+    })
+    .ok()?
+    .ok()?;
+    String::from_utf8_lossy(&r)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+}
+
+fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    t.elapsed()
+}
+
+/// First start on a node with no maps yet: with only in-cluster config
+/// pointing at a ClusterIP, the agent says within seconds which address it
+/// tried and which setting fixes it, and its readiness stays false; with
+/// the API server's own address (`--master`) it syncs, becomes ready, and
+/// Services work.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn first_start_without_kube_proxy_names_the_api_server_setting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut d, addrs) = kube_lab(&[("web", 1)], &[Svc::new("web", "ClusterIP", "web")]);
+    d.lab.stop_agent().expect("stop the lab's agent");
+    let _ = proxy_agent::bpf::cleanup(&d.lab.node().bpffs);
+    let vip = addrs[0].vip.expect("ClusterIP");
+
+    let log = dir.path().join("agent-in-cluster.log");
+    let mut agent = spawn_in_cluster_agent(&d.lab, &log, &[]);
+    let took = wait_for("the API-server hint", Duration::from_secs(15), || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines().any(|l| {
+            l.contains("ERROR")
+                && l.contains(&format!("{IN_CLUSTER_VIP}"))
+                && l.contains("KUBERNETES_SERVICE_HOST")
+                && l.contains("--master")
+        })
+    });
+    println!("in-cluster at a ClusterIP: the hint came after {took:?}");
+    assert_eq!(
+        readyz(&d.lab),
+        Some(503),
+        "not ready before a complete sync"
+    );
+    assert!(
+        probe(&d.lab.info().client.netns, vip).is_err(),
+        "nothing programmed yet"
+    );
+    let _ = agent.kill();
+    let _ = agent.wait();
+
+    let log = dir.path().join("agent-master.log");
+    let master = format!("http://127.0.0.1:{}", d.api.port);
+    let mut agent = spawn_in_cluster_agent(&d.lab, &log, &["--master".into(), master]);
+    wait_for("sync with --master", Duration::from_secs(15), || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("sync complete: initial state programmed")
+    });
+    wait_for("readiness", Duration::from_secs(5), || {
+        readyz(&d.lab) == Some(200)
+    });
+    let answer = probe(&d.lab.info().client.netns, vip);
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert_eq!(
+        answer.as_deref(),
+        Ok("web-1"),
+        "a Service through the synced agent"
+    );
+}

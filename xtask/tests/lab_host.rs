@@ -377,7 +377,10 @@ fn connected_udp_follows_backend_replacement() {
             "the socket aimed at the removed backend must be destroyed (ECONNABORTED, or \
              EDESTADDRREQ on the send after it), not time out: {errors:?}"
         );
-        assert!(!errors.contains_key("timeout"), "a send went into the void: {errors:?}");
+        assert!(
+            !errors.contains_key("timeout"),
+            "a send went into the void: {errors:?}"
+        );
         // Twenty more answers on the reopened socket, all from the new backend.
         for _ in 0..20 {
             let r = c.udp_send("resolver", "hostname").expect("send");
