@@ -295,6 +295,8 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
                 tcp_rr: Vec::new(),
                 udp_rr: Vec::new(),
                 bulk: Vec::new(),
+                host_conn: Vec::new(),
+                host_rate: Vec::new(),
             });
             measure_round(ml, &positions, main_pos, cfg, d)?;
         }
@@ -313,6 +315,8 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
             tcp_rr: Some(merge_rr(&d.tcp_rr)),
             udp_rr: Some(merge_rr(&d.udp_rr)),
             bulk_bps: median(&mut d.bulk.clone()),
+            host_conn: (!d.host_conn.is_empty()).then(|| merge_conn(&d.host_conn)),
+            host_conn_rate: median(&mut d.host_rate.clone()),
             checks: Vec::new(),
         };
         mr.checks = checks(&mr, cfg.endpoints);

@@ -39,8 +39,7 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 }
 
 fn is_cgroup2(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path)
-        .is_ok_and(|st| st.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
+    nix::sys::statfs::statfs(path).is_ok_and(|st| st.filesystem_type().0 == CGROUP2_SUPER_MAGIC)
 }
 
 /// `BPF_LINK_UPDATE` on the link pinned at `pin`: points it at program

@@ -237,7 +237,7 @@ pub fn conn_latency(
     ns: &str,
     targets: Vec<SocketAddrV4>,
     samples: usize,
-    client_ip: Ipv4Addr,
+    client_ip: Option<Ipv4Addr>,
 ) -> Result<ConnCell> {
     Ok(in_netns(ns, move || {
         pin_to(CLIENT_CPU);
@@ -261,7 +261,7 @@ pub fn conn_latency(
                     c.ok += 1;
                     in_a_row = 0;
                     *c.backends.entry(idx).or_default() += 1;
-                    if ip != client_ip {
+                    if client_ip.is_some_and(|want| ip != want) {
                         c.wrong_client_ip += 1;
                     }
                     if peer != SocketAddr::V4(addr) {

@@ -47,6 +47,29 @@ pub(super) struct RoundData {
     pub(super) tcp_rr: Vec<RrStats>,
     pub(super) udp_rr: Vec<RrStats>,
     pub(super) bulk: Vec<f64>,
+    pub(super) host_conn: Vec<ConnStats>,
+    pub(super) host_rate: Vec<f64>,
+}
+
+/// Runs `f` with this process in the node's cgroup (where the proxy's
+/// socket hooks are attached), so that sockets it opens in the node's
+/// namespace are the node's own clients; moves back afterwards. Without a
+/// lab cgroup, runs `f` as is.
+fn as_node_process<T>(ml: &ModeLab, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let Some(cg) = ml.lab.node().cgroup.clone() else {
+        return f();
+    };
+    let own = std::fs::read_to_string("/proc/self/cgroup")?
+        .lines()
+        .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+        .unwrap_or_else(|| "/".into());
+    let mount = crate::lab::cgroup2_mount().ok_or_else(|| anyhow::anyhow!("no cgroup2"))?;
+    let back = mount.join(own.trim_start_matches('/')).join("cgroup.procs");
+    let pid = std::process::id().to_string();
+    std::fs::write(cg.join("cgroup.procs"), &pid)?;
+    let r = f();
+    std::fs::write(&back, &pid)?;
+    r
 }
 
 fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddrV4> {
@@ -75,7 +98,12 @@ pub(super) fn measure_round(
     for (pos, index) in &pos_list {
         let targets = targets_for(ml, *index);
         let (c, (steal, other), redone) = cell(ml, cfg, || {
-            load::conn_latency(&ml.client_ns, targets.clone(), cfg.samples, ml.client_ip)
+            load::conn_latency(
+                &ml.client_ns,
+                targets.clone(),
+                cfg.samples,
+                Some(ml.client_ip),
+            )
         })?;
         data.conn.entry(pos.clone()).or_default().push(ConnStats {
             p50_us: us(&c.hist, 0.5),
@@ -119,6 +147,35 @@ pub(super) fn measure_round(
         load::bulk(&ml.client_ns, targets[0], cfg.bulk_duration)
     })?;
     data.bulk.push(b);
+    // Host clients: the same target from the node's own namespace.
+    let (h, _, _) = cell(ml, cfg, || {
+        as_node_process(ml, || {
+            load::conn_latency(&ml.node_ns, targets.clone(), cfg.samples, None)
+        })
+    })?;
+    data.host_conn.push(ConnStats {
+        p50_us: us(&h.hist, 0.5),
+        p99_us: us(&h.hist, 0.99),
+        p999_us: us(&h.hist, 0.999),
+        ok: h.ok,
+        failed: h.failed,
+        backends: h.backends,
+        wrong_client_ip: 0,
+        wrong_peer: h.wrong_peer,
+        first_error: h.first_error,
+        ..ConnStats::default()
+    });
+    let (hr, _, _) = cell(ml, cfg, || {
+        as_node_process(ml, || {
+            load::conn_rate(
+                &ml.node_ns,
+                targets.clone(),
+                cfg.rate_threads,
+                cfg.rate_duration,
+            )
+        })
+    })?;
+    data.host_rate.push(hr.0);
     Ok(())
 }
 

@@ -169,6 +169,35 @@ pub fn markdown(r: &Results) -> String {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
+            "Host clients (the node's own namespace: socket hooks in proxy-tc, the OUTPUT chain in kube-proxy's layouts; floor: the node straight to the pod):\n"
+        );
+        let _ = writeln!(s, "| mode | host conn p50 | host conn p99 | host conn/s |");
+        let _ = writeln!(s, "|---|---|---|---|");
+        let hcols: Vec<(F, u8)> = vec![
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.host_conn.as_ref().map(|c| c.p50_us)),
+                1,
+            ),
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.host_conn.as_ref().map(|c| c.p99_us)),
+                1,
+            ),
+            (Box::new(|mr: &ModeResult, _: &str| mr.host_conn_rate), 0),
+        ];
+        for (mode, mr) in &n.modes {
+            let mut row = format!("| {mode} |");
+            for (f, prec) in &hcols {
+                let x = f(mr, mode);
+                let ipt = metric(BASE, &**f);
+                let fl = metric(FLOOR, &**f);
+                let abs = x.map_or("-".into(), |v| format!("{v:.*}", *prec as usize));
+                let _ = write!(row, " {} |", with_ratios(abs, x, ipt, fl, true));
+            }
+            let _ = writeln!(s, "{row}");
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
             "| mode | program N from empty | nft single transaction | one change at N | change → first connection | kernel memory | agent RSS |"
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");

@@ -66,6 +66,12 @@ pub struct ModeResult {
     pub tcp_rr: Option<RrStats>,
     pub udp_rr: Option<RrStats>,
     pub bulk_bps: Option<f64>,
+    /// Connection latency from the node's own namespace (a host client:
+    /// socket hooks in the proxy modes, the OUTPUT chain in kube-proxy's)
+    /// at the main target.
+    pub host_conn: Option<ConnStats>,
+    /// New connections per second from the node's own namespace.
+    pub host_conn_rate: Option<f64>,
     /// The harness's own checks.
     pub checks: Vec<Check>,
 }
@@ -217,6 +223,19 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
         ok: spread_ok,
         detail: detail.join("; "),
     });
+    if let Some(h) = &mr.host_conn {
+        v.push(Check {
+            name: "host clients".into(),
+            ok: h.ok > 0 && h.failed == 0 && h.wrong_peer == 0,
+            detail: format!(
+                "from the node's namespace: {} answered, {} failed, {} peers differ from the dialled address{}",
+                h.ok,
+                h.failed,
+                h.wrong_peer,
+                h.first_error.as_ref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+            ),
+        });
+    }
     let wrong_peer: usize = mr.conn.values().map(|c| c.wrong_peer).sum();
     let wrong_ip: usize = mr.conn.values().map(|c| c.wrong_client_ip).sum();
     v.push(Check {

@@ -29,6 +29,7 @@
 //! | `wait.rs` | waiting for the agents' syncs and attachments |
 
 mod cgroup;
+pub use cgroup::cgroup2_mount;
 mod host_client;
 mod info;
 mod process;
