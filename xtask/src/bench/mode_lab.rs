@@ -74,6 +74,15 @@ impl ModeLab {
             "net.ipv4.ip_local_port_range",
             "1024 65535",
         )?;
+        // The node's own clients (the host-client cells): kube-proxy's OUTPUT
+        // chain DNATs after the socket's route lookup, which needs a route to
+        // the VIPs (a real node's default route). The socket hooks need none.
+        if mode.restore_bin().is_some() || mode == Mode::Nftables {
+            crate::netns::ip_in(
+                &lab.node().netns,
+                &["route", "add", "198.19.0.0/16", "dev", "lo"],
+            )?;
+        }
         if pods.len() != cfg.endpoints {
             bail!("lab has {} pods, wanted {}", pods.len(), cfg.endpoints);
         }
