@@ -42,6 +42,24 @@ fn is_cgroup2(path: &Path) -> bool {
     nix::sys::statfs::statfs(path).is_ok_and(|st| st.filesystem_type().0 == CGROUP2_SUPER_MAGIC)
 }
 
+/// The bpf(2) syscall `cmd` with `attr` (a `#[repr(C)]` prefix of the
+/// kernel's `union bpf_attr` for that command); its non-negative result.
+fn bpf<T>(cmd: libc::c_long, attr: &T) -> std::io::Result<i64> {
+    // SAFETY: `attr` is a valid, initialised value of the size given.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *const T,
+            std::mem::size_of::<T>() as u32,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
 /// `BPF_LINK_UPDATE` on the link pinned at `pin`: points it at program
 /// `prog`, atomically (aya has it for tc and XDP links only).
 fn link_update(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
@@ -71,18 +89,7 @@ fn link_update(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> std::io::Result
         bpf_fd: 0,
         file_flags: 0,
     };
-    // SAFETY: the bpf syscall with a valid attr of the size given.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            &get as *const ObjGetAttr,
-            std::mem::size_of::<ObjGetAttr>() as u32,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let fd = bpf(BPF_OBJ_GET, &get)?;
     // SAFETY: a new fd the kernel just returned to us.
     let link = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     let attr = LinkUpdateAttr {
@@ -91,18 +98,7 @@ fn link_update(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> std::io::Result
         flags: 0,
         old_prog_fd: 0,
     };
-    // SAFETY: as above.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_UPDATE,
-            &attr as *const LinkUpdateAttr,
-            std::mem::size_of::<LinkUpdateAttr>() as u32,
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    bpf(BPF_LINK_UPDATE, &attr)?;
     Ok(())
 }
 
