@@ -63,6 +63,9 @@ pub struct RunConfig {
     pub host_socket_lb: Option<PathBuf>,
     /// NodePorts on 127.0.0.1 for the node's own clients.
     pub localhost_node_ports: bool,
+    /// The node's default load-balancing algorithm.
+    pub lb_algorithm: crate::model::LbAlgorithm,
+    pub maglev: crate::dataplane::MaglevSettings,
 }
 
 impl From<&Settings> for RunConfig {
@@ -85,6 +88,8 @@ impl From<&Settings> for RunConfig {
             metrics_bind_address: s.metrics_bind_address,
             host_socket_lb: s.host_socket_lb.clone(),
             localhost_node_ports: s.localhost_node_ports,
+            lb_algorithm: s.lb_algorithm,
+            maglev: s.maglev,
         }
     }
 }
@@ -304,6 +309,7 @@ fn sync_once(
         node_port_addresses: cfg.node_port_addresses.clone(),
         current_owners: obs.owners.clone(),
         localhost_node_ports: cfg.localhost_node_ports,
+        lb_algorithm: cfg.lb_algorithm,
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
@@ -358,6 +364,8 @@ fn sync_once(
     );
     obs.metrics
         .observe_sync(started.elapsed(), &desired, report.errors.len());
+    obs.metrics
+        .observe_maglev(writer.maglev_usage(), report.maglev_refused);
     let now = std::time::SystemTime::now();
     for t in triggers {
         obs.metrics
@@ -441,7 +449,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
     let datapath = datapath_config(&cfg);
     dp.set_config(datapath)?;
-    let mut writer = Writer::adopt(dp)?;
+    let mut writer = Writer::adopt(dp)?.with_maglev(cfg.maglev);
 
     let health = Arc::new(Health::new(Health::timeout_for(cfg.sync_period)));
     let proxy_health = health.clone();

@@ -200,6 +200,29 @@ pub struct Conntrack {
     pub udp_timeout: Option<GoDuration>,
 }
 
+/// `loadBalancing`: the node's default algorithm and Maglev's table.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LoadBalancingFile {
+    /// `random` (default), `round-robin`, `source-hash` or `maglev`. A
+    /// `maglev` default applies to external frontends only; the Service
+    /// annotation `proxy-agent.io/lb-algorithm` overrides it.
+    pub algorithm: Option<crate::model::LbAlgorithm>,
+    pub maglev: Option<MaglevFile>,
+}
+
+/// `loadBalancing.maglev`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MaglevFile {
+    /// Entries of each table: a prime, at most 65521 (default 16381). Each
+    /// table takes `tableSize × 4` bytes.
+    pub table_size: Option<u32>,
+    /// Tables programmed at most (default 1024); a frontend beyond is refused
+    /// with an error.
+    pub max_tables: Option<u32>,
+}
+
 /// The configuration file. Every field is optional.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -239,6 +262,7 @@ pub struct ConfigFile {
     /// NodePorts on 127.0.0.1 for the node's own clients (kube-proxy's
     /// `iptables.localhostNodePorts`, default true).
     pub localhost_node_ports: Option<bool>,
+    pub load_balancing: Option<LoadBalancingFile>,
 }
 
 impl ConfigFile {
@@ -357,6 +381,42 @@ pub struct Settings {
     /// The cgroup the socket hooks attach to; `None`: host socket LB off.
     pub host_socket_lb: Option<PathBuf>,
     pub localhost_node_ports: bool,
+    /// The node's default load-balancing algorithm.
+    pub lb_algorithm: crate::model::LbAlgorithm,
+    pub maglev: crate::dataplane::MaglevSettings,
+}
+
+/// `loadBalancing.maglev` checked: a prime size the slot 0 field holds, at
+/// least one table.
+fn maglev_settings(
+    file: Option<&MaglevFile>,
+) -> Result<crate::dataplane::MaglevSettings, ConfigError> {
+    let mut m = crate::dataplane::MaglevSettings::default();
+    let Some(file) = file else {
+        return Ok(m);
+    };
+    if let Some(size) = file.table_size {
+        if size > u32::from(proxy_common::lb::MAGLEV_MAX_SIZE) || !crate::model::is_prime(size) {
+            return Err(invalid(
+                "loadBalancing.maglev.tableSize",
+                format!(
+                    "{size} is not a prime of at most {} (e.g. 251, 1021, 4093, 16381, 65521)",
+                    proxy_common::lb::MAGLEV_MAX_SIZE
+                ),
+            ));
+        }
+        m.table_size = size as u16;
+    }
+    if let Some(n) = file.max_tables {
+        if n == 0 || n > u32::from(u16::MAX) {
+            return Err(invalid(
+                "loadBalancing.maglev.maxTables",
+                format!("{n} must be between 1 and 65535"),
+            ));
+        }
+        m.max_tables = n as usize;
+    }
+    Ok(m)
 }
 
 /// Parses a bind address: `ip:port`, or a bare IP with `default_port`, or an
@@ -502,6 +562,11 @@ impl Settings {
         if map_sizes.conntrack == 0 {
             return Err(invalid("conntrack", "the conntrack map cannot be empty"));
         }
+        let lb = file.load_balancing.clone().unwrap_or_default();
+        let maglev = maglev_settings(lb.maglev.as_ref())?;
+        // Two generations of every table (one being rebuilt).
+        map_sizes.maglev_chunks =
+            2 * maglev.max_tables as u32 * proxy_common::lb::maglev_chunks(maglev.table_size);
         let conntrack_timeouts = ConntrackTimeouts {
             tcp_established_s: secs(
                 "conntrack.tcpEstablishedTimeout",
@@ -592,6 +657,8 @@ impl Settings {
             master,
             host_socket_lb,
             localhost_node_ports: file.localhost_node_ports.unwrap_or(true),
+            lb_algorithm: lb.algorithm.unwrap_or_default(),
+            maglev,
         })
     }
 

@@ -7,6 +7,8 @@ use proxy_common::{ct_dir, stat};
 use serde_json::json;
 
 use crate::bpf::{BpfError, PinnedMaps};
+use crate::model::LbAlgorithm;
+use proxy_common::lb::MaglevKey;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum What {
@@ -18,6 +20,8 @@ pub enum What {
     Conntrack,
     /// Datapath counters (summed over CPUs).
     Stats,
+    /// Maglev tables: size, generation, memory and each backend's share.
+    Maglev,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -63,6 +67,45 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                     "frontend": format!("{}:{}/{}", k.addr(), k.port(), proto_name(k.proto)),
                     "scope": if k.scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
                     "rev_nat_id": v.rev_nat_id, "flags": v.flags, "backends": backends,
+                    "algorithm": LbAlgorithm::of_flags(v.flags).name(),
+                }));
+            }
+            json!(out)
+        }
+        What::Maglev => {
+            let p = maps.programmed()?;
+            let mut out = Vec::new();
+            for (k, v) in p.services.iter().filter(|(k, v)| {
+                k.slot == 0 && LbAlgorithm::of_flags(v.flags) == LbAlgorithm::Maglev
+            }) {
+                let generation = u8::from(v.flags & proxy_common::svc_flags::MAGLEV_GEN != 0);
+                let mut share: BTreeMap<String, usize> = BTreeMap::new();
+                let mut chunks = 0;
+                for c in 0..proxy_common::lb::maglev_chunks(v.maglev_size) {
+                    let key = MaglevKey::new(v.rev_nat_id, generation, c as u16);
+                    let Some(chunk) = p.maglev.get(&key) else {
+                        continue;
+                    };
+                    chunks += 1;
+                    let start = c as usize * proxy_common::lb::MAGLEV_CHUNK;
+                    let n = (v.maglev_size as usize)
+                        .saturating_sub(start)
+                        .min(chunk.backend_ids.len());
+                    for id in &chunk.backend_ids[..n] {
+                        let name = match p.backends.get(id) {
+                            Some(b) => format!("{}:{}", b.addr(), b.port()),
+                            None => format!("missing#{id}"),
+                        };
+                        *share.entry(name).or_default() += 1;
+                    }
+                }
+                out.push(json!({
+                    "frontend": format!("{}:{}/{}", k.addr(), k.port(), proto_name(k.proto)),
+                    "scope": if k.scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
+                    "table_size": v.maglev_size, "generation": generation,
+                    "bytes": v.maglev_size as u64 * 4,
+                    "chunks": format!("{chunks}/{}", proxy_common::lb::maglev_chunks(v.maglev_size)),
+                    "entries": share,
                 }));
             }
             json!(out)

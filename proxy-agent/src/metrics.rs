@@ -140,6 +140,9 @@ pub struct Metrics {
     frontends: Gauge,
     backends: Gauge,
     program_errors: Gauge,
+    maglev_tables: Gauge,
+    maglev_table_bytes: Gauge,
+    maglev_refused: Gauge,
 }
 
 impl Metrics {
@@ -153,6 +156,9 @@ impl Metrics {
         let frontends = Gauge::default();
         let backends = Gauge::default();
         let program_errors = Gauge::default();
+        let maglev_tables = Gauge::default();
+        let maglev_table_bytes = Gauge::default();
+        let maglev_refused = Gauge::default();
         registry.register(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
@@ -183,6 +189,21 @@ impl Metrics {
             "Frontends or backends the last sync could not program",
             program_errors.clone(),
         );
+        registry.register(
+            "proxy_agent_maglev_tables",
+            "Maglev lookup tables programmed (one per Maglev frontend with backends)",
+            maglev_tables.clone(),
+        );
+        registry.register(
+            "proxy_agent_maglev_table_bytes",
+            "Bytes of Maglev table entries programmed (table size x 4 per table)",
+            maglev_table_bytes.clone(),
+        );
+        registry.register(
+            "proxy_agent_maglev_tables_refused",
+            "Frontends the last sync refused a Maglev table (loadBalancing.maglev.maxTables reached)",
+            maglev_refused.clone(),
+        );
         if let Some(pin_dir) = pin_dir {
             registry.register_collector(Box::new(DatapathStats { pin_dir }));
         }
@@ -194,7 +215,18 @@ impl Metrics {
             frontends,
             backends,
             program_errors,
+            maglev_tables,
+            maglev_table_bytes,
+            maglev_refused,
         }
+    }
+
+    /// Records the Maglev tables programmed (count, bytes) and how many
+    /// frontends the last sync refused one.
+    pub fn observe_maglev(&self, (tables, bytes): (usize, u64), refused: usize) {
+        self.maglev_tables.set(tables as i64);
+        self.maglev_table_bytes.set(bytes as i64);
+        self.maglev_refused.set(refused as i64);
     }
 
     /// Records a completed sync of `desired`, `errors` of which could not be

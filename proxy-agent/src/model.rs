@@ -35,6 +35,7 @@
 //! | `topology` | [`categorize`]: kube-proxy's `CategorizeEndpoints` (traffic policies, topology hints) |
 //! | `addresses` | [`NodePortAddresses`], externalIPs, load-balancer IPs, IPv4/CIDR parsing |
 //! | `frontends` | a frontend's backends and flags, ownership conflicts between Services |
+//! | `lb` | [`LbAlgorithm`]: each frontend's algorithm (annotation, node default), [`maglev_table`] |
 //! | `health_checks` | the `healthCheckNodePort`s this node serves |
 //! | `pipeline` | [`desired_state_with`]: the steps above, Service by Service |
 #[cfg(doc)]
@@ -46,6 +47,7 @@ mod addresses;
 mod endpoints;
 mod frontends;
 mod health_checks;
+mod lb;
 mod pipeline;
 mod pods;
 mod services;
@@ -53,6 +55,7 @@ mod state;
 mod topology;
 
 pub use addresses::NodePortAddresses;
+pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
 pub use pipeline::{desired_state, desired_state_with};
 pub use pods::endpoint_slices_from_pods;
 pub use state::{

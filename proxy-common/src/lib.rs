@@ -13,6 +13,7 @@
 
 pub mod conntrack;
 pub mod csum;
+pub mod lb;
 
 use core::mem::{offset_of, size_of};
 use core::net::Ipv4Addr;
@@ -51,9 +52,14 @@ pub mod map_names {
     /// [`super::SockRevNat4Value`], written by the cgroup hooks for host
     /// clients' sockets.
     pub const SOCK_REVNAT: &str = "SOCK_REVNAT4_V1";
+    /// Maglev lookup tables: [`super::lb::MaglevKey`] →
+    /// [`super::lb::MaglevChunk`] (not preallocated: memory follows use).
+    pub const MAGLEV: &str = "MAGLEV4_V1";
+    /// Round-robin cursors, per CPU, indexed by reverse-NAT id (`u32`).
+    pub const ROUND_ROBIN: &str = "RR4_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -67,6 +73,8 @@ pub mod map_names {
         FRONTEND_TRAFFIC,
         BACKEND_TRAFFIC,
         SOCK_REVNAT,
+        MAGLEV,
+        ROUND_ROBIN,
     ];
 }
 
@@ -86,6 +94,11 @@ pub mod capacity {
     pub const STATS: u32 = 64;
     /// Host clients' translated sockets (one entry per socket and backend).
     pub const SOCK_REVNAT: u32 = 131_072;
+    /// Maglev tables the agent programs at most (`loadBalancing.maglev.maxTables`).
+    pub const MAGLEV_TABLES: u32 = 1_024;
+    /// Maglev chunks: two generations of every table at the default size.
+    pub const MAGLEV_CHUNKS: u32 =
+        2 * MAGLEV_TABLES * super::lb::maglev_chunks(super::lb::MAGLEV_DEFAULT_SIZE);
 }
 
 /// IP protocol numbers used in keys.
@@ -161,6 +174,23 @@ pub mod svc_flags {
     /// `externalTrafficPolicy: Local` (external frontends): the client's
     /// address is kept, never SNATed, even towards a remote backend.
     pub const EXTERNAL_LOCAL: u16 = 1 << 2;
+    /// The load-balancing algorithm ([`crate::lb::alg`]) in these two bits:
+    /// `(flags & ALG_MASK) >> ALG_SHIFT`.
+    pub const ALG_SHIFT: u16 = 3;
+    pub const ALG_MASK: u16 = 0b11 << ALG_SHIFT;
+    /// Maglev: which generation of the frontend's table packets read.
+    pub const MAGLEV_GEN: u16 = 1 << 5;
+    /// Maglev on a load-balancer IP or externalIP (`externalTrafficPolicy:
+    /// Cluster`): a new flow to a backend on another node is sent there
+    /// unchanged (its node picks the same backend and translates, keeping the
+    /// client's address), so the flow survives when the router moves it to
+    /// another node.
+    pub const HANDOFF: u16 = 1 << 6;
+
+    /// The algorithm bits of `flags`.
+    pub const fn algorithm(flags: u16) -> u16 {
+        (flags & ALG_MASK) >> ALG_SHIFT
+    }
 }
 
 /// Value of the services map.
@@ -174,7 +204,8 @@ pub struct Svc4Value {
     pub count: u16,
     pub rev_nat_id: u16,
     pub flags: u16,
-    pub _pad: u16,
+    /// Slot 0 of a Maglev frontend: the size of its table (a prime); else 0.
+    pub maglev_size: u16,
     /// Session-affinity timeout in seconds; 0 = no affinity.
     pub affinity_timeout_s: u32,
 }
@@ -182,6 +213,7 @@ const _: () = assert!(size_of::<Svc4Value>() == 16);
 const _: () = assert!(offset_of!(Svc4Value, count) == 4);
 const _: () = assert!(offset_of!(Svc4Value, rev_nat_id) == 6);
 const _: () = assert!(offset_of!(Svc4Value, flags) == 8);
+const _: () = assert!(offset_of!(Svc4Value, maglev_size) == 10);
 const _: () = assert!(offset_of!(Svc4Value, affinity_timeout_s) == 12);
 
 impl Svc4Value {
@@ -196,9 +228,14 @@ impl Svc4Value {
             count,
             rev_nat_id,
             flags,
-            _pad: 0,
+            maglev_size: 0,
             affinity_timeout_s,
         }
+    }
+    /// This slot 0 with a Maglev table of `size` entries.
+    pub const fn with_maglev_size(mut self, size: u16) -> Self {
+        self.maglev_size = size;
+        self
     }
     pub const fn slot(backend_id: u32) -> Self {
         Self {
@@ -206,7 +243,7 @@ impl Svc4Value {
             count: 0,
             rev_nat_id: 0,
             flags: 0,
-            _pad: 0,
+            maglev_size: 0,
             affinity_timeout_s: 0,
         }
     }
@@ -632,6 +669,10 @@ pub mod stat {
     pub const XDP_TX: u32 = 31;
     /// XDP: translated and redirected to another device (XDP_REDIRECT).
     pub const XDP_REDIRECT: u32 = 32;
+    /// Maglev handoff: a new flow to a load-balancer IP or externalIP whose
+    /// backend is on another node, sent there unchanged (no translation, no
+    /// conntrack here); that node translates it.
+    pub const FWD_HANDOFF: u32 = 33;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -688,7 +729,7 @@ pub mod stat {
         "xdp_deferred",
         "xdp_tx",
         "xdp_redirect",
-        "",
+        "fwd_handoff",
         "",
         "",
         "",
@@ -743,4 +784,8 @@ mod user {
     unsafe impl aya::Pod for SockRevNat4Key {}
     // SAFETY: as above.
     unsafe impl aya::Pod for SockRevNat4Value {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for lb::MaglevKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for lb::MaglevChunk {}
 }

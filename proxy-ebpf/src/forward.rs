@@ -24,7 +24,9 @@ pub const FROM_XDP: u8 = 0x80;
 
 /// The forward direction's decision for a packet to frontend `fe`: fills
 /// `flow` and returns `Deliver(FWD_NEW | FWD_ESTABLISHED)` when the packet is
-/// to be translated; otherwise what to do instead. From XDP, flows to a
+/// to be translated, `Deliver(FWD_HANDOFF)` when it is to be sent unchanged
+/// to the node of `flow.backend` (Maglev handoff); otherwise what to do
+/// instead. From XDP, flows to a
 /// backend on this node are deferred to tc (which delivers to pods with
 /// `bpf_redirect_peer`), a new one once its conntrack entries are written.
 ///
@@ -109,6 +111,14 @@ fn new_flow(
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
     let (backend_id, b) = lb::select(pkt, &lb::frontend_key(pkt, scope), fe, now)?;
+    if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
+        // Maglev handoff: the backend's node picks the same backend and
+        // translates; this node only forwards, keeping no state, so any node
+        // the router sends the flow to forwards it alike.
+        flow.backend_id = backend_id;
+        flow.backend = b;
+        return Err(Verdict::Deliver(stat::FWD_HANDOFF));
+    }
     let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, external);
     if pkt.proto == IPPROTO_TCP {
         flags |= tcp_state(0, pkt.tcp_flags);

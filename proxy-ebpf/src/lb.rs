@@ -1,18 +1,23 @@
 //! Load balancing: the frontend lookup and the choice of a backend for a new
-//! flow (session affinity, else a random slot), from the services, backends,
-//! affinity and source-range maps. Hash lookups only; nothing here loops
-//! over backends.
+//! flow (session affinity, else the frontend's algorithm: a random slot, the
+//! next slot per CPU, a slot by the client's hash, or the Maglev table's
+//! entry for the 5-tuple), from the services, backends, affinity, Maglev and
+//! source-range maps. Hash lookups only; nothing here loops over backends.
 
 use aya_ebpf::{
     bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey, helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    conntrack::NSEC_PER_SEC, stat, svc_flags, Affinity4Key, Affinity4Value, Backend4, RevNat4,
-    SourceRange4, Svc4Key, Svc4Value, SOURCE_RANGE_ID_BITS,
+    conntrack::NSEC_PER_SEC,
+    lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
+    stat, svc_flags, Affinity4Key, Affinity4Value, Backend4, RevNat4, SourceRange4, Svc4Key,
+    Svc4Value, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
-    maps::{count, AFFINITY4_V1, BACKEND4_V1, REVNAT4_V1, SRCRANGE4_V1, SVC4_V1},
+    maps::{
+        count, AFFINITY4_V1, BACKEND4_V1, MAGLEV4_V1, REVNAT4_V1, RR4_V1, SRCRANGE4_V1, SVC4_V1,
+    },
     parse::Packet,
     verdict::Verdict,
 };
@@ -59,7 +64,8 @@ pub fn source_allowed(rev_nat_id: u16, addr_be: u32) -> bool {
 }
 
 /// Picks a backend for a new flow to frontend `fe` (at `fe_key`): the
-/// client's session affinity while it is valid, else a random slot. `Err`
+/// client's session affinity while it is valid, else the one the frontend's
+/// algorithm names ([`choose`]). `Err`
 /// when there is none to pick: drop when the endpoints may not be used from
 /// this node, else reject.
 pub fn select(
@@ -96,14 +102,7 @@ pub fn select(
             }
         }
     }
-    // SAFETY: helper without arguments.
-    let r = unsafe { bpf_get_prandom_u32() };
-    let slot = (r % fe.count as u32) as u16 + 1;
-    let Some(sv) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
-        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
-    };
-    // SAFETY: map value pointer, copied.
-    let id = unsafe { (*sv).backend_id };
+    let id = choose(pkt, fe_key, fe)?;
     let Some(b) = backend(id) else {
         return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
     };
@@ -116,4 +115,68 @@ pub fn select(
         let _ = AFFINITY4_V1.insert(akey, av, BPF_ANY as u64);
     }
     Ok((id, b))
+}
+
+/// The backend id the frontend's algorithm picks for a new flow (`fe.count`
+/// is not 0): Maglev reads its table; the others pick a slot.
+#[inline(always)]
+fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict> {
+    let algorithm = svc_flags::algorithm(fe.flags);
+    if algorithm == alg::MAGLEV {
+        return maglev(pkt, fe);
+    }
+    let r = if algorithm == alg::ROUND_ROBIN {
+        match RR4_V1.get_ptr_mut(fe.rev_nat_id as u32) {
+            // SAFETY: this CPU's cursor; no other writer while we run.
+            Some(c) => unsafe {
+                let r = *c;
+                *c = r.wrapping_add(1);
+                r
+            },
+            None => 0,
+        }
+    } else if algorithm == alg::SOURCE_HASH {
+        source_hash(pkt.saddr_be)
+    } else {
+        // SAFETY: helper without arguments.
+        unsafe { bpf_get_prandom_u32() }
+    };
+    let slot = (r % fe.count as u32) as u16 + 1;
+    let Some(sv) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
+        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    // SAFETY: map value pointer, copied.
+    Ok(unsafe { (*sv).backend_id })
+}
+
+/// Maglev: the entry of the frontend's table (the generation slot 0 names)
+/// for the flow's 5-tuple. One hash and one map lookup.
+#[inline(always)]
+fn maglev(pkt: &Packet, fe: &Svc4Value) -> Result<u32, Verdict> {
+    let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
+    if fe.maglev_size == 0 {
+        return Err(miss);
+    }
+    let h = flow_hash(
+        pkt.saddr_be,
+        pkt.daddr_be,
+        pkt.sport_be,
+        pkt.dport_be,
+        pkt.proto,
+    );
+    let index = h % fe.maglev_size as u32;
+    let generation = u8::from(fe.flags & svc_flags::MAGLEV_GEN != 0);
+    let key = MaglevKey::new(
+        fe.rev_nat_id,
+        generation,
+        (index / MAGLEV_CHUNK as u32) as u16,
+    );
+    let chunk = MAGLEV4_V1.get_ptr(&key).ok_or(miss)?;
+    let entry = (index as usize) & (MAGLEV_CHUNK - 1);
+    // SAFETY: map value pointer; `entry` is below the chunk's length.
+    let id = unsafe { (*chunk).backend_ids[entry] };
+    if id == 0 {
+        return Err(miss);
+    }
+    Ok(id)
 }

@@ -5,13 +5,15 @@
 //! `proxy-common`, so `bpftool map dump` prints their fields by name.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    capacity, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key,
-    Frag4Ports, Iface, RevNat4, SockRevNat4Key, SockRevNat4Value, SourceRange4, Svc4Key, Svc4Value,
-    Traffic,
+    capacity,
+    lb::{MaglevChunk, MaglevKey},
+    Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key, Frag4Ports, Iface,
+    RevNat4, SockRevNat4Key, SockRevNat4Value, SourceRange4, Svc4Key, Svc4Value, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
@@ -63,6 +65,20 @@ pub static SOCK_REVNAT4_V1: LruHashMap<
     SockRevNat4Value,
     { capacity::SOCK_REVNAT as usize },
 > = LruHashMap::new();
+
+/// Maglev lookup tables, in chunks; not preallocated, so memory follows the
+/// tables programmed (the agent caps them).
+#[btf_map]
+pub static MAGLEV4_V1: HashMap<
+    MaglevKey,
+    MaglevChunk,
+    { capacity::MAGLEV_CHUNKS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+/// Round-robin cursors: reverse-NAT id → the next pick, per CPU (no cursor
+/// is shared between CPUs, so none is written concurrently).
+#[btf_map]
+pub static RR4_V1: PerCpuArray<u32, { capacity::REV_NAT as usize }> = PerCpuArray::new();
 
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]

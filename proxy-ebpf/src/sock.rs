@@ -130,15 +130,20 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     };
     // SAFETY: map value pointer, copied.
     let fe = unsafe { *fe };
-    // The fields `select` reads (the client, as the affinity key, and the
-    // destination); the host client's own address is not known yet.
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // The fields `select` reads (the client, as the affinity key and for
+    // source hashing, and the destination); the host client's own address
+    // and port are not known yet: the socket cookie stands in for the port,
+    // so Maglev spreads sockets, while every host client shares one client
+    // identity (affinity, source hash).
     let pkt = Packet {
         l4_off: 0,
         csum_off: 0,
         proto,
         saddr_be: 0,
         daddr_be,
-        sport_be: 0,
+        sport_be: (cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16,
         dport_be,
         tot_len: 0,
         tcp_flags: 0,
@@ -161,8 +166,6 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
             return fail(EHOSTUNREACH);
         }
     };
-    // SAFETY: helper on this program's context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let rkey = SockRevNat4Key {
         cookie,
         addr_be: b.addr_be,

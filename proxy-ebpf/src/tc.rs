@@ -99,6 +99,11 @@ fn translate(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Ve
         return verdict;
     }
     account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
+    if matches!(verdict, Verdict::Deliver(stat::FWD_HANDOFF)) {
+        // Untranslated, routed towards the backend (so to its node).
+        pkt.daddr_be = flow.backend.addr_be;
+        return verdict;
+    }
     let to = nat::forward_tuple(pkt, &flow);
     if let Err(v) = nat::rewrite(ctx, pkt, &to) {
         return v;

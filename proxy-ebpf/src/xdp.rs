@@ -50,7 +50,17 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
                 Verdict::Pass(_) | Verdict::Reject(_) => return Err(DEFER),
                 v => return Err(v),
             };
-            let to = nat::forward_tuple(&pkt, &flow);
+            let to = if code == stat::FWD_HANDOFF {
+                // Untranslated, routed towards the backend (so to its node).
+                Tuple {
+                    saddr_be: pkt.saddr_be,
+                    daddr_be: flow.backend.addr_be,
+                    sport_be: pkt.sport_be,
+                    dport_be: pkt.dport_be,
+                }
+            } else {
+                nat::forward_tuple(&pkt, &flow)
+            };
             (to, code, fe.rev_nat_id, flow.backend_id)
         } else {
             let ct = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
@@ -64,7 +74,8 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     Ok(sent)
 }
 
-/// Where the translated packet goes, asked before translating: what XDP
+/// Where the translated packet goes (for a Maglev handoff, `to` is only
+/// where it is routed: nothing is rewritten), asked before translating: what XDP
 /// cannot send itself (no neighbour entry yet, a pod, no route) goes to tc
 /// untouched, which finds the conntrack entries just written and finishes the
 /// job (a translated packet handed to the stack could carry this node's own
@@ -81,7 +92,9 @@ fn transmit(
     code: u32,
 ) -> Result<(u32, u32), Verdict> {
     let fib = fib::xdp_fib(ctx, pkt, to).ok_or(DEFER)?;
-    nat::xdp_rewrite(ctx, pkt, to)?;
+    if code != stat::FWD_HANDOFF {
+        nat::xdp_rewrite(ctx, pkt, to)?;
+    }
     count(code);
     Ok(fib::xdp_send(ctx, &fib))
 }

@@ -12,6 +12,7 @@ pub struct BpfDataplane {
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
     conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
+    maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     sizes: MapSizes,
 }
 
@@ -61,6 +62,8 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
             conntrack: HashMap::try_from(take_map(ebpf, map_names::CONNTRACK)?)
                 .map_err(map_err(map_names::CONNTRACK))?,
+            maglev: HashMap::try_from(take_map(ebpf, map_names::MAGLEV)?)
+                .map_err(map_err(map_names::MAGLEV))?,
             sizes,
         })
     }
@@ -143,6 +146,21 @@ impl BpfDataplane {
 }
 
 impl Dataplane for BpfDataplane {
+    fn put_maglev_chunk(
+        &mut self,
+        key: MaglevKey,
+        chunk: &MaglevChunk,
+    ) -> Result<(), DataplaneError> {
+        let cap = self.sizes.maglev_chunks;
+        self.maglev
+            .insert(key, chunk, 0)
+            .map_err(|e| op_err(map_names::MAGLEV, "insert", cap, e))
+    }
+    fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError> {
+        let cap = self.sizes.maglev_chunks;
+        ignore_missing(self.maglev.remove(&key))
+            .map_err(|e| op_err(map_names::MAGLEV, "delete", cap, e))
+    }
     fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
         let cap = self.sizes.backends;
         self.backends
@@ -237,6 +255,10 @@ impl Dataplane for BpfDataplane {
         for kv in self.rev_nat.iter() {
             let (k, v) = kv.map_err(d(map_names::REV_NAT))?;
             p.rev_nat.insert(k, v);
+        }
+        for kv in self.maglev.iter() {
+            let (k, v) = kv.map_err(d(map_names::MAGLEV))?;
+            p.maglev.insert(k, v);
         }
         for k in self.source_ranges.keys() {
             let k = k.map_err(d(map_names::SOURCE_RANGES))?;

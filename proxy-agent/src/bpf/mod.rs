@@ -28,9 +28,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    capacity, conntrack, iface_flags, map_names, stat, Affinity4Key, Affinity4Value, Backend4,
-    Config, Ct4Key, Ct4Value, Iface, RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic,
-    SOURCE_RANGE_ID_BITS,
+    capacity, conntrack, iface_flags,
+    lb::{MaglevChunk, MaglevKey},
+    map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Iface,
+    RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
@@ -133,6 +134,9 @@ pub struct MapSizes {
     pub backends: u32,
     pub rev_nat: u32,
     pub conntrack: u32,
+    /// Maglev chunks: two generations of `loadBalancing.maglev.maxTables`
+    /// tables of `tableSize` entries.
+    pub maglev_chunks: u32,
 }
 
 impl Default for MapSizes {
@@ -142,6 +146,7 @@ impl Default for MapSizes {
             backends: capacity::BACKENDS,
             rev_nat: capacity::REV_NAT,
             conntrack: capacity::CONNTRACK,
+            maglev_chunks: capacity::MAGLEV_CHUNKS,
         }
     }
 }
@@ -279,7 +284,8 @@ pub fn load_with_migrations(
         .map_max_entries(map_names::SERVICES, sizes.services)
         .map_max_entries(map_names::BACKENDS, sizes.backends)
         .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
-        .map_max_entries(map_names::CONNTRACK, sizes.conntrack);
+        .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
+        .map_max_entries(map_names::MAGLEV, sizes.maglev_chunks);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     for name in [POD_INGRESS_PROGRAM, POD_EGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
         let prog: &mut SchedClassifier = ebpf

@@ -117,6 +117,15 @@ impl PinnedMaps {
             let (k, v) = kv.map_err(map_err(map_names::REV_NAT))?;
             p.rev_nat.insert(k, v);
         }
+        // An agent older than Maglev has no such map: no tables.
+        if let Ok(m) = self.open(map_names::MAGLEV) {
+            let maglev: HashMap<MapData, MaglevKey, MaglevChunk> =
+                HashMap::try_from(m).map_err(map_err(map_names::MAGLEV))?;
+            for kv in maglev.iter() {
+                let (k, v) = kv.map_err(map_err(map_names::MAGLEV))?;
+                p.maglev.insert(k, v);
+            }
+        }
         Ok(p)
     }
 }

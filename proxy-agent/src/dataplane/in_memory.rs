@@ -3,7 +3,10 @@
 //! every operation of the invariant a packet relies on.
 use std::collections::BTreeMap;
 
-use proxy_common::{map_names, Backend4, RevNat4, Svc4Key, Svc4Value};
+use proxy_common::{
+    lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
+    map_names, svc_flags, Backend4, RevNat4, Svc4Key, Svc4Value,
+};
 
 use super::{Dataplane, DataplaneError, Programmed, SourceRange};
 
@@ -18,6 +21,8 @@ pub enum Op {
     DeleteRevNat(u16),
     PutSourceRange(u16, SourceRange),
     DeleteSourceRange(u16, SourceRange),
+    PutMaglevChunk(MaglevKey),
+    DeleteMaglevChunk(MaglevKey),
 }
 
 /// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
@@ -73,8 +78,10 @@ impl InMemory {
     }
 
     /// Invariant violations seen after any operation: a frontend whose count
-    /// covers a missing slot, a slot naming a missing backend, or a frontend
-    /// whose reverse-NAT entry is missing or names another address.
+    /// covers a missing slot, a slot naming a missing backend, a frontend
+    /// whose reverse-NAT entry is missing or names another address, or a
+    /// Maglev frontend whose table (the generation its slot 0 names) has a
+    /// missing chunk or an entry naming a missing backend.
     pub fn violations(&self) -> &[String] {
         &self.violations
     }
@@ -127,6 +134,9 @@ impl InMemory {
                     Some(_) => {}
                 }
             }
+            if let Some(v) = maglev_violation(&self.state, value) {
+                self.violations.push(format!("after {op:?}: {key:?} {v}"));
+            }
             match self.state.rev_nat.get(&value.rev_nat_id) {
                 Some(r) if r.addr() == key.addr() && r.port() == key.port() => {}
                 other => self.violations.push(format!(
@@ -172,7 +182,51 @@ impl InMemory {
     }
 }
 
+/// What is wrong with the Maglev table slot 0 `value` names, if anything: a
+/// Maglev frontend with backends must have every chunk of that generation,
+/// each entry a backend that exists.
+fn maglev_violation(state: &Programmed, value: &Svc4Value) -> Option<String> {
+    if svc_flags::algorithm(value.flags) != alg::MAGLEV || value.count == 0 {
+        return None;
+    }
+    if value.maglev_size == 0 {
+        return Some("Maglev without a table size".into());
+    }
+    let generation = u8::from(value.flags & svc_flags::MAGLEV_GEN != 0);
+    for chunk in 0..maglev_chunks(value.maglev_size) {
+        let key = MaglevKey::new(value.rev_nat_id, generation, chunk as u16);
+        let Some(c) = state.maglev.get(&key) else {
+            return Some(format!("Maglev chunk {key:?} missing"));
+        };
+        let entries =
+            (value.maglev_size as usize - chunk as usize * MAGLEV_CHUNK).min(MAGLEV_CHUNK);
+        if let Some(id) = c.backend_ids[..entries]
+            .iter()
+            .find(|id| !state.backends.contains_key(id))
+        {
+            return Some(format!("Maglev chunk {key:?} names missing backend {id}"));
+        }
+    }
+    None
+}
+
 impl Dataplane for InMemory {
+    fn put_maglev_chunk(
+        &mut self,
+        key: MaglevKey,
+        chunk: &MaglevChunk,
+    ) -> Result<(), DataplaneError> {
+        self.injected(map_names::MAGLEV, "put")?;
+        self.state.maglev.insert(key, *chunk);
+        self.record(Op::PutMaglevChunk(key));
+        Ok(())
+    }
+    fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError> {
+        self.injected(map_names::MAGLEV, "delete")?;
+        self.state.maglev.remove(&key);
+        self.record(Op::DeleteMaglevChunk(key));
+        Ok(())
+    }
     fn put_source_range(
         &mut self,
         rev_nat_id: u16,

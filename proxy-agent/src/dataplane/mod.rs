@@ -14,14 +14,17 @@
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
 use std::collections::{BTreeMap, BTreeSet};
 
-use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value};
+use proxy_common::{
+    lb::{MaglevChunk, MaglevKey},
+    Backend4, RevNat4, Svc4Key, Svc4Value,
+};
 
 mod ids;
 mod in_memory;
 mod writer;
 
 pub use in_memory::{InMemory, Op};
-pub use writer::{SyncReport, Writer};
+pub use writer::{MaglevSettings, SyncReport, Writer};
 
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +32,9 @@ pub enum DataplaneError {
     /// The map has no room for a new entry.
     #[error("map {map} is full ({capacity} entries)")]
     Full { map: &'static str, capacity: u32 },
+    /// A frontend asked for a Maglev table beyond the configured cap.
+    #[error("no Maglev table for this frontend: {cap} tables programmed, the most loadBalancing.maglev.maxTables allows; the frontend keeps its previous state")]
+    MaglevCap { cap: usize },
     /// Any other failure of the map operation.
     #[error("map {map}: {op} failed: {reason}")]
     Op {
@@ -46,6 +52,8 @@ pub struct Programmed {
     pub rev_nat: BTreeMap<u16, RevNat4>,
     /// `loadBalancerSourceRanges`: reverse-NAT id → allowed client prefixes.
     pub source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
+    /// Maglev tables, chunk by chunk.
+    pub maglev: BTreeMap<MaglevKey, MaglevChunk>,
 }
 
 /// An allowed client prefix (network address, prefix length).
@@ -84,6 +92,13 @@ pub trait Dataplane {
         rev_nat_id: u16,
         range: SourceRange,
     ) -> Result<(), DataplaneError>;
+    /// Writes one chunk of a Maglev table generation.
+    fn put_maglev_chunk(
+        &mut self,
+        key: MaglevKey,
+        chunk: &MaglevChunk,
+    ) -> Result<(), DataplaneError>;
+    fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError>;
     /// Reads back everything programmed (used to adopt pinned maps on start).
     fn dump(&self) -> Result<Programmed, DataplaneError>;
 }

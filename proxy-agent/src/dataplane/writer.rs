@@ -7,14 +7,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value};
+use proxy_common::{lb::MaglevKey, Backend4, RevNat4, Svc4Key, Svc4Value};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{Dataplane, DataplaneError, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
 
+mod maglev;
 mod prune;
 mod update;
+
+pub use maglev::MaglevSettings;
+use maglev::MaglevTable;
 
 /// What one [`Writer::sync`] did.
 #[derive(Default)]
@@ -26,6 +30,8 @@ pub struct SyncReport {
     pub backends_removed: usize,
     /// Map operations that took effect (puts and deletes).
     pub writes: usize,
+    /// Frontends refused a Maglev table by `loadBalancing.maglev.maxTables`.
+    pub maglev_refused: usize,
     /// What could not be programmed (a frontend, `service frontend`, or a
     /// backend) and why. Everything else was; a later sync retries these.
     pub errors: Vec<(String, DataplaneError)>,
@@ -89,6 +95,9 @@ struct SyncState {
     /// Reverse-NAT id → how many programmed slot 0 entries name it (counted
     /// when removed frontends start to be deleted, kept up to date after).
     slot0_refs: BTreeMap<u16, usize>,
+    /// Maglev tables written whole in the generation slot 0 does not read
+    /// yet, by frontend: slot 0 switches to them.
+    maglev_pending: BTreeMap<FrontendKey, MaglevTable>,
 }
 
 /// The report of one sync, and the frontends that failed in it: those are
@@ -155,6 +164,11 @@ pub struct Writer<D: Dataplane> {
     rev_nat_ids: RevNatIds,
     /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
     source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
+    maglev: MaglevSettings,
+    /// Every chunk in the Maglev map.
+    maglev_keys: BTreeSet<MaglevKey>,
+    /// The table each Maglev frontend's slot 0 reads, by reverse-NAT id.
+    maglev_tables: BTreeMap<u16, MaglevTable>,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -213,6 +227,7 @@ impl<D: Dataplane> Writer<D> {
             rev_nat = programmed.rev_nat.len(),
             "writer: adopted programmed state"
         );
+        let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
         Ok(Self {
             dp,
             frontends,
@@ -221,7 +236,16 @@ impl<D: Dataplane> Writer<D> {
             backend_ids,
             rev_nat_ids,
             source_ranges: programmed.source_ranges,
+            maglev: MaglevSettings::default(),
+            maglev_keys: programmed.maglev.keys().copied().collect(),
+            maglev_tables,
         })
+    }
+
+    /// The Maglev table size and cap (`loadBalancing.maglev`).
+    pub fn with_maglev(mut self, settings: MaglevSettings) -> Self {
+        self.maglev = settings;
+        self
     }
 
     pub fn dataplane(&self) -> &D {
@@ -277,6 +301,7 @@ impl<D: Dataplane> Writer<D> {
         self.update_rev_nat(desired, &mut s);
         self.add_source_ranges(desired, &mut s);
         self.update_slots(desired, &mut s);
+        self.update_maglev(desired, &mut s);
         self.update_slot0(desired, &mut s);
         self.delete_obsolete_slots(desired, &mut s);
         self.remove_source_ranges(desired, &mut s);
@@ -287,6 +312,7 @@ impl<D: Dataplane> Writer<D> {
         self.remove_frontends(desired, &mut s);
         self.delete_stale_rev_nat(&mut s);
         self.delete_stale_source_ranges(desired, &mut s);
+        self.delete_unused_maglev(&mut s);
         self.delete_unused_backends(desired, &mut s);
 
         let report = s.out.report;

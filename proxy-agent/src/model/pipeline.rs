@@ -12,6 +12,7 @@ use super::addresses::{external_addresses, node_internal_ips, node_port_addresse
 use super::endpoints::{local_endpoint_addresses, port_endpoints};
 use super::frontends::{frontend_key, insert_frontend, with_backends};
 use super::health_checks::claim_health_check;
+use super::lb::{service_algorithms, LbAlgorithm};
 use super::services::{ignored, name, namespace, parse_proto, service_id};
 use super::{
     categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, ModelOptions,
@@ -157,6 +158,8 @@ pub fn desired_state_with(
         };
         let external = external_addresses(svc, &object, &mut warnings);
         let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
+        let (alg_internal, alg_external) =
+            service_algorithms(svc, &object, opts.lb_algorithm, &mut warnings);
         // Local READY endpoints' addresses over all ports, for the health check.
         let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
 
@@ -241,7 +244,8 @@ pub fn desired_state_with(
                 TrafficPolicy::Cluster => &categorized.cluster,
                 TrafficPolicy::Local => &categorized.local,
             };
-            let internal = with_backends(&base, internal_list, &categorized, &endpoints);
+            let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
+            internal.flags |= alg_internal.flags();
             for ip in &cluster_ips {
                 claim(
                     frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
@@ -249,12 +253,26 @@ pub fn desired_state_with(
                 );
             }
 
-            // North-south: (address, port, is a load-balancer IP).
-            let targets: Vec<(Ipv4Addr, u16, bool)> = node_port
+            // North-south: (address, port, what it is).
+            let targets: Vec<(Ipv4Addr, u16, NorthSouth)> = node_port
                 .into_iter()
-                .flat_map(|p| node_port_addrs.iter().map(move |a| (*a, p, false)))
-                .chain(external.external_ips.iter().map(|a| (*a, svc_port, false)))
-                .chain(external.lb_ips.iter().map(|a| (*a, svc_port, true)))
+                .flat_map(|p| {
+                    node_port_addrs
+                        .iter()
+                        .map(move |a| (*a, p, NorthSouth::NodePort))
+                })
+                .chain(
+                    external
+                        .external_ips
+                        .iter()
+                        .map(|a| (*a, svc_port, NorthSouth::ExternalIp)),
+                )
+                .chain(
+                    external
+                        .lb_ips
+                        .iter()
+                        .map(|a| (*a, svc_port, NorthSouth::LoadBalancer)),
+                )
                 .collect();
             if targets.is_empty() {
                 continue;
@@ -266,6 +284,7 @@ pub fn desired_state_with(
                 TrafficPolicy::Local => &categorized.local,
             };
             let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
+            outside.flags |= alg_external.flags();
             if external_policy == TrafficPolicy::Local {
                 outside.flags |= svc_flags::EXTERNAL_LOCAL;
             }
@@ -275,11 +294,22 @@ pub fn desired_state_with(
             // externalTrafficPolicy: E4, S42). No source ranges here, as the
             // datapath filters external traffic only; note that kube-proxy's
             // firewall chain also filters pods' traffic to a load-balancer IP.
-            let short_circuit =
+            let mut short_circuit =
                 with_backends(&base, &categorized.cluster, &categorized, &endpoints);
-            for (addr, port, is_lb) in targets {
+            short_circuit.flags |= alg_internal.flags();
+            for (addr, port, kind) in targets {
                 let mut fe = outside.clone();
-                if is_lb && !external.source_ranges.is_empty() {
+                // Maglev handoff: addresses every node serves alike (a
+                // router may move their flows between nodes; a NodePort is
+                // one node's own address), with the client's address kept
+                // end to end (Cluster policy would SNAT it otherwise).
+                if alg_external == LbAlgorithm::Maglev
+                    && kind != NorthSouth::NodePort
+                    && external_policy == TrafficPolicy::Cluster
+                {
+                    fe.flags |= svc_flags::HANDOFF;
+                }
+                if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
                     fe.flags |= svc_flags::SOURCE_RANGES;
                     fe.source_ranges = external.source_ranges.clone();
                 }
@@ -309,4 +339,12 @@ pub fn desired_state_with(
         );
     }
     (desired, warnings)
+}
+
+/// What a north-south frontend address is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NorthSouth {
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
 }

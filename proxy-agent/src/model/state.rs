@@ -82,7 +82,10 @@ pub struct Frontend {
     /// cluster (drop, as kube-proxy does, instead of rejecting);
     /// [`svc_flags::EXTERNAL_LOCAL`] on external frontends of an
     /// `externalTrafficPolicy: Local` port (client address preserved);
-    /// [`svc_flags::SOURCE_RANGES`] when `source_ranges` applies.
+    /// [`svc_flags::SOURCE_RANGES`] when `source_ranges` applies; the
+    /// load-balancing algorithm in [`svc_flags::ALG_MASK`], and
+    /// [`svc_flags::HANDOFF`] on Maglev load-balancer IPs and externalIPs of
+    /// an `externalTrafficPolicy: Cluster` port.
     pub flags: u16,
     /// ClientIP session-affinity timeout in seconds; 0 = none.
     pub affinity_timeout_s: u32,
@@ -161,6 +164,9 @@ pub struct ModelOptions {
     /// `iptables.localhostNodePorts`); internal scope only, so only the
     /// socket hooks ever see them.
     pub localhost_node_ports: bool,
+    /// The node's default load-balancing algorithm (`loadBalancing.algorithm`);
+    /// a Service's annotation overrides it.
+    pub lb_algorithm: super::LbAlgorithm,
 }
 
 /// The kube-proxy feature gates the model follows.

@@ -237,9 +237,10 @@ impl<D: Dataplane> Writer<D> {
         }
     }
 
-    /// Writes slot 0 of every target whose count, reverse-NAT id, flags or
-    /// affinity differ. Invariant: slot 0 is written last, once every slot it
-    /// counts, its reverse-NAT entry and its source ranges are; a frontend
+    /// Writes slot 0 of every target whose count, reverse-NAT id, flags,
+    /// affinity or Maglev table differ. Invariant: slot 0 is written last,
+    /// once every slot it counts, its reverse-NAT entry, its source ranges and
+    /// its Maglev table are; a frontend
     /// whose slot 0 fails keeps its previous slot 0, and the slots beyond it
     /// are cleaned.
     pub(super) fn update_slot0(&mut self, desired: &DesiredState, s: &mut SyncState) {
@@ -249,12 +250,12 @@ impl<D: Dataplane> Writer<D> {
             }
             let fe = &desired.frontends[key];
             // A target that did not fail has a reverse-NAT id.
-            let value = Svc4Value::frontend(
-                target.count,
-                self.rev_nat_ids.as_map()[key],
-                fe.flags,
-                fe.affinity_timeout_s,
-            );
+            let rev = self.rev_nat_ids.as_map()[key];
+            let value = Svc4Value::frontend(target.count, rev, fe.flags, fe.affinity_timeout_s);
+            // A Maglev frontend reads its new table once this is written.
+            let Some(value) = self.with_maglev_table(key, value, s) else {
+                continue;
+            };
             let previous = self.frontends.get(key).and_then(|e| e.slot0);
             if previous == Some(value) {
                 continue;
@@ -263,6 +264,7 @@ impl<D: Dataplane> Writer<D> {
                 Ok(()) => {
                     s.out.wrote();
                     s.touched.insert(*key);
+                    self.commit_maglev(key, rev, &mut s.maglev_pending);
                     self.frontends.entry(*key).or_default().slot0 = Some(value);
                     if previous.is_none() {
                         s.out.report.frontends_added += 1;
