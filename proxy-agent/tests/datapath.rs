@@ -18,6 +18,8 @@
 //! object and links the kit once, and every datapath behaviour stands beside
 //! the others it interacts with; the scaffolding lives in `kit/`.
 mod kit;
+#[path = "datapath/lb.rs"]
+mod lb;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
