@@ -151,6 +151,16 @@ impl Svc {
         self.0.spec.get_or_insert_with(ServiceSpec::default)
     }
 
+    /// Annotation `key: value`.
+    pub fn annotation(mut self, key: &str, value: &str) -> Svc {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(key.to_string(), value.to_string());
+        self
+    }
+
     /// Selects the pods labelled `app: <app>`. Without it the Service is
     /// selector-less: the test writes its EndpointSlices.
     pub fn selector(mut self, app: &str) -> Svc {
