@@ -12,12 +12,18 @@
 //!
 //! Everything happens in network namespaces of its own (the packet-test kit's
 //! harness, `tests/kit/`); nothing is sent.
-//! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external]`
+//!
+//! `--algorithms` measures instead each load-balancing algorithm (a ClusterIP
+//! with 10 backends: new flow and established packet through `pod_ingress`),
+//! and Maglev's programming: 1,000 Maglev Services × 10 backends from empty,
+//! then a rebuild of every table (one backend replaced in each), and the
+//! tables' memory.
+//! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external] [--algorithms]`
 use std::net::Ipv4Addr;
 
 use proxy_agent::{
     bpf::MapSizes,
-    model::{BackendAddr, DesiredState, Frontend, FrontendKey},
+    model::{BackendAddr, DesiredState, Frontend, FrontendKey, LbAlgorithm},
 };
 use proxy_common::{capacity, Config, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
@@ -65,6 +71,9 @@ fn main() -> anyhow::Result<()> {
         .collect();
     if ns_list.is_empty() {
         ns_list = vec![1, 100, 1_000, 10_000, 100_000];
+    }
+    if args.iter().any(|a| a == "--algorithms") {
+        return measure_algorithms(runs);
     }
     let mut rows = measure(&ns_list, runs)?;
     if args.iter().any(|a| a == "--external") {
@@ -237,4 +246,116 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
         }));
     }
     Ok(rows)
+}
+
+/// A ClusterIP frontend `vip(i)`:80 with `n` backends and algorithm `alg`.
+fn lb_frontend(d: &mut DesiredState, i: u32, n: u32, alg: LbAlgorithm, first_backend: u32) {
+    let backends = (0..n)
+        .map(|k| BackendAddr {
+            addr: Ipv4Addr::from(
+                u32::from(Ipv4Addr::new(198, 18, 2, 0)) + (first_backend + k) % 60_000,
+            ),
+            port: 8080,
+            proto: IPPROTO_TCP,
+        })
+        .collect();
+    d.frontends.insert(
+        FrontendKey {
+            addr: vip(i),
+            port: 80,
+            proto: IPPROTO_TCP,
+            scope: SCOPE_INTERNAL,
+        },
+        Frontend {
+            service: format!("default/s{i}"),
+            backends,
+            flags: alg.flags(),
+            ..Default::default()
+        },
+    );
+}
+
+fn measure_algorithms(runs: usize) -> anyhow::Result<()> {
+    println!("| algorithm | new flow ns | established ns |");
+    println!("|---|---:|---:|");
+    for alg in LbAlgorithm::ALL {
+        let mut h = Harness::try_new("kpr-cost", MapSizes::default(), Config::default())?;
+        let mut d = DesiredState::default();
+        lb_frontend(&mut d, 0, 10, alg, 0);
+        anyhow::ensure!(h.writer.sync(&d).errors.is_empty(), "programming {alg}");
+        let hr = &h;
+        let (new_flow, established) = hr.enter(|| -> anyhow::Result<(u64, u64)> {
+            let client = Ipv4Addr::new(198, 18, 1, 2);
+            let mut new_flow = Vec::with_capacity(runs);
+            for k in 0..runs {
+                let sport = 1024 + (k as u32 % 60_000) as u16;
+                new_flow.push(cost(
+                    hr,
+                    Prog::PodIngress,
+                    &tcp4(client, sport, vip(0), 80, SYN, b""),
+                )?);
+            }
+            let est = tcp4(client, 1024, vip(0), 80, ACK, b"");
+            Ok((
+                median(new_flow),
+                median(costs(hr, Prog::PodIngress, &est, runs)?),
+            ))
+        })?;
+        println!("| {alg} | {new_flow} | {established} |");
+    }
+    // Maglev programming at 1,000 Services x 10 backends.
+    let mut h = Harness::try_new("kpr-cost", MapSizes::default(), Config::default())?;
+    let mut d = DesiredState::default();
+    for i in 0..1000 {
+        lb_frontend(&mut d, i, 10, LbAlgorithm::Maglev, i * 10);
+    }
+    let t = std::time::Instant::now();
+    let r = h.writer.sync(&d);
+    let first = t.elapsed();
+    anyhow::ensure!(
+        r.errors.is_empty(),
+        "programming 1000 Maglev services: {:?}",
+        r.errors.first()
+    );
+    let mut d2 = DesiredState::default();
+    for i in 0..1000 {
+        // The first backend of each replaced by a new one.
+        lb_frontend(&mut d2, i, 10, LbAlgorithm::Maglev, i * 10 + 1);
+    }
+    let t = std::time::Instant::now();
+    let r = h.writer.sync(&d2);
+    let rebuild = t.elapsed();
+    anyhow::ensure!(r.errors.is_empty(), "rebuilding: {:?}", r.errors.first());
+    let t = std::time::Instant::now();
+    for fe in d2.frontends.values() {
+        std::hint::black_box(proxy_agent::model::maglev_table(
+            &fe.backends,
+            proxy_common::lb::MAGLEV_DEFAULT_SIZE,
+        ));
+    }
+    let population = t.elapsed();
+    let (tables, bytes) = h.writer.maglev_usage();
+    println!();
+    println!(
+        "| Maglev, 1,000 Services x 10 backends (table size {}) | |",
+        proxy_common::lb::MAGLEV_DEFAULT_SIZE
+    );
+    println!("|---|---:|");
+    println!(
+        "| first sync (tables and everything else) | {:.0} ms |",
+        first.as_secs_f64() * 1e3
+    );
+    println!(
+        "| rebuild of every table (one backend replaced in each) | {:.0} ms |",
+        rebuild.as_secs_f64() * 1e3
+    );
+    println!(
+        "| of which table population (the algorithm alone) | {:.0} ms |",
+        population.as_secs_f64() * 1e3
+    );
+    println!(
+        "| tables / entry bytes | {tables} / {:.1} MiB |",
+        bytes as f64 / (1024.0 * 1024.0)
+    );
+    Ok(())
 }
