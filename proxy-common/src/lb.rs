@@ -159,10 +159,18 @@ mod tests {
     fn hashes_are_pinned() {
         assert_eq!(fmix32(0), 0);
         assert_eq!(fmix32(1), 0x514e_28b7);
-        let h = flow_hash(0x0a00_12c6, 0x0b00_13c6, 0x3412, 0x5000, 6);
-        assert_eq!(h, flow_hash(0x0a00_12c6, 0x0b00_13c6, 0x3412, 0x5000, 6));
-        assert_ne!(h, flow_hash(0x0a00_12c6, 0x0b00_13c6, 0x3413, 0x5000, 6));
-        assert_eq!(maglev_offset_skip(b"198.18.1.10:80", 7).1 >= 1, true);
+        // Values computed independently (a Python transcription of the
+        // definitions above).
+        assert_eq!(
+            flow_hash(0x0a00_12c6, 0x0b00_13c6, 0x3412, 0x5000, 6),
+            0x1de3_8dcc
+        );
+        assert_ne!(
+            flow_hash(0x0a00_12c6, 0x0b00_13c6, 0x3413, 0x5000, 6),
+            0x1de3_8dcc
+        );
+        assert_eq!(source_hash(0x0a00_12c6), 0x57fd_06e7);
+        assert_eq!(maglev_offset_skip(b"198.18.1.10:80", 16_381), (9967, 7562));
     }
 
     #[test]

@@ -171,7 +171,7 @@ fn maglev(pkt: &Packet, fe: &Svc4Value) -> Result<u32, Verdict> {
         generation,
         (index / MAGLEV_CHUNK as u32) as u16,
     );
-    let chunk = MAGLEV4_V1.get_ptr(&key).ok_or(miss)?;
+    let chunk = MAGLEV4_V1.get_ptr(key).ok_or(miss)?;
     let entry = (index as usize) & (MAGLEV_CHUNK - 1);
     // SAFETY: map value pointer; `entry` is below the chunk's length.
     let id = unsafe { (*chunk).backend_ids[entry] };
