@@ -130,7 +130,10 @@ pub(super) fn service_algorithms(
 
 /// Whether `n` is prime (table sizes are checked once, at start).
 pub fn is_prime(n: u32) -> bool {
-    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| !n.is_multiple_of(d))
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
 }
 
 /// Maglev's lookup table (Eisenbud et al., NSDI 2016, §3.4) of prime `size`
