@@ -14,6 +14,7 @@
 pub mod conntrack;
 pub mod csum;
 pub mod lb;
+pub mod ratelimit;
 
 use core::mem::{offset_of, size_of};
 use core::net::Ipv4Addr;
@@ -57,9 +58,12 @@ pub mod map_names {
     pub const MAGLEV: &str = "MAGLEV4_V1";
     /// Round-robin cursors, per CPU, indexed by reverse-NAT id (`u32`).
     pub const ROUND_ROBIN: &str = "RR4_V1";
+    /// The ICMP reject's rate limit, per CPU: index 0 → the bucket's
+    /// theoretical arrival time (`u64`, ns; see [`super::ratelimit`]).
+    pub const REJECT_LIMIT: &str = "REJECT_RL_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -75,6 +79,7 @@ pub mod map_names {
         SOCK_REVNAT,
         MAGLEV,
         ROUND_ROBIN,
+        REJECT_LIMIT,
     ];
 }
 
@@ -673,6 +678,10 @@ pub mod stat {
     /// backend is on another node, sent there unchanged (no translation, no
     /// conntrack here); that node translates it.
     pub const FWD_HANDOFF: u32 = 33;
+    /// A frontend without a usable backend, over the reject rate limit
+    /// ([`super::ratelimit`]): dropped instead of answered, so spoofed
+    /// packets cannot turn the node into an ICMP reflector.
+    pub const DROP_REJECT_RATE_LIMITED: u32 = 34;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -730,7 +739,7 @@ pub mod stat {
         "xdp_tx",
         "xdp_redirect",
         "fwd_handoff",
-        "",
+        "drop_reject_rate_limited",
         "",
         "",
         "",
