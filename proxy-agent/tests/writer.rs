@@ -731,3 +731,36 @@ mod maglev {
         assert_eq!(table_of(&w, &a), expected(&d, &a));
     }
 }
+
+/// Adding `loadBalancerSourceRanges` fails closed: a range that cannot be
+/// written is reported and retried, but slot 0 takes the restriction anyway,
+/// so the frontend is never left open to every client.
+#[test]
+fn source_ranges_that_fail_to_write_leave_the_frontend_closed() {
+    use proxy_common::svc_flags;
+    let a = key(1, 80, IPPROTO_TCP);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let open = desired(&[(a, &[1, 2])]);
+    assert!(w.sync(&open).errors.is_empty());
+    let mut closed = open.clone();
+    let fe = closed.frontends.get_mut(&a).unwrap();
+    fe.flags |= svc_flags::SOURCE_RANGES;
+    fe.source_ranges = vec![(Ipv4Addr::new(198, 18, 4, 0), 24)];
+    // The range's write fails.
+    w.dataplane_mut().fail_next(1);
+    let r = w.sync(&closed);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let p = w.dataplane().programmed();
+    let slot0 = p.services[&svc(&a, 0)];
+    assert_ne!(
+        slot0.flags & svc_flags::SOURCE_RANGES,
+        0,
+        "the frontend was left open"
+    );
+    assert!(p.source_ranges.is_empty());
+    // The next sync writes the range.
+    let r = w.sync(&closed);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(w.dataplane().programmed().source_ranges.len(), 1);
+    assert!(w.dataplane().violations().is_empty());
+}

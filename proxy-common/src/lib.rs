@@ -702,9 +702,13 @@ pub mod stat {
     /// Socket LB: the reverse-NAT entry could not be written (map full and
     /// not evictable); the socket was translated anyway.
     pub const SOCK_REVNAT_INSERT_FAILED: u32 = 46;
+    /// Socket LB: a host client outside a load-balancer IP's
+    /// `loadBalancerSourceRanges` (judged by the node's address); the call
+    /// failed with EPERM.
+    pub const SOCK_SOURCE_RANGE: u32 = 47;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 47] = [
+    pub const NAMES: [&str; 48] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -752,6 +756,7 @@ pub mod stat {
         "sock_no_local_backend",
         "sock_no_backend_entry",
         "sock_revnat_insert_failed",
+        "sock_source_range",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

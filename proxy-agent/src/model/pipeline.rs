@@ -291,9 +291,8 @@ pub fn desired_state_with(
             // From this node's pods: short-circuited to the cluster list
             // (kube-proxy's external-traffic chain sends traffic that starts
             // inside the cluster to the cluster endpoints whatever the
-            // externalTrafficPolicy: E4, S42). No source ranges here, as the
-            // datapath filters external traffic only; note that kube-proxy's
-            // firewall chain also filters pods' traffic to a load-balancer IP.
+            // externalTrafficPolicy: E4, S42); a load-balancer IP's source
+            // ranges apply here too (below).
             let mut short_circuit =
                 with_backends(&base, &categorized.cluster, &categorized, &endpoints);
             short_circuit.flags |= alg_internal.flags();
@@ -309,15 +308,17 @@ pub fn desired_state_with(
                 {
                     fe.flags |= svc_flags::HANDOFF;
                 }
+                let mut inside = short_circuit.clone();
+                // kube-proxy's firewall chain filters every source of a
+                // load-balancer IP: pods and the node's own clients too.
                 if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
-                    fe.flags |= svc_flags::SOURCE_RANGES;
-                    fe.source_ranges = external.source_ranges.clone();
+                    for f in [&mut fe, &mut inside] {
+                        f.flags |= svc_flags::SOURCE_RANGES;
+                        f.source_ranges = external.source_ranges.clone();
+                    }
                 }
                 claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe);
-                claim(
-                    frontend_key(addr, port, proto, SCOPE_INTERNAL),
-                    short_circuit.clone(),
-                );
+                claim(frontend_key(addr, port, proto, SCOPE_INTERNAL), inside);
             }
             // Localhost NodePorts (L1, L2): the node's own clients only.
             if let (Some(p), true) = (node_port, opts.localhost_node_ports) {

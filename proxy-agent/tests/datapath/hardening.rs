@@ -53,3 +53,64 @@ fn icmp_reject_is_rate_limited_per_cpu() {
     );
     assert!(limited > 0, "nothing was limited");
 }
+
+/// `loadBalancerSourceRanges` filter every source of a load-balancer IP, as
+/// kube-proxy's firewall chain does: external clients (ext_ingress, ext_xdp)
+/// and pods (pod_ingress) outside the ranges are dropped, those inside are
+/// translated.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn source_ranges_filter_pods_as_well_as_external_clients() {
+    use proxy_agent::model::Frontend;
+    const LB: Ipv4Addr = Ipv4Addr::new(198, 18, 9, 1);
+    let allowed = Ipv4Addr::new(198, 18, 4, 7);
+    let mut d = proxy_agent::model::DesiredState::default();
+    for key in [fe(LB, 80, IPPROTO_TCP), fe_ext(LB, 80, IPPROTO_TCP)] {
+        d.frontends.insert(
+            key,
+            Frontend {
+                service: "default/lb".into(),
+                backends: vec![be(B1, 8080, IPPROTO_TCP)],
+                flags: svc_flags::SOURCE_RANGES,
+                source_ranges: vec![(Ipv4Addr::new(198, 18, 4, 0), 24)],
+                ..Default::default()
+            },
+        );
+    }
+    for prog in Prog::ALL {
+        let mut h = Harness::new();
+        h.sync_desired(&d);
+        for (client, sport, ok) in [
+            (CLIENT, 40000, false),
+            (EXT_CLIENT, 40001, false),
+            (allowed, 40002, true),
+        ] {
+            let (rc, out) = h.run_prog(prog, &tcp4(client, sport, LB, 80, SYN, b""));
+            if ok {
+                // Translated (XDP, without a route, hands the translated flow
+                // to tc: its conntrack entry says so).
+                let ct = h.maps().conntrack().unwrap();
+                assert!(
+                    ct.iter().any(|(k, _)| k.saddr() == client),
+                    "{}: {client} inside the ranges was not translated",
+                    prog.name()
+                );
+                assert_ne!(rc, Drop.code(prog), "{}", prog.name());
+                let _ = out;
+            } else {
+                assert_eq!(
+                    rc,
+                    Drop.code(prog),
+                    "{}: {client} outside the ranges",
+                    prog.name()
+                );
+            }
+        }
+        assert_eq!(
+            h.stats().get(&stat::DROP_SOURCE_RANGE).copied(),
+            Some(2),
+            "{}",
+            prog.name()
+        );
+    }
+}

@@ -168,7 +168,11 @@ impl<D: Dataplane> Writer<D> {
 
     /// Writes the source ranges a frontend gains. Invariant: a range is
     /// written before a slot 0 that restricts clients to its ranges takes
-    /// effect, so no allowed client is refused in between.
+    /// effect, so no allowed client is refused in between. A range that
+    /// cannot be written is reported and retried next sync, but the frontend
+    /// is not failed: its slot 0 still gets the restriction, so a failure
+    /// refuses clients the missing range would allow (fails closed) and
+    /// never leaves the frontend open to everyone.
     pub(super) fn add_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
         for (key, fe) in &desired.frontends {
             if s.out.is_failed(key) {
@@ -191,7 +195,7 @@ impl<D: Dataplane> Writer<D> {
                         self.source_ranges.entry(id).or_default().insert(*range);
                     }
                     Err(e) => {
-                        s.out.fail(*key, Some(fe), e);
+                        s.out.error(frontend_label(key, Some(fe)), e);
                         break;
                     }
                 }
