@@ -48,6 +48,14 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The agent's OCI image (a static agent with the eBPF object embedded)
+    /// as a layout under target/image/proxy-agent and a tarball
+    /// target/image/proxy-agent.tar; reproducible (same commit, same digest).
+    Image {
+        /// The tag the layout's index and the tarball name.
+        #[arg(long, default_value = "latest")]
+        tag: String,
+    },
     /// Benchmarks side by side with kube-proxy's iptables and nftables layouts.
     Bench(xtask::bench::BenchArgs),
 }
@@ -134,8 +142,32 @@ fn main() -> Result<()> {
             xtask::lint::lint()
         }
         Cmd::Test { args } => test(args),
+        Cmd::Image { tag } => image(tag),
         Cmd::Bench(args) => xtask::bench::run(args),
     }
+}
+
+fn image(tag: String) -> Result<()> {
+    let img = xtask::image::build(&xtask::image::ImageOptions {
+        tag,
+        ..Default::default()
+    })?;
+    println!("image {} (commit {})", img.digest, img.commit);
+    println!(
+        "layer: {} bytes gzipped, {} bytes uncompressed",
+        img.compressed_size, img.uncompressed_size
+    );
+    println!("OCI layout: {}", img.layout.display());
+    println!(
+        "tarball (docker load, ctr images import): {}",
+        img.tarball.display()
+    );
+    println!(
+        "push: skopeo copy oci:{} docker://REGISTRY/proxy-agent:{}",
+        img.oci_ref(),
+        img.tag
+    );
+    Ok(())
 }
 
 fn lab_cmd(cmd: LabCmd) -> Result<()> {
