@@ -220,6 +220,48 @@ fn ensure_kubectl() -> Result<()> {
     .context("cannot install kubernetes-client")
 }
 
+/// The kubernetes-validate release (PyPI) deploy/ is validated with: it
+/// carries the OpenAPI schemas up to Kubernetes 1.37.
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
+/// `<target>/venv/bin/kubernetes-validate`.
+pub fn kubernetes_validate_bin() -> PathBuf {
+    target_dir().join("venv/bin/kubernetes-validate")
+}
+
+/// PyPI's kubernetes-validate in a venv under the target directory.
+fn ensure_kubernetes_validate() -> Result<()> {
+    let bin = kubernetes_validate_bin();
+    let current = Command::new(&bin)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if current
+        .as_deref()
+        .is_some_and(|v| v.contains(KUBERNETES_VALIDATE_VERSION))
+    {
+        println!("ok: kubernetes-validate {KUBERNETES_VALIDATE_VERSION} already installed");
+        return Ok(());
+    }
+    let venv = target_dir().join("venv");
+    println!(
+        "installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {}",
+        venv.display()
+    );
+    run_visible(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+        .context("cannot create the venv")?;
+    run_visible(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet"])
+            .arg(format!(
+                "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+            )),
+    )
+    .context("cannot install kubernetes-validate from PyPI")
+}
+
 fn ensure_bpf_linker() -> Result<()> {
     let current = Command::new("bpf-linker")
         .arg("--version")
@@ -344,6 +386,7 @@ pub fn setup() -> Result<()> {
     ensure_musl_target()?;
     ensure_debian_packages()?;
     ensure_kubectl()?;
+    ensure_kubernetes_validate()?;
     ensure_bpffs(true)?;
     println!("setup complete");
     Ok(())
