@@ -336,14 +336,10 @@ pub fn runc_config(dep: &Deployment, node: &NodeContainer) -> Result<Value> {
             },
             // A small RLIMIT_MEMLOCK: kernels that charge BPF memory to the
             // memory cgroup (5.11+) must not need more.
-            "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": 1_048_576, "soft": 1_048_576},
-                {"type": "RLIMIT_MEMLOCK", "hard": 65_536, "soft": 65_536}
-            ],
+            "rlimits": [{"type": "RLIMIT_MEMLOCK", "hard": 65_536, "soft": 65_536}],
             "noNewPrivileges": sc.allow_privilege_escalation == Some(false),
         },
         "root": {"path": node.rootfs, "readonly": sc.read_only_root_filesystem == Some(true)},
-        "hostname": node.node_name,
         "mounts": mounts,
         "linux": {
             "namespaces": [
@@ -385,21 +381,31 @@ pub fn unpack(image: &AgentImage, dir: &Path) -> Result<PathBuf> {
 }
 
 /// The pid of container `id`'s init (`runc state`), waiting up to `timeout`
-/// for it to run.
-pub fn wait_running(id: &str, timeout: Duration) -> Result<u32> {
+/// for it to run; `None` if it ran and stopped already (its log says why).
+pub fn wait_running(
+    id: &str,
+    runc: &mut std::process::Child,
+    timeout: Duration,
+) -> Result<Option<u32>> {
     let deadline = Instant::now() + timeout;
     loop {
+        let exited = runc.try_wait()?;
         if let Ok(o) = Command::new("runc").args(["state", id]).output() {
             if o.status.success() {
                 let v: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
                 let pid = v["pid"].as_u64().unwrap_or(0);
                 if v["status"] == "running" && pid > 0 {
-                    return Ok(pid as u32);
+                    return Ok(Some(pid as u32));
                 }
                 if v["status"] == "stopped" {
-                    bail!("container {id} stopped at once");
+                    return Ok(None);
                 }
             }
+        }
+        if exited.is_some() {
+            // runc is gone: the agent ran and exited, or runc failed to
+            // start it; either way the log (runc's and the agent's) says why.
+            return Ok(None);
         }
         if Instant::now() > deadline {
             bail!("container {id} not running after {timeout:?}");

@@ -133,6 +133,10 @@ impl Lab {
     /// their command line names this lab's id (guards against pid reuse).
     pub(super) fn kill(&mut self, pid: u32, grace: Duration) -> Result<()> {
         use nix::sys::signal::{kill, Signal};
+        if pid == 0 {
+            // An agent that exited before its pid was known (runc mode).
+            return Ok(());
+        }
         let npid = nix::unistd::Pid::from_raw(pid as i32);
         let first = if grace.is_zero() {
             Signal::SIGKILL
@@ -414,9 +418,12 @@ impl Lab {
             .stderr(log)
             .spawn()
             .context("cannot run runc (cargo xtask setup installs it)")?;
+        let mut child = child;
+        let waited = container::wait_running(&id, &mut child, Duration::from_secs(10));
         self.runc.insert(id.clone(), child);
-        let pid = match container::wait_running(&id, Duration::from_secs(10)) {
-            Ok(pid) => pid,
+        // 0: the agent ran and exited already (agent_running is false).
+        let pid = match waited {
+            Ok(pid) => pid.unwrap_or(0),
             Err(e) => {
                 let _ = self.delete_container(&id);
                 bail!("{e:#}: {}", tail(&log_path, 10));
