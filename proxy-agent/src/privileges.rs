@@ -166,17 +166,25 @@ pub fn hint(err: &(dyn std::error::Error + 'static)) -> Option<String> {
 }
 
 fn hint_for(eff: Option<u64>) -> String {
-    let needs = NEEDED
+    let all = NEEDED
         .iter()
-        .map(|(n, _, what)| format!("{n} ({what})"))
+        .map(|(n, _, _)| *n)
         .collect::<Vec<_>>()
         .join(", ");
-    match eff.map(missing) {
-        Some(m) if !m.is_empty() => format!(
-            "the kernel refused (permission denied): this process lacks {}; the agent needs {needs}",
-            m.join(", ")
-        ),
-        _ => format!("the kernel refused (permission denied): the agent needs {needs}; check also the seccomp profile and, on kernels before 5.11, RLIMIT_MEMLOCK"),
+    let lacking: Vec<String> = eff
+        .map(missing)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| NEEDED.iter().find(|(n, _, _)| n == m))
+        .map(|(n, _, what)| format!("{n}, needed for {what}"))
+        .collect();
+    if lacking.is_empty() {
+        format!("the kernel refused (permission denied) although this process has {all}: check the seccomp profile, the LSM (AppArmor, SELinux) and, on kernels before 5.11, RLIMIT_MEMLOCK")
+    } else {
+        format!(
+            "the kernel refused (permission denied): this process lacks {} (the agent needs {all}; deploy/daemonset.yaml adds them)",
+            lacking.join("; ")
+        )
     }
 }
 

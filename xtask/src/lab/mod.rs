@@ -625,6 +625,21 @@ impl Lab {
                 errors.push(format!("cgroup {}: {e:#}", root.display()));
             }
         }
+        // Runc mode on a host with cgroup v1 controllers: runc made the
+        // container's cgroup in every hierarchy; `runc delete` removed the
+        // leaf, the lab's parent is left.
+        for mount in cgroup::all_mounts() {
+            let root = mount.join(format!("kpr-lab-{}", self.info.id));
+            if !root.exists() {
+                continue;
+            }
+            for n in &self.info.nodes {
+                let _ = cgroup::remove(&root.join(format!("{}-agent", n.name)));
+            }
+            if let Err(e) = cgroup::remove(&root) {
+                errors.push(format!("cgroup {}: {e:#}", root.display()));
+            }
+        }
         let own = format!("{BPFFS_PREFIX}{}", self.info.id);
         let mut pin_dirs: Vec<PathBuf> = self.info.nodes.iter().map(|n| n.bpffs.clone()).collect();
         pin_dirs.push(self.info.bpffs.clone());
