@@ -4,7 +4,8 @@
 //! One layer on an empty base: the static (musl) agent, whose build script
 //! embeds the eBPF object, plus the directories the DaemonSet mounts over.
 //! Reproducible: the agent is built from `git archive HEAD` unpacked at a
-//! fixed path ([`BUILD_DIR`]) with a fixed target directory and
+//! fixed path ([`BUILD_DIR`], unpacked again only for another commit) with a
+//! fixed target directory and
 //! `--remap-path-prefix`, so no checkout path enters the binary; the layer
 //! tar has a fixed order, uid/gid 0, fixed modes and every mtime set to the
 //! commit's date (or `SOURCE_DATE_EPOCH`); gzip has no name and no mtime; the
@@ -121,6 +122,14 @@ fn source_date_epoch() -> Result<u64> {
 /// there) and returns that directory.
 fn export_source(commit: &str) -> Result<PathBuf> {
     let src = Path::new(BUILD_DIR).join("src");
+    // Unpacked already for this commit: unpacking again would give the
+    // directories new mtimes, and the build script's rerun-if-changed on the
+    // eBPF crate would rebuild the agent for nothing.
+    let stamp = Path::new(BUILD_DIR).join("src.commit");
+    if src.is_dir() && std::fs::read_to_string(&stamp).is_ok_and(|s| s.trim() == commit) {
+        return Ok(src);
+    }
+    let _ = std::fs::remove_file(&stamp);
     if src.exists() {
         std::fs::remove_dir_all(&src).with_context(|| format!("remove {}", src.display()))?;
     }
@@ -139,6 +148,7 @@ fn export_source(commit: &str) -> Result<PathBuf> {
     tar::Archive::new(archive.stdout.as_slice())
         .unpack(&src)
         .with_context(|| format!("unpack the sources into {}", src.display()))?;
+    std::fs::write(&stamp, commit)?;
     Ok(src)
 }
 

@@ -542,6 +542,8 @@ fn test(args: Vec<String>) -> Result<()> {
         Some(i) => (&args[..i], &args[i + 1..]),
         None => (&args[..], &[][..]),
     };
+    // The image, once: its tests (tests/image.rs) and the runc pass share it.
+    let image = xtask::image::build(&Default::default())?;
     let target = setup::target_dir().join("debug");
     let status = setup::cargo()
         .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
@@ -550,11 +552,57 @@ fn test(args: Vec<String>) -> Result<()> {
         .args(bin_args)
         .env("KPR_AGENT_BIN", &agent)
         .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_LAB_IMAGE", &image.layout)
         .env("KPR_REQUIRE_ROOT_TESTS", "1")
         .status()
         .context("cannot run cargo test")?;
     if !status.success() {
         bail!("cargo test failed ({status})");
+    }
+    if args.is_empty() {
+        runc_pass(&agent, &target, &image.layout)?;
+    }
+    Ok(())
+}
+
+/// Lab tests run a second time with every node's agent inside the image
+/// under runc, configured from deploy/ (`KPR_LAB_AGENT=runc`).
+const RUNC_TESTS: &[(&str, &str)] = &[
+    ("lab", "s1_basic_endpoint_added_and_removed"),
+    ("lab", "metrics_counters_move_with_real_traffic"),
+    (
+        "lab_lifecycle",
+        "s8_restart_keeps_flows_and_refuses_nothing",
+    ),
+    (
+        "lab_northsouth",
+        "s10_nodeport_reachable_from_external_on_every_node",
+    ),
+];
+
+fn runc_pass(
+    agent: &std::path::Path,
+    target: &std::path::Path,
+    image: &std::path::Path,
+) -> Result<()> {
+    println!("lab tests again, the agent inside the image under runc: {RUNC_TESTS:?}");
+    let mut cmd = setup::cargo();
+    cmd.args(["test", "-p", "xtask"]);
+    let mut bins: Vec<&str> = RUNC_TESTS.iter().map(|(b, _)| *b).collect();
+    bins.dedup();
+    for b in bins {
+        cmd.args(["--test", b]);
+    }
+    cmd.args(["--", "--include-ignored", "--test-threads=2", "--exact"])
+        .args(RUNC_TESTS.iter().map(|(_, t)| *t))
+        .env("KPR_AGENT_BIN", agent)
+        .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_LAB_AGENT", "runc")
+        .env("KPR_LAB_IMAGE", image)
+        .env("KPR_REQUIRE_ROOT_TESTS", "1");
+    let status = cmd.status().context("cannot run cargo test")?;
+    if !status.success() {
+        bail!("lab tests under runc failed ({status})");
     }
     Ok(())
 }

@@ -454,6 +454,28 @@ fn each_capability_removed_shows_what_fails() {
 fn s8_rolling_update_to_a_newer_image_keeps_connections() {
     let first = shared().clone();
     let first_digest = layout_digest(&first);
+    // A newer build: a later date, so another config and digest. Built
+    // before the connections open (the pods' servers close idle streams).
+    let epoch = Command::new("git")
+        .args(["log", "-1", "--format=%ct"])
+        .current_dir(setup::workspace_root())
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .unwrap();
+    let newer = build(&ImageOptions {
+        out_dir: setup::target_dir().join("image-newer"),
+        source_date_epoch: Some(epoch + 3600),
+        ..Default::default()
+    });
+    assert_ne!(
+        newer.digest, first_digest,
+        "the newer build has its own digest"
+    );
     run_lab(
         "s8_image",
         Lab::builder()
@@ -471,27 +493,6 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
             for s in &mut streams {
                 s.pings(3, "before");
             }
-            // A newer build: a later date, so another config and digest.
-            let epoch = Command::new("git")
-                .args(["log", "-1", "--format=%ct"])
-                .current_dir(setup::workspace_root())
-                .output()
-                .map(|o| {
-                    String::from_utf8_lossy(&o.stdout)
-                        .trim()
-                        .parse::<u64>()
-                        .unwrap()
-                })
-                .unwrap();
-            let newer = build(&ImageOptions {
-                out_dir: setup::target_dir().join("image-newer"),
-                source_date_epoch: Some(epoch + 3600),
-                ..Default::default()
-            });
-            assert_ne!(
-                newer.digest, first_digest,
-                "the newer build has its own digest"
-            );
             lab.set_agent_image(AgentImage {
                 layout: newer.layout.clone(),
                 tag: newer.tag.clone(),
