@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `CAP_BPF` | creating maps, loading programs, pinning and opening pins |
 //! | `CAP_PERFMON` | loading the tc/XDP programs (pointer arithmetic on packets) |
-//! | `CAP_NET_ADMIN` | attaching to interfaces (tc, XDP) and to the cgroup, `sock_diag` destroy |
+//! | `CAP_NET_ADMIN` | loading networking program types (tc, XDP, cgroup socket hooks; the kernel asks for it beside CAP_BPF), attaching them, `sock_diag` destroy |
 //! | `CAP_SYS_RESOURCE` | only on kernels that charge BPF memory to RLIMIT_MEMLOCK (before 5.11) |
 
 use std::io;
@@ -26,7 +26,7 @@ pub const NEEDED: &[(&str, u32, &str)] = &[
     (
         "CAP_NET_ADMIN",
         12,
-        "attaching to interfaces and to the cgroup, and netlink changes",
+        "loading networking programs (tc, XDP, cgroup socket hooks) and attaching them, netlink changes",
     ),
 ];
 

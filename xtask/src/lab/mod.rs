@@ -450,6 +450,14 @@ impl Lab {
             lab.alloc.complete(o, None)?;
         }
         lab.reconcile(objects)?;
+        if let Some(img) = &lab.image {
+            eprintln!(
+                "lab {}: agents from the image {}:{} under runc",
+                lab.info.id,
+                img.layout.display(),
+                img.tag
+            );
+        }
         if lab.agent_bin.is_some() || lab.image.is_some() {
             lab.start_agent()?;
         }
