@@ -40,9 +40,11 @@ enum Cmd {
     /// rustfmt's check and clippy (warnings as errors) on every crate, the
     /// eBPF one for its own target.
     Lint,
-    /// Setup, lint, build, then `cargo test --workspace --exclude proxy-ebpf --
-    /// --include-ignored --test-threads=2` as root (the eBPF crate only builds
-    /// for the bpf target). Arguments go to `cargo test`; those after a
+    /// Setup, lint, build (the agent and its image), then `cargo test
+    /// --workspace --exclude proxy-ebpf -- --include-ignored --test-threads=2`
+    /// as root (the eBPF crate only builds for the bpf target); without
+    /// arguments, then the lab tests of RUNC_TESTS again with the agent inside
+    /// the image under runc. Arguments go to `cargo test`; those after a
     /// second `--` go to the test binaries.
     Test {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -587,7 +589,9 @@ fn runc_pass(
 ) -> Result<()> {
     println!("lab tests again, the agent inside the image under runc: {RUNC_TESTS:?}");
     let mut cmd = setup::cargo();
-    cmd.args(["test", "-p", "xtask"]);
+    // The same package selection as the first pass, so its test binaries
+    // are reused rather than built again with other features.
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
     let mut bins: Vec<&str> = RUNC_TESTS.iter().map(|(b, _)| *b).collect();
     bins.dedup();
     for b in bins {
