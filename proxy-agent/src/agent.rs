@@ -444,6 +444,10 @@ fn datapath_config(cfg: &RunConfig) -> Config {
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
+    match crate::privileges::ensure_memlock() {
+        Ok(what) => info!("{what}"),
+        Err(what) => warn!("{what}"),
+    }
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;

@@ -61,7 +61,13 @@ fn main() -> anyhow::Result<()> {
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(run(*a))?;
+            if let Err(e) = rt.block_on(run(*a)) {
+                // EPERM/EACCES: name the capabilities this process lacks.
+                return match proxy_agent::privileges::hint(e.as_ref()) {
+                    Some(hint) => Err(e.context(hint)),
+                    None => Err(e),
+                };
+            }
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
         Cmd::Cleanup { bpffs } => {
