@@ -215,3 +215,23 @@ fn the_manifests_source_needs_manifests() {
         Settings::resolve(&ConfigFile::default(), &run_args(&["--node-name", "n"])).unwrap_err();
     assert!(e.to_string().starts_with("manifests"), "{e}");
 }
+
+/// Issue 15: `cleanup --bpffs` refuses a path that is not on bpffs, and
+/// removes nothing there.
+#[test]
+fn cleanup_refuses_a_path_not_on_bpffs() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("proxy-agent");
+    std::fs::create_dir_all(victim.join("links")).unwrap();
+    std::fs::write(victim.join("precious"), b"data").unwrap();
+    let err = proxy_agent::cli::cleanup(&victim).unwrap_err().to_string();
+    assert!(err.contains("not on a bpffs mount"), "{err}");
+    assert!(err.contains(&victim.display().to_string()), "{err}");
+    assert!(victim.join("precious").exists(), "cleanup removed a file");
+    assert!(victim.join("links").exists());
+    // A missing path is nothing to clean up, not an error.
+    assert_eq!(
+        proxy_agent::cli::cleanup(&dir.path().join("absent")).unwrap(),
+        0
+    );
+}
