@@ -235,3 +235,51 @@ fn cleanup_refuses_a_path_not_on_bpffs() {
         0
     );
 }
+
+/// Issue 15: `frontendPolicy` reaches the settings; its defaults are
+/// kube-proxy's (externalIPs honoured) plus the refusals; bad values are
+/// errors naming the field.
+#[test]
+fn frontend_policy_fields_defaults_and_errors() {
+    let resolve = |text: &str| {
+        let file = parse(&format!("source: kubernetes\n{text}"))?;
+        Settings::resolve(&file, &run_args(&["--node-name", "n"])).map_err(|e| e.to_string())
+    };
+    let d = resolve("").unwrap().frontend_policy;
+    assert!(d.honour_external_ips);
+    assert!(!d.allow_node_addresses);
+    assert_eq!(d.max_frontends_per_service, 1024);
+    assert!(d.external_ip_allow.is_empty() && d.external_ip_deny.is_empty());
+
+    let p = resolve(
+        "frontendPolicy:
+  honourExternalIPs: false
+  externalIPAllowCIDRs: [198.18.0.0/15]
+  externalIPDenyCIDRs: [198.18.5.0/24, 198.18.6.1/32]
+  allowNodeAddresses: true
+  maxFrontendsPerService: 64
+",
+    )
+    .unwrap()
+    .frontend_policy;
+    assert!(!p.honour_external_ips);
+    assert!(p.allow_node_addresses);
+    assert_eq!(p.max_frontends_per_service, 64);
+    assert_eq!(p.external_ip_allow, [("198.18.0.0".parse().unwrap(), 15)]);
+    assert_eq!(p.external_ip_deny.len(), 2);
+
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [198.18.0.0/40]\n").unwrap_err();
+    assert!(e.starts_with("frontendPolicy.externalIPDenyCIDRs"), "{e}");
+    let e = resolve("frontendPolicy:\n  externalIPAllowCIDRs: [nowhere]\n").unwrap_err();
+    assert!(e.starts_with("frontendPolicy.externalIPAllowCIDRs"), "{e}");
+    let e = resolve("frontendPolicy:\n  maxFrontendsPerService: 0\n").unwrap_err();
+    assert!(
+        e.starts_with("frontendPolicy.maxFrontendsPerService"),
+        "{e}"
+    );
+    let e = resolve("frontendPolicy:\n  honorExternalIPs: true\n").unwrap_err();
+    assert!(
+        e.contains("frontendPolicy") && e.contains("honorExternalIPs"),
+        "{e}"
+    );
+}

@@ -18,6 +18,7 @@ use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 mod health_and_claims;
 mod lb;
 mod northsouth;
+mod ownership;
 mod policies;
 mod services;
 
