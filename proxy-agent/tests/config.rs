@@ -283,3 +283,50 @@ fn frontend_policy_fields_defaults_and_errors() {
         "{e}"
     );
 }
+
+#[path = "common/fuzz.rs"]
+mod fuzz;
+
+/// Issue 15, input fuzzing: random and mutated config files never panic the
+/// parser nor the merge; every error is one line of text that names the file
+/// or the field.
+#[test]
+fn fuzzed_config_files_never_panic_and_errors_are_clear() {
+    let full_policy = format!(
+        "{FULL}loadBalancing: {{algorithm: maglev, maglev: {{tableSize: 251, maxTables: 4}}}}\nfrontendPolicy: {{honourExternalIPs: true, externalIPAllowCIDRs: [198.18.0.0/15], maxFrontendsPerService: 8}}\nhostSocketLB: {{enabled: false}}\nlocalhostNodePorts: true\n"
+    );
+    assert!(parse(&full_policy).is_ok());
+    for seed in 0..3000u64 {
+        let mut rng = fuzz::Rng::new(seed);
+        let text = match rng.below(3) {
+            0 => fuzz::random_string(&mut rng),
+            1 => {
+                let mut v: serde_json::Value = yaml_serde::from_str(&full_policy).unwrap();
+                fuzz::mutate_value(&mut rng, &mut v);
+                serde_json::to_string(&v).unwrap()
+            }
+            _ => fuzz::mutate_text(&mut rng, &full_policy),
+        };
+        let outcome = std::panic::catch_unwind(|| {
+            ConfigFile::parse(Path::new("fuzz.yaml"), &text)
+                .map_err(|e| e.to_string())
+                .and_then(|file| {
+                    Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+        });
+        let Ok(result) = outcome else {
+            panic!("seed {seed}: panicked on {text:?}");
+        };
+        if let Err(e) = result {
+            assert!(!e.trim().is_empty(), "seed {seed}: empty error");
+            let first = e.split([':', ' ']).next().unwrap_or_default();
+            assert!(
+                e.starts_with("config file fuzz.yaml")
+                    || (!first.is_empty() && first.chars().next().unwrap().is_ascii_lowercase()),
+                "seed {seed}: error names neither the file nor a field: {e:?}"
+            );
+        }
+    }
+}
