@@ -15,6 +15,7 @@ use proxy_agent::manifests::{load_str, Snapshot};
 use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+mod fuzz;
 mod health_and_claims;
 mod lb;
 mod northsouth;
