@@ -127,12 +127,10 @@ pub fn cli() -> clap::Command {
     Cli::command()
 }
 
-/// `statfs(2)`'s `f_type` of a bpffs mount.
-const BPF_FS_MAGIC: i64 = 0xcafe4a11;
-
 /// Whether `path` is on a bpffs mount.
 fn on_bpffs(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path).is_ok_and(|st| st.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    use nix::sys::statfs::{statfs, BPF_FS_MAGIC};
+    statfs(path).is_ok_and(|st| st.filesystem_type() == BPF_FS_MAGIC)
 }
 
 /// What `cleanup --bpffs <path>` may remove: a missing path (nothing to do),

@@ -263,7 +263,8 @@ fn fuzzed_documents_never_panic_and_spare_their_neighbours() {
                 .collect::<Vec<_>>()
                 .join(if rng.below(2) == 0 { "\n" } else { " " }),
             1 => {
-                let mut v: serde_json::Value = yaml_serde::from_str(*rng.pick(FUZZ_SEEDS)).unwrap();
+                let mut v: serde_json::Value =
+                    yaml_serde::from_str(rng.pick::<&str>(FUZZ_SEEDS)).unwrap();
                 fuzz::mutate_value(&mut rng, &mut v);
                 serde_json::to_string(&v).unwrap()
             }

@@ -15,9 +15,9 @@ use proxy_agent::manifests::{load_str, Snapshot};
 use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
-mod fuzz;
 mod health_and_claims;
 mod lb;
+mod mutated;
 mod northsouth;
 mod ownership;
 mod policies;

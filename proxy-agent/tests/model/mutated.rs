@@ -41,7 +41,7 @@ fn mutated_objects_never_panic_the_model_and_spare_a_valid_service() {
         let mut rng = fuzz::Rng::new(seed);
         let mut docs = String::from(BYSTANDER);
         for _ in 0..rng.below(4) + 1 {
-            let mut v: serde_json::Value = yaml_serde::from_str(*rng.pick(OBJECTS)).unwrap();
+            let mut v: serde_json::Value = yaml_serde::from_str(rng.pick::<&str>(OBJECTS)).unwrap();
             fuzz::mutate_value(&mut rng, &mut v);
             let mut text = serde_json::to_string(&v).unwrap();
             // Now and then the mutated object names the bystander's
