@@ -66,6 +66,8 @@ pub struct RunConfig {
     /// The node's default load-balancing algorithm.
     pub lb_algorithm: crate::model::LbAlgorithm,
     pub maglev: crate::dataplane::MaglevSettings,
+    /// Which addresses may be frontends; frontends per Service.
+    pub frontend_policy: crate::model::FrontendPolicy,
 }
 
 impl From<&Settings> for RunConfig {
@@ -90,6 +92,7 @@ impl From<&Settings> for RunConfig {
             localhost_node_ports: s.localhost_node_ports,
             lb_algorithm: s.lb_algorithm,
             maglev: s.maglev,
+            frontend_policy: s.frontend_policy.clone(),
         }
     }
 }
@@ -310,6 +313,7 @@ fn sync_once(
         current_owners: obs.owners.clone(),
         localhost_node_ports: cfg.localhost_node_ports,
         lb_algorithm: cfg.lb_algorithm,
+        frontend_policy: cfg.frontend_policy.clone(),
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);

@@ -1,10 +1,12 @@
 //! One frontend's value from the categorized endpoints, and the claim of a
 //! frontend key: which Service keeps a frontend two Services want.
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use proxy_common::svc_flags;
 
+use super::policy::ClaimRank;
 use super::topology::select;
 use super::{BackendAddr, Categorized, EndpointInfo, Frontend, FrontendKey, ModelWarning};
 
@@ -17,41 +19,44 @@ pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> F
     }
 }
 
-/// Claims `key` for `fe`, unless already claimed: silently when by the same
-/// Service (its first claim wins), with a warning when by another. Between two
-/// Services, the one that owns the frontend now (`current_owners`) keeps it —
-/// an API server would have refused the newcomer's address — else the first
-/// by namespace/name.
+/// Claims `key` for `fe`, whose claim ranks `rank` (see [`ClaimRank`]),
+/// unless already claimed: silently when by the same Service (its first
+/// claim wins: clusterIP, externalIPs, then load-balancer IPs), else the
+/// better ranked claim keeps the frontend — a ClusterIP over anything else,
+/// then the older Service — and a warning names the Service that lost it.
 pub(super) fn insert_frontend(
     frontends: &mut BTreeMap<FrontendKey, Frontend>,
+    ranks: &mut BTreeMap<FrontendKey, ClaimRank>,
     warnings: &mut Vec<ModelWarning>,
-    object: &str,
     key: FrontendKey,
     fe: Frontend,
-    current_owners: &BTreeMap<FrontendKey, String>,
+    rank: ClaimRank,
 ) {
-    match frontends.get(&key) {
-        None => {
-            frontends.insert(key, fe);
-        }
-        Some(existing) if existing.service == fe.service => {}
-        Some(existing) if current_owners.get(&key) == Some(&fe.service) => {
+    match (frontends.get(&key), ranks.get(&key)) {
+        (Some(existing), Some(held)) if existing.service != fe.service => {
+            let (winner, loser) = if rank.cmp_claim(held) == Ordering::Less {
+                (&rank, held)
+            } else {
+                (held, &rank)
+            };
             warnings.push(ModelWarning {
-                object: format!("Service {}", existing.service),
+                object: format!("Service {}", loser.service),
                 message: format!(
-                    "frontend {key} already belongs to service {}; skipped",
-                    fe.service
+                    "frontend {key} also claimed by service {} ({}); skipped",
+                    winner.service,
+                    winner.why_wins(loser)
                 ),
             });
-            frontends.insert(key, fe);
+            if winner == &rank {
+                frontends.insert(key, fe);
+                ranks.insert(key, rank);
+            }
         }
-        Some(existing) => warnings.push(ModelWarning {
-            object: object.to_string(),
-            message: format!(
-                "frontend {key} already belongs to service {}; skipped",
-                existing.service
-            ),
-        }),
+        (Some(_), _) => {}
+        (None, _) => {
+            frontends.insert(key, fe);
+            ranks.insert(key, rank);
+        }
     }
 }
 
