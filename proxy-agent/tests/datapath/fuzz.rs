@@ -234,9 +234,7 @@ fn frontend_of(prog: Prog, dst: Ipv4Addr, dport: u16, proto: u8) -> bool {
     } else {
         proxy_common::SCOPE_EXTERNAL
     };
-    fuzz_frontends()
-        .iter()
-        .any(|f| *f == (dst, dport, proto, scope))
+    fuzz_frontends().contains(&(dst, dport, proto, scope))
 }
 
 #[test]
