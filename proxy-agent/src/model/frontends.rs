@@ -19,43 +19,66 @@ pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> F
     }
 }
 
-/// Claims `key` for `fe`, whose claim ranks `rank` (see [`ClaimRank`]),
-/// unless already claimed: silently when by the same Service (its first
-/// claim wins: clusterIP, externalIPs, then load-balancer IPs), else the
-/// better ranked claim keeps the frontend — a ClusterIP over anything else,
-/// then the older Service — and a warning names the Service that lost it.
+/// What is owned: an address, port and protocol, in every scope at once. A
+/// Service owning it has all of its frontends there (from outside and from
+/// inside the node); no other Service has any.
+pub(super) type Owned = (Ipv4Addr, u16, u8);
+
+/// Who owns each claimed address, port and protocol.
+pub(super) type Owners = BTreeMap<Owned, ClaimRank>;
+
+/// Claims `key` for `fe`, whose claim ranks `rank` (see [`ClaimRank`]).
+/// Ownership is per address, port and protocol, whatever the scope: a
+/// ClusterIP owner keeps traffic from outside the node too, never just from
+/// its pods. The same Service claiming again: its first claim of a key wins
+/// (clusterIP, externalIPs, then load-balancer IPs), silently. Another
+/// Service: the better ranked claim owns the address — a ClusterIP over
+/// anything else, then the older Service —, the loser's frontends there are
+/// removed in every scope, and a warning names the Service that lost.
 pub(super) fn insert_frontend(
     frontends: &mut BTreeMap<FrontendKey, Frontend>,
-    ranks: &mut BTreeMap<FrontendKey, ClaimRank>,
+    owners: &mut Owners,
     warnings: &mut Vec<ModelWarning>,
     key: FrontendKey,
     fe: Frontend,
     rank: ClaimRank,
 ) {
-    match (frontends.get(&key), ranks.get(&key)) {
-        (Some(existing), Some(held)) if existing.service != fe.service => {
-            let (winner, loser) = if rank.cmp_claim(held) == Ordering::Less {
+    let owned = (key.addr, key.port, key.proto);
+    match owners.get(&owned) {
+        Some(held) if held.service != rank.service => {
+            let new_wins = rank.cmp_claim(held) == Ordering::Less;
+            let (winner, loser) = if new_wins {
                 (&rank, held)
             } else {
                 (held, &rank)
             };
-            warnings.push(ModelWarning {
+            let (addr, port, proto) = owned;
+            let w = ModelWarning {
                 object: format!("Service {}", loser.service),
                 message: format!(
-                    "frontend {key} also claimed by service {} ({}); skipped",
+                    "frontend {addr}:{port}/{} also claimed by service {} ({}); skipped",
+                    super::proto_name(proto),
                     winner.service,
                     winner.why_wins(loser)
                 ),
-            });
-            if winner == &rank {
+            };
+            // Once per address, not once per scope.
+            if !warnings.contains(&w) {
+                warnings.push(w);
+            }
+            if new_wins {
+                let loser = held.service.clone();
+                frontends.retain(|k, f| (k.addr, k.port, k.proto) != owned || f.service != loser);
                 frontends.insert(key, fe);
-                ranks.insert(key, rank);
+                owners.insert(owned, rank);
             }
         }
-        (Some(_), _) => {}
-        (None, _) => {
+        Some(_) => {
+            frontends.entry(key).or_insert(fe);
+        }
+        None => {
             frontends.insert(key, fe);
-            ranks.insert(key, rank);
+            owners.insert(owned, rank);
         }
     }
 }

@@ -86,7 +86,7 @@ pub fn desired_state_with(
         .collect();
     let policy = &opts.frontend_policy;
     // Who holds each claimed frontend (see `insert_frontend`).
-    let mut ranks: BTreeMap<FrontendKey, ClaimRank> = BTreeMap::new();
+    let mut ranks = super::frontends::Owners::new();
     // Why no NodePort can be served; reported once, when some port has one.
     let mut node_problem = match node_object {
         None => Some("no Node object for this node"),
