@@ -46,6 +46,9 @@ pub struct RunConfig {
     pub external_interfaces: Vec<glob::Pattern>,
     pub on_exit: crate::config::OnExit,
     pub acceleration: crate::config::Acceleration,
+    pub delivery_mode: crate::config::DeliveryMode,
+    /// `None`: chosen at start beside the host's `ip_local_port_range`.
+    pub snat_port_range: Option<(u16, u16)>,
     /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
@@ -79,6 +82,8 @@ impl From<&Settings> for RunConfig {
             external_interfaces: s.external_interfaces.clone(),
             on_exit: s.on_exit,
             acceleration: s.acceleration,
+            delivery_mode: s.delivery_mode,
+            snat_port_range: s.snat_port_range,
             node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
@@ -104,6 +109,8 @@ struct Observers {
     latency: ProgrammingLatency,
     /// The datapath configuration as written, and the node address in it.
     datapath: Config,
+    /// When `deliveryMode: auto` last looked for a policy engine.
+    delivery_checked: Instant,
     /// The `healthCheckNodePort` listeners, reconciled after every sync.
     health_checks: crate::healthcheck::HealthCheckServers,
     /// The Service each frontend was last programmed for.
@@ -175,6 +182,8 @@ pub enum AgentError {
     Signal(std::io::Error),
     #[error("the interface watcher stopped; new pod interfaces would be missed")]
     LinkWatcherStopped,
+    #[error("{0}")]
+    Setting(String),
 }
 
 fn matches(patterns: &[glob::Pattern], name: &str) -> bool {
@@ -194,6 +203,10 @@ struct Patterns {
     pod: Vec<glob::Pattern>,
     external: Vec<glob::Pattern>,
     xdp: bool,
+    /// The reply program at tc egress of external devices too, where flows
+    /// delivered through the stack get their reverse NAT (`deliveryMode`
+    /// auto or stack).
+    ext_egress: bool,
 }
 
 impl Patterns {
@@ -202,11 +215,16 @@ impl Patterns {
             // Egress first: the ingress line is what waiters look for.
             &[IfaceKind::PodEgress, IfaceKind::Pod]
         } else if matches(&self.external, name) {
-            if self.xdp {
-                // tc first: what XDP passes on must find its program there.
-                &[IfaceKind::External, IfaceKind::ExternalXdp]
-            } else {
-                &[IfaceKind::External]
+            // tc first: what XDP passes on must find its program there.
+            match (self.xdp, self.ext_egress) {
+                (true, true) => &[
+                    IfaceKind::ExternalEgress,
+                    IfaceKind::External,
+                    IfaceKind::ExternalXdp,
+                ],
+                (true, false) => &[IfaceKind::External, IfaceKind::ExternalXdp],
+                (false, true) => &[IfaceKind::ExternalEgress, IfaceKind::External],
+                (false, false) => &[IfaceKind::External],
             }
         } else {
             &[]
@@ -225,12 +243,8 @@ fn on_new_link(attacher: &Mutex<Attacher>, patterns: &Patterns, msg: &LinkMessag
         match a.attach(index, name, kind) {
             Ok(()) => match kind {
                 IfaceKind::Pod => info!(interface = name, ifindex = index, "attached pod program"),
-                IfaceKind::PodEgress => {
-                    debug!(
-                        interface = name,
-                        ifindex = index,
-                        "attached pod egress program"
-                    )
+                IfaceKind::PodEgress | IfaceKind::ExternalEgress => {
+                    debug!(interface = name, ifindex = index, "attached egress program")
                 }
                 IfaceKind::External => {
                     info!(
@@ -322,13 +336,24 @@ fn sync_once(
     }
     let triggers = obs.latency.pending(&snapshot);
     // The node's address is the SNAT source of external traffic to other nodes.
-    let node_cfg = obs
+    let mut node_cfg = obs
         .datapath
         .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED));
+    if cfg.delivery_mode == crate::config::DeliveryMode::Auto
+        && obs.delivery_checked.elapsed() >= cfg.sync_period
+    {
+        // A policy engine may install its chains after this agent started.
+        node_cfg = node_cfg.with_delivery_via_stack(delivery_via_stack(cfg.delivery_mode));
+        obs.delivery_checked = Instant::now();
+    }
     if node_cfg != obs.datapath {
         match writer.dataplane_mut().set_config(node_cfg) {
             Ok(()) => {
-                info!(node_addr = ?desired.node_addr, "datapath configuration updated");
+                info!(
+                    node_addr = ?desired.node_addr,
+                    delivery = if node_cfg.flags & proxy_common::config_flags::DELIVER_VIA_STACK != 0 { "stack" } else { "redirect" },
+                    "datapath configuration updated"
+                );
                 obs.datapath = node_cfg;
             }
             Err(e) => error!(error = %e, "cannot update the datapath configuration"),
@@ -429,20 +454,52 @@ fn attach_socket_hooks(cfg: &RunConfig, sock_lb: &bpf::SockLbSupport, attacher: 
     }
 }
 
-/// The datapath's configuration: hairpin address and conntrack timeouts.
-fn datapath_config(cfg: &RunConfig) -> Config {
-    let mut c = Config::default().with_hairpin_addr(cfg.hairpin_snat_ip);
+/// The datapath's configuration: hairpin address, conntrack timeouts, the
+/// SNAT port range `snat` and the delivery.
+fn datapath_config(cfg: &RunConfig, snat: (u16, u16), via_stack: bool) -> Config {
+    let mut c = Config::default()
+        .with_hairpin_addr(cfg.hairpin_snat_ip)
+        .with_delivery_via_stack(via_stack);
     let t = cfg.conntrack_timeouts;
     if let Some(s) = t.tcp_established_s {
         c.ct_tcp_established_s = s;
     }
-    if let Some(s) = t.tcp_closing_s {
-        c.ct_tcp_closing_s = s;
+    if let Some(s) = t.tcp_close_wait_s {
+        c.ct_tcp_close_wait_s = s;
     }
     if let Some(s) = t.udp_s {
         c.ct_udp_s = s;
     }
+    if let Some(s) = t.udp_stream_s {
+        c.ct_udp_stream_s = s;
+    }
+    (c.snat_port_min, c.snat_port_max) = snat;
     c
+}
+
+/// Whether translated packets go through the host's stack: `stack`, or
+/// `auto` with a NetworkPolicy engine's chains in the host's netfilter. When
+/// the chains cannot be listed, `auto` chooses the stack: never bypass a
+/// policy that may be there.
+fn delivery_via_stack(mode: crate::config::DeliveryMode) -> bool {
+    use crate::config::DeliveryMode;
+    match mode {
+        DeliveryMode::Redirect => false,
+        DeliveryMode::Stack => true,
+        DeliveryMode::Auto => match crate::netfilter::chains() {
+            Ok(chains) => match crate::netfilter::policy_engine(&chains) {
+                Some(engine) => {
+                    debug!(engine, "a NetworkPolicy engine filters forwarded traffic: delivering through the stack");
+                    true
+                }
+                None => false,
+            },
+            Err(e) => {
+                warn!(error = %e, "cannot list the host's iptables/nftables chains: delivering through the stack, so that no NetworkPolicy there is bypassed (deliveryMode: redirect skips this)");
+                true
+            }
+        },
+    }
 }
 
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
@@ -455,7 +512,20 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
-    let datapath = datapath_config(&cfg);
+    let local_ports = crate::config::local_port_range().map_err(|e| {
+        AgentError::Setting(format!("cannot read the host's ip_local_port_range: {e}"))
+    })?;
+    let snat =
+        crate::config::snat_ports(cfg.snat_port_range, local_ports).map_err(AgentError::Setting)?;
+    let via_stack = delivery_via_stack(cfg.delivery_mode);
+    info!(
+        snat_ports = %format!("{}-{}", snat.0, snat.1),
+        ip_local_port_range = %format!("{}-{}", local_ports.0, local_ports.1),
+        delivery = if via_stack { "stack" } else { "redirect" },
+        mode = ?cfg.delivery_mode,
+        "datapath settings"
+    );
+    let datapath = datapath_config(&cfg, snat, via_stack);
     dp.set_config(datapath)?;
     let mut writer = Writer::adopt(dp)?.with_maglev(cfg.maglev);
 
@@ -466,6 +536,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         metrics: Arc::new(Metrics::new(Some(loaded.pin_dir.clone()))),
         latency: ProgrammingLatency::default(),
         datapath,
+        delivery_checked: Instant::now(),
         owners: Default::default(),
         health_checks: crate::healthcheck::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
@@ -526,6 +597,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         pod: cfg.pod_interfaces.clone(),
         external: cfg.external_interfaces.clone(),
         xdp: cfg.acceleration == crate::config::Acceleration::Xdp,
+        ext_egress: cfg.delivery_mode != crate::config::DeliveryMode::Redirect,
     };
     let events = attach_existing(&attacher, &patterns).await?;
     attach_socket_hooks(&cfg, &sock_lb, &attacher);

@@ -97,6 +97,16 @@ pub struct RunArgs {
     /// external devices, falling back to tc) [default: none].
     #[arg(long, value_enum)]
     pub acceleration: Option<crate::config::Acceleration>,
+    /// How translated packets reach their backend: `auto` (`stack` when a
+    /// NetworkPolicy engine's chains are in the host's iptables/nftables),
+    /// `redirect` (no netfilter: fastest, bypasses such engines) or `stack`
+    /// (the host's forward filtering sees the backend) [default: auto].
+    #[arg(long, value_enum)]
+    pub delivery_mode: Option<crate::config::DeliveryMode>,
+    /// Source ports for SNATed flows, `min-max`, outside the host's
+    /// ip_local_port_range [default: the larger span of 1024-65535 outside it].
+    #[arg(long)]
+    pub snat_port_range: Option<String>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

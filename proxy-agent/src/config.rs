@@ -79,6 +79,27 @@ pub enum Acceleration {
     Xdp,
 }
 
+/// How translated packets reach their backend (`deliveryMode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DeliveryMode {
+    /// `stack` when a NetworkPolicy engine's chains are in the host's
+    /// iptables or nftables (Calico, Canal, kube-router, Weave Net,
+    /// kube-network-policies), else `redirect`; checked at start and at every
+    /// periodic sync.
+    #[default]
+    Auto,
+    /// Redirect to the backend's interface: no netfilter on the way (the
+    /// fast path). A policy engine in netfilter never sees these packets.
+    Redirect,
+    /// Hand translated packets to the host's stack, so its forward filtering
+    /// (NetworkPolicy) sees the backend, and reverse-translate replies at tc
+    /// egress towards the client, after that filtering. Flows whose source
+    /// is rewritten (hairpin, external traffic SNATed to a remote backend)
+    /// stay redirected.
+    Stack,
+}
+
 /// What the agent does with the datapath when it exits (SIGTERM / SIGINT).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -194,10 +215,16 @@ pub struct Conntrack {
     pub min: Option<u32>,
     /// Idle timeout of established TCP flows.
     pub tcp_established_timeout: Option<GoDuration>,
-    /// Idle timeout of TCP flows after a FIN or RST.
+    /// Idle timeout of half-closed TCP flows (a FIN in one direction; the
+    /// kernel's CLOSE_WAIT).
     pub tcp_close_wait_timeout: Option<GoDuration>,
-    /// Idle timeout of UDP flows.
+    /// Idle timeout of UDP flows not yet a stream.
     pub udp_timeout: Option<GoDuration>,
+    /// Idle timeout of UDP streams (traffic both ways that went on).
+    pub udp_stream_timeout: Option<GoDuration>,
+    /// Accepted for kube-proxy compatibility (the kernel's window tracking);
+    /// the datapath does not track TCP windows.
+    pub tcp_be_liberal: Option<bool>,
 }
 
 /// `loadBalancing`: the node's default algorithm and Maglev's table.
@@ -315,6 +342,10 @@ pub struct ConfigFile {
     pub external_interfaces: Option<Vec<String>>,
     pub on_exit: Option<OnExit>,
     pub acceleration: Option<Acceleration>,
+    pub delivery_mode: Option<DeliveryMode>,
+    /// Source ports for SNATed flows, `min-max` (default: the largest span
+    /// of 1024–65535 outside the host's `ip_local_port_range`).
+    pub snat_port_range: Option<String>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -413,8 +444,9 @@ impl fmt::Display for Cidr {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConntrackTimeouts {
     pub tcp_established_s: Option<u32>,
-    pub tcp_closing_s: Option<u32>,
+    pub tcp_close_wait_s: Option<u32>,
     pub udp_s: Option<u32>,
+    pub udp_stream_s: Option<u32>,
 }
 
 /// Everything `run` needs, merged from the defaults, the file and the flags.
@@ -430,6 +462,9 @@ pub struct Settings {
     pub external_interfaces: Vec<glob::Pattern>,
     pub on_exit: OnExit,
     pub acceleration: Acceleration,
+    pub delivery_mode: DeliveryMode,
+    /// `None`: chosen at start from the host's `ip_local_port_range`.
+    pub snat_port_range: Option<(u16, u16)>,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -643,8 +678,17 @@ impl Settings {
                 "conntrack.tcpEstablishedTimeout",
                 ct.tcp_established_timeout,
             )?,
-            tcp_closing_s: secs("conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout)?,
+            tcp_close_wait_s: secs("conntrack.tcpCloseWaitTimeout", ct.tcp_close_wait_timeout)?,
             udp_s: secs("conntrack.udpTimeout", ct.udp_timeout)?,
+            udp_stream_s: secs("conntrack.udpStreamTimeout", ct.udp_stream_timeout)?,
+        };
+        let snat_port_range = match flags
+            .snat_port_range
+            .as_deref()
+            .or(file.snat_port_range.as_deref())
+        {
+            Some(r) => Some(parse_port_range(r).map_err(|e| invalid("snatPortRange", e))?),
+            None => None,
         };
         let node_port_addresses = file
             .node_port_addresses
@@ -713,6 +757,11 @@ impl Settings {
             external_interfaces,
             on_exit: flags.on_exit.or(file.on_exit).unwrap_or_default(),
             acceleration: flags.acceleration.or(file.acceleration).unwrap_or_default(),
+            delivery_mode: flags
+                .delivery_mode
+                .or(file.delivery_mode)
+                .unwrap_or_default(),
+            snat_port_range,
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)
@@ -741,5 +790,65 @@ impl Settings {
             None => ConfigFile::default(),
         };
         Self::resolve(&file, flags)
+    }
+}
+
+/// A port range `min-max` (inclusive, 1–65535, min ≤ max).
+pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?} is not a range min-max"))?;
+    let port = |p: &str| -> Result<u16, String> {
+        match p.trim().parse::<u16>() {
+            Ok(0) | Err(_) => Err(format!("{p:?} is not a port (1-65535)")),
+            Ok(n) => Ok(n),
+        }
+    };
+    let (a, b) = (port(a)?, port(b)?);
+    if a > b {
+        return Err(format!("{s:?}: the first port is above the second"));
+    }
+    Ok((a, b))
+}
+
+/// The SNAT port range to use beside the host's ephemeral ports
+/// (`ip_local_port_range`, `local`): `configured` when it does not overlap
+/// them, else an error naming both; unconfigured, the larger span of
+/// 1024–65535 outside them.
+pub fn snat_ports(configured: Option<(u16, u16)>, local: (u16, u16)) -> Result<(u16, u16), String> {
+    let (lo, hi) = local;
+    if let Some((a, b)) = configured {
+        if a <= hi && lo <= b {
+            return Err(format!(
+                "snatPortRange {a}-{b} overlaps the host's ip_local_port_range {lo}-{hi}: \
+                 SNATed flows would share ports with the node's own connections; \
+                 choose a range outside it"
+            ));
+        }
+        return Ok((a, b));
+    }
+    let below = (lo > 1024).then(|| (1024u16, lo - 1));
+    let above = (hi < 65535).then(|| (hi.max(1023) + 1, 65535u16));
+    let span = |r: &Option<(u16, u16)>| r.map_or(0, |(a, b)| u32::from(b) - u32::from(a) + 1);
+    match (span(&below), span(&above)) {
+        (0, 0) => Err(format!(
+            "the host's ip_local_port_range {lo}-{hi} leaves no ports for SNAT; \
+             narrow it or set snatPortRange"
+        )),
+        (b, a) if b >= a => Ok(below.unwrap()),
+        _ => Ok(above.unwrap()),
+    }
+}
+
+/// The host's `net.ipv4.ip_local_port_range` (this network namespace's).
+pub fn local_port_range() -> std::io::Result<(u16, u16)> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    let mut it = s.split_whitespace().map(str::parse::<u16>);
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => Ok((a, b)),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("ip_local_port_range: {s:?}"),
+        )),
     }
 }

@@ -87,7 +87,7 @@ fn every_field_of_the_file_is_used() {
     assert_eq!(s.kubeconfig.as_deref(), Some(Path::new("/etc/kubeconfig")));
     assert!(s.map_sizes.conntrack >= 5_000_000);
     assert_eq!(s.conntrack_timeouts.tcp_established_s, Some(86_400));
-    assert_eq!(s.conntrack_timeouts.tcp_closing_s, Some(3_600));
+    assert_eq!(s.conntrack_timeouts.tcp_close_wait_s, Some(3_600));
     assert_eq!(s.conntrack_timeouts.udp_s, Some(30));
     assert_eq!(s.source, SourceKind::Kubernetes);
     assert_eq!(s.manifests.len(), 2);
@@ -329,4 +329,80 @@ fn fuzzed_config_files_never_panic_and_errors_are_clear() {
             );
         }
     }
+}
+
+/// `deliveryMode`, `snatPortRange` and the UDP stream timeout: parsed, flags
+/// over the file, bad values name the field.
+#[test]
+fn delivery_mode_and_snat_port_range() {
+    use proxy_agent::config::DeliveryMode;
+    let base = "source: kubernetes\n";
+    let file = parse(base).unwrap();
+    let s = Settings::resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
+    assert_eq!(
+        s.delivery_mode,
+        DeliveryMode::Auto,
+        "never bypass a policy engine by default"
+    );
+    assert_eq!(s.snat_port_range, None);
+    let file = parse(&format!(
+        "{base}deliveryMode: stack\nsnatPortRange: 20000-29999\nconntrack:\n  udpStreamTimeout: 3m\n"
+    ))
+    .unwrap();
+    let s = Settings::resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
+    assert_eq!(s.delivery_mode, DeliveryMode::Stack);
+    assert_eq!(s.snat_port_range, Some((20000, 29999)));
+    assert_eq!(s.conntrack_timeouts.udp_stream_s, Some(180));
+    let s = Settings::resolve(
+        &file,
+        &run_args(&[
+            "--node-name",
+            "n",
+            "--delivery-mode",
+            "redirect",
+            "--snat-port-range",
+            "1024-2047",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.delivery_mode, DeliveryMode::Redirect);
+    assert_eq!(s.snat_port_range, Some((1024, 2047)));
+    for bad in ["30000", "0-10", "20-10", "1-70000", "a-b"] {
+        let file = parse(&format!("{base}snatPortRange: \"{bad}\"\n")).unwrap();
+        let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("snatPortRange"), "{bad}: {e}");
+    }
+    assert!(parse(&format!("{base}deliveryMode: fast\n"))
+        .unwrap_err()
+        .contains("deliveryMode"));
+}
+
+/// The SNAT range never overlaps the host's ephemeral ports: a configured
+/// overlap is refused naming both ranges; unconfigured, the larger span of
+/// 1024-65535 outside `ip_local_port_range` is taken.
+#[test]
+fn snat_ports_stay_out_of_the_hosts_ephemeral_ports() {
+    use proxy_agent::config::snat_ports;
+    // The kernel's default range: the ports below it are the larger span.
+    assert_eq!(snat_ports(None, (32768, 60999)), Ok((1024, 32767)));
+    assert_eq!(snat_ports(None, (1024, 40000)), Ok((40001, 65535)));
+    assert_eq!(snat_ports(None, (10000, 65535)), Ok((1024, 9999)));
+    assert!(snat_ports(None, (1024, 65535))
+        .unwrap_err()
+        .contains("ip_local_port_range"));
+    assert_eq!(
+        snat_ports(Some((61000, 65535)), (32768, 60999)),
+        Ok((61000, 65535))
+    );
+    let e = snat_ports(Some((30000, 40000)), (32768, 60999)).unwrap_err();
+    assert!(
+        e.contains("30000-40000") && e.contains("32768-60999"),
+        "{e}"
+    );
+    assert!(
+        snat_ports(Some((60999, 61000)), (32768, 60999)).is_err(),
+        "touching is overlapping"
+    );
 }

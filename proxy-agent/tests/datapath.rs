@@ -24,6 +24,8 @@ mod hardening;
 mod kit;
 #[path = "datapath/lb.rs"]
 mod lb;
+#[path = "datapath/lifecycle.rs"]
+mod lifecycle;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
@@ -577,7 +579,8 @@ fn xdp_translates_external_flows_to_remote_backends() {
         Field::SrcAddr(NODE),
         Field::Dst(REMOTE, 8080),
         Field::Ttl(63),
-        Field::SportAtLeast(32768),
+        // The default SNAT range, below the kernel's ip_local_port_range.
+        Field::SportIn(1024, 32767),
     ];
     let back = vec![
         Field::Tuple(NODE, 30080, EXT_CLIENT, 40000),
@@ -819,49 +822,6 @@ fn racing_first_packets_of_a_udp_flow_agree_on_the_backend() {
         });
         assert_eq!(a, b, "round {round}: one flow split over two backends");
     }
-}
-
-/// Conntrack lifecycle: entries expire per protocol and TCP state (SYN only,
-/// established, closing; UDP), and garbage collection deletes expired ones,
-/// both directions of a flow, and nothing live.
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn conntrack_entries_expire_per_state_and_are_collected() {
-    let mut h = Harness::new();
-    h.sync(&[
-        (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
-        (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
-    ]);
-    h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b"")); // SYN only
-    h.run(&tcp4(CLIENT, 40001, VIP, 80, SYN, b""));
-    h.run(&tcp4(CLIENT, 40001, VIP, 80, ACK, b"")); // established
-    h.run(&tcp4(CLIENT, 40002, VIP, 80, SYN, b""));
-    h.run(&tcp4(CLIENT, 40002, VIP, 80, ACK | FIN, b"")); // FIN: closing
-    h.run(&udp4(CLIENT, 40003, VIP, 53, b"q"));
-    let maps = h.maps();
-    assert_eq!(
-        maps.conntrack().unwrap().len(),
-        8,
-        "4 flows, 2 entries each"
-    );
-    let cfg = Config::default();
-    let dp = h.writer.dataplane_mut();
-    let now = proxy_agent::bpf::ktime_ns();
-    let s = 1_000_000_000u64;
-    // Now: nothing expired.
-    assert_eq!(dp.gc_conntrack(&cfg, now).expired, 0);
-    // 11 s on: the closing TCP flow (10 s) is gone, both of its entries.
-    assert_eq!(dp.gc_conntrack(&cfg, now + 11 * s).expired, 2);
-    // 61 s on: the SYN-only flow (60 s) and UDP (60 s) too; established stays.
-    assert_eq!(dp.gc_conntrack(&cfg, now + 61 * s).expired, 4);
-    let left = maps.conntrack().unwrap();
-    assert_eq!(left.len(), 2);
-    assert!(left
-        .iter()
-        .all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
-    // 6 h on: established expires as well.
-    assert_eq!(dp.gc_conntrack(&cfg, now + 21_601 * s).expired, 2);
-    assert!(maps.conntrack().unwrap().is_empty());
 }
 
 /// Map layouts carry a version in their names. A pinned map of an older

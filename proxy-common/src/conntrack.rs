@@ -22,15 +22,26 @@ pub mod tcp {
 }
 
 /// How long an entry of protocol `proto` with [`ct_flags`] `flags` lives
-/// without traffic, in nanoseconds: per protocol and, for TCP, per state
-/// (opening, established, closing), from the configured timeouts.
+/// without traffic, in nanoseconds, following the kernel's conntrack states:
+/// for TCP closed (RST), time-wait (FINs both ways), close-wait (a FIN one
+/// way: the other side may send for long), unanswered or handshaking, and
+/// established; for UDP unreplied or a stream.
 #[inline(always)]
 pub fn timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
+    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
     let s = if proto != IPPROTO_TCP {
-        cfg.ct_udp_s
+        if flags & ct_flags::UDP_STREAM != 0 {
+            cfg.ct_udp_stream_s
+        } else {
+            cfg.ct_udp_s
+        }
     } else if flags & ct_flags::TCP_CLOSING != 0 {
         cfg.ct_tcp_closing_s
-    } else if flags & ct_flags::TCP_SYN != 0 {
+    } else if flags & fins == fins {
+        cfg.ct_tcp_time_wait_s
+    } else if flags & fins != 0 {
+        cfg.ct_tcp_close_wait_s
+    } else if flags & (ct_flags::TCP_SYN | ct_flags::UNREPLIED) != 0 {
         cfg.ct_tcp_syn_s
     } else {
         cfg.ct_tcp_established_s
@@ -44,18 +55,59 @@ pub fn alive(cfg: &Config, proto: u8, v: &Ct4Value, now_ns: u64) -> bool {
     now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns(cfg, proto, v.flags)
 }
 
-/// The TCP state bits of an entry after a segment with header flags
-/// `tcp_flags`, given its previous [`ct_flags`] `prev` (non-state bits kept).
+/// The TCP state bits of an entry after a segment from the client with header
+/// flags `tcp_flags`, given its previous [`ct_flags`] `prev` (non-state bits
+/// kept).
 ///
-/// FIN or RST: closing. A SYN without ACK: opening, which also reopens a
-/// closing tuple (the client reused its port). Anything else: established.
+/// RST: closed. A SYN without ACK opens the flow anew (also a closed or
+/// closing tuple the client reused): unanswered until the backend replies.
+/// A FIN: the client's half is closed. An ACK once the backend answered ends
+/// the handshake.
 #[inline(always)]
 pub fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
-    let mut f = prev & !(ct_flags::TCP_SYN);
-    if tcp_flags & (tcp::FIN | tcp::RST) != 0 {
-        f |= ct_flags::TCP_CLOSING;
-    } else if tcp_flags & tcp::SYN != 0 && tcp_flags & tcp::ACK == 0 {
-        f = (f & !ct_flags::TCP_CLOSING) | ct_flags::TCP_SYN;
+    if tcp_flags & tcp::RST != 0 {
+        return prev | ct_flags::TCP_CLOSING;
+    }
+    if tcp_flags & tcp::SYN != 0 && tcp_flags & tcp::ACK == 0 {
+        return (prev & !ct_flags::STATE) | ct_flags::TCP_SYN | ct_flags::UNREPLIED;
+    }
+    let mut f = prev;
+    if tcp_flags & tcp::FIN != 0 {
+        f |= ct_flags::TCP_FIN_FWD;
+    }
+    if tcp_flags & tcp::ACK != 0 && f & ct_flags::UNREPLIED == 0 {
+        f &= !ct_flags::TCP_SYN;
+    }
+    f
+}
+
+/// The state bits of an entry after a packet from the client: TCP as
+/// [`tcp_state`]; UDP becomes a stream once it goes on after a reply.
+#[inline(always)]
+pub fn forward_state(prev: u16, proto: u8, tcp_flags: u8) -> u16 {
+    if proto == IPPROTO_TCP {
+        tcp_state(prev, tcp_flags)
+    } else if prev & ct_flags::UNREPLIED == 0 {
+        prev | ct_flags::UDP_STREAM
+    } else {
+        prev
+    }
+}
+
+/// The state bits of an entry after a packet from the backend: answered; for
+/// TCP a RST closes, a FIN closes the backend's half; UDP answered a second
+/// time is a stream.
+#[inline(always)]
+pub fn reply_state(prev: u16, proto: u8, tcp_flags: u8) -> u16 {
+    let mut f = prev & !ct_flags::UNREPLIED;
+    if proto == IPPROTO_TCP {
+        if tcp_flags & tcp::RST != 0 {
+            f |= ct_flags::TCP_CLOSING;
+        } else if tcp_flags & tcp::FIN != 0 {
+            f |= ct_flags::TCP_FIN_REV;
+        }
+    } else if prev & ct_flags::UNREPLIED == 0 {
+        f |= ct_flags::UDP_STREAM;
     }
     f
 }
@@ -137,7 +189,11 @@ impl Ct4Value {
             backend_id,
             nat_addr_be: if snat_addr { client_addr_be } else { 0 },
             rev_nat_id,
-            flags: flags & (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT),
+            flags: flags
+                & (ct_flags::SNAT_ADDR
+                    | ct_flags::SNAT_PORT
+                    | ct_flags::VIA_STACK
+                    | ct_flags::UNREPLIED),
             nat_port_be: if snat_port { client_port_be } else { 0 },
             _pad: 0,
             last_seen_ns: now_ns,
@@ -160,30 +216,38 @@ mod tests {
 
     #[test]
     fn timeouts_follow_protocol_and_tcp_state() {
+        use ct_flags::*;
         let cfg = Config::default();
         let s = |n: u32| n as u64 * NSEC_PER_SEC;
+        let tcp = |f: u16| timeout_ns(&cfg, IPPROTO_TCP, f);
+        // kube-proxy's settings of the kernel's conntrack.
+        assert_eq!(cfg.ct_tcp_established_s, 86_400);
+        assert_eq!(cfg.ct_tcp_close_wait_s, 3_600);
         assert_eq!(timeout_ns(&cfg, IPPROTO_UDP, 0), s(cfg.ct_udp_s));
+        assert_eq!(timeout_ns(&cfg, IPPROTO_UDP, UNREPLIED), s(cfg.ct_udp_s));
+        assert_eq!(
+            timeout_ns(&cfg, IPPROTO_UDP, UDP_STREAM),
+            s(cfg.ct_udp_stream_s)
+        );
         // UDP ignores TCP state bits.
+        assert_eq!(timeout_ns(&cfg, IPPROTO_UDP, TCP_CLOSING), s(cfg.ct_udp_s));
+        assert_eq!(tcp(0), s(cfg.ct_tcp_established_s));
+        assert_eq!(tcp(TCP_SYN | UNREPLIED), s(cfg.ct_tcp_syn_s));
+        assert_eq!(tcp(TCP_SYN), s(cfg.ct_tcp_syn_s));
+        // A flow first seen mid-stream and never answered is short-lived.
+        assert_eq!(tcp(UNREPLIED), s(cfg.ct_tcp_syn_s));
+        // Half-closed: the other side may go on sending.
+        assert_eq!(tcp(TCP_FIN_FWD), s(cfg.ct_tcp_close_wait_s));
+        assert_eq!(tcp(TCP_FIN_REV), s(cfg.ct_tcp_close_wait_s));
+        assert_eq!(tcp(TCP_FIN_FWD | TCP_FIN_REV), s(cfg.ct_tcp_time_wait_s));
+        // A RST wins over everything.
         assert_eq!(
-            timeout_ns(&cfg, IPPROTO_UDP, ct_flags::TCP_CLOSING),
-            s(cfg.ct_udp_s)
-        );
-        assert_eq!(
-            timeout_ns(&cfg, IPPROTO_TCP, 0),
-            s(cfg.ct_tcp_established_s)
-        );
-        assert_eq!(
-            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::TCP_SYN),
-            s(cfg.ct_tcp_syn_s)
-        );
-        // Closing wins over an opening bit left set.
-        assert_eq!(
-            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::TCP_SYN | ct_flags::TCP_CLOSING),
+            tcp(TCP_SYN | TCP_FIN_FWD | TCP_CLOSING),
             s(cfg.ct_tcp_closing_s)
         );
-        // SNAT bits do not change the timeout.
+        // NAT bits do not change the timeout.
         assert_eq!(
-            timeout_ns(&cfg, IPPROTO_TCP, ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT),
+            tcp(SNAT_ADDR | SNAT_PORT | VIA_STACK),
             s(cfg.ct_tcp_established_s)
         );
     }
@@ -199,31 +263,63 @@ mod tests {
         assert!(alive(&cfg, IPPROTO_UDP, &v, 0));
     }
 
+    /// A whole connection, packet by packet, through both directions, with
+    /// the state each step leaves.
     #[test]
     fn tcp_state_transitions() {
+        use ct_flags::*;
         use tcp::*;
-        // SYN opens; SYN+ACK, ACK and data establish.
-        assert_eq!(tcp_state(0, SYN), ct_flags::TCP_SYN);
-        assert_eq!(tcp_state(ct_flags::TCP_SYN, SYN | ACK), 0);
-        assert_eq!(tcp_state(ct_flags::TCP_SYN, ACK), 0);
-        // FIN or RST closes, and closing stays until a new SYN.
-        assert_eq!(tcp_state(0, FIN | ACK), ct_flags::TCP_CLOSING);
-        assert_eq!(tcp_state(0, RST), ct_flags::TCP_CLOSING);
-        assert_eq!(tcp_state(ct_flags::TCP_CLOSING, ACK), ct_flags::TCP_CLOSING);
-        assert_eq!(tcp_state(ct_flags::TCP_CLOSING, SYN), ct_flags::TCP_SYN);
-        // A SYN+ACK does not reopen a closing tuple.
+        let opening = TCP_SYN | UNREPLIED;
+        // Handshake: SYN, SYN+ACK (answered), ACK (established).
+        assert_eq!(tcp_state(0, SYN), opening);
+        assert_eq!(reply_state(opening, IPPROTO_TCP, SYN | ACK), TCP_SYN);
+        assert_eq!(tcp_state(TCP_SYN, ACK), 0);
+        // An ACK before any answer does not establish.
+        assert_eq!(tcp_state(opening, ACK), opening);
+        // Half close by the client; the backend goes on; then its FIN.
+        assert_eq!(tcp_state(0, FIN | ACK), TCP_FIN_FWD);
+        assert_eq!(reply_state(TCP_FIN_FWD, IPPROTO_TCP, ACK), TCP_FIN_FWD);
         assert_eq!(
-            tcp_state(ct_flags::TCP_CLOSING, SYN | ACK),
-            ct_flags::TCP_CLOSING
+            reply_state(TCP_FIN_FWD, IPPROTO_TCP, FIN | ACK),
+            TCP_FIN_FWD | TCP_FIN_REV
         );
+        // Or the backend first.
+        assert_eq!(reply_state(0, IPPROTO_TCP, FIN | ACK), TCP_FIN_REV);
+        // RST from either side closes, and stays closed until a new SYN.
+        assert_eq!(tcp_state(0, RST), TCP_CLOSING);
+        assert_eq!(reply_state(0, IPPROTO_TCP, RST | ACK), TCP_CLOSING);
+        assert_eq!(tcp_state(TCP_CLOSING, ACK), TCP_CLOSING);
+        // A new SYN reopens a closed or closing tuple the client reused.
+        assert_eq!(tcp_state(TCP_CLOSING, SYN), opening);
+        assert_eq!(tcp_state(TCP_FIN_FWD | TCP_FIN_REV, SYN), opening);
+        // A SYN+ACK from the client does not reopen.
+        assert_eq!(tcp_state(TCP_CLOSING, SYN | ACK), TCP_CLOSING);
+        // A first packet that is not a SYN: unanswered until the backend
+        // replies, then established.
+        assert_eq!(tcp_state(UNREPLIED, ACK), UNREPLIED);
+        assert_eq!(reply_state(UNREPLIED, IPPROTO_TCP, ACK), 0);
         // NAT bits survive every transition.
-        let nat = ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
-        assert_eq!(tcp_state(nat | ct_flags::TCP_SYN, ACK), nat);
-        assert_eq!(tcp_state(nat, FIN), nat | ct_flags::TCP_CLOSING);
+        let nat = SNAT_ADDR | SNAT_PORT | VIA_STACK;
+        assert_eq!(tcp_state(nat | TCP_SYN, ACK), nat);
+        assert_eq!(tcp_state(nat, FIN), nat | TCP_FIN_FWD);
+        assert_eq!(tcp_state(nat | TCP_CLOSING, SYN), nat | opening);
         assert_eq!(
-            tcp_state(nat | ct_flags::TCP_CLOSING, SYN),
-            nat | ct_flags::TCP_SYN
+            reply_state(nat | opening, IPPROTO_TCP, SYN | ACK),
+            nat | TCP_SYN
         );
+    }
+
+    #[test]
+    fn udp_becomes_a_stream_once_it_goes_on_after_a_reply() {
+        use ct_flags::*;
+        // A query and its answer: answered, not a stream (30 s).
+        assert_eq!(reply_state(UNREPLIED, IPPROTO_UDP, 0), 0);
+        assert_eq!(forward_state(UNREPLIED, IPPROTO_UDP, 0), UNREPLIED);
+        // Then more traffic, either way: a stream (120 s).
+        assert_eq!(forward_state(0, IPPROTO_UDP, 0), UDP_STREAM);
+        assert_eq!(reply_state(0, IPPROTO_UDP, 0), UDP_STREAM);
+        // TCP flags mean nothing to UDP.
+        assert_eq!(reply_state(UNREPLIED, IPPROTO_UDP, tcp::RST), 0);
     }
 
     #[test]
@@ -298,6 +394,18 @@ mod tests {
             assert_eq!(rval.last_seen_ns, 9);
             // Only the NAT bits, never the TCP state, go to the reply entry.
             assert_eq!(rval.flags, flags);
+            let stack = Ct4Value::reply_of(
+                7,
+                3,
+                flags | ct_flags::VIA_STACK | ct_flags::UNREPLIED,
+                CLIENT,
+                cport,
+                9,
+            );
+            assert_eq!(
+                stack.flags,
+                flags | ct_flags::VIA_STACK | ct_flags::UNREPLIED
+            );
             assert_eq!(rkey.service_of_reply(&rval, &rev), skey, "flags {flags:#x}");
         }
     }

@@ -35,7 +35,7 @@ pub mod map_names {
     /// Per-CPU packet counters indexed by [`super::stat`] codes (`u64` each).
     pub const STATS: &str = "STATS_V1";
     /// One [`super::Config`] at index 0.
-    pub const CONFIG: &str = "CONFIG_V1";
+    pub const CONFIG: &str = "CONFIG_V2";
     /// Pod-facing interfaces: ifindex (`u32`) → [`super::Iface`]. The datapath
     /// delivers to these with `bpf_redirect_peer`.
     pub const IFACES: &str = "IFACE_V1";
@@ -379,7 +379,8 @@ pub mod ct_flags {
     pub const HAIRPIN: u16 = SNAT_ADDR;
     /// A TCP SYN without ACK was the last packet seen (connection opening).
     pub const TCP_SYN: u16 = 1 << 1;
-    /// A TCP FIN or RST was seen: the connection is closing.
+    /// A TCP RST was seen: the connection is closed (agents before the
+    /// state machine below also set it on a FIN).
     pub const TCP_CLOSING: u16 = 1 << 2;
     /// The client's source port was rewritten to `nat_port_be`: another live
     /// flow already used the backend-side tuple (field bug C6), or the source
@@ -387,6 +388,34 @@ pub mod ct_flags {
     /// the new port; in a REPLY entry it is the client's own port, restored on
     /// replies.
     pub const SNAT_PORT: u16 = 1 << 3;
+    /// The flow is delivered through the host's stack (`deliveryMode:
+    /// stack`): its forward packets, translated, are handed to the stack so
+    /// the host's filters (a NetworkPolicy engine's FORWARD rules) see the
+    /// backend; its replies pass the first hook untranslated and get their
+    /// reverse NAT at the last one (tc egress towards the client). Set in
+    /// both entries.
+    pub const VIA_STACK: u16 = 1 << 4;
+    /// TCP: the client sent a FIN.
+    pub const TCP_FIN_FWD: u16 = 1 << 5;
+    /// TCP: the backend sent a FIN.
+    pub const TCP_FIN_REV: u16 = 1 << 6;
+    /// The backend has not answered yet (the kernel's conntrack without
+    /// `IPS_SEEN_REPLY`): a flow whose SYN is unanswered, or first seen
+    /// mid-stream, lives only the short timeout.
+    pub const UNREPLIED: u16 = 1 << 7;
+    /// UDP: traffic went both ways and went on (the kernel's UDP stream).
+    pub const UDP_STREAM: u16 = 1 << 8;
+    /// The bits that describe the flow's state (the others its translation).
+    pub const STATE: u16 =
+        TCP_SYN | TCP_CLOSING | TCP_FIN_FWD | TCP_FIN_REV | UNREPLIED | UDP_STREAM;
+}
+
+/// [`Config::flags`] bits.
+pub mod config_flags {
+    /// `deliveryMode: stack`: translated flows that need no source address
+    /// rewrite are handed to the host's stack instead of redirected, so
+    /// netfilter's forward filtering sees the backend tuple.
+    pub const DELIVER_VIA_STACK: u32 = 1 << 0;
 }
 
 /// Conntrack value.
@@ -530,13 +559,15 @@ pub struct Config {
     /// Source address given to hairpin flows (a pod reaching itself through a
     /// frontend), network byte order. 0 disables hairpin SNAT.
     pub hairpin_addr_be: u32,
-    /// Conntrack timeouts, seconds: TCP while only a SYN was seen.
+    /// Conntrack timeouts, seconds: TCP until the backend answered (SYN
+    /// sent, or a flow first seen mid-stream), and while the handshake is
+    /// unfinished.
     pub ct_tcp_syn_s: u32,
     /// TCP established.
     pub ct_tcp_established_s: u32,
-    /// TCP after a FIN or RST.
+    /// TCP after a RST.
     pub ct_tcp_closing_s: u32,
-    /// UDP.
+    /// UDP until traffic went both ways for more than a moment.
     pub ct_udp_s: u32,
     /// Must equal [`MAP_LAYOUT_VERSION`]; the datapath passes everything while it
     /// does not (an agent has not configured it yet).
@@ -544,25 +575,52 @@ pub struct Config {
     /// The node's address, network byte order: the source given to external
     /// traffic sent to a backend on another node. 0 disables that SNAT.
     pub node_addr_be: u32,
-    pub _pad: u32,
+    /// [`config_flags`] bits.
+    pub flags: u32,
+    /// TCP after a FIN in one direction (half-closed: kernel's CLOSE_WAIT).
+    pub ct_tcp_close_wait_s: u32,
+    /// TCP after FINs in both directions (kernel's TIME_WAIT).
+    pub ct_tcp_time_wait_s: u32,
+    /// UDP once replied to and still active (kernel's UDP stream).
+    pub ct_udp_stream_s: u32,
+    /// Source ports given to SNATed flows, host byte order, inclusive; kept
+    /// out of the host's `ip_local_port_range` by the agent.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _reserved: [u32; 4],
 }
-const _: () = assert!(size_of::<Config>() == 32);
+const _: () = assert!(size_of::<Config>() == 64);
 const _: () = assert!(offset_of!(Config, layout_version) == 20);
 const _: () = assert!(offset_of!(Config, node_addr_be) == 24);
+const _: () = assert!(offset_of!(Config, flags) == 28);
+const _: () = assert!(offset_of!(Config, ct_udp_stream_s) == 40);
+const _: () = assert!(offset_of!(Config, snat_port_min) == 44);
+const _: () = assert!(offset_of!(Config, _reserved) == 48);
 
 impl Default for Config {
-    /// Conntrack timeouts follow Cilium's defaults (SYN 60 s, established 6 h,
-    /// closing 10 s, UDP 60 s).
+    /// Conntrack timeouts follow the kernel's conntrack and kube-proxy's
+    /// settings of it: TCP unanswered 60 s (Cilium's; the kernel's SYN_SENT
+    /// is 120 s), established 24 h and close-wait 1 h (kube-proxy's
+    /// `tcpEstablishedTimeout`, `tcpCloseWaitTimeout`), time-wait 120 s and
+    /// close 10 s, UDP 30 s and a UDP stream 120 s (the kernel's).
+    /// SNAT ports 1024–32767: below the kernel's default
+    /// `ip_local_port_range` (32768–60999).
     fn default() -> Self {
         Self {
             hairpin_addr_be: 0,
             ct_tcp_syn_s: 60,
-            ct_tcp_established_s: 21_600,
+            ct_tcp_established_s: 86_400,
             ct_tcp_closing_s: 10,
-            ct_udp_s: 60,
+            ct_udp_s: 30,
             layout_version: MAP_LAYOUT_VERSION,
             node_addr_be: 0,
-            _pad: 0,
+            flags: 0,
+            ct_tcp_close_wait_s: 3_600,
+            ct_tcp_time_wait_s: 120,
+            ct_udp_stream_s: 120,
+            snat_port_min: 1024,
+            snat_port_max: 32767,
+            _reserved: [0; 4],
         }
     }
 }
@@ -574,6 +632,15 @@ impl Config {
     }
     pub const fn with_node_addr(mut self, addr: Ipv4Addr) -> Self {
         self.node_addr_be = u32::from_ne_bytes(addr.octets());
+        self
+    }
+    /// [`config_flags::DELIVER_VIA_STACK`] set or cleared.
+    pub const fn with_delivery_via_stack(mut self, on: bool) -> Self {
+        if on {
+            self.flags |= config_flags::DELIVER_VIA_STACK;
+        } else {
+            self.flags &= !config_flags::DELIVER_VIA_STACK;
+        }
         self
     }
 }
@@ -682,6 +749,12 @@ pub mod stat {
     /// ([`super::ratelimit`]): dropped instead of answered, so spoofed
     /// packets cannot turn the node into an ICMP reflector.
     pub const DROP_REJECT_RATE_LIMITED: u32 = 34;
+    /// `deliveryMode: stack`: a translated packet handed to the host's stack
+    /// (its filters see the backend) instead of redirected.
+    pub const DELIVER_STACK: u32 = 35;
+    /// `deliveryMode: stack`: a reply passed untranslated to the stack; tc
+    /// egress towards the client reverse-translates it.
+    pub const PASS_REPLY_VIA_STACK: u32 = 36;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -744,8 +817,8 @@ pub mod stat {
         "xdp_redirect",
         "fwd_handoff",
         "drop_reject_rate_limited",
-        "",
-        "",
+        "deliver_stack",
+        "pass_reply_via_stack",
         "",
         "",
         "",

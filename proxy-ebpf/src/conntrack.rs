@@ -6,8 +6,8 @@
 
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use proxy_common::{
-    conntrack::{alive, needs_refresh, tcp_state},
-    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, IPPROTO_TCP,
+    conntrack::{alive, forward_state, needs_refresh, reply_state},
+    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
 };
 
 use crate::{
@@ -91,8 +91,8 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
     let Some(b) = backend(c.backend_id) else {
         return false;
     };
-    let flags = if pkt.proto == IPPROTO_TCP && pkt.l4_present {
-        tcp_state(c.flags, pkt.tcp_flags)
+    let flags = if pkt.l4_present {
+        forward_state(c.flags, pkt.proto, pkt.tcp_flags)
     } else {
         c.flags
     };
@@ -106,10 +106,42 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
 
 /// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
 #[inline(always)]
-pub fn lookup_reply(pkt: &Packet) -> Option<Ct4Value> {
-    let ct = CT4_V1.get_ptr(pkt.ct_key(ct_dir::REPLY))?;
+pub fn lookup_reply(pkt: &Packet) -> Option<(*mut Ct4Value, Ct4Value)> {
+    let ct = CT4_V1.get_ptr_mut(pkt.ct_key(ct_dir::REPLY))?;
     // SAFETY: a map value pointer, read once into a copy.
-    Some(unsafe { *ct })
+    Some((ct, unsafe { *ct }))
+}
+
+/// A reply of the flow of REPLY entry `r` (at `rptr`, to frontend `rev`) was
+/// seen at `now`: the flow's state follows it (answered, the backend's FIN
+/// or RST) and the flow lives on, as the kernel's conntrack refreshes on
+/// traffic in either direction — a flow whose traffic runs only from the
+/// backend (half-closed TCP, UDP server push) keeps its translation. Written
+/// at most once a second, or at once when the state changes: the REPLY entry,
+/// then the SERVICE entry, whose state and age the datapath and the garbage
+/// collector judge the flow by.
+#[inline(always)]
+pub fn reply_seen(pkt: &Packet, rptr: *mut Ct4Value, r: &Ct4Value, rev: &RevNat4, now: u64) {
+    let rflags = reply_state(r.flags, pkt.proto, pkt.tcp_flags);
+    if !needs_refresh(r, rflags, now) {
+        return;
+    }
+    // SAFETY: LRU value pointer; fields written individually.
+    unsafe {
+        (*rptr).flags = rflags;
+        (*rptr).last_seen_ns = now;
+    }
+    let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(r, rev);
+    let Some(s) = CT4_V1.get_ptr_mut(skey) else {
+        return;
+    };
+    // SAFETY: LRU value pointer; fields read and written individually.
+    unsafe {
+        if (*s).backend_id == r.backend_id {
+            (*s).flags = reply_state((*s).flags, pkt.proto, pkt.tcp_flags);
+            (*s).last_seen_ns = now;
+        }
+    }
 }
 
 /// Whether the backend-side tuple `rkey` belongs to another live flow: one of

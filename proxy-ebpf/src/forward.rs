@@ -6,14 +6,15 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    backend_state, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config,
-    Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
+    backend_state, config_flags, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat,
+    svc_flags, Config, Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION,
+    SCOPE_EXTERNAL,
 };
 
 use crate::{
     conntrack::{self, Flow},
     lb,
-    maps::{count, CONFIG_V1},
+    maps::{count, CONFIG_V2},
     nat,
     parse::Packet,
     verdict::Verdict,
@@ -43,7 +44,7 @@ pub fn decide(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Verdic
 /// The datapath's configuration, once an agent of this layout wrote it.
 #[inline(always)]
 fn config() -> Result<&'static Config, Verdict> {
-    match CONFIG_V1.get(0) {
+    match CONFIG_V2.get(0) {
         Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
         _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
     }
@@ -118,6 +119,14 @@ fn new_flow(
         return Err(Verdict::Deliver(stat::FWD_HANDOFF));
     }
     let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, external);
+    // Short-lived until the backend answers (a first packet that is not a
+    // SYN included).
+    flags |= ct_flags::UNREPLIED;
+    if cfg.flags & config_flags::DELIVER_VIA_STACK != 0 && flags & ct_flags::SNAT_ADDR == 0 {
+        // The stack can take it: its source is the client's own (a source
+        // address of this node, or the hairpin one, it would drop).
+        flags |= ct_flags::VIA_STACK;
+    }
     if pkt.proto == IPPROTO_TCP {
         flags |= tcp_state(0, pkt.tcp_flags);
         if pkt.tcp_flags & tcp::SYN == 0 {
@@ -133,15 +142,17 @@ fn new_flow(
     };
     // The backend-side tuple must not belong to another live flow.
     let mut rkey = mine.reply_key(pkt);
-    if flags & ct_flags::SNAT_PORT != 0 {
-        mine.nat_port_be =
-            nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
-        count(stat::SNAT_NODE);
-    } else if conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
-        mine.nat_port_be =
-            nat::free_nat_port(&mut rkey).ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+    // One call site of the port search (its loop is verified once per site).
+    let snat_node = flags & ct_flags::SNAT_PORT != 0;
+    if snat_node || conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
+        mine.nat_port_be = nat::free_nat_port(cfg, &mut rkey, now)
+            .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
         mine.flags |= ct_flags::SNAT_PORT;
-        count(stat::SNAT_PORT_COLLISION);
+        count(if snat_node {
+            stat::SNAT_NODE
+        } else {
+            stat::SNAT_PORT_COLLISION
+        });
     }
     let sval = Ct4Value {
         backend_id,

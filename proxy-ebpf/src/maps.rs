@@ -34,7 +34,7 @@ pub static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }
 pub static STATS_V1: PerCpuArray<u64, { capacity::STATS as usize }> = PerCpuArray::new();
 /// The agent's configuration, at index 0.
 #[btf_map]
-pub static CONFIG_V1: Array<Config, 1> = Array::new();
+pub static CONFIG_V2: Array<Config, 1> = Array::new();
 /// Pod-facing interfaces (delivered to with `bpf_redirect_peer`).
 #[btf_map]
 pub static IFACE_V1: HashMap<u32, Iface, { capacity::IFACES as usize }> = HashMap::new();

@@ -9,20 +9,24 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    backend_state, csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
-    Svc4Value, IPPROTO_TCP, IPPROTO_UDP,
+    backend_state,
+    conntrack::{alive, NSEC_PER_SEC},
+    csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Key, Ct4Value, RevNat4, Svc4Value,
+    IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
     conntrack::Flow,
+    lb::rev_nat,
     maps::CT4_V1,
     parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
     verdict::Verdict,
 };
 
-const NAT_PORT_MIN: u32 = 32768;
-const NAT_PORT_RANGE: u32 = 65536 - NAT_PORT_MIN;
-const NAT_PORT_TRIES: u32 = 4;
+/// Random source ports tried for a flow before it is dropped as
+/// `drop_no_free_port`. Bounded work per packet: each try costs the
+/// verifier the whole liveness check below, on every kernel of the matrix.
+const NAT_PORT_ATTEMPTS: u32 = 8;
 
 /// A translated 4-tuple (network byte order).
 pub struct Tuple {
@@ -93,19 +97,54 @@ pub fn snat_for(
     }
 }
 
-/// A free source port for a flow whose backend-side tuple is `rkey`: a few
-/// random tries in [`NAT_PORT_MIN`, 65535]; `None` when all were taken.
-pub fn free_nat_port(rkey: &mut Ct4Key) -> Option<u16> {
-    for _ in 0..NAT_PORT_TRIES {
+/// A free source port for a flow whose backend-side tuple is `rkey`, from
+/// the configured SNAT range (`snat_port_min..=snat_port_max`, kept out of
+/// the host's `ip_local_port_range` by the agent): see
+/// [`NAT_PORT_ATTEMPTS`]. A port whose flow has expired is free again,
+/// whether or not the garbage collector has deleted its entries yet. `None`
+/// when every port tried is in use.
+#[inline(always)]
+pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
+    let min = cfg.snat_port_min as u32;
+    let max = cfg.snat_port_max as u32;
+    if min == 0 || max < min {
+        return None;
+    }
+    // Never 0 (checked apart so that the compiler sees it: a remainder by
+    // zero would be a panic path, which BPF has no way to take).
+    let size = core::num::NonZeroU32::new(max - min + 1)?;
+    for _ in 0..NAT_PORT_ATTEMPTS {
         // SAFETY: helper without arguments.
         let r = unsafe { bpf_get_prandom_u32() };
-        let port_be = ((NAT_PORT_MIN + r % NAT_PORT_RANGE) as u16).to_be();
+        let port_be = ((min + r % size) as u16).to_be();
         rkey.dport_be = port_be;
-        if CT4_V1.get_ptr(*rkey).is_none() {
+        if !port_in_use(cfg, rkey, now) {
             return Some(port_be);
         }
     }
     None
+}
+
+/// Whether the backend-side tuple `rkey` belongs to a flow still alive (or
+/// being created: a REPLY entry younger than a second).
+#[inline(always)]
+fn port_in_use(cfg: &Config, rkey: &Ct4Key, now: u64) -> bool {
+    let Some(e) = CT4_V1.get_ptr(*rkey) else {
+        return false;
+    };
+    // SAFETY: map value pointer, copied.
+    let e = unsafe { *e };
+    if now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC {
+        return true;
+    }
+    let Some(rev) = rev_nat(e.rev_nat_id) else {
+        return false;
+    };
+    match CT4_V1.get_ptr(rkey.service_of_reply(&e, &rev)) {
+        // SAFETY: map value pointer, copied.
+        Some(o) => alive(cfg, rkey.proto, unsafe { &*o }, now),
+        None => false,
+    }
 }
 
 // --- tc: rewrites through skb helpers --------------------------------------

@@ -7,6 +7,7 @@
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
 use proxy_common::{ct_flags, stat, Svc4Value, SCOPE_EXTERNAL};
@@ -52,7 +53,7 @@ pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
         ) => return (TC_ACT_OK, code),
     };
     let l4_complete = ctx.len() as usize >= l4_end;
-    match reply(ctx, &mut pkt, l4_complete) {
+    match reply(ctx, &mut pkt, l4_complete, true) {
         Verdict::Drop(code) => (TC_ACT_SHOT, code),
         Verdict::Pass(code) | Verdict::Deliver(code) | Verdict::Reject(code) => (TC_ACT_OK, code),
     }
@@ -76,7 +77,7 @@ fn steps(ctx: &TcContext, pkt: &mut Packet, l4_end: usize, scope: u8) -> Verdict
     let l4_complete = ctx.len() as usize >= l4_end;
     let Some(frontend) = frontend else {
         // Not for a frontend: perhaps a reply of a tracked flow.
-        return reply(ctx, pkt, l4_complete);
+        return reply(ctx, pkt, l4_complete, false);
     };
     if !l4_complete {
         return Verdict::Drop(stat::DROP_MALFORMED);
@@ -111,23 +112,45 @@ fn translate(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Ve
     if flow.flags & ct_flags::SNAT_ADDR != 0 && scope != SCOPE_EXTERNAL {
         count(stat::HAIRPIN);
     }
+    if flow.flags & ct_flags::VIA_STACK != 0 {
+        // `deliveryMode: stack`: the host's stack forwards it, through its
+        // filters, which see the backend.
+        if let Verdict::Deliver(code) = verdict {
+            count(code);
+        }
+        return Verdict::Pass(stat::DELIVER_STACK);
+    }
     verdict
 }
 
 /// The reply direction of a tracked flow: reverse NAT (source back to the
-/// frontend; for SNATed flows the destination back to the client).
+/// frontend; for SNATed flows the destination back to the client), and the
+/// flow's state and age follow the reply ([`conntrack::reply_seen`]).
 /// `Pass(PASS_NO_SERVICE)` when the packet is no such reply.
-fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool) -> Verdict {
-    let Some(ct) = conntrack::lookup_reply(pkt) else {
+///
+/// `last_hook`: called at tc egress towards the client. A flow delivered
+/// through the stack is reverse-translated only there, so the host's filters
+/// see its replies as they see its forward packets (from the backend); the
+/// first hook a reply meets passes it untouched.
+fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool, last_hook: bool) -> Verdict {
+    let Some((rptr, ct)) = conntrack::lookup_reply(pkt) else {
         return Verdict::Pass(stat::PASS_NO_SERVICE);
     };
     if !l4_complete {
         return Verdict::Pass(stat::PASS_MALFORMED);
     }
+    if ct.flags & ct_flags::VIA_STACK != 0 && !last_hook {
+        return Verdict::Pass(stat::PASS_REPLY_VIA_STACK);
+    }
     // The frontend is gone: nothing to translate back to.
     let Some(rev) = rev_nat(ct.rev_nat_id) else {
         return Verdict::Pass(stat::PASS_NO_SERVICE);
     };
+    // Complete L4 header (checked above): the flags can be read.
+    let _ = parse::load_tcp_flags(ctx, pkt);
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    conntrack::reply_seen(pkt, rptr, &ct, &rev, now);
     account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
     let to = nat::reverse_tuple(pkt, &ct, &rev);
     match nat::rewrite(ctx, pkt, &to) {

@@ -6,8 +6,8 @@
 //! (reject), IP options, fragments, other protocols — is passed on to
 //! `ext_ingress` (tc) untouched.
 
-use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
-use proxy_common::{stat, SCOPE_EXTERNAL};
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
+use proxy_common::{ct_flags, stat, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
@@ -63,8 +63,14 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
             };
             (to, code, fe.rev_nat_id, flow.backend_id)
         } else {
-            let ct = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
+            let (rptr, ct) = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
+            if ct.flags & ct_flags::VIA_STACK != 0 {
+                // Reverse-translated at tc egress towards the client.
+                return Err(DEFER);
+            }
             let rev = rev_nat(ct.rev_nat_id).ok_or(DEFER)?;
+            // SAFETY: helper without arguments.
+            conntrack::reply_seen(&pkt, rptr, &ct, &rev, unsafe { bpf_ktime_get_ns() });
             let to = nat::reverse_tuple(&pkt, &ct, &rev);
             (to, stat::FWD_REPLY, ct.rev_nat_id, ct.backend_id)
         };

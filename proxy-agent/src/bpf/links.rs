@@ -253,7 +253,7 @@ impl Attacher {
             let link = xdp.take_link(id).map_err(perr)?;
             return FdLink::try_from(link).map_err(|e| link_err(prog_name, e));
         }
-        let side = if kind == IfaceKind::PodEgress {
+        let side = if matches!(kind, IfaceKind::PodEgress | IfaceKind::ExternalEgress) {
             TcAttachType::Egress
         } else {
             TcAttachType::Ingress
@@ -270,6 +270,7 @@ impl Attacher {
             IfaceKind::PodEgress => "pod-egress",
             IfaceKind::External => "ext",
             IfaceKind::ExternalXdp => "xdp",
+            IfaceKind::ExternalEgress => "ext-egress",
         };
         self.link_dir.join(format!("{ifindex}-{name}-{k}"))
     }

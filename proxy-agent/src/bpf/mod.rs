@@ -85,6 +85,10 @@ pub enum IfaceKind {
     External,
     /// The same device's XDP hook: `ext_xdp` (XDP acceleration).
     ExternalXdp,
+    /// The same device's tc egress: `pod_egress`, the reply program, which
+    /// reverse-translates replies of flows delivered through the stack on
+    /// their way to an external client (`deliveryMode` auto or stack).
+    ExternalEgress,
 }
 
 impl IfaceKind {
@@ -94,6 +98,7 @@ impl IfaceKind {
             IfaceKind::PodEgress => POD_EGRESS_PROGRAM,
             IfaceKind::External => EXT_INGRESS_PROGRAM,
             IfaceKind::ExternalXdp => EXT_XDP_PROGRAM,
+            IfaceKind::ExternalEgress => POD_EGRESS_PROGRAM,
         }
     }
 }

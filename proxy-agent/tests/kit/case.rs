@@ -67,8 +67,8 @@ pub enum Field {
     SrcAddr(Ipv4Addr),
     /// Source and destination addresses.
     Addrs(Ipv4Addr, Ipv4Addr),
-    /// A source port allocated by SNAT: at least this.
-    SportAtLeast(u16),
+    /// A source port allocated by SNAT: in this range (inclusive).
+    SportIn(u16, u16),
     Ttl(u8),
     Proto(u8),
     DstMac([u8; 6]),
@@ -270,9 +270,9 @@ fn check_field(f: &Field, o: &Parsed, input: &[u8]) {
         Field::Dst(d, dp) => assert_eq!((o.dst, o.dport), (*d, *dp), "(dst, dport)"),
         Field::SrcAddr(s) => assert_eq!(o.src, *s, "src"),
         Field::Addrs(s, d) => assert_eq!((o.src, o.dst), (*s, *d), "(src, dst)"),
-        Field::SportAtLeast(p) => assert!(
-            o.sport >= *p,
-            "a source port allocated for the SNAT: {}",
+        Field::SportIn(a, b) => assert!(
+            (*a..=*b).contains(&o.sport),
+            "a source port allocated for the SNAT, {a}-{b}: {}",
             o.sport
         ),
         Field::Ttl(t) => assert_eq!(o.ttl, *t, "TTL"),

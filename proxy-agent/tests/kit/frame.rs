@@ -18,6 +18,7 @@ pub const L4_OFF4: usize = 14 + 20;
 
 pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
+pub const RST: u8 = 0x04;
 pub const PSH: u8 = 0x08;
 pub const ACK: u8 = 0x10;
 

@@ -16,7 +16,7 @@ use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, Xdp}
 use proxy_agent::{
     bpf::{
         self, BpfDataplane, MapSizes, PinnedMaps, EXT_INGRESS_PROGRAM, EXT_XDP_PROGRAM,
-        POD_INGRESS_PROGRAM,
+        POD_EGRESS_PROGRAM, POD_INGRESS_PROGRAM,
     },
     dataplane::Writer,
     model::{BackendAddr, DesiredState, Frontend, FrontendKey},
@@ -33,6 +33,9 @@ pub enum Prog {
     ExtIngress,
     /// XDP of the node's external devices (acceleration of `ext_ingress`).
     ExtXdp,
+    /// tc egress towards a client (`pod_egress`: pod interfaces, and external
+    /// devices when delivering through the stack): replies only.
+    Egress,
 }
 
 impl Prog {
@@ -45,6 +48,7 @@ impl Prog {
             Prog::PodIngress => POD_INGRESS_PROGRAM,
             Prog::ExtIngress => EXT_INGRESS_PROGRAM,
             Prog::ExtXdp => EXT_XDP_PROGRAM,
+            Prog::Egress => POD_EGRESS_PROGRAM,
         }
     }
 

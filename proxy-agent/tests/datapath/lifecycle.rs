@@ -1,0 +1,314 @@
+//! Conntrack and NAT lifecycle (issue 15): entries follow the kernel
+//! conntrack's states and kube-proxy's timeouts, replies keep a flow alive,
+//! a first packet that is no SYN is short-lived, SNAT ports come from the
+//! configured range with expired flows' ports reused; and the delivery
+//! through the host's stack (`deliveryMode: stack`).
+use aya::maps::{HashMap as AyaHashMap, Map, MapData};
+use proxy_common::{ct_dir, ct_flags, Ct4Key, Ct4Value};
+
+use super::kit::frame::RST;
+
+use super::*;
+
+const S: u64 = 1_000_000_000;
+
+/// The pinned conntrack map, writable.
+fn ct_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, Ct4Value> {
+    let pinned = MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK)).unwrap();
+    AyaHashMap::try_from(Map::LruHashMap(pinned)).unwrap()
+}
+
+/// Every entry made `secs` older, as if that long had passed without traffic.
+fn age(h: &Harness, secs: u64) {
+    let mut ct = ct_map(h);
+    let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
+    for (k, mut v) in all {
+        v.last_seen_ns = v.last_seen_ns.saturating_sub(secs * S);
+        ct.insert(k, v, 0).unwrap();
+    }
+}
+
+/// The SERVICE entry of the client port `sport`.
+fn service_entry(h: &Harness, sport: u16) -> Ct4Value {
+    h.maps()
+        .conntrack()
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k.dir == ct_dir::SERVICE && k.sport_be == sport.to_be())
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no SERVICE entry of port {sport}"))
+}
+
+/// Entries deleted by a garbage collection `ahead` seconds from now.
+fn gc_ahead(h: &mut Harness, ahead: u64) -> usize {
+    let now = proxy_agent::bpf::ktime_ns();
+    h.writer
+        .dataplane_mut()
+        .gc_conntrack(&Config::default(), now + ahead * S)
+        .expired
+}
+
+fn tcp_service(h: &mut Harness) {
+    h.sync(&[
+        (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
+        (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
+    ]);
+}
+
+/// A handshake through the frontend: SYN, the backend's SYN+ACK, ACK.
+fn handshake(h: &Harness, port: u16) {
+    h.run(&tcp4(CLIENT, port, VIP, 80, SYN, b""));
+    let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, port, SYN | ACK, b"")).1);
+    assert_eq!(
+        (r.src, r.sport),
+        (VIP, 80),
+        "the SYN+ACK is reverse-translated"
+    );
+    h.run(&tcp4(CLIENT, port, VIP, 80, ACK, b""));
+}
+
+/// Each TCP state lives its own timeout: unanswered SYN 60 s, RST 10 s,
+/// FINs both ways 120 s (time-wait), established 24 h; UDP unreplied 30 s.
+/// The garbage collector deletes both entries of a flow.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn conntrack_entries_expire_per_state_and_are_collected() {
+    let mut h = Harness::new();
+    tcp_service(&mut h);
+    h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b"")); // never answered
+    handshake(&h, 40001); // established
+    handshake(&h, 40002);
+    h.run(&tcp4(CLIENT, 40002, VIP, 80, ACK | FIN, b""));
+    h.run(&tcp4(B1, 8080, CLIENT, 40002, ACK | FIN, b"")); // time-wait
+    handshake(&h, 40004);
+    h.run(&tcp4(CLIENT, 40004, VIP, 80, RST, b"")); // closed
+    h.run(&udp4(CLIENT, 40003, VIP, 53, b"q")); // unreplied
+    assert_eq!(
+        h.maps().conntrack().unwrap().len(),
+        10,
+        "5 flows, 2 entries each"
+    );
+    assert_eq!(gc_ahead(&mut h, 0), 0, "nothing expired yet");
+    assert_eq!(gc_ahead(&mut h, 11), 2, "the reset flow (10 s)");
+    assert_eq!(gc_ahead(&mut h, 31), 2, "the unreplied UDP flow (30 s)");
+    assert_eq!(gc_ahead(&mut h, 61), 2, "the unanswered SYN (60 s)");
+    assert_eq!(gc_ahead(&mut h, 121), 2, "time-wait (120 s)");
+    let left = h.maps().conntrack().unwrap();
+    assert!(left
+        .iter()
+        .all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
+    assert_eq!(gc_ahead(&mut h, 86_000), 0, "established lives 24 h");
+    assert_eq!(gc_ahead(&mut h, 86_401), 2, "and not longer");
+}
+
+/// A client that half-closes (FIN) while the backend goes on sending keeps
+/// its translation: close-wait lasts kube-proxy's hour, and the backend's
+/// traffic alone keeps refreshing the flow (kernel conntrack refreshes on
+/// either direction). Before, a FIN gave 10 s and replies refreshed nothing.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn half_closed_tcp_lives_on_the_backends_traffic() {
+    let mut h = Harness::new();
+    tcp_service(&mut h);
+    handshake(&h, 41000);
+    h.run(&tcp4(CLIENT, 41000, VIP, 80, ACK | FIN, b""));
+    let f = service_entry(&h, 41000).flags;
+    assert_eq!(
+        f & ct_flags::STATE,
+        ct_flags::TCP_FIN_FWD,
+        "half-closed by the client: {f:#x}"
+    );
+    age(&h, 50);
+    assert_eq!(gc_ahead(&mut h, 0), 0, "50 s after the FIN: still alive");
+    // Only the backend sends from now on, for longer than the close-wait
+    // timeout in all.
+    for _ in 0..3 {
+        age(&h, 3_000);
+        let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 41000, ACK | PSH, b"data")).1);
+        assert_eq!(
+            (r.src, r.sport),
+            (VIP, 80),
+            "the backend's data is translated"
+        );
+        assert_eq!(gc_ahead(&mut h, 0), 0, "refreshed by the backend's traffic");
+    }
+    // The backend closes too: time-wait.
+    h.run(&tcp4(B1, 8080, CLIENT, 41000, ACK | FIN, b""));
+    let f = service_entry(&h, 41000).flags;
+    assert_eq!(
+        f & ct_flags::STATE,
+        ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV
+    );
+    assert_eq!(gc_ahead(&mut h, 119), 0);
+    assert_eq!(gc_ahead(&mut h, 121), 2);
+}
+
+/// A UDP flow whose traffic runs from the backend (server push after one
+/// request) keeps its translation while the backend sends: a stream once it
+/// went both ways and on (120 s), refreshed by the backend's datagrams.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn udp_server_push_keeps_its_translation() {
+    let mut h = Harness::new();
+    tcp_service(&mut h);
+    h.run(&udp4(CLIENT, 42000, VIP, 53, b"subscribe"));
+    h.run(&udp4(CLIENT, 42001, VIP, 53, b"no answer")); // the control
+    for i in 0..4 {
+        age(&h, 25);
+        let r = parse_checked(&h.run(&udp4(B1, 5353, CLIENT, 42000, b"push")).1);
+        assert_eq!((r.src, r.sport), (VIP, 53), "push {i} is translated");
+    }
+    assert_ne!(service_entry(&h, 42000).flags & ct_flags::UDP_STREAM, 0);
+    // 100 s since the client last sent; the control flow (unreplied, 30 s)
+    // is gone, the pushed one lives.
+    assert_eq!(gc_ahead(&mut h, 0), 2, "only the unanswered flow expired");
+    assert_eq!(gc_ahead(&mut h, 110), 0, "a stream lives 120 s");
+    let r = parse_checked(&h.run(&udp4(B1, 5353, CLIENT, 42000, b"push")).1);
+    assert_eq!((r.src, r.sport), (VIP, 53));
+}
+
+/// A first packet that is not a SYN (an evicted entry, a flow from another
+/// node, a scan) creates a short-lived entry pair: gone after the SYN
+/// timeout unless the backend answers, which makes it established.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn a_first_packet_that_is_not_a_syn_is_short_lived() {
+    let mut h = Harness::new();
+    tcp_service(&mut h);
+    h.run(&tcp4(CLIENT, 43000, VIP, 80, ACK, b"x")); // never answered
+    h.run(&tcp4(CLIENT, 43001, VIP, 80, ACK, b"x"));
+    h.run(&tcp4(B1, 8080, CLIENT, 43001, ACK, b"y")); // answered
+    assert_eq!(h.stats()[&stat::CT_NEW_MIDSTREAM], 2);
+    assert_ne!(service_entry(&h, 43000).flags & ct_flags::UNREPLIED, 0);
+    assert_eq!(
+        service_entry(&h, 43001).flags & ct_flags::STATE,
+        0,
+        "established"
+    );
+    assert_eq!(
+        gc_ahead(&mut h, 61),
+        2,
+        "the unanswered one is gone after 60 s"
+    );
+    assert_eq!(gc_ahead(&mut h, 3_600), 0, "the answered one lives on");
+}
+
+fn snat_setup(range: (u16, u16)) -> Harness {
+    let mut h = Harness::new();
+    let mut cfg = Config::default()
+        .with_hairpin_addr(HAIRPIN)
+        .with_node_addr(NODE);
+    (cfg.snat_port_min, cfg.snat_port_max) = range;
+    h.set_config(cfg);
+    h.sync(&[(
+        fe_ext(NODE, 30080, IPPROTO_TCP),
+        vec![be(REMOTE, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    h
+}
+
+/// External traffic SNATed to the node (eTP Cluster, remote backend) gets
+/// source ports from the configured range only; when every port of it is
+/// in use the flow is dropped and counted (`drop_no_free_port`, in
+/// /metrics); a port whose flow expired is used again at once, before the
+/// garbage collector ran.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
+    let h = snat_setup((20000, 20003));
+    let mut seen = BTreeSet::new();
+    for i in 0..4u16 {
+        let (_, out) = h.run_prog(
+            ExtIngress,
+            &tcp4(EXT_CLIENT, 40000 + i, NODE, 30080, SYN, b""),
+        );
+        let o = parse_checked(&out);
+        assert_eq!((o.src, o.dst), (NODE, REMOTE), "SNATed to the node");
+        assert!(
+            (20000..=20003).contains(&o.sport),
+            "port {} outside the range",
+            o.sport
+        );
+        seen.insert(o.sport);
+    }
+    assert_eq!(seen.len(), 4, "four flows, four ports: {seen:?}");
+    // The range is exhausted: the next flow is dropped and counted.
+    let (rc, _) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40010, NODE, 30080, SYN, b""));
+    assert_eq!(rc, Drop.code(ExtIngress));
+    assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
+    // The unanswered flows expire (60 s): their ports are free again.
+    age(&h, 61);
+    let (_, out) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40011, NODE, 30080, SYN, b""));
+    let o = parse_checked(&out);
+    assert!((20000..=20003).contains(&o.sport), "port {}", o.sport);
+    assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
+}
+
+/// `deliveryMode: stack`: a translated packet is handed to the host's stack
+/// (TC_ACT_OK, translated) so its filters see the backend, not redirected;
+/// the backend's reply passes its first hook untranslated, and tc egress
+/// towards the client (`pod_egress`) reverse-translates it. Hairpin flows
+/// (their source rewritten to the hairpin address) stay redirected.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn stack_delivery_lets_the_hosts_filters_see_the_backend() {
+    let mut h = Harness::new();
+    h.set_config(
+        Config::default()
+            .with_hairpin_addr(HAIRPIN)
+            .with_delivery_via_stack(true),
+    );
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    h.wire(
+        "198.18.0.0/16",
+        &[
+            ("198.18.1.10", "02:00:00:00:00:bb"),
+            ("198.18.1.2", "02:00:00:00:00:cc"),
+        ],
+    );
+    let (rc, out) = h.run_prog(PodIngress, &tcp4(CLIENT, 44000, VIP, 80, SYN, b""));
+    assert_eq!(
+        rc,
+        Pass.code(PodIngress),
+        "handed to the stack, not redirected"
+    );
+    let o = parse_checked(&out);
+    assert_eq!(o.tuple(), (CLIENT, 44000, B1, 8080), "translated");
+    assert_eq!(o.ttl, 64, "the stack decrements the TTL when it forwards");
+    assert_ne!(service_entry(&h, 44000).flags & ct_flags::VIA_STACK, 0);
+    let st = h.stats();
+    assert_eq!(st[&stat::DELIVER_STACK], 1);
+    assert_eq!(st.get(&stat::REDIRECT).copied().unwrap_or(0), 0);
+    // The reply at the backend's interface (and at an external device): on
+    // to the stack untranslated, so its filters match it to the flow.
+    let reply = tcp4(B1, 8080, CLIENT, 44000, SYN | ACK, b"");
+    for prog in [PodIngress, ExtIngress, ExtXdp] {
+        let (rc, out) = h.run_prog(prog, &reply);
+        assert_eq!(rc, Pass.code(prog), "{prog:?}");
+        assert_eq!(out, reply, "{prog:?} leaves the reply untouched");
+    }
+    assert_eq!(
+        h.stats()[&stat::PASS_REPLY_VIA_STACK],
+        2,
+        "tc counts it (XDP defers)"
+    );
+    // tc egress towards the client: reverse NAT.
+    let (rc, out) = h.run_prog(Prog::Egress, &reply);
+    assert_eq!(rc, Pass.code(PodIngress));
+    assert_eq!(parse_checked(&out).tuple(), (VIP, 80, CLIENT, 44000));
+    assert_eq!(
+        service_entry(&h, 44000).flags & ct_flags::UNREPLIED,
+        0,
+        "the reply counted as the backend's answer"
+    );
+    // Hairpin: the source becomes the hairpin address, which the stack
+    // would drop as a martian: redirected as before.
+    let (rc, out) = h.run_prog(PodIngress, &tcp4(B1, 44001, VIP, 80, SYN, b""));
+    assert_eq!(rc, Redirect.code(PodIngress));
+    assert_eq!(parse_checked(&out).tuple(), (HAIRPIN, 44001, B1, 8080));
+    // Redirect mode again: new flows are redirected.
+    h.set_config(Config::default().with_hairpin_addr(HAIRPIN));
+    let (rc, _) = h.run_prog(PodIngress, &tcp4(CLIENT, 44002, VIP, 80, SYN, b""));
+    assert_eq!(rc, Redirect.code(PodIngress));
+}
