@@ -11,13 +11,12 @@
 //!
 //! The chains are listed read-only: nftables over nfnetlink (which also
 //! holds the rules of `iptables-nft`), legacy iptables' `filter` table with
-//! `IPT_SO_GET_ENTRIES` — each only when its kernel module is loaded already,
-//! so that asking never loads a module on the host.
+//! `IPT_SO_GET_ENTRIES` only when that table exists already (asking would
+//! load `iptable_filter`, which hooks FORWARD).
 
 use std::{
     io,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
-    path::Path,
 };
 
 /// A chain of the host's netfilter: its table and name.
@@ -54,8 +53,17 @@ pub fn policy_engine(chains: &[Chain]) -> Option<&'static str> {
 /// iptables `filter` table, in this network namespace.
 pub fn chains() -> io::Result<Vec<Chain>> {
     let mut out = Vec::new();
-    if Path::new("/sys/module/nf_tables").exists() {
-        out.extend(nft_chains()?);
+    // nftables is asked always: where it is a module not loaded yet, the
+    // dump loads it (a module without tables or hooks changes nothing).
+    match nft_chains() {
+        Ok(c) => out.extend(c),
+        // No nfnetlink or nftables in this kernel: no nftables rules.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EPROTONOSUPPORT | libc::EOPNOTSUPP)
+            ) => {}
+        Err(e) => return Err(e),
     }
     let legacy = std::fs::read_to_string("/proc/net/ip_tables_names").unwrap_or_default();
     if legacy.lines().any(|t| t.trim() == "filter") {
