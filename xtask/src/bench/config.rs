@@ -49,16 +49,21 @@ pub enum Mode {
     /// The same agent, every Service annotated `proxy-agent.io/lb-algorithm:
     /// maglev`: Maglev against random side by side.
     ProxyMaglev,
+    /// The same agent with `--delivery-mode stack`: translated packets go
+    /// through the host's stack and its FORWARD hook (NetworkPolicy-safe),
+    /// against `proxy-tc`'s redirect.
+    ProxyStack,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 6] = [
+    pub const ALL: [Mode; 7] = [
         Mode::None,
         Mode::IptablesLegacy,
         Mode::IptablesNft,
         Mode::Nftables,
         Mode::ProxyTc,
         Mode::ProxyMaglev,
+        Mode::ProxyStack,
     ];
 
     pub fn name(self) -> &'static str {
@@ -69,12 +74,23 @@ impl Mode {
             Mode::Nftables => "nftables",
             Mode::ProxyTc => "proxy-tc",
             Mode::ProxyMaglev => "proxy-tc-maglev",
+            Mode::ProxyStack => "proxy-tc-stack",
         }
     }
 
     /// Whether this project's agent programs the lab.
     pub fn is_proxy(self) -> bool {
-        matches!(self, Mode::ProxyTc | Mode::ProxyMaglev)
+        matches!(self, Mode::ProxyTc | Mode::ProxyMaglev | Mode::ProxyStack)
+    }
+
+    /// The agent's `--delivery-mode` (explicit, so that no machine's
+    /// netfilter changes what a mode measures).
+    pub fn delivery_mode(self) -> &'static str {
+        if self == Mode::ProxyStack {
+            "stack"
+        } else {
+            "redirect"
+        }
     }
 
     /// The load-balancing algorithm the Services ask for, if not the default.

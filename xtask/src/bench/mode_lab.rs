@@ -53,7 +53,11 @@ impl ModeLab {
             .manifests_yaml(&pods_yaml(cfg.endpoints))
             .agent(with_agent);
         if with_agent {
-            b = b.agent_bin(agent_bin(cfg)?).rust_log("info");
+            b = b
+                .agent_bin(agent_bin(cfg)?)
+                .rust_log("info")
+                .agent_arg("--delivery-mode")
+                .agent_arg(mode.delivery_mode());
         }
         let mut lab = b.start()?;
         if with_agent {

@@ -79,7 +79,7 @@ pub(super) fn program(
             p.kernel_mem_delta = Some(sys::kernel_mem_bytes() as i64 - m0 as i64);
             p.from_empty_s = Some(total.as_secs_f64());
         }
-        Mode::ProxyTc | Mode::ProxyMaglev => {
+        Mode::ProxyTc | Mode::ProxyMaglev | Mode::ProxyStack => {
             if ml.remove_bench_files()? {
                 let off = ml.agent_log_len();
                 ml.wait_frontends(
@@ -136,7 +136,7 @@ pub(super) fn program(
                 let d = sys::exec_in_timed(&node, "nft", &["-f", "/dev/stdin"], &text)?;
                 (d, join_npl(poll))
             }
-            Mode::ProxyTc | Mode::ProxyMaglev => {
+            Mode::ProxyTc | Mode::ProxyMaglev | Mode::ProxyStack => {
                 let text = layouts::manifests(&new, ml.mode.lb_algorithm());
                 let off = ml.agent_log_len();
                 let t0 = Instant::now();
