@@ -25,6 +25,7 @@ kind: Service
 metadata: {{name: {name}{created}}}
 spec:
   type: LoadBalancer
+  allocateLoadBalancerNodePorts: false
   clusterIP: {cluster_ip}
 {extra_spec}  ports: [{{port: 80}}]
 {status}"
