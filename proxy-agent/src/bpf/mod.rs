@@ -114,6 +114,14 @@ pub enum BpfError {
         name: &'static str,
         source: MapError,
     },
+    #[error("map {name} pinned at {}: {source}", .path.display())]
+    Pinned {
+        name: &'static str,
+        path: PathBuf,
+        source: MapError,
+    },
+    #[error("{}: no such directory, so no pinned maps to read (is an agent running with this --bpffs?)", .path.display())]
+    NoPinDir { path: PathBuf },
     #[error("map {0} missing from the object")]
     MissingMap(&'static str),
     #[error("program {name}: {source}")]
