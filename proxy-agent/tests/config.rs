@@ -314,6 +314,24 @@ fn frontend_policy_fields_defaults_and_errors() {
     assert!(e.starts_with("frontendPolicy.externalIPDenyCIDRs"), "{e}");
     let e = resolve("frontendPolicy:\n  externalIPAllowCIDRs: [nowhere]\n").unwrap_err();
     assert!(e.starts_with("frontendPolicy.externalIPAllowCIDRs"), "{e}");
+    // Host bits set: an error naming the field and the network meant, in
+    // both lists (a deny entry 198.18.7.1/24 is a typo, not a network).
+    for field in ["externalIPDenyCIDRs", "externalIPAllowCIDRs"] {
+        let e = resolve(&format!(
+            "frontendPolicy:\n  {field}: [198.18.5.0/24, 198.18.7.1/24]\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.starts_with(&format!("frontendPolicy.{field}"))
+                && e.contains("198.18.7.1/24 has host bits set")
+                && e.contains("198.18.7.0/24"),
+            "{e}"
+        );
+    }
+    // A /0 and a /32 have none to set wrongly.
+    resolve("frontendPolicy:\n  externalIPDenyCIDRs: [0.0.0.0/0, 198.18.7.1/32]\n").unwrap();
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [198.18.7.1/0]\n").unwrap_err();
+    assert!(e.contains("the network is 0.0.0.0/0"), "{e}");
     let e = resolve("frontendPolicy:\n  maxFrontendsPerService: 0\n").unwrap_err();
     assert!(
         e.starts_with("frontendPolicy.maxFrontendsPerService"),

@@ -332,8 +332,8 @@ fn external_frontends_fall_back_to_terminating_endpoints_s37_s38() {
 
 /// `loadBalancerSourceRanges` apply to load-balancer-IP frontends, from
 /// outside and from inside (not to NodePorts, externalIPs or ClusterIPs):
-/// parsed, host bits cleared, deduplicated, IPv6 skipped, an invalid entry
-/// ignored with a warning.
+/// parsed, host bits cleared (with a warning), deduplicated, IPv6 skipped,
+/// an invalid entry ignored with a warning.
 #[test]
 fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     let yaml = web_svc(
@@ -346,9 +346,17 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     ) + &two_nodes()
         + &web_endpoints(&[("198.18.1.1", "node-a", "")]);
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert_eq!(warnings[0].object, "Service default/web");
-    assert!(warnings[0].message.contains("not-a-cidr"), "{warnings:?}");
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings.iter().all(|w| w.object == "Service default/web"));
+    // Host bits: accepted and cleared as kube-proxy does, with the API
+    // server's warning (`getWarningsForCIDR`).
+    assert!(
+        warnings[0]
+            .message
+            .contains("\"198.18.4.7/24\" has host bits set; used as 198.18.4.0/24"),
+        "{warnings:?}"
+    );
+    assert!(warnings[1].message.contains("not-a-cidr"), "{warnings:?}");
 
     // The load-balancer IP, from outside and from pods and host clients
     // (kube-proxy's firewall chain filters every source).
