@@ -130,6 +130,19 @@ pub fn desired_state_with(
         (namespace(&a.metadata), name(&a.metadata))
             .cmp(&(namespace(&b.metadata), name(&b.metadata)))
     });
+    // Capacity order: the oldest Service first, then namespace/name.
+    let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
+        .iter()
+        .map(|svc| {
+            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            (created.is_none(), created, service_id(svc))
+        })
+        .collect();
+    by_age.sort();
+    for (_, _, id) in by_age {
+        let next = desired.service_order.len();
+        desired.service_order.entry(id).or_insert(next);
+    }
     // Invalid addresses are reported once per slice and address.
     let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
 
