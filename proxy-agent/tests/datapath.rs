@@ -1038,6 +1038,24 @@ fn pinned_maps_are_checked_on_adoption_and_a_changed_size_takes_effect() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 
+    // An agent stopped while a map was set aside (pinned only as
+    // `CT4_V1_OLD`): the next start puts it back and adopts its entries.
+    let ct_pin = pin_dir.join(map_names::CONNTRACK);
+    let aside = pin_dir.join(format!(
+        "{}{}",
+        map_names::CONNTRACK,
+        proxy_agent::bpf::OLD_SUFFIX
+    ));
+    MapData::from_pin(&ct_pin).unwrap().pin(&aside).unwrap();
+    std::fs::remove_file(&ct_pin).unwrap();
+    drop(load(pin_dir, changed).expect("load after an interrupted replacement"));
+    assert!(!aside.exists(), "the set-aside pin is gone");
+    let ct: AyaHashMap<MapData, Ct4Key, Ct4Value> = AyaHashMap::try_from(
+        aya::maps::Map::LruHashMap(MapData::from_pin(&ct_pin).unwrap()),
+    )
+    .unwrap();
+    assert_eq!(ct.keys().count(), 2, "its entries kept");
+
     // Another layout under a state map's name: refused, nothing changed.
     let bad = PinDir::new(&format!("kpr-pkt-{}-pinbad", std::process::id()));
     std::fs::create_dir_all(bad.path()).unwrap();
