@@ -27,7 +27,8 @@ pub enum Cmd {
     /// Read the pinned maps of a running agent.
     Inspect(crate::inspect::InspectArgs),
     /// Remove a datapath an agent left attached (`--on-exit keep`): detach
-    /// every program and remove every pin under the directory.
+    /// every program and remove every pin under the directory. A directory
+    /// that does not exist is nothing to do: it says so and exits 0.
     Cleanup {
         /// The agent's pin directory.
         #[arg(long, default_value = crate::config::DEFAULT_BPFFS)]
@@ -173,9 +174,41 @@ pub fn check_cleanup_path(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// What `proxy-agent cleanup` did; its `Display` is the line it prints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CleanupOutcome {
+    /// The path does not exist: nothing was attached or pinned there.
+    NothingThere(PathBuf),
+    /// The directory and this many pins under it were removed.
+    Removed(PathBuf, usize),
+}
+
+impl std::fmt::Display for CleanupOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NothingThere(p) => write!(
+                f,
+                "nothing to clean up: {} does not exist (no pins, no links removed; check --bpffs if the agent used another directory)",
+                p.display()
+            ),
+            Self::Removed(p, n) => write!(f, "removed {n} pins under {}", p.display()),
+        }
+    }
+}
+
 /// `proxy-agent cleanup --bpffs <path>`: [`check_cleanup_path`], then
-/// [`crate::bpf::cleanup`]. Returns how many pins were removed.
-pub fn cleanup(path: &Path) -> anyhow::Result<usize> {
+/// [`crate::bpf::cleanup`].
+///
+/// A missing path succeeds (exit 0), saying that nothing was there: cleanup
+/// is idempotent, so an uninstall script or a second run after the first
+/// has removed everything is not a failure, and the line names the path so
+/// a mistyped `--bpffs` is visible. A path that exists but is not a
+/// directory on bpffs is refused (an error, exit 1).
+pub fn cleanup(path: &Path) -> anyhow::Result<CleanupOutcome> {
     check_cleanup_path(path).map_err(anyhow::Error::msg)?;
-    Ok(crate::bpf::cleanup(path)?)
+    if std::fs::symlink_metadata(path).is_err() {
+        return Ok(CleanupOutcome::NothingThere(path.to_path_buf()));
+    }
+    let n = crate::bpf::cleanup(path)?;
+    Ok(CleanupOutcome::Removed(path.to_path_buf(), n))
 }

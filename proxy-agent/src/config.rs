@@ -286,6 +286,7 @@ fn frontend_policy(
             .map(|s| {
                 s.trim()
                     .parse::<Cidr>()
+                    .and_then(Cidr::exact)
                     .map(|c| (c.addr, c.prefix))
                     .map_err(|e| invalid(field, e))
             })
@@ -431,6 +432,35 @@ impl std::str::FromStr for Cidr {
             .filter(|p| *p <= 32)
             .ok_or_else(|| format!("{s:?}: prefix length must be 0..=32"))?;
         Ok(Cidr { addr, prefix })
+    }
+}
+
+impl Cidr {
+    /// The network itself (host bits cleared).
+    pub fn network(self) -> Cidr {
+        let mask = u32::MAX
+            .checked_shl(32 - u32::from(self.prefix))
+            .unwrap_or(0);
+        Cidr {
+            addr: Ipv4Addr::from(u32::from(self.addr) & mask),
+            prefix: self.prefix,
+        }
+    }
+
+    /// `self` if it has no host bits set, else an error saying which network
+    /// was probably meant. For the agent's own policy fields, where
+    /// `198.18.7.1/24` is more likely a mistyped address than a network:
+    /// kube-proxy's fields (`nodePortAddresses`, `clusterCIDR`) keep
+    /// kube-proxy's rule, which clears the host bits.
+    pub fn exact(self) -> Result<Cidr, String> {
+        let net = self.network();
+        if net == self {
+            Ok(self)
+        } else {
+            Err(format!(
+                "{self} has host bits set (the network is {net}; write that)"
+            ))
+        }
     }
 }
 

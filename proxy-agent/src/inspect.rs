@@ -50,7 +50,7 @@ fn proto_name(p: u8) -> String {
 }
 
 pub fn run(a: InspectArgs) -> Result<(), BpfError> {
-    let maps = PinnedMaps::new(a.bpffs);
+    let maps = PinnedMaps::existing(a.bpffs)?;
     let value = match a.what {
         What::Services => {
             let p = maps.programmed()?;

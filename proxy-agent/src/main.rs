@@ -71,8 +71,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
         Cmd::Cleanup { bpffs } => {
-            let n = proxy_agent::cli::cleanup(&bpffs)?;
-            println!("removed {n} pins under {}", bpffs.display());
+            println!("{}", proxy_agent::cli::cleanup(&bpffs)?);
         }
     }
     Ok(())

@@ -57,6 +57,9 @@ pub struct ManifestError {
     /// The object, when its kind or name could be read.
     pub object: Option<ObjectRef>,
     pub message: String,
+    /// A warning rather than an error: the object is a second copy of one
+    /// already read (same kind, namespace and name), which stays in use.
+    pub duplicate: bool,
 }
 
 fn place(document: Option<usize>, object: Option<&ObjectRef>) -> String {
@@ -80,9 +83,23 @@ fn has_manifest_extension(path: &Path) -> bool {
 /// Loads every path: a file, or a directory whose `*.yaml`, `*.yml` and `*.json`
 /// files are read (non-recursively, sorted by name). Returns what loaded and an
 /// error per file, document or object that did not.
+///
+/// An object whose kind, namespace and name were already read (in another file
+/// or earlier in the same one) is a duplicate: the first one read, in the order
+/// of `paths`, the sorted file names and the documents, is kept, the later one
+/// is dropped with a warning naming both files (`duplicate` set), and nothing
+/// else is disturbed. An API server would hold only one of them; which one a
+/// `kubectl apply` of the files would leave depends on the order it is run in,
+/// so the agent picks the one order it can repeat.
 pub fn load_paths(paths: &[PathBuf]) -> (Snapshot, Vec<ManifestError>) {
     let mut snapshot = Snapshot::default();
     let mut errors = Vec::new();
+    let mut seen = Seen::default();
+    let mut read = |file: &Path, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>| {
+        let mut one = Snapshot::default();
+        load_file(file, &mut one, errors);
+        seen.merge(file, one, snapshot, errors);
+    };
     for path in paths {
         if path.is_dir() {
             let entries = match std::fs::read_dir(path) {
@@ -99,10 +116,10 @@ pub fn load_paths(paths: &[PathBuf]) -> (Snapshot, Vec<ManifestError>) {
                 .collect();
             files.sort();
             for file in files {
-                load_file(&file, &mut snapshot, &mut errors);
+                read(&file, &mut snapshot, &mut errors);
             }
         } else {
-            load_file(path, &mut snapshot, &mut errors);
+            read(path, &mut snapshot, &mut errors);
         }
     }
     (snapshot, errors)
@@ -114,6 +131,92 @@ fn file_error(path: &Path, message: String) -> ManifestError {
         document: None,
         object: None,
         message,
+        duplicate: false,
+    }
+}
+
+/// The file each (kind, namespace, name) read so far came from.
+#[derive(Default)]
+struct Seen(std::collections::BTreeMap<(&'static str, String, String), PathBuf>);
+
+impl Seen {
+    /// Appends `one` (every object of `file`) to `snapshot`, minus the
+    /// objects already read, each reported as a duplicate.
+    fn merge(
+        &mut self,
+        file: &Path,
+        one: Snapshot,
+        snapshot: &mut Snapshot,
+        errors: &mut Vec<ManifestError>,
+    ) {
+        self.merge_kind(
+            "Service",
+            file,
+            one.services,
+            &mut snapshot.services,
+            errors,
+        );
+        self.merge_kind(
+            "EndpointSlice",
+            file,
+            one.endpoint_slices,
+            &mut snapshot.endpoint_slices,
+            errors,
+        );
+        self.merge_kind("Pod", file, one.pods, &mut snapshot.pods, errors);
+        self.merge_kind("Node", file, one.nodes, &mut snapshot.nodes, errors);
+    }
+
+    fn merge_kind<T>(
+        &mut self,
+        kind: &'static str,
+        file: &Path,
+        objects: Vec<T>,
+        into: &mut Vec<T>,
+        errors: &mut Vec<ManifestError>,
+    ) where
+        T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    {
+        for object in objects {
+            let meta = object.metadata();
+            // Nodes have no namespace; the others were defaulted on load.
+            let namespace = meta.namespace.clone().unwrap_or_default();
+            let name = meta.name.clone().unwrap_or_default();
+            let key = (kind, namespace, name);
+            match self.0.get(&key) {
+                Some(first) => {
+                    let (_, namespace, name) = key;
+                    let same_file = first == file;
+                    let message = if same_file {
+                        format!(
+                            "duplicate {kind}: read twice from {}; the first one is used, this one is ignored",
+                            file.display()
+                        )
+                    } else {
+                        format!(
+                            "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
+                            first.display(),
+                            file.display()
+                        )
+                    };
+                    errors.push(ManifestError {
+                        file: file.to_path_buf(),
+                        document: None,
+                        object: Some(ObjectRef {
+                            kind: Some(kind.to_string()),
+                            namespace: (!namespace.is_empty()).then_some(namespace),
+                            name: Some(name),
+                        }),
+                        message,
+                        duplicate: true,
+                    });
+                }
+                None => {
+                    self.0.insert(key, file.to_path_buf());
+                    into.push(object);
+                }
+            }
+        }
     }
 }
 
@@ -134,6 +237,7 @@ pub fn load_str(path: &Path, text: &str, snapshot: &mut Snapshot, errors: &mut V
             document: Some(index),
             object,
             message,
+            duplicate: false,
         };
         let value: Value = match yaml_serde::from_str(doc) {
             Ok(v) => v,

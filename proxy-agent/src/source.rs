@@ -100,7 +100,11 @@ impl Source for ManifestsSource {
         }
         let (mut snapshot, errors) = manifests::load_paths(&self.paths);
         for e in &errors {
-            error!("{e}");
+            if e.duplicate {
+                warn!("{e}");
+            } else {
+                error!("{e}");
+            }
         }
         let kept = manifests::keep_last_good(&self.last_good, &errors, &mut snapshot);
         if kept > 0 {

@@ -229,11 +229,53 @@ fn cleanup_refuses_a_path_not_on_bpffs() {
     assert!(err.contains(&victim.display().to_string()), "{err}");
     assert!(victim.join("precious").exists(), "cleanup removed a file");
     assert!(victim.join("links").exists());
-    // A missing path is nothing to clean up, not an error.
+    // A missing path is nothing to clean up, not an error, and it says so,
+    // naming the path.
+    let absent = dir.path().join("absent");
+    let outcome = proxy_agent::cli::cleanup(&absent).unwrap();
     assert_eq!(
-        proxy_agent::cli::cleanup(&dir.path().join("absent")).unwrap(),
-        0
+        outcome,
+        proxy_agent::cli::CleanupOutcome::NothingThere(absent.clone())
     );
+    let line = outcome.to_string();
+    assert!(
+        line.starts_with("nothing to clean up: ") && line.contains(&absent.display().to_string()),
+        "{line}"
+    );
+}
+
+/// `inspect` names the directory it looked in: a missing one, and the pin
+/// path of a map that is not there.
+#[test]
+fn inspect_errors_name_the_pin_directory() {
+    use clap::Parser;
+    let dir = tempfile::tempdir().unwrap();
+    let inspect = |what: &str, path: &std::path::Path| {
+        let args = proxy_agent::inspect::InspectArgs::try_parse_from([
+            "inspect",
+            what,
+            "--bpffs",
+            path.to_str().unwrap(),
+        ])
+        .unwrap();
+        proxy_agent::inspect::run(args).unwrap_err().to_string()
+    };
+    let absent = dir.path().join("absent");
+    let err = inspect("services", &absent);
+    assert!(
+        err.contains(&absent.display().to_string()) && err.contains("no such directory"),
+        "{err}"
+    );
+    use proxy_common::map_names;
+    for (what, map) in [
+        ("services", map_names::SERVICES),
+        ("stats", map_names::STATS),
+        ("conntrack", map_names::CONNTRACK),
+    ] {
+        let err = inspect(what, dir.path());
+        let pin = dir.path().join(map).display().to_string();
+        assert!(err.contains(&format!("pinned at {pin}")), "{what}: {err}");
+    }
 }
 
 /// Issue 15: `frontendPolicy` reaches the settings; its defaults are
@@ -272,6 +314,24 @@ fn frontend_policy_fields_defaults_and_errors() {
     assert!(e.starts_with("frontendPolicy.externalIPDenyCIDRs"), "{e}");
     let e = resolve("frontendPolicy:\n  externalIPAllowCIDRs: [nowhere]\n").unwrap_err();
     assert!(e.starts_with("frontendPolicy.externalIPAllowCIDRs"), "{e}");
+    // Host bits set: an error naming the field and the network meant, in
+    // both lists (a deny entry 198.18.7.1/24 is a typo, not a network).
+    for field in ["externalIPDenyCIDRs", "externalIPAllowCIDRs"] {
+        let e = resolve(&format!(
+            "frontendPolicy:\n  {field}: [198.18.5.0/24, 198.18.7.1/24]\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.starts_with(&format!("frontendPolicy.{field}"))
+                && e.contains("198.18.7.1/24 has host bits set")
+                && e.contains("198.18.7.0/24"),
+            "{e}"
+        );
+    }
+    // A /0 and a /32 have none to set wrongly.
+    resolve("frontendPolicy:\n  externalIPDenyCIDRs: [0.0.0.0/0, 198.18.7.1/32]\n").unwrap();
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [198.18.7.1/0]\n").unwrap_err();
+    assert!(e.contains("the network is 0.0.0.0/0"), "{e}");
     let e = resolve("frontendPolicy:\n  maxFrontendsPerService: 0\n").unwrap_err();
     assert!(
         e.starts_with("frontendPolicy.maxFrontendsPerService"),

@@ -299,3 +299,67 @@ fn fuzzed_documents_never_panic_and_spare_their_neighbours() {
         }
     }
 }
+
+/// The same namespace/name in two files (or twice in one) is a warning naming
+/// both files; the first one read (files sorted by name) is kept, whatever
+/// order the directory lists them in, and the other objects are untouched.
+#[test]
+fn a_duplicate_service_is_a_warning_naming_both_files_and_the_first_wins() {
+    let svc = |name: &str, ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // b.yaml written first: the winner is decided by name, not by creation.
+    std::fs::write(
+        dir.join("b.yaml"),
+        format!(
+            "{}---\n{}",
+            svc("web", "198.19.0.20"),
+            svc("other", "198.19.0.30")
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("a.yaml"),
+        format!(
+            "{}---\n{}",
+            svc("web", "198.19.0.10"),
+            svc("web", "198.19.0.11")
+        ),
+    )
+    .unwrap();
+    let (snap, errors) = load_paths(&[dir.to_path_buf()]);
+    assert_eq!(names(&snap.services), ["shop/web", "shop/other"]);
+    let ip = |i: usize| snap.services[i].spec.as_ref().unwrap().cluster_ip.clone();
+    assert_eq!(
+        ip(0).as_deref(),
+        Some("198.19.0.10"),
+        "a.yaml's first copy wins"
+    );
+    assert_eq!(
+        ip(1).as_deref(),
+        Some("198.19.0.30"),
+        "its neighbour is untouched"
+    );
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors.iter().all(|e| e.duplicate));
+    let (a, b) = (dir.join("a.yaml"), dir.join("b.yaml"));
+    let within = errors[0].to_string();
+    assert!(
+        within.contains("Service shop/web")
+            && within.contains(&format!("read twice from {}", a.display())),
+        "{within}"
+    );
+    let across = errors[1].to_string();
+    assert!(
+        across.contains("Service shop/web")
+            && across.contains(&format!("already read from {}", a.display()))
+            && across.contains(&format!("(in {})", b.display())),
+        "{across}"
+    );
+    // Being reported does not make keep_last_good carry anything.
+    let mut again = snap.clone();
+    assert_eq!(manifests::keep_last_good(&snap, &errors, &mut again), 0);
+    assert_eq!(again.services.len(), 2);
+}

@@ -376,6 +376,81 @@ fn full_map_fails_only_that_frontend_and_a_later_sync_retries_it() {
     assert_programmed(&w, &without_b);
 }
 
+/// Capacity is served by Service age, not by address: a Service created
+/// now with many frontends at low addresses (externalIPs are chosen by
+/// whoever creates the Service) cannot take the last reverse-NAT ids, map
+/// entries or backend ids from an older Service's new port or its growing
+/// backend list; the older Service's ids do not change; the newcomer gets
+/// what is left, in its own key order.
+#[test]
+fn exhaustion_serves_the_older_service_first_whatever_the_addresses() {
+    let old_port = key(200, 80, IPPROTO_TCP);
+    let old_new_port = key(200, 443, IPPROTO_TCP);
+    let hostile: Vec<FrontendKey> = (1..=6).map(|i| key(i, 80, IPPROTO_TCP)).collect();
+    let state = |old_backends: &[u8], with_hostile: bool| {
+        let mut d = DesiredState::default();
+        let mut old = frontend(&old_port, old_backends);
+        old.service = "default/old".into();
+        d.frontends.insert(old_port, old.clone());
+        d.service_order.insert("default/old".into(), 0);
+        if with_hostile {
+            let mut new_port = frontend(&old_new_port, old_backends);
+            new_port.service = "default/old".into();
+            d.frontends.insert(old_new_port, new_port);
+            for (i, k) in hostile.iter().enumerate() {
+                let mut fe = frontend(k, &[100 + i as u8]);
+                fe.service = "default/hostile".into();
+                d.frontends.insert(*k, fe);
+            }
+            d.service_order.insert("default/hostile".into(), 1);
+        }
+        d
+    };
+    // 4 reverse-NAT entries, 12 service entries, 6 backends (ids 1..=5:
+    // the space stops below the capacity of the traffic counters, which the
+    // in-memory dataplane does not model; its map holds 6).
+    let mut w = Writer::adopt(InMemory::with_capacity(12, 6, 4)).unwrap();
+    let report = w.sync(&state(&[1], false));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let old_rev = w.rev_nat_ids()[&old_port];
+
+    // The old Service grows to 3 backends and gains a port, in the same sync
+    // as the hostile one appears with 6 frontends that sort first.
+    let desired = state(&[1, 2, 3], true);
+    let report = w.sync(&desired);
+    assert!(w.dataplane().violations().is_empty());
+    assert_eq!(
+        w.rev_nat_ids()[&old_port],
+        old_rev,
+        "an existing id never changes"
+    );
+    let p = w.dataplane().programmed();
+    for k in [old_port, old_new_port] {
+        let slot0 = p.services.get(&svc(&k, 0)).unwrap_or_else(|| panic!("{k}"));
+        assert_eq!(slot0.count, 3, "{k}: the older Service is served whole");
+    }
+    // What is left goes to the newcomer, lowest key first: 2 of the 4
+    // reverse-NAT ids; every other hostile frontend failed, and says so.
+    let served: Vec<&FrontendKey> = hostile
+        .iter()
+        .filter(|k| p.services.contains_key(&svc(k, 0)))
+        .collect();
+    assert!(served.len() < hostile.len(), "{served:?}");
+    assert_eq!(served.first().copied(), hostile.first());
+    assert!(!report.errors.is_empty());
+    // Every error is the newcomer's: its frontends, or its own backends
+    // (198.18.1.100 and up) that found the backends map full.
+    assert!(
+        report
+            .errors
+            .iter()
+            .all(|(what, _)| what.contains("default/hostile")
+                || what.starts_with("backend 198.18.1.10")),
+        "{:?}",
+        report.errors
+    );
+}
+
 #[test]
 fn failed_operation_leaves_the_frontend_as_it_was_and_the_next_sync_retries() {
     let (a, b) = (key(1, 80, IPPROTO_TCP), key(2, 80, IPPROTO_TCP));

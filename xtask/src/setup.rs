@@ -374,14 +374,46 @@ pub fn ensure_bpffs(verbose: bool) -> Result<()> {
     Ok(())
 }
 
+/// The toolchain `proxy-agent/build.rs` builds the eBPF crate with:
+/// `aya_build::Toolchain::default()`, i.e. `rustup run nightly cargo build
+/// -Z build-std=core --target bpfel-unknown-none`. Stable cannot stand in: aya-build
+/// asks rustup for this toolchain by name, so without it the build fails.
+pub const EBPF_TOOLCHAIN: &str = "nightly";
+
+/// What setup says when the eBPF toolchain is missing (it then installs it).
+pub fn missing_ebpf_toolchain_message() -> String {
+    format!(
+        "installing the {EBPF_TOOLCHAIN} toolchain with rust-src: aya-build builds the eBPF crate with \
+         `rustup run {EBPF_TOOLCHAIN} cargo build -Z build-std=core`, which fails without it"
+    )
+}
+
+/// The eBPF toolchain, installed if missing, with rust-src (for build-std).
+fn ensure_ebpf_toolchain() -> Result<()> {
+    if rustup_has_toolchain(EBPF_TOOLCHAIN)? {
+        println!(
+            "ok: {EBPF_TOOLCHAIN} toolchain installed (aya-build builds the eBPF crate with it)"
+        );
+    } else {
+        println!("{}", missing_ebpf_toolchain_message());
+        run_visible(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            EBPF_TOOLCHAIN,
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
+        ]))
+        .with_context(|| format!("cannot install the {EBPF_TOOLCHAIN} toolchain"))?;
+    }
+    ensure_rust_src(EBPF_TOOLCHAIN)
+}
+
 /// `cargo xtask setup`: installs what building and testing need; idempotent.
 pub fn setup() -> Result<()> {
     ensure_rust_src("stable")?;
-    if rustup_has_toolchain("nightly")? {
-        ensure_rust_src("nightly")?;
-    } else {
-        println!("skip: no nightly toolchain (the stable toolchain with RUSTC_BOOTSTRAP=1 builds the eBPF crate)");
-    }
+    ensure_ebpf_toolchain()?;
     ensure_bpf_linker()?;
     ensure_musl_target()?;
     ensure_debian_packages()?;
@@ -390,4 +422,29 @@ pub fn setup() -> Result<()> {
     ensure_bpffs(true)?;
     println!("setup complete");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The toolchain setup installs is the one aya-build runs: build.rs takes
+    /// aya-build's default, which is nightly (not stable with RUSTC_BOOTSTRAP,
+    /// as setup used to say).
+    #[test]
+    fn the_ebpf_toolchain_is_the_one_aya_build_runs() {
+        let build_rs = include_str!("../../proxy-agent/build.rs");
+        assert!(
+            build_rs.contains("aya_build::Toolchain::default()"),
+            "{build_rs}"
+        );
+        assert!(matches!(
+            aya_build::Toolchain::default(),
+            aya_build::Toolchain::Nightly
+        ));
+        assert_eq!(EBPF_TOOLCHAIN, "nightly");
+        let message = missing_ebpf_toolchain_message();
+        assert!(message.contains("rustup run nightly"), "{message}");
+        assert!(!message.contains("RUSTC_BOOTSTRAP") && !message.contains("stable"));
+    }
 }

@@ -338,6 +338,22 @@ fn daemonset_probes_ports_and_args_are_served_by_the_image() {
             assert_eq!(&running[1..=kept.len()], &kept[..], "{running:?}");
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
             assert!(status.contains("NoNewPrivs:\t1"), "no_new_privs");
+            // seccompProfile: RuntimeDefault: the runtime's default profile
+            // filters the agent (mode 2), which serves everything above.
+            assert_eq!(
+                c["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+                "the DaemonSet asks for the runtime's default profile"
+            );
+            assert!(
+                status.contains("Seccomp:\t2"),
+                "seccomp filter mode: {status}"
+            );
+            let seccomp = &cfg["linux"]["seccomp"];
+            assert!(
+                xtask::lab::seccomp::allows(seccomp, "bpf")
+                    && !xtask::lab::seccomp::allows(seccomp, "mount"),
+                "{seccomp}"
+            );
             let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
             let memlock = limits
                 .lines()

@@ -8,6 +8,7 @@
 //! | `mod.rs` | the object, program names, map sizes, loading with pinned maps, layout migrations |
 //! | `dataplane.rs` | [`BpfDataplane`]: the writer's maps, conntrack garbage collection |
 //! | `pinned.rs` | [`PinnedMaps`]: read-only access to a running agent's maps (inspect, metrics) |
+//! | `pins.rs` | pinned maps checked against this build on adoption: resized, reset or refused |
 //! | `links.rs` | [`Attacher`]: tc and XDP links, pinned and taken over on restart; `cleanup` |
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -118,6 +119,24 @@ pub enum BpfError {
     Map {
         name: &'static str,
         source: MapError,
+    },
+    #[error("map {name} pinned at {}: {source}", .path.display())]
+    Pinned {
+        name: &'static str,
+        path: PathBuf,
+        source: MapError,
+    },
+    #[error("{}: no such directory, so no pinned maps to read (is an agent running with this --bpffs?)", .path.display())]
+    NoPinDir { path: PathBuf },
+    #[error("map {name} pinned at {}: its {field} is {found}, this build expects {expected}; \
+             a map of another layout under this name cannot be adopted (remove it with \
+             `proxy-agent cleanup`, which ends the flows it tracks)", .path.display())]
+    PinMismatch {
+        name: &'static str,
+        path: PathBuf,
+        field: &'static str,
+        expected: u32,
+        found: u32,
     },
     #[error("map {0} missing from the object")]
     MissingMap(&'static str),
@@ -272,6 +291,28 @@ pub fn load_with_migrations(
     migrations: &[Migration],
 ) -> Result<Loaded, BpfError> {
     ensure_bpffs_dir(pin_dir)?;
+    // Pins that do not match this build are set aside (or refused) first:
+    // aya would adopt them by name as they are.
+    let expected = pins::expected_maps(sizes)?;
+    let plan = pins::check(pin_dir, &expected)?;
+    match load_checked(pin_dir, sizes, migrations) {
+        Ok(mut loaded) => {
+            pins::finish(&mut loaded.ebpf, plan, &expected)?;
+            Ok(loaded)
+        }
+        Err(e) => {
+            pins::restore(pin_dir, &plan);
+            Err(e)
+        }
+    }
+}
+
+/// [`load_with_migrations`] once the pins are checked.
+fn load_checked(
+    pin_dir: &Path,
+    sizes: MapSizes,
+    migrations: &[Migration],
+) -> Result<Loaded, BpfError> {
     let paths: Vec<(&'static str, PathBuf)> = map_names::ALL
         .iter()
         .map(|n| (*n, pin_dir.join(n)))
@@ -374,7 +415,9 @@ fn map_err(name: &'static str) -> impl Fn(MapError) -> BpfError {
 mod dataplane;
 mod links;
 mod pinned;
+mod pins;
 
 pub use dataplane::{ktime_ns, BpfDataplane, CtGcReport};
 pub use links::{cgroup2_root, cleanup, Attacher};
 pub use pinned::{PinnedMaps, ProgrammedTraffic};
+pub use pins::{expected_maps, pinned_def, MapDef, OLD_SUFFIX};

@@ -21,8 +21,24 @@ impl PinnedMaps {
         Self { dir: dir.into() }
     }
 
+    /// The pinned maps under `dir`, which must exist: an error naming it
+    /// otherwise.
+    pub fn existing(dir: impl Into<PathBuf>) -> Result<Self, BpfError> {
+        let dir = dir.into();
+        if !dir.is_dir() {
+            return Err(BpfError::NoPinDir { path: dir });
+        }
+        Ok(Self { dir })
+    }
+
+    /// The pin of map `name`; an error names the full path.
+    fn pin(&self, name: &'static str) -> Result<MapData, BpfError> {
+        let path = self.dir.join(name);
+        MapData::from_pin(&path).map_err(|source| BpfError::Pinned { name, path, source })
+    }
+
     fn open(&self, name: &'static str) -> Result<aya::maps::Map, BpfError> {
-        let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+        let data = self.pin(name)?;
         Ok(match name {
             n if n == map_names::STATS => aya::maps::Map::PerCpuArray(data),
             n if n == map_names::CONNTRACK => aya::maps::Map::LruHashMap(data),
@@ -48,7 +64,7 @@ impl PinnedMaps {
     pub fn traffic(&self) -> Result<ProgrammedTraffic, BpfError> {
         let p = self.programmed()?;
         let open = |name: &'static str| -> Result<PerCpuArray<MapData, Traffic>, BpfError> {
-            let data = MapData::from_pin(self.dir.join(name)).map_err(map_err(name))?;
+            let data = self.pin(name)?;
             PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data)).map_err(map_err(name))
         };
         let fe = open(map_names::FRONTEND_TRAFFIC)?;

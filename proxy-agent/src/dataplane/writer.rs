@@ -87,6 +87,9 @@ struct Target {
 #[derive(Default)]
 struct SyncState {
     out: Outcome,
+    /// Every desired frontend, in the order phases that take capacity (ids,
+    /// map entries, Maglev tables) serve them: see [`capacity_order`].
+    order: Vec<FrontendKey>,
     /// Every desired frontend that can be programmed (see
     /// [`Writer::plan_targets`]).
     targets: BTreeMap<FrontendKey, Target>,
@@ -148,6 +151,32 @@ fn frontend_label(key: &FrontendKey, fe: Option<&Frontend>) -> String {
         Some(fe) => format!("{} {key}", fe.service),
         None => key.to_string(),
     }
+}
+
+/// The desired frontends in the order they are served when an id space or a
+/// map runs out: by their Service's place in
+/// [`DesiredState::service_order`] (the oldest Service first), then by key.
+/// Not by address alone: a new Service whose addresses sort low (an
+/// externalIP list of thousands, chosen by whoever creates it) would
+/// otherwise take the last ids and entries before an older Service's new
+/// frontend or growing backend list. What a frontend holds already (its ids,
+/// its entries) is never taken from it: only what is still to be allocated
+/// follows this order.
+fn capacity_order(desired: &DesiredState) -> Vec<FrontendKey> {
+    let mut order: Vec<(usize, FrontendKey)> = desired
+        .frontends
+        .iter()
+        .map(|(key, fe)| {
+            let rank = desired
+                .service_order
+                .get(&fe.service)
+                .copied()
+                .unwrap_or(usize::MAX);
+            (rank, *key)
+        })
+        .collect();
+    order.sort();
+    order.into_iter().map(|(_, key)| key).collect()
 }
 
 /// Keeps a [`Dataplane`] equal to a [`DesiredState`]: owns the dataplane, the
@@ -302,7 +331,10 @@ impl<D: Dataplane> Writer<D> {
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
         self.backend_ids.begin_sync();
         self.rev_nat_ids.begin_sync();
-        let mut s = SyncState::default();
+        let mut s = SyncState {
+            order: capacity_order(desired),
+            ..SyncState::default()
+        };
 
         // Make (update.rs).
         self.update_backends(desired, &mut s);

@@ -236,7 +236,19 @@ pub(super) fn external_addresses(
             continue;
         }
         match parse_cidr(s) {
-            Ok(Some(cidr)) => out.source_ranges.push(cidr),
+            Ok(Some(cidr)) => {
+                // Accepted as kube-proxy accepts it (`ParseCIDRSloppy` keeps
+                // the network), with the API server's warning for it, which
+                // a manifests source has no API server to give.
+                let raw = s.split_once('/').and_then(|(a, _)| parse_ipv4(a));
+                if raw != Some(cidr.0) {
+                    warn(format!(
+                        "loadBalancerSourceRanges entry {s:?} has host bits set; used as {}/{}, as kube-proxy does",
+                        cidr.0, cidr.1
+                    ));
+                }
+                out.source_ranges.push(cidr)
+            }
             Ok(None) => {}
             Err(e) => warn(format!(
                 "invalid loadBalancerSourceRanges entry: {e}; ignored"

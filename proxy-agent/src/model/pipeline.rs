@@ -16,9 +16,9 @@ use super::lb::{service_algorithms, LbAlgorithm};
 use super::policy::{forbidden_address, in_cidr, ClaimRank};
 use super::services::{ignored, name, namespace, parse_proto, service_id};
 use super::{
-    categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, ModelOptions,
-    ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
-    LABEL_SERVICE_NAME,
+    categorize, endpoint_slices_from_pods, proto_name, DesiredState, Frontend, FrontendKey,
+    ModelOptions, ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy,
+    DEFAULT_AFFINITY_TIMEOUT_S, LABEL_SERVICE_NAME,
 };
 use crate::manifests::Snapshot;
 
@@ -130,6 +130,19 @@ pub fn desired_state_with(
         (namespace(&a.metadata), name(&a.metadata))
             .cmp(&(namespace(&b.metadata), name(&b.metadata)))
     });
+    // Capacity order: the oldest Service first, then namespace/name.
+    let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
+        .iter()
+        .map(|svc| {
+            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            (created.is_none(), created, service_id(svc))
+        })
+        .collect();
+    by_age.sort();
+    for (_, _, id) in by_age {
+        let next = desired.service_order.len();
+        desired.service_order.entry(id).or_insert(next);
+    }
     // Invalid addresses are reported once per slice and address.
     let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
 
@@ -285,11 +298,41 @@ pub fn desired_state_with(
                 affinity_timeout_s,
                 ..Frontend::default()
             };
-            // The port's nodePort, if any (0 = none).
-            let node_port = port
-                .node_port
-                .and_then(|p| u16::try_from(p).ok())
-                .filter(|p| *p != 0);
+            // The port's nodePort, if any (0 = none). One outside 1-65535 is
+            // refused, and a NodePort (or LoadBalancer that allocates them)
+            // Service's port without one is reported: the API server would
+            // have allocated one, the manifests source does not.
+            let node_port = match port.node_port.unwrap_or(0) {
+                0 => {
+                    let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+                    let required = type_ == "NodePort"
+                        || (type_ == "LoadBalancer"
+                            && spec.allocate_load_balancer_node_ports != Some(false));
+                    if required {
+                        warnings.push(ModelWarning {
+                            object: object.clone(),
+                            message: format!(
+                                "port {port_name:?} ({svc_port}/{}): type {type_} but no nodePort; no NodePort frontends for this port",
+                                proto_name(proto)
+                            ),
+                        });
+                    }
+                    None
+                }
+                p => match u16::try_from(p) {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        warnings.push(ModelWarning {
+                            object: object.clone(),
+                            message: format!(
+                                "port {port_name:?} ({svc_port}/{}): invalid nodePort {p} (not in 1-65535); no NodePort frontends for this port",
+                                proto_name(proto)
+                            ),
+                        });
+                        None
+                    }
+                },
+            };
             if let (Some(p), Some(why)) = (node_port, node_problem.take()) {
                 warnings.push(ModelWarning {
                     object: format!("Node {node_name}"),

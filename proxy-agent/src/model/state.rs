@@ -129,6 +129,15 @@ pub struct DesiredState {
     /// LoadBalancer` Service with `externalTrafficPolicy: Local` and a
     /// `healthCheckNodePort` (kube-proxy `apiservice.NeedsHealthCheck`).
     pub health_checks: BTreeMap<u16, HealthCheck>,
+    /// Every Service (`namespace/name`) → its place in the order in which
+    /// the writer serves frontends when capacity runs out (reverse-NAT and
+    /// backend ids, map entries, Maglev tables): the oldest first
+    /// (`creationTimestamp`; one without comes after every one with), then
+    /// `namespace/name`, the rule frontend ownership uses. A Service created
+    /// now is served after every older one, whatever its addresses and however
+    /// many frontends it has, so it can never take what an older Service needs.
+    /// The writer serves a Service missing here last.
+    pub service_order: BTreeMap<String, usize>,
 }
 
 /// Something in the snapshot the model could not use; the rest is unaffected.

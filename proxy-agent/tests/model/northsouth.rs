@@ -62,6 +62,55 @@ fn node_port_frontends_on_each_node_address_use_the_cluster_list_s10() {
     assert_eq!(state.frontends.len(), 1, "{:?}", state.frontends.keys());
 }
 
+/// A nodePort outside 1-65535, or none on a NodePort Service (the manifests
+/// source does not allocate them), is a warning naming the Service and the
+/// port, never a silent loss of the NodePort; the ClusterIP is still served.
+/// A LoadBalancer with `allocateLoadBalancerNodePorts: false` needs none.
+#[test]
+fn an_invalid_or_missing_node_port_is_a_warning_naming_the_service_and_port() {
+    for (spec, extra, what) in [
+        (
+            "  type: NodePort\n",
+            ", nodePort: 70000",
+            "invalid nodePort 70000",
+        ),
+        (
+            "  type: NodePort\n",
+            ", nodePort: -1",
+            "invalid nodePort -1",
+        ),
+        ("  type: NodePort\n", "", "type NodePort but no nodePort"),
+        (
+            "  type: NodePort\n",
+            ", nodePort: 0",
+            "type NodePort but no nodePort",
+        ),
+        (
+            "  type: LoadBalancer\n",
+            "",
+            "type LoadBalancer but no nodePort",
+        ),
+    ] {
+        let yaml = web_svc(spec, extra, "") + &two_nodes();
+        let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+        assert_eq!(warnings.len(), 1, "{extra}: {warnings:?}");
+        assert_eq!(warnings[0].object, "Service default/web");
+        assert!(
+            warnings[0].message.contains("port \"http\" (80/TCP)")
+                && warnings[0].message.contains(what),
+            "{warnings:?}"
+        );
+        assert_eq!(state.frontends.len(), 1, "{:?}", state.frontends.keys());
+    }
+    let yaml = web_svc(
+        "  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n",
+        "",
+        "",
+    ) + &two_nodes();
+    let (_, warnings) = desired_state(&snap(&yaml), "node-a");
+    assert!(warnings.is_empty(), "{warnings:?}");
+}
+
 /// S11: an externalIP is captured whether or not an interface owns it, from
 /// outside and from pods; IPv6 externalIPs are not this proxier's, an
 /// invalid one warns.
@@ -283,8 +332,8 @@ fn external_frontends_fall_back_to_terminating_endpoints_s37_s38() {
 
 /// `loadBalancerSourceRanges` apply to load-balancer-IP frontends, from
 /// outside and from inside (not to NodePorts, externalIPs or ClusterIPs):
-/// parsed, host bits cleared, deduplicated, IPv6 skipped, an invalid entry
-/// ignored with a warning.
+/// parsed, host bits cleared (with a warning), deduplicated, IPv6 skipped,
+/// an invalid entry ignored with a warning.
 #[test]
 fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     let yaml = web_svc(
@@ -297,9 +346,17 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     ) + &two_nodes()
         + &web_endpoints(&[("198.18.1.1", "node-a", "")]);
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert_eq!(warnings[0].object, "Service default/web");
-    assert!(warnings[0].message.contains("not-a-cidr"), "{warnings:?}");
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings.iter().all(|w| w.object == "Service default/web"));
+    // Host bits: accepted and cleared as kube-proxy does, with the API
+    // server's warning (`getWarningsForCIDR`).
+    assert!(
+        warnings[0]
+            .message
+            .contains("\"198.18.4.7/24\" has host bits set; used as 198.18.4.0/24"),
+        "{warnings:?}"
+    );
+    assert!(warnings[1].message.contains("not-a-cidr"), "{warnings:?}");
 
     // The load-balancer IP, from outside and from pods and host clients
     // (kube-proxy's firewall chain filters every source).

@@ -25,6 +25,7 @@ kind: Service
 metadata: {{name: {name}{created}}}
 spec:
   type: LoadBalancer
+  allocateLoadBalancerNodePorts: false
   clusterIP: {cluster_ip}
 {extra_spec}  ports: [{{port: 80}}]
 {status}"
@@ -324,4 +325,30 @@ spec:
         IPPROTO_TCP,
         SCOPE_EXTERNAL
     ));
+}
+
+/// The order the writer serves capacity in: the oldest Service first, one
+/// without a timestamp after every one with, then namespace/name — not the
+/// order of names or addresses.
+#[test]
+fn service_order_is_by_age_then_name() {
+    let yaml = svc("a-new", Some("2025-06-01T00:00:00Z"), "198.19.0.1", "", "")
+        + &svc("z-old", Some("2020-01-01T00:00:00Z"), "198.19.0.2", "", "")
+        + &svc("m-undated", None, "198.19.0.3", "", "")
+        + &svc("b-undated", None, "198.19.0.4", "", "");
+    let (state, _) = run(&yaml, &ModelOptions::default());
+    let order: Vec<(&str, usize)> = state
+        .service_order
+        .iter()
+        .map(|(s, i)| (s.as_str(), *i))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            ("default/a-new", 1),
+            ("default/b-undated", 2),
+            ("default/m-undated", 3),
+            ("default/z-old", 0)
+        ]
+    );
 }

@@ -5,7 +5,9 @@
 //! container's args, env (`NODE_NAME` from the downward API, the
 //! `proxy-agent-api-server` ConfigMap's keys), capabilities (drop ALL, add
 //! the list), `allowPrivilegeEscalation: false` (no_new_privileges),
-//! `readOnlyRootFilesystem`, `runAsUser`, its memory limit, and every
+//! `readOnlyRootFilesystem`, `runAsUser`, its memory limit,
+//! `seccompProfile: RuntimeDefault` (the runtime's default profile resolved
+//! for the container's capabilities, see [`super::seccomp`]), and every
 //! volumeMount: the ConfigMap's keys as files, the hostPath volumes bound
 //! from the node's own stand-ins — the host's bpffs is the node's pin
 //! directory, the host's cgroup2 root is the node's cgroup — so that nothing
@@ -217,6 +219,22 @@ pub fn runc_config(dep: &Deployment, node: &NodeContainer) -> Result<Value> {
         .filter(|c| !node.without_caps.contains(c))
         .map(|c| format!("CAP_{}", c.trim_start_matches("CAP_")))
         .collect();
+    // seccompProfile (the container's, else the pod's): RuntimeDefault is the
+    // runtime's default profile resolved for these capabilities.
+    let seccomp_type = sc
+        .seccomp_profile
+        .as_ref()
+        .or_else(|| {
+            spec.security_context
+                .as_ref()
+                .and_then(|p| p.seccomp_profile.as_ref())
+        })
+        .map(|p| p.type_.as_str());
+    let seccomp = match seccomp_type {
+        Some("RuntimeDefault") => Some(super::seccomp::runtime_default(&caps)),
+        None | Some("Unconfined") => None,
+        Some(other) => bail!("seccompProfile {other}: the lab runs RuntimeDefault or Unconfined"),
+    };
     let uid = sc.run_as_user.unwrap_or(0);
     let gid = sc.run_as_group.unwrap_or(0);
 
@@ -322,7 +340,7 @@ pub fn runc_config(dep: &Deployment, node: &NodeContainer) -> Result<Value> {
         resources["memory"] = json!({"limit": quantity_bytes(&limit.0)?});
     }
 
-    Ok(json!({
+    let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
             "terminal": false,
@@ -358,7 +376,11 @@ pub fn runc_config(dep: &Deployment, node: &NodeContainer) -> Result<Value> {
                 "/proc/sys", "/proc/sysrq-trigger"
             ]
         }
-    }))
+    });
+    if let Some(seccomp) = seccomp {
+        config["linux"]["seccomp"] = seccomp;
+    }
+    Ok(config)
 }
 
 /// Unpacks `image` with umoci into `dir` (a bundle; its `rootfs/` is the
@@ -481,6 +503,12 @@ mod tests {
             "removed on request"
         );
         assert_eq!(v["process"]["noNewPrivileges"], true);
+        // RuntimeDefault: the default profile, with the CAP_BPF rule for the
+        // agent's bpf() calls.
+        let seccomp = &v["linux"]["seccomp"];
+        assert_eq!(seccomp["defaultAction"], "SCMP_ACT_ERRNO", "{seccomp}");
+        assert!(super::super::seccomp::allows(seccomp, "bpf"));
+        assert!(!super::super::seccomp::allows(seccomp, "mount"));
         assert_eq!(v["root"]["readonly"], true);
         let args: Vec<&str> = v["process"]["args"]
             .as_array()

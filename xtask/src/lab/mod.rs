@@ -37,6 +37,7 @@ mod host_client;
 mod info;
 mod process;
 mod reconcile;
+pub mod seccomp;
 mod topology;
 mod wait;
 

@@ -97,7 +97,10 @@ impl<D: Dataplane> Writer<D> {
     /// silently given another algorithm.
     pub(super) fn update_maglev(&mut self, desired: &DesiredState, s: &mut SyncState) {
         let size = self.maglev.table_size;
-        for (key, target) in &s.targets {
+        for key in &s.order {
+            let Some(target) = s.targets.get(key) else {
+                continue;
+            };
             let fe = &desired.frontends[key];
             if s.out.is_failed(key)
                 || LbAlgorithm::of_flags(fe.flags) != LbAlgorithm::Maglev

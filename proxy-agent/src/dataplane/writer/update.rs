@@ -13,8 +13,9 @@ use crate::model::{BackendAddr, DesiredState, FrontendKey};
 /// Every backend the desired frontends need, with its state: those in slots
 /// are active; terminating ones that flows may still use (`retained`) stay in
 /// the map without a slot. Endpoints on this node are marked local: external
-/// traffic to the others is SNATed.
-fn wanted_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend4> {
+/// traffic to the others is SNATed. In the order of the first frontend (in
+/// `order`) that needs each.
+fn wanted_backends(desired: &DesiredState, order: &[FrontendKey]) -> Vec<(BackendAddr, Backend4)> {
     let local = |b: &BackendAddr| {
         if desired.local_endpoints.contains(&b.addr) {
             backend_state::LOCAL
@@ -35,7 +36,16 @@ fn wanted_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend4> {
             wanted.insert(*b, Backend4::new(b.addr, b.port, b.proto, state));
         }
     }
-    wanted
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::with_capacity(wanted.len());
+    for fe in order.iter().filter_map(|k| desired.frontends.get(k)) {
+        for b in fe.backends.iter().chain(&fe.retained) {
+            if seen.insert(*b) {
+                out.push((*b, wanted[b]));
+            }
+        }
+    }
+    out
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -46,7 +56,7 @@ impl<D: Dataplane> Writer<D> {
     /// read.
     pub(super) fn update_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
         let referenced = self.slot_backend_ids();
-        for (addr, value) in &wanted_backends(desired) {
+        for (addr, value) in &wanted_backends(desired, &s.order) {
             let (id, new) = match self.backend_ids.get(addr) {
                 Some(id) => (id, false),
                 None => match self
@@ -128,7 +138,8 @@ impl<D: Dataplane> Writer<D> {
     /// written only for frontends that have an id, and an id is kept only
     /// once its entry is written).
     pub(super) fn update_rev_nat(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, fe) in &desired.frontends {
+        for key in &s.order {
+            let fe = &desired.frontends[key];
             if s.out.is_failed(key) {
                 continue;
             }
@@ -174,7 +185,8 @@ impl<D: Dataplane> Writer<D> {
     /// refuses clients the missing range would allow (fails closed) and
     /// never leaves the frontend open to everyone.
     pub(super) fn add_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, fe) in &desired.frontends {
+        for key in &s.order {
+            let fe = &desired.frontends[key];
             if s.out.is_failed(key) {
                 continue;
             }
@@ -209,7 +221,10 @@ impl<D: Dataplane> Writer<D> {
     /// frontend whose slot fails is failed (its slot 0 is not written) and
     /// cleaned of the slots beyond its current count.
     pub(super) fn update_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, target) in &s.targets {
+        for key in &s.order {
+            let Some(target) = s.targets.get(key) else {
+                continue;
+            };
             if s.out.is_failed(key) {
                 continue;
             }
@@ -248,7 +263,11 @@ impl<D: Dataplane> Writer<D> {
     /// whose slot 0 fails keeps its previous slot 0, and the slots beyond it
     /// are cleaned.
     pub(super) fn update_slot0(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, target) in &s.targets {
+        let order = std::mem::take(&mut s.order);
+        for key in &order {
+            let Some(target) = s.targets.get(key) else {
+                continue;
+            };
             if s.out.is_failed(key) {
                 continue;
             }
@@ -280,6 +299,7 @@ impl<D: Dataplane> Writer<D> {
                 }
             }
         }
+        s.order = order;
     }
 
     /// Deletes the slots beyond each target's count. Invariant: a slot is
