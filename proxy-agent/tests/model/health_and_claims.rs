@@ -193,3 +193,50 @@ fn colliding_cluster_ip_stays_with_its_current_owner() {
     assert_eq!(w.len(), 1);
     assert!(w[0].object.contains("aaa-new"), "{w:?}");
 }
+
+/// A slice of one Service (stale, or hostile) that places another
+/// Service's remote backend on this node does not make it local for the
+/// datapath (whose external traffic to it would then leave without SNAT,
+/// its replies never coming back); a backend two slices disagree about is
+/// not local (the safe side: external traffic to it is SNATed).
+#[test]
+fn a_foreign_slice_cannot_make_a_remote_backend_local() {
+    let yaml = WEB.to_string()
+        + &web_endpoints(&[("198.18.1.1", "node-a", ""), ("198.18.1.3", "node-b", "")])
+        + "---
+apiVersion: v1
+kind: Service
+metadata: {name: evil}
+spec:
+  clusterIP: 198.19.0.66
+  ports: [{port: 80}]
+" + &slice(
+        "evil-1",
+        "evil",
+        "{port: 80}",
+        "{addresses: [198.18.1.3], nodeName: node-a}, {addresses: [198.18.1.1], nodeName: node-b}",
+    );
+    let (state, _) = desired_state(&snap(&yaml), "node-a");
+    assert!(
+        !state
+            .local_endpoints
+            .contains(&Ipv4Addr::new(198, 18, 1, 3)),
+        "web's backend on node-b claimed local by evil's slice: {:?}",
+        state.local_endpoints
+    );
+    assert!(!state
+        .local_endpoints
+        .contains(&Ipv4Addr::new(198, 18, 1, 1)));
+    // Without the foreign slice, web's own view holds.
+    let (state, _) = desired_state(
+        &snap(
+            &(WEB.to_string()
+                + &web_endpoints(&[("198.18.1.1", "node-a", ""), ("198.18.1.3", "node-b", "")])),
+        ),
+        "node-a",
+    );
+    assert_eq!(
+        state.local_endpoints.iter().copied().collect::<Vec<_>>(),
+        [Ipv4Addr::new(198, 18, 1, 1)]
+    );
+}
