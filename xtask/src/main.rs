@@ -21,7 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what building and testing need (idempotent).
+    /// Install what building and testing need, and fetch the kernel
+    /// matrix's Debian kernels into target/kernels (idempotent).
     Setup,
     /// Build proxy-agent (and with it the eBPF object); print the object's path.
     BuildEbpf,
@@ -121,7 +122,10 @@ fn main() -> Result<()> {
         return test(argv[2..].to_vec());
     }
     match Cli::parse().cmd {
-        Cmd::Setup => setup::setup(),
+        Cmd::Setup => {
+            setup::setup()?;
+            xtask::vm::fetch_matrix()
+        }
         Cmd::BuildEbpf => {
             let obj = setup::build_ebpf()?;
             println!("{}", obj.display());
@@ -495,11 +499,33 @@ fn demo(requests: usize) -> Result<()> {
     Ok(())
 }
 
-fn test(args: Vec<String>) -> Result<()> {
+/// Splits `--kernel <name>` (or `--kernel=<name>`) off the test arguments.
+fn take_kernel_arg(args: &mut Vec<String>) -> Result<Option<String>> {
+    let Some(i) = args
+        .iter()
+        .position(|a| a == "--kernel" || a.starts_with("--kernel="))
+    else {
+        return Ok(None);
+    };
+    let a = args.remove(i);
+    if let Some(v) = a.strip_prefix("--kernel=") {
+        return Ok(Some(v.to_owned()));
+    }
+    if i >= args.len() {
+        bail!("--kernel needs a name: one of 5.10, 6.1, 6.12, host");
+    }
+    Ok(Some(args.remove(i)))
+}
+
+fn test(mut args: Vec<String>) -> Result<()> {
     if !setup::is_root() {
         bail!("`cargo xtask test` must run as root: the packet and lab tests load eBPF programs and create network namespaces");
     }
+    let kernel = take_kernel_arg(&mut args)?;
     setup::ensure_setup()?;
+    if let Some(k) = kernel {
+        return xtask::vm::test_kernel(&k);
+    }
     xtask::lint::lint()?;
     // The lab runs the agent as it ships (release): a debug agent parses and
     // syncs thousands of objects several times slower, which the "within 1 s"
@@ -523,6 +549,10 @@ fn test(args: Vec<String>) -> Result<()> {
         .context("cannot run cargo test")?;
     if !status.success() {
         bail!("cargo test failed ({status})");
+    }
+    // Only a full run (no test filter) goes on to the kernel matrix.
+    if args.is_empty() && std::env::var_os("KPR_SKIP_VMS").is_none() {
+        xtask::vm::test_matrix()?;
     }
     Ok(())
 }

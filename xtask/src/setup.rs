@@ -18,6 +18,12 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "netcat-openbsd",
     "ethtool",
     "procps",
+    // The kernel matrix's VMs (`cargo xtask test --kernel`): qemu, the
+    // guests' busybox, and the tools that unpack Debian's kernel modules.
+    "qemu-system-x86",
+    "busybox-static",
+    "xz-utils",
+    "zstd",
 ];
 /// Where bpffs must be mounted.
 pub const BPFFS: &str = "/sys/fs/bpf";
