@@ -93,6 +93,11 @@ pub struct RunArgs {
     /// external devices, falling back to tc) [default: none].
     #[arg(long, value_enum)]
     pub acceleration: Option<crate::config::Acceleration>,
+    /// How tc programs are attached: `auto` (tcx links where the kernel has
+    /// them, probed, else a clsact qdisc with direct-action cls_bpf
+    /// filters), `tcx` or `legacy` [default: auto].
+    #[arg(long, value_enum)]
+    pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

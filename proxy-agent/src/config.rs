@@ -248,6 +248,8 @@ pub struct ConfigFile {
     pub external_interfaces: Option<Vec<String>>,
     pub on_exit: Option<OnExit>,
     pub acceleration: Option<Acceleration>,
+    /// `auto` (tcx where the kernel has it, else legacy tc), `tcx`, `legacy`.
+    pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -362,6 +364,7 @@ pub struct Settings {
     pub external_interfaces: Vec<glob::Pattern>,
     pub on_exit: OnExit,
     pub acceleration: Acceleration,
+    pub tc_attach_mode: crate::bpf::TcAttachMode,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -642,6 +645,10 @@ impl Settings {
             external_interfaces,
             on_exit: flags.on_exit.or(file.on_exit).unwrap_or_default(),
             acceleration: flags.acceleration.or(file.acceleration).unwrap_or_default(),
+            tc_attach_mode: flags
+                .tc_attach_mode
+                .or(file.tc_attach_mode)
+                .unwrap_or_default(),
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)

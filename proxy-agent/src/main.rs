@@ -67,6 +67,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Cleanup { bpffs } => {
             let n = proxy_agent::bpf::cleanup(&bpffs)?;
             println!("removed {n} pins under {}", bpffs.display());
+            let f = proxy_agent::bpf::cleanup_legacy_filters();
+            if f > 0 {
+                println!("removed legacy tc filters from {f} interfaces");
+            }
         }
     }
     Ok(())
