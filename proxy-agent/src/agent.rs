@@ -68,6 +68,8 @@ pub struct RunConfig {
     /// The node's default load-balancing algorithm.
     pub lb_algorithm: crate::model::LbAlgorithm,
     pub maglev: crate::dataplane::MaglevSettings,
+    /// Which addresses may be frontends; frontends per Service.
+    pub frontend_policy: crate::model::FrontendPolicy,
 }
 
 impl From<&Settings> for RunConfig {
@@ -93,6 +95,7 @@ impl From<&Settings> for RunConfig {
             localhost_node_ports: s.localhost_node_ports,
             lb_algorithm: s.lb_algorithm,
             maglev: s.maglev,
+            frontend_policy: s.frontend_policy.clone(),
         }
     }
 }
@@ -313,6 +316,7 @@ fn sync_once(
         current_owners: obs.owners.clone(),
         localhost_node_ports: cfg.localhost_node_ports,
         lb_algorithm: cfg.lb_algorithm,
+        frontend_policy: cfg.frontend_policy.clone(),
         ..ModelOptions::default()
     };
     let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
@@ -447,6 +451,10 @@ fn datapath_config(cfg: &RunConfig) -> Config {
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
+    match crate::privileges::ensure_memlock() {
+        Ok(what) => info!("{what}"),
+        Err(what) => warn!("{what}"),
+    }
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;

@@ -1,7 +1,11 @@
 //! The command line. Flags of `run` are all optional here: what is not given
 //! comes from the config file (`--config`), then from the defaults (see
 //! [`crate::config::Settings::resolve`]).
-use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use clap::{CommandFactory, Parser, Subcommand};
 
@@ -126,4 +130,47 @@ pub struct RunArgs {
 /// a DaemonSet passes only flags that exist).
 pub fn cli() -> clap::Command {
     Cli::command()
+}
+
+/// Whether `path` is on a bpffs mount.
+fn on_bpffs(path: &Path) -> bool {
+    use nix::sys::statfs::{statfs, BPF_FS_MAGIC};
+    statfs(path).is_ok_and(|st| st.filesystem_type() == BPF_FS_MAGIC)
+}
+
+/// What `cleanup --bpffs <path>` may remove: a missing path (nothing to do),
+/// or a directory on a bpffs mount below its root. Anything else (a path on
+/// another filesystem, e.g. a mistyped `--bpffs /var/lib/x`, or the bpffs
+/// mount itself, which holds other programs' pins) is refused with an error
+/// naming the path, before anything is removed.
+pub fn check_cleanup_path(path: &Path) -> Result<(), String> {
+    if std::fs::symlink_metadata(path).is_err() {
+        return Ok(());
+    }
+    if !on_bpffs(path) {
+        return Err(format!(
+            "--bpffs {}: not on a bpffs mount (statfs type is not BPF_FS_MAGIC); refusing to remove anything",
+            path.display()
+        ));
+    }
+    let parent = path
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf));
+    if !parent.is_some_and(|p| on_bpffs(&p)) {
+        return Err(format!(
+            "--bpffs {}: the root of a bpffs mount, which holds other programs' pins too; \
+             give the agent's own directory (e.g. {})",
+            path.display(),
+            crate::config::DEFAULT_BPFFS
+        ));
+    }
+    Ok(())
+}
+
+/// `proxy-agent cleanup --bpffs <path>`: [`check_cleanup_path`], then
+/// [`crate::bpf::cleanup`]. Returns how many pins were removed.
+pub fn cleanup(path: &Path) -> anyhow::Result<usize> {
+    check_cleanup_path(path).map_err(anyhow::Error::msg)?;
+    Ok(crate::bpf::cleanup(path)?)
 }

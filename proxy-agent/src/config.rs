@@ -223,6 +223,73 @@ pub struct MaglevFile {
     pub max_tables: Option<u32>,
 }
 
+/// `frontendPolicy`: which addresses may be frontends and how many one
+/// Service may have (see the README, "Frontend ownership and address policy").
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FrontendPolicyFile {
+    /// Serve `spec.externalIPs` (default true, as kube-proxy; externalIPs are
+    /// deprecated from Kubernetes 1.36).
+    #[serde(rename = "honourExternalIPs")]
+    pub honour_external_ips: Option<bool>,
+    /// When given, only externalIPs in these IPv4 CIDRs are served.
+    #[serde(rename = "externalIPAllowCIDRs")]
+    pub external_ip_allow_cidrs: Option<Vec<String>>,
+    /// externalIPs in these IPv4 CIDRs are refused (over the allow list).
+    #[serde(rename = "externalIPDenyCIDRs")]
+    pub external_ip_deny_cidrs: Option<Vec<String>>,
+    /// Allow this node's own addresses as externalIP or load-balancer IP
+    /// (default false).
+    pub allow_node_addresses: Option<bool>,
+    /// Frontends one Service may have (default 1024, at least 1).
+    pub max_frontends_per_service: Option<u32>,
+}
+
+/// `frontendPolicy` checked: CIDRs parse, the limit is at least 1.
+fn frontend_policy(
+    file: Option<&FrontendPolicyFile>,
+) -> Result<crate::model::FrontendPolicy, ConfigError> {
+    let mut p = crate::model::FrontendPolicy::default();
+    let Some(file) = file else {
+        return Ok(p);
+    };
+    let cidrs = |field: &str, list: &Option<Vec<String>>| {
+        list.iter()
+            .flatten()
+            .map(|s| {
+                s.trim()
+                    .parse::<Cidr>()
+                    .map(|c| (c.addr, c.prefix))
+                    .map_err(|e| invalid(field, e))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    p.external_ip_allow = cidrs(
+        "frontendPolicy.externalIPAllowCIDRs",
+        &file.external_ip_allow_cidrs,
+    )?;
+    p.external_ip_deny = cidrs(
+        "frontendPolicy.externalIPDenyCIDRs",
+        &file.external_ip_deny_cidrs,
+    )?;
+    if let Some(b) = file.honour_external_ips {
+        p.honour_external_ips = b;
+    }
+    if let Some(b) = file.allow_node_addresses {
+        p.allow_node_addresses = b;
+    }
+    if let Some(n) = file.max_frontends_per_service {
+        if n == 0 {
+            return Err(invalid(
+                "frontendPolicy.maxFrontendsPerService",
+                "must be at least 1",
+            ));
+        }
+        p.max_frontends_per_service = n as usize;
+    }
+    Ok(p)
+}
+
 /// The configuration file. Every field is optional.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -265,6 +332,7 @@ pub struct ConfigFile {
     /// `iptables.localhostNodePorts`, default true).
     pub localhost_node_ports: Option<bool>,
     pub load_balancing: Option<LoadBalancingFile>,
+    pub frontend_policy: Option<FrontendPolicyFile>,
 }
 
 impl ConfigFile {
@@ -387,6 +455,8 @@ pub struct Settings {
     /// The node's default load-balancing algorithm.
     pub lb_algorithm: crate::model::LbAlgorithm,
     pub maglev: crate::dataplane::MaglevSettings,
+    /// `frontendPolicy`.
+    pub frontend_policy: crate::model::FrontendPolicy,
 }
 
 /// `loadBalancing.maglev` checked: a prime size the slot 0 field holds, at
@@ -567,6 +637,7 @@ impl Settings {
         }
         let lb = file.load_balancing.clone().unwrap_or_default();
         let maglev = maglev_settings(lb.maglev.as_ref())?;
+        let frontend_policy = frontend_policy(file.frontend_policy.as_ref())?;
         // Two generations of every table (one being rebuilt).
         map_sizes.maglev_chunks =
             2 * maglev.max_tables as u32 * proxy_common::lb::maglev_chunks(maglev.table_size);
@@ -666,6 +737,7 @@ impl Settings {
             localhost_node_ports: file.localhost_node_ports.unwrap_or(true),
             lb_algorithm: lb.algorithm.unwrap_or_default(),
             maglev,
+            frontend_policy,
         })
     }
 

@@ -16,6 +16,7 @@ pub mod k8s;
 pub mod manifests;
 pub mod metrics;
 pub mod model;
+pub mod privileges;
 pub mod servers;
 pub mod sockdiag;
 pub mod source;

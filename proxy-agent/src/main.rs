@@ -61,11 +61,17 @@ fn main() -> anyhow::Result<()> {
                 .worker_threads(2)
                 .enable_all()
                 .build()?;
-            rt.block_on(run(*a))?;
+            if let Err(e) = rt.block_on(run(*a)) {
+                // EPERM/EACCES: name the capabilities this process lacks.
+                return match proxy_agent::privileges::hint(e.as_ref()) {
+                    Some(hint) => Err(e.context(hint)),
+                    None => Err(e),
+                };
+            }
         }
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
         Cmd::Cleanup { bpffs } => {
-            let n = proxy_agent::bpf::cleanup(&bpffs)?;
+            let n = proxy_agent::cli::cleanup(&bpffs)?;
             println!("removed {n} pins under {}", bpffs.display());
             let f = proxy_agent::bpf::cleanup_legacy_filters();
             if f > 0 {

@@ -35,6 +35,7 @@
 //! | `topology` | [`categorize`]: kube-proxy's `CategorizeEndpoints` (traffic policies, topology hints) |
 //! | `addresses` | [`NodePortAddresses`], externalIPs, load-balancer IPs, IPv4/CIDR parsing |
 //! | `frontends` | a frontend's backends and flags, ownership conflicts between Services |
+//! | `policy` | [`FrontendPolicy`]: addresses that may be frontends, who owns a contested frontend |
 //! | `lb` | [`LbAlgorithm`]: each frontend's algorithm (annotation, node default), [`maglev_table`] |
 //! | `health_checks` | the `healthCheckNodePort`s this node serves |
 //! | `pipeline` | [`desired_state_with`]: the steps above, Service by Service |
@@ -50,6 +51,7 @@ mod health_checks;
 mod lb;
 mod pipeline;
 mod pods;
+mod policy;
 mod services;
 mod state;
 mod topology;
@@ -58,6 +60,7 @@ pub use addresses::NodePortAddresses;
 pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
 pub use pipeline::{desired_state, desired_state_with};
 pub use pods::endpoint_slices_from_pods;
+pub use policy::{forbidden_address, FrontendPolicy, DEFAULT_MAX_FRONTENDS_PER_SERVICE};
 pub use state::{
     proto_name, BackendAddr, DesiredState, Frontend, FrontendKey, Gates, HealthCheck, ModelOptions,
     ModelWarning,

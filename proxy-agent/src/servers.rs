@@ -8,7 +8,7 @@
 //!
 //! `/proxyMode` is served on both, as the e2e check of kube-proxy's URLs reads
 //! it from the metrics port.
-use std::{net::SocketAddr, sync::Arc, time::SystemTime};
+use std::{future::Future as _, net::SocketAddr, sync::Arc, time::Duration, time::SystemTime};
 
 use axum::{
     extract::State,
@@ -129,9 +129,170 @@ pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
         .with_state(metrics)
 }
 
-/// Serves `router` on `listener` until the task is dropped.
+/// Connection limits of the agent's HTTP servers (health, metrics and
+/// health-check node ports), so that clients holding connections open
+/// (slowloris) neither block other clients for long nor grow memory without
+/// bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// A request's head must arrive whole within this time of the
+    /// connection's start (or of the previous response); else the
+    /// connection is closed.
+    pub header_read_timeout: Duration,
+    /// A connection with no byte read or written for this long is closed
+    /// (idle keep-alive connections included).
+    pub idle_timeout: Duration,
+    /// Connections served at once; one more is answered `503` and closed.
+    pub max_connections: usize,
+}
+
+impl Default for ServerLimits {
+    /// 10 s to send a request head, 60 s idle, 128 connections.
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 128,
+        }
+    }
+}
+
+/// What a connection beyond [`ServerLimits::max_connections`] gets.
+const REFUSED: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// Serves `router` on `listener` with the default [`ServerLimits`] until the
+/// task is dropped.
 pub async fn serve(listener: TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router).await
+    serve_with(listener, router, ServerLimits::default()).await
+}
+
+/// Serves `router` on `listener` (HTTP/1.1) within `limits` until the task is
+/// dropped; connections are served in tasks of their own.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    limits: ServerLimits,
+) -> std::io::Result<()> {
+    use tower_service::Service as _;
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: wait, as axum does.
+                tracing::debug!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            // Refused at once, without reading: never blocks the loop.
+            let _ = stream.try_write(REFUSED);
+            continue;
+        };
+        let router = router.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let io = IdleTimeout::new(stream, limits.idle_timeout);
+            let service = hyper::service::service_fn(move |req: axum::http::Request<_>| {
+                let mut router = router.clone();
+                async move { router.call(req.map(axum::body::Body::new)).await }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(64 * 1024)
+                .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            if let Err(e) = conn.await {
+                tracing::trace!(error = %e, "connection ended");
+            }
+        });
+    }
+}
+
+/// A stream that fails with `TimedOut` once nothing was read or written for
+/// its timeout.
+struct IdleTimeout {
+    inner: tokio::net::TcpStream,
+    timeout: Duration,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleTimeout {
+    fn new(inner: tokio::net::TcpStream, timeout: Duration) -> Self {
+        Self {
+            inner,
+            timeout,
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+        }
+    }
+
+    fn active(&mut self) {
+        let at = tokio::time::Instant::now() + self.timeout;
+        self.deadline.as_mut().reset(at);
+    }
+
+    fn expired(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.deadline.as_mut().poll(cx).is_ready()
+    }
+}
+
+fn idle_error() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, "idle connection closed")
+}
+
+impl tokio::io::AsyncRead for IdleTimeout {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let before = buf.filled().len();
+        match std::pin::Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    self.active();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending if self.expired(cx) => Poll::Ready(Err(idle_error())),
+            other => other,
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for IdleTimeout {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        match std::pin::Pin::new(&mut self.inner).poll_write(cx, data) {
+            Poll::Ready(Ok(n)) => {
+                self.active();
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending if self.expired(cx) => Poll::Ready(Err(idle_error())),
+            other => other,
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Binds `addr` and serves `router` in a task. As kube-proxy does by default,

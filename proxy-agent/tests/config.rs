@@ -215,3 +215,118 @@ fn the_manifests_source_needs_manifests() {
         Settings::resolve(&ConfigFile::default(), &run_args(&["--node-name", "n"])).unwrap_err();
     assert!(e.to_string().starts_with("manifests"), "{e}");
 }
+
+/// Issue 15: `cleanup --bpffs` refuses a path that is not on bpffs, and
+/// removes nothing there.
+#[test]
+fn cleanup_refuses_a_path_not_on_bpffs() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("proxy-agent");
+    std::fs::create_dir_all(victim.join("links")).unwrap();
+    std::fs::write(victim.join("precious"), b"data").unwrap();
+    let err = proxy_agent::cli::cleanup(&victim).unwrap_err().to_string();
+    assert!(err.contains("not on a bpffs mount"), "{err}");
+    assert!(err.contains(&victim.display().to_string()), "{err}");
+    assert!(victim.join("precious").exists(), "cleanup removed a file");
+    assert!(victim.join("links").exists());
+    // A missing path is nothing to clean up, not an error.
+    assert_eq!(
+        proxy_agent::cli::cleanup(&dir.path().join("absent")).unwrap(),
+        0
+    );
+}
+
+/// Issue 15: `frontendPolicy` reaches the settings; its defaults are
+/// kube-proxy's (externalIPs honoured) plus the refusals; bad values are
+/// errors naming the field.
+#[test]
+fn frontend_policy_fields_defaults_and_errors() {
+    let resolve = |text: &str| {
+        let file = parse(&format!("source: kubernetes\n{text}"))?;
+        Settings::resolve(&file, &run_args(&["--node-name", "n"])).map_err(|e| e.to_string())
+    };
+    let d = resolve("").unwrap().frontend_policy;
+    assert!(d.honour_external_ips);
+    assert!(!d.allow_node_addresses);
+    assert_eq!(d.max_frontends_per_service, 1024);
+    assert!(d.external_ip_allow.is_empty() && d.external_ip_deny.is_empty());
+
+    let p = resolve(
+        "frontendPolicy:
+  honourExternalIPs: false
+  externalIPAllowCIDRs: [198.18.0.0/15]
+  externalIPDenyCIDRs: [198.18.5.0/24, 198.18.6.1/32]
+  allowNodeAddresses: true
+  maxFrontendsPerService: 64
+",
+    )
+    .unwrap()
+    .frontend_policy;
+    assert!(!p.honour_external_ips);
+    assert!(p.allow_node_addresses);
+    assert_eq!(p.max_frontends_per_service, 64);
+    assert_eq!(p.external_ip_allow, [("198.18.0.0".parse().unwrap(), 15)]);
+    assert_eq!(p.external_ip_deny.len(), 2);
+
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [198.18.0.0/40]\n").unwrap_err();
+    assert!(e.starts_with("frontendPolicy.externalIPDenyCIDRs"), "{e}");
+    let e = resolve("frontendPolicy:\n  externalIPAllowCIDRs: [nowhere]\n").unwrap_err();
+    assert!(e.starts_with("frontendPolicy.externalIPAllowCIDRs"), "{e}");
+    let e = resolve("frontendPolicy:\n  maxFrontendsPerService: 0\n").unwrap_err();
+    assert!(
+        e.starts_with("frontendPolicy.maxFrontendsPerService"),
+        "{e}"
+    );
+    let e = resolve("frontendPolicy:\n  honorExternalIPs: true\n").unwrap_err();
+    assert!(
+        e.contains("frontendPolicy") && e.contains("honorExternalIPs"),
+        "{e}"
+    );
+}
+
+#[path = "common/fuzz.rs"]
+mod fuzz;
+
+/// Issue 15, input fuzzing: random and mutated config files never panic the
+/// parser nor the merge; every error is one line of text that names the file
+/// or the field.
+#[test]
+fn fuzzed_config_files_never_panic_and_errors_are_clear() {
+    let full_policy = format!(
+        "{FULL}loadBalancing: {{algorithm: maglev, maglev: {{tableSize: 251, maxTables: 4}}}}\nfrontendPolicy: {{honourExternalIPs: true, externalIPAllowCIDRs: [198.18.0.0/15], maxFrontendsPerService: 8}}\nhostSocketLB: {{enabled: false}}\nlocalhostNodePorts: true\n"
+    );
+    assert!(parse(&full_policy).is_ok());
+    for seed in 0..3000u64 {
+        let mut rng = fuzz::Rng::new(seed);
+        let text = match rng.below(3) {
+            0 => fuzz::random_string(&mut rng),
+            1 => {
+                let mut v: serde_json::Value = yaml_serde::from_str(&full_policy).unwrap();
+                fuzz::mutate_value(&mut rng, &mut v);
+                serde_json::to_string(&v).unwrap()
+            }
+            _ => fuzz::mutate_text(&mut rng, &full_policy),
+        };
+        let outcome = std::panic::catch_unwind(|| {
+            ConfigFile::parse(Path::new("fuzz.yaml"), &text)
+                .map_err(|e| e.to_string())
+                .and_then(|file| {
+                    Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+        });
+        let Ok(result) = outcome else {
+            panic!("seed {seed}: panicked on {text:?}");
+        };
+        if let Err(e) = result {
+            assert!(!e.trim().is_empty(), "seed {seed}: empty error");
+            let first = e.split([':', ' ']).next().unwrap_or_default();
+            assert!(
+                e.starts_with("config file fuzz.yaml")
+                    || (!first.is_empty() && first.chars().next().unwrap().is_ascii_lowercase()),
+                "seed {seed}: error names neither the file nor a field: {e:?}"
+            );
+        }
+    }
+}

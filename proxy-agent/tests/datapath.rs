@@ -17,6 +17,10 @@
 //! One file of about a thousand lines on purpose: one test binary loads the
 //! object and links the kit once, and every datapath behaviour stands beside
 //! the others it interacts with; the scaffolding lives in `kit/`.
+#[path = "datapath/fuzz.rs"]
+mod fuzz;
+#[path = "datapath/hardening.rs"]
+mod hardening;
 mod kit;
 #[path = "datapath/lb.rs"]
 mod lb;

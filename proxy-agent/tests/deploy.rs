@@ -37,13 +37,13 @@ fn typed<T: serde::de::DeserializeOwned>(file: &str, v: Value) -> T {
     serde_path_to_error::deserialize(v).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
-/// Every YAML file under deploy/ except examples/ and the Dockerfile.
+/// Every YAML file under deploy/ except examples/.
 fn load() -> Objects {
     let mut o = Objects::default();
     let mut paths: Vec<_> = fs::read_dir(deploy_dir())
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file() && p.file_name().unwrap() != "Dockerfile")
+        .filter(|p| p.is_file())
         .collect();
     paths.sort();
     for path in paths {
@@ -172,10 +172,7 @@ fn daemonset_runs_the_agent_as_a_node_critical_unprivileged_host_network_pod() {
     assert_ne!(sc.privileged, Some(true));
     let caps = sc.capabilities.as_ref().unwrap();
     let added: BTreeSet<&str> = caps.add.iter().flatten().map(String::as_str).collect();
-    assert_eq!(
-        added,
-        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON", "SYS_RESOURCE"])
-    );
+    assert_eq!(added, BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON"]));
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
     // Host bpffs and cgroup.
     let host_paths: BTreeSet<&str> = pod
@@ -277,6 +274,22 @@ fn daemonset_args_are_flags_the_binary_accepts_and_probes_match_the_config() {
             get.port,
             IntOrString::Int(i32::from(healthz.port())),
             "{what} probe port"
+        );
+    }
+    // A wrong field name in the ConfigMap's file fails: a misspelt copy.
+    for (field, typo) in [
+        ("minSyncPeriod:", "minSyncPeriode:"),
+        ("cgroupRoot:", "cgroupRot:"),
+        ("tcpEstablishedTimeout:", "tcpEstablishedTimout:"),
+    ] {
+        assert!(text.contains(field), "the ConfigMap sets {field}");
+        let bad = text.replacen(field, typo, 1);
+        let err = ConfigFile::parse(Path::new(&key), &bad)
+            .expect_err("a misspelt field must not parse")
+            .to_string();
+        assert!(
+            err.contains(typo.trim_end_matches(':')),
+            "the error names the field: {err}"
         );
     }
     let live = c.liveness_probe.as_ref().expect("a liveness probe");

@@ -275,3 +275,104 @@ async fn drop_closes_every_listener() {
     wait_refused(p1).await;
     wait_refused(p2).await;
 }
+
+/// Issue 15: the agent's HTTP servers have a connection limit and header-read
+/// and idle timeouts. Connections that send nothing fill the limit: one more
+/// is refused at once with a 503 (never left hanging), the silent ones are
+/// closed after the header timeout, then a request is served; a trickling
+/// request head and an idle keep-alive connection are closed too.
+#[tokio::test]
+async fn slowloris_connections_are_limited_and_timed_out() {
+    use proxy_agent::servers::{health_router, serve_with, ServerLimits};
+    let limits = ServerLimits {
+        header_read_timeout: Duration::from_millis(400),
+        idle_timeout: Duration::from_millis(600),
+        max_connections: 4,
+    };
+    let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let health = Arc::new(proxy_agent::health::Health::new(Duration::from_secs(60)));
+    let server = tokio::spawn(serve_with(listener, health_router(health), limits));
+
+    let connect = || tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port));
+    // Reads until the peer closes; how long that took (None: still open).
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Option<Duration> {
+        let start = Instant::now();
+        let mut buf = [0u8; 512];
+        loop {
+            match tokio::time::timeout(within.saturating_sub(start.elapsed()), s.read(&mut buf))
+                .await
+            {
+                Err(_) => return None,
+                Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
+                Ok(Ok(_)) => {}
+            }
+        }
+    }
+
+    let mut silent = Vec::new();
+    for _ in 0..limits.max_connections {
+        silent.push(connect().await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Over the limit: refused cleanly and at once.
+    let mut extra = connect().await.unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(1), extra.read_to_end(&mut raw))
+        .await
+        .expect("the connection over the limit was left hanging")
+        .ok();
+    assert!(
+        String::from_utf8_lossy(&raw).starts_with("HTTP/1.1 503"),
+        "{:?}",
+        String::from_utf8_lossy(&raw)
+    );
+    // The silent ones are closed after the header-read timeout.
+    for s in &mut silent {
+        let t = closed_within(s, Duration::from_secs(3)).await;
+        assert!(t.is_some(), "a silent connection was never closed");
+    }
+    // Then a well-formed request is served.
+    let reply = get(port, "/livez").await.unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+
+    // A request head sent a byte at a time is cut at the header timeout.
+    let mut slow = connect().await.unwrap();
+    let trickle = async {
+        for b in b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+            if slow.write_all(&[*b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(3), trickle)
+        .await
+        .ok();
+    assert!(
+        closed_within(&mut slow, Duration::from_secs(2))
+            .await
+            .is_some(),
+        "a trickling request head was never cut"
+    );
+
+    // A keep-alive connection is served, then closed once idle.
+    let mut keep = connect().await.unwrap();
+    keep.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(2), keep.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let t = closed_within(&mut keep, Duration::from_secs(3)).await;
+    assert!(
+        t.is_some(),
+        "an idle keep-alive connection was never closed"
+    );
+    server.abort();
+}

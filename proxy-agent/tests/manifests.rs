@@ -232,3 +232,70 @@ fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
     );
     assert_eq!(source.snapshot().0.services.len(), 3);
 }
+
+#[path = "common/fuzz.rs"]
+mod fuzz;
+
+/// Documents the fuzz tests start from: every kind the source reads, a List,
+/// YAML and JSON.
+const FUZZ_SEEDS: &[&str] = &[
+    "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default, creationTimestamp: \"2024-01-01T00:00:00Z\"}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.1\n  clusterIPs: [198.19.0.1]\n  externalIPs: [198.18.7.1]\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 30999\n  loadBalancerSourceRanges: [198.18.0.0/15]\n  ports: [{name: http, port: 80, targetPort: http, nodePort: 30080, protocol: TCP}]\nstatus: {loadBalancer: {ingress: [{ip: 198.18.9.1, ipMode: VIP}]}}\n",
+    "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080, protocol: TCP}]\nendpoints:\n  - addresses: [198.18.1.1]\n    nodeName: node-a\n    zone: z1\n    conditions: {ready: true, serving: true, terminating: false}\n    hints: {forZones: [{name: z1}], forNodes: [{name: node-a}]}\n",
+    "apiVersion: v1\nkind: Pod\nmetadata: {name: p, labels: {app: web}}\nspec:\n  nodeName: node-a\n  containers: [{name: c, image: x, ports: [{name: http, containerPort: 8080}]}]\nstatus: {phase: Running, podIP: 198.18.1.2, podIPs: [{ip: 198.18.1.2}]}\n",
+    "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: z1}}\nstatus: {addresses: [{type: InternalIP, address: 198.18.0.11}]}\n",
+    "{\"apiVersion\": \"v1\", \"kind\": \"List\", \"items\": [{\"apiVersion\": \"v1\", \"kind\": \"Service\", \"metadata\": {\"name\": \"j\"}, \"spec\": {\"clusterIP\": \"198.19.0.9\", \"ports\": [{\"port\": 53, \"protocol\": \"UDP\"}]}}]}\n",
+];
+
+/// A valid Service the fuzzed documents sit between.
+const BYSTANDER: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: bystander-a, namespace: keep}\nspec: {clusterIP: 198.19.100.1, ports: [{port: 80}]}\n";
+
+/// Issue 15, input fuzzing: random and mutated documents never panic the
+/// manifests parser, every error names the file and document, and valid
+/// documents before and after a broken one still load.
+#[test]
+fn fuzzed_documents_never_panic_and_spare_their_neighbours() {
+    let path = Path::new("fuzz.yaml");
+    for seed in 0..3000u64 {
+        let mut rng = fuzz::Rng::new(seed);
+        let doc = match rng.below(4) {
+            0 => (0..rng.below(8) + 1)
+                .map(|_| fuzz::random_string(&mut rng))
+                .collect::<Vec<_>>()
+                .join(if rng.below(2) == 0 { "\n" } else { " " }),
+            1 => {
+                let mut v: serde_json::Value =
+                    yaml_serde::from_str(rng.pick::<&str>(FUZZ_SEEDS)).unwrap();
+                fuzz::mutate_value(&mut rng, &mut v);
+                serde_json::to_string(&v).unwrap()
+            }
+            _ => {
+                let seed_doc = *rng.pick(FUZZ_SEEDS);
+                fuzz::mutate_text(&mut rng, seed_doc)
+            }
+        };
+        let text = format!(
+            "{BYSTANDER}---\n{doc}\n---\n{}",
+            BYSTANDER.replace("bystander-a", "bystander-b")
+        );
+        let mut snap = Snapshot::default();
+        let mut errors = Vec::new();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            load_str(path, &text, &mut snap, &mut errors)
+        }));
+        assert!(result.is_ok(), "seed {seed}: panicked on {doc:?}");
+        let services = names(&snap.services);
+        for keep in ["keep/bystander-a", "keep/bystander-b"] {
+            assert!(
+                services.iter().any(|s| s == keep),
+                "seed {seed}: {keep} lost beside {doc:?}: {errors:?}"
+            );
+        }
+        for e in &errors {
+            let shown = e.to_string();
+            assert!(
+                shown.contains("fuzz.yaml") && !e.message.trim().is_empty(),
+                "seed {seed}: unclear error {shown:?}"
+            );
+        }
+    }
+}

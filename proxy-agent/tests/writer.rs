@@ -731,3 +731,72 @@ mod maglev {
         assert_eq!(table_of(&w, &a), expected(&d, &a));
     }
 }
+
+/// Adding `loadBalancerSourceRanges` fails closed: a range that cannot be
+/// written is reported and retried, but slot 0 takes the restriction anyway,
+/// so the frontend is never left open to every client.
+#[test]
+fn source_ranges_that_fail_to_write_leave_the_frontend_closed() {
+    use proxy_common::svc_flags;
+    let a = key(1, 80, IPPROTO_TCP);
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let open = desired(&[(a, &[1, 2])]);
+    assert!(w.sync(&open).errors.is_empty());
+    let mut closed = open.clone();
+    let fe = closed.frontends.get_mut(&a).unwrap();
+    fe.flags |= svc_flags::SOURCE_RANGES;
+    fe.source_ranges = vec![(Ipv4Addr::new(198, 18, 4, 0), 24)];
+    // The range's write fails.
+    w.dataplane_mut().fail_next(1);
+    let r = w.sync(&closed);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let p = w.dataplane().programmed();
+    let slot0 = p.services[&svc(&a, 0)];
+    assert_ne!(
+        slot0.flags & svc_flags::SOURCE_RANGES,
+        0,
+        "the frontend was left open"
+    );
+    assert!(p.source_ranges.is_empty());
+    // The next sync writes the range.
+    let r = w.sync(&closed);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(w.dataplane().programmed().source_ranges.len(), 1);
+    assert!(w.dataplane().violations().is_empty());
+}
+
+/// Issue 15: an affinity prune that failed is retried at the next sync,
+/// even when nothing else about the frontend changes.
+#[test]
+fn failed_affinity_prune_is_retried_next_sync() {
+    let k = key(40, 80, IPPROTO_TCP);
+    let with_affinity = |backends: &[u8]| {
+        let mut d = desired(&[(k, backends)]);
+        d.frontends.get_mut(&k).unwrap().affinity_timeout_s = 300;
+        d
+    };
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    assert!(w.sync(&with_affinity(&[1, 2])).errors.is_empty());
+    let id = w.rev_nat_ids()[&k];
+    let b1 = w.backend_ids()[&backend(1, IPPROTO_TCP)];
+    let before = w.dataplane().prunes().len();
+
+    // Backend 2 leaves; pruning its clients' affinity fails.
+    w.dataplane_mut().fail_next_prunes(1);
+    let report = w.sync(&with_affinity(&[1]));
+    assert_eq!(report.errors.len(), 1, "{report:?}");
+    assert_eq!(w.dataplane().prunes().len(), before);
+    assert!(w.affinity_pending().contains(&k));
+
+    // Nothing changes, yet the next sync retries the prune.
+    let report = w.sync(&with_affinity(&[1]));
+    assert!(report.errors.is_empty(), "{report:?}");
+    let prunes = w.dataplane().prunes();
+    assert_eq!(prunes.len(), before + 1, "prune not retried");
+    assert_eq!(prunes[before], (id, [b1].into_iter().collect()));
+    assert!(w.affinity_pending().is_empty());
+
+    // Done: a further sync prunes nothing.
+    w.sync(&with_affinity(&[1]));
+    assert_eq!(w.dataplane().prunes().len(), before + 1);
+}

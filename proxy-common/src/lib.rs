@@ -14,6 +14,7 @@
 pub mod conntrack;
 pub mod csum;
 pub mod lb;
+pub mod ratelimit;
 
 use core::mem::{offset_of, size_of};
 use core::net::Ipv4Addr;
@@ -57,9 +58,12 @@ pub mod map_names {
     pub const MAGLEV: &str = "MAGLEV4_V1";
     /// Round-robin cursors, per CPU, indexed by reverse-NAT id (`u32`).
     pub const ROUND_ROBIN: &str = "RR4_V1";
+    /// The ICMP reject's rate limit, per CPU: index 0 → the bucket's
+    /// theoretical arrival time (`u64`, ns; see [`super::ratelimit`]).
+    pub const REJECT_LIMIT: &str = "REJECT_RL_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -75,6 +79,7 @@ pub mod map_names {
         SOCK_REVNAT,
         MAGLEV,
         ROUND_ROBIN,
+        REJECT_LIMIT,
     ];
 }
 
@@ -673,6 +678,10 @@ pub mod stat {
     /// backend is on another node, sent there unchanged (no translation, no
     /// conntrack here); that node translates it.
     pub const FWD_HANDOFF: u32 = 33;
+    /// A frontend without a usable backend, over the reject rate limit
+    /// ([`super::ratelimit`]): dropped instead of answered, so spoofed
+    /// packets cannot turn the node into an ICMP reflector.
+    pub const DROP_REJECT_RATE_LIMITED: u32 = 34;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -693,9 +702,13 @@ pub mod stat {
     /// Socket LB: the reverse-NAT entry could not be written (map full and
     /// not evictable); the socket was translated anyway.
     pub const SOCK_REVNAT_INSERT_FAILED: u32 = 46;
+    /// Socket LB: a host client outside a load-balancer IP's
+    /// `loadBalancerSourceRanges` (judged by the node's address); the call
+    /// failed with EPERM.
+    pub const SOCK_SOURCE_RANGE: u32 = 47;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 47] = [
+    pub const NAMES: [&str; 48] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -730,7 +743,7 @@ pub mod stat {
         "xdp_tx",
         "xdp_redirect",
         "fwd_handoff",
-        "",
+        "drop_reject_rate_limited",
         "",
         "",
         "",
@@ -743,6 +756,7 @@ pub mod stat {
         "sock_no_local_backend",
         "sock_no_backend_entry",
         "sock_revnat_insert_failed",
+        "sock_source_range",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

@@ -104,10 +104,8 @@ fn new_flow(
     let scope = mode & !FROM_XDP;
     let external = scope == SCOPE_EXTERNAL;
     let client_be = pkt.saddr_be;
-    if external
-        && fe.flags & svc_flags::SOURCE_RANGES != 0
-        && !lb::source_allowed(fe.rev_nat_id, client_be)
-    {
+    // Every source, as kube-proxy's firewall chain: external clients, pods.
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !lb::source_allowed(fe.rev_nat_id, client_be) {
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
     let (backend_id, b) = lb::select(pkt, &lb::frontend_key(pkt, scope), fe, now)?;

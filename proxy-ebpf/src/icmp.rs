@@ -1,15 +1,19 @@
 //! The reject of a frontend without endpoints: an ICMP port unreachable from
 //! the frontend back to the client, as kube-proxy's REJECT rule answers, so
-//! `connect()` fails with ECONNREFUSED at once.
+//! `connect()` fails with ECONNREFUSED at once. Rate-limited per CPU
+//! ([`proxy_common::ratelimit`]); over the limit the packet is dropped.
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT,
-    helpers::{bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::{csum, stat, IPPROTO_ICMP};
+use proxy_common::{csum, ratelimit, stat, IPPROTO_ICMP};
 
-use crate::parse::{Ipv4Hdr, ETH_HLEN};
+use crate::{
+    maps::REJECT_RL_V1,
+    parse::{Ipv4Hdr, ETH_HLEN},
+};
 
 const REJECT_LEN: usize = ETH_HLEN + 20 + 8 + 28;
 const ICMP_DEST_UNREACH: u8 = 3;
@@ -19,9 +23,32 @@ const ICMP_PORT_UNREACH: u8 = 3;
 /// the client and sends it back out of the interface it came from; returns
 /// the tc action and its counter.
 pub fn reject(ctx: &TcContext, ip: &Ipv4Hdr) -> (i32, u32) {
+    if !allowed() {
+        return (TC_ACT_SHOT, stat::DROP_REJECT_RATE_LIMITED);
+    }
     match try_reject(ctx, ip) {
         Ok(v) => v,
         Err(()) => (TC_ACT_SHOT, stat::DROP_REJECT_FAILED),
+    }
+}
+
+/// Takes one reject from this CPU's bucket, if it has one.
+#[inline(always)]
+fn allowed() -> bool {
+    let Some(tat) = REJECT_RL_V1.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: this CPU's slot; no other writer while we run.
+    unsafe {
+        match ratelimit::allow(*tat, now) {
+            Some(next) => {
+                *tat = next;
+                true
+            }
+            None => false,
+        }
     }
 }
 

@@ -80,6 +80,11 @@ pub static MAGLEV4_V1: HashMap<
 #[btf_map]
 pub static RR4_V1: PerCpuArray<u32, { capacity::REV_NAT as usize }> = PerCpuArray::new();
 
+/// The ICMP reject's rate limit: the bucket's theoretical arrival time, per
+/// CPU ([`proxy_common::ratelimit`]).
+#[btf_map]
+pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
+
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]
 pub fn count(code: u32) {

@@ -36,12 +36,13 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    stat, SockRevNat4Key, SockRevNat4Value, Svc4Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+    stat, svc_flags, SockRevNat4Key, SockRevNat4Value, Svc4Key, IPPROTO_TCP, IPPROTO_UDP,
+    SCOPE_INTERNAL,
 };
 
 use crate::{
     lb,
-    maps::{account, count, SOCK_REVNAT4_V1, SVC4_V1},
+    maps::{account, count, CONFIG_V1, SOCK_REVNAT4_V1, SVC4_V1},
     parse::Packet,
     verdict::Verdict,
 };
@@ -62,6 +63,7 @@ const SOCK_STREAM: u32 = 1;
 const SOCK_DGRAM: u32 = 2;
 const ECONNREFUSED: i32 = 111;
 const EHOSTUNREACH: i32 = 113;
+const EPERM: i32 = 1;
 
 /// Return value of a cgroup hook: let the call proceed / fail it.
 const PROCEED: i32 = 1;
@@ -130,6 +132,16 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     };
     // SAFETY: map value pointer, copied.
     let fe = unsafe { *fe };
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
+        // A host client's packets leave from the node's address (its own
+        // address is not bound yet at connect()): judged by that, failing
+        // closed while the node's address is unknown.
+        let node_be = CONFIG_V1.get(0).map_or(0, |c| c.node_addr_be);
+        if node_be == 0 || !lb::source_allowed(fe.rev_nat_id, node_be) {
+            count(stat::SOCK_SOURCE_RANGE);
+            return fail(EPERM);
+        }
+    }
     // SAFETY: helper on this program's context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // The fields `select` reads (the client, as the affinity key and for

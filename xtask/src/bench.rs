@@ -172,7 +172,7 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
         config: BTreeMap::new(),
         results: Vec::new(),
     };
-    let agent = if cfg.modes.contains(&Mode::ProxyTc) {
+    let agent = if cfg.modes.iter().any(|m| m.is_proxy()) {
         Some(agent_bin(cfg)?)
     } else {
         None

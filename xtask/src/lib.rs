@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod client;
+pub mod image;
 pub mod lab;
 pub mod lint;
 pub mod manifests;

@@ -41,13 +41,23 @@ enum Cmd {
     /// rustfmt's check and clippy (warnings as errors) on every crate, the
     /// eBPF one for its own target.
     Lint,
-    /// Setup, lint, build, then `cargo test --workspace --exclude proxy-ebpf --
-    /// --include-ignored --test-threads=2` as root (the eBPF crate only builds
-    /// for the bpf target). Arguments go to `cargo test`; those after a
+    /// Setup, lint, build (the agent and its image), then `cargo test
+    /// --workspace --exclude proxy-ebpf -- --include-ignored --test-threads=2`
+    /// as root (the eBPF crate only builds for the bpf target); without
+    /// arguments, then the lab tests of RUNC_TESTS again with the agent inside
+    /// the image under runc. Arguments go to `cargo test`; those after a
     /// second `--` go to the test binaries.
     Test {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// The agent's OCI image (a static agent with the eBPF object embedded)
+    /// as a layout under target/image/proxy-agent and a tarball
+    /// target/image/proxy-agent.tar; reproducible (same commit, same digest).
+    Image {
+        /// The tag the layout's index and the tarball name.
+        #[arg(long, default_value = "latest")]
+        tag: String,
     },
     /// Benchmarks side by side with kube-proxy's iptables and nftables layouts.
     Bench(xtask::bench::BenchArgs),
@@ -138,8 +148,32 @@ fn main() -> Result<()> {
             xtask::lint::lint()
         }
         Cmd::Test { args } => test(args),
+        Cmd::Image { tag } => image(tag),
         Cmd::Bench(args) => xtask::bench::run(args),
     }
+}
+
+fn image(tag: String) -> Result<()> {
+    let img = xtask::image::build(&xtask::image::ImageOptions {
+        tag,
+        ..Default::default()
+    })?;
+    println!("image {} (commit {})", img.digest, img.commit);
+    println!(
+        "layer: {} bytes gzipped, {} bytes uncompressed",
+        img.compressed_size, img.uncompressed_size
+    );
+    println!("OCI layout: {}", img.layout.display());
+    println!(
+        "tarball (docker load, ctr images import): {}",
+        img.tarball.display()
+    );
+    println!(
+        "push: skopeo copy oci:{} docker://REGISTRY/proxy-agent:{}",
+        img.oci_ref(),
+        img.tag
+    );
+    Ok(())
 }
 
 fn lab_cmd(cmd: LabCmd) -> Result<()> {
@@ -536,6 +570,8 @@ fn test(mut args: Vec<String>) -> Result<()> {
         Some(i) => (&args[..i], &args[i + 1..]),
         None => (&args[..], &[][..]),
     };
+    // The image, once: its tests (tests/image.rs) and the runc pass share it.
+    let image = xtask::image::build(&Default::default())?;
     let target = setup::target_dir().join("debug");
     let status = setup::cargo()
         .args(["test", "--workspace", "--exclude", "proxy-ebpf"])
@@ -544,15 +580,64 @@ fn test(mut args: Vec<String>) -> Result<()> {
         .args(bin_args)
         .env("KPR_AGENT_BIN", &agent)
         .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_LAB_IMAGE", &image.layout)
         .env("KPR_REQUIRE_ROOT_TESTS", "1")
         .status()
         .context("cannot run cargo test")?;
     if !status.success() {
         bail!("cargo test failed ({status})");
     }
-    // Only a full run (no test filter) goes on to the kernel matrix.
-    if args.is_empty() && std::env::var_os("KPR_SKIP_VMS").is_none() {
-        xtask::vm::test_matrix()?;
+    // Only a full run (no test filter) goes on to the runc pass and the
+    // kernel matrix.
+    if args.is_empty() {
+        runc_pass(&agent, &target, &image.layout)?;
+        if std::env::var_os("KPR_SKIP_VMS").is_none() {
+            xtask::vm::test_matrix()?;
+        }
+    }
+    Ok(())
+}
+
+/// Lab tests run a second time with every node's agent inside the image
+/// under runc, configured from deploy/ (`KPR_LAB_AGENT=runc`).
+const RUNC_TESTS: &[(&str, &str)] = &[
+    ("lab", "s1_basic_endpoint_added_and_removed"),
+    ("lab", "metrics_counters_move_with_real_traffic"),
+    (
+        "lab_lifecycle",
+        "s8_restart_keeps_flows_and_refuses_nothing",
+    ),
+    (
+        "lab_northsouth",
+        "s10_nodeport_reachable_from_external_on_every_node",
+    ),
+];
+
+fn runc_pass(
+    agent: &std::path::Path,
+    target: &std::path::Path,
+    image: &std::path::Path,
+) -> Result<()> {
+    println!("lab tests again, the agent inside the image under runc: {RUNC_TESTS:?}");
+    let mut cmd = setup::cargo();
+    // The same package selection as the first pass, so its test binaries
+    // are reused rather than built again with other features.
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    let mut bins: Vec<&str> = RUNC_TESTS.iter().map(|(b, _)| *b).collect();
+    bins.dedup();
+    for b in bins {
+        cmd.args(["--test", b]);
+    }
+    cmd.args(["--", "--include-ignored", "--test-threads=2", "--exact"])
+        .args(RUNC_TESTS.iter().map(|(_, t)| *t))
+        .env("KPR_AGENT_BIN", agent)
+        .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_LAB_AGENT", "runc")
+        .env("KPR_LAB_IMAGE", image)
+        .env("KPR_REQUIRE_ROOT_TESTS", "1");
+    let status = cmd.status().context("cannot run cargo test")?;
+    if !status.success() {
+        bail!("lab tests under runc failed ({status})");
     }
     Ok(())
 }

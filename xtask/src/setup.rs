@@ -24,7 +24,17 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "busybox-static",
     "xz-utils",
     "zstd",
+    // The image (`cargo xtask image`: ring's C code for the musl agent) and
+    // the lab's runc mode: run it, read it, unpack it.
+    "musl-tools",
+    "runc",
+    "skopeo",
+    "umoci",
+    // deploy/'s validation: a venv for PyPI's kubernetes-validate.
+    "python3-venv",
 ];
+/// The Rust target of the image's static agent.
+pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 /// Where bpffs must be mounted.
 pub const BPFFS: &str = "/sys/fs/bpf";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
@@ -177,6 +187,87 @@ fn ensure_rust_src(toolchain: &str) -> Result<()> {
     .with_context(|| format!("cannot install rust-src for toolchain {toolchain}"))
 }
 
+fn ensure_musl_target() -> Result<()> {
+    let out = crate::netns::run(Command::new("rustup").args(["target", "list", "--installed"]))?;
+    if out.lines().any(|l| l.trim() == MUSL_TARGET) {
+        println!("ok: rust target {MUSL_TARGET} already installed");
+        return Ok(());
+    }
+    println!("installing rust target {MUSL_TARGET}");
+    run_visible(Command::new("rustup").args(["target", "add", MUSL_TARGET]))
+        .with_context(|| format!("cannot install the rust target {MUSL_TARGET}"))
+}
+
+/// `kubectl` (for `kubectl kustomize deploy/`): the one on PATH, else
+/// Debian's `kubernetes-client`.
+fn ensure_kubectl() -> Result<()> {
+    let found = Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if found {
+        println!("ok: kubectl already installed");
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("kubectl missing and not root: install Debian's kubernetes-client");
+    }
+    println!("installing kubernetes-client (kubectl)");
+    run_visible(
+        Command::new("apt-get")
+            .args([
+                "install",
+                "-y",
+                "--no-install-recommends",
+                "kubernetes-client",
+            ])
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .context("cannot install kubernetes-client")
+}
+
+/// The kubernetes-validate release (PyPI) deploy/ is validated with: it
+/// carries the OpenAPI schemas up to Kubernetes 1.37.
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
+/// `<target>/venv/bin/kubernetes-validate`.
+pub fn kubernetes_validate_bin() -> PathBuf {
+    target_dir().join("venv/bin/kubernetes-validate")
+}
+
+/// PyPI's kubernetes-validate in a venv under the target directory.
+fn ensure_kubernetes_validate() -> Result<()> {
+    let bin = kubernetes_validate_bin();
+    let current = Command::new(&bin)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if current
+        .as_deref()
+        .is_some_and(|v| v.contains(KUBERNETES_VALIDATE_VERSION))
+    {
+        println!("ok: kubernetes-validate {KUBERNETES_VALIDATE_VERSION} already installed");
+        return Ok(());
+    }
+    let venv = target_dir().join("venv");
+    println!(
+        "installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {}",
+        venv.display()
+    );
+    run_visible(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+        .context("cannot create the venv")?;
+    run_visible(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet"])
+            .arg(format!(
+                "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+            )),
+    )
+    .context("cannot install kubernetes-validate from PyPI")
+}
+
 fn ensure_bpf_linker() -> Result<()> {
     let current = Command::new("bpf-linker")
         .arg("--version")
@@ -298,7 +389,10 @@ pub fn setup() -> Result<()> {
         println!("skip: no nightly toolchain (the stable toolchain with RUSTC_BOOTSTRAP=1 builds the eBPF crate)");
     }
     ensure_bpf_linker()?;
+    ensure_musl_target()?;
     ensure_debian_packages()?;
+    ensure_kubectl()?;
+    ensure_kubernetes_validate()?;
     ensure_bpffs(true)?;
     println!("setup complete");
     Ok(())

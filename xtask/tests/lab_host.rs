@@ -445,3 +445,65 @@ fn s8_host_clients_survive_agent_restarts() {
         println!("host clients across restarts: {exchanges} exchanges, {new_ok} new connections, 0 failed");
     });
 }
+
+/// `loadBalancerSourceRanges` apply to every source of a load-balancer IP,
+/// as kube-proxy's firewall chain filters them: with ranges that hold
+/// neither the pod nor the node, a pod's connections are dropped and the
+/// node's own client is refused at once (EPERM from the socket hook); with
+/// the pod's and the node's addresses in the ranges, both are answered.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn lb_source_ranges_apply_to_pods_and_host_clients() {
+    let lb = Ipv4Addr::new(198, 19, 100, 60);
+    let svc = |ranges: &[&str]| {
+        Svc::new("ranged")
+            .selector("ranged")
+            .service_type("LoadBalancer")
+            .port(Port::tcp("t", 80))
+            .lb_ips(&[lb])
+            .source_ranges(ranges)
+    };
+    let yaml = manifests(&[
+        &Pod::new("ranged-1", "ranged")
+            .node("node-1")
+            .port(80, "TCP"),
+        &svc(&["198.18.7.0/24"]),
+    ]);
+    with_nodes("lb_source_ranges_pods_hosts", 1, &yaml, |lab| {
+        let vip = SocketAddrV4::new(lb, 80);
+        let pod = lab.client().clone();
+        support::assert_tcp_dropped(&pod.netns, vip, 3, "pod outside the ranges");
+        let mut h = host(lab, "node-1");
+        for _ in 0..3 {
+            let t = Instant::now();
+            let r = h.tcp(vip, "hostname").expect("host client");
+            assert!(
+                r.error_kind().is_some() && r.error_kind() != Some("timeout"),
+                "host client outside the ranges must be refused at once: {r:?}"
+            );
+            assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        }
+        let node = format!("{}/32", node_ip(lab, "node-1"));
+        let pod_range = format!("{}/32", pod.ip);
+        support::apply(
+            lab,
+            &svc(&["198.18.7.0/24", &node, &pod_range]).yaml(),
+            SYNC_TIMEOUT,
+        );
+        support::assert_answered_by(
+            &pod.netns,
+            vip,
+            "TCP",
+            10,
+            &["ranged-1"],
+            "pod inside the ranges",
+        );
+        assert_every(
+            &mut h,
+            "TCP",
+            vip,
+            &["ranged-1"],
+            "host client inside the ranges",
+        );
+    });
+}

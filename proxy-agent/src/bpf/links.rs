@@ -134,7 +134,10 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 }
 
 fn is_cgroup2(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path).is_ok_and(|st| st.filesystem_type().0 == CGROUP2_SUPER_MAGIC)
+    // `f_type` is an i64 with glibc and a u64 with musl (the image's agent).
+    #[allow(clippy::unnecessary_cast)]
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|st| st.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
 }
 
 /// The bpf(2) syscall `cmd` with `attr` (a `#[repr(C)]` prefix of the

@@ -1,7 +1,7 @@
 //! The in-memory dataplane of the tests: the maps as BTreeMaps with their
 //! capacities, a log of the operations, injectable failures, and a check after
 //! every operation of the invariant a packet relies on.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
@@ -39,6 +39,10 @@ pub struct InMemory {
     /// Operations to let through before failing `fail_count` of them.
     fail_skip: usize,
     fail_count: usize,
+    /// Affinity prunes to fail before they succeed again.
+    fail_prunes: usize,
+    /// Every affinity prune that took effect: (reverse-NAT id, kept backends).
+    prunes: Vec<(u16, BTreeSet<u32>)>,
 }
 
 impl Default for InMemory {
@@ -59,6 +63,8 @@ impl InMemory {
             violations: Vec::new(),
             fail_skip: 0,
             fail_count: 0,
+            fail_prunes: 0,
+            prunes: Vec::new(),
         }
     }
 
@@ -84,6 +90,17 @@ impl InMemory {
     /// missing chunk or an entry naming a missing backend.
     pub fn violations(&self) -> &[String] {
         &self.violations
+    }
+
+    /// Makes the next `n` affinity prunes fail (without effect); 0 cancels.
+    pub fn fail_next_prunes(&mut self, n: usize) {
+        self.fail_prunes = n;
+    }
+
+    /// Every affinity prune that took effect, in order: the frontend's
+    /// reverse-NAT id and the backend ids whose entries were kept.
+    pub fn prunes(&self) -> &[(u16, BTreeSet<u32>)] {
+        &self.prunes
     }
 
     /// Makes the next `n` operations fail (without effect); 0 cancels.
@@ -211,6 +228,22 @@ fn maglev_violation(state: &Programmed, value: &Svc4Value) -> Option<String> {
 }
 
 impl Dataplane for InMemory {
+    fn prune_affinity(
+        &mut self,
+        rev_nat_id: u16,
+        keep: &BTreeSet<u32>,
+    ) -> Result<usize, DataplaneError> {
+        if self.fail_prunes > 0 {
+            self.fail_prunes -= 1;
+            return Err(DataplaneError::Op {
+                map: map_names::AFFINITY,
+                op: "prune",
+                reason: "injected failure".into(),
+            });
+        }
+        self.prunes.push((rev_nat_id, keep.clone()));
+        Ok(0)
+    }
     fn put_maglev_chunk(
         &mut self,
         key: MaglevKey,

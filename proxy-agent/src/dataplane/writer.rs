@@ -169,6 +169,8 @@ pub struct Writer<D: Dataplane> {
     maglev_keys: BTreeSet<MaglevKey>,
     /// The table each Maglev frontend's slot 0 reads, by reverse-NAT id.
     maglev_tables: BTreeMap<u16, MaglevTable>,
+    /// Frontends whose last affinity prune failed: retried at the next sync.
+    affinity_pending: BTreeSet<FrontendKey>,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -239,6 +241,7 @@ impl<D: Dataplane> Writer<D> {
             maglev: MaglevSettings::default(),
             maglev_keys: programmed.maglev.keys().copied().collect(),
             maglev_tables,
+            affinity_pending: BTreeSet::new(),
         })
     }
 
@@ -268,6 +271,12 @@ impl<D: Dataplane> Writer<D> {
     /// The reverse-NAT id of every frontend that has one.
     pub fn rev_nat_ids(&self) -> &BTreeMap<FrontendKey, u16> {
         self.rev_nat_ids.as_map()
+    }
+
+    /// Frontends whose session-affinity prune failed and is retried at the
+    /// next sync.
+    pub fn affinity_pending(&self) -> &BTreeSet<FrontendKey> {
+        &self.affinity_pending
     }
 
     /// The backend ids in a frontend's slots `1..=count`, as programmed.

@@ -13,6 +13,7 @@ use super::endpoints::{local_endpoint_addresses, port_endpoints};
 use super::frontends::{frontend_key, insert_frontend, with_backends};
 use super::health_checks::claim_health_check;
 use super::lb::{service_algorithms, LbAlgorithm};
+use super::policy::{forbidden_address, in_cidr, ClaimRank};
 use super::services::{ignored, name, namespace, parse_proto, service_id};
 use super::{
     categorize, endpoint_slices_from_pods, DesiredState, Frontend, FrontendKey, ModelOptions,
@@ -30,9 +31,16 @@ pub fn desired_state(snapshot: &Snapshot, node_name: &str) -> (DesiredState, Vec
 ///
 /// Services are taken in `namespace/name` order and, within a Service, port by
 /// port: its ClusterIP frontends, then its north-south ones. When two
-/// Services claim the same frontend the first keeps it and a warning names
-/// the other; within one Service the first claim wins silently (kube-proxy's
-/// rule order: clusterIP, externalIPs, then load-balancer IPs).
+/// Services claim the same frontend, a ClusterIP wins over an externalIP or
+/// load-balancer IP, then the older Service (`creationTimestamp`, then
+/// `namespace/name`), and a warning names the other; within one Service the
+/// first claim wins silently (kube-proxy's rule order: clusterIP,
+/// externalIPs, then load-balancer IPs). Addresses that can never be
+/// frontends ([`forbidden_address`]), externalIPs the
+/// [`super::FrontendPolicy`] refuses and this node's own addresses as
+/// externalIP or load-balancer IP (unless allowed) are refused with a
+/// warning naming the Service, as are a Service's frontends beyond
+/// `max_frontends_per_service`.
 pub fn desired_state_with(
     snapshot: &Snapshot,
     node_name: &str,
@@ -67,6 +75,18 @@ pub fn desired_state_with(
     let internal_ips = node_object.map(node_internal_ips).unwrap_or_default();
     desired.node_addr = internal_ips.first().copied();
     let node_port_addrs = node_port_addresses(&internal_ips, &opts.node_port_addresses);
+    // Every IPv4 address of the Node object: refused as externalIP or
+    // load-balancer IP unless the policy allows it.
+    let own_addrs: BTreeSet<Ipv4Addr> = node_object
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|a| super::addresses::parse_ipv4(&a.address))
+        .collect();
+    let policy = &opts.frontend_policy;
+    // Who holds each claimed frontend (see `insert_frontend`).
+    let mut ranks = super::frontends::Owners::new();
     // Why no NodePort can be served; reported once, when some port has one.
     let mut node_problem = match node_object {
         None => Some("no Node object for this node"),
@@ -142,9 +162,20 @@ pub fn desired_state_with(
             });
             continue;
         }
+        cluster_ips.retain(|ip| match forbidden_address(*ip) {
+            Some(why) => {
+                warnings.push(ModelWarning {
+                    object: object.clone(),
+                    message: format!("clusterIP {ip} is {why}; never a frontend, refused"),
+                });
+                false
+            }
+            None => true,
+        });
         if cluster_ips.is_empty() {
             continue;
         }
+        let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
 
         let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
             spec.session_affinity_config
@@ -156,7 +187,46 @@ pub fn desired_state_with(
         } else {
             0
         };
-        let external = external_addresses(svc, &object, &mut warnings);
+        let mut external = external_addresses(svc, &object, &mut warnings);
+        if !policy.honour_external_ips && !external.external_ips.is_empty() {
+            warnings.push(ModelWarning {
+                object: object.clone(),
+                message: "externalIPs are not honoured on this node \
+                          (frontendPolicy.honourExternalIPs: false); ignored"
+                    .into(),
+            });
+            external.external_ips.clear();
+        }
+        let refuse = |what: &str, ip: &Ipv4Addr, warnings: &mut Vec<ModelWarning>| {
+            let why = if let Some(why) = forbidden_address(*ip) {
+                format!("is {why}; never a frontend")
+            } else if own_addrs.contains(ip) && !policy.allow_node_addresses {
+                "is this node's own address (frontendPolicy.allowNodeAddresses: false)".into()
+            } else if what == "externalIP"
+                && (policy.external_ip_deny.iter().any(|c| in_cidr(*ip, *c))
+                    || !(policy.external_ip_allow.is_empty()
+                        || policy.external_ip_allow.iter().any(|c| in_cidr(*ip, *c))))
+            {
+                "is refused by frontendPolicy.externalIPAllowCIDRs / externalIPDenyCIDRs".into()
+            } else {
+                return false;
+            };
+            warnings.push(ModelWarning {
+                object: object.clone(),
+                message: format!("{what} {ip} {why}; refused"),
+            });
+            true
+        };
+        external
+            .external_ips
+            .retain(|ip| !refuse("externalIP", ip, &mut warnings));
+        external
+            .lb_ips
+            .retain(|ip| !refuse("load-balancer IP", ip, &mut warnings));
+        // Distinct frontends this Service claimed, and those refused beyond
+        // the per-Service limit.
+        let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
+        let mut over_limit = 0usize;
         let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
         let (alg_internal, alg_external) =
             service_algorithms(svc, &object, opts.lb_algorithm, &mut warnings);
@@ -228,14 +298,27 @@ pub fn desired_state_with(
                     ),
                 });
             }
-            let mut claim = |key: FrontendKey, fe: Frontend| {
+            let mut claim = |key: FrontendKey, fe: Frontend, cluster_ip: bool| {
+                if !claimed.contains(&key) {
+                    if claimed.len() >= policy.max_frontends_per_service {
+                        over_limit += 1;
+                        return;
+                    }
+                    claimed.insert(key);
+                }
+                let rank = ClaimRank {
+                    cluster_ip,
+                    created,
+                    current_owner: opts.current_owners.get(&key) == Some(&id),
+                    service: id.clone(),
+                };
                 insert_frontend(
                     &mut desired.frontends,
+                    &mut ranks,
                     &mut warnings,
-                    &object,
                     key,
                     fe,
-                    &opts.current_owners,
+                    rank,
                 );
             };
 
@@ -250,6 +333,7 @@ pub fn desired_state_with(
                 claim(
                     frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
                     internal.clone(),
+                    true,
                 );
             }
 
@@ -291,9 +375,8 @@ pub fn desired_state_with(
             // From this node's pods: short-circuited to the cluster list
             // (kube-proxy's external-traffic chain sends traffic that starts
             // inside the cluster to the cluster endpoints whatever the
-            // externalTrafficPolicy: E4, S42). No source ranges here, as the
-            // datapath filters external traffic only; note that kube-proxy's
-            // firewall chain also filters pods' traffic to a load-balancer IP.
+            // externalTrafficPolicy: E4, S42); a load-balancer IP's source
+            // ranges apply here too (below).
             let mut short_circuit =
                 with_backends(&base, &categorized.cluster, &categorized, &endpoints);
             short_circuit.flags |= alg_internal.flags();
@@ -309,14 +392,20 @@ pub fn desired_state_with(
                 {
                     fe.flags |= svc_flags::HANDOFF;
                 }
+                let mut inside = short_circuit.clone();
+                // kube-proxy's firewall chain filters every source of a
+                // load-balancer IP: pods and the node's own clients too.
                 if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
-                    fe.flags |= svc_flags::SOURCE_RANGES;
-                    fe.source_ranges = external.source_ranges.clone();
+                    for f in [&mut fe, &mut inside] {
+                        f.flags |= svc_flags::SOURCE_RANGES;
+                        f.source_ranges = external.source_ranges.clone();
+                    }
                 }
-                claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe);
+                claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe, false);
                 claim(
                     frontend_key(addr, port, proto, SCOPE_INTERNAL),
-                    short_circuit.clone(),
+                    inside,
+                    false,
                 );
             }
             // Localhost NodePorts (L1, L2): the node's own clients only.
@@ -324,8 +413,18 @@ pub fn desired_state_with(
                 claim(
                     frontend_key(Ipv4Addr::LOCALHOST, p, proto, SCOPE_INTERNAL),
                     short_circuit.clone(),
+                    false,
                 );
             }
+        }
+        if over_limit > 0 {
+            warnings.push(ModelWarning {
+                object: object.clone(),
+                message: format!(
+                    "{over_limit} frontends beyond frontendPolicy.maxFrontendsPerService ({}) refused",
+                    policy.max_frontends_per_service
+                ),
+            });
         }
 
         claim_health_check(

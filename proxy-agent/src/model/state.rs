@@ -158,7 +158,9 @@ pub struct ModelOptions {
     /// NodePorts are served on. See [`NodePortAddresses`].
     pub node_port_addresses: Vec<NodePortAddresses>,
     /// The Service each frontend is programmed for now (`namespace/name`):
-    /// when two Services claim one frontend, its current owner keeps it.
+    /// when two Services without a `creationTimestamp` claim one frontend
+    /// with the same rank, its current owner keeps it (see
+    /// [`super::FrontendPolicy`] and `insert_frontend`).
     pub current_owners: BTreeMap<FrontendKey, String>,
     /// NodePorts also on `127.0.0.1` for the node's own clients (kube-proxy's
     /// `iptables.localhostNodePorts`); internal scope only, so only the
@@ -167,6 +169,9 @@ pub struct ModelOptions {
     /// The node's default load-balancing algorithm (`loadBalancing.algorithm`);
     /// a Service's annotation overrides it.
     pub lb_algorithm: super::LbAlgorithm,
+    /// Which addresses may be frontends (externalIPs, node addresses) and
+    /// how many frontends one Service may have.
+    pub frontend_policy: super::FrontendPolicy,
 }
 
 /// The kube-proxy feature gates the model follows.

@@ -17,7 +17,9 @@ use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod health_and_claims;
 mod lb;
+mod mutated;
 mod northsouth;
+mod ownership;
 mod policies;
 mod services;
 

@@ -281,8 +281,8 @@ fn external_frontends_fall_back_to_terminating_endpoints_s37_s38() {
     );
 }
 
-/// `loadBalancerSourceRanges` apply to the external load-balancer-IP
-/// frontends only (not NodePorts, externalIPs or the internal entries):
+/// `loadBalancerSourceRanges` apply to load-balancer-IP frontends, from
+/// outside and from inside (not to NodePorts, externalIPs or ClusterIPs):
 /// parsed, host bits cleared, deduplicated, IPv6 skipped, an invalid entry
 /// ignored with a warning.
 #[test]
@@ -301,17 +301,20 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     assert_eq!(warnings[0].object, "Service default/web");
     assert!(warnings[0].message.contains("not-a-cidr"), "{warnings:?}");
 
-    let lb = fe_at(&state, "198.18.9.1", 80, IPPROTO_TCP, SCOPE_EXTERNAL);
-    assert_eq!(lb.flags, svc_flags::SOURCE_RANGES);
-    assert_eq!(
-        lb.source_ranges,
-        [
-            (Ipv4Addr::new(198, 18, 4, 0), 24),
-            (Ipv4Addr::new(198, 18, 8, 0), 22)
-        ]
-    );
+    // The load-balancer IP, from outside and from pods and host clients
+    // (kube-proxy's firewall chain filters every source).
+    for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
+        let lb = fe_at(&state, "198.18.9.1", 80, IPPROTO_TCP, scope);
+        assert_eq!(lb.flags, svc_flags::SOURCE_RANGES, "scope {scope}");
+        assert_eq!(
+            lb.source_ranges,
+            [
+                (Ipv4Addr::new(198, 18, 4, 0), 24),
+                (Ipv4Addr::new(198, 18, 8, 0), 22)
+            ]
+        );
+    }
     for (ip, port, scope) in [
-        ("198.18.9.1", 80, SCOPE_INTERNAL),
         ("198.18.9.250", 80, SCOPE_EXTERNAL),
         ("198.18.9.250", 80, SCOPE_INTERNAL),
         ("198.18.0.11", 30080, SCOPE_EXTERNAL),

@@ -46,15 +46,19 @@ pub enum Mode {
     IptablesNft,
     Nftables,
     ProxyTc,
+    /// The same agent, every Service annotated `proxy-agent.io/lb-algorithm:
+    /// maglev`: Maglev against random side by side.
+    ProxyMaglev,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [
+    pub const ALL: [Mode; 6] = [
         Mode::None,
         Mode::IptablesLegacy,
         Mode::IptablesNft,
         Mode::Nftables,
         Mode::ProxyTc,
+        Mode::ProxyMaglev,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,7 +68,18 @@ impl Mode {
             Mode::IptablesNft => "iptables-nft",
             Mode::Nftables => "nftables",
             Mode::ProxyTc => "proxy-tc",
+            Mode::ProxyMaglev => "proxy-tc-maglev",
         }
+    }
+
+    /// Whether this project's agent programs the lab.
+    pub fn is_proxy(self) -> bool {
+        matches!(self, Mode::ProxyTc | Mode::ProxyMaglev)
+    }
+
+    /// The load-balancing algorithm the Services ask for, if not the default.
+    pub fn lb_algorithm(self) -> Option<&'static str> {
+        (self == Mode::ProxyMaglev).then_some("maglev")
     }
 
     pub fn parse(s: &str) -> Result<Mode> {

@@ -401,7 +401,10 @@ pub fn nft_add(new: &[Entry]) -> String {
 
 /// The entries as manifests for the agent: one Service (ClusterIP given)
 /// and one EndpointSlice per service, as JSON documents of one YAML stream.
-pub fn manifests(entries: &[Entry]) -> String {
+pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
+    let annotations = lb_algorithm.map_or(String::new(), |a| {
+        format!(r#","annotations":{{"proxy-agent.io/lb-algorithm":"{a}"}}"#)
+    });
     let mut out = String::with_capacity(entries.len() * 700);
     let mut i = 0;
     while i < entries.len() {
@@ -427,7 +430,7 @@ pub fn manifests(entries: &[Entry]) -> String {
         let _ = writeln!(
             out,
             r#"---
-{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{ports}]}}}}"#,
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"{annotations}}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{ports}]}}}}"#,
             v = first.vip,
             ports = svc_ports.join(",")
         );

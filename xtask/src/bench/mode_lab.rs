@@ -48,7 +48,7 @@ pub(super) fn agent_bin(cfg: &Config) -> Result<PathBuf> {
 
 impl ModeLab {
     pub(super) fn start(mode: Mode, cfg: &Config) -> Result<ModeLab> {
-        let with_agent = mode == Mode::ProxyTc;
+        let with_agent = mode.is_proxy();
         let mut b = Lab::builder()
             .manifests_yaml(&pods_yaml(cfg.endpoints))
             .agent(with_agent);
@@ -119,11 +119,11 @@ impl ModeLab {
         let r = in_netns(&self.node_ns, sys::flush_conntrack_here)?;
         if let Err(e) = r {
             // No conntrack in this namespace (no rules loaded): nothing to flush.
-            if self.mode != Mode::None && self.mode != Mode::ProxyTc {
+            if self.mode != Mode::None && !self.mode.is_proxy() {
                 bail!("conntrack flush in {}: {e}", self.node_ns);
             }
         }
-        if self.mode == Mode::ProxyTc {
+        if self.mode.is_proxy() {
             let ct = self.lab.info().bpffs.join(proxy_ct_map());
             if ct.exists() {
                 sys::clear_pinned_map(&ct).with_context(|| format!("clear {}", ct.display()))?;

@@ -79,7 +79,7 @@ pub(super) fn program(
             p.kernel_mem_delta = Some(sys::kernel_mem_bytes() as i64 - m0 as i64);
             p.from_empty_s = Some(total.as_secs_f64());
         }
-        Mode::ProxyTc => {
+        Mode::ProxyTc | Mode::ProxyMaglev => {
             if ml.remove_bench_files()? {
                 let off = ml.agent_log_len();
                 ml.wait_frontends(
@@ -90,7 +90,7 @@ pub(super) fn program(
                 )
                 .or_else(|_| -> Result<Duration> { Ok(Duration::ZERO) })?;
             }
-            let text = layouts::manifests(&entries);
+            let text = layouts::manifests(&entries, ml.mode.lb_algorithm());
             std::thread::sleep(settle);
             let m0 = sys::kernel_mem_bytes();
             let off = ml.agent_log_len();
@@ -136,8 +136,8 @@ pub(super) fn program(
                 let d = sys::exec_in_timed(&node, "nft", &["-f", "/dev/stdin"], &text)?;
                 (d, join_npl(poll))
             }
-            Mode::ProxyTc => {
-                let text = layouts::manifests(&new);
+            Mode::ProxyTc | Mode::ProxyMaglev => {
+                let text = layouts::manifests(&new, ml.mode.lb_algorithm());
                 let off = ml.agent_log_len();
                 let t0 = Instant::now();
                 let poll = npl_poller(&ml.client_ns, target, t0);
@@ -158,7 +158,7 @@ pub(super) fn program(
     }
     p.change_ms = median(&mut p.change_all_ms.clone());
     p.npl_ms = median(&mut p.npl_all_ms.iter().flatten().copied().collect::<Vec<_>>());
-    if ml.mode == Mode::ProxyTc {
+    if ml.mode.is_proxy() {
         p.agent_rss = p.agent_rss.max(
             ml.lab
                 .info()

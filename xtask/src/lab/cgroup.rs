@@ -20,6 +20,20 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
     })
 }
 
+/// Every cgroup hierarchy's mount point (v1 controllers and v2), from
+/// `/proc/mounts`: runc in runc mode creates the container's cgroup in each.
+pub fn all_mounts() -> Vec<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_dev, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            matches!(fstype, "cgroup" | "cgroup2").then(|| PathBuf::from(dir))
+        })
+        .collect()
+}
+
 /// The lab's cgroup directory, `<cgroup2>/kpr-lab-<id>`.
 pub fn lab_root(id: &str) -> Option<PathBuf> {
     cgroup2_mount().map(|m| m.join(format!("kpr-lab-{id}")))

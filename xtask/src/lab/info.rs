@@ -100,6 +100,9 @@ impl Frontend {
 pub struct AgentInfo {
     pub pid: u32,
     pub log: PathBuf,
+    /// The runc container the agent runs in (runc mode), by id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 /// A running pod server.

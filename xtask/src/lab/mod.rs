@@ -25,11 +25,14 @@
 //! | `info.rs` | lab.json ([`LabInfo`] and its parts) and the accessors reading it |
 //! | `topology.rs` | the switch, node namespaces, the external client, client and pod namespaces |
 //! | `process.rs` | the agents and the pods' `lab-server`s: binaries, start, stop |
+//! | `container.rs` | runc mode: the agent from the image, configured from `deploy/` |
 //! | `reconcile.rs` | manifests: apply, replace, delete; pods and frontends from objects |
 //! | `wait.rs` | waiting for the agents' syncs and attachments |
 
 mod cgroup;
 pub use cgroup::cgroup2_mount;
+pub mod container;
+pub use container::AgentImage;
 mod host_client;
 mod info;
 mod process;
@@ -126,9 +129,26 @@ pub struct LabBuilder {
     nodes: Option<usize>,
     zones: Vec<String>,
     external: Option<bool>,
+    agent_image: Option<AgentImage>,
+    without_caps: Vec<String>,
 }
 
 impl LabBuilder {
+    /// Runs every node's agent from this image under runc, configured from
+    /// `deploy/` (default: `KPR_LAB_AGENT=runc` selects the image at
+    /// `KPR_LAB_IMAGE`; else the agent runs as a plain process).
+    pub fn agent_image(mut self, image: AgentImage) -> Self {
+        self.agent_image = Some(image);
+        self
+    }
+
+    /// In runc mode, leaves these capabilities (`NET_ADMIN`) out of the
+    /// DaemonSet's list.
+    pub fn without_caps(mut self, caps: &[&str]) -> Self {
+        self.without_caps = caps.iter().map(|c| c.to_string()).collect();
+        self
+    }
+
     /// Number of nodes (default 1; at most [`MAX_NODES`]). With more than
     /// one, the lab gets a switch, `eth0` on every node and an external
     /// client.
@@ -234,6 +254,15 @@ pub struct Lab {
     write_marks: Vec<usize>,
     /// Whether the agent binary knows `--external-interfaces` (asked once).
     agent_has_ext_flag: Option<bool>,
+    /// Runc mode: the image the agents start from.
+    image: Option<AgentImage>,
+    /// Runc mode: images unpacked so far, with their rootfs.
+    rootfs: Vec<(AgentImage, PathBuf)>,
+    /// Runc mode: the `runc run` process of each container, by id.
+    runc: HashMap<String, Child>,
+    /// Runc mode: containers started so far (for unique ids).
+    container_seq: usize,
+    without_caps: Vec<String>,
     keep: bool,
 }
 
@@ -282,8 +311,10 @@ impl Lab {
             objects.extend(manifests::parse_yaml(y, &format!("manifests_yaml[{i}]"))?);
         }
         let with_agent = b.agent.unwrap_or(true);
+        let image = b.agent_image.or_else(AgentImage::from_env);
         let agent_bin = match (with_agent, b.agent_bin) {
             (false, _) => None,
+            (true, _) if image.is_some() => None,
             (true, Some(p)) => Some(p),
             (true, None) => Some(find_agent_bin()?),
         };
@@ -391,6 +422,11 @@ impl Lab {
             agent_start_marks: vec![0; n_nodes],
             write_marks: vec![0; n_nodes],
             agent_has_ext_flag: None,
+            image: if with_agent { image } else { None },
+            rootfs: Vec::new(),
+            runc: HashMap::new(),
+            container_seq: 0,
+            without_caps: b.without_caps,
             keep: false,
         };
         // From here on, dropping `lab` on error cleans up.
@@ -414,7 +450,15 @@ impl Lab {
             lab.alloc.complete(o, None)?;
         }
         lab.reconcile(objects)?;
-        if lab.agent_bin.is_some() {
+        if let Some(img) = &lab.image {
+            eprintln!(
+                "lab {}: agents from the image {}:{} under runc",
+                lab.info.id,
+                img.layout.display(),
+                img.tag
+            );
+        }
+        if lab.agent_bin.is_some() || lab.image.is_some() {
             lab.start_agent()?;
         }
         Ok(lab)
@@ -499,6 +543,11 @@ impl Lab {
             agent_start_marks: vec![0; marks.len()],
             write_marks: marks,
             agent_has_ext_flag: None,
+            image: None,
+            rootfs: Vec::new(),
+            runc: HashMap::new(),
+            container_seq: 0,
+            without_caps: Vec::new(),
             keep: true,
         })
     }
@@ -538,6 +587,17 @@ impl Lab {
                 if let Err(e) = self.kill(a.pid, Duration::from_secs(3)) {
                     errors.push(format!("agent of {}: {e:#}", self.info.nodes[i].name));
                 }
+                if let Some(id) = &a.container {
+                    if let Err(e) = self.delete_container(id) {
+                        errors.push(format!("{e:#}"));
+                    }
+                }
+            }
+        }
+        // Containers of this lab that lab.json lost track of.
+        for id in container::list(&format!("kpr-{}-", self.info.id)) {
+            if let Err(e) = self.delete_container(&id) {
+                errors.push(format!("{e:#}"));
             }
         }
         self.info.agent = None;
@@ -558,12 +618,32 @@ impl Lab {
         }
         for n in &self.info.nodes {
             if let Some(cg) = &n.cgroup {
+                // Runc mode's container cgroup, beside the node's.
+                let own = cg.with_file_name(format!("{}-agent", n.name));
+                if let Err(e) = cgroup::remove(&own) {
+                    errors.push(format!("cgroup {}: {e:#}", own.display()));
+                }
                 if let Err(e) = cgroup::remove(cg) {
                     errors.push(format!("cgroup {}: {e:#}", cg.display()));
                 }
             }
         }
         if let Some(root) = cgroup::lab_root(&self.info.id) {
+            if let Err(e) = cgroup::remove(&root) {
+                errors.push(format!("cgroup {}: {e:#}", root.display()));
+            }
+        }
+        // Runc mode on a host with cgroup v1 controllers: runc made the
+        // container's cgroup in every hierarchy; `runc delete` removed the
+        // leaf, the lab's parent is left.
+        for mount in cgroup::all_mounts() {
+            let root = mount.join(format!("kpr-lab-{}", self.info.id));
+            if !root.exists() {
+                continue;
+            }
+            for n in &self.info.nodes {
+                let _ = cgroup::remove(&root.join(format!("{}-agent", n.name)));
+            }
             if let Err(e) = cgroup::remove(&root) {
                 errors.push(format!("cgroup {}: {e:#}", root.display()));
             }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::wait::{count_markers, tail};
-use super::{AgentInfo, Lab, PodInfo, ServerInfo, DEFAULT_POD_PORT, HAIRPIN_SNAT_IP};
+use super::{
+    container, AgentImage, AgentInfo, Lab, PodInfo, ServerInfo, DEFAULT_POD_PORT, HAIRPIN_SNAT_IP,
+};
 use crate::{netns, setup};
 
 /// `KPR_AGENT_BIN`, else the release agent, built (or brought up to date —
@@ -131,6 +133,10 @@ impl Lab {
     /// their command line names this lab's id (guards against pid reuse).
     pub(super) fn kill(&mut self, pid: u32, grace: Duration) -> Result<()> {
         use nix::sys::signal::{kill, Signal};
+        if pid == 0 {
+            // An agent that exited before its pid was known (runc mode).
+            return Ok(());
+        }
         let npid = nix::unistd::Pid::from_raw(pid as i32);
         let first = if grace.is_zero() {
             Signal::SIGKILL
@@ -213,6 +219,9 @@ impl Lab {
         if node.agent.is_some() {
             bail!("the agent of {} is already running", node.name);
         }
+        if let Some(image) = self.image.clone() {
+            return self.start_container_idx(i, &image);
+        }
         let bin = match &self.agent_bin {
             Some(b) => b.clone(),
             None => find_agent_bin()?,
@@ -266,7 +275,11 @@ impl Lab {
             .with_context(|| format!("spawn {}", bin.display()))?;
         let pid = child.id();
         self.children.insert(pid, child);
-        self.info.nodes[i].agent = Some(AgentInfo { pid, log: log_path });
+        self.info.nodes[i].agent = Some(AgentInfo {
+            pid,
+            log: log_path,
+            container: None,
+        });
         self.save()
     }
 
@@ -287,9 +300,158 @@ impl Lab {
     fn stop_agent_idx(&mut self, i: usize) -> Result<()> {
         if let Some(a) = self.info.nodes[i].agent.take() {
             self.kill(a.pid, Duration::from_secs(3))?;
+            if let Some(id) = &a.container {
+                self.delete_container(id)?;
+            }
             self.save()?;
         }
         Ok(())
+    }
+
+    /// Runc mode: the image the agents start from (the next start of an
+    /// agent uses it; a running one keeps its own).
+    pub fn set_agent_image(&mut self, image: AgentImage) {
+        self.image = Some(image);
+    }
+
+    /// The rootfs of `image`, unpacked (once per image) under the lab's
+    /// directory.
+    fn rootfs_of(&mut self, image: &AgentImage) -> Result<PathBuf> {
+        if let Some((_, r)) = self.rootfs.iter().find(|(i, _)| i == image) {
+            return Ok(r.clone());
+        }
+        let dir = self
+            .info
+            .dir
+            .join(format!("image-{}", self.rootfs.len() + 1));
+        let rootfs = container::unpack(image, &dir)?;
+        self.rootfs.push((image.clone(), rootfs.clone()));
+        Ok(rootfs)
+    }
+
+    /// Starts node `i`'s agent from `image` under runc (see `container.rs`).
+    fn start_container_idx(&mut self, i: usize, image: &AgentImage) -> Result<()> {
+        let node = self.info.nodes[i].clone();
+        if self.agent_source_args.is_some() {
+            bail!("runc mode runs the manifests source only");
+        }
+        let rootfs = self.rootfs_of(image)?;
+        self.container_seq += 1;
+        let id = format!("kpr-{}-{}-{}", self.info.id, node.name, self.container_seq);
+        let bundle = self.info.dir.join("runc").join(&id);
+        std::fs::create_dir_all(&bundle)?;
+        let cg = node
+            .cgroup
+            .clone()
+            .context("runc mode needs the lab's cgroups (a cgroup2 mount)")?;
+        let mount = super::cgroup2_mount().context("no cgroup2 mount")?;
+        // The container's own cgroup is a sibling of the node's (the node's
+        // holds host clients directly, so it can have no child with
+        // controllers); the socket hooks still go to the node's cgroup.
+        let own = cg.with_file_name(format!("{}-agent", node.name));
+        let cgroups_path = format!(
+            "/{}",
+            own.strip_prefix(&mount)
+                .context("the node's cgroup is not under the cgroup2 mount")?
+                .display()
+        );
+        let manifests = self.info.manifests_dir.to_string_lossy().into_owned();
+        let hairpin = HAIRPIN_SNAT_IP.to_string();
+        let mut lab_args: Vec<String> = [
+            "--source",
+            "manifests",
+            "--manifests",
+            &manifests,
+            "--bpffs",
+            "/sys/fs/bpf",
+            "--hairpin-snat-ip",
+            &hairpin,
+            "--min-sync-period",
+            "100ms",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if !node.eth.is_empty() {
+            lab_args.extend(["--external-interfaces".to_string(), node.eth.clone()]);
+        }
+        lab_args.extend(self.agent_args.iter().cloned());
+        let rust_log = self
+            .rust_log
+            .clone()
+            .or_else(|| std::env::var("RUST_LOG").ok());
+        let dep = container::Deployment::from_repo()?;
+        let spec = container::runc_config(
+            &dep,
+            &container::NodeContainer {
+                node_name: &node.name,
+                netns_path: netns::netns_path(&node.netns),
+                rootfs: &rootfs,
+                bundle: &bundle,
+                bpffs: &node.bpffs,
+                cgroup: Some(&cg),
+                cgroups_path,
+                manifests_dir: &self.info.manifests_dir,
+                lab_args,
+                rust_log,
+                without_caps: &self.without_caps,
+            },
+        )?;
+        std::fs::write(
+            bundle.join("config.json"),
+            serde_json::to_vec_pretty(&spec)?,
+        )?;
+        std::fs::create_dir_all(&node.bpffs)?;
+        let log_path = node.agent_log.clone();
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        self.agent_start_marks[i] = count_markers(&log_path);
+        self.write_marks[i] = self.agent_start_marks[i];
+        let child = Command::new("runc")
+            .args(["run", "--bundle"])
+            .arg(&bundle)
+            .arg(&id)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("cannot run runc (cargo xtask setup installs it)")?;
+        let mut child = child;
+        let waited = container::wait_running(&id, &mut child, Duration::from_secs(10));
+        self.runc.insert(id.clone(), child);
+        // 0: the agent ran and exited already (agent_running is false).
+        let pid = match waited {
+            Ok(pid) => pid.unwrap_or(0),
+            Err(e) => {
+                let _ = self.delete_container(&id);
+                bail!("{e:#}: {}", tail(&log_path, 10));
+            }
+        };
+        self.info.nodes[i].agent = Some(AgentInfo {
+            pid,
+            log: log_path,
+            container: Some(id),
+        });
+        self.save()
+    }
+
+    /// Deletes container `id` (`runc delete -f`) and reaps its `runc run`.
+    pub(super) fn delete_container(&mut self, id: &str) -> Result<()> {
+        let r = container::delete(id);
+        if let Some(mut child) = self.runc.remove(id) {
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while child.try_wait()?.is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        r
     }
 
     /// Stops and starts every agent (each adopts its pinned state).

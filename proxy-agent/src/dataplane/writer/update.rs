@@ -8,7 +8,7 @@ use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Value};
 use super::{
     frontend_label, svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target, Writer,
 };
-use crate::model::{BackendAddr, DesiredState};
+use crate::model::{BackendAddr, DesiredState, FrontendKey};
 
 /// Every backend the desired frontends need, with its state: those in slots
 /// are active; terminating ones that flows may still use (`retained`) stay in
@@ -168,7 +168,11 @@ impl<D: Dataplane> Writer<D> {
 
     /// Writes the source ranges a frontend gains. Invariant: a range is
     /// written before a slot 0 that restricts clients to its ranges takes
-    /// effect, so no allowed client is refused in between.
+    /// effect, so no allowed client is refused in between. A range that
+    /// cannot be written is reported and retried next sync, but the frontend
+    /// is not failed: its slot 0 still gets the restriction, so a failure
+    /// refuses clients the missing range would allow (fails closed) and
+    /// never leaves the frontend open to everyone.
     pub(super) fn add_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
         for (key, fe) in &desired.frontends {
             if s.out.is_failed(key) {
@@ -191,7 +195,7 @@ impl<D: Dataplane> Writer<D> {
                         self.source_ranges.entry(id).or_default().insert(*range);
                     }
                     Err(e) => {
-                        s.out.fail(*key, Some(fe), e);
+                        s.out.error(frontend_label(key, Some(fe)), e);
                         break;
                     }
                 }
@@ -345,11 +349,21 @@ impl<D: Dataplane> Writer<D> {
 
     /// Ends the session affinity of changed frontends: a client's entry ends
     /// when its backend left the frontend, every entry when affinity is off.
+    /// A prune that failed is retried at every later sync until it succeeds
+    /// (or the frontend is no longer desired: removing it ends its affinity).
     /// Invariant: affinity is pruned only once slot 0 no longer balances over
     /// the backends it drops (failed frontends are skipped), so a client is
     /// not pinned again to a backend that is leaving.
     pub(super) fn prune_changed_affinity(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for key in &s.touched {
+        self.affinity_pending
+            .retain(|key| desired.frontends.contains_key(key));
+        let keys: BTreeSet<FrontendKey> = s
+            .touched
+            .iter()
+            .chain(self.affinity_pending.iter())
+            .copied()
+            .collect();
+        for key in &keys {
             let (Some(fe), Some(target), Some(id)) = (
                 desired.frontends.get(key),
                 s.targets.get(key),
@@ -365,8 +379,14 @@ impl<D: Dataplane> Writer<D> {
             } else {
                 BTreeSet::new()
             };
-            if let Err(e) = self.dp.prune_affinity(id, &keep) {
-                s.out.error(frontend_label(key, Some(fe)), e);
+            match self.dp.prune_affinity(id, &keep) {
+                Ok(_) => {
+                    self.affinity_pending.remove(key);
+                }
+                Err(e) => {
+                    self.affinity_pending.insert(*key);
+                    s.out.error(frontend_label(key, Some(fe)), e);
+                }
             }
         }
     }
