@@ -133,7 +133,15 @@ mod stats_log {
     /// where a fixed seven-argument function reads them (a seventh slot the
     /// caller did not fill is read but unused by the kernel).
     #[unsafe(no_mangle)]
-    pub unsafe extern "C" fn syscall(n: i64, a0: i64, a1: i64, a2: i64, a3: i64, a4: i64, a5: i64) -> i64 {
+    pub unsafe extern "C" fn syscall(
+        n: i64,
+        a0: i64,
+        a1: i64,
+        a2: i64,
+        a3: i64,
+        a4: i64,
+        a5: i64,
+    ) -> i64 {
         let mut args = [a0, a1, a2, a3, a4, a5];
         let mut ours = false;
         if n == SYS_BPF
@@ -185,12 +193,13 @@ mod stats_log {
         let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
         let log = &log[..end];
         let i = log.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
-        let digits = log[i..].iter().take_while(|b| b.is_ascii_digit());
+        let mut digits = log[i..].iter().take_while(|b| b.is_ascii_digit());
         // No allocation here: this runs inside the interposed syscall().
-        digits.fold(Some(0u32), |n, d| {
-            n?.checked_mul(10)?.checked_add(u32::from(d - b'0'))
-        })
-        .filter(|_| log.get(i).is_some_and(u8::is_ascii_digit))
+        digits
+            .try_fold(0u32, |n, d| {
+                n.checked_mul(10)?.checked_add(u32::from(d - b'0'))
+            })
+            .filter(|_| log.get(i).is_some_and(u8::is_ascii_digit))
     }
 }
 

@@ -149,7 +149,11 @@ fn main() -> Result<()> {
         }
         Cmd::Test { args } => test(args),
         Cmd::Image { tag } => image(tag),
-        Cmd::Bench(args) => xtask::bench::run(args),
+        Cmd::Bench(args) => {
+            // The iptables/nftables layouts and the lab need setup's packages.
+            setup::ensure_setup()?;
+            xtask::bench::run(args)
+        }
     }
 }
 
@@ -188,6 +192,9 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             agent_bin,
             server_bin,
         } => {
+            // With --agent-bin and --server-bin nothing is built, but the lab
+            // still needs setup's packages (iproute2, bpffs mounted).
+            setup::ensure_setup()?;
             let zones: Vec<&str> = zones.iter().map(String::as_str).collect();
             let mut b = Lab::builder()
                 .manifests_path(manifests)
