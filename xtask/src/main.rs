@@ -553,7 +553,9 @@ fn take_kernel_arg(args: &mut Vec<String>) -> Result<Option<String>> {
         return Ok(Some(v.to_owned()));
     }
     if i >= args.len() {
-        bail!("--kernel needs a name: one of 5.10, 6.1, 6.12, host");
+        bail!(
+            "--kernel needs a name: one of 5.10, 6.1, 6.12, host, or matrix (what a full run does)"
+        );
     }
     Ok(Some(args.remove(i)))
 }
