@@ -49,6 +49,8 @@ pub struct RunConfig {
     pub delivery_mode: crate::config::DeliveryMode,
     /// `None`: chosen at start beside the host's `ip_local_port_range`.
     pub snat_port_range: Option<(u16, u16)>,
+    /// How tc programs are attached (tcx or legacy tc; `auto` probes).
+    pub tc_attach_mode: crate::bpf::TcAttachMode,
     /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
@@ -84,6 +86,7 @@ impl From<&Settings> for RunConfig {
             acceleration: s.acceleration,
             delivery_mode: s.delivery_mode,
             snat_port_range: s.snat_port_range,
+            tc_attach_mode: s.tc_attach_mode,
             node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
             min_sync_period: s.min_sync_period,
@@ -592,11 +595,32 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, false);
     let mut last_sync = Instant::now();
 
-    let attacher = Arc::new(Mutex::new(Attacher::new(loaded.ebpf, &loaded.pin_dir)?));
+    let xdp_loaded = match &loaded.xdp {
+        Ok(()) => true,
+        Err(why) => {
+            if cfg.acceleration == crate::config::Acceleration::Xdp {
+                warn!(
+                    "--acceleration xdp: XDP acceleration off: {why}; external traffic stays on tc"
+                );
+            }
+            false
+        }
+    };
+    let tc_mode = crate::bpf::resolve_tc_mode(cfg.tc_attach_mode, crate::bpf::kernel_has_tcx())
+        .map_err(|reason| crate::bpf::BpfError::Link {
+            name: "tc programs",
+            reason,
+        })?;
+    info!(mode = %tc_mode, "attaching tc programs");
+    let attacher = Arc::new(Mutex::new(Attacher::new(
+        loaded.ebpf,
+        &loaded.pin_dir,
+        tc_mode,
+    )?));
     let patterns = Patterns {
         pod: cfg.pod_interfaces.clone(),
         external: cfg.external_interfaces.clone(),
-        xdp: cfg.acceleration == crate::config::Acceleration::Xdp,
+        xdp: cfg.acceleration == crate::config::Acceleration::Xdp && xdp_loaded,
         ext_egress: cfg.delivery_mode != crate::config::DeliveryMode::Redirect,
     };
     let events = attach_existing(&attacher, &patterns).await?;

@@ -108,6 +108,11 @@ pub struct RunArgs {
     /// ip_local_port_range [default: the larger span of 1024-65535 outside it].
     #[arg(long)]
     pub snat_port_range: Option<String>,
+    /// How tc programs are attached: `auto` (tcx links where the kernel has
+    /// them, probed, else a clsact qdisc with direct-action cls_bpf
+    /// filters), `tcx` or `legacy` [default: auto].
+    #[arg(long, value_enum)]
+    pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
     /// Source address given to hairpin traffic (a pod reaching itself through a
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]

@@ -347,6 +347,8 @@ pub struct ConfigFile {
     /// Source ports for SNATed flows, `min-max` (default: the largest span
     /// of 1024–65535 outside the host's `ip_local_port_range`).
     pub snat_port_range: Option<String>,
+    /// `auto` (tcx where the kernel has it, else legacy tc), `tcx`, `legacy`.
+    pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
@@ -495,6 +497,7 @@ pub struct Settings {
     pub delivery_mode: DeliveryMode,
     /// `None`: chosen at start from the host's `ip_local_port_range`.
     pub snat_port_range: Option<(u16, u16)>,
+    pub tc_attach_mode: crate::bpf::TcAttachMode,
     pub hairpin_snat_ip: Ipv4Addr,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
@@ -792,6 +795,10 @@ impl Settings {
                 .or(file.delivery_mode)
                 .unwrap_or_default(),
             snat_port_range,
+            tc_attach_mode: flags
+                .tc_attach_mode
+                .or(file.tc_attach_mode)
+                .unwrap_or_default(),
             hairpin_snat_ip: flags
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)

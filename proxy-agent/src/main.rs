@@ -72,6 +72,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Inspect(a) => proxy_agent::inspect::run(a)?,
         Cmd::Cleanup { bpffs } => {
             println!("{}", proxy_agent::cli::cleanup(&bpffs)?);
+            let f = proxy_agent::bpf::cleanup_legacy_filters();
+            if f > 0 {
+                println!("removed legacy tc filters from {f} interfaces");
+            }
         }
     }
     Ok(())

@@ -1092,43 +1092,78 @@ fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os:
     unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
 }
 
-/// Conntrack full: the LRU evicts the least recently used entries. A flow
-/// whose reply entry was evicted gets it back on its next packet (counted), so
-/// its replies keep being translated; a TCP flow whose entry was evicted shows
-/// up as a new flow without SYN (counted) — the README says what follows.
+/// Conntrack full: what users rely on is that a full table keeps serving.
+/// New flows are still translated, every flow's next segment and its reply
+/// still are (a flow whose entries the LRU evicted is tracked again, and
+/// counted), and no insert fails. Which entries the LRU evicts is not fixed:
+/// the kernel's LRU is approximate, with per-CPU free and pending lists whose
+/// effect depends on the CPU each packet runs on (an earlier form of this
+/// test, which assumed flows were evicted oldest first, failed once on 5.10
+/// in a 2-CPU VM and passed another time), so the counts asserted follow
+/// from the table's capacity alone.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn conntrack_full_evicts_and_counts() {
+    const CAPACITY: u32 = 64;
     let mut h = Harness::with_sizes(MapSizes {
-        conntrack: 64,
+        conntrack: CAPACITY,
         ..MapSizes::default()
     });
     h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    let stat_of = |h: &Harness, s: u32| h.stats().get(&s).copied().unwrap_or(0);
     for port in 0..200u16 {
-        h.run(&tcp4(CLIENT, 20000 + port, VIP, 80, SYN, b""));
+        let o = parse_checked(&h.run(&tcp4(CLIENT, 20000 + port, VIP, 80, SYN, b"")).1);
+        assert_eq!((o.dst, o.dport), (B1, 8080), "new flow {port} translated");
     }
     let maps = h.maps();
     let n = maps.conntrack().unwrap().len();
-    assert!(n <= 64, "the LRU holds at most its capacity ({n})");
-    // At most 32 flows (64 entries) are still tracked: among the first 100,
-    // most were evicted, and their next segment starts a new flow. (The
-    // kernel's LRU is approximate: which ones were evicted is not fixed.)
+    assert!(
+        n <= CAPACITY as usize,
+        "the LRU holds at most its capacity ({n})"
+    );
+    // Each of the first 100 flows: its next segment and the backend's reply
+    // are translated, whether its entries survived or not.
+    let (mid0, restored0) = (
+        stat_of(&h, stat::CT_NEW_MIDSTREAM),
+        stat_of(&h, stat::CT_REPLY_RESTORED),
+    );
     for port in 0..100u16 {
         let o = parse_checked(&h.run(&tcp4(CLIENT, 20000 + port, VIP, 80, ACK, b"x")).1);
-        assert_eq!((o.dst, o.dport), (B1, 8080), "still translated");
+        assert_eq!((o.dst, o.dport), (B1, 8080), "flow {port} still translated");
+        let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 20000 + port, ACK, b"r")).1);
+        assert_eq!(
+            (r.src, r.sport),
+            (VIP, 80),
+            "flow {port}'s reply translated"
+        );
     }
+    // At most CAPACITY of the first 100 flows can still have had their
+    // SERVICE entry: the others were tracked again mid-stream. Flows that
+    // kept it but lost their REPLY entry had it restored. Either is counted.
+    let mid = stat_of(&h, stat::CT_NEW_MIDSTREAM) - mid0;
+    let restored = stat_of(&h, stat::CT_REPLY_RESTORED) - restored0;
     assert!(
-        h.stats()[&stat::CT_NEW_MIDSTREAM] >= 68,
-        "{:?}",
-        h.stats()[&stat::CT_NEW_MIDSTREAM]
+        mid >= 100 - u64::from(CAPACITY),
+        "flows tracked again mid-stream: {mid} (restored replies: {restored})"
     );
-    // The newest flow's reply entry, removed: restored by its next packet.
-    let last = maps
-        .conntrack()
-        .unwrap()
-        .into_iter()
+    assert_eq!(
+        stat_of(&h, stat::CT_INSERT_FAILED),
+        0,
+        "a full LRU evicts: no insert may fail"
+    );
+
+    // A tracked flow whose REPLY entry is removed: its next segment counts
+    // and restores it (or, if the LRU took its SERVICE entry too, tracks the
+    // flow again), and the reply is translated again.
+    let entries = maps.conntrack().unwrap();
+    let last = entries
+        .iter()
         .find(|(k, _)| k.dir == proxy_common::ct_dir::REPLY && k.dport_be == 20099u16.to_be())
-        .expect("reply entry of the newest flow");
+        .expect("the REPLY entry written last is present")
+        .0;
+    let service_kept = entries
+        .iter()
+        .any(|(k, _)| k.dir == proxy_common::ct_dir::SERVICE && k.sport_be == 20099u16.to_be());
     let pinned: aya::maps::MapData =
         aya::maps::MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK)).unwrap();
     let mut ct: aya::maps::HashMap<
@@ -1136,10 +1171,29 @@ fn conntrack_full_evicts_and_counts() {
         proxy_common::Ct4Key,
         proxy_common::Ct4Value,
     > = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
-    let restored_before = h.stats()[&stat::CT_REPLY_RESTORED];
-    ct.remove(&last.0).unwrap();
+    let (mid0, restored0) = (
+        stat_of(&h, stat::CT_NEW_MIDSTREAM),
+        stat_of(&h, stat::CT_REPLY_RESTORED),
+    );
+    ct.remove(&last).unwrap();
     h.run(&tcp4(CLIENT, 20099, VIP, 80, ACK, b"y"));
-    assert_eq!(h.stats()[&stat::CT_REPLY_RESTORED], restored_before + 1);
+    let (mid1, restored1) = (
+        stat_of(&h, stat::CT_NEW_MIDSTREAM),
+        stat_of(&h, stat::CT_REPLY_RESTORED),
+    );
+    if service_kept {
+        assert_eq!(
+            (mid1, restored1),
+            (mid0, restored0 + 1),
+            "restored and counted"
+        );
+    } else {
+        assert_eq!(
+            (mid1, restored1),
+            (mid0 + 1, restored0),
+            "tracked again and counted"
+        );
+    }
     let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 20099, ACK, b"z")).1);
     assert_eq!((r.src, r.sport), (VIP, 80), "the reply is translated again");
 }

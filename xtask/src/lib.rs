@@ -9,6 +9,7 @@ pub mod lint;
 pub mod manifests;
 pub mod netns;
 pub mod setup;
+pub mod vm;
 
 use std::net::SocketAddrV4;
 use std::time::Duration;

@@ -21,7 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what building and testing need (idempotent).
+    /// Install what building and testing need, and fetch the kernel
+    /// matrix's Debian kernels into target/kernels (idempotent).
     Setup,
     /// Build proxy-agent (and with it the eBPF object); print the object's path.
     BuildEbpf,
@@ -131,7 +132,10 @@ fn main() -> Result<()> {
         return test(argv[2..].to_vec());
     }
     match Cli::parse().cmd {
-        Cmd::Setup => setup::setup(),
+        Cmd::Setup => {
+            setup::setup()?;
+            xtask::vm::fetch_matrix()
+        }
         Cmd::BuildEbpf => {
             let obj = setup::build_ebpf()?;
             println!("{}", obj.display());
@@ -145,7 +149,11 @@ fn main() -> Result<()> {
         }
         Cmd::Test { args } => test(args),
         Cmd::Image { tag } => image(tag),
-        Cmd::Bench(args) => xtask::bench::run(args),
+        Cmd::Bench(args) => {
+            // The iptables/nftables layouts and the lab need setup's packages.
+            setup::ensure_setup()?;
+            xtask::bench::run(args)
+        }
     }
 }
 
@@ -184,6 +192,9 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             agent_bin,
             server_bin,
         } => {
+            // With --agent-bin and --server-bin nothing is built, but the lab
+            // still needs setup's packages (iproute2, bpffs mounted).
+            setup::ensure_setup()?;
             let zones: Vec<&str> = zones.iter().map(String::as_str).collect();
             let mut b = Lab::builder()
                 .manifests_path(manifests)
@@ -529,11 +540,35 @@ fn demo(requests: usize) -> Result<()> {
     Ok(())
 }
 
-fn test(args: Vec<String>) -> Result<()> {
+/// Splits `--kernel <name>` (or `--kernel=<name>`) off the test arguments.
+fn take_kernel_arg(args: &mut Vec<String>) -> Result<Option<String>> {
+    let Some(i) = args
+        .iter()
+        .position(|a| a == "--kernel" || a.starts_with("--kernel="))
+    else {
+        return Ok(None);
+    };
+    let a = args.remove(i);
+    if let Some(v) = a.strip_prefix("--kernel=") {
+        return Ok(Some(v.to_owned()));
+    }
+    if i >= args.len() {
+        bail!(
+            "--kernel needs a name: one of 5.10, 6.1, 6.12, host, or matrix (what a full run does)"
+        );
+    }
+    Ok(Some(args.remove(i)))
+}
+
+fn test(mut args: Vec<String>) -> Result<()> {
     if !setup::is_root() {
         bail!("`cargo xtask test` must run as root: the packet and lab tests load eBPF programs and create network namespaces");
     }
+    let kernel = take_kernel_arg(&mut args)?;
     setup::ensure_setup()?;
+    if let Some(k) = kernel {
+        return xtask::vm::test_kernel(&k);
+    }
     xtask::lint::lint()?;
     // The lab runs the agent as it ships (release): a debug agent parses and
     // syncs thousands of objects several times slower, which the "within 1 s"
@@ -561,8 +596,13 @@ fn test(args: Vec<String>) -> Result<()> {
     if !status.success() {
         bail!("cargo test failed ({status})");
     }
+    // Only a full run (no test filter) goes on to the runc pass and the
+    // kernel matrix.
     if args.is_empty() {
         runc_pass(&agent, &target, &image.layout)?;
+        if std::env::var_os("KPR_SKIP_VMS").is_none() {
+            xtask::vm::test_matrix()?;
+        }
     }
     Ok(())
 }

@@ -18,6 +18,12 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "netcat-openbsd",
     "ethtool",
     "procps",
+    // The kernel matrix's VMs (`cargo xtask test --kernel`): qemu, the
+    // guests' busybox, and the tools that unpack Debian's kernel modules.
+    "qemu-system-x86",
+    "busybox-static",
+    "xz-utils",
+    "zstd",
     // The image (`cargo xtask image`: ring's C code for the musl agent) and
     // the lab's runc mode: run it, read it, unpack it.
     "musl-tools",

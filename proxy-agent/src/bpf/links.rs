@@ -4,12 +4,106 @@
 
 use super::*;
 
-/// A tcx link held by the agent: its fd and where it is pinned.
+/// A link held by the agent: its attachment and, for a bpf link, where it
+/// is pinned.
 struct Held {
     name: String,
     kind: IfaceKind,
-    fd: FdLink,
+    link: HeldLink,
     pin: PathBuf,
+}
+
+/// One attachment: a bpf link (tcx or XDP, pinned), or a legacy tc filter
+/// (clsact, direct-action `cls_bpf` at [`LEGACY_PRIORITY`] and a fixed
+/// handle), which cannot be pinned: a restarted agent finds it by priority
+/// and handle. Dropping a `Filter` removes it.
+enum HeldLink {
+    /// Held for its fd: the link lives while it is open or pinned.
+    Fd(#[allow(dead_code)] FdLink),
+    Filter(SchedClassifierLink),
+}
+
+/// How tc programs are attached (`--tc-attach-mode`, `tcAttachMode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TcAttachMode {
+    /// tcx links where the kernel has them (probed, never by version), else legacy.
+    #[default]
+    Auto,
+    /// tcx links only (Linux 6.6, or a kernel with tcx backported).
+    Tcx,
+    /// A clsact qdisc and direct-action `cls_bpf` filters over netlink.
+    Legacy,
+}
+
+/// The attach mode in use, once the kernel has been asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcMode {
+    /// tcx bpf links, pinned, taken over with `bpf_link_update`.
+    Tcx,
+    /// clsact + `cls_bpf` filters at a fixed priority and handle, replaced
+    /// in place (a netlink `RTM_NEWTFILTER` on the same priority and handle
+    /// swaps the program atomically).
+    Legacy,
+}
+
+impl std::fmt::Display for TcMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TcMode::Tcx => "tcx",
+            TcMode::Legacy => "legacy tc (clsact + cls_bpf)",
+        })
+    }
+}
+
+/// The tc priority of the agent's legacy filters.
+pub const LEGACY_PRIORITY: u16 = 1;
+/// The handle of the agent's legacy filter at tc ingress.
+pub const LEGACY_HANDLE_INGRESS: u32 = 0x4b50;
+/// The handle of the agent's legacy filter at tc egress (`pod_egress`).
+pub const LEGACY_HANDLE_EGRESS: u32 = 0x4b51;
+
+/// Whether the kernel has tcx: a read-only `BPF_PROG_QUERY` of
+/// `BPF_TCX_INGRESS` on `lo` (a kernel without tcx refuses the attach type
+/// with EINVAL).
+pub fn kernel_has_tcx() -> bool {
+    match SchedClassifier::query_tcx("lo", TcAttachType::Ingress) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "tcx query on lo refused: no tcx");
+            false
+        }
+    }
+}
+
+/// The mode to use for `requested` on a kernel with or without tcx; an
+/// error when tcx is asked for and the kernel lacks it.
+pub fn resolve_tc_mode(requested: TcAttachMode, has_tcx: bool) -> Result<TcMode, String> {
+    match (requested, has_tcx) {
+        (TcAttachMode::Auto | TcAttachMode::Tcx, true) => Ok(TcMode::Tcx),
+        (TcAttachMode::Auto, false) | (TcAttachMode::Legacy, _) => Ok(TcMode::Legacy),
+        (TcAttachMode::Tcx, false) => Err(
+            "--tc-attach-mode tcx: this kernel has no tcx links (Linux 6.6 brings them); use auto or legacy".into(),
+        ),
+    }
+}
+
+/// The tc side and legacy filter handle of a tc program's attachment.
+fn tc_side(kind: IfaceKind) -> (TcAttachType, u32) {
+    if matches!(kind, IfaceKind::PodEgress | IfaceKind::ExternalEgress) {
+        (TcAttachType::Egress, LEGACY_HANDLE_EGRESS)
+    } else {
+        (TcAttachType::Ingress, LEGACY_HANDLE_INGRESS)
+    }
+}
+
+/// Removes the agent's legacy filter of `kind` on `iface`, if there is one.
+fn remove_legacy_filter(iface: &str, kind: IfaceKind) -> bool {
+    let (side, handle) = tc_side(kind);
+    match SchedClassifierLink::attached(iface, side, LEGACY_PRIORITY, handle.into(), None) {
+        Ok(link) => aya::programs::Link::detach(link).is_ok(),
+        Err(_) => false,
+    }
 }
 
 /// Attaches the programs to interfaces, one tcx link per interface, pinned
@@ -25,6 +119,7 @@ pub struct Attacher {
     /// The socket hooks' links on the cgroup served, with their pins.
     cgroup_links: Vec<(FdLink, PathBuf)>,
     link_dir: PathBuf,
+    tc_mode: TcMode,
 }
 
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
@@ -115,7 +210,7 @@ fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
 impl Attacher {
     /// Takes the interfaces map out of `ebpf` and forgets its old entries
     /// (interfaces are learned again from netlink).
-    pub fn new(mut ebpf: Ebpf, pin_dir: &Path) -> Result<Self, BpfError> {
+    pub fn new(mut ebpf: Ebpf, pin_dir: &Path, tc_mode: TcMode) -> Result<Self, BpfError> {
         let mut ifaces: HashMap<MapData, u32, Iface> =
             HashMap::try_from(take_map(&mut ebpf, map_names::IFACES)?)
                 .map_err(map_err(map_names::IFACES))?;
@@ -134,6 +229,7 @@ impl Attacher {
             links: BTreeMap::new(),
             cgroup_links: Vec::new(),
             link_dir,
+            tc_mode,
         })
     }
 
@@ -240,6 +336,49 @@ impl Attacher {
         FdLink::try_from(link).map_err(|e| link_err(name, e))
     }
 
+    /// The tc attach mode in use.
+    pub fn tc_mode(&self) -> TcMode {
+        self.tc_mode
+    }
+
+    /// Attaches the tc program of `kind` to `iface` as a legacy filter: the
+    /// clsact qdisc (added if missing), then the filter at
+    /// [`LEGACY_PRIORITY`] and the kind's fixed handle. A filter already
+    /// there (a previous agent's) is replaced in place, atomically: no
+    /// packet sees the interface without a program.
+    fn attach_legacy(&mut self, iface: &str, kind: IfaceKind) -> Result<HeldLink, BpfError> {
+        use aya::programs::tc::{NlOptions, TcAttachOptions};
+        let name = kind.program();
+        let perr = |source| BpfError::Program { name, source };
+        let (side, handle) = tc_side(kind);
+        // EEXIST when the qdisc is there already; any other failure shows
+        // in the attach below.
+        let _ = aya::programs::tc::qdisc_add_clsact(iface);
+        let prog = self.program(kind);
+        let replaced =
+            SchedClassifierLink::attached(iface, side, LEGACY_PRIORITY, handle.into(), None)
+                .map_err(|e| link_err(name, e))
+                .and_then(|old| prog.attach_to_link(old).map_err(perr));
+        let id = match replaced {
+            Ok(id) => {
+                tracing::debug!(iface, program = name, "legacy tc filter replaced in place");
+                id
+            }
+            Err(_) => prog
+                .attach_with_options(
+                    iface,
+                    side,
+                    TcAttachOptions::Netlink(NlOptions {
+                        priority: LEGACY_PRIORITY,
+                        handle: handle.into(),
+                        ..Default::default()
+                    }),
+                )
+                .map_err(perr)?,
+        };
+        Ok(HeldLink::Filter(prog.take_link(id).map_err(perr)?))
+    }
+
     /// A new link of `kind` on interface `name`.
     fn attach_new(&mut self, name: &str, kind: IfaceKind) -> Result<FdLink, BpfError> {
         let prog_name = kind.program();
@@ -275,11 +414,27 @@ impl Attacher {
         self.link_dir.join(format!("{ifindex}-{name}-{k}"))
     }
 
-    /// Attaches the program of `kind` at tc ingress (tcx) of `name`, or takes
-    /// over the link a previous agent pinned for it.
+    /// Attaches the program of `kind` to `name` (tcx, or a legacy tc filter
+    /// in [`TcMode::Legacy`]; XDP always as an XDP link), or takes over the
+    /// attachment a previous agent left. Moving between the modes (a kernel
+    /// upgrade, a forced mode) attaches the new way first, then removes the
+    /// old attachment: never a moment without a program, never two.
     pub fn attach(&mut self, ifindex: u32, name: &str, kind: IfaceKind) -> Result<(), BpfError> {
         let prog_name = kind.program();
         let pin = self.pin_path(ifindex, name, kind);
+        if kind != IfaceKind::ExternalXdp && self.tc_mode == TcMode::Legacy {
+            let link = self.attach_legacy(name, kind)?;
+            // A tcx link an earlier agent pinned here goes once the filter is in.
+            if std::fs::remove_file(&pin).is_ok() {
+                tracing::info!(
+                    iface = name,
+                    program = prog_name,
+                    "tcx link replaced by a legacy tc filter"
+                );
+            }
+            self.hold(ifindex, name, kind, link, pin)?;
+            return Ok(());
+        }
         let adopted = match PinnedLink::from_pin(&pin) {
             Ok(pinned) => match self.take_over(FdLink::from(pinned), kind) {
                 Ok(fd) => Some(fd),
@@ -299,12 +454,31 @@ impl Attacher {
                 FdLink::from(fd.pin(&pin).map_err(|e| link_err(prog_name, e))?)
             }
         };
+        // A legacy filter an earlier agent left goes once the tcx link is in.
+        if kind != IfaceKind::ExternalXdp && remove_legacy_filter(name, kind) {
+            tracing::info!(
+                iface = name,
+                program = prog_name,
+                "legacy tc filter replaced by a tcx link"
+            );
+        }
+        self.hold(ifindex, name, kind, HeldLink::Fd(fd), pin)
+    }
+
+    fn hold(
+        &mut self,
+        ifindex: u32,
+        name: &str,
+        kind: IfaceKind,
+        link: HeldLink,
+        pin: PathBuf,
+    ) -> Result<(), BpfError> {
         self.links.insert(
             (ifindex, kind),
             Held {
                 name: name.to_owned(),
                 kind,
-                fd,
+                link,
                 pin,
             },
         );
@@ -333,7 +507,9 @@ impl Attacher {
         for k in keys {
             if let Some(held) = self.links.remove(&k) {
                 let _ = std::fs::remove_file(&held.pin);
-                drop(held.fd);
+                // Closing the last fd of an unpinned link detaches it;
+                // dropping a legacy filter's link removes the filter.
+                drop(held.link);
             }
         }
         let _ = self.ifaces.remove(&ifindex);
@@ -358,7 +534,12 @@ impl Attacher {
     /// Lets go of every link but leaves it pinned: the programs stay attached
     /// after the agent exits, until a new agent takes them over.
     pub fn release_all(&mut self) {
-        self.links.clear();
+        for (_, held) in std::mem::take(&mut self.links) {
+            if let HeldLink::Filter(f) = held.link {
+                // Dropping would remove the filter: leave it for the next agent.
+                std::mem::forget(f);
+            }
+        }
         self.cgroup_links.clear();
     }
 
@@ -368,6 +549,7 @@ impl Attacher {
         let held: std::collections::BTreeSet<PathBuf> = self
             .links
             .values()
+            .filter(|h| matches!(h.link, HeldLink::Fd(_)))
             .map(|h| h.pin.clone())
             .chain(self.cgroup_links.iter().map(|(_, p)| p.clone()))
             .collect();
@@ -388,9 +570,35 @@ impl Attacher {
     }
 }
 
+/// Removes the agent's legacy tc filters (by program name, at any
+/// priority) from every interface of this network namespace; returns how
+/// many interfaces had one.
+pub fn cleanup_legacy_filters() -> usize {
+    let Ok(ifaces) = nix::net::if_::if_nameindex() else {
+        return 0;
+    };
+    let mut n = 0;
+    for iface in ifaces.iter() {
+        let Ok(name) = iface.name().to_str() else {
+            continue;
+        };
+        let mut removed = false;
+        for (side, prog) in [
+            (TcAttachType::Ingress, POD_INGRESS_PROGRAM),
+            (TcAttachType::Ingress, EXT_INGRESS_PROGRAM),
+            (TcAttachType::Egress, POD_EGRESS_PROGRAM),
+        ] {
+            removed |= aya::programs::tc::qdisc_detach_program(name, side, prog).is_ok();
+        }
+        n += usize::from(removed);
+    }
+    n
+}
+
 /// Removes a datapath left attached by an agent that exited with
 /// `--on-exit keep`: every pinned link (detaching the programs) and every
-/// pinned map under `pin_dir`. Returns how many pins were removed.
+/// pinned map under `pin_dir`. Returns how many pins were removed. Legacy
+/// tc filters are not pinned: [`cleanup_legacy_filters`] removes them.
 pub fn cleanup(pin_dir: &Path) -> Result<usize, BpfError> {
     if !pin_dir.exists() {
         return Ok(0);
@@ -408,4 +616,45 @@ pub fn cleanup(pin_dir: &Path) -> Result<usize, BpfError> {
         source,
     })?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_attach_mode_follows_the_kernel_not_its_version() {
+        assert_eq!(resolve_tc_mode(TcAttachMode::Auto, true), Ok(TcMode::Tcx));
+        assert_eq!(
+            resolve_tc_mode(TcAttachMode::Auto, false),
+            Ok(TcMode::Legacy)
+        );
+        assert_eq!(
+            resolve_tc_mode(TcAttachMode::Legacy, true),
+            Ok(TcMode::Legacy)
+        );
+        assert_eq!(
+            resolve_tc_mode(TcAttachMode::Legacy, false),
+            Ok(TcMode::Legacy)
+        );
+        assert_eq!(resolve_tc_mode(TcAttachMode::Tcx, true), Ok(TcMode::Tcx));
+        let e = resolve_tc_mode(TcAttachMode::Tcx, false).unwrap_err();
+        assert!(e.contains("6.6"), "{e}");
+    }
+
+    #[test]
+    fn legacy_filters_have_one_fixed_handle_per_side() {
+        assert_eq!(
+            tc_side(IfaceKind::Pod),
+            (TcAttachType::Ingress, LEGACY_HANDLE_INGRESS)
+        );
+        assert_eq!(
+            tc_side(IfaceKind::External),
+            (TcAttachType::Ingress, LEGACY_HANDLE_INGRESS)
+        );
+        assert_eq!(
+            tc_side(IfaceKind::PodEgress),
+            (TcAttachType::Egress, LEGACY_HANDLE_EGRESS)
+        );
+    }
 }

@@ -149,6 +149,8 @@ pub enum BpfError {
     Link { name: &'static str, reason: String },
     #[error("cgroup {path}: {reason}")]
     Cgroup { path: PathBuf, reason: String },
+    #[error("{0}")]
+    Kernel(String),
 }
 
 /// Map sizes, from the agent's configuration.
@@ -198,6 +200,8 @@ pub struct Loaded {
     pub pin_dir: PathBuf,
     /// Whether the socket hooks for host clients could be loaded.
     pub sock_lb: SockLbSupport,
+    /// Whether `ext_xdp` loaded (XDP acceleration); `Err` says why not.
+    pub xdp: Result<(), String>,
 }
 
 /// This process's network namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14),
@@ -313,6 +317,18 @@ fn load_checked(
     sizes: MapSizes,
     migrations: &[Migration],
 ) -> Result<Loaded, BpfError> {
+    let kernel = probe::decide(&probe::probe());
+    if let Some(why) = kernel.fatal() {
+        return Err(BpfError::Kernel(why));
+    }
+    // The socket hooks' line is the agent's (it knows whether they are wanted).
+    for (c, why) in kernel
+        .off
+        .iter()
+        .filter(|(c, _)| *c != Capability::HostSocketLb)
+    {
+        tracing::warn!("{c} off: {why}");
+    }
     let paths: Vec<(&'static str, PathBuf)> = map_names::ALL
         .iter()
         .map(|n| (*n, pin_dir.join(n)))
@@ -356,16 +372,34 @@ fn load_checked(
             name: EXT_XDP_PROGRAM,
             source,
         })?;
-    xdp.load().map_err(|source| BpfError::Program {
-        name: EXT_XDP_PROGRAM,
-        source,
-    })?;
-    sock_lb.loaded = load_sock_programs(&mut ebpf);
+    let xdp_loaded = match kernel
+        .off
+        .iter()
+        .find(|(c, _)| *c == Capability::XdpAcceleration)
+    {
+        Some((_, why)) => Err(why.clone()),
+        None => {
+            xdp.load().map_err(|source| BpfError::Program {
+                name: EXT_XDP_PROGRAM,
+                source,
+            })?;
+            Ok(())
+        }
+    };
+    sock_lb.loaded = match kernel
+        .off
+        .iter()
+        .find(|(c, _)| *c == Capability::HostSocketLb)
+    {
+        Some((_, why)) => Err(why.clone()),
+        None => load_sock_programs(&mut ebpf),
+    };
     migrate(pin_dir, &mut ebpf, migrations)?;
     Ok(Loaded {
         ebpf,
         pin_dir: pin_dir.to_owned(),
         sock_lb,
+        xdp: xdp_loaded,
     })
 }
 
@@ -416,8 +450,14 @@ mod dataplane;
 mod links;
 mod pinned;
 mod pins;
+pub mod probe;
+
+use probe::Capability;
 
 pub use dataplane::{ktime_ns, BpfDataplane, CtGcReport};
-pub use links::{cgroup2_root, cleanup, Attacher};
+pub use links::{
+    cgroup2_root, cleanup, cleanup_legacy_filters, kernel_has_tcx, resolve_tc_mode, Attacher,
+    TcAttachMode, TcMode, LEGACY_HANDLE_EGRESS, LEGACY_HANDLE_INGRESS, LEGACY_PRIORITY,
+};
 pub use pinned::{PinnedMaps, ProgrammedTraffic};
 pub use pins::{expected_maps, pinned_def, MapDef, OLD_SUFFIX};
