@@ -126,10 +126,14 @@ pub fn probe() -> Vec<(Feature, bool)> {
     features()
         .into_iter()
         .map(|(f, p)| {
+            // A probe that fails outright (EPERM without CAP_BPF, say) says
+            // nothing about the kernel: the feature counts as present, and
+            // the load that follows names what is really missing (a
+            // capability) instead of blaming the kernel.
             let ok = match p {
-                Probe::Program(t) => is_program_supported(t).unwrap_or(false),
-                Probe::Map(t) => is_map_supported(t).unwrap_or(false),
-                Probe::Helper(t, h) => is_helper_supported(t, h).unwrap_or(false),
+                Probe::Program(t) => is_program_supported(t).unwrap_or(true),
+                Probe::Map(t) => is_map_supported(t).unwrap_or(true),
+                Probe::Helper(t, h) => is_helper_supported(t, h).unwrap_or(true),
             };
             (f, ok)
         })
