@@ -782,10 +782,13 @@ fn run_kernel(name: &str, packet_tests: bool) -> Result<()> {
 /// the other kernels get the verifier (every program loads) and the attach
 /// tests, about a minute. `.ci/run` without the VMs takes 17 to 30
 /// minutes, so the packet tests on all three kernels (about 29 minutes
-/// more) do not fit its 45; one kernel with them does. 6.1 is that kernel:
-/// legacy tc like 5.10, the lab smoke, the kernel of Debian 12 and AL2023.
-/// `cargo xtask test --kernel <name>` runs everything on any of them.
-pub const CI_PACKET_KERNELS: &[&str] = &["6.1"];
+/// more) do not fit its 45. With the 33 packet tests of stop 21 one kernel
+/// no longer fits either: on 6.1 they took 853 s, the pass hit its 900 s
+/// limit, and the whole `cargo xtask test` took about 52 minutes. So CI
+/// runs none in the VMs (every kernel still gets the verifier and the
+/// attach tests); `cargo xtask test --kernel <name>`, or
+/// `KPR_VM_PACKET_KERNELS=6.1`, runs them.
+pub const CI_PACKET_KERNELS: &[&str] = &[];
 
 /// The kernels whose matrix pass includes the packet tests.
 fn packet_kernels() -> Vec<String> {
