@@ -157,17 +157,18 @@ pub fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64)
         // An earlier flow of the same frontend on the same tuple: reused.
         return false;
     }
-    let Some(rev) = rev_nat(e.rev_nat_id) else {
-        return false;
-    };
-    match CT4_V1.get_ptr(rkey.service_of_reply(&e, &rev)) {
-        Some(o) => {
-            // SAFETY: map value pointer, copied.
-            let o = unsafe { *o };
-            o.backend_id == e.backend_id && alive(cfg, rkey.proto, &o, now)
-        }
-        None => false,
-    }
+    live_service_of(cfg, rkey, &e, now).is_some_and(|o| o.backend_id == e.backend_id)
+}
+
+/// The SERVICE entry of the flow whose REPLY entry `e` is at `rkey`, while
+/// that flow is alive.
+#[inline(always)]
+pub fn live_service_of(cfg: &Config, rkey: &Ct4Key, e: &Ct4Value, now: u64) -> Option<Ct4Value> {
+    let rev = rev_nat(e.rev_nat_id)?;
+    let o = CT4_V1.get_ptr(rkey.service_of_reply(e, &rev))?;
+    // SAFETY: map value pointer, copied.
+    let o = unsafe { *o };
+    alive(cfg, rkey.proto, &o, now).then_some(o)
 }
 
 /// Creates the SERVICE entry `sval` of a new flow `mine` at `skey`, and

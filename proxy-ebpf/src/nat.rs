@@ -9,15 +9,12 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    backend_state,
-    conntrack::{alive, NSEC_PER_SEC},
-    csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Key, Ct4Value, RevNat4, Svc4Value,
-    IPPROTO_TCP, IPPROTO_UDP,
+    backend_state, conntrack::NSEC_PER_SEC, csum, ct_flags, stat, svc_flags, Backend4, Config,
+    Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
-    conntrack::Flow,
-    lb::rev_nat,
+    conntrack::{self, Flow},
     maps::CT4_V1,
     parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
     verdict::Verdict,
@@ -134,17 +131,8 @@ fn port_in_use(cfg: &Config, rkey: &Ct4Key, now: u64) -> bool {
     };
     // SAFETY: map value pointer, copied.
     let e = unsafe { *e };
-    if now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC {
-        return true;
-    }
-    let Some(rev) = rev_nat(e.rev_nat_id) else {
-        return false;
-    };
-    match CT4_V1.get_ptr(rkey.service_of_reply(&e, &rev)) {
-        // SAFETY: map value pointer, copied.
-        Some(o) => alive(cfg, rkey.proto, unsafe { &*o }, now),
-        None => false,
-    }
+    now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
+        || conntrack::live_service_of(cfg, rkey, &e, now).is_some()
 }
 
 // --- tc: rewrites through skb helpers --------------------------------------
