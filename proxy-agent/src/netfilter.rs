@@ -169,21 +169,7 @@ fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
 }
 
 fn nft_chains() -> io::Result<Vec<Chain>> {
-    let fd = socket(libc::AF_NETLINK, libc::SOCK_RAW, NETLINK_NETFILTER)?;
-    let tv = libc::timeval {
-        tv_sec: 2,
-        tv_usec: 0,
-    };
-    // SAFETY: setsockopt with a timeval of its size.
-    unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        )
-    };
+    let fd = crate::sockdiag::netlink_socket(NETLINK_NETFILTER)?;
     let req = getchain_request(1);
     // SAFETY: sending a buffer of its length.
     if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
@@ -253,38 +239,15 @@ fn parse_legacy_entries(table: &str, blob: &[u8], out: &mut Vec<Chain>) {
     }
 }
 
-fn legacy_chains(table: &str) -> io::Result<Vec<Chain>> {
-    let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW)?;
-    let mut info = [0u8; GETINFO_LEN];
-    info[..table.len().min(XT_TABLE_MAXNAMELEN - 1)]
-        .copy_from_slice(&table.as_bytes()[..table.len().min(XT_TABLE_MAXNAMELEN - 1)]);
-    let mut len = GETINFO_LEN as libc::socklen_t;
-    // SAFETY: getsockopt into a buffer of the length given.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::IPPROTO_IP,
-            IPT_SO_GET_INFO,
-            info.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let size = u32::from_ne_bytes(info[GETINFO_LEN - 4..].try_into().unwrap()) as usize;
-    // `struct ipt_get_entries`: name, size, then the entries.
-    let head = XT_TABLE_MAXNAMELEN + 4;
-    let mut buf = vec![0u8; head + size];
-    buf[..XT_TABLE_MAXNAMELEN].copy_from_slice(&info[..XT_TABLE_MAXNAMELEN]);
-    buf[XT_TABLE_MAXNAMELEN..head].copy_from_slice(&(size as u32).to_ne_bytes());
+/// `getsockopt(IPPROTO_IP, opt)` into `buf` (which carries the request in).
+fn getsockopt_ip(fd: &OwnedFd, opt: i32, buf: &mut [u8]) -> io::Result<()> {
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: getsockopt into a buffer of the length given.
     let rc = unsafe {
         libc::getsockopt(
             fd.as_raw_fd(),
             libc::IPPROTO_IP,
-            IPT_SO_GET_ENTRIES,
+            opt,
             buf.as_mut_ptr().cast(),
             &mut len,
         )
@@ -292,6 +255,22 @@ fn legacy_chains(table: &str) -> io::Result<Vec<Chain>> {
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+fn legacy_chains(table: &str) -> io::Result<Vec<Chain>> {
+    let fd = socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW)?;
+    let mut info = [0u8; GETINFO_LEN];
+    info[..table.len().min(XT_TABLE_MAXNAMELEN - 1)]
+        .copy_from_slice(&table.as_bytes()[..table.len().min(XT_TABLE_MAXNAMELEN - 1)]);
+    getsockopt_ip(&fd, IPT_SO_GET_INFO, &mut info)?;
+    let size = u32::from_ne_bytes(info[GETINFO_LEN - 4..].try_into().unwrap()) as usize;
+    // `struct ipt_get_entries`: name, size, then the entries.
+    let head = XT_TABLE_MAXNAMELEN + 4;
+    let mut buf = vec![0u8; head + size];
+    buf[..XT_TABLE_MAXNAMELEN].copy_from_slice(&info[..XT_TABLE_MAXNAMELEN]);
+    buf[XT_TABLE_MAXNAMELEN..head].copy_from_slice(&(size as u32).to_ne_bytes());
+    getsockopt_ip(&fd, IPT_SO_GET_ENTRIES, &mut buf)?;
     let mut out = Vec::new();
     parse_legacy_entries(table, &buf[head..], &mut out);
     Ok(out)

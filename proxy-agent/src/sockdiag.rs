@@ -43,12 +43,18 @@ pub struct UdpSock {
 }
 
 fn netlink() -> io::Result<OwnedFd> {
+    netlink_socket(NETLINK_SOCK_DIAG)
+}
+
+/// A netlink socket of `protocol` whose receives time out after 2 s (a dump
+/// that never ends fails instead of hanging the agent).
+pub(crate) fn netlink_socket(protocol: i32) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2).
     let fd = unsafe {
         libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            NETLINK_SOCK_DIAG,
+            protocol,
         )
     };
     if fd < 0 {

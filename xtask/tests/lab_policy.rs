@@ -47,16 +47,12 @@ fn with_lab(test: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
 /// Runs `cmd args` in the network namespace of lab node `node`.
 fn in_node(lab: &Lab, node: &str, cmd: &str, args: &[&str]) {
     let ns = &lab.node_named(node).expect("node").netns;
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns, cmd])
-        .args(args)
-        .output()
-        .expect("ip netns exec");
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?} in {ns}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    xtask::netns::run(
+        Command::new("ip")
+            .args(["netns", "exec", ns, cmd])
+            .args(args),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 fn pod_ip(lab: &Lab, name: &str) -> Ipv4Addr {
