@@ -21,6 +21,8 @@
 mod fuzz;
 #[path = "datapath/hardening.rs"]
 mod hardening;
+#[path = "datapath/icmp_errors.rs"]
+mod icmp_errors;
 mod kit;
 #[path = "datapath/lb.rs"]
 mod lb;

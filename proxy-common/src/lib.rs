@@ -755,6 +755,14 @@ pub mod stat {
     /// `deliveryMode: stack`: a reply passed untranslated to the stack; tc
     /// egress towards the client reverse-translates it.
     pub const PASS_REPLY_VIA_STACK: u32 = 36;
+    /// An ICMP error about a packet a client sent to a frontend (a router's
+    /// fragmentation needed, the backend's port unreachable): translated back
+    /// to the client, from the frontend, its inner header the client's own.
+    pub const ICMP_ERROR_TO_CLIENT: u32 = 37;
+    /// An ICMP error about a reply that left through a frontend (a router
+    /// between this node and an external client): translated on to the
+    /// backend, its inner header the backend's own.
+    pub const ICMP_ERROR_TO_BACKEND: u32 = 38;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -819,8 +827,8 @@ pub mod stat {
         "drop_reject_rate_limited",
         "deliver_stack",
         "pass_reply_via_stack",
-        "",
-        "",
+        "icmp_error_to_client",
+        "icmp_error_to_backend",
         "",
         "sock_connect",
         "sock_sendmsg",

@@ -20,9 +20,12 @@
 //! Every step returns a [`verdict::Verdict`]; every packet is counted once
 //! under its verdict in the stats map ([`proxy_common::stat`]).
 //!
+//! ICMP errors about translated flows (fragmentation needed, port
+//! unreachable, time exceeded) are translated with their flow at tc
+//! ([`icmp_error`]); XDP passes them on to tc.
+//!
 //! Limits (each counted when it happens): IPv4 only; a later fragment whose
-//! first was not seen passes untouched; ICMP errors about translated flows
-//! are not translated.
+//! first was not seen passes untouched.
 #![no_std]
 #![no_main]
 
@@ -30,6 +33,7 @@ mod conntrack;
 mod fib;
 mod forward;
 mod icmp;
+mod icmp_error;
 mod lb;
 mod maps;
 mod nat;
@@ -67,7 +71,7 @@ fn try_pod_ingress(ctx: &TcContext) -> (i32, u32) {
 pub fn pod_egress(ctx: TcContext) -> i32 {
     let (action, code) = tc::run_egress(&ctx);
     // Only translations are counted: every packet to a pod passes here.
-    if code == stat::FWD_REPLY {
+    if code == stat::FWD_REPLY || code == stat::ICMP_ERROR_TO_CLIENT {
         count(code);
     }
     action

@@ -3,7 +3,8 @@
 //! ([`forward::decide`], then the rewrite); otherwise a reply of a tracked
 //! flow is reverse-translated; anything else passes untouched. A translated
 //! packet is delivered by [`fib::deliver`]; a frontend without endpoints is
-//! answered by [`icmp::reject`].
+//! answered by [`icmp::reject`]; an ICMP error about a translated flow is
+//! translated with it ([`icmp_error`]).
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -14,7 +15,7 @@ use proxy_common::{ct_flags, stat, Svc4Value, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
-    fib, forward, icmp,
+    fib, forward, icmp, icmp_error,
     lb::{self, rev_nat},
     maps::{account, count, SVC4_V1},
     nat,
@@ -28,6 +29,8 @@ use crate::{
 pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
     let (mut pkt, ip, l4_end) = match parse::parse(ctx) {
         Ok(p) => p,
+        // Perhaps an ICMP error about a translated flow.
+        Err(Verdict::Pass(stat::PASS_OTHER_PROTO)) => return icmp_error::translate(ctx, false),
         Err(Verdict::Drop(code)) => return (TC_ACT_SHOT, code),
         Err(Verdict::Pass(code) | Verdict::Deliver(code) | Verdict::Reject(code)) => {
             return (TC_ACT_OK, code)
@@ -45,6 +48,8 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
 pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
     let (mut pkt, _ip, l4_end) = match parse::parse(ctx) {
         Ok(p) => p,
+        // At the last hook an error is never delivered here: it goes on.
+        Err(Verdict::Pass(stat::PASS_OTHER_PROTO)) => return icmp_error::translate(ctx, true),
         Err(
             Verdict::Drop(code)
             | Verdict::Pass(code)
