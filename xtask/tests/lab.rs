@@ -359,6 +359,39 @@ fn s29_k4_no_endpoints_rejected_from_pod() {
     });
 }
 
+/// A backend that does not listen on a UDP Service's targetPort answers with
+/// ICMP port unreachable, quoting client → pod; the datapath translates it
+/// back (from the ClusterIP, quoting client → ClusterIP), so the client's
+/// connected UDP socket gets ECONNREFUSED at once, as through kube-proxy's
+/// conntrack. Before (the error passed untouched), no socket of the client
+/// matched the quote and the client waited out its timeout (issue 15).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn udp_port_unreachable_from_a_backend_reaches_the_client() {
+    let yaml = manifests(&[
+        &Svc::new("deaf")
+            .selector("deaf")
+            .port(Port::udp("dns", 53).target_port(5999)),
+        &Pod::new("deaf-1", "deaf").port(80, "TCP"),
+    ]);
+    with_lab("udp_unreach", &yaml, |lab| {
+        let ns = lab.client().netns.clone();
+        let udp = frontend(lab, "deaf", 53, "UDP");
+        for i in 0..3 {
+            let t = Instant::now();
+            let r = udp_hostname(&ns, udp, None, T);
+            let el = t.elapsed();
+            println!("UDP {udp} try {i}: {r:?} in {} ms", el.as_millis());
+            assert!(
+                matches!(&r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused),
+                "UDP to a backend without a listener: expected ConnectionRefused, got {r:?} after {} ms",
+                el.as_millis()
+            );
+            assert!(el < Duration::from_secs(1), "refusal took {el:?}");
+        }
+    });
+}
+
 /// S45 — should support named targetPorts that resolve to different ports on
 /// different endpoints: "the proxy must DNAT each backend to its own port,
 /// including a mix of 8080 and 8000" (both endpoints must answer, also after

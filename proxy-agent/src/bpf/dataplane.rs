@@ -68,6 +68,34 @@ impl BpfDataplane {
         })
     }
 
+    /// The maps a loaded object pinned under `pin_dir`, opened again from
+    /// their pins: a writer over the maps of an object loaded earlier
+    /// (whose programs still use them).
+    pub fn from_pins(pin_dir: &Path, sizes: MapSizes) -> Result<Self, BpfError> {
+        use aya::maps::Map;
+        let open =
+            |name: &'static str| MapData::from_pin(pin_dir.join(name)).map_err(map_err(name));
+        Ok(Self {
+            services: HashMap::try_from(Map::HashMap(open(map_names::SERVICES)?))
+                .map_err(map_err(map_names::SERVICES))?,
+            backends: HashMap::try_from(Map::HashMap(open(map_names::BACKENDS)?))
+                .map_err(map_err(map_names::BACKENDS))?,
+            rev_nat: HashMap::try_from(Map::HashMap(open(map_names::REV_NAT)?))
+                .map_err(map_err(map_names::REV_NAT))?,
+            config: Array::try_from(Map::Array(open(map_names::CONFIG)?))
+                .map_err(map_err(map_names::CONFIG))?,
+            affinity: HashMap::try_from(Map::LruHashMap(open(map_names::AFFINITY)?))
+                .map_err(map_err(map_names::AFFINITY))?,
+            source_ranges: LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))
+                .map_err(map_err(map_names::SOURCE_RANGES))?,
+            conntrack: HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))
+                .map_err(map_err(map_names::CONNTRACK))?,
+            maglev: HashMap::try_from(Map::HashMap(open(map_names::MAGLEV)?))
+                .map_err(map_err(map_names::MAGLEV))?,
+            sizes,
+        })
+    }
+
     /// Writes the datapath configuration (index 0 of the config map).
     pub fn set_config(&mut self, cfg: Config) -> Result<(), BpfError> {
         self.config

@@ -154,7 +154,7 @@ pub enum BpfError {
 }
 
 /// Map sizes, from the agent's configuration.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapSizes {
     pub services: u32,
     pub backends: u32,

@@ -7,7 +7,10 @@ use std::{
     net::Ipv4Addr,
     os::fd::AsFd,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Mutex, Once,
+    },
     time::Duration,
 };
 
@@ -21,7 +24,7 @@ use proxy_agent::{
     dataplane::Writer,
     model::{BackendAddr, DesiredState, Frontend, FrontendKey},
 };
-use proxy_common::{Config, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use proxy_common::{map_names, Config, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 use xtask::netns;
 
 /// The datapath's programs that take packets.
@@ -211,11 +214,35 @@ pub struct Run {
 
 /// A fresh netns, a pin dir, the object loaded, and a writer over its maps.
 /// Fields drop in order: the object's fds, then the pins, then the namespace.
+///
+/// Loading the object is what a harness costs (the verifier checks every
+/// program: about a second here, a minute under a VM's software emulation),
+/// so harnesses of the default map sizes reuse the object of a finished one
+/// from [`POOL`], its maps emptied first: a test sees maps as fresh as a new
+/// load's, in a namespace of its own.
 pub struct Harness {
-    pub ebpf: aya::Ebpf,
     pub writer: Writer<BpfDataplane>,
-    pub pins: PinDir,
+    loaded: Option<Loaded>,
+    /// Of the default sizes: its object goes back to the pool on drop.
+    reusable: bool,
     pub netns: NetNs,
+}
+
+/// A loaded object and the pin directory of its maps.
+struct Loaded {
+    ebpf: aya::Ebpf,
+    pins: PinDir,
+}
+
+/// Objects of finished harnesses (default map sizes), maps emptied, with
+/// their pin directories; removed when the test process exits.
+static POOL: Mutex<Vec<Loaded>> = Mutex::new(Vec::new());
+static POOL_CLEANUP: Once = Once::new();
+
+extern "C" fn drain_pool() {
+    if let Ok(mut pool) = POOL.lock() {
+        pool.clear();
+    }
 }
 
 impl Harness {
@@ -233,24 +260,44 @@ impl Harness {
         .expect("packet-test harness")
     }
 
-    /// A harness whose namespace and pin dir are named `<prefix>-<pid>-<n>`.
+    /// A harness whose namespace (and, for a new object, pin dir) is named
+    /// `<prefix>-<pid>-<n>`.
     pub fn try_new(prefix: &str, sizes: MapSizes, config: Config) -> anyhow::Result<Self> {
         let netns = NetNs::new(prefix)?;
-        let pins = PinDir::new(netns.name());
-        let mut loaded = bpf::load(pins.path(), sizes).context("load datapath")?;
-        let mut dp = BpfDataplane::new(&mut loaded.ebpf, sizes).context("maps")?;
+        let reusable = sizes == MapSizes::default();
+        let pooled = if reusable {
+            POOL.lock().unwrap_or_else(|e| e.into_inner()).pop()
+        } else {
+            None
+        };
+        let (loaded, mut dp) = match pooled {
+            Some(l) => {
+                let dp = BpfDataplane::from_pins(l.pins.path(), sizes).context("maps")?;
+                (l, dp)
+            }
+            None => {
+                let pins = PinDir::new(netns.name());
+                let mut b = bpf::load(pins.path(), sizes).context("load datapath")?;
+                let dp = BpfDataplane::new(&mut b.ebpf, sizes).context("maps")?;
+                (Loaded { ebpf: b.ebpf, pins }, dp)
+            }
+        };
         dp.set_config(config).context("config")?;
         let writer = Writer::adopt(dp).context("adopt")?;
         Ok(Self {
-            ebpf: loaded.ebpf,
             writer,
-            pins,
+            loaded: Some(loaded),
+            reusable,
             netns,
         })
     }
 
+    fn loaded(&self) -> &Loaded {
+        self.loaded.as_ref().expect("a live harness has its object")
+    }
+
     pub fn pin_dir(&self) -> &Path {
-        self.pins.path()
+        self.loaded().pins.path()
     }
 
     pub fn maps(&self) -> PinnedMaps {
@@ -301,6 +348,7 @@ impl Harness {
             ..Default::default()
         };
         let p = self
+            .loaded()
             .ebpf
             .program(prog.name())
             .expect("program in the object");
@@ -342,6 +390,100 @@ impl Harness {
     pub fn try_run(&self, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
         self.try_run_prog(Prog::PodIngress, input)
     }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let Some(loaded) = self.loaded.take() else {
+            return;
+        };
+        // A failed test's object is dropped (its pins removed), not reused.
+        if self.reusable && !std::thread::panicking() && reset_maps(loaded.pins.path()).is_ok() {
+            POOL_CLEANUP.call_once(|| {
+                // SAFETY: registers a plain function run at exit.
+                unsafe { libc::atexit(drain_pool) };
+            });
+            POOL.lock().unwrap_or_else(|e| e.into_inner()).push(loaded);
+        }
+    }
+}
+
+const BPF_MAP_DELETE_ELEM: i64 = 3;
+const BPF_MAP_GET_NEXT_KEY: i64 = 4;
+const BPF_MAP_UPDATE_BATCH: i64 = 26;
+
+fn sys_bpf(cmd: i64, attr: &mut [u64; 8]) -> std::io::Result<()> {
+    // SAFETY: the bpf(2) system call with a zero-padded attribute of the
+    // size given, pointing at live buffers.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), 64u32) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Empties every map pinned under `pin_dir` as a new load would have it:
+/// hash, LRU and LPM maps lose every entry, arrays are zeroed.
+fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
+    use aya::maps::{MapData, MapType};
+    use std::os::fd::AsRawFd;
+    for name in map_names::ALL {
+        let m = MapData::from_pin(pin_dir.join(name)).with_context(|| format!("open {name}"))?;
+        let info = m.info()?;
+        let fd = m.fd().as_fd().as_raw_fd() as u64;
+        let (ks, vs, n) = (
+            info.key_size() as usize,
+            info.value_size() as usize,
+            info.max_entries(),
+        );
+        let ty = info.map_type()?;
+        if matches!(ty, MapType::Array | MapType::PerCpuArray) {
+            let per = if ty == MapType::PerCpuArray {
+                vs.div_ceil(8) * 8 * aya::util::nr_cpus().map_err(|(_, e)| e)?
+            } else {
+                vs
+            };
+            let keys: Vec<u32> = (0..n).collect();
+            let zeros = vec![0u8; per * n as usize];
+            let mut attr = [0u64; 8];
+            attr[2] = keys.as_ptr() as u64;
+            attr[3] = zeros.as_ptr() as u64;
+            attr[4] = u64::from(n) | (fd << 32);
+            sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr).with_context(|| format!("zero {name}"))?;
+        } else {
+            let mut keys = Vec::new();
+            let mut prev: Option<Vec<u8>> = None;
+            loop {
+                let next = vec![0u8; ks];
+                let mut attr = [0u64; 8];
+                attr[0] = fd;
+                attr[1] = prev.as_ref().map_or(0, |p| p.as_ptr() as u64);
+                attr[2] = next.as_ptr() as u64;
+                if sys_bpf(BPF_MAP_GET_NEXT_KEY, &mut attr).is_err() {
+                    break;
+                }
+                keys.push(next.clone());
+                prev = Some(next);
+            }
+            for k in &keys {
+                let mut attr = [0u64; 8];
+                attr[0] = fd;
+                attr[1] = k.as_ptr() as u64;
+                let _ = sys_bpf(BPF_MAP_DELETE_ELEM, &mut attr);
+            }
+            // Nothing left (an entry the loop missed would leak into the
+            // next test).
+            let probe = vec![0u8; ks];
+            let mut attr = [0u64; 8];
+            attr[0] = fd;
+            attr[2] = probe.as_ptr() as u64;
+            if sys_bpf(BPF_MAP_GET_NEXT_KEY, &mut attr).is_ok() {
+                anyhow::bail!("{name} not empty after reset");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The desired state of `frontends` (all of service `default/test`).
