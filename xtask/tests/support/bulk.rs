@@ -45,12 +45,14 @@ fn left(deadline: Instant) -> io::Result<Duration> {
     Ok(d)
 }
 
-/// Bytes written so far when `e` happened, in its message.
+/// Bytes moved so far when `e` happened, in its message; a socket timeout
+/// (EAGAIN) is reported as `TimedOut`.
 fn at(e: io::Error, what: &str, done: u64, bytes: u64) -> io::Error {
-    io::Error::new(
-        e.kind(),
-        format!("{what} after {done} of {bytes} bytes: {e}"),
-    )
+    let kind = match e.kind() {
+        io::ErrorKind::WouldBlock => io::ErrorKind::TimedOut,
+        k => k,
+    };
+    io::Error::new(kind, format!("{what} after {done} of {bytes} bytes: {e}"))
 }
 
 /// Uploads `bytes` from `ns` to the lab server's `sink` at `addr`, within
