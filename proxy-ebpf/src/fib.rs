@@ -13,7 +13,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::{TcContext, XdpContext},
 };
-use proxy_common::{csum, iface_flags, stat};
+use proxy_common::{csum, iface_flags, stat, IPPROTO_TCP};
 
 use crate::{
     maps::{count, IFACE_V1},
@@ -22,22 +22,57 @@ use crate::{
 };
 
 const AF_INET: u8 = 2;
+/// Byte of the TCP header holding the data offset (header length / 4, high
+/// nibble).
+const TCP_DOFF_OFF: usize = 12;
 
-/// FIB lookup parameters for an IPv4 packet of `pkt`'s protocol and length,
-/// on tuple `to`, arriving on `ifindex`.
+/// FIB lookup parameters for an IPv4 packet of `pkt`'s protocol, on tuple
+/// `to`, arriving on `ifindex`, whose MTU check is on IPv4 length `tot_len`
+/// (0: no length; see [`tc_tot_len`]).
 #[inline(always)]
-fn fib_params(pkt: &Packet, to: &Tuple, ifindex: u32) -> FibParams {
+fn fib_params(pkt: &Packet, to: &Tuple, ifindex: u32, tot_len: u16) -> FibParams {
     // SAFETY: zeroed plain-old-data struct.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.family = AF_INET;
     p.l4_protocol = pkt.proto;
     p.sport = to.sport_be;
     p.dport = to.dport_be;
-    p.__bindgen_anon_1.tot_len = pkt.tot_len;
+    p.__bindgen_anon_1.tot_len = tot_len;
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv4_src = to.saddr_be;
     p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
     p
+}
+
+/// The length `bpf_fib_lookup` is to check against the route's MTU for a tc
+/// packet. With a length (kernels from 5.12; 5.10 ignores it for an skb) the
+/// kernel compares it with the route's MTU (`bpf_ipv4_fib_lookup`,
+/// net/core/filter.c) and knows nothing of GSO: a packet merged by GRO or sent
+/// by a pod's TSO (up to 64 KiB) would be refused as FRAG_NEEDED and go to the
+/// stack already translated, where a source that is now the node's own
+/// address is dropped as a martian. So, as the stack's forwarding does
+/// (`skb_gso_validate_network_len`): the packet's own length, or for a TCP
+/// GSO packet the length of each segment it will be cut into. Other GSO
+/// packets get 0, and the kernel checks the skb against the output device
+/// (`is_skb_forwardable`, which lets GSO packets through), as 5.10 always does.
+#[inline(always)]
+fn tc_tot_len(ctx: &TcContext, pkt: &Packet) -> u16 {
+    // SAFETY: the context pointer is valid for this program run.
+    let gso_size = unsafe { (*ctx.skb.skb).gso_size };
+    if gso_size == 0 {
+        return pkt.tot_len;
+    }
+    if pkt.proto != IPPROTO_TCP || !pkt.l4_present {
+        return 0;
+    }
+    let Ok(doff) = ctx.load::<u8>(pkt.l4_off + TCP_DOFF_OFF) else {
+        return 0;
+    };
+    let seg = (pkt.l4_off - ETH_HLEN) as u32 + (doff >> 4) as u32 * 4 + gso_size;
+    if seg > u16::MAX as u32 {
+        return 0;
+    }
+    seg as u16
 }
 
 /// Delivers a translated tc packet (counted under `code`) by redirect after
@@ -52,7 +87,12 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
         dport_be: pkt.dport_be,
     };
     // SAFETY: the context pointer is valid for this program run.
-    let mut p = fib_params(pkt, &to, unsafe { (*ctx.skb.skb).ifindex });
+    let mut p = fib_params(
+        pkt,
+        &to,
+        unsafe { (*ctx.skb.skb).ifindex },
+        tc_tot_len(ctx, pkt),
+    );
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -120,7 +160,8 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
 /// device and MACs, when XDP can send there itself (a complete answer, not a
 /// pod).
 pub fn xdp_fib(ctx: &XdpContext, pkt: &Packet, to: &Tuple) -> Option<FibParams> {
-    let mut p = fib_params(pkt, to, ctx.ingress_ifindex() as u32);
+    // An XDP frame is one wire frame: its own length is the one to check.
+    let mut p = fib_params(pkt, to, ctx.ingress_ifindex() as u32, pkt.tot_len);
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
         as u32;

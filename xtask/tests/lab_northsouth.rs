@@ -43,7 +43,7 @@ mod support;
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 // `T` (2 s) is also how long a drop takes to show.
 use support::{
-    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, inspect, T,
+    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, stat, T,
 };
 
 /// How long the agents may take to come up, or to sync a change.
@@ -82,22 +82,6 @@ fn slice(lab: &Lab, name: &str, service: &str, port: u16, eps: &[(&str, bool, bo
 }
 
 // ---------------------------------------------------------------- lab runner
-
-/// One counter of `proxy-agent inspect stats` on `node` (0 if not listed).
-fn stat(lab: &Lab, node: &str, name: &str) -> u64 {
-    let n = lab.node_named(node).expect("node");
-    inspect("stats", &n.bpffs)
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            match (w.next(), w.next()) {
-                (Some(k), Some(v)) if k == name => v.parse().ok(),
-                _ => None,
-            }
-        })
-        .next()
-        .unwrap_or(0)
-}
 
 /// Starts a lab with `nodes` nodes, the switch and the external client, and
 /// `yaml`; waits for every agent's first sync and attachments (pod veths and

@@ -4,8 +4,11 @@
 //! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
 //! timeout), one reply line, then close; except `stream`, which keeps the
 //! connection open and answers every following line with `<name> <line>`
-//! (idle timeout 120 s) — a long-lived connection for the lab's tests. UDP: one
-//! reply datagram per datagram.
+//! (idle timeout 120 s) — a long-lived connection for the lab's tests; and the
+//! bulk transfers: `sink` reads every byte after its line until EOF and answers
+//! with their count; `source <n>` sends `n` bytes, then closes (both with the
+//! 5 s read/write timeout: a stalled transfer ends there). UDP: one reply
+//! datagram per datagram.
 //! Prints `ready` on stdout once every port is bound.
 
 use std::io::{Read, Write};
@@ -62,6 +65,7 @@ fn serve_tcp_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_read_timeout(Some(READ_TIMEOUT))?;
     stream.set_write_timeout(Some(READ_TIMEOUT))?;
     let mut buf = Vec::with_capacity(256);
+    let mut rest = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
         let n = stream.read(&mut chunk)?;
@@ -70,6 +74,8 @@ fn serve_tcp_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
         }
         buf.extend_from_slice(&chunk[..n]);
         if let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+            // What came after the line is a sink's first data.
+            rest = buf.split_off(pos + 1);
             buf.truncate(pos);
             break;
         }
@@ -78,8 +84,19 @@ fn serve_tcp_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
             break;
         }
     }
-    if buf.strip_suffix(b"\r").unwrap_or(&buf) == b"stream" {
+    let line = buf.strip_suffix(b"\r").unwrap_or(&buf);
+    if line == b"stream" {
         return serve_stream(name, stream);
+    }
+    if line == b"sink" {
+        return serve_sink(stream, rest.len());
+    }
+    if let Some(n) = line.strip_prefix(b"source ") {
+        let n = std::str::from_utf8(n)
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| std::io::Error::other("source: not a byte count"))?;
+        return serve_source(stream, n);
     }
     stream.write_all(&answer(name, &buf, peer))?;
     stream.flush()
@@ -96,6 +113,33 @@ fn serve_stream(name: &str, stream: TcpStream) -> std::io::Result<()> {
         out.write_all(format!("{name} {line}\n").as_bytes())?;
     }
     Ok(())
+}
+
+/// `sink`: counts the bytes until EOF (`already` came with the request
+/// line), answers `<count>\n`.
+fn serve_sink(mut stream: TcpStream, already: usize) -> std::io::Result<()> {
+    let mut total = already as u64;
+    let mut chunk = vec![0u8; 256 * 1024];
+    loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    stream.write_all(format!("{total}\n").as_bytes())?;
+    stream.flush()
+}
+
+/// `source <n>`: sends `n` bytes, then closes.
+fn serve_source(mut stream: TcpStream, mut n: u64) -> std::io::Result<()> {
+    let chunk = vec![b'x'; 256 * 1024];
+    while n > 0 {
+        let k = n.min(chunk.len() as u64) as usize;
+        stream.write_all(&chunk[..k])?;
+        n -= k as u64;
+    }
+    stream.flush()
 }
 
 fn serve_tcp(name: Arc<String>, listener: TcpListener) {

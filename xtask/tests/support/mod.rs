@@ -7,6 +7,7 @@
 // file leaves unused would otherwise warn as dead code in that crate.
 #![allow(dead_code)]
 
+pub mod bulk;
 pub mod fixtures;
 pub mod flows;
 
@@ -51,6 +52,22 @@ pub fn inspect(what: &str, bpffs: &Path) -> String {
         ),
         Err(e) => format!("cannot run proxy-agent inspect: {e}"),
     }
+}
+
+/// One counter of `proxy-agent inspect stats` on `node` (0 if not listed).
+pub fn stat(lab: &Lab, node: &str, name: &str) -> u64 {
+    let n = lab.node_named(node).expect("node");
+    inspect("stats", &n.bpffs)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            match (w.next(), w.next()) {
+                (Some(k), Some(v)) if k == name => v.parse().ok(),
+                _ => None,
+            }
+        })
+        .next()
+        .unwrap_or(0)
 }
 
 /// The agent's log tail and its pinned maps, while the (one-node) lab still
