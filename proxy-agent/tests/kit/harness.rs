@@ -398,12 +398,20 @@ impl Drop for Harness {
             return;
         };
         // A failed test's object is dropped (its pins removed), not reused.
-        if self.reusable && !std::thread::panicking() && reset_maps(loaded.pins.path()).is_ok() {
-            POOL_CLEANUP.call_once(|| {
-                // SAFETY: registers a plain function run at exit.
-                unsafe { libc::atexit(drain_pool) };
-            });
-            POOL.lock().unwrap_or_else(|e| e.into_inner()).push(loaded);
+        if !self.reusable || std::thread::panicking() {
+            return;
+        }
+        match reset_maps(loaded.pins.path()) {
+            Ok(()) => {
+                POOL_CLEANUP.call_once(|| {
+                    // SAFETY: registers a plain function run at exit.
+                    unsafe { libc::atexit(drain_pool) };
+                });
+                POOL.lock().unwrap_or_else(|e| e.into_inner()).push(loaded);
+            }
+            // Dropped: the next harness loads the object again (slower,
+            // never wrong).
+            Err(e) => eprintln!("harness: maps not reset, object not reused: {e:#}"),
         }
     }
 }

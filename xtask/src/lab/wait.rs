@@ -82,7 +82,15 @@ impl Lab {
 
     /// Waits until every agent (since it was last started) logged its first
     /// `sync complete`. Fails if no agent was started.
+    ///
+    /// `KPR_LAB_START_TIMEOUT` (seconds) raises `timeout`: the kernel
+    /// runner sets it, since under a VM's software emulation the agent's
+    /// start (the verifier checking every program) takes many times longer.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let timeout = std::env::var("KPR_LAB_START_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map_or(timeout, |s| timeout.max(Duration::from_secs(s)));
         let which = self.nodes_with_agent();
         if which.is_empty() {
             bail!("no agent was started");
