@@ -59,6 +59,14 @@ fn quoted_tuple(out: &Parsed) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
 
 use kit::check::Parsed;
 
+/// `err` through `prog`: redirected (to its client or backend), every
+/// checksum valid; the output parsed.
+fn delivered(h: &Harness, prog: Prog, err: &[u8]) -> Parsed {
+    let (rc, out) = h.run_prog(prog, err);
+    assert_eq!(rc, Redirect.code(prog), "{prog:?}: delivered");
+    parse_checked(&out)
+}
+
 fn wired(h: &Harness) {
     h.wire(
         "198.18.0.0/15",
@@ -111,9 +119,7 @@ fn frag_needed_about_a_clients_segment_reaches_it_from_the_frontend() {
             &seg,
             1500,
         );
-        let (rc, out) = h.run_prog(prog, &err);
-        assert_eq!(rc, Redirect.code(prog), "{prog:?}: delivered to the client");
-        let o = parse_checked(&out);
+        let o = delivered(&h, prog, &err);
         assert_eq!((o.src, o.dst), (VIP, CLIENT), "{prog:?}: outer header");
         assert_eq!(&o.l4[..2], &[ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED]);
         assert_eq!(&o.l4[6..8], &1000u16.to_be_bytes(), "the MTU is kept");
@@ -156,9 +162,7 @@ fn a_backends_port_unreachable_reaches_the_udp_client_from_the_frontend() {
         &dgram,
         548,
     );
-    let (rc, out) = h.run(&err);
-    assert_eq!(rc, Redirect.code(PodIngress));
-    let o = parse_checked(&out);
+    let o = delivered(&h, PodIngress, &err);
     assert_eq!((o.src, o.dst), (VIP, CLIENT));
     assert_eq!(quoted_tuple(&o), (CLIENT, 41000, VIP, 53));
     // A UDP checksum of 0 ("none") stays 0.
@@ -218,9 +222,7 @@ fn frag_needed_about_a_snated_segment_reaches_the_external_client() {
         (Pass.code(ExtXdp), err.clone()),
         "XDP defers it to tc"
     );
-    let (rc, out) = h.run_prog(ExtIngress, &err);
-    assert_eq!(rc, Redirect.code(ExtIngress));
-    let o = parse_checked(&out);
+    let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
         (NODE, EXT_CLIENT),
@@ -277,9 +279,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         &reply,
         1500,
     );
-    let (rc, out) = h.run_prog(ExtIngress, &err);
-    assert_eq!(rc, Redirect.code(ExtIngress));
-    let o = parse_checked(&out);
+    let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
         (ROUTER, B1),
@@ -296,7 +296,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         (NODE, 30080, EXT_CLIENT, 43001)
     );
     let err = icmp_error(ROUTER, NODE, (ICMP_TIME_EXCEEDED, 0), 0, &reply, 1500);
-    let o = parse_checked(&h.run_prog(ExtIngress, &err).1);
+    let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
         (NODE, REMOTE),
