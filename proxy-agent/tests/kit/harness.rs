@@ -416,7 +416,6 @@ impl Drop for Harness {
     }
 }
 
-const BPF_MAP_DELETE_ELEM: i64 = 3;
 const BPF_MAP_GET_NEXT_KEY: i64 = 4;
 const BPF_MAP_UPDATE_BATCH: i64 = 26;
 
@@ -460,27 +459,9 @@ fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
             attr[4] = u64::from(n) | (fd << 32);
             sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr).with_context(|| format!("zero {name}"))?;
         } else {
-            let mut keys = Vec::new();
-            let mut prev: Option<Vec<u8>> = None;
-            loop {
-                let next = vec![0u8; ks];
-                let mut attr = [0u64; 8];
-                attr[0] = fd;
-                attr[1] = prev.as_ref().map_or(0, |p| p.as_ptr() as u64);
-                attr[2] = next.as_ptr() as u64;
-                if sys_bpf(BPF_MAP_GET_NEXT_KEY, &mut attr).is_err() {
-                    break;
-                }
-                keys.push(next.clone());
-                prev = Some(next);
-            }
-            for k in &keys {
-                let mut attr = [0u64; 8];
-                attr[0] = fd;
-                attr[1] = k.as_ptr() as u64;
-                let _ = sys_bpf(BPF_MAP_DELETE_ELEM, &mut attr);
-            }
-            // Nothing left (an entry the loop missed would leak into the
+            xtask::bench::sys::clear_pinned_map(&pin_dir.join(name))
+                .with_context(|| format!("empty {name}"))?;
+            // Nothing left (an entry clear_pinned_map missed would leak into the
             // next test).
             let probe = vec![0u8; ks];
             let mut attr = [0u64; 8];
