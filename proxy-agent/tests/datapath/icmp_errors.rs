@@ -37,6 +37,19 @@ fn icmp_error(
     ipv4(src, dst, IPPROTO_ICMP, &msg)
 }
 
+/// A router's fragmentation needed (next-hop MTU `mtu`) to `dst` about
+/// `about`, quoting it whole.
+fn frag_needed(dst: Ipv4Addr, mtu: u16, about: &[u8]) -> Vec<u8> {
+    icmp_error(
+        ROUTER,
+        dst,
+        (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
+        mtu,
+        about,
+        1500,
+    )
+}
+
 /// What an output error says about the packet it quotes: the inner IPv4
 /// header's checksum is valid, and so is the inner L4 checksum (the quote
 /// holds the whole segment); returns the inner tuple.
@@ -111,14 +124,7 @@ fn frag_needed_about_a_clients_segment_reaches_it_from_the_frontend() {
         h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
         let (_, seg) = h.run(&tcp4(CLIENT, 40000, VIP, 80, ACK | PSH, &data));
         assert_eq!(parse_checked(&seg).tuple(), (CLIENT, 40000, backend, 8080));
-        let err = icmp_error(
-            ROUTER,
-            CLIENT,
-            (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
-            1000,
-            &seg,
-            1500,
-        );
+        let err = frag_needed(CLIENT, 1000, &seg);
         let o = delivered(&h, prog, &err);
         assert_eq!((o.src, o.dst), (VIP, CLIENT), "{prog:?}: outer header");
         assert_eq!(&o.l4[..2], &[ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED]);
@@ -131,13 +137,10 @@ fn frag_needed_about_a_clients_segment_reaches_it_from_the_frontend() {
         assert_eq!(o.ttl, 63, "forwarded: TTL decremented");
         assert_eq!(h.stats()[&stat::ICMP_ERROR_TO_CLIENT], 1);
         // The same error about a segment of no tracked flow: untouched.
-        let stray = icmp_error(
-            ROUTER,
+        let stray = frag_needed(
             CLIENT,
-            (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
             1000,
             &tcp4(CLIENT, 40999, backend, 8080, ACK, &data),
-            1500,
         );
         assert_eq!(h.run_prog(prog, &stray), (Pass.code(prog), stray));
     }
@@ -209,14 +212,7 @@ fn frag_needed_about_a_snated_segment_reaches_the_external_client() {
     );
     let s = parse_checked(&seg);
     assert_eq!((s.src, s.dst, s.dport), (NODE, REMOTE, 8080), "SNATed");
-    let err = icmp_error(
-        ROUTER,
-        NODE,
-        (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
-        800,
-        &seg,
-        1500,
-    );
+    let err = frag_needed(NODE, 800, &seg);
     assert_eq!(
         h.run_prog(ExtXdp, &err),
         (Pass.code(ExtXdp), err.clone()),
@@ -271,14 +267,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         parse_checked(&reply).tuple(),
         (NODE, 30081, EXT_CLIENT, 43000)
     );
-    let err = icmp_error(
-        ROUTER,
-        NODE,
-        (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
-        1280,
-        &reply,
-        1500,
-    );
+    let err = frag_needed(NODE, 1280, &reply);
     let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
@@ -360,14 +349,7 @@ fn with_stack_delivery_errors_are_translated_at_the_last_hook() {
     );
     cluster_ip(&mut h, B1);
     let (_, seg) = h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
-    let err = icmp_error(
-        ROUTER,
-        CLIENT,
-        (ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED),
-        1000,
-        &seg,
-        1500,
-    );
+    let err = frag_needed(CLIENT, 1000, &seg);
     for prog in [PodIngress, ExtIngress] {
         assert_eq!(h.run_prog(prog, &err), (Pass.code(prog), err.clone()));
     }
