@@ -22,6 +22,7 @@ use aya::{
     sys::{is_helper_supported, BpfHelper},
     EbpfLoader,
 };
+use proxy_agent::bpf::load_retrying;
 
 fn main() -> anyhow::Result<()> {
     let file;
@@ -50,9 +51,11 @@ fn main() -> anyhow::Result<()> {
     for name in names {
         let prog = ebpf.program_mut(&name).expect("listed");
         let loaded = match prog {
-            Program::SchedClassifier(p) => p.load().and_then(|()| p.info()),
-            Program::Xdp(p) => p.load().and_then(|()| p.info()),
-            Program::CgroupSockAddr(p) => p.load().and_then(|()| p.info()),
+            Program::SchedClassifier(p) => {
+                load_retrying(&name, || p.load()).and_then(|()| p.info())
+            }
+            Program::Xdp(p) => load_retrying(&name, || p.load()).and_then(|()| p.info()),
+            Program::CgroupSockAddr(p) => load_retrying(&name, || p.load()).and_then(|()| p.info()),
             _ => {
                 failed += 1;
                 println!("{name:<18} not a program type this example loads");

@@ -24,7 +24,7 @@ use aya::{
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
         xdp::XdpLink,
-        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader,
 };
@@ -238,6 +238,39 @@ fn probe_sock_lb() -> SockLbSupport {
     }
 }
 
+/// How many times one program's load is tried when the kernel gave up
+/// verifying it because a signal was pending (libbpf's `PROG_LOAD_ATTEMPTS`).
+pub const LOAD_ATTEMPTS: usize = 5;
+
+/// Runs `load` (one program's `BPF_PROG_LOAD`) again, up to [`LOAD_ATTEMPTS`]
+/// times in all, while it fails with `EAGAIN`. The verifier checks for a
+/// pending signal between instructions and returns `-EAGAIN` when it finds
+/// one, so verifying a large program (tens of milliseconds, seconds under
+/// emulation) in a process that receives signals fails with nothing wrong
+/// with the program; libbpf retries the same way. Any other error, or the
+/// last attempt's, is returned as it is.
+pub fn load_retrying(
+    name: &str,
+    mut load: impl FnMut() -> Result<(), ProgramError>,
+) -> Result<(), ProgramError> {
+    let mut attempt = 1;
+    loop {
+        match load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < LOAD_ATTEMPTS =>
+            {
+                tracing::debug!(
+                    program = name,
+                    attempt,
+                    "verification interrupted by a signal (EAGAIN); loading again"
+                );
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Loads the socket hooks; an error turns host socket load balancing off.
 fn load_sock_programs(ebpf: &mut Ebpf) -> Result<(), String> {
     for name in SOCK_PROGRAMS {
@@ -246,7 +279,7 @@ fn load_sock_programs(ebpf: &mut Ebpf) -> Result<(), String> {
             .ok_or_else(|| format!("program {name} missing from the object"))?
             .try_into()
             .map_err(|e| format!("program {name}: {e}"))?;
-        prog.load().map_err(|e| {
+        load_retrying(name, || prog.load()).map_err(|e| {
             // The verifier's log is for developers: debug level.
             tracing::debug!(program = name, error = ?e, "socket hook not loaded");
             format!("program {name} not accepted by this kernel: {e}")
@@ -358,8 +391,7 @@ fn load_checked(
             })?
             .try_into()
             .map_err(|source| BpfError::Program { name, source })?;
-        prog.load()
-            .map_err(|source| BpfError::Program { name, source })?;
+        load_retrying(name, || prog.load()).map_err(|source| BpfError::Program { name, source })?;
     }
     let xdp: &mut Xdp = ebpf
         .program_mut(EXT_XDP_PROGRAM)
@@ -379,7 +411,7 @@ fn load_checked(
     {
         Some((_, why)) => Err(why.clone()),
         None => {
-            xdp.load().map_err(|source| BpfError::Program {
+            load_retrying(EXT_XDP_PROGRAM, || xdp.load()).map_err(|source| BpfError::Program {
                 name: EXT_XDP_PROGRAM,
                 source,
             })?;
