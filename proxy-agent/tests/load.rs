@@ -25,7 +25,7 @@ fn program_load_survives_signals_during_verification() {
     // to the loading thread only.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = count_signal as usize;
+        sa.sa_sigaction = count_signal as *const () as usize;
         libc::sigemptyset(&mut sa.sa_mask);
         assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
     }
