@@ -23,6 +23,8 @@ extern "C" fn count_signal(_: libc::c_int) {
 fn program_load_survives_signals_during_verification() {
     // A handled SIGUSR1 (its default action would end the process), sent
     // to the loading thread only.
+    // SAFETY: a zeroed sigaction with a handler that only bumps an atomic
+    // is a valid argument; the old action is not asked for.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = count_signal as *const () as usize;
@@ -41,6 +43,7 @@ fn program_load_survives_signals_during_verification() {
         .expect("pod_ingress")
         .try_into()
         .expect("a tc program");
+    // SAFETY: pthread_self has no preconditions.
     let me = unsafe { libc::pthread_self() } as usize;
     // One signal every 5 ms from 2 ms on: verifying pod_ingress takes tens
     // of milliseconds on any kernel (seconds under emulation), so each signal
@@ -51,6 +54,7 @@ fn program_load_survives_signals_during_verification() {
     let sender = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(2));
         for _ in 0..signals {
+            // SAFETY: the loading thread outlives the sender (joined below).
             unsafe { libc::pthread_kill(me as libc::pthread_t, libc::SIGUSR1) };
             std::thread::sleep(Duration::from_millis(5));
         }
