@@ -83,6 +83,29 @@ fn tcp_setup() -> Setup {
     )])
 }
 
+/// What lets packet tests share one loaded object (the verifier's minute
+/// under emulation): a used harness's maps are emptied, on every kernel of
+/// the matrix (5.10 refused the batch update of its per-CPU statistics, so
+/// every harness there loaded the object again and its packet pass took
+/// past 900 s).
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn harness_maps_reset_for_reuse() {
+    let mut h = Harness::new();
+    h.sync(&[(fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0)]);
+    h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
+    assert!(!h.maps().programmed().unwrap().services.is_empty());
+    assert!(h.stats().values().any(|n| *n > 0), "the packet was counted");
+    kit::harness::reset_maps(h.pin_dir()).expect("reset the harness's maps");
+    assert!(h.maps().conntrack().unwrap().is_empty(), "conntrack left");
+    assert!(h.stats().values().all(|n| *n == 0), "counters left");
+    let left = h.maps().programmed().unwrap();
+    assert!(
+        left.services.is_empty() && left.backends.is_empty(),
+        "frontends left"
+    );
+}
+
 /// DNAT of a new TCP flow and reverse NAT of its reply, checksums recomputed.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]

@@ -416,6 +416,7 @@ impl Drop for Harness {
     }
 }
 
+const BPF_MAP_UPDATE_ELEM: i64 = 2;
 const BPF_MAP_GET_NEXT_KEY: i64 = 4;
 const BPF_MAP_UPDATE_BATCH: i64 = 26;
 
@@ -432,7 +433,7 @@ fn sys_bpf(cmd: i64, attr: &mut [u64; 8]) -> std::io::Result<()> {
 
 /// Empties every map pinned under `pin_dir` as a new load would have it:
 /// hash, LRU and LPM maps lose every entry, arrays are zeroed.
-fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
+pub fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
     use aya::maps::{MapData, MapType};
     use std::os::fd::AsRawFd;
     for name in map_names::ALL {
@@ -457,7 +458,18 @@ fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
             attr[2] = keys.as_ptr() as u64;
             attr[3] = zeros.as_ptr() as u64;
             attr[4] = u64::from(n) | (fd << 32);
-            sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr).with_context(|| format!("zero {name}"))?;
+            if sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr).is_err() {
+                // A kernel without batch updates of per-CPU arrays (5.10
+                // answers ENOTSUPP): one element at a time.
+                for (key, value) in keys.iter().zip(zeros.chunks(per)) {
+                    let mut attr = [0u64; 8];
+                    attr[0] = fd;
+                    attr[1] = key as *const u32 as u64;
+                    attr[2] = value.as_ptr() as u64;
+                    sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr)
+                        .with_context(|| format!("zero {name}[{key}]"))?;
+                }
+            }
         } else {
             xtask::bench::sys::clear_pinned_map(&pin_dir.join(name))
                 .with_context(|| format!("empty {name}"))?;
