@@ -6,8 +6,8 @@
 
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use proxy_common::{
-    conntrack::{alive, forward_state, needs_refresh, reply_state},
-    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
+    conntrack::{alive, forward_state, needs_refresh, reply_state, tcp},
+    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4, IPPROTO_TCP,
 };
 
 use crate::{
@@ -85,7 +85,7 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
     };
     // SAFETY: LRU value pointer; fields are read and written individually.
     let c = unsafe { &mut *ct };
-    if !alive(cfg, pkt.proto, c, now) {
+    if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
         return false;
     }
     let Some(b) = backend(c.backend_id) else {
@@ -102,6 +102,20 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
     }
     *flow = Flow::of(c, b);
     true
+}
+
+/// Whether `pkt` is a SYN (no ACK) reusing the tuple of TCP flow `c` once it
+/// closed (time-wait: FINs both ways; or reset): a new connection, balanced
+/// anew, as the kernel's conntrack kills such an entry and lets the SYN
+/// through NAT again. Kept, the entry would pin the client's next
+/// connection on that tuple to the old backend, even one no longer among
+/// the endpoints (no longer ready) while it is still in the backend map.
+#[inline(always)]
+fn reopens(pkt: &Packet, c: &Ct4Value) -> bool {
+    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
+    pkt.proto == IPPROTO_TCP
+        && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
+        && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
 }
 
 /// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
@@ -192,7 +206,9 @@ pub fn create(
     if let Some(w) = CT4_V1.get_ptr(*skey) {
         // SAFETY: map value pointer, copied.
         let w = unsafe { *w };
-        if alive(cfg, pkt.proto, &w, now) {
+        // A racing first packet's entry is followed; a closed flow's, whose
+        // tuple this SYN reuses, is replaced.
+        if alive(cfg, pkt.proto, &w, now) && !reopens(pkt, &w) {
             if let Some(wb) = backend(w.backend_id) {
                 *flow = Flow::of(&w, wb);
                 return;
