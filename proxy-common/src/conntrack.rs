@@ -59,8 +59,10 @@ pub fn alive(cfg: &Config, proto: u8, v: &Ct4Value, now_ns: u64) -> bool {
 /// flags `tcp_flags`, given its previous [`ct_flags`] `prev` (non-state bits
 /// kept).
 ///
-/// RST: closed. A SYN without ACK opens the flow anew (also a closed or
-/// closing tuple the client reused): unanswered until the backend replies.
+/// RST: closed. A SYN without ACK opens the flow anew (also a closing
+/// tuple the client reused): unanswered until the backend replies. A SYN
+/// reusing a closed tuple (time-wait or reset) does not get here: the
+/// datapath's conntrack lookup makes it a new flow, balanced anew.
 /// A FIN: the client's half is closed. An ACK once the backend answered ends
 /// the handshake.
 #[inline(always)]

@@ -719,18 +719,21 @@ pub fn parse_step(line: &str) -> Option<(&str, i32)> {
     Some((name, rc.trim().parse().ok()?))
 }
 
-/// Kernels whose run includes the one-node lab smoke, unless
-/// `KPR_VM_LAB_KERNELS` names others (`6.1`, or `all`): every kernel of the
-/// matrix (about 45 s each under TCG; 41.7 s on 5.10).
-const LAB_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
+/// Whether kernel `name`'s run includes what `var` selects: every kernel of
+/// [`MATRIX`] unless the variable names some (`6.1,5.10`, or `all`).
+/// `KPR_VM_PACKET_KERNELS` selects the packet tests, `KPR_VM_LAB_KERNELS`
+/// the one-node lab smoke (about 45 s a kernel under TCG; 41.7 s on 5.10).
+fn selected(var: &str, name: &str) -> bool {
+    match std::env::var(var) {
+        Ok(v) if v.trim() == "all" => true,
+        Ok(v) => v.split(',').map(str::trim).any(|k| k == name),
+        Err(_) => MATRIX.iter().any(|k| k.name == name),
+    }
+}
 
 /// Whether kernel `name`'s run includes the lab smoke.
 fn with_lab(name: &str) -> bool {
-    match std::env::var("KPR_VM_LAB_KERNELS") {
-        Ok(v) if v.trim() == "all" => true,
-        Ok(v) => v.split(',').map(str::trim).any(|k| k == name),
-        Err(_) => LAB_KERNELS.contains(&name),
-    }
+    selected("KPR_VM_LAB_KERNELS", name)
 }
 
 /// How long one kernel's run may take under TCG (boot, verifier, packet
@@ -788,38 +791,25 @@ fn run_kernel(name: &str, packet_tests: bool) -> Result<()> {
     Ok(())
 }
 
-/// Kernels on which the CI's matrix also runs the packet tests, unless
-/// `KPR_VM_PACKET_KERNELS` names others (`5.10,6.12`, or `all`): every kernel
-/// of the matrix. Under TCG a harness's load (the verifier checking every
-/// program) takes about a minute, so harnesses reuse a loaded object (maps
-/// emptied): the 39 packet tests take 233 s on 6.1 and 253 s on 5.10, where
-/// they passed the 900 s limit while the reset failed (no batch update of
-/// per-CPU arrays there) and every harness loaded the object again.
-pub const CI_PACKET_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
-
-/// The kernels whose matrix pass includes the packet tests.
-fn packet_kernels() -> Vec<String> {
-    match std::env::var("KPR_VM_PACKET_KERNELS") {
-        Ok(v) if v.trim() == "all" => MATRIX.iter().map(|k| k.name.to_owned()).collect(),
-        Ok(v) => v
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect(),
-        Err(_) => CI_PACKET_KERNELS.iter().map(|s| (*s).to_owned()).collect(),
-    }
+/// Whether the matrix's pass of kernel `name` includes the packet tests
+/// (every kernel unless `KPR_VM_PACKET_KERNELS` narrows it). Under TCG a
+/// harness's load (the verifier checking every program) takes about a
+/// minute, so harnesses reuse a loaded object (maps emptied): the 39 packet
+/// tests took 233 s on 6.1 and 253 s on 5.10, where they passed the 900 s
+/// limit while the reset failed (no batch update of per-CPU arrays there)
+/// and every harness loaded the object again.
+fn with_packets(name: &str) -> bool {
+    selected("KPR_VM_PACKET_KERNELS", name)
 }
 
 /// Every kernel of [`MATRIX`], one after the other (the CI's kernel tier),
 /// with each pass's wall time at the end.
 pub fn test_matrix() -> Result<()> {
-    let packet = packet_kernels();
     let mut failed = Vec::new();
     let mut times = Vec::new();
     for k in MATRIX {
         let started = Instant::now();
-        let with_packets = packet.iter().any(|p| p == k.name);
+        let with_packets = with_packets(k.name);
         if let Err(e) = run_kernel(k.name, with_packets) {
             eprintln!("{e:#}");
             failed.push(k.name);
