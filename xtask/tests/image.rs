@@ -421,7 +421,18 @@ fn each_capability_removed_shows_what_fails() {
                     }
                 }
                 let running = lab.agent_running();
-                let log = lab.agent_log();
+                let mut log = lab.agent_log();
+                if !running {
+                    // An agent that exited has said why by now; one seen as
+                    // gone while it is still being torn down may not have
+                    // (a CI run read only its first two lines): up to 3 s
+                    // for its error line.
+                    let settle = Instant::now() + Duration::from_secs(3);
+                    while !log.lines().any(|l| l.starts_with("Error:")) && Instant::now() < settle {
+                        std::thread::sleep(Duration::from_millis(100));
+                        log = lab.agent_log();
+                    }
+                }
                 assert!(!log.contains("panicked"), "without {cap}: a panic:\n{log}");
                 let problems: Vec<&str> = log
                     .lines()
