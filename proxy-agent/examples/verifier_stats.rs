@@ -8,7 +8,9 @@
 //! their default sizes, unpinned, and prints one line per program: the tc
 //! and XDP programs and the cgroup socket hooks, with the socket hooks'
 //! `HAS_SET_RETVAL` probed as the agent probes it (so the verifier sees the
-//! program the agent would load on this kernel).
+//! program the agent would load on this kernel). Both builds of the tc
+//! ingress programs are loaded where the kernel has `bpf_loop`; where it has
+//! not, only the random-tries build (`*_rnd`) the agent loads there.
 //!
 //! Kernels before 5.16 keep no `verified_insns` in a program's info; there
 //! the count comes from the verifier's own statistics line ("processed N
@@ -47,8 +49,16 @@ fn main() -> anyhow::Result<()> {
         kernel_release(),
         if set_retval == 1 { "yes" } else { "no" }
     );
+    let search = proxy_agent::bpf::PortSearch::probe();
     let mut failed = 0;
     for name in names {
+        if search.program(&name) != name {
+            println!(
+                "{name:<18} not loaded: needs bpf_loop (this kernel runs {})",
+                search.program(&name)
+            );
+            continue;
+        }
         let prog = ebpf.program_mut(&name).expect("listed");
         let loaded = match prog {
             Program::SchedClassifier(p) => {

@@ -616,6 +616,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         loaded.ebpf,
         &loaded.pin_dir,
         tc_mode,
+        loaded.port_search,
     )?));
     let patterns = Patterns {
         pod: cfg.pod_interfaces.clone(),

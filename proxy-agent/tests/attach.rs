@@ -56,7 +56,8 @@ fn setup(prefix: &str) -> (NetNs, PinDir, u32) {
 fn agent_keep(ns: &NetNs, pins: &PinDir, idx: u32, mode: TcMode) {
     ns.enter(|| {
         let loaded = bpf::load(pins.path(), MapSizes::default()).expect("load");
-        let mut a = Attacher::new(loaded.ebpf, pins.path(), mode).expect("attacher");
+        let mut a =
+            Attacher::new(loaded.ebpf, pins.path(), mode, loaded.port_search).expect("attacher");
         a.attach(idx, "kprv0", IfaceKind::Pod)
             .expect("attach pod_ingress");
         a.attach(idx, "kprv0", IfaceKind::PodEgress)
@@ -103,7 +104,8 @@ fn legacy_filters_are_found_and_replaced_in_place_on_restart() {
     // `--on-exit detach`: the filters go.
     ns.enter(|| {
         let loaded = bpf::load(pins.path(), MapSizes::default()).expect("load");
-        let mut a = Attacher::new(loaded.ebpf, pins.path(), TcMode::Legacy).expect("attacher");
+        let mut a = Attacher::new(loaded.ebpf, pins.path(), TcMode::Legacy, loaded.port_search)
+            .expect("attacher");
         a.attach(idx, "kprv0", IfaceKind::Pod).expect("attach");
         a.detach_all();
     });

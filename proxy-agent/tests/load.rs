@@ -38,8 +38,10 @@ fn program_load_survives_signals_during_verification() {
         .override_global("HAS_SET_RETVAL", &0u32, true)
         .load(bpf::EBPF_OBJECT)
         .expect("object");
+    // The build of pod_ingress this kernel runs (the agent's choice).
+    let name = bpf::PortSearch::probe().program(bpf::POD_INGRESS_PROGRAM);
     let prog: &mut SchedClassifier = ebpf
-        .program_mut(bpf::POD_INGRESS_PROGRAM)
+        .program_mut(name)
         .expect("pod_ingress")
         .try_into()
         .expect("a tc program");
@@ -59,7 +61,7 @@ fn program_load_survives_signals_during_verification() {
             std::thread::sleep(Duration::from_millis(5));
         }
     });
-    let loaded = bpf::load_retrying(bpf::POD_INGRESS_PROGRAM, || prog.load());
+    let loaded = bpf::load_retrying(name, || prog.load());
     sender.join().expect("signal sender");
     assert!(
         HANDLED.load(Ordering::Relaxed) > 0,

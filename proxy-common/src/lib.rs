@@ -61,9 +61,13 @@ pub mod map_names {
     /// The ICMP reject's rate limit, per CPU: index 0 → the bucket's
     /// theoretical arrival time (`u64`, ns; see [`super::ratelimit`]).
     pub const REJECT_LIMIT: &str = "REJECT_RL_V1";
+    /// SNAT port spaces a search found full (LRU): a [`super::Ct4Key`] of
+    /// the backend-side tuple with port 0 → when (`u64`, ns). See
+    /// [`super::SNAT_SEARCH_BACKOFF_NS`].
+    pub const SNAT_FULL: &str = "SNAT_FULL4_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -80,6 +84,7 @@ pub mod map_names {
         MAGLEV,
         ROUND_ROBIN,
         REJECT_LIMIT,
+        SNAT_FULL,
     ];
 }
 
@@ -104,7 +109,16 @@ pub mod capacity {
     /// Maglev chunks: two generations of every table at the default size.
     pub const MAGLEV_CHUNKS: u32 =
         2 * MAGLEV_TABLES * super::lb::maglev_chunks(super::lb::MAGLEV_DEFAULT_SIZE);
+    /// SNAT port spaces remembered as full (one per backend and source
+    /// address whose whole range a search found taken).
+    pub const SNAT_FULL: u32 = 1_024;
 }
+
+/// How long a SNAT port space a search found full is not searched again:
+/// new flows to it get only the random tries (and are dropped when those
+/// fail), so a flood of first packets to a saturated backend costs each
+/// packet a few lookups, not one per port of the range.
+pub const SNAT_SEARCH_BACKOFF_NS: u64 = 100_000_000;
 
 /// IP protocol numbers used in keys.
 pub const IPPROTO_ICMP: u8 = 1;
@@ -717,7 +731,10 @@ pub mod stat {
     /// frontends sharing a backend, same client address and port): the source
     /// port was rewritten (field bug C6).
     pub const SNAT_PORT_COLLISION: u32 = 23;
-    /// Such a collision, and no free port was found in a few tries: dropped.
+    /// A new flow needed a source port (SNAT to the node, or a collision)
+    /// and none of the range was free: dropped. Random ports are tried
+    /// first; where the kernel has `bpf_loop`, tc then searches the whole
+    /// range before dropping.
     pub const DROP_NO_FREE_PORT: u32 = 24;
     /// A first IPv4 fragment: its ports were recorded for the fragments that follow.
     pub const FRAGMENT_TRACKED: u32 = 25;
@@ -763,6 +780,10 @@ pub mod stat {
     /// between this node and an external client): translated on to the
     /// backend, its inner header the backend's own.
     pub const ICMP_ERROR_TO_BACKEND: u32 = 38;
+    /// A new flow's random source-port tries all hit ports in use: tc
+    /// searched the whole SNAT range (`bpf_loop`), port by port, for a free
+    /// one. Counted per search, found or not.
+    pub const SNAT_PORT_SEARCH: u32 = 39;
     /// Socket LB (host clients): a `connect()` to a frontend was aimed at a
     /// backend.
     pub const SOCK_CONNECT: u32 = 40;
@@ -829,7 +850,7 @@ pub mod stat {
         "pass_reply_via_stack",
         "icmp_error_to_client",
         "icmp_error_to_backend",
-        "",
+        "snat_port_search",
         "sock_connect",
         "sock_sendmsg",
         "sock_revnat",

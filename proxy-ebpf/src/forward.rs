@@ -145,24 +145,75 @@ fn new_flow(
     // One call site of the port search (its loop is verified once per site).
     let snat_node = flags & ct_flags::SNAT_PORT != 0;
     if snat_node || conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
-        mine.nat_port_be = nat::free_nat_port(cfg, &mut rkey, now)
-            .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
-        mine.flags |= ct_flags::SNAT_PORT;
-        count(if snat_node {
-            stat::SNAT_NODE
-        } else {
-            stat::SNAT_PORT_COLLISION
-        });
+        let Some(port_be) = nat::free_nat_port(cfg, &mut rkey, now) else {
+            // The flow as chosen, for tc's search of the whole range
+            // ([`nat::search_nat_port`], [`commit_searched`]).
+            *flow = mine;
+            return Err(Verdict::Drop(stat::DROP_NO_FREE_PORT));
+        };
+        ported(&mut mine, port_be);
     }
+    commit(cfg, pkt, skey, fe, &mine, now, flow);
+    Ok(())
+}
+
+/// A new flow whose random port tries all failed ([`decide`] returned
+/// `Drop(DROP_NO_FREE_PORT)` and left the flow it chose in `flow`), once
+/// [`nat::search_nat_port`] found it port `port_be`: the flow is created as
+/// [`decide`] would have, and the packet is to be translated
+/// (`Deliver(FWD_NEW)`).
+///
+/// tc only, called from the program's top frame, as the search is: a BPF
+/// call of its own, whose frame stacks on the program's and not on
+/// [`decide`]'s (the verifier limits the combined stack of nested calls to
+/// 512 bytes).
+#[inline(never)]
+pub fn commit_searched(pkt: &Packet, fe: &Svc4Value, flow: &mut Flow, port_be: u16) -> Verdict {
+    let Ok(cfg) = config() else {
+        return Verdict::Pass(stat::PASS_UNCONFIGURED);
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut mine = *flow;
+    ported(&mut mine, port_be);
+    let skey = pkt.ct_key(ct_dir::SERVICE);
+    commit(cfg, pkt, &skey, fe, &mine, now, flow);
+    conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, false, now);
+    Verdict::Deliver(stat::FWD_NEW)
+}
+
+/// New flow `mine` gets source port `port_be`: SNATed to the node
+/// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
+#[inline(always)]
+fn ported(mine: &mut Flow, port_be: u16) {
+    count(if mine.flags & ct_flags::SNAT_PORT != 0 {
+        stat::SNAT_NODE
+    } else {
+        stat::SNAT_PORT_COLLISION
+    });
+    mine.nat_port_be = port_be;
+    mine.flags |= ct_flags::SNAT_PORT;
+}
+
+/// Creates the SERVICE entry of new flow `mine` ([`conntrack::create`]).
+#[inline(always)]
+fn commit(
+    cfg: &Config,
+    pkt: &Packet,
+    skey: &Ct4Key,
+    fe: &Svc4Value,
+    mine: &Flow,
+    now: u64,
+    flow: &mut Flow,
+) {
     let sval = Ct4Value {
-        backend_id,
-        nat_addr_be,
+        backend_id: mine.backend_id,
+        nat_addr_be: mine.nat_addr_be,
         rev_nat_id: fe.rev_nat_id,
         flags: mine.flags,
         nat_port_be: mine.nat_port_be,
         _pad: 0,
         last_seen_ns: now,
     };
-    conntrack::create(cfg, pkt, skey, &sval, &mine, now, flow);
-    Ok(())
+    conntrack::create(cfg, pkt, skey, &sval, mine, now, flow);
 }

@@ -20,6 +20,10 @@
 //! Every step returns a [`verdict::Verdict`]; every packet is counted once
 //! under its verdict in the stats map ([`proxy_common::stat`]).
 //!
+//! `pod_ingress_rnd` and `ext_ingress_rnd` are the same programs for kernels
+//! without `bpf_loop` (before 5.17), where a new flow needing a SNAT source
+//! port gets random tries only; the agent loads one of each pair.
+//!
 //! ICMP errors about translated flows (fragmentation needed, port
 //! unreachable, time exceeded) are translated with their flow at tc
 //! ([`icmp_error`]); XDP passes them on to tc.
@@ -56,13 +60,18 @@ use maps::count;
 /// of flows to pods on this node.
 #[classifier]
 pub fn pod_ingress(ctx: TcContext) -> i32 {
-    let (action, code) = try_pod_ingress(&ctx);
+    let (action, code) = tc::run::<true>(&ctx, SCOPE_INTERNAL);
     count(code);
     action
 }
 
-fn try_pod_ingress(ctx: &TcContext) -> (i32, u32) {
-    tc::run(ctx, SCOPE_INTERNAL)
+/// `pod_ingress` for kernels without `bpf_loop` (before 5.17): a new flow
+/// needing a source port gets random tries only, see [`tc::run`].
+#[classifier]
+pub fn pod_ingress_rnd(ctx: TcContext) -> i32 {
+    let (action, code) = tc::run::<false>(&ctx, SCOPE_INTERNAL);
+    count(code);
+    action
 }
 
 /// tc egress of pod interfaces: reverse NAT of replies the node's own stack
@@ -82,13 +91,17 @@ pub fn pod_egress(ctx: TcContext) -> i32 {
 /// the first hook they meet on this node.
 #[classifier]
 pub fn ext_ingress(ctx: TcContext) -> i32 {
-    let (action, code) = try_ext_ingress(&ctx);
+    let (action, code) = tc::run::<true>(&ctx, SCOPE_EXTERNAL);
     count(code);
     action
 }
 
-fn try_ext_ingress(ctx: &TcContext) -> (i32, u32) {
-    tc::run(ctx, SCOPE_EXTERNAL)
+/// `ext_ingress` for kernels without `bpf_loop`, as `pod_ingress_rnd`.
+#[classifier]
+pub fn ext_ingress_rnd(ctx: TcContext) -> i32 {
+    let (action, code) = tc::run::<false>(&ctx, SCOPE_EXTERNAL);
+    count(code);
+    action
 }
 
 /// XDP on the node's external devices: see [`xdp`].

@@ -85,6 +85,12 @@ pub static RR4_V1: PerCpuArray<u32, { capacity::REV_NAT as usize }> = PerCpuArra
 #[btf_map]
 pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
 
+/// SNAT port spaces a search found full: the backend-side tuple with port 0
+/// → when ([`proxy_common::SNAT_SEARCH_BACKOFF_NS`]).
+#[btf_map]
+pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize }> =
+    LruHashMap::new();
+
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]
 pub fn count(code: u32) {
@@ -95,19 +101,25 @@ pub fn count(code: u32) {
 }
 
 /// Accounts a translated packet of `len` bytes to its frontend and backend.
+///
+/// Each slot is checked and written on its own: LLVM merges the null checks
+/// of a loop over both lookups into one `or` of the two pointers, which the
+/// verifier refuses ("pointer |= pointer prohibited").
 #[inline(always)]
 pub fn account(len: u64, rev_nat_id: u16, backend_id: u32) {
-    for p in [
-        FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32),
-        BE_TRAFFIC_V1.get_ptr_mut(backend_id),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        // SAFETY: per-CPU slot of this CPU; no other writer while we run.
-        unsafe {
-            (*p).packets += 1;
-            (*p).bytes += len;
-        }
+    if let Some(p) = FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32) {
+        add_traffic(p, len);
+    }
+    if let Some(p) = BE_TRAFFIC_V1.get_ptr_mut(backend_id) {
+        add_traffic(p, len);
+    }
+}
+
+#[inline(always)]
+fn add_traffic(p: *mut Traffic, len: u64) {
+    // SAFETY: per-CPU slot of this CPU; no other writer while we run.
+    unsafe {
+        (*p).packets += 1;
+        (*p).bytes += len;
     }
 }

@@ -4,25 +4,28 @@
 //! RFC 1624 incremental checksum updates).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::bpf_get_prandom_u32,
+    bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    cty::c_void,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
     backend_state, conntrack::NSEC_PER_SEC, csum, ct_flags, stat, svc_flags, Backend4, Config,
-    Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_TCP, IPPROTO_UDP,
+    Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_TCP, IPPROTO_UDP, SNAT_SEARCH_BACKOFF_NS,
 };
 
 use crate::{
     conntrack::{self, Flow},
-    maps::CT4_V1,
+    maps::{count, CONFIG_V2, CT4_V1, SNAT_FULL4_V1},
     parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
     verdict::Verdict,
 };
 
-/// Random source ports tried for a flow before it is dropped as
-/// `drop_no_free_port`. Bounded work per packet: each try costs the
-/// verifier the whole liveness check below, on every kernel of the matrix.
+/// Random source ports tried for a flow before the whole range is searched
+/// ([`search_nat_port`], tc on kernels with `bpf_loop`) or, where it is not,
+/// the flow is dropped as `drop_no_free_port`. Bounded work per packet:
+/// each try costs the verifier the whole liveness check below, on every
+/// kernel of the matrix.
 const NAT_PORT_ATTEMPTS: u32 = 8;
 
 /// A translated 4-tuple (network byte order).
@@ -102,14 +105,10 @@ pub fn snat_for(
 /// when every port tried is in use.
 #[inline(always)]
 pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
-    let min = cfg.snat_port_min as u32;
-    let max = cfg.snat_port_max as u32;
-    if min == 0 || max < min {
-        return None;
-    }
+    let (min, size) = snat_range(cfg)?;
     // Never 0 (checked apart so that the compiler sees it: a remainder by
     // zero would be a panic path, which BPF has no way to take).
-    let size = core::num::NonZeroU32::new(max - min + 1)?;
+    let size = core::num::NonZeroU32::new(size)?;
     for _ in 0..NAT_PORT_ATTEMPTS {
         // SAFETY: helper without arguments.
         let r = unsafe { bpf_get_prandom_u32() };
@@ -120,6 +119,118 @@ pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
         }
     }
     None
+}
+
+/// The SNAT range of `cfg` as (first port, number of ports); `None` when
+/// unset.
+#[inline(always)]
+fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
+    let min = cfg.snat_port_min as u32;
+    let max = cfg.snat_port_max as u32;
+    if min == 0 || max < min {
+        return None;
+    }
+    Some((min, max - min + 1))
+}
+
+/// One search of the whole SNAT range, in the searching frame: `bpf_loop`
+/// hands [`search_step`] a pointer to it.
+#[repr(C)]
+struct Search {
+    /// The backend-side tuple; its port is the one being tried.
+    rkey: Ct4Key,
+    now: u64,
+    /// First port of the range, its size, and where this search starts in
+    /// it (`< size`).
+    min: u32,
+    size: u32,
+    start: u32,
+    /// The free port found (network byte order); 0 while none is.
+    found_be: u16,
+    _pad: u16,
+}
+
+/// A free source port for a flow whose backend-side tuple is `rkey`, after
+/// [`free_nat_port`]'s random tries all failed: every port of the SNAT range,
+/// from a random one on, until one is free (expiry honoured as there), with
+/// `bpf_loop` (Linux 5.17; only the tc programs built with `SEARCH` call it,
+/// and the agent loads those only where the kernel has the helper). A port
+/// space found full is not searched again for
+/// [`SNAT_SEARCH_BACKOFF_NS`]: each search costs up to two lookups per port
+/// of the range (tens of thousands), and a flood of first packets to a
+/// saturated backend must not cost that per packet. `None` when no port is
+/// free, or within the back-off.
+///
+/// `flow`: the new flow as [`crate::forward::decide`] chose it.
+///
+/// tc only, from the program's top frame: a BPF call of its own, so that it
+/// and the callback's frame stack on the program's frame, not on `decide`'s.
+#[inline(never)]
+pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
+    let cfg = CONFIG_V2.get(0)?;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let rkey = flow.reply_key(pkt);
+    let (min, size) = snat_range(cfg)?;
+    let size_nz = core::num::NonZeroU32::new(size)?;
+    let mut space = rkey;
+    space.dport_be = 0;
+    if let Some(full) = SNAT_FULL4_V1.get_ptr(space) {
+        // SAFETY: LRU value pointer, read once.
+        if now.saturating_sub(unsafe { *full }) < SNAT_SEARCH_BACKOFF_NS {
+            return None;
+        }
+    }
+    count(stat::SNAT_PORT_SEARCH);
+    let mut s = Search {
+        rkey,
+        now,
+        min,
+        size,
+        // SAFETY: helper without arguments.
+        start: unsafe { bpf_get_prandom_u32() } % size_nz,
+        found_be: 0,
+        _pad: 0,
+    };
+    // SAFETY: `search_step` is a BPF subprogram of the callback's signature;
+    // `s` outlives the call.
+    unsafe {
+        bpf_loop(
+            size,
+            search_step as *const () as *mut c_void,
+            (&mut s as *mut Search).cast(),
+            0,
+        )
+    };
+    if s.found_be == 0 {
+        let _ = SNAT_FULL4_V1.insert(space, now, BPF_ANY as u64);
+        return None;
+    }
+    Some(s.found_be)
+}
+
+/// One port of a [`search_nat_port`]: 1 (stop) when port `start + index`
+/// (wrapping in the range) is free, 0 (go on) otherwise.
+#[inline(never)]
+extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Search` in `search_nat_port`'s frame, which
+    // waits for `bpf_loop` to return.
+    let s = unsafe { &mut *ctx.cast::<Search>() };
+    let Some(cfg) = CONFIG_V2.get(0) else {
+        return 1;
+    };
+    // `start < size` and `index < size`: one subtraction wraps it.
+    let mut off = s.start.wrapping_add(index);
+    if off >= s.size {
+        off = off.wrapping_sub(s.size);
+    }
+    let port_be = (s.min.wrapping_add(off) as u16).to_be();
+    s.rkey.dport_be = port_be;
+    if port_be == 0 || port_in_use(cfg, &s.rkey, s.now) {
+        return 0;
+    }
+    s.found_be = port_be;
+    1
 }
 
 /// Whether the backend-side tuple `rkey` belongs to a flow still alive (or

@@ -24,9 +24,13 @@ use crate::{
 };
 
 /// Runs the tc path for frontends of `scope`; returns the tc action and the
-/// counter it is recorded under.
+/// counter it is recorded under. `SEARCH`: a new flow whose random source-port
+/// tries fail searches the whole SNAT range ([`nat::search_nat_port`],
+/// `bpf_loop`); the programs built without it are for kernels that lack the
+/// helper (a program that so much as references a loop callback is refused
+/// there), and drop such a flow.
 #[inline(always)]
-pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
+pub fn run<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
     let (mut pkt, ip, l4_end) = match parse::parse(ctx) {
         Ok(p) => p,
         // Perhaps an ICMP error about a translated flow.
@@ -36,7 +40,7 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
             return (TC_ACT_OK, code)
         }
     };
-    let verdict = steps(ctx, &mut pkt, l4_end, scope);
+    let verdict = steps::<SEARCH>(ctx, &mut pkt, l4_end, scope);
     act(ctx, &pkt, &ip, verdict)
 }
 
@@ -77,7 +81,12 @@ fn act(ctx: &TcContext, pkt: &Packet, ip: &Ipv4Hdr, verdict: Verdict) -> (i32, u
 }
 
 #[inline(always)]
-fn steps(ctx: &TcContext, pkt: &mut Packet, l4_end: usize, scope: u8) -> Verdict {
+fn steps<const SEARCH: bool>(
+    ctx: &TcContext,
+    pkt: &mut Packet,
+    l4_end: usize,
+    scope: u8,
+) -> Verdict {
     let frontend = SVC4_V1.get_ptr(lb::frontend_key(pkt, scope));
     let l4_complete = ctx.len() as usize >= l4_end;
     let Some(frontend) = frontend else {
@@ -92,15 +101,26 @@ fn steps(ctx: &TcContext, pkt: &mut Packet, l4_end: usize, scope: u8) -> Verdict
     }
     // SAFETY: a map value pointer, read once into a copy.
     let fe = unsafe { *frontend };
-    translate(ctx, pkt, &fe, scope)
+    translate::<SEARCH>(ctx, pkt, &fe, scope)
 }
 
 /// A packet to frontend `fe`: the forward decision, then DNAT (and SNAT for
 /// hairpin, another node, or a port collision).
 #[inline(always)]
-fn translate(ctx: &TcContext, pkt: &mut Packet, fe: &Svc4Value, scope: u8) -> Verdict {
+fn translate<const SEARCH: bool>(
+    ctx: &TcContext,
+    pkt: &mut Packet,
+    fe: &Svc4Value,
+    scope: u8,
+) -> Verdict {
     let mut flow = Flow::default();
-    let verdict = forward::decide(pkt, fe, scope, &mut flow);
+    let mut verdict = forward::decide(pkt, fe, scope, &mut flow);
+    if SEARCH && matches!(verdict, Verdict::Drop(stat::DROP_NO_FREE_PORT)) {
+        // Random tries failed: the whole range, from this frame.
+        if let Some(port_be) = nat::search_nat_port(pkt, &flow) {
+            verdict = forward::commit_searched(pkt, fe, &mut flow, port_be);
+        }
+    }
     if !matches!(verdict, Verdict::Deliver(_)) {
         return verdict;
     }

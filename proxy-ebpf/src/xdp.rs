@@ -46,8 +46,12 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
             let mut flow = Flow::default();
             let code = match forward::decide(&pkt, &fe, SCOPE_EXTERNAL | FROM_XDP, &mut flow) {
                 Verdict::Deliver(code) => code,
-                // Reject, pass, defer: tc does the rest.
-                Verdict::Pass(_) | Verdict::Reject(_) => return Err(DEFER),
+                // Reject, pass, defer: tc does the rest; so does a flow
+                // whose random source-port tries failed (tc searches the
+                // whole range where the kernel lets it).
+                Verdict::Pass(_) | Verdict::Reject(_) | Verdict::Drop(stat::DROP_NO_FREE_PORT) => {
+                    return Err(DEFER)
+                }
                 v => return Err(v),
             };
             let to = if code == stat::FWD_HANDOFF {

@@ -120,6 +120,8 @@ pub struct Attacher {
     cgroup_links: Vec<(FdLink, PathBuf)>,
     link_dir: PathBuf,
     tc_mode: TcMode,
+    /// Which build of the tc ingress programs was loaded.
+    port_search: PortSearch,
 }
 
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
@@ -209,8 +211,14 @@ fn link_err(name: &'static str, e: impl std::fmt::Display) -> BpfError {
 
 impl Attacher {
     /// Takes the interfaces map out of `ebpf` and forgets its old entries
-    /// (interfaces are learned again from netlink).
-    pub fn new(mut ebpf: Ebpf, pin_dir: &Path, tc_mode: TcMode) -> Result<Self, BpfError> {
+    /// (interfaces are learned again from netlink). `port_search`: the build
+    /// of the tc ingress programs [`super::load`] loaded.
+    pub fn new(
+        mut ebpf: Ebpf,
+        pin_dir: &Path,
+        tc_mode: TcMode,
+        port_search: PortSearch,
+    ) -> Result<Self, BpfError> {
         let mut ifaces: HashMap<MapData, u32, Iface> =
             HashMap::try_from(take_map(&mut ebpf, map_names::IFACES)?)
                 .map_err(map_err(map_names::IFACES))?;
@@ -230,6 +238,7 @@ impl Attacher {
             cgroup_links: Vec::new(),
             link_dir,
             tc_mode,
+            port_search,
         })
     }
 
@@ -300,7 +309,7 @@ impl Attacher {
 
     fn program(&mut self, kind: IfaceKind) -> &mut SchedClassifier {
         self.ebpf
-            .program_mut(kind.program())
+            .program_mut(kind.program(self.port_search))
             .expect("program checked at load")
             .try_into()
             .expect("program type checked at load")
@@ -320,7 +329,7 @@ impl Attacher {
 
     /// Takes over a pinned link with the current program (`bpf_link_update`).
     fn take_over(&mut self, fd: FdLink, kind: IfaceKind) -> Result<FdLink, BpfError> {
-        let name = kind.program();
+        let name = kind.program(self.port_search);
         let perr = |source| BpfError::Program { name, source };
         if kind == IfaceKind::ExternalXdp {
             let link = XdpLink::try_from(fd).map_err(|e| link_err(name, e))?;
@@ -348,7 +357,7 @@ impl Attacher {
     /// packet sees the interface without a program.
     fn attach_legacy(&mut self, iface: &str, kind: IfaceKind) -> Result<HeldLink, BpfError> {
         use aya::programs::tc::{NlOptions, TcAttachOptions};
-        let name = kind.program();
+        let name = kind.program(self.port_search);
         let perr = |source| BpfError::Program { name, source };
         let (side, handle) = tc_side(kind);
         // EEXIST when the qdisc is there already; any other failure shows
@@ -381,7 +390,7 @@ impl Attacher {
 
     /// A new link of `kind` on interface `name`.
     fn attach_new(&mut self, name: &str, kind: IfaceKind) -> Result<FdLink, BpfError> {
-        let prog_name = kind.program();
+        let prog_name = kind.program(self.port_search);
         let perr = |source| BpfError::Program {
             name: prog_name,
             source,
@@ -420,7 +429,7 @@ impl Attacher {
     /// upgrade, a forced mode) attaches the new way first, then removes the
     /// old attachment: never a moment without a program, never two.
     pub fn attach(&mut self, ifindex: u32, name: &str, kind: IfaceKind) -> Result<(), BpfError> {
-        let prog_name = kind.program();
+        let prog_name = kind.program(self.port_search);
         let pin = self.pin_path(ifindex, name, kind);
         if kind != IfaceKind::ExternalXdp && self.tc_mode == TcMode::Legacy {
             let link = self.attach_legacy(name, kind)?;
@@ -586,6 +595,8 @@ pub fn cleanup_legacy_filters() -> usize {
         for (side, prog) in [
             (TcAttachType::Ingress, POD_INGRESS_PROGRAM),
             (TcAttachType::Ingress, EXT_INGRESS_PROGRAM),
+            (TcAttachType::Ingress, POD_INGRESS_RND_PROGRAM),
+            (TcAttachType::Ingress, EXT_INGRESS_RND_PROGRAM),
             (TcAttachType::Egress, POD_EGRESS_PROGRAM),
         ] {
             removed |= aya::programs::tc::qdisc_detach_program(name, side, prog).is_ok();

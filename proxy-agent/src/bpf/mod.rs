@@ -48,8 +48,55 @@ pub const POD_EGRESS_PROGRAM: &str = "pod_egress";
 /// Name of the tc program for the node's external devices.
 pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
 
+/// `pod_ingress` and `ext_ingress` built for kernels without `bpf_loop`
+/// (see [`PortSearch`]).
+pub const POD_INGRESS_RND_PROGRAM: &str = "pod_ingress_rnd";
+pub const EXT_INGRESS_RND_PROGRAM: &str = "ext_ingress_rnd";
+
 /// Name of the XDP program for the node's external devices (`--acceleration xdp`).
 pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
+
+/// How the tc ingress programs find a source port for a new flow that needs
+/// one (SNAT to the node for external traffic to another node's backend, or
+/// a tuple another flow holds) once a few random ports of the SNAT range
+/// were all in use. The object holds both builds of `pod_ingress` and
+/// `ext_ingress`; the agent loads the one the kernel can run (a program
+/// that so much as references a loop callback is refused by a kernel
+/// without `bpf_loop`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PortSearch {
+    /// The whole range is searched, port by port (`bpf_loop`, Linux 5.17):
+    /// a flow is dropped only when no port is free.
+    Exhaustive,
+    /// Random tries only: a flow may be dropped while a few ports are free.
+    RandomTries,
+}
+
+impl PortSearch {
+    /// The build this kernel runs, from the probes' decision.
+    pub fn of(kernel: &probe::Decision) -> Self {
+        if kernel.has(Capability::SnatPortSearch) {
+            PortSearch::Exhaustive
+        } else {
+            PortSearch::RandomTries
+        }
+    }
+
+    /// The build this kernel runs, probed now.
+    pub fn probe() -> Self {
+        Self::of(&probe::decide(&probe::probe()))
+    }
+
+    /// The program of `name` (`pod_ingress` or `ext_ingress`) in this
+    /// build; any other name is returned as it is.
+    pub fn program(self, name: &str) -> &str {
+        match (self, name) {
+            (PortSearch::RandomTries, POD_INGRESS_PROGRAM) => POD_INGRESS_RND_PROGRAM,
+            (PortSearch::RandomTries, EXT_INGRESS_PROGRAM) => EXT_INGRESS_RND_PROGRAM,
+            _ => name,
+        }
+    }
+}
 
 /// The cgroup socket hooks serving the node's own clients (host
 /// processes, hostNetwork pods), see `proxy-ebpf/src/sock.rs`.
@@ -93,14 +140,15 @@ pub enum IfaceKind {
 }
 
 impl IfaceKind {
-    pub fn program(self) -> &'static str {
-        match self {
+    /// The program attached for this kind, in the build `search` names.
+    pub fn program(self, search: PortSearch) -> &'static str {
+        search.program(match self {
             IfaceKind::Pod => POD_INGRESS_PROGRAM,
             IfaceKind::PodEgress => POD_EGRESS_PROGRAM,
             IfaceKind::External => EXT_INGRESS_PROGRAM,
             IfaceKind::ExternalXdp => EXT_XDP_PROGRAM,
             IfaceKind::ExternalEgress => POD_EGRESS_PROGRAM,
-        }
+        })
     }
 }
 
@@ -202,6 +250,8 @@ pub struct Loaded {
     pub sock_lb: SockLbSupport,
     /// Whether `ext_xdp` loaded (XDP acceleration); `Err` says why not.
     pub xdp: Result<(), String>,
+    /// Which build of the tc ingress programs was loaded.
+    pub port_search: PortSearch,
 }
 
 /// This process's network namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14),
@@ -382,7 +432,9 @@ fn load_checked(
         .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
         .map_max_entries(map_names::MAGLEV, sizes.maglev_chunks);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
+    let port_search = PortSearch::of(&kernel);
     for name in [POD_INGRESS_PROGRAM, POD_EGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
+        let name = port_search.program(name);
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .ok_or(BpfError::Program {
@@ -432,6 +484,7 @@ fn load_checked(
         pin_dir: pin_dir.to_owned(),
         sock_lb,
         xdp: xdp_loaded,
+        port_search,
     })
 }
 

@@ -31,6 +31,9 @@ pub enum Capability {
     XdpAcceleration,
     /// The cgroup socket hooks for the node's own clients.
     HostSocketLb,
+    /// The search of the whole SNAT port range once random tries fail
+    /// (otherwise such a flow is dropped), see [`super::PortSearch`].
+    SnatPortSearch,
 }
 
 impl std::fmt::Display for Capability {
@@ -39,6 +42,7 @@ impl std::fmt::Display for Capability {
             Capability::TcDatapath => "the tc datapath",
             Capability::XdpAcceleration => "XDP acceleration",
             Capability::HostSocketLb => "host socket load balancing",
+            Capability::SnatPortSearch => "the exhaustive SNAT port search",
         })
     }
 }
@@ -117,6 +121,10 @@ fn features() -> Vec<(Feature, Probe)> {
                 HostSocketLb,
             ),
             Probe::Helper(sock, BpfHelper::BPF_FUNC_get_netns_cookie),
+        ),
+        (
+            f("bpf_loop", "5.17", SnatPortSearch),
+            Probe::Helper(tc, BpfHelper::BPF_FUNC_loop),
         ),
     ]
 }
@@ -212,6 +220,35 @@ mod tests {
             "this kernel lacks bpf_get_socket_cookie in sock_addr programs (Linux 5.7 brings it)"
         );
         assert!(d.fatal().is_none());
+    }
+
+    #[test]
+    fn without_bpf_loop_the_random_tries_build_is_loaded() {
+        use crate::bpf::{IfaceKind, PortSearch};
+        let d = decide(&all(true));
+        assert_eq!(PortSearch::of(&d), PortSearch::Exhaustive);
+        assert_eq!(IfaceKind::Pod.program(PortSearch::of(&d)), "pod_ingress");
+        let mut r = all(true);
+        for (f, ok) in &mut r {
+            if f.name == "bpf_loop" {
+                *ok = false;
+            }
+        }
+        let d = decide(&r);
+        assert!(d.fatal().is_none(), "the datapath runs without it");
+        assert_eq!(
+            d.off,
+            vec![(
+                Capability::SnatPortSearch,
+                "this kernel lacks bpf_loop (Linux 5.17 brings it)".to_owned()
+            )]
+        );
+        let search = PortSearch::of(&d);
+        assert_eq!(search, PortSearch::RandomTries);
+        assert_eq!(IfaceKind::Pod.program(search), "pod_ingress_rnd");
+        assert_eq!(IfaceKind::External.program(search), "ext_ingress_rnd");
+        assert_eq!(IfaceKind::PodEgress.program(search), "pod_egress");
+        assert_eq!(IfaceKind::ExternalXdp.program(search), "ext_xdp");
     }
 
     #[test]

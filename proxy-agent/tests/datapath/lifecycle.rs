@@ -280,6 +280,110 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
     assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
 }
 
+/// Ages the flow of client port `sport` (both its entries) by `secs`;
+/// returns the source port it was given.
+fn age_flow(h: &Harness, sport: u16, secs: u64) -> u16 {
+    let s = service_entry(h, sport);
+    let mut ct = ct_map(h);
+    let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
+    for (k, mut v) in all {
+        let service = k.dir == ct_dir::SERVICE && k.sport_be == sport.to_be();
+        let reply = k.dir == ct_dir::REPLY && k.dport_be == s.nat_port_be;
+        if service || reply {
+            v.last_seen_ns = v.last_seen_ns.saturating_sub(secs * S);
+            ct.insert(k, v, 0).unwrap();
+        }
+    }
+    u16::from_be(s.nat_port_be)
+}
+
+/// Once a new flow's random source-port tries all hit ports in use, tc
+/// searches the whole SNAT range (kernels with `bpf_loop`): a flow is
+/// dropped only when no port is free. With 1,023 of 1,024 ports held, the
+/// next flow gets the free one (random tries alone: 0.8%); XDP hands such a
+/// flow to tc instead of dropping it. A full range drops the flow after
+/// one search (counted); within the back-off the next one is dropped
+/// without a search; a port whose flow expired is found before the garbage
+/// collector ran.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn the_whole_snat_range_is_searched_once_random_tries_fail() {
+    use proxy_agent::bpf::PortSearch;
+    const MIN: u16 = 20000;
+    const N: u16 = 1024;
+    let range = MIN..MIN + N;
+    let h = snat_setup((MIN, MIN + N - 1));
+    if h.port_search() == PortSearch::RandomTries {
+        eprintln!("this kernel lacks bpf_loop: random tries only (see the README)");
+        return;
+    }
+    let syn = |sport: u16| tcp4(EXT_CLIENT, sport, NODE, 30080, SYN, b"");
+    let stat_of = |code: u32| h.stats().get(&code).copied().unwrap_or(0);
+    let mut seen = BTreeSet::new();
+    for i in 0..N - 1 {
+        let (rc, out) = h.run_prog(ExtIngress, &syn(30000 + i));
+        assert_ne!(
+            rc,
+            Drop.code(ExtIngress),
+            "flow {i} dropped with {} ports free",
+            N - i
+        );
+        let o = parse_checked(&out);
+        assert!(range.contains(&o.sport), "port {} outside", o.sport);
+        assert!(seen.insert(o.sport), "port {} given twice", o.sport);
+    }
+    assert!(
+        stat_of(stat::SNAT_PORT_SEARCH) > 0,
+        "the tries failed at times"
+    );
+    let free = range.clone().find(|p| !seen.contains(p)).unwrap();
+
+    // The last free port, through XDP: handed to tc when its tries fail.
+    let last = syn(41000);
+    let (rc, out) = h.run_prog(ExtXdp, &last);
+    assert_ne!(rc, Drop.code(ExtXdp), "XDP dropped a flow tc can place");
+    let out = if rc == Pass.code(ExtXdp) {
+        let (rc, out) = h.run_prog(ExtIngress, &last);
+        assert_ne!(rc, Drop.code(ExtIngress), "dropped with port {free} free");
+        out
+    } else {
+        out
+    };
+    assert_eq!(parse_checked(&out).sport, free, "the one free port");
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 0);
+
+    // Full: dropped after one search, and counted.
+    let searches = stat_of(stat::SNAT_PORT_SEARCH);
+    let (rc, _) = h.run_prog(ExtIngress, &syn(41001));
+    assert_eq!(rc, Drop.code(ExtIngress));
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 1);
+    assert_eq!(stat_of(stat::SNAT_PORT_SEARCH), searches + 1);
+    // Within the back-off: dropped without a search.
+    let (rc, _) = h.run_prog(ExtIngress, &syn(41002));
+    assert_eq!(rc, Drop.code(ExtIngress));
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
+    assert_eq!(
+        stat_of(stat::SNAT_PORT_SEARCH),
+        searches + 1,
+        "searched again"
+    );
+
+    // One flow expires unanswered (60 s); after the back-off a search finds
+    // its port, before any garbage collection.
+    let expired = age_flow(&h, 30005, 61);
+    std::thread::sleep(std::time::Duration::from_nanos(
+        proxy_common::SNAT_SEARCH_BACKOFF_NS + 50_000_000,
+    ));
+    let (rc, out) = h.run_prog(ExtIngress, &syn(41003));
+    assert_ne!(rc, Drop.code(ExtIngress));
+    assert_eq!(
+        parse_checked(&out).sport,
+        expired,
+        "the expired flow's port"
+    );
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
+}
+
 /// `deliveryMode: stack`: a translated packet is handed to the host's stack
 /// (TC_ACT_OK, translated) so its filters see the backend, not redirected;
 /// the backend's reply passes its first hook untranslated, and tc egress

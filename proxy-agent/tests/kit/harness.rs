@@ -232,6 +232,9 @@ pub struct Harness {
 struct Loaded {
     ebpf: aya::Ebpf,
     pins: PinDir,
+    /// The build of the tc ingress programs loaded (the agent's choice for
+    /// this kernel).
+    port_search: bpf::PortSearch,
 }
 
 /// Objects of finished harnesses (default map sizes), maps emptied, with
@@ -279,7 +282,15 @@ impl Harness {
                 let pins = PinDir::new(netns.name());
                 let mut b = bpf::load(pins.path(), sizes).context("load datapath")?;
                 let dp = BpfDataplane::new(&mut b.ebpf, sizes).context("maps")?;
-                (Loaded { ebpf: b.ebpf, pins }, dp)
+                let port_search = b.port_search;
+                (
+                    Loaded {
+                        ebpf: b.ebpf,
+                        pins,
+                        port_search,
+                    },
+                    dp,
+                )
             }
         };
         dp.set_config(config).context("config")?;
@@ -294,6 +305,11 @@ impl Harness {
 
     fn loaded(&self) -> &Loaded {
         self.loaded.as_ref().expect("a live harness has its object")
+    }
+
+    /// How the loaded tc programs find a source port once random tries fail.
+    pub fn port_search(&self) -> bpf::PortSearch {
+        self.loaded().port_search
     }
 
     pub fn pin_dir(&self) -> &Path {
@@ -347,10 +363,10 @@ impl Harness {
             data_out: Some(&mut out),
             ..Default::default()
         };
-        let p = self
-            .loaded()
+        let loaded = self.loaded();
+        let p = loaded
             .ebpf
-            .program(prog.name())
+            .program(loaded.port_search.program(prog.name()))
             .expect("program in the object");
         let r = if prog.is_xdp() {
             let x: &Xdp = p.try_into()?;
