@@ -18,8 +18,22 @@ fn ct_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, Ct4Value> {
     AyaHashMap::try_from(Map::LruHashMap(pinned)).unwrap()
 }
 
+/// Entries can be made older only back to the clock's zero (boot): one aged
+/// further looks as old as the machine is up. A test that ages entries to
+/// expire them needs the clock past the longest timeout it relies on (60 s,
+/// unanswered TCP), which a VM's packet tests may reach within a minute of
+/// boot; this waits for that (at once on a machine up for longer).
+fn wait_for_uptime() {
+    const UPTIME: u64 = 65 * S;
+    let now = proxy_agent::bpf::ktime_ns();
+    if now < UPTIME {
+        std::thread::sleep(std::time::Duration::from_nanos(UPTIME - now));
+    }
+}
+
 /// Every entry made `secs` older, as if that long had passed without traffic.
 fn age(h: &Harness, secs: u64) {
+    wait_for_uptime();
     let mut ct = ct_map(h);
     let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
     for (k, mut v) in all {
@@ -228,12 +242,19 @@ fn a_first_packet_that_is_not_a_syn_is_short_lived() {
     assert_eq!(gc_ahead(&mut h, 3_600), 0, "the answered one lives on");
 }
 
+/// The unanswered-flow timeout of [`snat_setup`]'s datapath, shorter than
+/// kube-proxy's 60 s: entries can be aged no further back than the clock's
+/// zero (boot), and a VM's packet tests may start within a minute of boot,
+/// where no 60 s timeout can have passed yet.
+const SNAT_SYN_TIMEOUT_S: u32 = 5;
+
 fn snat_setup(range: (u16, u16)) -> Harness {
     let mut h = Harness::new();
     let mut cfg = Config::default()
         .with_hairpin_addr(HAIRPIN)
         .with_node_addr(NODE);
     (cfg.snat_port_min, cfg.snat_port_max) = range;
+    cfg.ct_tcp_syn_s = SNAT_SYN_TIMEOUT_S;
     h.set_config(cfg);
     h.sync(&[(
         fe_ext(NODE, 30080, IPPROTO_TCP),
@@ -272,8 +293,8 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
     let (rc, _) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40010, NODE, 30080, SYN, b""));
     assert_eq!(rc, Drop.code(ExtIngress));
     assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
-    // The unanswered flows expire (60 s): their ports are free again.
-    age(&h, 61);
+    // The unanswered flows expire: their ports are free again.
+    age(&h, u64::from(SNAT_SYN_TIMEOUT_S) + 1);
     let (_, out) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40011, NODE, 30080, SYN, b""));
     let o = parse_checked(&out);
     assert!((20000..=20003).contains(&o.sport), "port {}", o.sport);
@@ -283,6 +304,7 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
 /// Ages the flow of client port `sport` (both its entries) by `secs`;
 /// returns the source port it was given.
 fn age_flow(h: &Harness, sport: u16, secs: u64) -> u16 {
+    wait_for_uptime();
     let s = service_entry(h, sport);
     let mut ct = ct_map(h);
     let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
@@ -368,9 +390,9 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
         "searched again"
     );
 
-    // One flow expires unanswered (60 s); after the back-off a search finds
+    // One flow expires unanswered; after the back-off a search finds
     // its port, before any garbage collection.
-    let expired = age_flow(&h, 30005, 61);
+    let expired = age_flow(&h, 30005, u64::from(SNAT_SYN_TIMEOUT_S) + 1);
     std::thread::sleep(std::time::Duration::from_nanos(
         proxy_common::SNAT_SEARCH_BACKOFF_NS + 50_000_000,
     ));
