@@ -638,8 +638,14 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         .map_err(AgentError::Signal)?;
     let mut pending = false;
     let mut result = Ok(());
-    let mut ct_gc = tokio::time::interval(CT_GC_INTERVAL);
-    ct_gc.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Conntrack GC off this loop: bounded rounds on a thread of its own.
+    let ct_gc = match bpf::ConntrackGc::open(&cfg.bpffs) {
+        Ok(gc) => Some(gc.spawn(CT_GC_INTERVAL)),
+        Err(e) => {
+            error!(error = %e, "conntrack garbage collection off: cannot open the pinned maps");
+            None
+        }
+    };
     loop {
         // kube-proxy's minSyncPeriod: a change right after a sync waits for the
         // rest of the period; one after a quiet period is applied at once.
@@ -661,12 +667,6 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
                 obs.health.queued_update();
                 pending = true;
             }
-            _ = ct_gc.tick() => {
-                let r = writer.dataplane_mut().gc_conntrack(&obs.datapath, bpf::ktime_ns());
-                if r.expired > 0 {
-                    info!(scanned = r.scanned, expired = r.expired, "conntrack garbage-collected");
-                }
-            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -676,6 +676,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         }
     }
     links.abort();
+    if let Some((stop, gc)) = ct_gc {
+        drop(stop);
+        let _ = gc.join();
+    }
     for s in servers {
         s.abort();
     }

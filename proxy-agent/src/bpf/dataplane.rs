@@ -1,5 +1,5 @@
-//! [`BpfDataplane`]: the maps the writer programs, and conntrack garbage
-//! collection.
+//! [`BpfDataplane`]: the maps the writer programs (its conntrack garbage
+//! collection is in `gc.rs`).
 
 use super::*;
 
@@ -7,11 +7,11 @@ use super::*;
 pub struct BpfDataplane {
     services: HashMap<MapData, Svc4Key, Svc4Value>,
     backends: HashMap<MapData, u32, Backend4>,
-    rev_nat: HashMap<MapData, u16, RevNat4>,
+    pub(super) rev_nat: HashMap<MapData, u16, RevNat4>,
     config: Array<MapData, Config>,
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
-    conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
+    pub(super) conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     sizes: MapSizes,
 }
@@ -125,51 +125,6 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
         Err(MapError::KeyNotFound) => Ok(()),
         Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
-    }
-}
-
-impl BpfDataplane {
-    /// Garbage-collects conntrack at time `now_ns` ([`ktime_ns`]): a SERVICE
-    /// entry idle for longer than its timeout (per protocol and TCP state, as
-    /// the datapath judges it) is deleted with its REPLY entry; a REPLY entry
-    /// whose SERVICE entry is gone is deleted. The LRU bounds the map anyway;
-    /// this frees entries of finished flows before it has to.
-    pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
-        let entries: Vec<(Ct4Key, Ct4Value)> =
-            self.conntrack.iter().filter_map(Result::ok).collect();
-        let mut report = CtGcReport {
-            scanned: entries.len(),
-            expired: 0,
-        };
-        let live: std::collections::HashSet<Ct4Key> = entries
-            .iter()
-            .filter(|(k, v)| {
-                k.dir == proxy_common::ct_dir::SERVICE && conntrack::alive(cfg, k.proto, v, now_ns)
-            })
-            .map(|(k, _)| *k)
-            .collect();
-        let rev: BTreeMap<u16, RevNat4> = self.rev_nat.iter().filter_map(Result::ok).collect();
-        for (k, v) in &entries {
-            let keep = match k.dir {
-                proxy_common::ct_dir::SERVICE => live.contains(k),
-                _ => {
-                    // The SERVICE entry of this reply's flow.
-                    let Some(r) = rev.get(&v.rev_nat_id) else {
-                        report.expired += usize::from(self.conntrack.remove(k).is_ok());
-                        continue;
-                    };
-                    let skey = k.service_of_reply(v, r);
-                    // A reply entry younger than a second may belong to a
-                    // flow being created right now.
-                    live.contains(&skey)
-                        || now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC
-                }
-            };
-            if !keep && self.conntrack.remove(k).is_ok() {
-                report.expired += 1;
-            }
-        }
-        report
     }
 }
 

@@ -6,7 +6,8 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | the object, program names, map sizes, loading with pinned maps, layout migrations |
-//! | `dataplane.rs` | [`BpfDataplane`]: the writer's maps, conntrack garbage collection |
+//! | `dataplane.rs` | [`BpfDataplane`]: the writer's maps |
+//! | `gc.rs` | conntrack garbage collection: [`ConntrackGc`], bounded rounds on a thread of its own |
 //! | `pinned.rs` | [`PinnedMaps`]: read-only access to a running agent's maps (inspect, metrics) |
 //! | `pins.rs` | pinned maps checked against this build on adoption: resized, reset or refused |
 //! | `links.rs` | [`Attacher`]: tc and XDP links, pinned and taken over on restart; `cleanup` |
@@ -532,6 +533,7 @@ fn map_err(name: &'static str) -> impl Fn(MapError) -> BpfError {
 }
 
 mod dataplane;
+mod gc;
 mod links;
 mod pinned;
 mod pins;
@@ -540,6 +542,7 @@ pub mod probe;
 use probe::Capability;
 
 pub use dataplane::{ktime_ns, BpfDataplane, CtGcReport};
+pub use gc::{ConntrackGc, GcRound, GC_PAUSE, GC_ROUND};
 pub use links::{
     cgroup2_root, cleanup, cleanup_legacy_filters, kernel_has_tcx, resolve_tc_mode, Attacher,
     TcAttachMode, TcMode, LEGACY_HANDLE_EGRESS, LEGACY_HANDLE_INGRESS, LEGACY_PRIORITY,

@@ -112,7 +112,9 @@ pub(super) fn with_backends(
 /// backends in the backend map with a flag (excluded from selection, valid
 /// for existing flows)"; the same holds for endpoints that turned unready, as
 /// kube-proxy's conntrack keeps their established connections). Sorted,
-/// deduplicated.
+/// deduplicated. A set, not `backends.contains` per endpoint: that was
+/// quadratic in a Service's endpoints, three times per port.
 fn retained_backends(endpoints: &[EndpointInfo], backends: &[BackendAddr]) -> Vec<BackendAddr> {
-    select(endpoints, |e| !backends.contains(&e.addr))
+    let used: std::collections::HashSet<&BackendAddr> = backends.iter().collect();
+    select(endpoints, |e| !used.contains(&e.addr))
 }

@@ -406,6 +406,59 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
     assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
 }
 
+/// The agent's conntrack garbage collection walks the map in bounded rounds
+/// on a thread of its own (it used to walk the whole map on the sync loop,
+/// every 10 s): a round looks at no more entries than its budget and goes
+/// on where the last one stopped, even across the deletions it makes; a
+/// pass deletes the entries of expired flows, each entry looked at once,
+/// and nothing else.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn conntrack_gc_runs_in_bounded_rounds() {
+    use proxy_agent::bpf::ConntrackGc;
+    let mut h = Harness::new();
+    tcp_service(&mut h);
+    for i in 0..20 {
+        h.run(&tcp4(CLIENT, 42000 + i, VIP, 80, SYN, b""));
+    }
+    for i in 0..5 {
+        handshake(&h, 43000 + i);
+    }
+    assert_eq!(ct_map(&h).keys().count(), 50);
+    let mut gc = ConntrackGc::open(h.pin_dir()).expect("open the pinned maps");
+    // 61 s on, the 20 unanswered flows (60 s) have expired: 40 entries.
+    let now = proxy_agent::bpf::ktime_ns() + 61 * S;
+    let (mut scanned, mut expired, mut rounds) = (0, 0, 0);
+    loop {
+        let r = gc.round(now, 7);
+        assert!(r.scanned <= 7, "round {rounds} looked at {}", r.scanned);
+        (scanned, expired, rounds) = (scanned + r.scanned, expired + r.expired, rounds + 1);
+        if r.pass_done {
+            break;
+        }
+        assert!(rounds < 100, "the pass does not end");
+    }
+    assert_eq!(scanned, 50, "each entry looked at once");
+    assert_eq!(expired, 40);
+    assert!(rounds >= 50 / 7, "{rounds} rounds");
+    let left: Vec<Ct4Key> = ct_map(&h).keys().map(Result::unwrap).collect();
+    assert_eq!(left.len(), 10, "the answered flows' entries stay");
+    assert!(left
+        .iter()
+        .all(|k| (43000..43005).contains(&u16::from_be(k.sport_be))
+            || (43000..43005).contains(&u16::from_be(k.dport_be))));
+    // The next pass starts over and finds nothing more to delete.
+    let mut again = 0;
+    loop {
+        let r = gc.round(now, 7);
+        again += r.expired;
+        if r.pass_done {
+            break;
+        }
+    }
+    assert_eq!(again, 0);
+}
+
 /// `deliveryMode: stack`: a translated packet is handed to the host's stack
 /// (TC_ACT_OK, translated) so its filters see the backend, not redirected;
 /// the backend's reply passes its first hook untranslated, and tc egress

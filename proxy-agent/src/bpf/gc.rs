@@ -1,0 +1,226 @@
+//! Conntrack garbage collection: the judgement of one entry
+//! ([`entry_expired`], point lookups only), a full pass for the writer's
+//! dataplane ([`BpfDataplane::gc_conntrack`]), and [`ConntrackGc`], which
+//! walks the pinned map in bounded rounds on a thread of its own, so that a
+//! large or churning conntrack map never stalls syncs, health or shutdown.
+
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+use super::*;
+
+/// Whether entry `k` (`v`) has expired at `now_ns`: a SERVICE entry idle
+/// for longer than its timeout (per protocol and TCP state, as the
+/// datapath judges it); a REPLY entry whose SERVICE entry is gone or
+/// expired, or whose frontend is gone — unless it is younger than a second
+/// (its flow may be being created right now).
+fn entry_expired(
+    conntrack: &HashMap<MapData, Ct4Key, Ct4Value>,
+    rev_nat: &HashMap<MapData, u16, RevNat4>,
+    cfg: &Config,
+    k: &Ct4Key,
+    v: &Ct4Value,
+    now_ns: u64,
+) -> bool {
+    if k.dir == proxy_common::ct_dir::SERVICE {
+        return !conntrack::alive(cfg, k.proto, v, now_ns);
+    }
+    let Ok(r) = rev_nat.get(&v.rev_nat_id, 0) else {
+        return true;
+    };
+    if now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC {
+        return false;
+    }
+    match conntrack.get(&k.service_of_reply(v, &r), 0) {
+        Ok(s) => !conntrack::alive(cfg, k.proto, &s, now_ns),
+        Err(_) => true,
+    }
+}
+
+impl BpfDataplane {
+    /// Garbage-collects conntrack at time `now_ns` ([`ktime_ns`]), in one
+    /// pass over the whole map: every entry [`entry_expired`] judges expired
+    /// is deleted. The LRU bounds the map anyway; this frees entries of
+    /// finished flows before it has to. The agent runs [`ConntrackGc`]
+    /// instead, in bounded rounds off its sync loop.
+    pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
+        let entries: Vec<(Ct4Key, Ct4Value)> =
+            self.conntrack.iter().filter_map(Result::ok).collect();
+        let mut report = CtGcReport {
+            scanned: entries.len(),
+            expired: 0,
+        };
+        for (k, v) in &entries {
+            if entry_expired(&self.conntrack, &self.rev_nat, cfg, k, v, now_ns)
+                && self.conntrack.remove(k).is_ok()
+            {
+                report.expired += 1;
+            }
+        }
+        report
+    }
+}
+
+/// What one [`ConntrackGc::round`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GcRound {
+    /// Entries looked at (at most the round's budget).
+    pub scanned: usize,
+    /// Entries deleted.
+    pub expired: usize,
+    /// The walk reached the end of the map: the next round starts a pass.
+    pub pass_done: bool,
+}
+
+/// Conntrack garbage collection over the pinned maps, in rounds of a
+/// bounded number of entries: each round goes on where the last one
+/// stopped (the next key, fetched before the current entry may be
+/// deleted), so one round's cost does not grow with the map. The datapath's
+/// configuration (its timeouts) is read from the pinned config map at
+/// each pass's start, as the programs read it.
+pub struct ConntrackGc {
+    conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
+    /// The conntrack map's descriptor (owned by `conntrack`), for
+    /// `BPF_MAP_GET_NEXT_KEY` from a key of ours.
+    conntrack_fd: i32,
+    rev_nat: HashMap<MapData, u16, RevNat4>,
+    config: Array<MapData, Config>,
+    cfg: Option<Config>,
+    /// The next key to look at; `None`: the next round starts a pass.
+    next: Option<Ct4Key>,
+}
+
+impl ConntrackGc {
+    /// Opens the maps an agent pinned under `pin_dir`.
+    pub fn open(pin_dir: &Path) -> Result<Self, BpfError> {
+        use aya::maps::Map;
+        let open =
+            |name: &'static str| MapData::from_pin(pin_dir.join(name)).map_err(map_err(name));
+        let ct = open(map_names::CONNTRACK)?;
+        let conntrack_fd = ct.fd().as_fd().as_raw_fd();
+        Ok(Self {
+            conntrack: HashMap::try_from(Map::LruHashMap(ct))
+                .map_err(map_err(map_names::CONNTRACK))?,
+            conntrack_fd,
+            rev_nat: HashMap::try_from(Map::HashMap(open(map_names::REV_NAT)?))
+                .map_err(map_err(map_names::REV_NAT))?,
+            config: Array::try_from(Map::Array(open(map_names::CONFIG)?))
+                .map_err(map_err(map_names::CONFIG))?,
+            cfg: None,
+            next: None,
+        })
+    }
+
+    /// Looks at up to `budget` entries from where the last round stopped,
+    /// deleting the expired ones at time `now_ns`.
+    pub fn round(&mut self, now_ns: u64, budget: usize) -> GcRound {
+        let mut out = GcRound::default();
+        let fd = self.conntrack_fd;
+        let mut key = match self.next.take() {
+            // Where the last round stopped, if that entry is still there
+            // (the datapath's LRU or this collector may have removed it).
+            Some(k) if self.conntrack.get(&k, 0).is_ok() => Some(k),
+            _ => {
+                // A pass starts: the datapath's timeouts as they are now.
+                self.cfg = self.config.get(&0, 0).ok();
+                next_key(fd, None)
+            }
+        };
+        let Some(cfg) = self.cfg else {
+            // No configuration written yet: nothing can be judged.
+            out.pass_done = true;
+            return out;
+        };
+        while out.scanned < budget {
+            let Some(k) = key else {
+                out.pass_done = true;
+                return out;
+            };
+            // Fetched first: the next key of a deleted one is the map's first.
+            key = next_key(fd, Some(&k));
+            out.scanned += 1;
+            let Ok(v) = self.conntrack.get(&k, 0) else {
+                continue;
+            };
+            if entry_expired(&self.conntrack, &self.rev_nat, &cfg, &k, &v, now_ns)
+                && self.conntrack.remove(&k).is_ok()
+            {
+                out.expired += 1;
+            }
+        }
+        self.next = key;
+        out.pass_done = key.is_none();
+        out
+    }
+
+    /// Runs passes every `interval` on a thread of its own, in rounds of
+    /// [`GC_ROUND`] entries with a pause between them, until `stop` is
+    /// dropped or sent to. Logs each pass that deleted entries.
+    pub fn spawn(mut self, interval: Duration) -> (Sender<()>, std::thread::JoinHandle<()>) {
+        let (stop, rx) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name("conntrack-gc".into())
+            .spawn(move || self.run(interval, &rx))
+            .expect("spawn the conntrack GC thread");
+        (stop, handle)
+    }
+
+    fn run(&mut self, interval: Duration, stop: &Receiver<()>) {
+        let stopped =
+            |wait: Duration| !matches!(stop.recv_timeout(wait), Err(RecvTimeoutError::Timeout));
+        loop {
+            if stopped(interval) {
+                return;
+            }
+            let mut pass = CtGcReport::default();
+            loop {
+                let r = self.round(ktime_ns(), GC_ROUND);
+                pass.scanned += r.scanned;
+                pass.expired += r.expired;
+                if r.pass_done {
+                    break;
+                }
+                if stopped(GC_PAUSE) {
+                    return;
+                }
+            }
+            if pass.expired > 0 {
+                tracing::info!(
+                    scanned = pass.scanned,
+                    expired = pass.expired,
+                    "conntrack garbage-collected"
+                );
+            }
+        }
+    }
+}
+
+/// Entries one round of the agent's collector looks at.
+pub const GC_ROUND: usize = 4_096;
+/// The pause between two rounds of a pass.
+pub const GC_PAUSE: Duration = Duration::from_millis(5);
+
+/// `BPF_MAP_GET_NEXT_KEY`: the key after `key` in the map of `fd` (the
+/// first key when `key` is `None` or no longer in the map); `None` at the
+/// end or on an error.
+fn next_key(fd: i32, key: Option<&Ct4Key>) -> Option<Ct4Key> {
+    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+    let mut next = Ct4Key::default();
+    // union bpf_attr for map element commands: map_fd, (pad), key, next_key.
+    let mut attr = [0u64; 4];
+    attr[0] = fd as u32 as u64;
+    attr[1] = key.map_or(0, |k| k as *const Ct4Key as u64);
+    attr[2] = &mut next as *mut Ct4Key as u64;
+    // SAFETY: the bpf syscall reads a key of the map's key size from
+    // `attr[1]` (a live Ct4Key, or none) and writes one to `attr[2]` (ours).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_GET_NEXT_KEY,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr) as u32,
+        )
+    };
+    (rc == 0).then_some(next)
+}
