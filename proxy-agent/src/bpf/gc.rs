@@ -76,9 +76,11 @@ pub struct GcRound {
 /// Conntrack garbage collection over the pinned maps, in rounds of a
 /// bounded number of entries: each round goes on where the last one
 /// stopped (the next key, fetched before the current entry may be
-/// deleted), so one round's cost does not grow with the map. The datapath's
+/// deleted), so one round's cost does not grow with the map; a pass whose
+/// next key the LRU evicted between rounds ends there. The datapath's
 /// configuration (its timeouts) is read from the pinned config map at
-/// each pass's start, as the programs read it.
+/// each pass's start, as the programs read it; without one (none written,
+/// or of another layout) nothing is deleted.
 pub struct ConntrackGc {
     conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
     /// The conntrack map's descriptor (owned by `conntrack`), for
@@ -118,17 +120,30 @@ impl ConntrackGc {
         let mut out = GcRound::default();
         let fd = self.conntrack_fd;
         let mut key = match self.next.take() {
-            // Where the last round stopped, if that entry is still there
-            // (the datapath's LRU or this collector may have removed it).
+            // Where the last round stopped, if that entry is still there.
             Some(k) if self.conntrack.get(&k, 0).is_ok() => Some(k),
-            _ => {
+            // The datapath's LRU removed it meanwhile: the walk cannot go
+            // on from there (a missing key's next is the map's first), and
+            // starting over could go on for ever under steady eviction. The
+            // pass ends; the next one starts after the interval.
+            Some(_) => {
+                out.pass_done = true;
+                return out;
+            }
+            None => {
                 // A pass starts: the datapath's timeouts as they are now.
-                self.cfg = self.config.get(&0, 0).ok();
+                self.cfg = self
+                    .config
+                    .get(&0, 0)
+                    .ok()
+                    .filter(|c| c.layout_version == proxy_common::MAP_LAYOUT_VERSION);
                 next_key(fd, None)
             }
         };
         let Some(cfg) = self.cfg else {
-            // No configuration written yet: nothing can be judged.
+            // No configuration of this layout written yet (an unwritten
+            // array slot reads as zeros: every timeout 0, so every entry
+            // would look expired): nothing is judged.
             out.pass_done = true;
             return out;
         };

@@ -433,18 +433,20 @@ fn load_checked(
         .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
         .map_max_entries(map_names::MAGLEV, sizes.maglev_chunks);
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    let port_search = PortSearch::of(&kernel);
-    for name in [POD_INGRESS_PROGRAM, POD_EGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
-        let name = port_search.program(name);
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .ok_or(BpfError::Program {
-                name,
-                source: aya::programs::ProgramError::UnexpectedProgramType,
-            })?
-            .try_into()
-            .map_err(|source| BpfError::Program { name, source })?;
-        load_retrying(name, || prog.load()).map_err(|source| BpfError::Program { name, source })?;
+    let mut port_search = PortSearch::of(&kernel);
+    if let Err(e) = load_tc_programs(&mut ebpf, port_search) {
+        // A kernel with `bpf_loop` whose verifier refuses the search build
+        // (one outside the matrix the build is checked on): the datapath
+        // runs with the random-tries build rather than not at all.
+        let refused = matches!(&e, BpfError::Program {
+            source: ProgramError::LoadError { io_error, .. }, ..
+        } if io_error.raw_os_error() != Some(libc::EPERM));
+        if port_search != PortSearch::Exhaustive || !refused {
+            return Err(e);
+        }
+        tracing::warn!(error = %e, "the exhaustive SNAT port search off: the verifier refused its build; loading the random-tries build");
+        port_search = PortSearch::RandomTries;
+        load_tc_programs(&mut ebpf, port_search).map_err(|_| e)?;
     }
     let xdp: &mut Xdp = ebpf
         .program_mut(EXT_XDP_PROGRAM)
@@ -487,6 +489,23 @@ fn load_checked(
         xdp: xdp_loaded,
         port_search,
     })
+}
+
+/// Loads the tc programs of build `search`.
+fn load_tc_programs(ebpf: &mut Ebpf, search: PortSearch) -> Result<(), BpfError> {
+    for name in [POD_INGRESS_PROGRAM, POD_EGRESS_PROGRAM, EXT_INGRESS_PROGRAM] {
+        let name = search.program(name);
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::Program {
+                name,
+                source: ProgramError::UnexpectedProgramType,
+            })?
+            .try_into()
+            .map_err(|source| BpfError::Program { name, source })?;
+        load_retrying(name, || prog.load()).map_err(|source| BpfError::Program { name, source })?;
+    }
+    Ok(())
 }
 
 /// Runs the migrations whose old map is pinned in `pin_dir`, then removes

@@ -4,7 +4,7 @@
 //! configured range with expired flows' ports reused; and the delivery
 //! through the host's stack (`deliveryMode: stack`).
 use aya::maps::{HashMap as AyaHashMap, Map, MapData};
-use proxy_common::{ct_dir, ct_flags, Ct4Key, Ct4Value};
+use proxy_common::{ct_dir, ct_flags, Ct4Key, Ct4Value, SNAT_SEARCH_BACKOFF_NS};
 
 use super::kit::frame::RST;
 
@@ -22,7 +22,8 @@ fn ct_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, Ct4Value> {
 /// further looks as old as the machine is up. A test that ages entries to
 /// expire them needs the clock past the longest timeout it relies on (60 s,
 /// unanswered TCP), which a VM's packet tests may reach within a minute of
-/// boot; this waits for that (at once on a machine up for longer).
+/// boot; this waits for that (at once on a machine up for longer). Entries
+/// not aged keep their age: a wait of a few seconds expires none of them.
 fn wait_for_uptime() {
     const UPTIME: u64 = 65 * S;
     let now = proxy_agent::bpf::ktime_ns();
@@ -242,19 +243,12 @@ fn a_first_packet_that_is_not_a_syn_is_short_lived() {
     assert_eq!(gc_ahead(&mut h, 3_600), 0, "the answered one lives on");
 }
 
-/// The unanswered-flow timeout of [`snat_setup`]'s datapath, shorter than
-/// kube-proxy's 60 s: entries can be aged no further back than the clock's
-/// zero (boot), and a VM's packet tests may start within a minute of boot,
-/// where no 60 s timeout can have passed yet.
-const SNAT_SYN_TIMEOUT_S: u32 = 5;
-
 fn snat_setup(range: (u16, u16)) -> Harness {
     let mut h = Harness::new();
     let mut cfg = Config::default()
         .with_hairpin_addr(HAIRPIN)
         .with_node_addr(NODE);
     (cfg.snat_port_min, cfg.snat_port_max) = range;
-    cfg.ct_tcp_syn_s = SNAT_SYN_TIMEOUT_S;
     h.set_config(cfg);
     h.sync(&[(
         fe_ext(NODE, 30080, IPPROTO_TCP),
@@ -293,8 +287,8 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
     let (rc, _) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40010, NODE, 30080, SYN, b""));
     assert_eq!(rc, Drop.code(ExtIngress));
     assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
-    // The unanswered flows expire: their ports are free again.
-    age(&h, u64::from(SNAT_SYN_TIMEOUT_S) + 1);
+    // The unanswered flows expire (60 s): their ports are free again.
+    age(&h, 61);
     let (_, out) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40011, NODE, 30080, SYN, b""));
     let o = parse_checked(&out);
     assert!((20000..=20003).contains(&o.sport), "port {}", o.sport);
@@ -390,11 +384,11 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
         "searched again"
     );
 
-    // One flow expires unanswered; after the back-off a search finds
+    // One flow expires unanswered (60 s); after the back-off a search finds
     // its port, before any garbage collection.
-    let expired = age_flow(&h, 30005, u64::from(SNAT_SYN_TIMEOUT_S) + 1);
+    let expired = age_flow(&h, 30005, 61);
     std::thread::sleep(std::time::Duration::from_nanos(
-        proxy_common::SNAT_SEARCH_BACKOFF_NS + 50_000_000,
+        SNAT_SEARCH_BACKOFF_NS + 50_000_000,
     ));
     let (rc, out) = h.run_prog(ExtIngress, &syn(41003));
     assert_ne!(rc, Drop.code(ExtIngress));
@@ -428,6 +422,15 @@ fn conntrack_gc_runs_in_bounded_rounds() {
     let mut gc = ConntrackGc::open(h.pin_dir()).expect("open the pinned maps");
     // 61 s on, the 20 unanswered flows (60 s) have expired: 40 entries.
     let now = proxy_agent::bpf::ktime_ns() + 61 * S;
+    // No configuration of this layout: nothing is judged (an unwritten
+    // config reads as zeros, every timeout 0), nothing deleted.
+    let mut unconfigured = Config::default();
+    unconfigured.layout_version = 0;
+    h.set_config(unconfigured);
+    let r = gc.round(now, 1_000);
+    assert_eq!((r.scanned, r.expired, r.pass_done), (0, 0, true));
+    assert_eq!(ct_map(&h).keys().count(), 50);
+    h.set_config(Config::default());
     let (mut scanned, mut expired, mut rounds) = (0, 0, 0);
     loop {
         let r = gc.round(now, 7);
@@ -457,6 +460,24 @@ fn conntrack_gc_runs_in_bounded_rounds() {
         }
     }
     assert_eq!(again, 0);
+    // A pass whose next key was evicted between rounds ends there, rather
+    // than starting over (which steady eviction could make endless).
+    let r = gc.round(now, 3);
+    assert_eq!(r.scanned, 3);
+    let mut ct = ct_map(&h);
+    let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
+    let mut aside = Vec::new();
+    for (k, v) in all {
+        // Every entry is put aside: the round's next key among them.
+        ct.remove(&k).unwrap();
+        aside.push((k, v));
+    }
+    let r = gc.round(now, 3);
+    assert_eq!((r.scanned, r.pass_done), (0, true), "{r:?}");
+    for (k, v) in aside {
+        ct.insert(k, v, 0).unwrap();
+    }
+    assert_eq!(ct_map(&h).keys().count(), 10);
 }
 
 /// `deliveryMode: stack`: a translated packet is handed to the host's stack
