@@ -424,9 +424,10 @@ fn conntrack_gc_runs_in_bounded_rounds() {
     let now = proxy_agent::bpf::ktime_ns() + 61 * S;
     // No configuration of this layout: nothing is judged (an unwritten
     // config reads as zeros, every timeout 0), nothing deleted.
-    let mut unconfigured = Config::default();
-    unconfigured.layout_version = 0;
-    h.set_config(unconfigured);
+    h.set_config(Config {
+        layout_version: 0,
+        ..Config::default()
+    });
     let r = gc.round(now, 1_000);
     assert_eq!((r.scanned, r.expired, r.pass_done), (0, 0, true));
     assert_eq!(ct_map(&h).keys().count(), 50);
