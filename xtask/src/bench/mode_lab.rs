@@ -23,6 +23,8 @@ pub(super) struct ModeLab {
     pub(super) client_ns: String,
     pub(super) client_ip: Ipv4Addr,
     pub(super) pod_ips: Vec<Ipv4Addr>,
+    /// The pods' network namespaces (their servers' sockets).
+    pub(super) pod_ns: Vec<String>,
     /// Entries programmed now.
     pub(super) entries: Vec<Entry>,
     bench_files: Vec<PathBuf>,
@@ -103,6 +105,7 @@ impl ModeLab {
             client_ns: lab.client().netns.clone(),
             client_ip: lab.client().ip,
             pod_ips: pods.iter().map(|p| p.1).collect(),
+            pod_ns: pods.iter().map(|p| p.2.clone()).collect(),
             lab,
             servers: Some(servers),
             entries: Vec::new(),
@@ -120,6 +123,9 @@ impl ModeLab {
     /// Forgets kernel conntrack (node namespace) and the agent's LRU
     /// conntrack, so every cell starts cold.
     pub(super) fn reset_state(&self) -> Result<()> {
+        if std::env::var_os("KPR_BENCH_EXPERIMENT_KEEP_CT").is_some() {
+            return Ok(());
+        }
         let r = in_netns(&self.node_ns, sys::flush_conntrack_here)?;
         if let Err(e) = r {
             // No conntrack in this namespace (no rules loaded): nothing to flush.
@@ -132,6 +138,35 @@ impl ModeLab {
             if ct.exists() {
                 sys::clear_pinned_map(&ct).with_context(|| format!("clear {}", ct.display()))?;
             }
+        }
+        if std::env::var_os("KPR_BENCH_EXPERIMENT_KEEP_TW").is_none() {
+            self.clear_time_wait()?;
+        }
+        Ok(())
+    }
+
+    /// Closes the pods' TIME_WAIT sockets (`ss -K`, sock_diag's destroy),
+    /// with the NAT state above: the servers close first, so each
+    /// connection leaves one at the pod, and a later cell's connection to
+    /// another VIP may reuse its client port towards the same pod. Without
+    /// the NAT's memory of the old flow (flushed), nothing moves the new
+    /// one to another port (as nf_nat or the proxy's collision check would
+    /// if it were kept), and the pod, seeing TCP timestamps from another
+    /// per-destination offset, refuses the SYN (PAWS): the client waits
+    /// for a retransmission.
+    fn clear_time_wait(&self) -> Result<()> {
+        for ns in &self.pod_ns {
+            crate::netns::run(std::process::Command::new("ip").args([
+                "netns",
+                "exec",
+                ns,
+                "ss",
+                "-K",
+                "-t",
+                "state",
+                "time-wait",
+            ]))
+            .with_context(|| format!("closing the TIME_WAIT sockets of {ns}"))?;
         }
         Ok(())
     }
