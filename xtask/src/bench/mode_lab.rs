@@ -123,9 +123,6 @@ impl ModeLab {
     /// Forgets kernel conntrack (node namespace) and the agent's LRU
     /// conntrack, so every cell starts cold.
     pub(super) fn reset_state(&self) -> Result<()> {
-        if std::env::var_os("KPR_BENCH_EXPERIMENT_KEEP_CT").is_some() {
-            return Ok(());
-        }
         let r = in_netns(&self.node_ns, sys::flush_conntrack_here)?;
         if let Err(e) = r {
             // No conntrack in this namespace (no rules loaded): nothing to flush.
@@ -139,10 +136,7 @@ impl ModeLab {
                 sys::clear_pinned_map(&ct).with_context(|| format!("clear {}", ct.display()))?;
             }
         }
-        if std::env::var_os("KPR_BENCH_EXPERIMENT_KEEP_TW").is_none() {
-            self.clear_time_wait()?;
-        }
-        Ok(())
+        self.clear_time_wait()
     }
 
     /// Closes the pods' TIME_WAIT sockets (`ss -K`, sock_diag's destroy),
