@@ -3,8 +3,9 @@
 //! the node) and their replies, and sends them back out (XDP_TX) or to
 //! another device (XDP_REDIRECT) after a FIB lookup. Everything else — flows
 //! to local backends, packets without a usable FIB answer, no backend
-//! (reject), IP options, fragments, other protocols — is passed on to
-//! `ext_ingress` (tc) untouched.
+//! (reject), a new flow none of whose random source ports was free (tc
+//! searches the whole range), IP options, fragments, other protocols — is
+//! passed on to `ext_ingress` (tc) untouched.
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use proxy_common::{ct_flags, stat, SCOPE_EXTERNAL};
