@@ -1,5 +1,5 @@
-//! [`BpfDataplane`]: the maps the writer programs (its conntrack garbage
-//! collection is in `gc.rs`).
+//! [`BpfDataplane`]: the maps the writer programs (conntrack garbage
+//! collection is `gc.rs`'s, over the pinned maps).
 
 use super::*;
 
@@ -7,20 +7,12 @@ use super::*;
 pub struct BpfDataplane {
     services: HashMap<MapData, Svc4Key, Svc4Value>,
     backends: HashMap<MapData, u32, Backend4>,
-    pub(super) rev_nat: HashMap<MapData, u16, RevNat4>,
+    rev_nat: HashMap<MapData, u16, RevNat4>,
     config: Array<MapData, Config>,
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
-    pub(super) conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     sizes: MapSizes,
-}
-
-/// What one conntrack garbage collection did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CtGcReport {
-    pub scanned: usize,
-    pub expired: usize,
 }
 
 /// `bpf_ktime_get_ns()` as user space sees it: CLOCK_MONOTONIC.
@@ -60,8 +52,6 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::AFFINITY))?,
             source_ranges: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES)?)
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
-            conntrack: HashMap::try_from(take_map(ebpf, map_names::CONNTRACK)?)
-                .map_err(map_err(map_names::CONNTRACK))?,
             maglev: HashMap::try_from(take_map(ebpf, map_names::MAGLEV)?)
                 .map_err(map_err(map_names::MAGLEV))?,
             sizes,
@@ -88,8 +78,6 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::AFFINITY))?,
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES)?))
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
-            conntrack: HashMap::try_from(Map::LruHashMap(open(map_names::CONNTRACK)?))
-                .map_err(map_err(map_names::CONNTRACK))?,
             maglev: HashMap::try_from(Map::HashMap(open(map_names::MAGLEV)?))
                 .map_err(map_err(map_names::MAGLEV))?,
             sizes,

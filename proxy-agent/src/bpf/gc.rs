@@ -1,6 +1,5 @@
 //! Conntrack garbage collection: the judgement of one entry
-//! ([`entry_expired`], point lookups only), a full pass for the writer's
-//! dataplane ([`BpfDataplane::gc_conntrack`]), and [`ConntrackGc`], which
+//! ([`entry_expired`], point lookups only), and [`ConntrackGc`], which
 //! walks the pinned map in bounded rounds on a thread of its own, so that a
 //! large or churning conntrack map never stalls syncs, health or shutdown.
 
@@ -38,28 +37,11 @@ fn entry_expired(
     }
 }
 
-impl BpfDataplane {
-    /// Garbage-collects conntrack at time `now_ns` ([`ktime_ns`]), in one
-    /// pass over the whole map: every entry [`entry_expired`] judges expired
-    /// is deleted. The LRU bounds the map anyway; this frees entries of
-    /// finished flows before it has to. The agent runs [`ConntrackGc`]
-    /// instead, in bounded rounds off its sync loop.
-    pub fn gc_conntrack(&mut self, cfg: &Config, now_ns: u64) -> CtGcReport {
-        let entries: Vec<(Ct4Key, Ct4Value)> =
-            self.conntrack.iter().filter_map(Result::ok).collect();
-        let mut report = CtGcReport {
-            scanned: entries.len(),
-            expired: 0,
-        };
-        for (k, v) in &entries {
-            if entry_expired(&self.conntrack, &self.rev_nat, cfg, k, v, now_ns)
-                && self.conntrack.remove(k).is_ok()
-            {
-                report.expired += 1;
-            }
-        }
-        report
-    }
+/// What one pass of conntrack garbage collection did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtGcReport {
+    pub scanned: usize,
+    pub expired: usize,
 }
 
 /// What one [`ConntrackGc::round`] did.

@@ -54,13 +54,19 @@ fn service_entry(h: &Harness, sport: u16) -> Ct4Value {
         .unwrap_or_else(|| panic!("no SERVICE entry of port {sport}"))
 }
 
-/// Entries deleted by a garbage collection `ahead` seconds from now.
+/// Entries deleted by one pass of the agent's garbage collector `ahead`
+/// seconds from now (the datapath's configuration read from its map).
 fn gc_ahead(h: &mut Harness, ahead: u64) -> usize {
-    let now = proxy_agent::bpf::ktime_ns();
-    h.writer
-        .dataplane_mut()
-        .gc_conntrack(&Config::default(), now + ahead * S)
-        .expired
+    let now = proxy_agent::bpf::ktime_ns() + ahead * S;
+    let mut gc = proxy_agent::bpf::ConntrackGc::open(h.pin_dir()).expect("open the pinned maps");
+    let mut expired = 0;
+    loop {
+        let r = gc.round(now, usize::MAX);
+        expired += r.expired;
+        if r.pass_done {
+            return expired;
+        }
+    }
 }
 
 fn tcp_service(h: &mut Harness) {
