@@ -38,7 +38,8 @@
 //! | `policy` | [`FrontendPolicy`]: addresses that may be frontends, who owns a contested frontend |
 //! | `lb` | [`LbAlgorithm`]: each frontend's algorithm (annotation, node default), [`maglev_table`] |
 //! | `health_checks` | the `healthCheckNodePort`s this node serves |
-//! | `pipeline` | [`desired_state_with`]: the steps above, Service by Service |
+//! | `pipeline` | the per-Service step: the steps above for one Service and this node |
+//! | `incremental` | [`Incremental`]: every Service's step, kept up to date object by object; who owns a contested frontend; [`desired_state_with`] |
 #[cfg(doc)]
 use crate::manifests::Snapshot;
 #[cfg(doc)]
@@ -48,6 +49,7 @@ mod addresses;
 mod endpoints;
 mod frontends;
 mod health_checks;
+mod incremental;
 mod lb;
 mod pipeline;
 mod pods;
@@ -57,6 +59,7 @@ mod state;
 mod topology;
 
 pub use addresses::NodePortAddresses;
+pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};
 pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
 pub use pipeline::{desired_state, desired_state_with};
 pub use pods::endpoint_slices_from_pods;

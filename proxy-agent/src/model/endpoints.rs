@@ -10,32 +10,6 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use super::services::{name, namespace, parse_proto};
 use super::{BackendAddr, EndpointInfo, ModelWarning};
 
-/// The addresses (first address of each endpoint, as kube-proxy) of the
-/// endpoints of `slices` whose `nodeName` is `node_name`, and that no
-/// endpoint of any slice places on another node.
-pub(super) fn local_endpoint_addresses<'a>(
-    slices: impl Iterator<Item = &'a EndpointSlice>,
-    node_name: &str,
-) -> BTreeSet<Ipv4Addr> {
-    let mut here = BTreeSet::new();
-    let mut elsewhere = BTreeSet::new();
-    for e in slices.flat_map(|s| s.endpoints.iter()) {
-        let Some(addr) = e.addresses.first().and_then(|a| a.parse::<Ipv4Addr>().ok()) else {
-            continue;
-        };
-        match e.node_name.as_deref() {
-            Some(n) if n == node_name => here.insert(addr),
-            Some(_) => elsewhere.insert(addr),
-            None => false,
-        };
-    }
-    // An address another slice places on another node is not taken as
-    // local: one Service's slice (a stale or a hostile one) must not turn
-    // another Service's remote backend into a local one, whose external
-    // traffic would then leave without the SNAT its replies need.
-    here.difference(&elsewhere).copied().collect()
-}
-
 /// Whether an EndpointSlice port serves this service port: same name (empty
 /// and missing are equal) and same protocol.
 fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> bool {

@@ -1,14 +1,11 @@
 //! One frontend's value from the categorized endpoints, and the claim of a
 //! frontend key: which Service keeps a frontend two Services want.
-use std::cmp::Ordering;
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use proxy_common::svc_flags;
 
-use super::policy::ClaimRank;
 use super::topology::select;
-use super::{BackendAddr, Categorized, EndpointInfo, Frontend, FrontendKey, ModelWarning};
+use super::{BackendAddr, Categorized, EndpointInfo, Frontend, FrontendKey};
 
 pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> FrontendKey {
     FrontendKey {
@@ -21,67 +18,11 @@ pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> F
 
 /// What is owned: an address, port and protocol, in every scope at once. A
 /// Service owning it has all of its frontends there (from outside and from
-/// inside the node); no other Service has any.
+/// inside the node); no other Service has any. Ownership is per address,
+/// port and protocol, whatever the scope: a ClusterIP owner keeps traffic
+/// from outside the node too, never just from its pods (see
+/// [`super::incremental`]).
 pub(super) type Owned = (Ipv4Addr, u16, u8);
-
-/// Who owns each claimed address, port and protocol.
-pub(super) type Owners = BTreeMap<Owned, ClaimRank>;
-
-/// Claims `key` for `fe`, whose claim ranks `rank` (see [`ClaimRank`]).
-/// Ownership is per address, port and protocol, whatever the scope: a
-/// ClusterIP owner keeps traffic from outside the node too, never just from
-/// its pods. The same Service claiming again: its first claim of a key wins
-/// (clusterIP, externalIPs, then load-balancer IPs), silently. Another
-/// Service: the better ranked claim owns the address — a ClusterIP over
-/// anything else, then the older Service —, the loser's frontends there are
-/// removed in every scope, and a warning names the Service that lost.
-pub(super) fn insert_frontend(
-    frontends: &mut BTreeMap<FrontendKey, Frontend>,
-    owners: &mut Owners,
-    warnings: &mut Vec<ModelWarning>,
-    key: FrontendKey,
-    fe: Frontend,
-    rank: ClaimRank,
-) {
-    let owned = (key.addr, key.port, key.proto);
-    match owners.get(&owned) {
-        Some(held) if held.service != rank.service => {
-            let new_wins = rank.cmp_claim(held) == Ordering::Less;
-            let (winner, loser) = if new_wins {
-                (&rank, held)
-            } else {
-                (held, &rank)
-            };
-            let (addr, port, proto) = owned;
-            let w = ModelWarning {
-                object: format!("Service {}", loser.service),
-                message: format!(
-                    "frontend {addr}:{port}/{} also claimed by service {} ({}); skipped",
-                    super::proto_name(proto),
-                    winner.service,
-                    winner.why_wins(loser)
-                ),
-            };
-            // Once per address, not once per scope.
-            if !warnings.contains(&w) {
-                warnings.push(w);
-            }
-            if new_wins {
-                let loser = held.service.clone();
-                frontends.retain(|k, f| (k.addr, k.port, k.proto) != owned || f.service != loser);
-                frontends.insert(key, fe);
-                owners.insert(owned, rank);
-            }
-        }
-        Some(_) => {
-            frontends.entry(key).or_insert(fe);
-        }
-        None => {
-            frontends.insert(key, fe);
-            owners.insert(owned, rank);
-        }
-    }
-}
 
 /// `base` with the backends of `list` (a [`Categorized`] list; `None`, not
 /// used, is empty) and their retained terminating endpoints. An empty list

@@ -1,24 +1,25 @@
-//! The pipeline: a [`Snapshot`] to the [`DesiredState`] of one node,
-//! Service by Service and port by port, with the steps of the sibling
-//! modules.
+//! The pipeline's per-Service step: one Service, its EndpointSlices and this
+//! node's context to what the Service asks for (its frontend claims, its
+//! `healthCheckNodePort`, its warnings), with the steps of the sibling
+//! modules. Which Service gets a contested frontend or health-check port is
+//! decided over all Services by [`super::incremental`].
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use super::addresses::{external_addresses, node_internal_ips, node_port_addresses};
-use super::endpoints::{local_endpoint_addresses, port_endpoints};
-use super::frontends::{frontend_key, insert_frontend, with_backends};
-use super::health_checks::claim_health_check;
+use super::endpoints::port_endpoints;
+use super::frontends::{frontend_key, with_backends, Owned};
+use super::health_checks::needs_health_check;
 use super::lb::{service_algorithms, LbAlgorithm};
-use super::policy::{forbidden_address, in_cidr, ClaimRank};
-use super::services::{ignored, name, namespace, parse_proto, service_id};
+use super::policy::{forbidden_address, in_cidr};
+use super::services::{parse_proto, service_id};
 use super::{
-    categorize, endpoint_slices_from_pods, proto_name, DesiredState, Frontend, FrontendKey,
-    ModelOptions, ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy,
-    DEFAULT_AFFINITY_TIMEOUT_S, LABEL_SERVICE_NAME,
+    categorize, proto_name, DesiredState, Frontend, FrontendKey, ModelOptions, ModelWarning,
+    NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S, LABEL_TOPOLOGY_ZONE,
 };
 use crate::manifests::Snapshot;
 
@@ -27,7 +28,8 @@ pub fn desired_state(snapshot: &Snapshot, node_name: &str) -> (DesiredState, Vec
     desired_state_with(snapshot, node_name, &ModelOptions::default())
 }
 
-/// The desired state for `node_name`.
+/// The desired state for `node_name`, computed from scratch: every Service
+/// of `snapshot` through [`super::Incremental`], with every warning.
 ///
 /// Services are taken in `namespace/name` order and, within a Service, port by
 /// port: its ClusterIP frontends, then its north-south ones. When two
@@ -46,441 +48,415 @@ pub fn desired_state_with(
     node_name: &str,
     opts: &ModelOptions,
 ) -> (DesiredState, Vec<ModelWarning>) {
-    let mut warnings = Vec::new();
-    let mut desired = DesiredState::default();
-    let node = NodeTopology::from_snapshot(snapshot, node_name);
+    let mut model = super::Incremental::new(node_name, opts.clone());
+    model.replace(snapshot.clone());
+    (model.desired().clone(), model.warnings())
+}
 
-    // A Pod address that is no IP at all would be skipped silently below.
-    for pod in &snapshot.pods {
-        let Some(status) = pod.status.as_ref() else {
-            continue;
+/// What the per-Service step needs to know of this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct NodeContext {
+    pub(super) name: String,
+    /// Its `topology.kubernetes.io/zone` label (empty: none).
+    pub(super) zone: Option<String>,
+    /// Its first IPv4 InternalIP: the SNAT source.
+    pub(super) node_addr: Option<Ipv4Addr>,
+    /// The addresses its NodePorts are served on.
+    pub(super) node_port_addrs: Vec<Ipv4Addr>,
+    /// Every IPv4 address of the Node object: refused as externalIP or
+    /// load-balancer IP unless the policy allows it.
+    pub(super) own_addrs: BTreeSet<Ipv4Addr>,
+    /// Why no NodePort can be served, if so.
+    pub(super) problem: Option<&'static str>,
+}
+
+impl NodeContext {
+    pub(super) fn new(name: &str, node: Option<&Node>, opts: &ModelOptions) -> Self {
+        let internal_ips = node.map(node_internal_ips).unwrap_or_default();
+        let own_addrs = node
+            .and_then(|n| n.status.as_ref())
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|a| super::addresses::parse_ipv4(&a.address))
+            .collect();
+        let problem = match node {
+            None => Some("no Node object for this node"),
+            Some(_) if internal_ips.is_empty() => Some("the Node has no IPv4 InternalIP address"),
+            Some(_) => None,
         };
-        let ips = status
-            .pod_ip
-            .iter()
-            .chain(status.pod_ips.iter().flatten().map(|p| &p.ip));
-        for ip in ips.filter(|ip| !ip.is_empty() && ip.parse::<std::net::IpAddr>().is_err()) {
-            warnings.push(ModelWarning {
-                object: format!("Pod {}/{}", namespace(&pod.metadata), name(&pod.metadata)),
-                message: format!("invalid pod IP {ip:?}; the pod is not an endpoint"),
-            });
+        Self {
+            name: name.to_string(),
+            zone: node
+                .and_then(|n| n.metadata.labels.as_ref())
+                .and_then(|l| l.get(LABEL_TOPOLOGY_ZONE))
+                .filter(|z| !z.is_empty())
+                .cloned(),
+            node_addr: internal_ips.first().copied(),
+            node_port_addrs: node_port_addresses(&internal_ips, &opts.node_port_addresses),
+            own_addrs,
+            problem,
         }
     }
+}
 
-    // This node's addresses: the SNAT source and the NodePort addresses.
-    let node_object = snapshot
-        .nodes
-        .iter()
-        .find(|n| n.metadata.name.as_deref() == Some(node_name));
-    let internal_ips = node_object.map(node_internal_ips).unwrap_or_default();
-    desired.node_addr = internal_ips.first().copied();
-    let node_port_addrs = node_port_addresses(&internal_ips, &opts.node_port_addresses);
-    // Every IPv4 address of the Node object: refused as externalIP or
-    // load-balancer IP unless the policy allows it.
-    let own_addrs: BTreeSet<Ipv4Addr> = node_object
-        .and_then(|n| n.status.as_ref())
-        .and_then(|s| s.addresses.as_ref())
-        .into_iter()
-        .flatten()
-        .filter_map(|a| super::addresses::parse_ipv4(&a.address))
-        .collect();
+/// One Service's claims on one address, port and protocol (see
+/// [`super::incremental`] for who gets it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct OwnedClaims {
+    /// Whether its first claim there was a ClusterIP's: that claim's rank.
+    pub(super) cluster_ip: bool,
+    /// The key of its first claim there.
+    pub(super) first_key: FrontendKey,
+    /// Every frontend it claims there, in claim order, keys distinct.
+    pub(super) frontends: Vec<(FrontendKey, Frontend)>,
+}
+
+/// What one Service asks for, from itself, its slices and the node alone.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct ServiceOutput {
+    /// Its claims, by what is owned.
+    pub(super) claims: BTreeMap<Owned, OwnedClaims>,
+    pub(super) warnings: Vec<ModelWarning>,
+    /// The `healthCheckNodePort` it needs, with its number of local ready
+    /// endpoint addresses.
+    pub(super) health_check: Option<(u16, usize)>,
+    /// Its first port's nodePort, if any: named when the node cannot serve
+    /// NodePorts.
+    pub(super) first_node_port: Option<u16>,
+}
+
+/// The per-Service step: `svc` (not ignored) with `svc_slices`, its IPv4
+/// EndpointSlices (real ones and those synthesized from Pods) sorted by
+/// name.
+pub(super) fn service_output(
+    svc: &Service,
+    svc_slices: &[&EndpointSlice],
+    ctx: &NodeContext,
+    opts: &ModelOptions,
+) -> ServiceOutput {
+    let mut out = ServiceOutput::default();
+    let mut warnings = Vec::new();
     let policy = &opts.frontend_policy;
-    // Who holds each claimed frontend (see `insert_frontend`).
-    let mut ranks = super::frontends::Owners::new();
-    // Why no NodePort can be served; reported once, when some port has one.
-    let mut node_problem = match node_object {
-        None => Some("no Node object for this node"),
-        Some(_) if internal_ips.is_empty() => Some("the Node has no IPv4 InternalIP address"),
-        Some(_) => None,
+    let node = NodeTopology {
+        name: &ctx.name,
+        zone: ctx.zone.as_deref(),
     };
-
-    // Every slice, real and synthesized, indexed by (namespace, service name),
-    // sorted by slice name so that duplicates resolve deterministically.
-    let synthesized = endpoint_slices_from_pods(snapshot);
-    let all_slices = || {
-        snapshot
-            .endpoint_slices
-            .iter()
-            .chain(synthesized.iter())
-            // An IPv4 proxier ignores slices of the other family (and FQDN ones).
-            .filter(|s| s.address_type == "IPv4")
-    };
-    desired.local_endpoints = local_endpoint_addresses(all_slices(), node_name);
-    let mut slices: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in all_slices() {
-        let Some(svc) = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        else {
-            continue;
-        };
-        slices
-            .entry((namespace(&slice.metadata), svc.as_str()))
-            .or_default()
-            .push(slice);
-    }
-    for list in slices.values_mut() {
-        list.sort_by(|a, b| name(&a.metadata).cmp(name(&b.metadata)));
-    }
-
-    let mut services: Vec<&Service> = snapshot.services.iter().collect();
-    services.sort_by(|a, b| {
-        (namespace(&a.metadata), name(&a.metadata))
-            .cmp(&(namespace(&b.metadata), name(&b.metadata)))
-    });
-    // Capacity order: the oldest Service first, then namespace/name.
-    let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
-        .iter()
-        .map(|svc| {
-            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
-            (created.is_none(), created, service_id(svc))
-        })
-        .collect();
-    by_age.sort();
-    for (_, _, id) in by_age {
-        let next = desired.service_order.len();
-        desired.service_order.entry(id).or_insert(next);
-    }
     // Invalid addresses are reported once per slice and address.
     let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
+    let id = service_id(svc);
+    let object = format!("Service {id}");
+    let Some(spec) = &svc.spec else { return out };
 
-    for svc in services {
-        if let Some(why) = ignored(svc, opts) {
-            tracing::trace!(service = %service_id(svc), why, "model: service ignored");
-            continue;
+    let ip_strings: Vec<&str> = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+    };
+    let mut cluster_ips = Vec::new();
+    let mut bad_ip = None;
+    for s in ip_strings {
+        match s.parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) => cluster_ips.push(ip),
+            Ok(IpAddr::V6(_)) => {}
+            Err(_) => bad_ip = Some(s),
         }
-        let id = service_id(svc);
-        let object = format!("Service {id}");
-        let Some(spec) = &svc.spec else { continue };
-
-        let ip_strings: Vec<&str> = match &spec.cluster_ips {
-            Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-            _ => spec.cluster_ip.as_deref().into_iter().collect(),
-        };
-        let mut cluster_ips = Vec::new();
-        let mut bad_ip = None;
-        for s in ip_strings {
-            match s.parse::<IpAddr>() {
-                Ok(IpAddr::V4(ip)) => cluster_ips.push(ip),
-                Ok(IpAddr::V6(_)) => {}
-                Err(_) => bad_ip = Some(s),
-            }
-        }
-        if let Some(s) = bad_ip {
+    }
+    if let Some(s) = bad_ip {
+        warnings.push(ModelWarning {
+            object,
+            message: format!("invalid clusterIP {s:?}; service skipped"),
+        });
+        out.warnings = warnings;
+        return out;
+    }
+    cluster_ips.retain(|ip| match forbidden_address(*ip) {
+        Some(why) => {
             warnings.push(ModelWarning {
-                object,
-                message: format!("invalid clusterIP {s:?}; service skipped"),
+                object: object.clone(),
+                message: format!("clusterIP {ip} is {why}; never a frontend, refused"),
             });
-            continue;
+            false
         }
-        cluster_ips.retain(|ip| match forbidden_address(*ip) {
-            Some(why) => {
+        None => true,
+    });
+    if cluster_ips.is_empty() {
+        out.warnings = warnings;
+        return out;
+    }
+
+    let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S)
+    } else {
+        0
+    };
+    let mut external = external_addresses(svc, &object, &mut warnings);
+    if !policy.honour_external_ips && !external.external_ips.is_empty() {
+        warnings.push(ModelWarning {
+            object: object.clone(),
+            message: "externalIPs are not honoured on this node \
+                      (frontendPolicy.honourExternalIPs: false); ignored"
+                .into(),
+        });
+        external.external_ips.clear();
+    }
+    let refuse = |what: &str, ip: &Ipv4Addr, warnings: &mut Vec<ModelWarning>| {
+        let why = if let Some(why) = forbidden_address(*ip) {
+            format!("is {why}; never a frontend")
+        } else if ctx.own_addrs.contains(ip) && !policy.allow_node_addresses {
+            "is this node's own address (frontendPolicy.allowNodeAddresses: false)".into()
+        } else if what == "externalIP"
+            && (policy.external_ip_deny.iter().any(|c| in_cidr(*ip, *c))
+                || !(policy.external_ip_allow.is_empty()
+                    || policy.external_ip_allow.iter().any(|c| in_cidr(*ip, *c))))
+        {
+            "is refused by frontendPolicy.externalIPAllowCIDRs / externalIPDenyCIDRs".into()
+        } else {
+            return false;
+        };
+        warnings.push(ModelWarning {
+            object: object.clone(),
+            message: format!("{what} {ip} {why}; refused"),
+        });
+        true
+    };
+    external
+        .external_ips
+        .retain(|ip| !refuse("externalIP", ip, &mut warnings));
+    external
+        .lb_ips
+        .retain(|ip| !refuse("load-balancer IP", ip, &mut warnings));
+    // Distinct frontends this Service claimed, and those refused beyond
+    // the per-Service limit.
+    let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
+    let mut over_limit = 0usize;
+    let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
+    let (alg_internal, alg_external) =
+        service_algorithms(svc, &object, opts.lb_algorithm, &mut warnings);
+    // Local READY endpoints' addresses over all ports, for the health check.
+    let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
+
+    for port in spec.ports.iter().flatten() {
+        let port_name = port.name.clone().unwrap_or_default();
+        let proto = match parse_proto(port.protocol.as_deref()) {
+            Ok(p) => p,
+            Err(e) => {
                 warnings.push(ModelWarning {
                     object: object.clone(),
-                    message: format!("clusterIP {ip} is {why}; never a frontend, refused"),
+                    message: format!("port {:?} ({}): {e}; port skipped", port_name, port.port),
                 });
-                false
+                continue;
             }
-            None => true,
-        });
-        if cluster_ips.is_empty() {
-            continue;
-        }
-        let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
-
-        let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
-            spec.session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds)
-                .and_then(|t| u32::try_from(t).ok())
-                .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S)
-        } else {
-            0
         };
-        let mut external = external_addresses(svc, &object, &mut warnings);
-        if !policy.honour_external_ips && !external.external_ips.is_empty() {
-            warnings.push(ModelWarning {
-                object: object.clone(),
-                message: "externalIPs are not honoured on this node \
-                          (frontendPolicy.honourExternalIPs: false); ignored"
-                    .into(),
-            });
-            external.external_ips.clear();
-        }
-        let refuse = |what: &str, ip: &Ipv4Addr, warnings: &mut Vec<ModelWarning>| {
-            let why = if let Some(why) = forbidden_address(*ip) {
-                format!("is {why}; never a frontend")
-            } else if own_addrs.contains(ip) && !policy.allow_node_addresses {
-                "is this node's own address (frontendPolicy.allowNodeAddresses: false)".into()
-            } else if what == "externalIP"
-                && (policy.external_ip_deny.iter().any(|c| in_cidr(*ip, *c))
-                    || !(policy.external_ip_allow.is_empty()
-                        || policy.external_ip_allow.iter().any(|c| in_cidr(*ip, *c))))
-            {
-                "is refused by frontendPolicy.externalIPAllowCIDRs / externalIPDenyCIDRs".into()
-            } else {
-                return false;
-            };
-            warnings.push(ModelWarning {
-                object: object.clone(),
-                message: format!("{what} {ip} {why}; refused"),
-            });
-            true
+        let svc_port = match u16::try_from(port.port) {
+            Ok(p) if p != 0 => p,
+            _ => {
+                warnings.push(ModelWarning {
+                    object: object.clone(),
+                    message: format!(
+                        "port {:?}: invalid port number {}; port skipped",
+                        port_name, port.port
+                    ),
+                });
+                continue;
+            }
         };
-        external
-            .external_ips
-            .retain(|ip| !refuse("externalIP", ip, &mut warnings));
-        external
-            .lb_ips
-            .retain(|ip| !refuse("load-balancer IP", ip, &mut warnings));
-        // Distinct frontends this Service claimed, and those refused beyond
-        // the per-Service limit.
-        let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
-        let mut over_limit = 0usize;
-        let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
-        let (alg_internal, alg_external) =
-            service_algorithms(svc, &object, opts.lb_algorithm, &mut warnings);
-        // Local READY endpoints' addresses over all ports, for the health check.
-        let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
 
-        let svc_slices = slices
-            .get(&(namespace(&svc.metadata), name(&svc.metadata)))
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
-        for port in spec.ports.iter().flatten() {
-            let port_name = port.name.clone().unwrap_or_default();
-            let proto = match parse_proto(port.protocol.as_deref()) {
-                Ok(p) => p,
-                Err(e) => {
-                    warnings.push(ModelWarning {
-                        object: object.clone(),
-                        message: format!("port {:?} ({}): {e}; port skipped", port_name, port.port),
-                    });
-                    continue;
-                }
-            };
-            let svc_port = match u16::try_from(port.port) {
-                Ok(p) if p != 0 => p,
-                _ => {
+        let endpoints = port_endpoints(
+            port,
+            proto,
+            svc_slices,
+            &ctx.name,
+            &mut warnings,
+            &mut reported,
+        );
+        local_ready.extend(
+            endpoints
+                .iter()
+                .filter(|e| e.ready && e.is_local(&ctx.name))
+                .map(|e| e.addr.addr),
+        );
+        let info = ServicePortInfo::from_service(svc, port);
+        let categorized = categorize(&info, &endpoints, &node, &opts.gates);
+        let base = Frontend {
+            service: id.clone(),
+            port_name: port_name.clone(),
+            affinity_timeout_s,
+            ..Frontend::default()
+        };
+        // The port's nodePort, if any (0 = none). One outside 1-65535 is
+        // refused, and a NodePort (or LoadBalancer that allocates them)
+        // Service's port without one is reported: the API server would
+        // have allocated one, the manifests source does not.
+        let node_port = match port.node_port.unwrap_or(0) {
+            0 => {
+                let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+                let required = type_ == "NodePort"
+                    || (type_ == "LoadBalancer"
+                        && spec.allocate_load_balancer_node_ports != Some(false));
+                if required {
                     warnings.push(ModelWarning {
                         object: object.clone(),
                         message: format!(
-                            "port {:?}: invalid port number {}; port skipped",
-                            port_name, port.port
+                            "port {port_name:?} ({svc_port}/{}): type {type_} but no nodePort; no NodePort frontends for this port",
+                            proto_name(proto)
                         ),
                     });
-                    continue;
                 }
-            };
-
-            let endpoints = port_endpoints(
-                port,
-                proto,
-                svc_slices,
-                node_name,
-                &mut warnings,
-                &mut reported,
-            );
-            local_ready.extend(
-                endpoints
-                    .iter()
-                    .filter(|e| e.ready && e.is_local(node_name))
-                    .map(|e| e.addr.addr),
-            );
-            let info = ServicePortInfo::from_service(svc, port);
-            let categorized = categorize(&info, &endpoints, &node, &opts.gates);
-            let base = Frontend {
-                service: id.clone(),
-                port_name: port_name.clone(),
-                affinity_timeout_s,
-                ..Frontend::default()
-            };
-            // The port's nodePort, if any (0 = none). One outside 1-65535 is
-            // refused, and a NodePort (or LoadBalancer that allocates them)
-            // Service's port without one is reported: the API server would
-            // have allocated one, the manifests source does not.
-            let node_port = match port.node_port.unwrap_or(0) {
-                0 => {
-                    let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
-                    let required = type_ == "NodePort"
-                        || (type_ == "LoadBalancer"
-                            && spec.allocate_load_balancer_node_ports != Some(false));
-                    if required {
-                        warnings.push(ModelWarning {
-                            object: object.clone(),
-                            message: format!(
-                                "port {port_name:?} ({svc_port}/{}): type {type_} but no nodePort; no NodePort frontends for this port",
-                                proto_name(proto)
-                            ),
-                        });
-                    }
+                None
+            }
+            p => match u16::try_from(p) {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    warnings.push(ModelWarning {
+                        object: object.clone(),
+                        message: format!(
+                            "port {port_name:?} ({svc_port}/{}): invalid nodePort {p} (not in 1-65535); no NodePort frontends for this port",
+                            proto_name(proto)
+                        ),
+                    });
                     None
                 }
-                p => match u16::try_from(p) {
-                    Ok(p) => Some(p),
-                    Err(_) => {
-                        warnings.push(ModelWarning {
-                            object: object.clone(),
-                            message: format!(
-                                "port {port_name:?} ({svc_port}/{}): invalid nodePort {p} (not in 1-65535); no NodePort frontends for this port",
-                                proto_name(proto)
-                            ),
-                        });
-                        None
-                    }
-                },
-            };
-            if let (Some(p), Some(why)) = (node_port, node_problem.take()) {
-                warnings.push(ModelWarning {
-                    object: format!("Node {node_name}"),
-                    message: format!(
-                        "{why}: no NodePort frontends on this node (first: {id} port {p})"
-                    ),
-                });
+            },
+        };
+        if let Some(p) = node_port {
+            out.first_node_port.get_or_insert(p);
+        }
+        // Within the Service, the first claim of a key wins, silently.
+        let claims = &mut out.claims;
+        let mut claim = |key: FrontendKey, fe: Frontend, cluster_ip: bool| {
+            if claimed.contains(&key) {
+                return;
             }
-            let mut claim = |key: FrontendKey, fe: Frontend, cluster_ip: bool| {
-                if !claimed.contains(&key) {
-                    if claimed.len() >= policy.max_frontends_per_service {
-                        over_limit += 1;
-                        return;
-                    }
-                    claimed.insert(key);
-                }
-                let rank = ClaimRank {
+            if claimed.len() >= policy.max_frontends_per_service {
+                over_limit += 1;
+                return;
+            }
+            claimed.insert(key);
+            claims
+                .entry((key.addr, key.port, key.proto))
+                .or_insert_with(|| OwnedClaims {
                     cluster_ip,
-                    created,
-                    current_owner: opts.current_owners.get(&key) == Some(&id),
-                    service: id.clone(),
-                };
-                insert_frontend(
-                    &mut desired.frontends,
-                    &mut ranks,
-                    &mut warnings,
-                    key,
-                    fe,
-                    rank,
-                );
-            };
-
-            // ClusterIP: internalTrafficPolicy.
-            let internal_list = match info.internal_traffic_policy {
-                TrafficPolicy::Cluster => &categorized.cluster,
-                TrafficPolicy::Local => &categorized.local,
-            };
-            let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
-            internal.flags |= alg_internal.flags();
-            for ip in &cluster_ips {
-                claim(
-                    frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
-                    internal.clone(),
-                    true,
-                );
-            }
-
-            // North-south: (address, port, what it is).
-            let targets: Vec<(Ipv4Addr, u16, NorthSouth)> = node_port
-                .into_iter()
-                .flat_map(|p| {
-                    node_port_addrs
-                        .iter()
-                        .map(move |a| (*a, p, NorthSouth::NodePort))
+                    first_key: key,
+                    frontends: Vec::new(),
                 })
-                .chain(
-                    external
-                        .external_ips
-                        .iter()
-                        .map(|a| (*a, svc_port, NorthSouth::ExternalIp)),
-                )
-                .chain(
-                    external
-                        .lb_ips
-                        .iter()
-                        .map(|a| (*a, svc_port, NorthSouth::LoadBalancer)),
-                )
-                .collect();
-            if targets.is_empty() {
-                continue;
-            }
-            // From outside: externalTrafficPolicy (`Local` only matters on an
-            // externally accessible port, which this one is).
-            let external_list = match external_policy {
-                TrafficPolicy::Cluster => &categorized.cluster,
-                TrafficPolicy::Local => &categorized.local,
-            };
-            let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
-            outside.flags |= alg_external.flags();
-            if external_policy == TrafficPolicy::Local {
-                outside.flags |= svc_flags::EXTERNAL_LOCAL;
-            }
-            // From this node's pods: short-circuited to the cluster list
-            // (kube-proxy's external-traffic chain sends traffic that starts
-            // inside the cluster to the cluster endpoints whatever the
-            // externalTrafficPolicy: E4, S42); a load-balancer IP's source
-            // ranges apply here too (below).
-            let mut short_circuit =
-                with_backends(&base, &categorized.cluster, &categorized, &endpoints);
-            short_circuit.flags |= alg_internal.flags();
-            for (addr, port, kind) in targets {
-                let mut fe = outside.clone();
-                // Maglev handoff: addresses every node serves alike (a
-                // router may move their flows between nodes; a NodePort is
-                // one node's own address), with the client's address kept
-                // end to end (Cluster policy would SNAT it otherwise).
-                if alg_external == LbAlgorithm::Maglev
-                    && kind != NorthSouth::NodePort
-                    && external_policy == TrafficPolicy::Cluster
-                {
-                    fe.flags |= svc_flags::HANDOFF;
-                }
-                let mut inside = short_circuit.clone();
-                // kube-proxy's firewall chain filters every source of a
-                // load-balancer IP: pods and the node's own clients too.
-                if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
-                    for f in [&mut fe, &mut inside] {
-                        f.flags |= svc_flags::SOURCE_RANGES;
-                        f.source_ranges = external.source_ranges.clone();
-                    }
-                }
-                claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe, false);
-                claim(
-                    frontend_key(addr, port, proto, SCOPE_INTERNAL),
-                    inside,
-                    false,
-                );
-            }
-            // Localhost NodePorts (L1, L2): the node's own clients only.
-            if let (Some(p), true) = (node_port, opts.localhost_node_ports) {
-                claim(
-                    frontend_key(Ipv4Addr::LOCALHOST, p, proto, SCOPE_INTERNAL),
-                    short_circuit.clone(),
-                    false,
-                );
-            }
-        }
-        if over_limit > 0 {
-            warnings.push(ModelWarning {
-                object: object.clone(),
-                message: format!(
-                    "{over_limit} frontends beyond frontendPolicy.maxFrontendsPerService ({}) refused",
-                    policy.max_frontends_per_service
-                ),
-            });
+                .frontends
+                .push((key, fe));
+        };
+
+        // ClusterIP: internalTrafficPolicy.
+        let internal_list = match info.internal_traffic_policy {
+            TrafficPolicy::Cluster => &categorized.cluster,
+            TrafficPolicy::Local => &categorized.local,
+        };
+        let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
+        internal.flags |= alg_internal.flags();
+        for ip in &cluster_ips {
+            claim(
+                frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
+                internal.clone(),
+                true,
+            );
         }
 
-        claim_health_check(
-            &mut desired.health_checks,
-            &mut warnings,
-            &object,
-            &id,
-            spec,
-            external_policy,
-            &local_ready,
-        );
+        // North-south: (address, port, what it is).
+        let targets: Vec<(Ipv4Addr, u16, NorthSouth)> = node_port
+            .into_iter()
+            .flat_map(|p| {
+                ctx.node_port_addrs
+                    .iter()
+                    .map(move |a| (*a, p, NorthSouth::NodePort))
+            })
+            .chain(
+                external
+                    .external_ips
+                    .iter()
+                    .map(|a| (*a, svc_port, NorthSouth::ExternalIp)),
+            )
+            .chain(
+                external
+                    .lb_ips
+                    .iter()
+                    .map(|a| (*a, svc_port, NorthSouth::LoadBalancer)),
+            )
+            .collect();
+        if targets.is_empty() {
+            continue;
+        }
+        // From outside: externalTrafficPolicy (`Local` only matters on an
+        // externally accessible port, which this one is).
+        let external_list = match external_policy {
+            TrafficPolicy::Cluster => &categorized.cluster,
+            TrafficPolicy::Local => &categorized.local,
+        };
+        let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
+        outside.flags |= alg_external.flags();
+        if external_policy == TrafficPolicy::Local {
+            outside.flags |= svc_flags::EXTERNAL_LOCAL;
+        }
+        // From this node's pods: short-circuited to the cluster list
+        // (kube-proxy's external-traffic chain sends traffic that starts
+        // inside the cluster to the cluster endpoints whatever the
+        // externalTrafficPolicy: E4, S42); a load-balancer IP's source
+        // ranges apply here too (below).
+        let mut short_circuit =
+            with_backends(&base, &categorized.cluster, &categorized, &endpoints);
+        short_circuit.flags |= alg_internal.flags();
+        for (addr, port, kind) in targets {
+            let mut fe = outside.clone();
+            // Maglev handoff: addresses every node serves alike (a
+            // router may move their flows between nodes; a NodePort is
+            // one node's own address), with the client's address kept
+            // end to end (Cluster policy would SNAT it otherwise).
+            if alg_external == LbAlgorithm::Maglev
+                && kind != NorthSouth::NodePort
+                && external_policy == TrafficPolicy::Cluster
+            {
+                fe.flags |= svc_flags::HANDOFF;
+            }
+            let mut inside = short_circuit.clone();
+            // kube-proxy's firewall chain filters every source of a
+            // load-balancer IP: pods and the node's own clients too.
+            if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
+                for f in [&mut fe, &mut inside] {
+                    f.flags |= svc_flags::SOURCE_RANGES;
+                    f.source_ranges = external.source_ranges.clone();
+                }
+            }
+            claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe, false);
+            claim(
+                frontend_key(addr, port, proto, SCOPE_INTERNAL),
+                inside,
+                false,
+            );
+        }
+        // Localhost NodePorts (L1, L2): the node's own clients only.
+        if let (Some(p), true) = (node_port, opts.localhost_node_ports) {
+            claim(
+                frontend_key(Ipv4Addr::LOCALHOST, p, proto, SCOPE_INTERNAL),
+                short_circuit.clone(),
+                false,
+            );
+        }
     }
-    (desired, warnings)
+    if over_limit > 0 {
+        warnings.push(ModelWarning {
+            object: object.clone(),
+            message: format!(
+                "{over_limit} frontends beyond frontendPolicy.maxFrontendsPerService ({}) refused",
+                policy.max_frontends_per_service
+            ),
+        });
+    }
+
+    out.health_check =
+        needs_health_check(spec, external_policy).map(|port| (port, local_ready.len()));
+    out.warnings = warnings;
+    out
 }
 
 /// What a north-south frontend address is.

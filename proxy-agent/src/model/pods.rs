@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::core::v1::{Pod, ServicePort};
+use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -75,14 +75,27 @@ fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Optio
 pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
     let mut out = Vec::new();
     for svc in &snapshot.services {
-        let Some(spec) = &svc.spec else { continue };
+        service_slices_from_pods(svc, snapshot.pods.iter(), &mut out);
+    }
+    out
+}
+
+/// The slices [`endpoint_slices_from_pods`] synthesizes for `svc` alone from
+/// `pods` (any namespace: those of another are skipped), appended to `out`.
+pub(super) fn service_slices_from_pods<'a>(
+    svc: &Service,
+    pods: impl Iterator<Item = &'a Pod>,
+    out: &mut Vec<EndpointSlice>,
+) {
+    {
+        let Some(spec) = &svc.spec else { return };
         let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) else {
-            continue;
+            return;
         };
         let ns = namespace(&svc.metadata);
         let svc_name = name(&svc.metadata);
         let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
-        for pod in &snapshot.pods {
+        for pod in pods {
             if namespace(&pod.metadata) != ns {
                 continue;
             }
@@ -137,5 +150,4 @@ pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
             });
         }
     }
-    out
 }

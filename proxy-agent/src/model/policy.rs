@@ -82,7 +82,7 @@ pub fn forbidden_address(ip: Ipv4Addr) -> Option<&'static str> {
         .map(|(_, why)| *why)
 }
 
-/// Who a claim of a frontend comes from, for [`super::frontends::insert_frontend`]:
+/// Who a claim of a frontend comes from, for [`super::incremental`]:
 /// a ClusterIP claim wins over any other; then the older Service
 /// (`metadata.creationTimestamp`; one without wins over none); between two
 /// Services without a timestamp (manifests), the current owner; then

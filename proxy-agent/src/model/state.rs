@@ -169,7 +169,7 @@ pub struct ModelOptions {
     /// The Service each frontend is programmed for now (`namespace/name`):
     /// when two Services without a `creationTimestamp` claim one frontend
     /// with the same rank, its current owner keeps it (see
-    /// [`super::FrontendPolicy`] and `insert_frontend`).
+    /// [`super::FrontendPolicy`] and [`super::Incremental`]).
     pub current_owners: BTreeMap<FrontendKey, String>,
     /// NodePorts also on `127.0.0.1` for the node's own clients (kube-proxy's
     /// `iptables.localhostNodePorts`); internal scope only, so only the

@@ -16,6 +16,7 @@ use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod health_and_claims;
+mod incremental;
 mod lb;
 mod mutated;
 mod northsouth;

@@ -1,0 +1,802 @@
+//! The model kept up to date object by object ([`Incremental`]): a change of
+//! a Service, an EndpointSlice or a Pod recomputes only the Services it
+//! concerns, and ownership of what they claim is decided again only where
+//! their claims were or are; a change of this node's Node object that
+//! matters to the model (addresses, zone) recomputes every Service. What
+//! changed in the [`DesiredState`] is handed on ([`Update`]), so that the
+//! writer touches only those frontends.
+//!
+//! The result is the same as computing everything again ([`desired_state_with`]
+//! is this model fed a whole snapshot at once): ownership of an address, port
+//! and protocol goes to the best-ranked claim of all the Services that
+//! claim it ([`ClaimRank`]), whatever order they came in, and a
+//! `healthCheckNodePort` to the first Service by namespace/name that needs
+//! it. The one input of history: among Services without a
+//! `creationTimestamp`, the current owner of a frontend keeps it (as
+//! [`ModelOptions::current_owners`] says for a computation from scratch).
+//!
+//! [`desired_state_with`]: super::desired_state_with
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use super::frontends::Owned;
+use super::pipeline::{service_output, NodeContext, ServiceOutput};
+use super::pods::service_slices_from_pods;
+use super::policy::ClaimRank;
+use super::services::{ignored, name, namespace};
+use super::{
+    proto_name, DesiredState, FrontendKey, HealthCheck, ModelOptions, ModelWarning,
+    LABEL_SERVICE_NAME,
+};
+use crate::manifests::Snapshot;
+
+/// An object's namespace (`default` when unset; empty for Nodes) and name.
+pub type ObjectKey = (String, String);
+
+/// The kinds of object the model reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Pod,
+    Node,
+}
+
+/// An object as a source has it now.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Object {
+    Service(Box<Service>),
+    EndpointSlice(Box<EndpointSlice>),
+    Pod(Box<Pod>),
+    Node(Box<Node>),
+}
+
+impl Object {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::Service(_) => Kind::Service,
+            Object::EndpointSlice(_) => Kind::EndpointSlice,
+            Object::Pod(_) => Kind::Pod,
+            Object::Node(_) => Kind::Node,
+        }
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        match self {
+            Object::Service(o) => &o.metadata,
+            Object::EndpointSlice(o) => &o.metadata,
+            Object::Pod(o) => &o.metadata,
+            Object::Node(o) => &o.metadata,
+        }
+    }
+
+    /// Its key: namespace (defaulted; empty for a Node) and name.
+    pub fn key(&self) -> ObjectKey {
+        let meta = self.meta();
+        let ns = match self {
+            Object::Node(_) => String::new(),
+            _ => namespace(meta).to_string(),
+        };
+        (ns, name(meta).to_string())
+    }
+}
+
+/// One change a source saw: an object created or updated (`Applied`), or
+/// gone.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    Applied(Object),
+    Deleted(Kind, ObjectKey),
+}
+
+/// What one [`Incremental::apply`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Update {
+    /// Frontends added, changed or removed.
+    pub frontends: BTreeSet<FrontendKey>,
+    /// Addresses that became local endpoints or stopped being ones.
+    pub local_endpoints: BTreeSet<Ipv4Addr>,
+    /// Services computed again.
+    pub services: usize,
+    /// Whether anything outside the frontends changed: the node's address,
+    /// the health checks or the capacity order.
+    pub other: bool,
+    /// Warnings of what was computed again (each Service's own, and
+    /// ownership conflicts that changed).
+    pub warnings: Vec<ModelWarning>,
+}
+
+impl Update {
+    /// Whether the desired state is as it was.
+    pub fn is_empty(&self) -> bool {
+        self.frontends.is_empty() && self.local_endpoints.is_empty() && !self.other
+    }
+}
+
+/// Addresses one slice places on this node and on others.
+#[derive(Clone, Debug, Default)]
+struct LocalSets {
+    here: BTreeSet<Ipv4Addr>,
+    elsewhere: BTreeSet<Ipv4Addr>,
+}
+
+impl LocalSets {
+    fn of<'a>(slices: impl Iterator<Item = &'a EndpointSlice>, node_name: &str) -> Self {
+        let mut sets = Self::default();
+        for e in slices.flat_map(|s| s.endpoints.iter()) {
+            let Some(addr) = e.addresses.first().and_then(|a| a.parse::<Ipv4Addr>().ok()) else {
+                continue;
+            };
+            match e.node_name.as_deref() {
+                Some(n) if n == node_name => sets.here.insert(addr),
+                Some(_) => sets.elsewhere.insert(addr),
+                None => false,
+            };
+        }
+        sets
+    }
+}
+
+/// How many slices place each address on this node and on others.
+#[derive(Default)]
+struct LocalCounts {
+    here: BTreeMap<Ipv4Addr, usize>,
+    elsewhere: BTreeMap<Ipv4Addr, usize>,
+}
+
+impl LocalCounts {
+    fn count(&mut self, sets: &LocalSets, add: bool, touched: &mut BTreeSet<Ipv4Addr>) {
+        for (set, counts) in [
+            (&sets.here, &mut self.here),
+            (&sets.elsewhere, &mut self.elsewhere),
+        ] {
+            for a in set {
+                touched.insert(*a);
+                let n = counts.entry(*a).or_insert(0);
+                if add {
+                    *n += 1;
+                } else {
+                    *n -= 1;
+                    if *n == 0 {
+                        counts.remove(a);
+                    }
+                }
+            }
+        }
+    }
+
+    /// An address is local when some slice places it here and none
+    /// elsewhere: one Service's slice (a stale or a hostile one) must not
+    /// turn another Service's remote backend into a local one, whose external
+    /// traffic would then leave without the SNAT its replies need.
+    fn is_local(&self, addr: &Ipv4Addr) -> bool {
+        self.here.contains_key(addr) && !self.elsewhere.contains_key(addr)
+    }
+}
+
+/// The model of one node, fed object changes (see the module docs).
+pub struct Incremental {
+    opts: ModelOptions,
+    ctx: NodeContext,
+    services: BTreeMap<ObjectKey, Service>,
+    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// (namespace, Service name) → names of its IPv4 slices.
+    slices_by_service: BTreeMap<ObjectKey, BTreeSet<String>>,
+    pods: BTreeMap<ObjectKey, Pod>,
+    nodes: BTreeMap<String, Node>,
+    /// Every Service's output (ignored Services have none).
+    outputs: BTreeMap<ObjectKey, ServiceOutput>,
+    claimants: HashMap<Owned, BTreeSet<ObjectKey>>,
+    /// Warnings of the Services that lost an address, by address.
+    conflicts: HashMap<Owned, Vec<ModelWarning>>,
+    health_claimants: BTreeMap<u16, BTreeSet<ObjectKey>>,
+    health_conflicts: BTreeMap<u16, Vec<ModelWarning>>,
+    /// Local endpoints: each real slice's sets, each Service's synthesized
+    /// slices' sets, and how many of those name each address.
+    slice_local: BTreeMap<ObjectKey, LocalSets>,
+    synth_local: BTreeMap<ObjectKey, LocalSets>,
+    local: LocalCounts,
+    pod_warnings: BTreeMap<ObjectKey, Vec<ModelWarning>>,
+    desired: DesiredState,
+}
+
+impl Incremental {
+    /// An empty model for `node_name`: no objects, nothing desired.
+    pub fn new(node_name: &str, opts: ModelOptions) -> Self {
+        let ctx = NodeContext::new(node_name, None, &opts);
+        Self {
+            opts,
+            ctx,
+            services: BTreeMap::new(),
+            slices: BTreeMap::new(),
+            slices_by_service: BTreeMap::new(),
+            pods: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            outputs: BTreeMap::new(),
+            claimants: HashMap::new(),
+            conflicts: HashMap::new(),
+            health_claimants: BTreeMap::new(),
+            health_conflicts: BTreeMap::new(),
+            slice_local: BTreeMap::new(),
+            synth_local: BTreeMap::new(),
+            local: LocalCounts::default(),
+            pod_warnings: BTreeMap::new(),
+            desired: DesiredState::default(),
+        }
+    }
+
+    /// The desired state as of the last change applied.
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// The objects the model holds, as a snapshot.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            services: self.services.values().cloned().collect(),
+            endpoint_slices: self.slices.values().cloned().collect(),
+            pods: self.pods.values().cloned().collect(),
+            nodes: self.nodes.values().cloned().collect(),
+        }
+    }
+
+    /// Every warning that holds now: Pods', the node's, each Service's
+    /// (namespace/name order) and the ownership conflicts'.
+    pub fn warnings(&self) -> Vec<ModelWarning> {
+        let mut out: Vec<ModelWarning> = self.pod_warnings.values().flatten().cloned().collect();
+        if let Some(why) = self.ctx.problem {
+            if let Some((k, p)) = self
+                .outputs
+                .iter()
+                .find_map(|(k, o)| o.first_node_port.map(|p| (k, p)))
+            {
+                out.push(node_problem(&self.ctx.name, why, k, p));
+            }
+        }
+        for o in self.outputs.values() {
+            out.extend(o.warnings.iter().cloned());
+        }
+        let mut conflicts: Vec<(&Owned, &Vec<ModelWarning>)> = self.conflicts.iter().collect();
+        conflicts.sort_by_key(|(o, _)| **o);
+        for (_, w) in conflicts {
+            out.extend(w.iter().cloned());
+        }
+        out.extend(self.health_conflicts.values().flatten().cloned());
+        out
+    }
+
+    /// Makes the model's objects those of `snapshot`: what is not in it is
+    /// deleted, what is applied (unchanged objects cost a comparison). The
+    /// first of two objects with one key is kept.
+    pub fn replace(&mut self, snapshot: Snapshot) -> Update {
+        let mut changes = Vec::new();
+        let mut keep = |kind: Kind, keys: BTreeSet<ObjectKey>, held: Vec<ObjectKey>| {
+            for k in held.into_iter().filter(|k| !keys.contains(k)) {
+                changes.push(Change::Deleted(kind, k));
+            }
+        };
+        let mut seen = BTreeSet::new();
+        let mut applied = Vec::new();
+        let objects = snapshot
+            .services
+            .into_iter()
+            .map(|o| Object::Service(Box::new(o)))
+            .chain(
+                snapshot
+                    .endpoint_slices
+                    .into_iter()
+                    .map(|o| Object::EndpointSlice(Box::new(o))),
+            )
+            .chain(snapshot.pods.into_iter().map(|o| Object::Pod(Box::new(o))))
+            .chain(
+                snapshot
+                    .nodes
+                    .into_iter()
+                    .map(|o| Object::Node(Box::new(o))),
+            );
+        let mut keys: BTreeMap<u8, BTreeSet<ObjectKey>> = BTreeMap::new();
+        for o in objects {
+            let kind = o.kind() as u8;
+            let key = o.key();
+            if seen.insert((kind, key.clone())) {
+                keys.entry(kind).or_default().insert(key);
+                applied.push(Change::Applied(o));
+            }
+        }
+        let mut take = |kind: Kind| keys.remove(&(kind as u8)).unwrap_or_default();
+        keep(
+            Kind::Service,
+            take(Kind::Service),
+            self.services.keys().cloned().collect(),
+        );
+        keep(
+            Kind::EndpointSlice,
+            take(Kind::EndpointSlice),
+            self.slices.keys().cloned().collect(),
+        );
+        keep(
+            Kind::Pod,
+            take(Kind::Pod),
+            self.pods.keys().cloned().collect(),
+        );
+        keep(
+            Kind::Node,
+            take(Kind::Node),
+            self.nodes
+                .keys()
+                .map(|n| (String::new(), n.clone()))
+                .collect(),
+        );
+        changes.extend(applied);
+        self.apply(changes)
+    }
+
+    /// Applies `changes` in order and computes again what they concern.
+    pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>) -> Update {
+        let mut up = Update::default();
+        let mut dirty: BTreeSet<ObjectKey> = BTreeSet::new();
+        let mut touched_local: BTreeSet<Ipv4Addr> = BTreeSet::new();
+        let mut node_changed = false;
+        let services_before = self.services.len();
+        let mut order_changed = false;
+        for change in changes {
+            match change {
+                Change::Applied(Object::Service(svc)) => {
+                    let key = meta_key(&svc.metadata);
+                    let old = self.services.get(&key);
+                    if old == Some(&*svc) {
+                        continue;
+                    }
+                    order_changed |= old.is_none_or(|o| {
+                        o.metadata.creation_timestamp != svc.metadata.creation_timestamp
+                    });
+                    self.services.insert(key.clone(), *svc);
+                    dirty.insert(key);
+                }
+                Change::Deleted(Kind::Service, key) => {
+                    if self.services.remove(&key).is_some() {
+                        order_changed = true;
+                        dirty.insert(key);
+                    }
+                }
+                Change::Applied(Object::EndpointSlice(slice)) => {
+                    let key = meta_key(&slice.metadata);
+                    if self.slices.get(&key) == Some(&*slice) {
+                        continue;
+                    }
+                    self.remove_slice(&key, &mut dirty, &mut touched_local);
+                    self.insert_slice(key, *slice, &mut dirty, &mut touched_local);
+                }
+                Change::Deleted(Kind::EndpointSlice, key) => {
+                    self.remove_slice(&key, &mut dirty, &mut touched_local);
+                }
+                Change::Applied(Object::Pod(pod)) => {
+                    let key = meta_key(&pod.metadata);
+                    if self.pods.get(&key) == Some(&*pod) {
+                        continue;
+                    }
+                    if let Some(old) = self.pods.remove(&key) {
+                        self.services_selecting(&old, &mut dirty);
+                    }
+                    self.services_selecting(&pod, &mut dirty);
+                    match pod_warnings(&pod) {
+                        w if w.is_empty() => {
+                            self.pod_warnings.remove(&key);
+                        }
+                        w => {
+                            up.warnings.extend(w.iter().cloned());
+                            self.pod_warnings.insert(key.clone(), w);
+                        }
+                    }
+                    self.pods.insert(key, *pod);
+                }
+                Change::Deleted(Kind::Pod, key) => {
+                    if let Some(old) = self.pods.remove(&key) {
+                        self.services_selecting(&old, &mut dirty);
+                        self.pod_warnings.remove(&key);
+                    }
+                }
+                Change::Applied(Object::Node(node)) => {
+                    let n = name(&node.metadata).to_string();
+                    if self.nodes.get(&n) == Some(&*node) {
+                        continue;
+                    }
+                    node_changed |= n == self.ctx.name;
+                    self.nodes.insert(n, *node);
+                }
+                Change::Deleted(Kind::Node, (_, n)) => {
+                    if self.nodes.remove(&n).is_some() {
+                        node_changed |= n == self.ctx.name;
+                    }
+                }
+            }
+        }
+        if node_changed {
+            let ctx = NodeContext::new(&self.ctx.name, self.nodes.get(&self.ctx.name), &self.opts);
+            if ctx != self.ctx {
+                self.ctx = ctx;
+                dirty.extend(self.services.keys().cloned());
+                dirty.extend(self.outputs.keys().cloned());
+                if self.desired.node_addr != self.ctx.node_addr {
+                    self.desired.node_addr = self.ctx.node_addr;
+                    up.other = true;
+                }
+            }
+        }
+        let node_problem_named = self.recompute(dirty, &mut up, &mut touched_local);
+        if let (Some(why), Some((k, p))) = (self.ctx.problem, node_problem_named) {
+            up.warnings.push(node_problem(&self.ctx.name, why, &k, p));
+        }
+        for addr in touched_local {
+            let local = self.local.is_local(&addr);
+            let changed = if local {
+                self.desired.local_endpoints.insert(addr)
+            } else {
+                self.desired.local_endpoints.remove(&addr)
+            };
+            if changed {
+                up.local_endpoints.insert(addr);
+            }
+        }
+        if order_changed || self.services.len() != services_before {
+            self.desired.service_order = service_order(&self.services);
+            up.other = true;
+        }
+        up
+    }
+
+    /// Services selecting `pod` (their synthesized slices change with it).
+    fn services_selecting(&self, pod: &Pod, dirty: &mut BTreeSet<ObjectKey>) {
+        let ns = namespace(&pod.metadata);
+        let labels = pod.metadata.labels.as_ref();
+        let from = (ns.to_string(), String::new());
+        for (k, svc) in self.services.range(from..).take_while(|(k, _)| k.0 == ns) {
+            let selects = svc
+                .spec
+                .as_ref()
+                .and_then(|s| s.selector.as_ref())
+                .filter(|s| !s.is_empty())
+                .is_some_and(|sel| {
+                    sel.iter()
+                        .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+                });
+            if selects {
+                dirty.insert(k.clone());
+            }
+        }
+    }
+
+    fn remove_slice(
+        &mut self,
+        key: &ObjectKey,
+        dirty: &mut BTreeSet<ObjectKey>,
+        touched: &mut BTreeSet<Ipv4Addr>,
+    ) {
+        let Some(old) = self.slices.remove(key) else {
+            return;
+        };
+        if let Some(sets) = self.slice_local.remove(key) {
+            self.local.count(&sets, false, touched);
+        }
+        if let Some(svc) = slice_service(&old) {
+            let group = (key.0.clone(), svc.to_string());
+            if let Some(names) = self.slices_by_service.get_mut(&group) {
+                names.remove(&key.1);
+                if names.is_empty() {
+                    self.slices_by_service.remove(&group);
+                }
+            }
+            dirty.insert(group);
+        }
+    }
+
+    fn insert_slice(
+        &mut self,
+        key: ObjectKey,
+        slice: EndpointSlice,
+        dirty: &mut BTreeSet<ObjectKey>,
+        touched: &mut BTreeSet<Ipv4Addr>,
+    ) {
+        // An IPv4 proxier ignores slices of the other family (and FQDN ones).
+        if slice.address_type == "IPv4" {
+            let sets = LocalSets::of(std::iter::once(&slice), &self.ctx.name);
+            self.local.count(&sets, true, touched);
+            self.slice_local.insert(key.clone(), sets);
+            if let Some(svc) = slice_service(&slice) {
+                let group = (key.0.clone(), svc.to_string());
+                self.slices_by_service
+                    .entry(group.clone())
+                    .or_default()
+                    .insert(key.1.clone());
+                dirty.insert(group);
+            }
+        }
+        self.slices.insert(key, slice);
+    }
+
+    /// Computes the `dirty` Services again and decides again who owns what
+    /// they claimed or claim. Returns the first of them (namespace/name)
+    /// with a nodePort, for the node's problem if it has one.
+    fn recompute(
+        &mut self,
+        dirty: BTreeSet<ObjectKey>,
+        up: &mut Update,
+        touched_local: &mut BTreeSet<Ipv4Addr>,
+    ) -> Option<(ObjectKey, u16)> {
+        let mut owned_touched: BTreeSet<Owned> = BTreeSet::new();
+        let mut ports_touched: BTreeSet<u16> = BTreeSet::new();
+        let mut first_node_port = None;
+        for key in dirty {
+            if let Some(old) = self.outputs.remove(&key) {
+                for owned in old.claims.keys() {
+                    if let Some(c) = self.claimants.get_mut(owned) {
+                        c.remove(&key);
+                        if c.is_empty() {
+                            self.claimants.remove(owned);
+                        }
+                    }
+                    owned_touched.insert(*owned);
+                }
+                if let Some((port, _)) = old.health_check {
+                    if let Some(c) = self.health_claimants.get_mut(&port) {
+                        c.remove(&key);
+                        if c.is_empty() {
+                            self.health_claimants.remove(&port);
+                        }
+                    }
+                    ports_touched.insert(port);
+                }
+            }
+            if let Some(sets) = self.synth_local.remove(&key) {
+                self.local.count(&sets, false, touched_local);
+            }
+            let Some(svc) = self.services.get(&key) else {
+                continue;
+            };
+            let mut synthesized = Vec::new();
+            if !self.pods.is_empty() {
+                let from = (key.0.clone(), String::new());
+                let pods = self
+                    .pods
+                    .range(from..)
+                    .take_while(|(k, _)| k.0 == key.0)
+                    .map(|(_, p)| p);
+                service_slices_from_pods(svc, pods, &mut synthesized);
+            }
+            let sets = LocalSets::of(synthesized.iter(), &self.ctx.name);
+            if !sets.here.is_empty() || !sets.elsewhere.is_empty() {
+                self.local.count(&sets, true, touched_local);
+                self.synth_local.insert(key.clone(), sets);
+            }
+            up.services += 1;
+            if let Some(why) = ignored(svc, &self.opts) {
+                tracing::trace!(service = %format!("{}/{}", key.0, key.1), why, "model: service ignored");
+                continue;
+            }
+            let mut slices: Vec<&EndpointSlice> = self
+                .slices_by_service
+                .get(&key)
+                .into_iter()
+                .flatten()
+                .filter_map(|n| self.slices.get(&(key.0.clone(), n.clone())))
+                .chain(synthesized.iter())
+                .collect();
+            // Stable: a real slice before a synthesized one of the same name.
+            slices.sort_by(|a, b| name(&a.metadata).cmp(name(&b.metadata)));
+            let out = service_output(svc, &slices, &self.ctx, &self.opts);
+            up.warnings.extend(out.warnings.iter().cloned());
+            if let (None, Some(p)) = (&first_node_port, out.first_node_port) {
+                first_node_port = Some((key.clone(), p));
+            }
+            for owned in out.claims.keys() {
+                self.claimants
+                    .entry(*owned)
+                    .or_default()
+                    .insert(key.clone());
+                owned_touched.insert(*owned);
+            }
+            if let Some((port, _)) = out.health_check {
+                self.health_claimants
+                    .entry(port)
+                    .or_default()
+                    .insert(key.clone());
+                ports_touched.insert(port);
+            }
+            self.outputs.insert(key, out);
+        }
+        for owned in owned_touched {
+            self.resolve(owned, up);
+        }
+        for port in ports_touched {
+            self.resolve_health_check(port, up);
+        }
+        first_node_port
+    }
+
+    /// Decides who owns `owned` among the Services claiming it, and makes
+    /// its frontends the owner's.
+    fn resolve(&mut self, owned: Owned, up: &mut Update) {
+        let (addr, port, proto) = owned;
+        let keys = [SCOPE_INTERNAL, SCOPE_EXTERNAL].map(|scope| FrontendKey {
+            addr,
+            port,
+            proto,
+            scope,
+        });
+        let mut best: Option<(ClaimRank, &ObjectKey)> = None;
+        let mut ranks = Vec::new();
+        for k in self.claimants.get(&owned).into_iter().flatten() {
+            let (Some(out), Some(svc)) = (self.outputs.get(k), self.services.get(k)) else {
+                continue;
+            };
+            let Some(claims) = out.claims.get(&owned) else {
+                continue;
+            };
+            let id = format!("{}/{}", k.0, k.1);
+            let current_owner = self
+                .desired
+                .frontends
+                .get(&claims.first_key)
+                .is_some_and(|f| f.service == id)
+                || self.opts.current_owners.get(&claims.first_key) == Some(&id);
+            let rank = ClaimRank {
+                cluster_ip: claims.cluster_ip,
+                created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                current_owner,
+                service: id,
+            };
+            if best
+                .as_ref()
+                .is_none_or(|(b, _)| rank.cmp_claim(b) == std::cmp::Ordering::Less)
+            {
+                best = Some((rank.clone(), k));
+            }
+            ranks.push(rank);
+        }
+        let mut warnings = Vec::new();
+        let mut wanted = BTreeMap::new();
+        if let Some((winner, k)) = &best {
+            for loser in ranks.iter().filter(|r| r.service != winner.service) {
+                warnings.push(ModelWarning {
+                    object: format!("Service {}", loser.service),
+                    message: format!(
+                        "frontend {addr}:{port}/{} also claimed by service {} ({}); skipped",
+                        proto_name(proto),
+                        winner.service,
+                        winner.why_wins(loser)
+                    ),
+                });
+            }
+            let claims = &self.outputs[*k].claims[&owned];
+            wanted.extend(claims.frontends.iter().map(|(key, fe)| (*key, fe)));
+        }
+        for key in keys {
+            let now = self.desired.frontends.get(&key);
+            match (now, wanted.get(&key)) {
+                (Some(a), Some(b)) if a == *b => {}
+                (None, None) => {}
+                (_, Some(b)) => {
+                    self.desired.frontends.insert(key, (*b).clone());
+                    up.frontends.insert(key);
+                }
+                (Some(_), None) => {
+                    self.desired.frontends.remove(&key);
+                    up.frontends.insert(key);
+                }
+            }
+        }
+        if warnings.is_empty() {
+            self.conflicts.remove(&owned);
+        } else if self.conflicts.get(&owned) != Some(&warnings) {
+            up.warnings.extend(warnings.iter().cloned());
+            self.conflicts.insert(owned, warnings);
+        }
+    }
+
+    /// The first Service by namespace/name that needs `port` has it.
+    fn resolve_health_check(&mut self, port: u16, up: &mut Update) {
+        let claimants = self.health_claimants.get(&port);
+        let winner = claimants.and_then(|c| c.iter().next());
+        let now = winner.and_then(|k| {
+            let (_, local) = self.outputs.get(k)?.health_check?;
+            Some(HealthCheck {
+                service: format!("{}/{}", k.0, k.1),
+                local_endpoints: local,
+            })
+        });
+        let warnings: Vec<ModelWarning> = claimants
+            .into_iter()
+            .flatten()
+            .skip(1)
+            .zip(std::iter::repeat(now.as_ref()))
+            .filter_map(|(k, w)| {
+                Some(ModelWarning {
+                    object: format!("Service {}/{}", k.0, k.1),
+                    message: format!(
+                        "healthCheckNodePort {port} already belongs to service {}; skipped",
+                        w?.service
+                    ),
+                })
+            })
+            .collect();
+        if self.desired.health_checks.get(&port) != now.as_ref() {
+            up.other = true;
+            match now {
+                Some(hc) => self.desired.health_checks.insert(port, hc),
+                None => self.desired.health_checks.remove(&port),
+            };
+        }
+        if warnings.is_empty() {
+            self.health_conflicts.remove(&port);
+        } else if self.health_conflicts.get(&port) != Some(&warnings) {
+            up.warnings.extend(warnings.iter().cloned());
+            self.health_conflicts.insert(port, warnings);
+        }
+    }
+}
+
+/// A namespaced object's key.
+fn meta_key(meta: &ObjectMeta) -> ObjectKey {
+    (namespace(meta).to_string(), name(meta).to_string())
+}
+
+/// The Service a slice belongs to (its `kubernetes.io/service-name` label).
+fn slice_service(slice: &EndpointSlice) -> Option<&str> {
+    slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_SERVICE_NAME))
+        .map(String::as_str)
+}
+
+fn node_problem(node: &str, why: &str, first: &ObjectKey, port: u16) -> ModelWarning {
+    ModelWarning {
+        object: format!("Node {node}"),
+        message: format!(
+            "{why}: no NodePort frontends on this node (first: {}/{} port {port})",
+            first.0, first.1
+        ),
+    }
+}
+
+/// A Pod address that is no IP at all would be skipped silently otherwise.
+fn pod_warnings(pod: &Pod) -> Vec<ModelWarning> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
+    let ips = status
+        .pod_ip
+        .iter()
+        .chain(status.pod_ips.iter().flatten().map(|p| &p.ip));
+    ips.filter(|ip| !ip.is_empty() && ip.parse::<std::net::IpAddr>().is_err())
+        .map(|ip| ModelWarning {
+            object: format!("Pod {}/{}", namespace(&pod.metadata), name(&pod.metadata)),
+            message: format!("invalid pod IP {ip:?}; the pod is not an endpoint"),
+        })
+        .collect()
+}
+
+/// Capacity order (see [`DesiredState::service_order`]): the oldest Service
+/// first, then namespace/name.
+fn service_order(services: &BTreeMap<ObjectKey, Service>) -> BTreeMap<String, usize> {
+    let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
+        .iter()
+        .map(|(k, svc)| {
+            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            (created.is_none(), created, format!("{}/{}", k.0, k.1))
+        })
+        .collect();
+    by_age.sort();
+    let mut order = BTreeMap::new();
+    for (_, _, id) in by_age {
+        let next = order.len();
+        order.entry(id).or_insert(next);
+    }
+    order
+}
