@@ -28,7 +28,7 @@ use crate::{
     metrics::{Metrics, ProgrammingLatency},
     model::{self, ModelOptions},
     servers,
-    source::{Source, SourceError},
+    source::{Source, SourceChanges, SourceError},
 };
 
 /// How often expired conntrack entries are deleted.
@@ -116,8 +116,6 @@ struct Observers {
     delivery_checked: Instant,
     /// The `healthCheckNodePort` listeners, reconciled after every sync.
     health_checks: crate::healthcheck::HealthCheckServers,
-    /// The Service each frontend was last programmed for.
-    owners: std::collections::BTreeMap<crate::model::FrontendKey, String>,
     /// Backends of UDP frontends as last programmed: connected UDP sockets
     /// of host clients aimed at one that goes away are destroyed.
     udp_backends: BTreeSet<SocketAddrV4>,
@@ -314,30 +312,47 @@ async fn follow_links(attacher: Arc<Mutex<Attacher>>, patterns: Patterns, mut ev
     }
 }
 
-/// One sync: read the source, compute the desired state, write the difference.
+/// What one sync writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SyncScope {
+    /// The first: everything, before the programs are attached (leftovers
+    /// of a previous agent are deleted); readiness is not announced yet.
+    Initial,
+    /// Only what the source's changes changed in the desired state.
+    Changes,
+    /// Everything compared with what is programmed: the periodic safety
+    /// net (`syncPeriod`), cheap when nothing changed.
+    Full,
+}
+
+/// One sync: read what changed in the source, compute the desired state of
+/// the Services it concerns, write the difference.
 fn sync_once(
     cfg: &RunConfig,
     source: &mut dyn Source,
+    model: &mut model::Incremental,
     writer: &mut Writer<BpfDataplane>,
     obs: &mut Observers,
-    announce: bool,
+    scope: SyncScope,
 ) {
     let started = Instant::now();
-    let (snapshot, source_errors) = source.snapshot();
-    let opts = ModelOptions {
-        service_proxy_name: cfg.service_proxy_name.clone(),
-        node_port_addresses: cfg.node_port_addresses.clone(),
-        current_owners: obs.owners.clone(),
-        localhost_node_ports: cfg.localhost_node_ports,
-        lb_algorithm: cfg.lb_algorithm,
-        frontend_policy: cfg.frontend_policy.clone(),
-        ..ModelOptions::default()
+    let (changes, source_errors) = source.changes();
+    let (update, triggers) = match changes {
+        SourceChanges::Full(snapshot) => {
+            let triggers = obs.latency.pending(&snapshot);
+            (model.replace(snapshot), triggers)
+        }
+        SourceChanges::Changes(changes) => {
+            let triggers = obs.latency.pending_changes(&changes);
+            (model.apply(changes), triggers)
+        }
     };
-    let (desired, warnings) = model::desired_state_with(&snapshot, &cfg.node_name, &opts);
-    for w in &warnings {
+    // Warnings of what was computed again: a Service's problems are said
+    // when it (or what it depends on) changes, not at every sync.
+    for w in &update.warnings {
         warn!("{w}");
     }
-    let triggers = obs.latency.pending(&snapshot);
+    let desired = model.desired();
     // The node's address is the SNAT source of external traffic to other nodes.
     let mut node_cfg = obs
         .datapath
@@ -362,13 +377,10 @@ fn sync_once(
             Err(e) => error!(error = %e, "cannot update the datapath configuration"),
         }
     }
-    let report = writer.sync(&desired);
-    obs.owners = desired
-        .frontends
-        .iter()
-        .filter(|(k, _)| writer.rev_nat_ids().contains_key(k))
-        .map(|(k, f)| (*k, f.service.clone()))
-        .collect();
+    let report = match scope {
+        SyncScope::Full | SyncScope::Initial => writer.sync(desired),
+        SyncScope::Changes => writer.sync(desired), // SYNC_CHANGED_PENDING
+    };
     // Over capacity, thousands of frontends fail the same way at every sync:
     // the first few are named, the rest counted.
     const NAMED: usize = 10;
@@ -381,21 +393,28 @@ fn sync_once(
             "cannot program more frontends (same causes; see the map sizes)"
         );
     }
-    destroy_stale_udp_sockets(obs, &desired);
+    // Only a change of a UDP frontend can take a backend from a UDP socket.
+    if scope != SyncScope::Changes
+        || update
+            .frontends
+            .iter()
+            .any(|k| k.proto == proxy_common::IPPROTO_UDP)
+    {
+        destroy_stale_udp_sockets(obs, desired);
+    }
     // Ports that cannot be bound are logged inside and retried next sync.
     obs.health_checks.sync(&desired.health_checks);
     // A sync that ran is an update for the health check even when single
     // frontends failed: those are retried, counted and logged, and a crash
     // loop (liveness) would not make them fit.
     obs.health.updated();
-    obs.health.sync_node(
-        snapshot
-            .nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(cfg.node_name.as_str())),
+    obs.health.sync_node(model.node(&cfg.node_name));
+    obs.metrics.observe_sync(
+        started.elapsed(),
+        desired.frontends.len(),
+        writer.backend_ids().len(),
+        report.errors.len(),
     );
-    obs.metrics
-        .observe_sync(started.elapsed(), &desired, report.errors.len());
     obs.metrics
         .observe_maglev(writer.maglev_usage(), report.maglev_refused);
     let now = std::time::SystemTime::now();
@@ -405,15 +424,17 @@ fn sync_once(
     }
     // The first sync runs before the programs are attached: it is not yet the
     // moment to announce readiness (the lab and tests wait for the marker).
-    let what = if announce {
-        SYNC_COMPLETE
-    } else {
+    let what = if scope == SyncScope::Initial {
         "initial sync"
+    } else {
+        SYNC_COMPLETE
     };
     info!(
         frontends = desired.frontends.len(),
         source_errors,
-        model_warnings = warnings.len(),
+        services_computed = update.services,
+        frontends_changed = update.frontends.len(),
+        model_warnings = update.warnings.len(),
         program_errors = report.errors.len(),
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
         "{what}: {report:?}"
@@ -540,7 +561,6 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         latency: ProgrammingLatency::default(),
         datapath,
         delivery_checked: Instant::now(),
-        owners: Default::default(),
         health_checks: crate::healthcheck::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
         udp_backends: BTreeSet::new(),
@@ -592,7 +612,25 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         }
     }
     // Program the maps before attaching, so the first packets find them.
-    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, false);
+    let mut model = model::Incremental::new(
+        &cfg.node_name,
+        ModelOptions {
+            service_proxy_name: cfg.service_proxy_name.clone(),
+            node_port_addresses: cfg.node_port_addresses.clone(),
+            localhost_node_ports: cfg.localhost_node_ports,
+            lb_algorithm: cfg.lb_algorithm,
+            frontend_policy: cfg.frontend_policy.clone(),
+            ..ModelOptions::default()
+        },
+    );
+    sync_once(
+        &cfg,
+        source.as_mut(),
+        &mut model,
+        &mut writer,
+        &mut obs,
+        SyncScope::Initial,
+    );
     let mut last_sync = Instant::now();
 
     let xdp_loaded = match &loaded.xdp {
@@ -657,7 +695,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
                 if source.ready() {
-                    sync_once(&cfg, source.as_mut(), &mut writer, &mut obs, true);
+                    // A change is written alone; a period without one
+                    // compares everything (kube-proxy's syncPeriod).
+                    let scope = if pending { SyncScope::Changes } else { SyncScope::Full };
+                    sync_once(&cfg, source.as_mut(), &mut model, &mut writer, &mut obs, scope);
                 }
                 last_sync = Instant::now();
                 pending = false;

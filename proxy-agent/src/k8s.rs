@@ -10,11 +10,12 @@
 //! completed, and an error never clears it, so an API server outage never
 //! removes programmed state.
 use std::{
+    collections::BTreeSet,
     fmt,
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc,
+        Arc, Mutex,
     },
 };
 
@@ -39,8 +40,8 @@ use tracing::{debug, info, warn};
 
 use crate::{
     manifests::Snapshot,
-    model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
-    source::{Source, SourceError},
+    model::{Change, Kind, Object, ObjectKey, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
+    source::{Source, SourceChanges, SourceError},
 };
 
 /// The EndpointSlice annotation kept in the cache: when the change that the
@@ -192,16 +193,61 @@ pub struct KubernetesOptions {
     pub api_server: Option<ApiServer>,
 }
 
-/// One reflector: its store, whether it has listed once, its task.
+/// The objects a reflector's watch changed since they were last taken.
+#[derive(Default)]
+struct Dirty {
+    keys: BTreeSet<ObjectKey>,
+    /// The watch listed again: what it no longer lists must be found by a
+    /// comparison of everything.
+    relisted: bool,
+}
+
+/// A kind the model reads, as the model takes it.
+trait Watched: Sized {
+    const MODEL_KIND: Kind;
+    fn object(this: Arc<Self>) -> Object;
+}
+
+impl Watched for Service {
+    const MODEL_KIND: Kind = Kind::Service;
+    fn object(this: Arc<Self>) -> Object {
+        Object::Service(this)
+    }
+}
+
+impl Watched for EndpointSlice {
+    const MODEL_KIND: Kind = Kind::EndpointSlice;
+    fn object(this: Arc<Self>) -> Object {
+        Object::EndpointSlice(this)
+    }
+}
+
+impl Watched for Node {
+    const MODEL_KIND: Kind = Kind::Node;
+    fn object(this: Arc<Self>) -> Object {
+        Object::Node(this)
+    }
+}
+
+/// One reflector: its store, whether it has listed once, its task, and the
+/// objects its watch events named since [`Reflector::changes`] last ran.
 struct Reflector<K: Resource<DynamicType = ()> + Clone + 'static> {
     store: Store<K>,
     listed: Arc<AtomicBool>,
+    dirty: Arc<Mutex<Dirty>>,
     task: Option<JoinHandle<()>>,
 }
 
 impl<K> Reflector<K>
 where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + fmt::Debug + Send + Sync + 'static,
+    K: Resource<DynamicType = ()>
+        + Watched
+        + Clone
+        + DeserializeOwned
+        + fmt::Debug
+        + Send
+        + Sync
+        + 'static,
 {
     fn new(
         api: Api<K>,
@@ -211,16 +257,49 @@ where
     ) -> Self {
         let (store, writer) = reflector::store();
         let listed = Arc::new(AtomicBool::new(false));
+        let dirty = Arc::new(Mutex::new(Dirty {
+            relisted: true,
+            ..Dirty::default()
+        }));
         let stream = watcher::watcher(api, config)
             .default_backoff()
             .modify(trim::<K>)
             .reflect(writer);
-        let task = tokio::spawn(drive(stream, kind, listed.clone(), changes));
+        let task = tokio::spawn(drive(stream, kind, listed.clone(), dirty.clone(), changes));
         Self {
             store,
             listed,
+            dirty,
             task: Some(task),
         }
+    }
+
+    /// The changes since the last call, from the store: each object a watch
+    /// event named, as the store has it now (or gone). `None` after a relist
+    /// (and the first time): then only all objects will do.
+    fn changes(&self) -> Option<Vec<Change>>
+    where
+        K: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    {
+        let dirty = std::mem::take(&mut *self.dirty.lock().expect("dirty lock"));
+        if dirty.relisted {
+            return None;
+        }
+        let changes = dirty
+            .keys
+            .into_iter()
+            .map(|(ns, name)| {
+                let mut r = reflector::ObjectRef::<K>::new(&name);
+                if K::MODEL_KIND != Kind::Node {
+                    r = r.within(&ns);
+                }
+                match self.store.get(&r) {
+                    Some(o) => Change::Applied(K::object(o)),
+                    None => Change::Deleted(K::MODEL_KIND, (ns, name)),
+                }
+            })
+            .collect();
+        Some(changes)
     }
 
     fn listed(&self) -> bool {
@@ -257,9 +336,10 @@ async fn drive<K, S>(
     stream: S,
     kind: &'static str,
     listed: Arc<AtomicBool>,
+    dirty: Arc<Mutex<Dirty>>,
     changes: UnboundedSender<()>,
 ) where
-    K: Resource + fmt::Debug,
+    K: Resource<DynamicType = ()> + Watched + fmt::Debug,
     S: Stream<Item = Result<Event<K>, watcher::Error>>,
 {
     let mut stream = std::pin::pin!(stream);
@@ -270,9 +350,18 @@ async fn drive<K, S>(
             Ok(Event::InitDone) => {
                 let first = !listed.swap(true, Ordering::AcqRel);
                 info!(kind, first, "listed");
+                dirty.lock().expect("dirty lock").relisted = true;
                 let _ = changes.send(());
             }
-            Ok(Event::Apply(_) | Event::Delete(_)) => {
+            Ok(Event::Apply(o) | Event::Delete(o)) => {
+                // Namespaced kinds default to `default`, as the model keys them.
+                let ns = match o.meta().namespace.as_deref() {
+                    _ if K::MODEL_KIND == Kind::Node => String::new(),
+                    Some(ns) if !ns.is_empty() => ns.to_string(),
+                    _ => "default".to_string(),
+                };
+                let name = o.meta().name.clone().unwrap_or_default();
+                dirty.lock().expect("dirty lock").keys.insert((ns, name));
                 let _ = changes.send(());
             }
             // The store is kept as it is; the watcher backs off and resumes
@@ -370,5 +459,27 @@ impl Source for KubernetesSource {
         // Objects that do not decode fail the whole watch event in kube-rs and
         // are reported (and retried) by the watcher, not here.
         (snapshot, 0)
+    }
+
+    /// The objects watch events named since the last call; everything after
+    /// a relist of any kind (a relist may have dropped objects no event
+    /// named).
+    fn changes(&mut self) -> (SourceChanges, usize) {
+        let (Some(services), Some(slices), Some(nodes)) =
+            (&self.services, &self.slices, &self.nodes)
+        else {
+            return (SourceChanges::Changes(Vec::new()), 0);
+        };
+        // Every reflector's changes are taken (and its relist flag cleared)
+        // before the snapshot: an event after this point is named again.
+        let taken = [services.changes(), slices.changes(), nodes.changes()];
+        if taken.iter().any(Option::is_none) {
+            let (snapshot, errors) = self.snapshot();
+            return (SourceChanges::Full(snapshot), errors);
+        }
+        (
+            SourceChanges::Changes(taken.into_iter().flatten().flatten().collect()),
+            0,
+        )
     }
 }

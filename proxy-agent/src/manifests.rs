@@ -93,13 +93,22 @@ fn has_manifest_extension(path: &Path) -> bool {
 /// so the agent picks the one order it can repeat.
 pub fn load_paths(paths: &[PathBuf]) -> (Snapshot, Vec<ManifestError>) {
     let mut snapshot = Snapshot::default();
-    let mut errors = Vec::new();
     let mut seen = Seen::default();
-    let mut read = |file: &Path, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>| {
+    let (files, mut errors) = list_files(paths);
+    for file in files {
         let mut one = Snapshot::default();
-        load_file(file, &mut one, errors);
-        seen.merge(file, one, snapshot, errors);
-    };
+        load_file(&file, &mut one, &mut errors);
+        seen.merge(&file, one, &mut snapshot, &mut errors);
+    }
+    (snapshot, errors)
+}
+
+/// The files `paths` name, in reading order: a file, or a directory's
+/// manifest files sorted by name; and an error per directory that cannot be
+/// read.
+fn list_files(paths: &[PathBuf]) -> (Vec<PathBuf>, Vec<ManifestError>) {
+    let mut out = Vec::new();
+    let mut errors = Vec::new();
     for path in paths {
         if path.is_dir() {
             let entries = match std::fs::read_dir(path) {
@@ -115,14 +124,216 @@ pub fn load_paths(paths: &[PathBuf]) -> (Snapshot, Vec<ManifestError>) {
                 .filter(|p| p.is_file() && has_manifest_extension(p))
                 .collect();
             files.sort();
-            for file in files {
-                read(&file, &mut snapshot, &mut errors);
-            }
+            out.extend(files);
         } else {
-            read(path, &mut snapshot, &mut errors);
+            out.push(path.clone());
         }
     }
-    (snapshot, errors)
+    (out, errors)
+}
+
+/// What identifies a file's content without reading it: modification time,
+/// size and inode (a file replaced by a rename is another inode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    modified: Option<std::time::SystemTime>,
+    len: u64,
+    ino: u64,
+}
+
+impl Stamp {
+    fn of(path: &Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(Self {
+            modified: m.modified().ok(),
+            len: m.len(),
+            ino: m.ino(),
+        })
+    }
+}
+
+/// Kind (as in [`Kind`]) and key of an object a file holds.
+type FileKey = (crate::model::Kind, crate::model::ObjectKey);
+
+/// One file as last read.
+struct CachedFile {
+    stamp: Option<Stamp>,
+    /// A hash of its content, and when it was read: a file modified within
+    /// a second of its read may have changed again without its time
+    /// moving (file times are coarse), so its content is compared (git's
+    /// "racy clean" rule).
+    hash: u64,
+    read_at: std::time::SystemTime,
+    /// Its objects, the first of each key (later ones are duplicates).
+    objects: std::collections::BTreeMap<FileKey, crate::model::Object>,
+    /// Objects its errors name: kept as they were while the error lasts.
+    named_in_errors: BTreeSet<FileKey>,
+}
+
+/// The manifests, read again only where a file changed, as object changes:
+/// a file whose modification time, size and inode are those of its last
+/// read is not read again. An object two files hold is the first file's (in
+/// reading order), as [`load_paths`] has it; an object whose document turned
+/// bad keeps its last good version (no change is reported for it) until
+/// the error is gone, as [`keep_last_good`] does.
+#[derive(Default)]
+pub struct FileCache {
+    files: Vec<(PathBuf, CachedFile)>,
+}
+
+impl FileCache {
+    /// Reads what changed under `paths` since the last call (everything the
+    /// first time). Returns the changes and the errors of the files read
+    /// again (and of objects two files hold, where that concerns a changed
+    /// file).
+    pub fn refresh(
+        &mut self,
+        paths: &[PathBuf],
+    ) -> (Vec<crate::model::Change>, Vec<ManifestError>) {
+        use crate::model::{Change, Kind, Object};
+        let (list, mut errors) = list_files(paths);
+        let mut old: std::collections::BTreeMap<PathBuf, CachedFile> =
+            std::mem::take(&mut self.files).into_iter().collect();
+        let mut affected: BTreeSet<FileKey> = BTreeSet::new();
+        let mut read_again: BTreeSet<PathBuf> = BTreeSet::new();
+        for path in list {
+            let stamp = Stamp::of(&path);
+            let cached = old.remove(&path);
+            if let Some(c) = &cached {
+                let settled = c
+                    .stamp
+                    .and_then(|s| s.modified)
+                    .is_some_and(|m| m + std::time::Duration::from_secs(1) < c.read_at);
+                if stamp.is_some() && c.stamp == stamp && settled {
+                    self.files.extend(cached.map(|c| (path, c)));
+                    continue;
+                }
+            }
+            let read_at = std::time::SystemTime::now();
+            let mut one = Snapshot::default();
+            let mut file_errors = Vec::new();
+            let text = std::fs::read_to_string(&path);
+            let hash = text.as_ref().map_or(0, |t| {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                t.hash(&mut h);
+                h.finish()
+            });
+            if let Some(mut c) = cached {
+                if text.is_ok() && c.hash == hash {
+                    c.stamp = stamp;
+                    c.read_at = read_at;
+                    self.files.push((path, c));
+                    continue;
+                }
+                affected.extend(c.objects.into_keys());
+                affected.extend(c.named_in_errors);
+            }
+            match text {
+                Ok(text) => load_str(&path, &text, &mut one, &mut file_errors),
+                Err(e) => file_errors.push(file_error(&path, format!("cannot read file: {e}"))),
+            }
+            let mut deduped = Snapshot::default();
+            Seen::default().merge(&path, one, &mut deduped, &mut file_errors);
+            let objects: std::collections::BTreeMap<FileKey, Object> = deduped
+                .services
+                .into_iter()
+                .map(|o| Object::Service(std::sync::Arc::new(o)))
+                .chain(
+                    deduped
+                        .endpoint_slices
+                        .into_iter()
+                        .map(|o| Object::EndpointSlice(std::sync::Arc::new(o))),
+                )
+                .chain(
+                    deduped
+                        .pods
+                        .into_iter()
+                        .map(|o| Object::Pod(std::sync::Arc::new(o))),
+                )
+                .chain(
+                    deduped
+                        .nodes
+                        .into_iter()
+                        .map(|o| Object::Node(std::sync::Arc::new(o))),
+                )
+                .map(|o| ((o.kind(), o.key()), o))
+                .collect();
+            let named_in_errors: BTreeSet<FileKey> = file_errors
+                .iter()
+                .filter(|e| !e.duplicate)
+                .filter_map(|e| {
+                    let o = e.object.as_ref()?;
+                    let kind = Kind::from_name(o.kind.as_deref()?)?;
+                    let ns = match kind {
+                        Kind::Node => String::new(),
+                        _ => o.namespace.clone().unwrap_or_else(|| "default".into()),
+                    };
+                    Some((kind, (ns, o.name.clone()?)))
+                })
+                .collect();
+            affected.extend(objects.keys().cloned());
+            errors.extend(file_errors);
+            read_again.insert(path.clone());
+            self.files.push((
+                path,
+                CachedFile {
+                    stamp,
+                    hash,
+                    read_at,
+                    objects,
+                    named_in_errors,
+                },
+            ));
+        }
+        // Files gone.
+        for (_, cached) in old {
+            affected.extend(cached.objects.into_keys());
+        }
+        let mut changes = Vec::new();
+        for key in affected {
+            let mut holders = self
+                .files
+                .iter()
+                .filter(|(_, f)| f.objects.contains_key(&key));
+            match holders.next() {
+                Some((first, f)) => {
+                    for (other, _) in holders.filter(|(p, _)| read_again.contains(p)) {
+                        errors.push(duplicate_error(&key, first, other));
+                    }
+                    changes.push(Change::Applied(f.objects[&key].clone()));
+                }
+                None if self
+                    .files
+                    .iter()
+                    .any(|(_, f)| f.named_in_errors.contains(&key)) => {}
+                None => changes.push(Change::Deleted(key.0, key.1)),
+            }
+        }
+        (changes, errors)
+    }
+}
+
+/// The warning for an object `other` holds too, `first` having it already.
+fn duplicate_error(key: &FileKey, first: &Path, other: &Path) -> ManifestError {
+    let kind = key.0.name();
+    let (namespace, name) = key.1.clone();
+    ManifestError {
+        file: other.to_path_buf(),
+        document: None,
+        object: Some(ObjectRef {
+            kind: Some(kind.to_string()),
+            namespace: (!namespace.is_empty()).then_some(namespace),
+            name: Some(name),
+        }),
+        message: format!(
+            "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
+            first.display(),
+            other.display()
+        ),
+        duplicate: true,
+    }
 }
 
 fn file_error(path: &Path, message: String) -> ManifestError {

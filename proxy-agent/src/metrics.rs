@@ -13,7 +13,7 @@
 //! - `proxy_agent_datapath_packets_total{reason}`: the datapath's verdict
 //!   counters, read from the pinned stats map at scrape time.
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, HashMap},
     path::PathBuf,
     sync::atomic::AtomicU64,
     time::{Duration, SystemTime},
@@ -31,10 +31,7 @@ use prometheus_client::{
 };
 use tracing::debug;
 
-use crate::{
-    bpf::PinnedMaps, k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME, manifests::Snapshot,
-    model::DesiredState,
-};
+use crate::{bpf::PinnedMaps, k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME, manifests::Snapshot};
 
 /// kube-proxy's buckets for the sync duration: 1 ms × 2^i, 15 buckets.
 fn sync_buckets() -> impl Iterator<Item = f64> {
@@ -181,7 +178,7 @@ impl Metrics {
         );
         registry.register(
             "proxy_agent_programmed_backends",
-            "Distinct backends programmed by the last sync",
+            "Distinct backends programmed by the last sync (terminating ones kept for their flows included)",
             backends.clone(),
         );
         registry.register(
@@ -231,19 +228,22 @@ impl Metrics {
 
     /// Records a completed sync of `desired`, `errors` of which could not be
     /// programmed.
-    pub fn observe_sync(&self, elapsed: Duration, desired: &DesiredState, errors: usize) {
+    /// One sync: how long it took, the desired frontends, the backends
+    /// programmed and what could not be programmed.
+    pub fn observe_sync(
+        &self,
+        elapsed: Duration,
+        frontends: usize,
+        backends: usize,
+        errors: usize,
+    ) {
         self.sync_duration.observe(elapsed.as_secs_f64());
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
         self.last_sync.set(now.as_secs_f64());
-        let backends: BTreeSet<_> = desired
-            .frontends
-            .values()
-            .flat_map(|f| f.backends.iter())
-            .collect();
-        self.frontends.set(desired.frontends.len() as i64);
-        self.backends.set(backends.len() as i64);
+        self.frontends.set(frontends as i64);
+        self.backends.set(backends as i64);
         self.program_errors.set(errors as i64);
     }
 
@@ -320,6 +320,47 @@ impl ProgrammingLatency {
         self.seen = current.into_iter().collect();
         out
     }
+
+    /// The trigger times of the slices `changes` name that changed since
+    /// they were last seen; forgets deleted slices.
+    pub fn pending_changes(&mut self, changes: &[crate::model::Change]) -> Vec<SystemTime> {
+        use crate::model::{Change, Kind, Object};
+        let mut out = Vec::new();
+        for c in changes {
+            match c {
+                Change::Applied(Object::EndpointSlice(s)) => {
+                    let m = &s.metadata;
+                    let key = (
+                        m.namespace.clone().unwrap_or_default(),
+                        m.name.clone().unwrap_or_default(),
+                    );
+                    let Some(t) = m
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME))
+                    else {
+                        self.seen.remove(&key);
+                        continue;
+                    };
+                    if self.seen.get(&key) == Some(t) {
+                        continue;
+                    }
+                    if let Ok(ts) = t.parse::<jiff::Timestamp>() {
+                        let when = SystemTime::from(ts);
+                        if when >= self.started {
+                            out.push(when);
+                        }
+                    }
+                    self.seen.insert(key, t.clone());
+                }
+                Change::Deleted(Kind::EndpointSlice, key) => {
+                    self.seen.remove(key);
+                }
+                _ => {}
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -376,7 +417,7 @@ mod tests {
     #[test]
     fn encodes_kube_proxy_names_in_prometheus_text() {
         let m = Metrics::new(None);
-        m.observe_sync(Duration::from_millis(3), &DesiredState::default(), 0);
+        m.observe_sync(Duration::from_millis(3), 0, 0, 0);
         m.observe_programming(Duration::from_millis(700));
         let text = m.encode();
         for name in [

@@ -325,7 +325,6 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::model::DesiredState;
 
     async fn start(router: Router) -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -405,7 +404,7 @@ mod tests {
     #[tokio::test]
     async fn metrics_and_proxy_mode_on_the_metrics_address() {
         let m = Arc::new(Metrics::new(Some("/nonexistent/proxy-agent-test".into())));
-        m.observe_sync(Duration::from_millis(5), &DesiredState::default(), 0);
+        m.observe_sync(Duration::from_millis(5), 0, 0, 0);
         let addr = start(metrics_router(m)).await;
         let (status, head, body) = get(addr, "/metrics").await;
         assert_eq!(status, 200);

@@ -7,6 +7,16 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, warn};
 
 use crate::manifests::{self, Snapshot};
+use crate::model::Change;
+
+/// What a source saw since it was last asked.
+#[derive(Debug)]
+pub enum SourceChanges {
+    /// Every object: the model finds what changed by comparison.
+    Full(Snapshot),
+    /// The objects that changed, each as it is now (or gone).
+    Changes(Vec<Change>),
+}
 
 /// A source of cluster state.
 pub trait Source: Send {
@@ -23,6 +33,13 @@ pub trait Source: Send {
     /// The current snapshot. Problems with single objects are logged by the
     /// source and counted in the returned number; they never empty the snapshot.
     fn snapshot(&mut self) -> (Snapshot, usize);
+    /// What changed since the last call (everything the first time), with
+    /// the number of problems logged, as [`Source::snapshot`]. A source that
+    /// cannot tell gives every object.
+    fn changes(&mut self) -> (SourceChanges, usize) {
+        let (snapshot, errors) = self.snapshot();
+        (SourceChanges::Full(snapshot), errors)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +61,8 @@ pub struct ManifestsSource {
     /// A path went missing: its watch must be made again once it is back.
     rewatch: bool,
     last_good: Snapshot,
+    /// The files as last read, for [`Source::changes`].
+    cache: manifests::FileCache,
 }
 
 impl ManifestsSource {
@@ -54,6 +73,7 @@ impl ManifestsSource {
             changes: None,
             rewatch: false,
             last_good: Snapshot::default(),
+            cache: manifests::FileCache::default(),
         }
     }
 }
@@ -78,14 +98,55 @@ impl Source for ManifestsSource {
     /// Reads every file again. An object whose document turned bad keeps its
     /// last good version.
     fn snapshot(&mut self) -> (Snapshot, usize) {
-        // A configured file or directory that is gone (deleted, being
-        // replaced) is a mistake or a moment, not "no Services": keep the last
-        // good state rather than withdraw everything.
+        if let Some(missing) = self.missing_paths() {
+            return (self.last_good.clone(), missing);
+        }
+        let (mut snapshot, errors) = manifests::load_paths(&self.paths);
+        log_errors(&errors);
+        let kept = manifests::keep_last_good(&self.last_good, &errors, &mut snapshot);
+        if kept > 0 {
+            warn!(
+                objects = kept,
+                "kept the last good version of objects whose documents are bad"
+            );
+        }
+        self.last_good = snapshot.clone();
+        (snapshot, errors.len())
+    }
+
+    /// Reads again only the files whose modification time, size or inode
+    /// changed, and names the objects that changed in them.
+    fn changes(&mut self) -> (SourceChanges, usize) {
+        if let Some(missing) = self.missing_paths() {
+            return (SourceChanges::Changes(Vec::new()), missing);
+        }
+        let (changes, errors) = self.cache.refresh(&self.paths);
+        log_errors(&errors);
+        (SourceChanges::Changes(changes), errors.len())
+    }
+}
+
+fn log_errors(errors: &[manifests::ManifestError]) {
+    for e in errors {
+        if e.duplicate {
+            warn!("{e}");
+        } else {
+            error!("{e}");
+        }
+    }
+}
+
+impl ManifestsSource {
+    /// How many configured paths are missing, if any. A configured file or
+    /// directory that is gone (deleted, being replaced) is a mistake or a
+    /// moment, not "no Services": the last good state stays until it is
+    /// back. Watches the paths again once they are all back.
+    fn missing_paths(&mut self) -> Option<usize> {
         let missing: Vec<&PathBuf> = self.paths.iter().filter(|p| !p.exists()).collect();
         if !missing.is_empty() {
             error!(paths = ?missing, "manifests path missing; keeping the last good state until it is back");
             self.rewatch = true;
-            return (self.last_good.clone(), missing.len());
+            return Some(missing.len());
         }
         if self.rewatch {
             if let Some(tx) = self.changes.clone() {
@@ -98,22 +159,6 @@ impl Source for ManifestsSource {
                 }
             }
         }
-        let (mut snapshot, errors) = manifests::load_paths(&self.paths);
-        for e in &errors {
-            if e.duplicate {
-                warn!("{e}");
-            } else {
-                error!("{e}");
-            }
-        }
-        let kept = manifests::keep_last_good(&self.last_good, &errors, &mut snapshot);
-        if kept > 0 {
-            warn!(
-                objects = kept,
-                "kept the last good version of objects whose documents are bad"
-            );
-        }
-        self.last_good = snapshot.clone();
-        (snapshot, errors.len())
+        None
     }
 }

@@ -16,7 +16,7 @@ use proxy_agent::{
     k8s::{self, KubernetesOptions, KubernetesSource},
     manifests::Snapshot,
     model,
-    source::{ManifestsSource, Source},
+    source::{ManifestsSource, Source, SourceChanges},
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -348,6 +348,112 @@ async fn labelled_services_are_excluded_and_external_name_and_headless_passed_th
         names(&s.services) == ["ext", "none", "web"]
     })
     .await;
+}
+
+/// Feeds the model what the source says changed until `cond` holds;
+/// returns how many times the source gave everything instead of changes.
+async fn follow(
+    source: &mut KubernetesSource,
+    model: &mut model::Incremental,
+    what: &str,
+    cond: impl Fn(&model::DesiredState) -> bool,
+) -> (usize, Vec<String>) {
+    let deadline = Instant::now() + PATIENCE;
+    let mut full = 0;
+    let mut named = Vec::new();
+    loop {
+        match source.changes() {
+            (SourceChanges::Full(snapshot), _) => {
+                full += 1;
+                model.replace(snapshot);
+            }
+            (SourceChanges::Changes(changes), _) => {
+                named.extend(changes.iter().map(|c| match c {
+                    model::Change::Applied(o) => format!("{:?} {:?}", o.kind(), o.key()),
+                    model::Change::Deleted(k, key) => format!("{k:?} {key:?} deleted"),
+                }));
+                model.apply(changes);
+            }
+        }
+        // Whatever the path, the model holds what a computation from the
+        // store's whole content gives.
+        let (snapshot, _) = source.snapshot();
+        let (expected, _) = model::desired_state(&snapshot, NODE);
+        if cond(model.desired()) && model.desired() == &expected {
+            return (full, named);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; last snapshot: {}",
+            summary(&snapshot)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn watch_events_reach_the_model_as_changes_and_a_relist_as_everything() {
+    let mut f = fixture().await;
+    let mut m = model::Incremental::new(NODE, model::ModelOptions::default());
+    let (full, _) = follow(&mut f.source, &mut m, "the first list", |_| true).await;
+    assert_eq!(full, 1, "the first call gives everything");
+
+    let vip: std::net::Ipv4Addr = "198.18.100.1".parse().unwrap();
+    let backends = |d: &model::DesiredState| -> Vec<String> {
+        d.frontends
+            .iter()
+            .filter(|(k, _)| k.addr == vip)
+            .flat_map(|(_, f)| f.backends.iter().map(|b| b.addr.to_string()))
+            .collect()
+    };
+    f.server.apply(service("web", "198.18.100.1", json!({})));
+    f.server
+        .apply(slice("web-a", "web", &["198.18.1.1"], json!({})));
+    let (full, named) = follow(&mut f.source, &mut m, "web", |d| {
+        backends(d) == ["198.18.1.1"]
+    })
+    .await;
+    assert_eq!(full, 0, "{named:?}");
+    assert!(
+        named.iter().all(|n| n.contains("\"web")),
+        "only what changed is named: {named:?}"
+    );
+
+    f.server.apply(slice(
+        "web-a",
+        "web",
+        &["198.18.1.1", "198.18.1.2"],
+        json!({}),
+    ));
+    let (full, named) = follow(&mut f.source, &mut m, "the second endpoint", |d| {
+        backends(d).len() == 2
+    })
+    .await;
+    assert_eq!(full, 0);
+    assert_eq!(
+        named,
+        ["EndpointSlice (\"default\", \"web-a\")"],
+        "the slice alone"
+    );
+
+    f.server.delete(Kind::EndpointSlices, "default", "web-a");
+    let (full, named) = follow(&mut f.source, &mut m, "the deletion", |d| {
+        backends(d).is_empty() && !d.frontends.is_empty()
+    })
+    .await;
+    assert_eq!(full, 0);
+    assert_eq!(named, ["EndpointSlice (\"default\", \"web-a\") deleted"]);
+
+    // Changes the watch never carries, then a relist: everything, compared.
+    f.server.set_hidden(true);
+    f.server.delete(Kind::Services, "default", "web");
+    f.server.set_hidden(false);
+    f.server.expire(Kind::Services);
+    let (full, _) = follow(&mut f.source, &mut m, "the relisted state", |d| {
+        d.frontends.is_empty()
+    })
+    .await;
+    assert!(full >= 1, "a relist gives everything");
 }
 
 #[tokio::test]

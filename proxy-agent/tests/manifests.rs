@@ -363,3 +363,88 @@ fn a_duplicate_service_is_a_warning_naming_both_files_and_the_first_wins() {
     assert_eq!(manifests::keep_last_good(&snap, &errors, &mut again), 0);
     assert_eq!(again.services.len(), 2);
 }
+
+/// The file cache behind the agent's manifests source: files whose time,
+/// size and inode did not change are not read again, and only the objects
+/// of changed files are named; the first file keeps an object two hold; a
+/// document turned bad keeps its object; a file gone takes its objects.
+#[test]
+fn the_file_cache_names_only_what_changed() {
+    use proxy_agent::model::{Change, Kind};
+    let svc = |name: &str, ip: &str, port: &str| {
+        format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: {port}}}]}}\n")
+    };
+    let named = |changes: &[Change]| -> Vec<String> {
+        changes
+            .iter()
+            .map(|c| match c {
+                Change::Applied(o) => format!("{:?} {}", o.kind(), o.key().1),
+                Change::Deleted(k, key) => format!("{k:?} {} deleted", key.1),
+            })
+            .collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let paths = vec![dir.path().to_path_buf()];
+    let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+    std::fs::write(
+        &a,
+        svc("web", "198.19.0.1", "80") + &svc("api", "198.19.0.2", "80"),
+    )
+    .unwrap();
+    std::fs::write(&b, svc("db", "198.19.0.3", "80")).unwrap();
+    let mut cache = manifests::FileCache::default();
+    let (changes, errors) = cache.refresh(&paths);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        named(&changes),
+        ["Service api", "Service db", "Service web"]
+    );
+
+    let (changes, errors) = cache.refresh(&paths);
+    assert!(changes.is_empty() && errors.is_empty(), "nothing changed");
+
+    // b changes: only its objects; one more, in a file of its own, held by a
+    // too (a keeps it, b's copy is reported).
+    std::fs::write(
+        &b,
+        svc("db", "198.19.0.3", "81") + &svc("web", "198.19.0.9", "80"),
+    )
+    .unwrap();
+    let (changes, errors) = cache.refresh(&paths);
+    assert_eq!(named(&changes), ["Service db", "Service web"]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].duplicate && errors[0].message.contains("a.yaml"));
+    let web = changes.iter().find_map(|c| match c {
+        Change::Applied(proxy_agent::model::Object::Service(s))
+            if s.metadata.name.as_deref() == Some("web") =>
+        {
+            Some(s)
+        }
+        _ => None,
+    });
+    assert_eq!(
+        web.unwrap().spec.as_ref().unwrap().cluster_ip.as_deref(),
+        Some("198.19.0.1"),
+        "the first file's copy"
+    );
+
+    // api's document turns bad in a: no change for it (kept); web dropped
+    // from a: b's copy takes over.
+    std::fs::write(&a, svc("api", "198.19.0.2", "eighty")).unwrap();
+    let (changes, errors) = cache.refresh(&paths);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(named(&changes), ["Service web"]);
+    // Fixed: api applied again.
+    std::fs::write(&a, svc("api", "198.19.0.2", "8080")).unwrap();
+    let (changes, _) = cache.refresh(&paths);
+    assert_eq!(named(&changes), ["Service api"]);
+
+    // b removed: its objects are gone.
+    std::fs::remove_file(&b).unwrap();
+    let (changes, _) = cache.refresh(&paths);
+    assert_eq!(
+        named(&changes),
+        ["Service db deleted", "Service web deleted"]
+    );
+    assert!(matches!(changes[0], Change::Deleted(Kind::Service, _)));
+}

@@ -18,6 +18,7 @@
 //! [`desired_state_with`]: super::desired_state_with
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -39,7 +40,7 @@ use crate::manifests::Snapshot;
 pub type ObjectKey = (String, String);
 
 /// The kinds of object the model reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     Service,
     EndpointSlice,
@@ -47,13 +48,34 @@ pub enum Kind {
     Node,
 }
 
+impl Kind {
+    /// The kind's name, as in manifests.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Pod => "Pod",
+            Kind::Node => "Node",
+        }
+    }
+
+    /// The kind `name` names, if the model reads it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Kind::Service, Kind::EndpointSlice, Kind::Pod, Kind::Node]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+}
+
 /// An object as a source has it now.
 #[derive(Clone, Debug, PartialEq)]
+/// Shared: the model keeps the object a source hands it (a reflector's
+/// store entry, a parsed manifest) without a copy.
 pub enum Object {
-    Service(Box<Service>),
-    EndpointSlice(Box<EndpointSlice>),
-    Pod(Box<Pod>),
-    Node(Box<Node>),
+    Service(Arc<Service>),
+    EndpointSlice(Arc<EndpointSlice>),
+    Pod(Arc<Pod>),
+    Node(Arc<Node>),
 }
 
 impl Object {
@@ -183,12 +205,12 @@ impl LocalCounts {
 pub struct Incremental {
     opts: ModelOptions,
     ctx: NodeContext,
-    services: BTreeMap<ObjectKey, Service>,
-    slices: BTreeMap<ObjectKey, EndpointSlice>,
+    services: BTreeMap<ObjectKey, Arc<Service>>,
+    slices: BTreeMap<ObjectKey, Arc<EndpointSlice>>,
     /// (namespace, Service name) → names of its IPv4 slices.
     slices_by_service: BTreeMap<ObjectKey, BTreeSet<String>>,
-    pods: BTreeMap<ObjectKey, Pod>,
-    nodes: BTreeMap<String, Node>,
+    pods: BTreeMap<ObjectKey, Arc<Pod>>,
+    nodes: BTreeMap<String, Arc<Node>>,
     /// Every Service's output (ignored Services have none).
     outputs: BTreeMap<ObjectKey, ServiceOutput>,
     claimants: HashMap<Owned, BTreeSet<ObjectKey>>,
@@ -235,13 +257,18 @@ impl Incremental {
         &self.desired
     }
 
+    /// The Node object named `name`, if the model holds it.
+    pub fn node(&self, name: &str) -> Option<&Node> {
+        self.nodes.get(name).map(|n| &**n)
+    }
+
     /// The objects the model holds, as a snapshot.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            services: self.services.values().cloned().collect(),
-            endpoint_slices: self.slices.values().cloned().collect(),
-            pods: self.pods.values().cloned().collect(),
-            nodes: self.nodes.values().cloned().collect(),
+            services: self.services.values().map(|o| (**o).clone()).collect(),
+            endpoint_slices: self.slices.values().map(|o| (**o).clone()).collect(),
+            pods: self.pods.values().map(|o| (**o).clone()).collect(),
+            nodes: self.nodes.values().map(|o| (**o).clone()).collect(),
         }
     }
 
@@ -285,30 +312,30 @@ impl Incremental {
         let objects = snapshot
             .services
             .into_iter()
-            .map(|o| Object::Service(Box::new(o)))
+            .map(|o| Object::Service(Arc::new(o)))
             .chain(
                 snapshot
                     .endpoint_slices
                     .into_iter()
-                    .map(|o| Object::EndpointSlice(Box::new(o))),
+                    .map(|o| Object::EndpointSlice(Arc::new(o))),
             )
-            .chain(snapshot.pods.into_iter().map(|o| Object::Pod(Box::new(o))))
+            .chain(snapshot.pods.into_iter().map(|o| Object::Pod(Arc::new(o))))
             .chain(
                 snapshot
                     .nodes
                     .into_iter()
-                    .map(|o| Object::Node(Box::new(o))),
+                    .map(|o| Object::Node(Arc::new(o))),
             );
-        let mut keys: BTreeMap<u8, BTreeSet<ObjectKey>> = BTreeMap::new();
+        let mut keys: BTreeMap<Kind, BTreeSet<ObjectKey>> = BTreeMap::new();
         for o in objects {
-            let kind = o.kind() as u8;
+            let kind = o.kind();
             let key = o.key();
             if seen.insert((kind, key.clone())) {
                 keys.entry(kind).or_default().insert(key);
                 applied.push(Change::Applied(o));
             }
         }
-        let mut take = |kind: Kind| keys.remove(&(kind as u8)).unwrap_or_default();
+        let mut take = |kind: Kind| keys.remove(&kind).unwrap_or_default();
         keep(
             Kind::Service,
             take(Kind::Service),
@@ -349,13 +376,13 @@ impl Incremental {
                 Change::Applied(Object::Service(svc)) => {
                     let key = meta_key(&svc.metadata);
                     let old = self.services.get(&key);
-                    if old == Some(&*svc) {
+                    if old.is_some_and(|o| Arc::ptr_eq(o, &svc) || **o == *svc) {
                         continue;
                     }
                     order_changed |= old.is_none_or(|o| {
                         o.metadata.creation_timestamp != svc.metadata.creation_timestamp
                     });
-                    self.services.insert(key.clone(), *svc);
+                    self.services.insert(key.clone(), svc);
                     dirty.insert(key);
                 }
                 Change::Deleted(Kind::Service, key) => {
@@ -366,18 +393,26 @@ impl Incremental {
                 }
                 Change::Applied(Object::EndpointSlice(slice)) => {
                     let key = meta_key(&slice.metadata);
-                    if self.slices.get(&key) == Some(&*slice) {
+                    if self
+                        .slices
+                        .get(&key)
+                        .is_some_and(|o| Arc::ptr_eq(o, &slice) || **o == *slice)
+                    {
                         continue;
                     }
                     self.remove_slice(&key, &mut dirty, &mut touched_local);
-                    self.insert_slice(key, *slice, &mut dirty, &mut touched_local);
+                    self.insert_slice(key, slice, &mut dirty, &mut touched_local);
                 }
                 Change::Deleted(Kind::EndpointSlice, key) => {
                     self.remove_slice(&key, &mut dirty, &mut touched_local);
                 }
                 Change::Applied(Object::Pod(pod)) => {
                     let key = meta_key(&pod.metadata);
-                    if self.pods.get(&key) == Some(&*pod) {
+                    if self
+                        .pods
+                        .get(&key)
+                        .is_some_and(|o| Arc::ptr_eq(o, &pod) || **o == *pod)
+                    {
                         continue;
                     }
                     if let Some(old) = self.pods.remove(&key) {
@@ -393,7 +428,7 @@ impl Incremental {
                             self.pod_warnings.insert(key.clone(), w);
                         }
                     }
-                    self.pods.insert(key, *pod);
+                    self.pods.insert(key, pod);
                 }
                 Change::Deleted(Kind::Pod, key) => {
                     if let Some(old) = self.pods.remove(&key) {
@@ -403,11 +438,15 @@ impl Incremental {
                 }
                 Change::Applied(Object::Node(node)) => {
                     let n = name(&node.metadata).to_string();
-                    if self.nodes.get(&n) == Some(&*node) {
+                    if self
+                        .nodes
+                        .get(&n)
+                        .is_some_and(|o| Arc::ptr_eq(o, &node) || **o == *node)
+                    {
                         continue;
                     }
                     node_changed |= n == self.ctx.name;
-                    self.nodes.insert(n, *node);
+                    self.nodes.insert(n, node);
                 }
                 Change::Deleted(Kind::Node, (_, n)) => {
                     if self.nodes.remove(&n).is_some() {
@@ -417,7 +456,7 @@ impl Incremental {
             }
         }
         if node_changed {
-            let ctx = NodeContext::new(&self.ctx.name, self.nodes.get(&self.ctx.name), &self.opts);
+            let ctx = NodeContext::new(&self.ctx.name, self.node(&self.ctx.name), &self.opts);
             if ctx != self.ctx {
                 self.ctx = ctx;
                 dirty.extend(self.services.keys().cloned());
@@ -498,13 +537,13 @@ impl Incremental {
     fn insert_slice(
         &mut self,
         key: ObjectKey,
-        slice: EndpointSlice,
+        slice: Arc<EndpointSlice>,
         dirty: &mut BTreeSet<ObjectKey>,
         touched: &mut BTreeSet<Ipv4Addr>,
     ) {
         // An IPv4 proxier ignores slices of the other family (and FQDN ones).
         if slice.address_type == "IPv4" {
-            let sets = LocalSets::of(std::iter::once(&slice), &self.ctx.name);
+            let sets = LocalSets::of(std::iter::once(&*slice), &self.ctx.name);
             self.local.count(&sets, true, touched);
             self.slice_local.insert(key.clone(), sets);
             if let Some(svc) = slice_service(&slice) {
@@ -565,7 +604,7 @@ impl Incremental {
                     .pods
                     .range(from..)
                     .take_while(|(k, _)| k.0 == key.0)
-                    .map(|(_, p)| p);
+                    .map(|(_, p)| &**p);
                 service_slices_from_pods(svc, pods, &mut synthesized);
             }
             let sets = LocalSets::of(synthesized.iter(), &self.ctx.name);
@@ -583,7 +622,7 @@ impl Incremental {
                 .get(&key)
                 .into_iter()
                 .flatten()
-                .filter_map(|n| self.slices.get(&(key.0.clone(), n.clone())))
+                .filter_map(|n| self.slices.get(&(key.0.clone(), n.clone())).map(|s| &**s))
                 .chain(synthesized.iter())
                 .collect();
             // Stable: a real slice before a synthesized one of the same name.
@@ -784,7 +823,7 @@ fn pod_warnings(pod: &Pod) -> Vec<ModelWarning> {
 
 /// Capacity order (see [`DesiredState::service_order`]): the oldest Service
 /// first, then namespace/name.
-fn service_order(services: &BTreeMap<ObjectKey, Service>) -> BTreeMap<String, usize> {
+fn service_order(services: &BTreeMap<ObjectKey, Arc<Service>>) -> BTreeMap<String, usize> {
     let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
         .iter()
         .map(|(k, svc)| {

@@ -212,10 +212,10 @@ fn change(r: &mut Rng, model: &Incremental) -> Change {
         }
     }
     Change::Applied(match r.below(10) {
-        0..=3 => Object::Service(Box::new(service(r))),
-        4..=7 => Object::EndpointSlice(Box::new(slice(r))),
-        8 => Object::Pod(Box::new(pod(r))),
-        _ => Object::Node(Box::new(node(r))),
+        0..=3 => Object::Service(std::sync::Arc::new(service(r))),
+        4..=7 => Object::EndpointSlice(std::sync::Arc::new(slice(r))),
+        8 => Object::Pod(std::sync::Arc::new(pod(r))),
+        _ => Object::Node(std::sync::Arc::new(node(r))),
     })
 }
 
@@ -330,7 +330,7 @@ fn a_change_recomputes_only_the_services_it_concerns() {
         let mut svc = service(&mut r);
         svc.metadata.name = Some(format!("svc-{i}"));
         svc.metadata.namespace = Some("default".into());
-        changes.push(Change::Applied(Object::Service(Box::new(svc))));
+        changes.push(Change::Applied(Object::Service(std::sync::Arc::new(svc))));
     }
     let update = model.apply(changes);
     assert_eq!(update.services, 200);
@@ -344,14 +344,18 @@ fn a_change_recomputes_only_the_services_it_concerns() {
         )]
         .into(),
     );
-    let update = model.apply([Change::Applied(Object::EndpointSlice(Box::new(s.clone())))]);
+    let update = model.apply([Change::Applied(Object::EndpointSlice(std::sync::Arc::new(
+        s.clone(),
+    )))]);
     assert_eq!(update.services, 1, "{update:?}");
     // The same object again: nothing.
-    let update = model.apply([Change::Applied(Object::EndpointSlice(Box::new(s)))]);
+    let update = model.apply([Change::Applied(Object::EndpointSlice(std::sync::Arc::new(
+        s,
+    )))]);
     assert!(update.is_empty() && update.services == 0, "{update:?}");
     // Another node's Node object: nothing.
     let mut n = node(&mut r);
     n.metadata.name = Some("node-b".into());
-    let update = model.apply([Change::Applied(Object::Node(Box::new(n)))]);
+    let update = model.apply([Change::Applied(Object::Node(std::sync::Arc::new(n)))]);
     assert_eq!(update.services, 0, "{update:?}");
 }
