@@ -448,3 +448,35 @@ fn the_file_cache_names_only_what_changed() {
     );
     assert!(matches!(changes[0], Change::Deleted(Kind::Service, _)));
 }
+
+/// JSON documents take a faster parser: the same objects as the YAML path,
+/// and a bad one still gets the YAML path's error naming the field.
+#[test]
+fn json_documents_load_as_their_yaml_form_does() {
+    let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","labels":{"a":"b"}},"spec":{"clusterIP":"198.19.0.1","ports":[{"name":"http","port":80,"targetPort":8080}]}}
+---
+{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-1","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv4","endpoints":[{"addresses":["198.18.1.1"],"conditions":{"ready":true},"nodeName":"n"}],"ports":[{"name":"http","port":8080}]}
+"#;
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: web, labels: {a: b}}\nspec: {clusterIP: 198.19.0.1, ports: [{name: http, port: 80, targetPort: 8080}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [198.18.1.1], conditions: {ready: true}, nodeName: n}]\nports: [{name: http, port: 8080}]\n";
+    let load = |text: &str| {
+        let (mut snap, mut errs) = (Snapshot::default(), Vec::new());
+        load_str(Path::new("x.yaml"), text, &mut snap, &mut errs);
+        assert!(errs.is_empty(), "{errs:?}");
+        snap
+    };
+    let (j, y) = (load(json), load(yaml));
+    assert_eq!(j.services, y.services);
+    assert_eq!(j.endpoint_slices, y.endpoint_slices);
+    assert_eq!(j.services[0].metadata.namespace.as_deref(), Some("default"));
+
+    let bad = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","ports":[{"port":"eighty"}]}}"#;
+    let (mut snap, mut errs) = (Snapshot::default(), Vec::new());
+    load_str(Path::new("x.yaml"), bad, &mut snap, &mut errs);
+    assert!(snap.services.is_empty());
+    assert_eq!(errs.len(), 1);
+    assert!(
+        errs[0].message.contains("spec.ports[0].port"),
+        "{}",
+        errs[0]
+    );
+}
