@@ -132,7 +132,8 @@ impl BackendIds {
     }
 }
 
-fn backend_addr(b: &Backend4) -> BackendAddr {
+/// The address of backend entry `b`.
+pub(super) fn backend_addr(b: &Backend4) -> BackendAddr {
     BackendAddr {
         addr: b.addr(),
         port: b.port(),

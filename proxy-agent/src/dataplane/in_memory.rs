@@ -43,6 +43,8 @@ pub struct InMemory {
     fail_prunes: usize,
     /// Every affinity prune that took effect: (reverse-NAT id, kept backends).
     prunes: Vec<(u16, BTreeSet<u32>)>,
+    /// Whether the invariant is checked after every operation.
+    checking: bool,
 }
 
 impl Default for InMemory {
@@ -65,7 +67,15 @@ impl InMemory {
             fail_count: 0,
             fail_prunes: 0,
             prunes: Vec::new(),
+            checking: true,
         }
+    }
+
+    /// Does not check the invariant after operations (for cost
+    /// measurements: a delete may otherwise check every frontend).
+    pub fn without_checks(mut self) -> Self {
+        self.checking = false;
+        self
     }
 
     /// The maps' contents.
@@ -130,12 +140,36 @@ impl InMemory {
         })
     }
 
-    /// Logs `op` and checks, for every slot 0, the make-before-break
-    /// invariant: each slot it counts exists and names a backend that
-    /// exists, and its reverse-NAT entry exists with its own address.
-    fn record(&mut self, op: Op) {
+    /// Logs `op` and checks the make-before-break invariant for every slot
+    /// 0 `op` may have broken (see [`Check`]): each slot it counts exists and
+    /// names a backend that exists, and its reverse-NAT entry exists with
+    /// its own address.
+    fn record(&mut self, op: Op, check: Check) {
         self.ops.push(op);
-        for (key, value) in self.state.services.iter().filter(|(k, _)| k.slot == 0) {
+        if !self.checking {
+            return;
+        }
+        let slot0s: Vec<(Svc4Key, Svc4Value)> = match check {
+            Check::Nothing => Vec::new(),
+            Check::Frontend(key) => {
+                let key = key.with_slot(0);
+                self.state
+                    .services
+                    .get(&key)
+                    .map(|v| (key, *v))
+                    .into_iter()
+                    .collect()
+            }
+            Check::All => self
+                .state
+                .services
+                .iter()
+                .filter(|(k, _)| k.slot == 0)
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+        };
+        for (key, value) in &slot0s {
+            let (key, value) = (*key, *value);
             for slot in 1..=value.count {
                 match self.state.services.get(&key.with_slot(slot)) {
                     None => self.violations.push(format!(
@@ -151,7 +185,7 @@ impl InMemory {
                     Some(_) => {}
                 }
             }
-            if let Some(v) = maglev_violation(&self.state, value) {
+            if let Some(v) = maglev_violation(&self.state, &value) {
                 self.violations.push(format!("after {op:?}: {key:?} {v}"));
             }
             match self.state.rev_nat.get(&value.rev_nat_id) {
@@ -179,8 +213,11 @@ impl InMemory {
         if !entries.contains_key(&key) && entries.len() >= capacity as usize {
             return Err(DataplaneError::Full { map, capacity });
         }
-        entries.insert(key, value);
-        self.record(op);
+        let check = match entries.insert(key, value) {
+            None => Check::Nothing,
+            Some(_) => Check::All,
+        };
+        self.record(op, check.or_frontend(&op));
         Ok(())
     }
 
@@ -193,9 +230,33 @@ impl InMemory {
         op: Op,
     ) -> Result<(), DataplaneError> {
         self.injected(map, "delete")?;
-        entries(&mut self.state).remove(&key);
-        self.record(op);
+        let check = match entries(&mut self.state).remove(&key) {
+            None => Check::Nothing,
+            Some(_) => Check::All,
+        };
+        self.record(op, check.or_frontend(&op));
         Ok(())
+    }
+}
+
+/// Which slot 0 entries an operation may have broken, so [`InMemory`] checks
+/// only those (a full check after every operation would make a test with
+/// tens of thousands of frontends quadratic). Adding an entry that was not
+/// there breaks nothing; a service entry concerns only its frontend; any
+/// other overwrite or delete may concern any frontend.
+enum Check {
+    Nothing,
+    Frontend(Svc4Key),
+    All,
+}
+
+impl Check {
+    /// A service operation checks its own frontend, whatever it replaced.
+    fn or_frontend(self, op: &Op) -> Self {
+        match op {
+            Op::PutService(key, _) | Op::DeleteService(key) => Check::Frontend(*key),
+            _ => self,
+        }
     }
 }
 
@@ -250,14 +311,17 @@ impl Dataplane for InMemory {
         chunk: &MaglevChunk,
     ) -> Result<(), DataplaneError> {
         self.injected(map_names::MAGLEV, "put")?;
-        self.state.maglev.insert(key, *chunk);
-        self.record(Op::PutMaglevChunk(key));
+        let check = match self.state.maglev.insert(key, *chunk) {
+            None => Check::Nothing,
+            Some(_) => Check::All,
+        };
+        self.record(Op::PutMaglevChunk(key), check);
         Ok(())
     }
     fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError> {
         self.injected(map_names::MAGLEV, "delete")?;
         self.state.maglev.remove(&key);
-        self.record(Op::DeleteMaglevChunk(key));
+        self.record(Op::DeleteMaglevChunk(key), Check::All);
         Ok(())
     }
     fn put_source_range(
@@ -271,7 +335,7 @@ impl Dataplane for InMemory {
             .entry(rev_nat_id)
             .or_default()
             .insert(range);
-        self.record(Op::PutSourceRange(rev_nat_id, range));
+        self.record(Op::PutSourceRange(rev_nat_id, range), Check::Nothing);
         Ok(())
     }
     fn delete_source_range(
@@ -286,7 +350,7 @@ impl Dataplane for InMemory {
                 self.state.source_ranges.remove(&rev_nat_id);
             }
         }
-        self.record(Op::DeleteSourceRange(rev_nat_id, range));
+        self.record(Op::DeleteSourceRange(rev_nat_id, range), Check::Nothing);
         Ok(())
     }
     fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {

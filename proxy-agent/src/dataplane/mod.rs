@@ -7,9 +7,10 @@
 //! | file | what |
 //! | --- | --- |
 //! | `mod.rs` | the [`Dataplane`] operations, [`Programmed`], [`DataplaneError`] |
-//! | `writer.rs` | the [`Writer`]: its mirror of the maps, adoption, [`Writer::sync`] as a list of phases |
+//! | `writer.rs` | the [`Writer`]: its mirror of the maps and reference counts, adoption, [`Writer::sync`] as a list of phases, [`Writer::sync_changed`] over [`Changes`] |
 //! | `writer/update.rs` | the phases that make desired frontends (backends, reverse NAT, slots, slot 0, ...) |
 //! | `writer/prune.rs` | the phases that break what nothing wants any more |
+//! | `writer/users.rs` | the desired frontends by backend address, for [`Writer::sync_changed`] |
 //! | `ids.rs` | backend and reverse-NAT id allocation |
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,7 +25,7 @@ mod in_memory;
 mod writer;
 
 pub use in_memory::{InMemory, Op};
-pub use writer::{MaglevSettings, SyncReport, Writer};
+pub use writer::{Changes, MaglevSettings, SyncReport, Writer};
 
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]

@@ -4,21 +4,41 @@
 //! that make what desired frontends need are in `update.rs`, those that break
 //! what nothing wants any more in `prune.rs`. Each phase says the invariant it
 //! keeps; what the phases of one sync hand each other is a [`SyncState`].
+//!
+//! [`Writer::sync_changed`] runs the same phases over the frontends a
+//! [`Changes`] lists (and those an earlier sync left unfinished), and the
+//! prune phases over the ids that may have lost their last reference: the
+//! writer keeps reference counts (slots per backend id, slot 0 entries per
+//! reverse-NAT id) and an index of the desired frontends by backend address
+//! (`users.rs`) so that neither needs a walk over the whole state.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::net::Ipv4Addr;
 
 use proxy_common::{lb::MaglevKey, Backend4, RevNat4, Svc4Key, Svc4Value};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{Dataplane, DataplaneError, SourceRange};
-use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
 
 mod maglev;
 mod prune;
 mod update;
+mod users;
 
 pub use maglev::MaglevSettings;
 use maglev::MaglevTable;
+use users::Users;
+
+/// What changed in the desired state since the last sync (full or changed):
+/// what [`Writer::sync_changed`] is told.
+#[derive(Clone, Copy, Debug)]
+pub struct Changes<'a> {
+    /// Frontends whose [`Frontend`] was added, changed or removed.
+    pub frontends: &'a BTreeSet<FrontendKey>,
+    /// Addresses that entered or left [`DesiredState::local_endpoints`].
+    pub local_endpoints: &'a BTreeSet<Ipv4Addr>,
+}
 
 /// What one [`Writer::sync`] did.
 #[derive(Default)]
@@ -87,17 +107,22 @@ struct Target {
 #[derive(Default)]
 struct SyncState {
     out: Outcome,
-    /// Every desired frontend, in the order phases that take capacity (ids,
-    /// map entries, Maglev tables) serve them: see [`capacity_order`].
+    /// The frontends this sync looks at, desired or not: every one in a full
+    /// sync; in [`Writer::sync_changed`] the changed ones, those an earlier
+    /// sync left unfinished and those using a backend whose entry changes.
+    scope: BTreeSet<FrontendKey>,
+    /// Whether `scope` is everything: the prune phases then look at every
+    /// entry, not only at the ids in [`Writer::loose`].
+    full: bool,
+    /// Every desired frontend in `scope`, in the order phases that take
+    /// capacity (ids, map entries, Maglev tables) serve them: see
+    /// [`capacity_order`].
     order: Vec<FrontendKey>,
-    /// Every desired frontend that can be programmed (see
+    /// Every desired frontend in `scope` that can be programmed (see
     /// [`Writer::plan_targets`]).
     targets: BTreeMap<FrontendKey, Target>,
     /// Frontends whose slots or slot 0 were written in this sync.
     touched: BTreeSet<FrontendKey>,
-    /// Reverse-NAT id → how many programmed slot 0 entries name it (counted
-    /// when removed frontends start to be deleted, kept up to date after).
-    slot0_refs: BTreeMap<u16, usize>,
     /// Maglev tables written whole in the generation slot 0 does not read
     /// yet, by frontend: slot 0 switches to them.
     maglev_pending: BTreeMap<FrontendKey, MaglevTable>,
@@ -109,6 +134,15 @@ struct SyncState {
 struct Outcome {
     report: SyncReport,
     failed: BTreeSet<FrontendKey>,
+    /// Frontends that did not fail but are not all done (an error in a
+    /// phase that does not fail the frontend): a full sync would write for
+    /// them again, so the next [`Writer::sync_changed`] looks at them.
+    unfinished: BTreeSet<FrontendKey>,
+    /// Backends that could not be written: the frontends using them are
+    /// looked at again by the next [`Writer::sync_changed`].
+    unwritten: BTreeSet<BackendAddr>,
+    /// Ids a prune phase could not delete: looked at again next sync.
+    retry: Loose,
 }
 
 impl Outcome {
@@ -117,9 +151,22 @@ impl Outcome {
         self.report.writes += 1;
     }
 
-    /// Something other than a desired frontend could not be written.
+    /// Something not tied to one frontend could not be written or deleted.
     fn error(&mut self, what: String, e: DataplaneError) {
         self.report.errors.push((what, e));
+    }
+
+    /// A phase could not finish frontend `key` (desired or not), without
+    /// failing it.
+    fn unfinished(&mut self, key: &FrontendKey, fe: Option<&Frontend>, e: DataplaneError) {
+        self.unfinished.insert(*key);
+        self.error(frontend_label(key, fe), e);
+    }
+
+    /// The backend entry of `addr` could not be written.
+    fn unwritten(&mut self, addr: &BackendAddr, e: DataplaneError) {
+        self.unwritten.insert(*addr);
+        self.error(format!("backend {addr}"), e);
     }
 
     /// The desired frontend `key` cannot be programmed in this sync.
@@ -162,21 +209,38 @@ fn frontend_label(key: &FrontendKey, fe: Option<&Frontend>) -> String {
 /// frontend or growing backend list. What a frontend holds already (its ids,
 /// its entries) is never taken from it: only what is still to be allocated
 /// follows this order.
-fn capacity_order(desired: &DesiredState) -> Vec<FrontendKey> {
-    let mut order: Vec<(usize, FrontendKey)> = desired
-        .frontends
+///
+/// Only the frontends of `scope` are ordered: among them, the order is the
+/// one all desired frontends have.
+fn capacity_order(desired: &DesiredState, scope: &BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
+    // (missing from the order, age, Service, key)
+    let mut order: Vec<(bool, ServiceAge, &str, FrontendKey)> = scope
         .iter()
+        .filter_map(|key| desired.frontends.get(key).map(|fe| (key, fe)))
         .map(|(key, fe)| {
-            let rank = desired
-                .service_order
-                .get(&fe.service)
-                .copied()
-                .unwrap_or(usize::MAX);
-            (rank, *key)
+            let age = desired.service_order.get(&fe.service);
+            (
+                age.is_none(),
+                age.copied().unwrap_or_default(),
+                fe.service.as_str(),
+                *key,
+            )
         })
         .collect();
     order.sort();
-    order.into_iter().map(|(_, key)| key).collect()
+    order.into_iter().map(|(_, _, _, key)| key).collect()
+}
+
+/// Ids that may have lost their last reference since the prune phases last
+/// ran: what [`Writer::sync_changed`]'s prune phases look at.
+#[derive(Debug, Default)]
+struct Loose {
+    /// Backend ids a slot stopped naming, or whose address changed users.
+    backends: BTreeSet<u32>,
+    /// Reverse-NAT ids a slot 0 stopped (or started) naming, ids released,
+    /// ids of frontends looked at: their entry, source ranges and Maglev
+    /// chunks may be stale.
+    rev_nat: BTreeSet<u16>,
 }
 
 /// Keeps a [`Dataplane`] equal to a [`DesiredState`]: owns the dataplane, the
@@ -200,6 +264,23 @@ pub struct Writer<D: Dataplane> {
     maglev_tables: BTreeMap<u16, MaglevTable>,
     /// Frontends whose last affinity prune failed: retried at the next sync.
     affinity_pending: BTreeSet<FrontendKey>,
+    /// Backend id → how many programmed slots (live or not) name it; kept
+    /// with `frontends` by [`Writer::mirror_slot`].
+    slot_refs: BTreeMap<u32, usize>,
+    /// Reverse-NAT id → the frontends whose programmed slot 0 names it; kept
+    /// with `frontends` by [`Writer::mirror_slot0`].
+    slot0_by_rev: BTreeMap<u16, BTreeSet<FrontendKey>>,
+    /// The desired frontends by backend address, as of the last sync.
+    users: Users,
+    /// Frontends the last sync failed or did not finish (and those using a
+    /// backend it could not write): [`Writer::sync_changed`] takes them as
+    /// changed, so they are retried as a full sync would retry them.
+    unfinished: BTreeSet<FrontendKey>,
+    /// See [`Loose`]; emptied by the prune phases of every sync.
+    loose: Loose,
+    /// Whether a full [`Writer::sync`] ran: until then `sync_changed` is one
+    /// (adopted leftovers are deleted, the indexes built).
+    synced: bool,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -259,6 +340,16 @@ impl<D: Dataplane> Writer<D> {
             "writer: adopted programmed state"
         );
         let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
+        let mut slot_refs: BTreeMap<u32, usize> = BTreeMap::new();
+        let mut slot0_by_rev: BTreeMap<u16, BTreeSet<FrontendKey>> = BTreeMap::new();
+        for (key, e) in &frontends {
+            for id in e.slots.values() {
+                *slot_refs.entry(*id).or_default() += 1;
+            }
+            if let Some(v) = e.slot0 {
+                slot0_by_rev.entry(v.rev_nat_id).or_default().insert(*key);
+            }
+        }
         Ok(Self {
             dp,
             frontends,
@@ -271,6 +362,12 @@ impl<D: Dataplane> Writer<D> {
             maglev_keys: programmed.maglev.keys().copied().collect(),
             maglev_tables,
             affinity_pending: BTreeSet::new(),
+            slot_refs,
+            slot0_by_rev,
+            users: Users::default(),
+            unfinished: BTreeSet::new(),
+            loose: Loose::default(),
+            synced: false,
         })
     }
 
@@ -329,10 +426,97 @@ impl<D: Dataplane> Writer<D> {
     /// cannot be programmed is reported and left as it was; every other
     /// frontend is still synced.
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
+        let scope: BTreeSet<FrontendKey> = desired
+            .frontends
+            .keys()
+            .chain(self.frontends.keys())
+            .chain(self.users.keys())
+            .copied()
+            .collect();
+        let mut changed = BTreeSet::new();
+        for key in &scope {
+            self.users
+                .set(key, desired.frontends.get(key), &mut changed);
+        }
+        self.run(desired, scope, true)
+    }
+
+    /// Makes the dataplane equal to `desired` as [`Writer::sync`] would, when
+    /// `desired` differs from the state of the previous sync only as
+    /// `changes` says (and in the `service_order` of the changed frontends'
+    /// Services): the same phases, in the same order, with the same
+    /// make-before-break invariants, but over the changed frontends only,
+    /// plus those the previous sync failed or did not finish, plus those
+    /// using a backend whose entry changes (a local endpoint, a backend
+    /// turning active or terminating), so that each backend is written at
+    /// the place a full sync would write it. The prune phases look only at
+    /// the ids that may have lost their last reference. The cost is that of
+    /// those frontends (their backends, slots, Maglev tables) times log N.
+    /// The first sync after [`Writer::adopt`] is a full one.
+    pub fn sync_changed(&mut self, desired: &DesiredState, changes: Changes<'_>) -> SyncReport {
+        if !self.synced {
+            return self.sync(desired);
+        }
+        let mut scope: BTreeSet<FrontendKey> = changes
+            .frontends
+            .iter()
+            .chain(&self.unfinished)
+            .chain(&self.affinity_pending)
+            .copied()
+            .collect();
+        let mut changed = BTreeSet::new();
+        for key in &scope {
+            self.users
+                .set(key, desired.frontends.get(key), &mut changed);
+        }
+        // A backend whose users changed may be unused now.
+        for addr in &changed {
+            if let Some(id) = self.backend_ids.get(addr) {
+                self.loose.backends.insert(id);
+            }
+        }
+        // Every backend whose entry this sync writes brings every frontend
+        // using it into scope: a full sync writes it at the first of them.
+        let mut addrs = changed;
+        for fe in scope.iter().filter_map(|k| desired.frontends.get(k)) {
+            addrs.extend(fe.backends.iter().chain(&fe.retained));
+        }
+        for ip in changes.local_endpoints {
+            addrs.extend(self.users.at(*ip));
+        }
+        for addr in &addrs {
+            let Some(wanted) = self.wanted_backend(addr, desired) else {
+                continue;
+            };
+            let written = self
+                .backend_ids
+                .get(addr)
+                .is_some_and(|id| self.backends.get(&id) == Some(&wanted));
+            if !written {
+                scope.extend(self.users.of(addr));
+            }
+        }
+        for key in &scope {
+            if let Some(id) = self.rev_nat_ids.get(key) {
+                self.loose.rev_nat.insert(id);
+            }
+        }
+        self.run(desired, scope, false)
+    }
+
+    /// The phases of one sync over `scope` (see [`SyncState::scope`]).
+    fn run(
+        &mut self,
+        desired: &DesiredState,
+        scope: BTreeSet<FrontendKey>,
+        full: bool,
+    ) -> SyncReport {
         self.backend_ids.begin_sync();
         self.rev_nat_ids.begin_sync();
         let mut s = SyncState {
-            order: capacity_order(desired),
+            order: capacity_order(desired, &scope),
+            scope,
+            full,
             ..SyncState::default()
         };
 
@@ -354,9 +538,17 @@ impl<D: Dataplane> Writer<D> {
         self.delete_stale_rev_nat(&mut s);
         self.delete_stale_source_ranges(desired, &mut s);
         self.delete_unused_maglev(&mut s);
-        self.delete_unused_backends(desired, &mut s);
+        self.delete_unused_backends(&mut s);
 
-        let report = s.out.report;
+        let out = s.out;
+        self.loose = out.retry;
+        self.unfinished = out.failed;
+        self.unfinished.extend(out.unfinished);
+        for addr in &out.unwritten {
+            self.unfinished.extend(self.users.of(addr));
+        }
+        self.synced = true;
+        let report = out.report;
         if !report.errors.is_empty() {
             tracing::warn!(
                 errors = report.errors.len(),
@@ -367,12 +559,86 @@ impl<D: Dataplane> Writer<D> {
         report
     }
 
-    /// The backend ids named by programmed slots (live or not).
-    fn slot_backend_ids(&self) -> BTreeSet<u32> {
-        self.frontends
-            .values()
-            .flat_map(|e| e.slots.values().copied())
-            .collect()
+    /// The entry backend `addr` should have: its state from the frontends
+    /// using it, local if its address is a local endpoint. `None` when no
+    /// desired frontend uses it.
+    fn wanted_backend(&self, addr: &BackendAddr, desired: &DesiredState) -> Option<Backend4> {
+        let mut state = self.users.state(addr)?;
+        if desired.local_endpoints.contains(&addr.addr) {
+            state |= proxy_common::backend_state::LOCAL;
+        }
+        Some(Backend4::new(addr.addr, addr.port, addr.proto, state))
+    }
+
+    /// Records slot `slot` (≥ 1) of `key` as programmed naming backend `id`,
+    /// or deleted (`None`), keeping `slot_refs`: a backend id no slot names
+    /// any more becomes loose.
+    fn mirror_slot(&mut self, key: &FrontendKey, slot: u16, id: Option<u32>) {
+        let old = match id {
+            Some(id) => {
+                *self.slot_refs.entry(id).or_default() += 1;
+                self.frontends
+                    .entry(*key)
+                    .or_default()
+                    .slots
+                    .insert(slot, id)
+            }
+            None => self
+                .frontends
+                .get_mut(key)
+                .and_then(|e| e.slots.remove(&slot)),
+        };
+        if let Some(old) = old {
+            if let Some(n) = self.slot_refs.get_mut(&old) {
+                *n -= 1;
+                if *n == 0 {
+                    self.slot_refs.remove(&old);
+                    self.loose.backends.insert(old);
+                }
+            }
+        }
+    }
+
+    /// Records slot 0 of `key` as programmed with `value`, or deleted
+    /// (`None`), keeping `slot0_by_rev`: the reverse-NAT ids it named and
+    /// names become loose.
+    fn mirror_slot0(&mut self, key: &FrontendKey, value: Option<Svc4Value>) {
+        let old = match value {
+            Some(v) => {
+                self.slot0_by_rev
+                    .entry(v.rev_nat_id)
+                    .or_default()
+                    .insert(*key);
+                self.loose.rev_nat.insert(v.rev_nat_id);
+                self.frontends.entry(*key).or_default().slot0.replace(v)
+            }
+            None => self.frontends.get_mut(key).and_then(|e| e.slot0.take()),
+        };
+        if let Some(old) = old {
+            self.loose.rev_nat.insert(old.rev_nat_id);
+            if value.map(|v| v.rev_nat_id) != Some(old.rev_nat_id) {
+                if let Some(keys) = self.slot0_by_rev.get_mut(&old.rev_nat_id) {
+                    keys.remove(key);
+                    if keys.is_empty() {
+                        self.slot0_by_rev.remove(&old.rev_nat_id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// How many programmed slot 0 entries name reverse-NAT id `id`.
+    fn slot0_refs(&self, id: u16) -> usize {
+        self.slot0_by_rev.get(&id).map_or(0, BTreeSet::len)
+    }
+
+    /// Forgets `key`'s reverse-NAT id (its entry was deleted); the id is
+    /// loose (its source ranges, Maglev chunks may be stale).
+    fn release_rev_nat(&mut self, key: &FrontendKey) {
+        if let Some(id) = self.rev_nat_ids.get(key) {
+            self.loose.rev_nat.insert(id);
+        }
+        self.rev_nat_ids.release(key);
     }
 
     /// Deletes slots of a frontend that failed to program, beyond what packets
@@ -393,9 +659,7 @@ impl<D: Dataplane> Writer<D> {
         for slot in extra {
             if self.dp.delete_service(svc_key(key, slot)).is_ok() {
                 out.wrote();
-                if let Some(e) = self.frontends.get_mut(key) {
-                    e.slots.remove(&slot);
-                }
+                self.mirror_slot(key, slot, None);
             }
         }
         if !has_slot0 {
@@ -403,7 +667,7 @@ impl<D: Dataplane> Writer<D> {
                 if self.dp.delete_rev_nat(id).is_ok() {
                     out.wrote();
                     self.rev_nat.remove(&id);
-                    self.rev_nat_ids.release(key);
+                    self.release_rev_nat(key);
                 }
             }
         }

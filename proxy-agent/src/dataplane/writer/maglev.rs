@@ -146,6 +146,7 @@ impl<D: Dataplane> Writer<D> {
                     Ok(()) => {
                         s.out.wrote();
                         self.maglev_keys.insert(mkey);
+                        self.loose.rev_nat.insert(rev);
                     }
                     Err(e) => {
                         // The half-written generation is deleted by
@@ -207,14 +208,29 @@ impl<D: Dataplane> Writer<D> {
 
     /// Deletes every Maglev chunk no slot 0 reads: old generations of
     /// rebuilt tables, tables of removed frontends or of frontends that left
-    /// Maglev, chunks of failed rebuilds and leftovers of an earlier agent.
+    /// Maglev, chunks of failed rebuilds and leftovers of an earlier agent
+    /// (in a full sync: every chunk is looked at; else those of loose
+    /// reverse-NAT ids, which every slot 0 written or deleted, and every
+    /// chunk written, makes loose).
     /// Invariant: runs after every slot 0 is written or deleted, so a chunk is
     /// deleted only once no slot 0 names its generation.
     pub(super) fn delete_unused_maglev(&mut self, s: &mut SyncState) {
-        let live: BTreeMap<(u16, u8), u32> = self
-            .frontends
-            .values()
-            .filter_map(|e| e.slot0)
+        let revs: BTreeSet<u16> = if s.full {
+            self.maglev_keys
+                .iter()
+                .map(|k| k.rev_nat_id)
+                .chain(self.maglev_tables.keys().copied())
+                .collect()
+        } else {
+            self.loose.rev_nat.clone()
+        };
+        // (reverse-NAT id, generation) → chunks, of every slot 0 reading a
+        // table of `revs`.
+        let live: BTreeMap<(u16, u8), u32> = revs
+            .iter()
+            .filter_map(|rev| self.slot0_by_rev.get(rev))
+            .flatten()
+            .filter_map(|k| self.frontends.get(k).and_then(|e| e.slot0))
             .filter(reads_maglev)
             .map(|v| {
                 (
@@ -223,9 +239,12 @@ impl<D: Dataplane> Writer<D> {
                 )
             })
             .collect();
-        let unused: Vec<MaglevKey> = self
-            .maglev_keys
+        let unused: Vec<MaglevKey> = revs
             .iter()
+            .flat_map(|rev| {
+                self.maglev_keys
+                    .range(MaglevKey::new(*rev, 0, 0)..=MaglevKey::new(*rev, u8::MAX, u16::MAX))
+            })
             .filter(|k| {
                 live.get(&(k.rev_nat_id, k.generation))
                     .is_none_or(|chunks| u32::from(k.chunk) >= *chunks)
@@ -238,11 +257,18 @@ impl<D: Dataplane> Writer<D> {
                     s.out.wrote();
                     self.maglev_keys.remove(&key);
                 }
-                Err(e) => s.out.error(format!("Maglev chunk {key:?}"), e),
+                Err(e) => {
+                    s.out.retry.rev_nat.insert(key.rev_nat_id);
+                    s.out.error(format!("Maglev chunk {key:?}"), e);
+                }
             }
         }
         let live_revs: BTreeSet<u16> = live.keys().map(|(rev, _)| *rev).collect();
-        self.maglev_tables.retain(|rev, _| live_revs.contains(rev));
+        for rev in &revs {
+            if !live_revs.contains(rev) {
+                self.maglev_tables.remove(rev);
+            }
+        }
         s.maglev_pending.clear();
     }
 

@@ -1,65 +1,62 @@
 //! The phases of [`Writer::sync`] that break what no desired frontend wants
 //! any more, in the order `sync` runs them, after every desired frontend is
 //! made: removed frontends, then the reverse-NAT entries, source ranges and
-//! backends that nothing names.
-use std::collections::{BTreeMap, BTreeSet};
-
-use super::{frontend_label, svc_key, Dataplane, FrontendKey, SourceRange, SyncState, Writer};
+//! backends that nothing names. In a full sync they look at every entry; in
+//! [`Writer::sync_changed`] at the frontends in scope and the ids that may
+//! have lost their last reference ([`super::Loose`]) only: an entry is
+//! deleted in both cases exactly when nothing names it any more.
+use super::{svc_key, Dataplane, FrontendKey, SourceRange, SyncState, Writer};
+use crate::dataplane::ids::backend_addr;
 use crate::model::DesiredState;
 
 impl<D: Dataplane> Writer<D> {
-    /// Deletes every programmed frontend that is not desired: its slot 0,
-    /// then its slots, then its reverse-NAT entry. Invariant: a frontend
-    /// disappears whole before its parts do (no packet reads a slot once slot
-    /// 0 is gone), and a reverse-NAT entry is deleted only once no slot 0
-    /// names it and all the frontend's slots are gone. A frontend whose slot
-    /// 0 cannot be deleted is kept whole.
+    /// Deletes every programmed frontend in scope that is not desired: its
+    /// slot 0, then its slots, then its reverse-NAT entry. Invariant: a
+    /// frontend disappears whole before its parts do (no packet reads a slot
+    /// once slot 0 is gone), and a reverse-NAT entry is deleted only once no
+    /// slot 0 names it and all the frontend's slots are gone. A frontend
+    /// whose slot 0 cannot be deleted is kept whole, and looked at again by
+    /// the next sync.
     pub(super) fn remove_frontends(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let removed: Vec<FrontendKey> = self
-            .frontends
-            .keys()
-            .filter(|k| !desired.frontends.contains_key(k))
+        let removed: Vec<FrontendKey> = s
+            .scope
+            .iter()
+            .filter(|k| self.frontends.contains_key(k) && !desired.frontends.contains_key(k))
             .copied()
             .collect();
-        s.slot0_refs = self.slot0_refs();
         for key in removed {
             let entries = self.frontends[&key].clone();
-            if let Some(v) = entries.slot0 {
+            if entries.slot0.is_some() {
                 if let Err(e) = self.dp.delete_service(svc_key(&key, 0)) {
-                    s.out.error(frontend_label(&key, None), e);
+                    s.out.unfinished(&key, None, e);
                     continue;
                 }
                 s.out.wrote();
                 s.out.report.frontends_removed += 1;
-                if let Some(e) = self.frontends.get_mut(&key) {
-                    e.slot0 = None;
-                }
-                s.slot0_refs.entry(v.rev_nat_id).and_modify(|n| *n -= 1);
+                self.mirror_slot0(&key, None);
             }
             let mut clean = true;
             for slot in entries.slots.keys() {
                 match self.dp.delete_service(svc_key(&key, *slot)) {
                     Ok(()) => {
                         s.out.wrote();
-                        if let Some(e) = self.frontends.get_mut(&key) {
-                            e.slots.remove(slot);
-                        }
+                        self.mirror_slot(&key, *slot, None);
                     }
                     Err(e) => {
-                        s.out.error(frontend_label(&key, None), e);
+                        s.out.unfinished(&key, None, e);
                         clean = false;
                     }
                 }
             }
             if let Some(id) = self.rev_nat_ids.get(&key) {
-                if clean && s.slot0_refs.get(&id).copied().unwrap_or(0) == 0 {
+                if clean && self.slot0_refs(id) == 0 {
                     match self.dp.delete_rev_nat(id) {
                         Ok(()) => {
                             s.out.wrote();
                             self.rev_nat.remove(&id);
-                            self.rev_nat_ids.release(&key);
+                            self.release_rev_nat(&key);
                         }
-                        Err(e) => s.out.error(frontend_label(&key, None), e),
+                        Err(e) => s.out.unfinished(&key, None, e),
                     }
                 }
             }
@@ -67,15 +64,23 @@ impl<D: Dataplane> Writer<D> {
         }
     }
 
-    /// Reverse-NAT id → how many programmed slot 0 entries name it.
-    fn slot0_refs(&self) -> BTreeMap<u16, usize> {
-        let mut refs: BTreeMap<u16, usize> = BTreeMap::new();
-        for e in self.frontends.values() {
-            if let Some(v) = e.slot0 {
-                *refs.entry(v.rev_nat_id).or_default() += 1;
-            }
+    /// The reverse-NAT ids the prune phases look at: every one with an
+    /// entry in `present` in a full sync, else the loose ones.
+    fn rev_nat_candidates<V>(
+        &self,
+        s: &SyncState,
+        present: &std::collections::BTreeMap<u16, V>,
+    ) -> Vec<u16> {
+        if s.full {
+            present.keys().copied().collect()
+        } else {
+            self.loose
+                .rev_nat
+                .iter()
+                .copied()
+                .filter(|id| present.contains_key(id))
+                .collect()
         }
-        refs
     }
 
     /// Deletes reverse-NAT entries nobody owns or uses (leftovers of a
@@ -83,13 +88,9 @@ impl<D: Dataplane> Writer<D> {
     /// owned or not (replies of its flows are translated back with it).
     pub(super) fn delete_stale_rev_nat(&mut self, s: &mut SyncState) {
         let stale: Vec<u16> = self
-            .rev_nat
-            .keys()
-            .copied()
-            .filter(|id| {
-                self.rev_nat_ids.owner(*id).is_none()
-                    && s.slot0_refs.get(id).copied().unwrap_or(0) == 0
-            })
+            .rev_nat_candidates(s, &self.rev_nat)
+            .into_iter()
+            .filter(|id| self.rev_nat_ids.owner(*id).is_none() && self.slot0_refs(*id) == 0)
             .collect();
         for id in stale {
             match self.dp.delete_rev_nat(id) {
@@ -97,7 +98,10 @@ impl<D: Dataplane> Writer<D> {
                     s.out.wrote();
                     self.rev_nat.remove(&id);
                 }
-                Err(e) => s.out.error(format!("reverse NAT {id}"), e),
+                Err(e) => {
+                    s.out.retry.rev_nat.insert(id);
+                    s.out.error(format!("reverse NAT {id}"), e);
+                }
             }
         }
     }
@@ -108,28 +112,39 @@ impl<D: Dataplane> Writer<D> {
     /// deleted after); only those of frontends already removed, or of ids
     /// nobody owns, go here.
     pub(super) fn delete_stale_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let stale: Vec<(u16, SourceRange)> = self
-            .source_ranges
-            .iter()
-            .filter(|(id, _)| {
+        let ids: Vec<u16> = self
+            .rev_nat_candidates(s, &self.source_ranges)
+            .into_iter()
+            .filter(|id| {
                 self.rev_nat_ids
-                    .owner(**id)
+                    .owner(*id)
                     .is_none_or(|k| !desired.frontends.contains_key(k))
             })
-            .flat_map(|(id, set)| set.iter().map(move |r| (*id, *r)))
             .collect();
-        for (id, range) in stale {
-            match self.dp.delete_source_range(id, range) {
-                Ok(()) => {
-                    s.out.wrote();
-                    if let Some(set) = self.source_ranges.get_mut(&id) {
-                        set.remove(&range);
+        for id in ids {
+            let ranges: Vec<SourceRange> = self.source_ranges[&id].iter().copied().collect();
+            for range in ranges {
+                match self.dp.delete_source_range(id, range) {
+                    Ok(()) => {
+                        s.out.wrote();
+                        if let Some(set) = self.source_ranges.get_mut(&id) {
+                            set.remove(&range);
+                        }
+                    }
+                    Err(e) => {
+                        s.out.retry.rev_nat.insert(id);
+                        s.out.error(format!("source range of reverse NAT {id}"), e);
                     }
                 }
-                Err(e) => s.out.error(format!("source range of reverse NAT {id}"), e),
+            }
+            if self
+                .source_ranges
+                .get(&id)
+                .is_some_and(|set| set.is_empty())
+            {
+                self.source_ranges.remove(&id);
             }
         }
-        self.source_ranges.retain(|_, set| !set.is_empty());
     }
 
     /// Deletes the backends no slot names and no desired frontend retains,
@@ -137,20 +152,25 @@ impl<D: Dataplane> Writer<D> {
     /// programmed slot names it, live or not (the slots that named it were
     /// deleted by the phases before), and a retained (terminating) backend
     /// stays while flows may use it.
-    pub(super) fn delete_unused_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let mut referenced: BTreeSet<u32> = self.slot_backend_ids();
-        referenced.extend(
-            desired
-                .frontends
-                .values()
-                .flat_map(|fe| fe.retained.iter())
-                .filter_map(|b| self.backend_ids.get(b)),
-        );
-        let unused: Vec<u32> = self
-            .backends
-            .keys()
-            .copied()
-            .filter(|id| !referenced.contains(id))
+    pub(super) fn delete_unused_backends(&mut self, s: &mut SyncState) {
+        let candidates: Vec<u32> = if s.full {
+            self.backends.keys().copied().collect()
+        } else {
+            self.loose
+                .backends
+                .iter()
+                .copied()
+                .filter(|id| self.backends.contains_key(id))
+                .collect()
+        };
+        let unused: Vec<u32> = candidates
+            .into_iter()
+            .filter(|id| {
+                let addr = backend_addr(&self.backends[id]);
+                let retained =
+                    self.backend_ids.get(&addr) == Some(*id) && self.users.is_retained(&addr);
+                !self.slot_refs.contains_key(id) && !retained
+            })
             .collect();
         for id in unused {
             match self.dp.delete_backend(id) {
@@ -161,7 +181,10 @@ impl<D: Dataplane> Writer<D> {
                         self.backend_ids.release(&b, id);
                     }
                 }
-                Err(e) => s.out.error(format!("backend id {id}"), e),
+                Err(e) => {
+                    s.out.retry.backends.insert(id);
+                    s.out.error(format!("backend id {id}"), e);
+                }
             }
         }
     }

@@ -1,51 +1,38 @@
 //! The phases of [`Writer::sync`] that make desired frontends as they should
 //! be, in the order `sync` runs them. Each writes an entry only before
 //! anything names it, or after nothing does any more.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
-use proxy_common::{backend_state, map_names, Backend4, RevNat4, Svc4Value};
+use proxy_common::{map_names, Backend4, RevNat4, Svc4Value};
 
-use super::{
-    frontend_label, svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target, Writer,
-};
+use super::{svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target, Writer};
 use crate::model::{BackendAddr, DesiredState, FrontendKey};
 
-/// Every backend the desired frontends need, with its state: those in slots
-/// are active; terminating ones that flows may still use (`retained`) stay in
-/// the map without a slot. Endpoints on this node are marked local: external
-/// traffic to the others is SNATed. In the order of the first frontend (in
-/// `order`) that needs each.
-fn wanted_backends(desired: &DesiredState, order: &[FrontendKey]) -> Vec<(BackendAddr, Backend4)> {
-    let local = |b: &BackendAddr| {
-        if desired.local_endpoints.contains(&b.addr) {
-            backend_state::LOCAL
-        } else {
-            0
-        }
-    };
-    let mut wanted: BTreeMap<BackendAddr, Backend4> = BTreeMap::new();
-    for fe in desired.frontends.values() {
-        for b in &fe.retained {
-            let state = backend_state::TERMINATING | local(b);
-            wanted.insert(*b, Backend4::new(b.addr, b.port, b.proto, state));
-        }
-    }
-    for fe in desired.frontends.values() {
-        for b in &fe.backends {
-            let state = backend_state::ACTIVE | local(b);
-            wanted.insert(*b, Backend4::new(b.addr, b.port, b.proto, state));
-        }
-    }
-    let mut seen = BTreeSet::new();
-    let mut out = Vec::with_capacity(wanted.len());
-    for fe in order.iter().filter_map(|k| desired.frontends.get(k)) {
-        for b in fe.backends.iter().chain(&fe.retained) {
-            if seen.insert(*b) {
-                out.push((*b, wanted[b]));
+impl<D: Dataplane> Writer<D> {
+    /// Every backend the frontends of `s.order` need, with its entry (see
+    /// [`Writer::wanted_backend`]: those in slots are active; terminating
+    /// ones that flows may still use (`retained`) stay in the map without a
+    /// slot; endpoints on this node are marked local: external traffic to the
+    /// others is SNATed), in the order of the first frontend (in `order`)
+    /// that needs each.
+    fn wanted_backends(
+        &self,
+        desired: &DesiredState,
+        s: &SyncState,
+    ) -> Vec<(BackendAddr, Backend4)> {
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for fe in s.order.iter().filter_map(|k| desired.frontends.get(k)) {
+            for b in fe.backends.iter().chain(&fe.retained) {
+                if seen.insert(*b) {
+                    if let Some(value) = self.wanted_backend(b, desired) {
+                        out.push((*b, value));
+                    }
+                }
             }
         }
+        out
     }
-    out
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -53,23 +40,22 @@ impl<D: Dataplane> Writer<D> {
     /// new ones. Invariant: a backend is written before any slot names it (a
     /// frontend with a backend that could not be written gets no target, so
     /// no slot); a new id is one no slot names, even a slot packets do not
-    /// read.
+    /// read. A backend that could not be written makes every frontend using
+    /// it unfinished, so [`Writer::sync_changed`] retries it.
     pub(super) fn update_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let referenced = self.slot_backend_ids();
-        for (addr, value) in &wanted_backends(desired, &s.order) {
+        for (addr, value) in &self.wanted_backends(desired, s) {
             let (id, new) = match self.backend_ids.get(addr) {
                 Some(id) => (id, false),
-                None => match self
-                    .backend_ids
-                    .allocate(|id| self.backends.contains_key(&id) || referenced.contains(&id))
-                {
+                None => match self.backend_ids.allocate(|id| {
+                    self.backends.contains_key(&id) || self.slot_refs.contains_key(&id)
+                }) {
                     Some(id) => (id, true),
                     None => {
                         let e = DataplaneError::Full {
                             map: map_names::BACKENDS,
                             capacity: u32::MAX,
                         };
-                        s.out.error(format!("backend {addr}"), e);
+                        s.out.unwritten(addr, e);
                         continue;
                     }
                 },
@@ -81,22 +67,28 @@ impl<D: Dataplane> Writer<D> {
                 Ok(()) => {
                     s.out.wrote();
                     self.backends.insert(id, *value);
+                    // Unused if every frontend needing it fails.
+                    self.loose.backends.insert(id);
                     if new {
                         s.out.report.backends_added += 1;
                         self.backend_ids.assign(*addr, id);
                     }
                 }
-                Err(e) => s.out.error(format!("backend {addr}"), e),
+                Err(e) => s.out.unwritten(addr, e),
             }
         }
     }
 
-    /// Plans the target of every desired frontend: the ids of its slots and
-    /// its count. Writes nothing. Invariant: a frontend gets a target only if
-    /// every one of its backends is written, and a count a slot 0 can hold;
-    /// the others fail and stay as they were.
+    /// Plans the target of every desired frontend in scope: the ids of its
+    /// slots and its count. Writes nothing. Invariant: a frontend gets a
+    /// target only if every one of its backends is written, and a count a
+    /// slot 0 can hold; the others fail and stay as they were.
     pub(super) fn plan_targets(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, fe) in &desired.frontends {
+        for (key, fe) in s
+            .scope
+            .iter()
+            .filter_map(|k| desired.frontends.get_key_value(k))
+        {
             let missing = fe
                 .backends
                 .iter()
@@ -207,7 +199,7 @@ impl<D: Dataplane> Writer<D> {
                         self.source_ranges.entry(id).or_default().insert(*range);
                     }
                     Err(e) => {
-                        s.out.error(frontend_label(key, Some(fe)), e);
+                        s.out.unfinished(key, Some(fe), e);
                         break;
                     }
                 }
@@ -240,11 +232,7 @@ impl<D: Dataplane> Writer<D> {
                     Ok(()) => {
                         s.out.wrote();
                         s.touched.insert(*key);
-                        self.frontends
-                            .entry(*key)
-                            .or_default()
-                            .slots
-                            .insert(slot, *id);
+                        self.mirror_slot(key, slot, Some(*id));
                     }
                     Err(e) => {
                         s.out.fail(*key, desired.frontends.get(key), e);
@@ -288,7 +276,7 @@ impl<D: Dataplane> Writer<D> {
                     s.out.wrote();
                     s.touched.insert(*key);
                     self.commit_maglev(key, rev, &mut s.maglev_pending);
-                    self.frontends.entry(*key).or_default().slot0 = Some(value);
+                    self.mirror_slot0(key, Some(value));
                     if previous.is_none() {
                         s.out.report.frontends_added += 1;
                     }
@@ -324,13 +312,9 @@ impl<D: Dataplane> Writer<D> {
                     Ok(()) => {
                         s.out.wrote();
                         s.touched.insert(*key);
-                        if let Some(e) = self.frontends.get_mut(key) {
-                            e.slots.remove(&slot);
-                        }
+                        self.mirror_slot(key, slot, None);
                     }
-                    Err(e) => s
-                        .out
-                        .error(frontend_label(key, desired.frontends.get(key)), e),
+                    Err(e) => s.out.unfinished(key, desired.frontends.get(key), e),
                 }
             }
         }
@@ -340,7 +324,11 @@ impl<D: Dataplane> Writer<D> {
     /// Invariant: a range is deleted only once slot 0 is as desired (failed
     /// frontends are skipped), so a client is refused only by the new state.
     pub(super) fn remove_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        for (key, fe) in &desired.frontends {
+        for (key, fe) in s
+            .scope
+            .iter()
+            .filter_map(|k| desired.frontends.get_key_value(k))
+        {
             if s.out.is_failed(key) {
                 continue;
             }
@@ -359,9 +347,12 @@ impl<D: Dataplane> Writer<D> {
                         s.out.wrote();
                         if let Some(set) = self.source_ranges.get_mut(&id) {
                             set.remove(&range);
+                            if set.is_empty() {
+                                self.source_ranges.remove(&id);
+                            }
                         }
                     }
-                    Err(e) => s.out.error(frontend_label(key, Some(fe)), e),
+                    Err(e) => s.out.unfinished(key, Some(fe), e),
                 }
             }
         }
@@ -405,7 +396,7 @@ impl<D: Dataplane> Writer<D> {
                 }
                 Err(e) => {
                     self.affinity_pending.insert(*key);
-                    s.out.error(frontend_label(key, Some(fe)), e);
+                    s.out.unfinished(key, Some(fe), e);
                 }
             }
         }

@@ -1,0 +1,123 @@
+//! Which desired frontends use each backend address: the index that lets a
+//! sync decide a backend's state, whether it may be deleted, and which
+//! frontends a changed backend concerns, without a walk over every frontend.
+//! Both [`Writer::sync`](super::Writer::sync) and
+//! [`Writer::sync_changed`](super::Writer::sync_changed) keep it equal to the
+//! desired state they were given.
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use proxy_common::backend_state;
+
+use crate::model::{BackendAddr, Frontend, FrontendKey};
+
+/// The desired frontends naming one backend address.
+#[derive(Debug, Default)]
+struct AddrUsers {
+    /// Those that balance new flows over it (`Frontend::backends`).
+    active: BTreeSet<FrontendKey>,
+    /// Those that keep it for flows already using it (`Frontend::retained`).
+    retained: BTreeSet<FrontendKey>,
+}
+
+/// The backend lists of every desired frontend, indexed by backend address.
+#[derive(Debug, Default)]
+pub(super) struct Users {
+    by_addr: BTreeMap<BackendAddr, AddrUsers>,
+    /// Every desired frontend's `backends` and `retained`, as indexed.
+    lists: BTreeMap<FrontendKey, (Vec<BackendAddr>, Vec<BackendAddr>)>,
+}
+
+impl Users {
+    /// Every frontend indexed (desired at the last sync).
+    pub(super) fn keys(&self) -> impl Iterator<Item = &FrontendKey> {
+        self.lists.keys()
+    }
+
+    /// Indexes `fe` as the desired frontend `key` (`None`: not desired), and
+    /// adds to `changed` every address whose users this changes.
+    pub(super) fn set(
+        &mut self,
+        key: &FrontendKey,
+        fe: Option<&Frontend>,
+        changed: &mut BTreeSet<BackendAddr>,
+    ) {
+        let old = self.lists.get(key);
+        if old.map(|(b, r)| (b, r)) == fe.map(|fe| (&fe.backends, &fe.retained)) {
+            return;
+        }
+        if let Some((backends, retained)) = self.lists.remove(key) {
+            for (addrs, active) in [(backends, true), (retained, false)] {
+                for addr in addrs {
+                    changed.insert(addr);
+                    let Some(u) = self.by_addr.get_mut(&addr) else {
+                        continue;
+                    };
+                    if active {
+                        u.active.remove(key);
+                    } else {
+                        u.retained.remove(key);
+                    }
+                    if u.active.is_empty() && u.retained.is_empty() {
+                        self.by_addr.remove(&addr);
+                    }
+                }
+            }
+        }
+        let Some(fe) = fe else {
+            return;
+        };
+        for b in &fe.backends {
+            changed.insert(*b);
+            self.by_addr.entry(*b).or_default().active.insert(*key);
+        }
+        for b in &fe.retained {
+            changed.insert(*b);
+            self.by_addr.entry(*b).or_default().retained.insert(*key);
+        }
+        self.lists
+            .insert(*key, (fe.backends.clone(), fe.retained.clone()));
+    }
+
+    /// The state bits a backend entry for `addr` gets from the frontends
+    /// using it (before [`backend_state::LOCAL`]): active if any balances
+    /// over it, else terminating if any retains it; `None` if none uses it.
+    pub(super) fn state(&self, addr: &BackendAddr) -> Option<u8> {
+        let u = self.by_addr.get(addr)?;
+        Some(if !u.active.is_empty() {
+            backend_state::ACTIVE
+        } else {
+            backend_state::TERMINATING
+        })
+    }
+
+    /// Whether a desired frontend retains `addr`.
+    pub(super) fn is_retained(&self, addr: &BackendAddr) -> bool {
+        self.by_addr
+            .get(addr)
+            .is_some_and(|u| !u.retained.is_empty())
+    }
+
+    /// Every desired frontend naming `addr`.
+    pub(super) fn of(&self, addr: &BackendAddr) -> impl Iterator<Item = &FrontendKey> {
+        self.by_addr
+            .get(addr)
+            .into_iter()
+            .flat_map(|u| u.active.iter().chain(&u.retained))
+    }
+
+    /// Every address in use with IP `ip` (any port and protocol).
+    pub(super) fn at(&self, ip: Ipv4Addr) -> impl Iterator<Item = &BackendAddr> {
+        let lo = BackendAddr {
+            addr: ip,
+            port: 0,
+            proto: 0,
+        };
+        let hi = BackendAddr {
+            addr: ip,
+            port: u16::MAX,
+            proto: u8::MAX,
+        };
+        self.by_addr.range(lo..=hi).map(|(a, _)| a)
+    }
+}
