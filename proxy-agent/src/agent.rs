@@ -379,7 +379,13 @@ fn sync_once(
     }
     let report = match scope {
         SyncScope::Full | SyncScope::Initial => writer.sync(desired),
-        SyncScope::Changes => writer.sync(desired), // SYNC_CHANGED_PENDING
+        SyncScope::Changes => writer.sync_changed(
+            desired,
+            crate::dataplane::Changes {
+                frontends: &update.frontends,
+                local_endpoints: &update.local_endpoints,
+            },
+        ),
     };
     // Over capacity, thousands of frontends fail the same way at every sync:
     // the first few are named, the rest counted.

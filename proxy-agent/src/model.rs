@@ -66,7 +66,7 @@ pub use pods::endpoint_slices_from_pods;
 pub use policy::{forbidden_address, FrontendPolicy, DEFAULT_MAX_FRONTENDS_PER_SERVICE};
 pub use state::{
     proto_name, BackendAddr, DesiredState, Frontend, FrontendKey, Gates, HealthCheck, ModelOptions,
-    ModelWarning,
+    ModelWarning, ServiceAge,
 };
 pub use topology::{
     categorize, Categorized, EndpointInfo, NodeTopology, ServicePortInfo, TrafficPolicy,

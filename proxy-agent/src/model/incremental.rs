@@ -31,7 +31,7 @@ use super::pods::service_slices_from_pods;
 use super::policy::ClaimRank;
 use super::services::{ignored, name, namespace};
 use super::{
-    proto_name, DesiredState, FrontendKey, HealthCheck, ModelOptions, ModelWarning,
+    proto_name, DesiredState, FrontendKey, HealthCheck, ModelOptions, ModelWarning, ServiceAge,
     LABEL_SERVICE_NAME,
 };
 use crate::manifests::Snapshot;
@@ -369,8 +369,8 @@ impl Incremental {
         let mut dirty: BTreeSet<ObjectKey> = BTreeSet::new();
         let mut touched_local: BTreeSet<Ipv4Addr> = BTreeSet::new();
         let mut node_changed = false;
-        let services_before = self.services.len();
-        let mut order_changed = false;
+        // Services added, removed or whose creationTimestamp changed.
+        let mut aged: BTreeSet<ObjectKey> = BTreeSet::new();
         for change in changes {
             match change {
                 Change::Applied(Object::Service(svc)) => {
@@ -379,15 +379,17 @@ impl Incremental {
                     if old.is_some_and(|o| Arc::ptr_eq(o, &svc) || **o == *svc) {
                         continue;
                     }
-                    order_changed |= old.is_none_or(|o| {
+                    if old.is_none_or(|o| {
                         o.metadata.creation_timestamp != svc.metadata.creation_timestamp
-                    });
+                    }) {
+                        aged.insert(key.clone());
+                    }
                     self.services.insert(key.clone(), svc);
                     dirty.insert(key);
                 }
                 Change::Deleted(Kind::Service, key) => {
                     if self.services.remove(&key).is_some() {
-                        order_changed = true;
+                        aged.insert(key.clone());
                         dirty.insert(key);
                     }
                 }
@@ -482,9 +484,17 @@ impl Incremental {
                 up.local_endpoints.insert(addr);
             }
         }
-        if order_changed || self.services.len() != services_before {
-            self.desired.service_order = service_order(&self.services);
-            up.other = true;
+        for key in aged {
+            let id = format!("{}/{}", key.0, key.1);
+            let age = self
+                .services
+                .get(&key)
+                .map(|s| ServiceAge(s.metadata.creation_timestamp.as_ref().map(|t| t.0)));
+            let before = match age {
+                Some(age) => self.desired.service_order.insert(id, age),
+                None => self.desired.service_order.remove(&id),
+            };
+            up.other |= before != age;
         }
         up
     }
@@ -819,23 +829,4 @@ fn pod_warnings(pod: &Pod) -> Vec<ModelWarning> {
             message: format!("invalid pod IP {ip:?}; the pod is not an endpoint"),
         })
         .collect()
-}
-
-/// Capacity order (see [`DesiredState::service_order`]): the oldest Service
-/// first, then namespace/name.
-fn service_order(services: &BTreeMap<ObjectKey, Arc<Service>>) -> BTreeMap<String, usize> {
-    let mut by_age: Vec<(bool, Option<jiff::Timestamp>, String)> = services
-        .iter()
-        .map(|(k, svc)| {
-            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
-            (created.is_none(), created, format!("{}/{}", k.0, k.1))
-        })
-        .collect();
-    by_age.sort();
-    let mut order = BTreeMap::new();
-    for (_, _, id) in by_age {
-        let next = order.len();
-        order.entry(id).or_insert(next);
-    }
-    order
 }

@@ -129,15 +129,46 @@ pub struct DesiredState {
     /// LoadBalancer` Service with `externalTrafficPolicy: Local` and a
     /// `healthCheckNodePort` (kube-proxy `apiservice.NeedsHealthCheck`).
     pub health_checks: BTreeMap<u16, HealthCheck>,
-    /// Every Service (`namespace/name`) → its place in the order in which
-    /// the writer serves frontends when capacity runs out (reverse-NAT and
-    /// backend ids, map entries, Maglev tables): the oldest first
-    /// (`creationTimestamp`; one without comes after every one with), then
-    /// `namespace/name`, the rule frontend ownership uses. A Service created
-    /// now is served after every older one, whatever its addresses and however
-    /// many frontends it has, so it can never take what an older Service needs.
-    /// The writer serves a Service missing here last.
-    pub service_order: BTreeMap<String, usize>,
+    /// Every Service (`namespace/name`) → its age, which places it in the
+    /// order in which the writer serves frontends when capacity runs out
+    /// (reverse-NAT and backend ids, map entries, Maglev tables): the oldest
+    /// first (`creationTimestamp`; one without comes after every one with),
+    /// then `namespace/name`, the rule frontend ownership uses. A Service
+    /// created now is served after every older one, whatever its addresses
+    /// and however many frontends it has, so it can never take what an older
+    /// Service needs. The writer serves a Service missing here last. An age,
+    /// not a position: a Service added or removed changes its own entry only.
+    pub service_order: BTreeMap<String, ServiceAge>,
+}
+
+/// A Service's `creationTimestamp`, ordered for capacity: older first, one
+/// without a timestamp after every one with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ServiceAge(pub Option<jiff::Timestamp>);
+
+impl ServiceAge {
+    /// Created `secs` seconds after the Unix epoch.
+    pub fn at_second(secs: i64) -> Self {
+        Self(jiff::Timestamp::from_second(secs).ok())
+    }
+}
+
+impl Ord for ServiceAge {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        use std::cmp::Ordering;
+        match (self.0, other.0) {
+            (Some(a), Some(b)) => a.cmp(&b),
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (None, None) => Ordering::Equal,
+        }
+    }
+}
+
+impl PartialOrd for ServiceAge {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 /// Something in the snapshot the model could not use; the rest is unaffected.

@@ -337,18 +337,20 @@ fn service_order_is_by_age_then_name() {
         + &svc("m-undated", None, "198.19.0.3", "", "")
         + &svc("b-undated", None, "198.19.0.4", "", "");
     let (state, _) = run(&yaml, &ModelOptions::default());
-    let order: Vec<(&str, usize)> = state
+    let mut order: Vec<(proxy_agent::model::ServiceAge, &str)> = state
         .service_order
         .iter()
-        .map(|(s, i)| (s.as_str(), *i))
+        .map(|(s, age)| (*age, s.as_str()))
         .collect();
+    order.sort();
+    let order: Vec<&str> = order.into_iter().map(|(_, s)| s).collect();
     assert_eq!(
         order,
         [
-            ("default/a-new", 1),
-            ("default/b-undated", 2),
-            ("default/m-undated", 3),
-            ("default/z-old", 0)
+            "default/z-old",
+            "default/a-new",
+            "default/b-undated",
+            "default/m-undated"
         ]
     );
 }

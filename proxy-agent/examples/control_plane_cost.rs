@@ -1,0 +1,192 @@
+//! Where the control plane's time goes, stage by stage, without a kernel:
+//! N Services (2 endpoints each, the bench's manifests) read by the manifests
+//! source, turned into the desired state by the incremental model and written
+//! by the writer to a dataplane that only counts operations (the map writes'
+//! own cost is the bench's to measure); then one change (a new Service in a
+//! file of its own) through the same stages, as the agent runs them: the
+//! source reads only the new file, the model computes that Service, the
+//! writer writes its frontend. The last column is the periodic full sync
+//! (`syncPeriod`) with nothing changed.
+//!
+//! Beyond 65,535 frontends the reverse-NAT ids (16 bits) run out: the
+//! youngest Services are reported, not programmed (said on stderr).
+//!
+//! `cargo run --release -p proxy-agent --example control_plane_cost -- [N...]`
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use proxy_agent::{
+    dataplane::{Changes, Dataplane, DataplaneError, Programmed, SourceRange, Writer},
+    model::{Incremental, ModelOptions},
+    source::{ManifestsSource, Source, SourceChanges},
+};
+use proxy_common::{
+    lb::{MaglevChunk, MaglevKey},
+    Backend4, RevNat4, Svc4Key, Svc4Value,
+};
+
+/// Takes every operation, keeps nothing.
+#[derive(Default)]
+struct Counting(usize);
+
+impl Dataplane for Counting {
+    fn put_backend(&mut self, _: u32, _: Backend4) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn delete_backend(&mut self, _: u32) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn put_service(&mut self, _: Svc4Key, _: Svc4Value) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn delete_service(&mut self, _: Svc4Key) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn put_rev_nat(&mut self, _: u16, _: RevNat4) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn delete_rev_nat(&mut self, _: u16) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn put_source_range(&mut self, _: u16, _: SourceRange) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn delete_source_range(&mut self, _: u16, _: SourceRange) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn put_maglev_chunk(&mut self, _: MaglevKey, _: &MaglevChunk) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn delete_maglev_chunk(&mut self, _: MaglevKey) -> Result<(), DataplaneError> {
+        self.0 += 1;
+        Ok(())
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        Ok(Programmed::default())
+    }
+}
+
+fn service_yaml(i: usize) -> String {
+    // ClusterIPs from 198.19.0.0 on (room for 65,536), then 198.18.0.0 on;
+    // endpoints in 198.18.0.0/16 (data only: nothing is sent).
+    let i32 = u32::try_from(i).expect("fewer than 2^32 Services");
+    let vip = std::net::Ipv4Addr::from(if i32 < 65_536 {
+        0xc613_0000 + i32
+    } else {
+        0xc612_0000 + (i32 - 65_536)
+    });
+    let (a, b) = ((i >> 8) & 0xff, i & 0xff);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"---
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"svc-{i}","namespace":"bench","creationTimestamp":"2026-01-01T00:00:00Z"}},"spec":{{"type":"ClusterIP","clusterIP":"{vip}","clusterIPs":["{vip}"],"ports":[{{"name":"http","port":80,"protocol":"TCP","targetPort":8080}}]}}}}
+---
+{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"svc-{i}-bench","namespace":"bench","labels":{{"kubernetes.io/service-name":"svc-{i}"}}}},"addressType":"IPv4","endpoints":[{{"addresses":["198.18.{a}.{b}"],"conditions":{{"ready":true}}}},{{"addresses":["198.18.{a}.{c}"],"conditions":{{"ready":true}}}}],"ports":[{{"name":"http","port":8080,"protocol":"TCP"}}]}}"#,
+        c = (b + 1) & 0xff
+    );
+    out
+}
+
+/// This process's resident memory, MiB.
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn main() {
+    let ns: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let ns = if ns.is_empty() {
+        vec![1_000, 10_000, 50_000, 100_000]
+    } else {
+        ns
+    };
+    println!("| N | read | model | writer | from empty | one change: read | model | writer | total | map ops | full sync, nothing changed | RSS MiB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for n in ns {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text: String = (0..n).map(service_yaml).collect();
+        std::fs::write(dir.path().join("a.yaml"), text).expect("write");
+        let mut source = ManifestsSource::new(vec![dir.path().to_path_buf()]);
+        let mut model = Incremental::new("node-a", ModelOptions::default());
+        let mut writer = Writer::adopt(Counting::default()).expect("adopt");
+
+        let changes = |source: &mut ManifestsSource| match source.changes() {
+            (SourceChanges::Changes(c), 0) => c,
+            other => panic!("{other:?}"),
+        };
+        let t = Instant::now();
+        let c = changes(&mut source);
+        let read = ms(t);
+        let t = Instant::now();
+        model.apply(c);
+        let model_ms = ms(t);
+        let t = Instant::now();
+        let report = writer.sync(model.desired());
+        // Beyond 65,535 frontends the reverse-NAT ids (16 bits) run out:
+        // the youngest Services are reported, not programmed.
+        let refused = report.errors.len();
+        let write = ms(t);
+        assert_eq!(model.desired().frontends.len(), n);
+
+        // The big file settles (a file read within a second of its
+        // modification has its content compared at the next read).
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        assert!(changes(&mut source).is_empty());
+        std::fs::write(dir.path().join("b.yaml"), service_yaml(n)).expect("write");
+        let t0 = Instant::now();
+        let t = Instant::now();
+        let c = changes(&mut source);
+        let read1 = ms(t);
+        let t = Instant::now();
+        let update = model.apply(c);
+        let model1 = ms(t);
+        let ops = writer.dataplane().0;
+        let t = Instant::now();
+        let report = writer.sync_changed(
+            model.desired(),
+            Changes {
+                frontends: &update.frontends,
+                local_endpoints: &update.local_endpoints,
+            },
+        );
+        let write1 = ms(t);
+        let total = ms(t0);
+        assert!(report.frontends_added == 1 || refused > 0, "{report:?}");
+        let ops = writer.dataplane().0 - ops;
+        let t = Instant::now();
+        let c = changes(&mut source);
+        assert!(model.apply(c).is_empty());
+        let report = writer.sync(model.desired());
+        assert!(report.writes == 0 || refused > 0, "{report:?}");
+        let idle = ms(t);
+        if refused > 0 {
+            eprintln!("N = {n}: {refused} frontends not programmed (reverse-NAT ids exhausted)");
+        }
+        println!(
+            "| {n} | {read:.1} | {model_ms:.1} | {write:.1} | {:.1} | {read1:.2} | {model1:.2} | {write1:.2} | {total:.2} | {ops} | {idle:.1} | {:.0} |",
+            read + model_ms + write,
+            rss_mib(),
+        );
+    }
+}
