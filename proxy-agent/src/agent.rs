@@ -336,11 +336,18 @@ fn sync_once(
     scope: SyncScope,
 ) {
     let started = Instant::now();
-    let (changes, source_errors) = source.changes();
+    let (changes, source_errors) = match scope {
+        SyncScope::Changes => source.changes(),
+        SyncScope::Initial | SyncScope::Full => source.resync(),
+    };
     let (update, triggers) = match changes {
         SourceChanges::Full(snapshot) => {
             let triggers = obs.latency.pending(&snapshot);
             (model.replace(snapshot), triggers)
+        }
+        SourceChanges::All(objects) => {
+            let triggers = obs.latency.pending_objects(&objects);
+            (model.replace_objects(objects), triggers)
         }
         SourceChanges::Changes(changes) => {
             let triggers = obs.latency.pending_changes(&changes);

@@ -471,15 +471,41 @@ impl Source for KubernetesSource {
             return (SourceChanges::Changes(Vec::new()), 0);
         };
         // Every reflector's changes are taken (and its relist flag cleared)
-        // before the snapshot: an event after this point is named again.
+        // before the stores are read: an event after this point is named
+        // again.
         let taken = [services.changes(), slices.changes(), nodes.changes()];
         if taken.iter().any(Option::is_none) {
-            let (snapshot, errors) = self.snapshot();
-            return (SourceChanges::Full(snapshot), errors);
+            return (SourceChanges::All(self.all()), 0);
         }
         (
             SourceChanges::Changes(taken.into_iter().flatten().flatten().collect()),
             0,
         )
+    }
+
+    /// Every object of the stores (shared, not copied): the model compares
+    /// them with what it holds, a pointer comparison for each unchanged one.
+    fn resync(&mut self) -> (SourceChanges, usize) {
+        if let (Some(s), Some(e), Some(n)) = (&self.services, &self.slices, &self.nodes) {
+            // What the watches named since is in the stores already.
+            let _ = (s.changes(), e.changes(), n.changes());
+        }
+        (SourceChanges::All(self.all()), 0)
+    }
+}
+
+impl KubernetesSource {
+    fn all(&self) -> Vec<Object> {
+        let mut out = Vec::new();
+        if let Some(r) = &self.services {
+            out.extend(r.store.state().into_iter().map(Service::object));
+        }
+        if let Some(r) = &self.slices {
+            out.extend(r.store.state().into_iter().map(EndpointSlice::object));
+        }
+        if let Some(r) = &self.nodes {
+            out.extend(r.store.state().into_iter().map(Node::object));
+        }
+        out
     }
 }

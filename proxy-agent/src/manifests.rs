@@ -133,12 +133,15 @@ fn list_files(paths: &[PathBuf]) -> (Vec<PathBuf>, Vec<ManifestError>) {
 }
 
 /// What identifies a file's content without reading it: modification time,
-/// size and inode (a file replaced by a rename is another inode).
+/// size, inode (a file replaced by a rename is another inode) and change
+/// time (a content change that restores the modification time, as `cp -p`
+/// or `rsync -t --inplace` do, still moves it; so does a `chmod`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Stamp {
     modified: Option<std::time::SystemTime>,
     len: u64,
     ino: u64,
+    changed: (i64, i64),
 }
 
 impl Stamp {
@@ -149,6 +152,7 @@ impl Stamp {
             modified: m.modified().ok(),
             len: m.len(),
             ino: m.ino(),
+            changed: (m.ctime(), m.ctime_nsec()),
         })
     }
 }
@@ -180,9 +184,18 @@ struct CachedFile {
 #[derive(Default)]
 pub struct FileCache {
     files: Vec<(PathBuf, CachedFile)>,
+    /// The next refresh compares every file's content, whatever its stamp.
+    compare_all: bool,
 }
 
 impl FileCache {
+    /// Makes the next [`FileCache::refresh`] compare every file's content
+    /// with what was read, whatever the file's times say: the periodic
+    /// safety net against a change no stamp showed.
+    pub fn compare_all_next(&mut self) {
+        self.compare_all = true;
+    }
+
     /// Reads what changed under `paths` since the last call (everything the
     /// first time). Returns the changes and the errors of the files read
     /// again (and of objects two files hold, where that concerns a changed
@@ -199,6 +212,12 @@ impl FileCache {
         let mut read_again: BTreeSet<PathBuf> = BTreeSet::new();
         for path in list {
             let stamp = Stamp::of(&path);
+            if self.compare_all {
+                // The periodic safety net: every file's content compared.
+                if let Some(c) = old.get_mut(&path) {
+                    c.read_at = std::time::SystemTime::UNIX_EPOCH;
+                }
+            }
             let cached = old.remove(&path);
             if let Some(c) = &cached {
                 let settled = c
@@ -214,6 +233,9 @@ impl FileCache {
             let mut one = Snapshot::default();
             let mut file_errors = Vec::new();
             let text = std::fs::read_to_string(&path);
+            // A file that could not be read is read again at every refresh
+            // (a chmod may fix it without its content changing).
+            let stamp = if text.is_ok() { stamp } else { None };
             let hash = text.as_ref().map_or(0, |t| {
                 use std::hash::{Hash, Hasher};
                 let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -287,9 +309,11 @@ impl FileCache {
                 },
             ));
         }
-        // Files gone.
+        self.compare_all = false;
+        // Files gone, with the objects their bad documents kept.
         for (_, cached) in old {
             affected.extend(cached.objects.into_keys());
+            affected.extend(cached.named_in_errors);
         }
         let mut changes = Vec::new();
         for key in affected {
@@ -584,6 +608,11 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
     if !doc.trim_start().starts_with('{') {
         return false;
     }
+    // A JSON object with a key twice is the YAML path's to refuse
+    // (serde_json's Value would keep the last one silently).
+    if serde_json::from_str::<UniqueKeys>(doc).is_err() {
+        return false;
+    }
     let Ok(value) = serde_json::from_str::<serde_json::Value>(doc) else {
         return false;
     };
@@ -621,6 +650,61 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
         Err(_) => return false,
     }
     true
+}
+
+/// A JSON value whose objects have each key once (deserializing fails
+/// otherwise).
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                while seq.next_element::<UniqueKeys>()?.is_some() {}
+                Ok(UniqueKeys)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut keys = std::collections::HashSet::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    if !keys.insert(k) {
+                        return Err(serde::de::Error::custom("duplicate key"));
+                    }
+                    map.next_value::<UniqueKeys>()?;
+                }
+                Ok(UniqueKeys)
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// One object of a kind the proxy uses.

@@ -288,8 +288,16 @@ impl ProgrammingLatency {
     /// The trigger times of the slices in `snapshot` that changed since the
     /// last call; forgets deleted slices.
     pub fn pending(&mut self, snapshot: &Snapshot) -> Vec<SystemTime> {
+        self.pending_slices(snapshot.endpoint_slices.iter())
+    }
+
+    /// [`ProgrammingLatency::pending`] of every slice a source holds.
+    fn pending_slices<'a>(
+        &mut self,
+        slices: impl Iterator<Item = &'a k8s_openapi::api::discovery::v1::EndpointSlice>,
+    ) -> Vec<SystemTime> {
         let mut current: BTreeMap<(String, String), String> = BTreeMap::new();
-        for s in &snapshot.endpoint_slices {
+        for s in slices {
             let m = &s.metadata;
             if let Some(t) = m
                 .annotations
@@ -319,6 +327,14 @@ impl ProgrammingLatency {
         }
         self.seen = current.into_iter().collect();
         out
+    }
+
+    /// [`ProgrammingLatency::pending`] of every object a source holds.
+    pub fn pending_objects(&mut self, objects: &[crate::model::Object]) -> Vec<SystemTime> {
+        self.pending_slices(objects.iter().filter_map(|o| match o {
+            crate::model::Object::EndpointSlice(s) => Some(&**s),
+            _ => None,
+        }))
     }
 
     /// The trigger times of the slices `changes` name that changed since

@@ -7,13 +7,16 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, warn};
 
 use crate::manifests::{self, Snapshot};
-use crate::model::Change;
+use crate::model::{Change, Object};
 
 /// What a source saw since it was last asked.
 #[derive(Debug)]
 pub enum SourceChanges {
     /// Every object: the model finds what changed by comparison.
     Full(Snapshot),
+    /// Every object, shared with the source (an object the model holds
+    /// already costs a pointer comparison).
+    All(Vec<Object>),
     /// The objects that changed, each as it is now (or gone).
     Changes(Vec<Change>),
 }
@@ -39,6 +42,11 @@ pub trait Source: Send {
     fn changes(&mut self) -> (SourceChanges, usize) {
         let (snapshot, errors) = self.snapshot();
         (SourceChanges::Full(snapshot), errors)
+    }
+    /// Every object, or what changed after a look at everything: the
+    /// periodic safety net (`syncPeriod`) against a change the source missed.
+    fn resync(&mut self) -> (SourceChanges, usize) {
+        self.changes()
     }
 }
 
@@ -114,8 +122,15 @@ impl Source for ManifestsSource {
         (snapshot, errors.len())
     }
 
-    /// Reads again only the files whose modification time, size or inode
-    /// changed, and names the objects that changed in them.
+    /// Compares every file's content with what was read, whatever its
+    /// times say, and names the objects that changed.
+    fn resync(&mut self) -> (SourceChanges, usize) {
+        self.cache.compare_all_next();
+        self.changes()
+    }
+
+    /// Reads again only the files whose modification time, size, inode or
+    /// change time changed, and names the objects that changed in them.
     fn changes(&mut self) -> (SourceChanges, usize) {
         if let Some(missing) = self.missing_paths() {
             return (SourceChanges::Changes(Vec::new()), missing);

@@ -367,6 +367,10 @@ async fn follow(
                 full += 1;
                 model.replace(snapshot);
             }
+            (SourceChanges::All(objects), _) => {
+                full += 1;
+                model.replace_objects(objects);
+            }
             (SourceChanges::Changes(changes), _) => {
                 named.extend(changes.iter().map(|c| match c {
                     model::Change::Applied(o) => format!("{:?} {:?}", o.kind(), o.key()),

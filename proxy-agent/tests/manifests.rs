@@ -480,3 +480,58 @@ fn json_documents_load_as_their_yaml_form_does() {
         errs[0]
     );
 }
+
+/// Found by review of the file cache: a change every stamp but the change
+/// time hides (`cp -p`, `rsync -t --inplace`), a removed file whose bad
+/// document kept its object, and a JSON document with a key twice (which the
+/// YAML path refuses).
+#[test]
+fn the_file_cache_sees_restored_times_removed_bad_files_and_duplicate_json_keys() {
+    use proxy_agent::model::Change;
+    let svc = |name: &str, ip: &str, port: &str| {
+        format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: {port}}}]}}\n")
+    };
+    let named = |c: &[Change]| -> Vec<String> {
+        c.iter()
+            .map(|c| match c {
+                Change::Applied(o) => format!("{:?} {}", o.kind(), o.key().1),
+                Change::Deleted(k, key) => format!("{k:?} {} deleted", key.1),
+            })
+            .collect()
+    };
+    let past = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+    let set_mtime = |p: &Path| {
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_modified(past)
+            .unwrap()
+    };
+
+    // Same length, modification time restored: the change time moved.
+    let dir = tempfile::tempdir().unwrap();
+    let paths = vec![dir.path().to_path_buf()];
+    let a = dir.path().join("a.yaml");
+    std::fs::write(&a, svc("web", "198.19.0.1", "80")).unwrap();
+    set_mtime(&a);
+    let mut cache = manifests::FileCache::default();
+    assert_eq!(named(&cache.refresh(&paths).0), ["Service web"]);
+    std::fs::write(&a, svc("web", "198.19.0.2", "80")).unwrap();
+    set_mtime(&a);
+    assert_eq!(named(&cache.refresh(&paths).0), ["Service web"]);
+
+    // A bad document keeps its object; the file removed takes it.
+    std::fs::write(&a, svc("web", "198.19.0.1", "eighty")).unwrap();
+    assert!(cache.refresh(&paths).0.is_empty(), "kept");
+    std::fs::remove_file(&a).unwrap();
+    assert_eq!(named(&cache.refresh(&paths).0), ["Service web deleted"]);
+
+    // JSON with a key twice: refused, as its YAML form is.
+    let j = dir.path().join("b.json");
+    std::fs::write(&j, r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","clusterIP":"198.19.0.2","ports":[{"port":80}]}}"#).unwrap();
+    let (snap, errors) = load_paths(&[j]);
+    assert!(snap.services.is_empty(), "{:?}", snap.services);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].message.contains("duplicate"), "{}", errors[0]);
+}

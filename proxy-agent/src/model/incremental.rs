@@ -301,14 +301,6 @@ impl Incremental {
     /// deleted, what is applied (unchanged objects cost a comparison). The
     /// first of two objects with one key is kept.
     pub fn replace(&mut self, snapshot: Snapshot) -> Update {
-        let mut changes = Vec::new();
-        let mut keep = |kind: Kind, keys: BTreeSet<ObjectKey>, held: Vec<ObjectKey>| {
-            for k in held.into_iter().filter(|k| !keys.contains(k)) {
-                changes.push(Change::Deleted(kind, k));
-            }
-        };
-        let mut seen = BTreeSet::new();
-        let mut applied = Vec::new();
         let objects = snapshot
             .services
             .into_iter()
@@ -326,6 +318,20 @@ impl Incremental {
                     .into_iter()
                     .map(|o| Object::Node(Arc::new(o))),
             );
+        self.replace_objects(objects)
+    }
+
+    /// [`Incremental::replace`] with shared objects: an object the model
+    /// holds already (the same `Arc`) costs a pointer comparison.
+    pub fn replace_objects(&mut self, objects: impl IntoIterator<Item = Object>) -> Update {
+        let mut changes = Vec::new();
+        let mut keep = |kind: Kind, keys: BTreeSet<ObjectKey>, held: Vec<ObjectKey>| {
+            for k in held.into_iter().filter(|k| !keys.contains(k)) {
+                changes.push(Change::Deleted(kind, k));
+            }
+        };
+        let mut seen = BTreeSet::new();
+        let mut applied = Vec::new();
         let mut keys: BTreeMap<Kind, BTreeSet<ObjectKey>> = BTreeMap::new();
         for o in objects {
             let kind = o.kind();
