@@ -18,26 +18,7 @@ use proxy_agent::model::{
 };
 use serde_json::json;
 
-/// xorshift64*: fixed seeds, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-}
+use crate::fuzz::Rng;
 
 const NAMESPACES: [&str; 3] = ["default", "a", "a-b"];
 const SERVICES: [&str; 5] = ["web", "api", "db", "x", "web-2"];
@@ -237,7 +218,7 @@ fn differences(a: &DesiredState, b: &DesiredState) -> (BTreeSet<String>, BTreeSe
 }
 
 fn run(seed: u64, steps: usize, opts: ModelOptions) {
-    let mut r = Rng(seed);
+    let mut r = Rng::new(seed);
     let mut model = Incremental::new("node-a", opts.clone());
     let mut frontends_seen = 0;
     for step in 0..steps {
@@ -323,7 +304,7 @@ fn incremental_changes_give_what_a_full_recompute_gives_with_a_frontend_limit() 
 
 #[test]
 fn a_change_recomputes_only_the_services_it_concerns() {
-    let mut r = Rng(42);
+    let mut r = Rng::new(42);
     let mut model = Incremental::new("node-a", ModelOptions::default());
     let mut changes = Vec::new();
     for i in 0..200 {

@@ -15,6 +15,8 @@ use proxy_agent::manifests::{load_str, Snapshot};
 use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+#[path = "../common/fuzz.rs"]
+mod fuzz;
 mod health_and_claims;
 mod incremental;
 mod lb;
