@@ -433,11 +433,7 @@ impl<D: Dataplane> Writer<D> {
             .chain(self.users.keys())
             .copied()
             .collect();
-        let mut changed = BTreeSet::new();
-        for key in &scope {
-            self.users
-                .set(key, desired.frontends.get(key), &mut changed);
-        }
+        self.users.update(&scope, desired);
         self.run(desired, scope, true)
     }
 
@@ -464,11 +460,7 @@ impl<D: Dataplane> Writer<D> {
             .chain(&self.affinity_pending)
             .copied()
             .collect();
-        let mut changed = BTreeSet::new();
-        for key in &scope {
-            self.users
-                .set(key, desired.frontends.get(key), &mut changed);
-        }
+        let changed = self.users.update(&scope, desired);
         // A backend whose users changed may be unused now.
         for addr in &changed {
             if let Some(id) = self.backend_ids.get(addr) {

@@ -382,7 +382,7 @@ impl Incremental {
                 Change::Applied(Object::Service(svc)) => {
                     let key = meta_key(&svc.metadata);
                     let old = self.services.get(&key);
-                    if old.is_some_and(|o| Arc::ptr_eq(o, &svc) || **o == *svc) {
+                    if same(old, &svc) {
                         continue;
                     }
                     if old.is_none_or(|o| {
@@ -401,11 +401,7 @@ impl Incremental {
                 }
                 Change::Applied(Object::EndpointSlice(slice)) => {
                     let key = meta_key(&slice.metadata);
-                    if self
-                        .slices
-                        .get(&key)
-                        .is_some_and(|o| Arc::ptr_eq(o, &slice) || **o == *slice)
-                    {
+                    if same(self.slices.get(&key), &slice) {
                         continue;
                     }
                     self.remove_slice(&key, &mut dirty, &mut touched_local);
@@ -416,11 +412,7 @@ impl Incremental {
                 }
                 Change::Applied(Object::Pod(pod)) => {
                     let key = meta_key(&pod.metadata);
-                    if self
-                        .pods
-                        .get(&key)
-                        .is_some_and(|o| Arc::ptr_eq(o, &pod) || **o == *pod)
-                    {
+                    if same(self.pods.get(&key), &pod) {
                         continue;
                     }
                     if let Some(old) = self.pods.remove(&key) {
@@ -446,11 +438,7 @@ impl Incremental {
                 }
                 Change::Applied(Object::Node(node)) => {
                     let n = name(&node.metadata).to_string();
-                    if self
-                        .nodes
-                        .get(&n)
-                        .is_some_and(|o| Arc::ptr_eq(o, &node) || **o == *node)
-                    {
+                    if same(self.nodes.get(&n), &node) {
                         continue;
                     }
                     node_changed |= n == self.ctx.name;
@@ -793,6 +781,11 @@ impl Incremental {
             self.health_conflicts.insert(port, warnings);
         }
     }
+}
+
+/// Whether `new` is the object the model holds (the same `Arc`, or equal).
+fn same<T: PartialEq>(held: Option<&Arc<T>>, new: &Arc<T>) -> bool {
+    held.is_some_and(|o| Arc::ptr_eq(o, new) || **o == **new)
 }
 
 /// A namespaced object's key.

@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 
 use proxy_common::backend_state;
 
-use crate::model::{BackendAddr, Frontend, FrontendKey};
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
 
 /// The desired frontends naming one backend address.
 #[derive(Debug, Default)]
@@ -32,6 +32,20 @@ impl Users {
     /// Every frontend indexed (desired at the last sync).
     pub(super) fn keys(&self) -> impl Iterator<Item = &FrontendKey> {
         self.lists.keys()
+    }
+
+    /// [`Users::set`] for every frontend of `scope`, as `desired` has it;
+    /// returns the addresses whose users changed.
+    pub(super) fn update(
+        &mut self,
+        scope: &BTreeSet<FrontendKey>,
+        desired: &DesiredState,
+    ) -> BTreeSet<BackendAddr> {
+        let mut changed = BTreeSet::new();
+        for key in scope {
+            self.set(key, desired.frontends.get(key), &mut changed);
+        }
+        changed
     }
 
     /// Indexes `fe` as the desired frontend `key` (`None`: not desired), and
