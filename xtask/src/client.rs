@@ -24,6 +24,14 @@ pub enum Request {
         timeout: Duration,
         bind_port: Option<u16>,
     },
+    /// New SCTP association (one-to-one socket): connect, write `payload`
+    /// (a line ended by `\n`: an SCTP shutdown is no half-close, so the end
+    /// of the request is not marked by one), read to end.
+    Sctp {
+        addr: SocketAddrV4,
+        payload: Vec<u8>,
+        timeout: Duration,
+    },
 }
 
 impl Request {
@@ -46,6 +54,15 @@ impl Request {
         }
     }
 
+    /// An SCTP request.
+    pub fn sctp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+        Request::Sctp {
+            addr,
+            payload: payload.to_vec(),
+            timeout,
+        }
+    }
+
     fn run(&self) -> io::Result<Vec<u8>> {
         match self {
             Request::Tcp {
@@ -59,6 +76,11 @@ impl Request {
                 timeout,
                 bind_port,
             } => udp_request_here(*addr, payload, *timeout, *bind_port),
+            Request::Sctp {
+                addr,
+                payload,
+                timeout,
+            } => sctp_request_here(*addr, payload, *timeout),
         }
     }
 }
@@ -109,6 +131,39 @@ pub fn udp_request_here(
     let n = sock.recv(&mut buf).map_err(timed_out)?;
     buf.truncate(n);
     Ok(buf)
+}
+
+/// SCTP request from the current thread's namespace: a new association
+/// (set up within the timeout; `ConnectionRefused` when the peer answers
+/// the INIT with an ABORT, `TimedOut` when nothing answers), `request`
+/// written, the reply read until the server ends the association. The
+/// timeout also bounds each read and write. Needs SCTP in the kernel (see
+/// [`crate::sctp::available`]): on a kernel where it is a module not yet
+/// loaded, the socket loads it.
+pub fn sctp_request_here(
+    addr: SocketAddrV4,
+    request: &[u8],
+    timeout: Duration,
+) -> io::Result<Vec<u8>> {
+    let mut stream = crate::sctp::connect_timeout(addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(request)?;
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).map_err(timed_out)?;
+    Ok(reply)
+}
+
+/// New SCTP association from namespace `ns` to `addr` (see
+/// [`sctp_request_here`]).
+pub fn sctp_request(
+    ns: &str,
+    addr: SocketAddrV4,
+    request: &[u8],
+    timeout: Duration,
+) -> io::Result<Vec<u8>> {
+    let request = request.to_vec();
+    in_netns(ns, move || sctp_request_here(addr, &request, timeout))?
 }
 
 /// New TCP connection from namespace `ns` to `addr`: connect (with timeout),

@@ -8,6 +8,7 @@ pub mod lab;
 pub mod lint;
 pub mod manifests;
 pub mod netns;
+pub mod sctp;
 pub mod setup;
 pub mod vm;
 

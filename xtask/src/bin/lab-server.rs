@@ -1,5 +1,5 @@
 //! The lab's pod server: answers `hostname`, `clientip` and `echo <data>` on
-//! every given TCP and UDP port (bound to 0.0.0.0).
+//! every given TCP, UDP and SCTP port (bound to 0.0.0.0).
 //!
 //! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
 //! timeout), one reply line, then close; except `stream`, which keeps the
@@ -34,6 +34,9 @@ struct Args {
     /// UDP ports to listen on.
     #[arg(long = "udp")]
     udp: Vec<u16>,
+    /// SCTP ports to listen on (one-to-one style sockets).
+    #[arg(long = "sctp")]
+    sctp: Vec<u16>,
     /// Id of the lab this server belongs to (only used to recognise it).
     #[arg(long)]
     lab: Option<String>,
@@ -142,6 +145,8 @@ fn serve_source(mut stream: TcpStream, mut n: u64) -> std::io::Result<()> {
     stream.flush()
 }
 
+/// Serves every connection of `listener`: TCP, or SCTP associations on a
+/// one-to-one SCTP socket (std's types carry its descriptor).
 fn serve_tcp(name: Arc<String>, listener: TcpListener) {
     for conn in listener.incoming() {
         match conn {
@@ -185,6 +190,11 @@ fn main() -> Result<()> {
             .with_context(|| format!("bind udp {port}"))?;
         let name = name.clone();
         threads.push(std::thread::spawn(move || serve_udp(name, s)));
+    }
+    for port in args.sctp {
+        let l = xtask::sctp::listen(port).with_context(|| format!("bind sctp {port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || serve_tcp(name, l)));
     }
     println!("ready");
     std::io::stdout().flush()?;
