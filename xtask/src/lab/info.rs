@@ -73,6 +73,12 @@ pub struct PodInfo {
     pub ip: Ipv4Addr,
     pub host_if: String,
     pub ports: Vec<PortInfo>,
+    /// The pod's server does not listen on its SCTP ports (the Pod's
+    /// annotation [`SCTP_LISTENER_ANNOTATION`](super::SCTP_LISTENER_ANNOTATION)
+    /// is `"false"`): an SCTP socket loads the kernel's sctp module, which a
+    /// test of the proxy's own effect on it (S41) must not do.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_sctp_listener: bool,
 }
 
 /// A Service frontend: `(ip, port, protocol)`.

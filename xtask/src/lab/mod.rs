@@ -87,6 +87,11 @@ pub const EXTRA_CLIENT_LAST: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 9);
 pub const LAB_ROUTE: &str = "198.18.0.0/15";
 /// Default port of a pod's server when it declares no containerPort.
 pub const DEFAULT_POD_PORT: u16 = 80;
+/// A Pod annotation: `"false"` starts the pod's server without listeners
+/// on its SCTP ports (they stay declared, so the pod still backs SCTP
+/// Services). Without it, a pod's SCTP ports are served over SCTP, which
+/// needs SCTP loaded in the kernel ([`crate::sctp::available`]).
+pub const SCTP_LISTENER_ANNOTATION: &str = "kpr-lab/sctp-listener";
 
 /// Most nodes a lab can have.
 pub const MAX_NODES: usize = 50;

@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use super::wait::{count_markers, tail};
 use super::{
     container, AgentImage, AgentInfo, Lab, PodInfo, ServerInfo, DEFAULT_POD_PORT, HAIRPIN_SNAT_IP,
+    SCTP_LISTENER_ANNOTATION,
 };
 use crate::{netns, setup};
 
@@ -62,6 +63,24 @@ pub(super) fn process_gone(pid: u32) -> bool {
     }
 }
 
+/// The ports a pod's server listens on over SCTP: its declared SCTP ports,
+/// none with [`SCTP_LISTENER_ANNOTATION`] `"false"`. (Every declared port
+/// is also served over TCP and UDP, as before SCTP.)
+pub(super) fn sctp_ports(pod: &PodInfo) -> Vec<u16> {
+    if pod.no_sctp_listener {
+        return Vec::new();
+    }
+    let mut v: Vec<u16> = pod
+        .ports
+        .iter()
+        .filter(|p| p.protocol.eq_ignore_ascii_case("SCTP"))
+        .map(|p| p.port)
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
 impl Lab {
     pub(super) fn spawn_server(&mut self, pod: &PodInfo) -> Result<()> {
         let bin = match &self.server_bin {
@@ -74,11 +93,23 @@ impl Lab {
         }
         ports.sort();
         ports.dedup();
+        let sctp = sctp_ports(pod);
+        if !sctp.is_empty() && !crate::sctp::available() {
+            bail!(
+                "pod {} declares SCTP ports {sctp:?} but this kernel has no SCTP loaded, and \
+                 the lab does not load the sctp module (its server's socket would); annotate \
+                 the pod {SCTP_LISTENER_ANNOTATION}: \"false\" to start it without SCTP listeners",
+                pod.name
+            );
+        }
         let log = self.info.dir.join(format!("server-{}.log", pod.netns));
         let mut cmd = Command::new(&bin);
         cmd.args(["--name", &pod.name, "--lab", &self.info.id]);
         for p in &ports {
             cmd.args(["--tcp", &p.to_string(), "--udp", &p.to_string()]);
+        }
+        for p in &sctp {
+            cmd.args(["--sctp", &p.to_string()]);
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -488,5 +519,42 @@ impl Lab {
             Some(c) => matches!(c.try_wait(), Ok(None)),
             None => !process_gone(pid),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lab::PortInfo;
+
+    fn pod(ports: &[(u16, &str)], no_sctp_listener: bool) -> PodInfo {
+        PodInfo {
+            name: "p".into(),
+            namespace: "default".into(),
+            node: "node-1".into(),
+            netns: String::new(),
+            ip: "198.18.1.10".parse().unwrap(),
+            host_if: String::new(),
+            ports: ports
+                .iter()
+                .map(|(port, protocol)| PortInfo {
+                    port: *port,
+                    protocol: protocol.to_string(),
+                })
+                .collect(),
+            no_sctp_listener,
+        }
+    }
+
+    #[test]
+    fn sctp_listeners_only_for_declared_sctp_ports() {
+        let p = pod(
+            &[(80, "TCP"), (5061, "SCTP"), (5062, "sctp"), (53, "UDP")],
+            false,
+        );
+        assert_eq!(sctp_ports(&p), [5061, 5062]);
+        assert!(sctp_ports(&pod(&[(80, "TCP")], false)).is_empty());
+        // Declared, not listened on: the pod still backs SCTP Services.
+        assert!(sctp_ports(&pod(&[(5061, "SCTP")], true)).is_empty());
     }
 }

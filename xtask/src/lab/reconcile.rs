@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Result};
 
 use super::info::{split_name, write_atomic};
 use super::wait::count_markers;
-use super::{Frontend, Lab, PodInfo, PortInfo, NODE_NAME};
+use super::{Frontend, Lab, PodInfo, PortInfo, NODE_NAME, SCTP_LISTENER_ANNOTATION};
 use crate::manifests::pod_ports;
 use crate::manifests::{self, Object};
 
@@ -185,6 +185,12 @@ impl Lab {
                     .as_ref()
                     .and_then(|s| s.node_name.clone())
                     .unwrap_or_else(|| NODE_NAME.to_string());
+                let no_sctp_listener = pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(SCTP_LISTENER_ANNOTATION))
+                    .is_some_and(|v| v == "false");
                 let info = PodInfo {
                     name: key.1.clone(),
                     namespace: key.0.clone(),
@@ -193,6 +199,7 @@ impl Lab {
                     ip,
                     host_if: String::new(),
                     ports,
+                    no_sctp_listener,
                 };
                 Ok((key, info, host_network))
             })
@@ -201,7 +208,9 @@ impl Lab {
         for (key, mut pod, host_network) in new_pods {
             match old_pods.get(&key) {
                 Some(old) if old.ip == pod.ip => {
-                    if old.ports != pod.ports && !old.host_if.is_empty() {
+                    let changed =
+                        old.ports != pod.ports || old.no_sctp_listener != pod.no_sctp_listener;
+                    if changed && !old.host_if.is_empty() {
                         self.stop_server(&key.0, &key.1)?;
                         let i = self
                             .info
@@ -210,6 +219,7 @@ impl Lab {
                             .position(|p| p == old)
                             .expect("pod listed");
                         self.info.pods[i].ports = pod.ports.clone();
+                        self.info.pods[i].no_sctp_listener = pod.no_sctp_listener;
                         let updated = self.info.pods[i].clone();
                         self.spawn_server(&updated)?;
                     }

@@ -109,6 +109,10 @@ impl Port {
         Port::new(name, port, "UDP")
     }
 
+    pub fn sctp(name: &str, port: u16) -> Port {
+        Port::new(name, port, "SCTP")
+    }
+
     /// targetPort as a number.
     pub fn target_port(mut self, port: u16) -> Port {
         self.0.target_port = Some(IntOrString::Int(port.into()));
@@ -286,7 +290,8 @@ impl Svc {
 
 /// A Pod labelled `app: <app>` with one container `c` of image
 /// `lab-server`: the lab starts a lab server for it, answering TCP and UDP
-/// on every declared port (none declared: on 80).
+/// on every declared port (none declared: on 80), and SCTP on its SCTP
+/// ports (unless [`Pod::without_sctp_listener`]).
 #[derive(Clone, Debug)]
 pub struct Pod(PodObject);
 
@@ -331,6 +336,21 @@ impl Pod {
     /// Service's named targetPort).
     pub fn named_port(self, name: &str, port: u16, protocol: &str) -> Pod {
         self.declare(Some(name), port, protocol)
+    }
+
+    /// Its server does not listen on the pod's SCTP ports (they stay
+    /// declared; see `xtask::lab::SCTP_LISTENER_ANNOTATION`): no SCTP socket,
+    /// so the kernel's sctp module is not loaded for it (S41).
+    pub fn without_sctp_listener(mut self) -> Pod {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(
+                xtask::lab::SCTP_LISTENER_ANNOTATION.to_string(),
+                "false".to_string(),
+            );
+        self
     }
 
     fn declare(mut self, name: Option<&str>, port: u16, protocol: &str) -> Pod {

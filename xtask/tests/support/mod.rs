@@ -366,12 +366,13 @@ pub fn tcp_hostnames(
 }
 
 /// `n` requests asking `hostname`, sent one after another: new TCP
-/// connections, or with `proto` "UDP" datagrams each from a new socket (a new
-/// source port, so a new flow).
+/// connections, with `proto` "UDP" datagrams each from a new socket (a new
+/// source port, so a new flow), with "SCTP" new SCTP associations.
 pub fn hostname_requests(addr: SocketAddrV4, proto: &str, n: usize) -> Vec<Request> {
     (0..n)
         .map(|_| match proto {
             "UDP" => Request::udp(addr, b"hostname", T),
+            "SCTP" => Request::sctp(addr, b"hostname\n", T),
             _ => Request::tcp(addr, b"hostname\n", T),
         })
         .collect()
