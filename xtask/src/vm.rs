@@ -1,6 +1,7 @@
 //! `cargo xtask test --kernel <name>`: the packet tests (and a one-node lab
-//! smoke) inside a qemu virtual machine booting one of Debian's kernels, since
-//! verifiers and attach points differ between kernels.
+//! smoke, and the SCTP lab tests) inside a qemu virtual machine booting one
+//! of Debian's kernels, since verifiers and attach points differ between
+//! kernels (and this machine's kernel has no SCTP).
 //!
 //! Kernels come from Debian's own packages, fetched with an apt configuration
 //! of this runner's own under `target/kernels/apt` (its own `sources.list`,
@@ -83,6 +84,14 @@ const GUEST_MODULES: &[&str] = &[
     "sch_ingress",
     "cls_bpf",
 ];
+
+/// Modules the `lab-sctp` step loads in the guest, after S41 (which must see
+/// the proxy not load sctp) and before N4 and N10 (which need it), in this
+/// order after their dependencies. `crc32c_generic` first: libcrc32c's only
+/// tie to it is `softdep=pre: crc32c`, an algorithm alias no `depends=`
+/// names, and libcrc32c's init fails without a crc32c provider (the guest's
+/// `request_module` finds no modprobe to load one).
+const SCTP_MODULES: &[&str] = &["crc32c_generic", "sctp"];
 
 fn kernels_dir() -> PathBuf {
     target_dir().join("kernels")
@@ -403,21 +412,85 @@ echo "KPR-VM-DONE rc=$?"
 poweroff -f
 "#;
 
-/// Builds the initramfs for `kernel` (busybox, `/init`, the modules
-/// decompressed) at `target/kernels/<name>.initrd`.
-fn initramfs(name: &str, kernel: &Fetched) -> Result<PathBuf> {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+/// The machine's busybox: the guest's initramfs gets a copy, and the
+/// guest's scripts (chrooted into this machine's root) run it for `insmod`.
+fn busybox() -> Result<&'static Path> {
+    ["/bin/busybox", "/usr/bin/busybox"]
         .into_iter()
         .map(Path::new)
         .find(|p| p.is_file())
-        .context("busybox not found (cargo xtask setup installs busybox-static)")?;
+        .context("busybox not found (cargo xtask setup installs busybox-static)")
+}
+
+/// [`module_order`] of `wanted` in `kernel`'s package.
+fn kernel_module_order(kernel: &Fetched, wanted: &[&str]) -> Result<Vec<String>> {
     let list = std::fs::read_to_string(kernel.modules.join("modules.order"))?;
     let mut deps_of = |path: &str| {
         decompress(&kernel.modules.join(path))
             .map(|ko| modinfo_depends(&ko))
             .unwrap_or_default()
     };
-    let order = module_order(&list, GUEST_MODULES, &mut deps_of);
+    Ok(module_order(&list, wanted, &mut deps_of))
+}
+
+/// A module the guest loads with `insmod`: its name as `/proc/modules`
+/// lists it, and the decompressed object on this machine's filesystem
+/// (which the guest sees at the same path).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GuestModule {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+/// [`SCTP_MODULES`] of `kernel`, dependencies first, decompressed (the
+/// guest's busybox `insmod` takes plain objects) into
+/// `target/kernels/<name>.sctp/` (remade on every run).
+fn sctp_modules(name: &str, kernel: &Fetched) -> Result<Vec<GuestModule>> {
+    let order = kernel_module_order(kernel, SCTP_MODULES)?;
+    if !order.iter().any(|m| module_name(m) == "sctp") {
+        bail!(
+            "kernel {name}: no sctp module in {} (built in, or not shipped)",
+            kernel.modules.join("modules.order").display()
+        );
+    }
+    let dir = kernels_dir().join(format!("{name}.sctp"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    order
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let module = module_name(m).replace('-', "_");
+            let path = dir.join(format!("{i:02}-{module}.ko"));
+            std::fs::write(&path, decompress(&kernel.modules.join(m))?)
+                .with_context(|| format!("write {}", path.display()))?;
+            Ok(GuestModule { name: module, path })
+        })
+        .collect()
+}
+
+/// Shell lines loading `modules` in order with `busybox insmod`, skipping
+/// those `/proc/modules` lists already; the first failure exits the
+/// (sub)shell with status 1 after a `KPR-SCTP insmod <name> failed` line.
+pub fn insmod_lines(modules: &[GuestModule], busybox: &Path) -> String {
+    modules
+        .iter()
+        .map(|m| {
+            format!(
+                "grep -q '^{name} ' /proc/modules || {bb} insmod {path} || {{ echo \"KPR-SCTP insmod {name} failed\"; exit 1; }}\n",
+                name = m.name,
+                bb = busybox.display(),
+                path = m.path.display()
+            )
+        })
+        .collect()
+}
+
+/// Builds the initramfs for `kernel` (busybox, `/init`, the modules
+/// decompressed) at `target/kernels/<name>.initrd`.
+fn initramfs(name: &str, kernel: &Fetched) -> Result<PathBuf> {
+    let busybox = busybox()?;
+    let order = kernel_module_order(kernel, GUEST_MODULES)?;
     let mut cpio = Cpio::default();
     for d in [
         "bin", "proc", "sys", "dev", "mods", "host", "rw", "root", "tmp",
@@ -618,7 +691,8 @@ fn test_binary(package: &str, test: &str) -> Result<PathBuf> {
 }
 
 /// What a kernel run executes: the verifier's statistics, the packet tests,
-/// the attach-mode tests and, with `lab`, the one-node lab smoke (S1).
+/// the attach-mode tests and, with `lab`, the one-node lab smoke (S1) and
+/// with `sctp` the SCTP lab tests.
 struct Binaries {
     datapath: PathBuf,
     attach: PathBuf,
@@ -627,16 +701,25 @@ struct Binaries {
 }
 
 struct LabBinaries {
-    tests: PathBuf,
     agent: PathBuf,
     server: PathBuf,
+    /// `tests/lab.rs`, for the smoke.
+    smoke: Option<PathBuf>,
+    /// `tests/lab_sctp.rs`.
+    sctp: Option<PathBuf>,
 }
 
 /// The lab test the kernel matrix runs (one node, a ClusterIP, pods added
 /// and removed, ECONNREFUSED with none).
 const LAB_SMOKE: &str = "s1_basic_endpoint_added_and_removed";
 
-fn build(lab: bool) -> Result<Binaries> {
+/// The SCTP lab test run before the guest loads sctp: the proxy must not
+/// load it (S41).
+const SCTP_UNLOADED_TEST: &str = "s41_sctp_service_does_not_load_the_sctp_module";
+/// The SCTP lab tests run once the guest loaded sctp, with SCTP required.
+const SCTP_TESTS: &[&str] = &["n4_pod_to_service_sctp", "n10_endpoint_to_service_sctp"];
+
+fn build(lab: bool, sctp: bool) -> Result<Binaries> {
     // The package selection of `cargo xtask test`'s own pass (see
     // [`test_binary`]): a `-p proxy-agent --release` build of the example
     // rebuilt the agent's dependencies with other features (2.5 minutes
@@ -649,13 +732,14 @@ fn build(lab: bool) -> Result<Binaries> {
         "--example",
         "verifier_stats",
     ]))?;
-    let lab = if lab {
+    let lab = if lab || sctp {
         let agent = crate::setup::build_agent()?;
         let server = crate::setup::build_lab_server()?;
         Some(LabBinaries {
-            tests: test_binary("xtask", "lab")?,
             agent,
             server,
+            smoke: lab.then(|| test_binary("xtask", "lab")).transpose()?,
+            sctp: sctp.then(|| test_binary("xtask", "lab_sctp")).transpose()?,
         })
     } else {
         None
@@ -669,8 +753,9 @@ fn build(lab: bool) -> Result<Binaries> {
 }
 
 /// The guest's script: each step prints `KPR-STEP <name> rc=<n>`; the script
-/// exits non-zero if any step failed.
-fn script(b: &Binaries, packet_tests: bool) -> String {
+/// exits non-zero if any step failed. `sctp_modules`: what the `lab-sctp`
+/// step loads between S41 and the tests that need SCTP.
+fn script(b: &Binaries, packet_tests: bool, sctp_modules: &[GuestModule]) -> String {
     let root = crate::setup::workspace_root();
     let mut s = format!(
         "set -u\nexport KPR_REQUIRE_ROOT_TESTS=1 HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin\ncd {}\nfail=0\n",
@@ -698,18 +783,49 @@ fn script(b: &Binaries, packet_tests: bool) -> String {
         format!("{} --include-ignored --test-threads=1", b.attach.display()),
     );
     if let Some(l) = &b.lab {
-        step(
-            "lab-smoke",
-            format!(
-                "KPR_LAB_START_TIMEOUT=180 KPR_AGENT_BIN={} KPR_LAB_SERVER_BIN={} {} --include-ignored --exact {LAB_SMOKE}",
-                l.agent.display(),
-                l.server.display(),
-                l.tests.display()
-            ),
+        let env = format!(
+            "KPR_LAB_START_TIMEOUT=180 KPR_AGENT_BIN={} KPR_LAB_SERVER_BIN={}",
+            l.agent.display(),
+            l.server.display()
         );
+        if let Some(smoke) = &l.smoke {
+            step(
+                "lab-smoke",
+                format!(
+                    "{env} {} --include-ignored --exact {LAB_SMOKE}",
+                    smoke.display()
+                ),
+            );
+        }
+        if let Some(tests) = &l.sctp {
+            // No busybox fails the initramfs first.
+            let bb = busybox().unwrap_or(Path::new("busybox"));
+            step("lab-sctp", sctp_step(&env, tests, sctp_modules, bb));
+        }
     }
     s.push_str("exit $fail\n");
     s
+}
+
+/// The `lab-sctp` step, in a subshell: S41 while sctp is not loaded (it must
+/// not be, or S41 proves nothing), then `sctp_modules` loaded, then the
+/// tests that need SCTP with `KPR_REQUIRE_SCTP=1` (a skip is a failure).
+/// Fails if any part did; a failed `insmod` skips the tests after it.
+fn sctp_step(env: &str, tests: &Path, modules: &[GuestModule], busybox: &Path) -> String {
+    format!(
+        "(
+rc=0
+if grep -q '^sctp ' /proc/modules; then echo \"KPR-SCTP sctp loaded before S41\"; exit 1; fi
+{env} {tests} --include-ignored --exact {SCTP_UNLOADED_TEST} || rc=1
+echo \"KPR-SCTP s41 rc=$rc; loading sctp\"
+{insmod}grep -q '^sctp ' /proc/modules || {{ echo \"KPR-SCTP sctp not loaded after insmod\"; exit 1; }}
+KPR_REQUIRE_SCTP=1 {env} {tests} --include-ignored --test-threads=2 --exact {names} || rc=1
+exit $rc
+)",
+        tests = tests.display(),
+        insmod = insmod_lines(modules, busybox),
+        names = SCTP_TESTS.join(" "),
+    )
 }
 
 /// A step's result line: `KPR-STEP <name> rc=<n>`.
@@ -724,11 +840,34 @@ pub fn parse_step(line: &str) -> Option<(&str, i32)> {
 /// `KPR_VM_PACKET_KERNELS` selects the packet tests, `KPR_VM_LAB_KERNELS`
 /// the one-node lab smoke (about 45 s a kernel under TCG; 41.7 s on 5.10).
 fn selected(var: &str, name: &str) -> bool {
-    match std::env::var(var) {
-        Ok(v) if v.trim() == "all" => true,
-        Ok(v) => v.split(',').map(str::trim).any(|k| k == name),
-        Err(_) => MATRIX.iter().any(|k| k.name == name),
+    let all: Vec<&str> = MATRIX.iter().map(|k| k.name).collect();
+    selects(std::env::var(var).ok().as_deref(), name, &all)
+}
+
+/// Whether a kernel list `value` (`6.1,5.10`, `all`, or `none`; unset:
+/// `default`) names kernel `name`.
+fn selects(value: Option<&str>, name: &str, default: &[&str]) -> bool {
+    match value.map(str::trim) {
+        Some("all") => true,
+        Some(v) => v.split(',').map(str::trim).any(|k| k == name),
+        None => default.contains(&name),
     }
+}
+
+/// Kernels whose run includes the `lab-sctp` step unless
+/// `KPR_VM_SCTP_KERNELS` names others: the newest and the oldest (each
+/// adds about 2.5 minutes under TCG: three labs, the guest's insmod).
+const SCTP_KERNELS: &[&str] = &["6.12", "5.10"];
+
+/// Whether kernel `name`'s run includes the `lab-sctp` step (S41 before
+/// sctp is loaded, N4 and N10 after): `KPR_VM_SCTP_KERNELS` (a list, `all`,
+/// or `none`), by default [`SCTP_KERNELS`].
+fn with_sctp(name: &str) -> bool {
+    selects(
+        std::env::var("KPR_VM_SCTP_KERNELS").ok().as_deref(),
+        name,
+        SCTP_KERNELS,
+    )
 }
 
 /// Whether kernel `name`'s run includes the lab smoke.
@@ -755,18 +894,25 @@ pub fn test_kernel(name: &str) -> Result<()> {
 /// program must load) and the attach tests only.
 fn run_kernel(name: &str, packet_tests: bool) -> Result<()> {
     let lab = with_lab(name) || name == "host";
-    let b = build(lab)?;
+    // Never on this machine: the step loads the sctp module.
+    let sctp = with_sctp(name) && name != "host";
+    let b = build(lab, sctp)?;
     if name == "host" {
         let path = kernels_dir().join("run-host.sh");
         std::fs::create_dir_all(kernels_dir())?;
-        std::fs::write(&path, script(&b, packet_tests))?;
+        std::fs::write(&path, script(&b, packet_tests, &[]))?;
         return run_visible(Command::new("sh").arg(&path));
     }
     let spec = spec(name)?;
     let started = Instant::now();
+    let modules = if sctp {
+        sctp_modules(name, &fetch(&spec)?)?
+    } else {
+        Vec::new()
+    };
     let path = kernels_dir().join(format!("run-{name}.sh"));
     std::fs::create_dir_all(kernels_dir())?;
-    std::fs::write(&path, script(&b, packet_tests))?;
+    std::fs::write(&path, script(&b, packet_tests, &modules))?;
     let out = run_script(&spec, &path, VM_TIMEOUT)?;
     let steps: Vec<(String, i32)> = out
         .lines
@@ -824,7 +970,8 @@ pub fn test_matrix() -> Result<()> {
             "verifier, attach tests"
         };
         let lab = if with_lab(name) { ", lab smoke" } else { "" };
-        println!("  {name:<5} {:>5} s  {what}{lab}", t.as_secs());
+        let sctp = if with_sctp(name) { ", lab SCTP" } else { "" };
+        println!("  {name:<5} {:>5} s  {what}{lab}{sctp}", t.as_secs());
     }
     if !failed.is_empty() {
         bail!("kernel matrix: failed on {failed:?}");
@@ -875,6 +1022,118 @@ kernel/drivers/net/veth.ko
                 "kernel/drivers/net/veth.ko",
             ]
         );
+    }
+
+    /// The 6.12 package's sctp chain: sctp needs udp_tunnel, ip6_udp_tunnel
+    /// and libcrc32c; crc32c_generic comes first by [`SCTP_MODULES`]'s
+    /// order; a module the kernel has built in (absent from modules.order)
+    /// is skipped.
+    #[test]
+    fn sctp_modules_come_after_their_dependencies() {
+        let order = "\
+kernel/arch/x86/crypto/crc32c-intel.ko
+kernel/crypto/crc32c_generic.ko
+kernel/lib/libcrc32c.ko
+kernel/net/ipv4/udp_tunnel.ko
+kernel/net/ipv6/ip6_udp_tunnel.ko
+kernel/net/sctp/sctp.ko
+kernel/net/sctp/sctp_diag.ko
+";
+        let mut deps = |p: &str| -> Vec<String> {
+            match p {
+                "kernel/net/sctp/sctp.ko" => vec![
+                    "udp_tunnel".into(),
+                    "ip6_udp_tunnel".into(),
+                    "libcrc32c".into(),
+                ],
+                "kernel/net/sctp/sctp_diag.ko" => vec!["sctp".into()],
+                _ => vec![],
+            }
+        };
+        assert_eq!(
+            module_order(order, SCTP_MODULES, &mut deps),
+            [
+                "kernel/crypto/crc32c_generic.ko",
+                "kernel/net/ipv4/udp_tunnel.ko",
+                "kernel/net/ipv6/ip6_udp_tunnel.ko",
+                "kernel/lib/libcrc32c.ko",
+                "kernel/net/sctp/sctp.ko",
+            ]
+        );
+        // A dependency the kernel has built in is not in modules.order:
+        // skipped.
+        let order = "\
+kernel/crypto/crc32c_generic.ko
+kernel/lib/libcrc32c.ko
+kernel/net/sctp/sctp.ko
+";
+        let mut deps = |p: &str| -> Vec<String> {
+            match p {
+                "kernel/net/sctp/sctp.ko" => vec!["udp_tunnel".into(), "libcrc32c".into()],
+                _ => vec![],
+            }
+        };
+        assert_eq!(
+            module_order(order, SCTP_MODULES, &mut deps),
+            [
+                "kernel/crypto/crc32c_generic.ko",
+                "kernel/lib/libcrc32c.ko",
+                "kernel/net/sctp/sctp.ko",
+            ]
+        );
+    }
+
+    #[test]
+    fn insmod_lines_skip_loaded_modules_and_stop_at_a_failure() {
+        let mods = [
+            GuestModule {
+                name: "libcrc32c".into(),
+                path: "/t/k/6.12.sctp/00-libcrc32c.ko".into(),
+            },
+            GuestModule {
+                name: "sctp".into(),
+                path: "/t/k/6.12.sctp/01-sctp.ko".into(),
+            },
+        ];
+        assert_eq!(
+            insmod_lines(&mods, Path::new("/bin/busybox")),
+            "grep -q '^libcrc32c ' /proc/modules || /bin/busybox insmod /t/k/6.12.sctp/00-libcrc32c.ko || { echo \"KPR-SCTP insmod libcrc32c failed\"; exit 1; }\n\
+             grep -q '^sctp ' /proc/modules || /bin/busybox insmod /t/k/6.12.sctp/01-sctp.ko || { echo \"KPR-SCTP insmod sctp failed\"; exit 1; }\n"
+        );
+    }
+
+    /// S41 runs before the modules load, the tests needing SCTP after, with
+    /// SCTP required.
+    #[test]
+    fn sctp_step_checks_s41_before_loading_sctp() {
+        let mods = [GuestModule {
+            name: "sctp".into(),
+            path: "/m/sctp.ko".into(),
+        }];
+        let s = sctp_step("E=1", Path::new("/t/lab_sctp"), &mods, Path::new("bb"));
+        let at = |needle: &str| {
+            s.find(needle)
+                .unwrap_or_else(|| panic!("{needle:?} not in {s}"))
+        };
+        assert!(at("grep -q '^sctp ' /proc/modules; then") < at(SCTP_UNLOADED_TEST));
+        assert!(at(SCTP_UNLOADED_TEST) < at("bb insmod /m/sctp.ko"));
+        assert!(at("bb insmod /m/sctp.ko") < at("KPR_REQUIRE_SCTP=1 E=1 /t/lab_sctp"));
+        for t in SCTP_TESTS {
+            assert!(at("KPR_REQUIRE_SCTP=1") < at(t));
+        }
+        assert!(!s[..at("KPR_REQUIRE_SCTP=1")].contains("n4_"));
+    }
+
+    #[test]
+    fn kernel_lists_select() {
+        let def = ["6.12", "5.10"];
+        assert!(selects(None, "6.12", &def));
+        assert!(!selects(None, "6.1", &def));
+        assert!(selects(Some("all"), "6.1", &def));
+        assert!(selects(Some("6.1, 5.10"), "5.10", &def));
+        assert!(!selects(Some("6.1"), "6.12", &def));
+        assert!(!selects(Some("none"), "6.12", &def));
+        assert!(!selects(Some(""), "6.12", &def));
     }
 
     #[test]
