@@ -12,6 +12,7 @@
 #![no_std]
 
 pub mod conntrack;
+pub mod crc32c;
 pub mod csum;
 pub mod lb;
 pub mod ratelimit;
@@ -124,6 +125,7 @@ pub const SNAT_SEARCH_BACKOFF_NS: u64 = 100_000_000;
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
 
 /// Frontend scope, part of [`Svc4Key`]: a service's internal frontends
 /// (ClusterIP, `internalTrafficPolicy`) and external ones (NodePort, externalIP,
@@ -720,7 +722,7 @@ pub mod stat {
     pub const PASS_TTL: u32 = 18;
     /// The datapath is not configured yet (no agent has written the config map).
     pub const PASS_UNCONFIGURED: u32 = 19;
-    /// Neither TCP nor UDP: passed untouched.
+    /// Neither TCP, UDP nor SCTP: passed untouched.
     pub const PASS_OTHER_PROTO: u32 = 20;
     /// An IPv4 header or L4 ports that cannot be read (truncated, bad version
     /// or header length), not for a frontend: passed untouched; the stack drops it.
@@ -808,9 +810,15 @@ pub mod stat {
     /// `loadBalancerSourceRanges` (judged by the node's address); the call
     /// failed with EPERM.
     pub const SOCK_SOURCE_RANGE: u32 = 47;
+    /// The first fragment of an SCTP packet whose port is translated: its
+    /// CRC32c covers the whole packet, whose length this fragment does not
+    /// give, so it cannot be kept valid; dropped (SCTP fragments its own
+    /// chunks to the path MTU and sends with DF set, so IP fragments of it
+    /// are rare; without port translation fragments pass translated).
+    pub const DROP_SCTP_FRAGMENT: u32 = 48;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 48] = [
+    pub const NAMES: [&str; 49] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -859,6 +867,7 @@ pub mod stat {
         "sock_no_backend_entry",
         "sock_revnat_insert_failed",
         "sock_source_range",
+        "drop_sctp_fragment",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

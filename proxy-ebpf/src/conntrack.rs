@@ -6,8 +6,8 @@
 
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use proxy_common::{
-    conntrack::{alive, forward_state, needs_refresh, reply_state, tcp},
-    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4, IPPROTO_TCP,
+    conntrack::{alive, connection_oriented, forward_state, needs_refresh, reply_state, tcp},
+    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
 };
 
 use crate::{
@@ -113,7 +113,7 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
 #[inline(always)]
 fn reopens(pkt: &Packet, c: &Ct4Value) -> bool {
     let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
-    pkt.proto == IPPROTO_TCP
+    connection_oriented(pkt.proto)
         && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
         && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
 }

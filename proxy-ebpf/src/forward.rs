@@ -6,9 +6,9 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    backend_state, config_flags, conntrack::tcp, conntrack::tcp_state, ct_dir, ct_flags, stat,
-    svc_flags, Config, Ct4Key, Ct4Value, Svc4Value, IPPROTO_TCP, MAP_LAYOUT_VERSION,
-    SCOPE_EXTERNAL,
+    backend_state, config_flags, conntrack::connection_oriented, conntrack::tcp,
+    conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config, Ct4Key, Ct4Value, Svc4Value,
+    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
 };
 
 use crate::{
@@ -127,7 +127,7 @@ fn new_flow(
         // address of this node, or the hairpin one, it would drop).
         flags |= ct_flags::VIA_STACK;
     }
-    if pkt.proto == IPPROTO_TCP {
+    if connection_oriented(pkt.proto) {
         flags |= tcp_state(0, pkt.tcp_flags);
         if pkt.tcp_flags & tcp::SYN == 0 {
             count(stat::CT_NEW_MIDSTREAM);

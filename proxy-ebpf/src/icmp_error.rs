@@ -26,7 +26,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    csum, ct_dir, ct_flags, stat, Ct4Key, Ct4Value, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP,
+    csum, ct_dir, ct_flags, stat, Ct4Key, Ct4Value, IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP,
 };
 
 use crate::{
@@ -219,7 +220,9 @@ fn about_tcp_or_udp(m: &IcmpError4) -> bool {
             ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB
         )
         && m.inner.ver_ihl == 0x45
-        && (m.inner.proto == IPPROTO_TCP || m.inner.proto == IPPROTO_UDP)
+        && (m.inner.proto == IPPROTO_TCP
+            || m.inner.proto == IPPROTO_UDP
+            || m.inner.proto == IPPROTO_SCTP)
         && u16::from_be(m.inner.frag_off_be) & IP_OFFSET_MASK == 0
 }
 

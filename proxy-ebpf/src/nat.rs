@@ -1,7 +1,8 @@
 //! Address and port translation: which SNAT a new flow needs, the source port
 //! it gets, the translated tuples of both directions, and their rewrite into
-//! the packet (tc: skb helpers that keep the checksums; XDP: in place, with
-//! RFC 1624 incremental checksum updates).
+//! the packet (tc: skb helpers that keep the checksums, and SCTP's CRC32c
+//! updated by [`proxy_common::crc32c`]; XDP: in place, with RFC 1624
+//! incremental checksum updates).
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
@@ -10,14 +11,17 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    backend_state, conntrack::NSEC_PER_SEC, csum, ct_flags, stat, svc_flags, Backend4, Config,
-    Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_TCP, IPPROTO_UDP, SNAT_SEARCH_BACKOFF_NS,
+    backend_state, conntrack::NSEC_PER_SEC, crc32c, csum, ct_flags, stat, svc_flags, Backend4,
+    Config, Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    SNAT_SEARCH_BACKOFF_NS,
 };
 
 use crate::{
     conntrack::{self, Flow},
     maps::{count, CONFIG_V2, CT4_V1, SNAT_FULL4_V1},
-    parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
+    parse::{
+        xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_FRAG_OFF, IP_MF, IP_SRC_OFF,
+    },
     verdict::Verdict,
 };
 
@@ -268,7 +272,8 @@ fn rewrite_addr(
     if old == new {
         return Ok(());
     }
-    if pkt.l4_present {
+    // SCTP's checksum has no pseudo-header.
+    if pkt.l4_present && pkt.proto != IPPROTO_SCTP {
         ctx.l4_csum_replace(
             pkt.csum_off,
             old as u64,
@@ -292,15 +297,57 @@ fn rewrite_port(
     if old == new || !pkt.l4_present {
         return Ok(());
     }
-    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
-        .map_err(|_| REWRITE_FAILED)?;
+    // SCTP: see [`sctp_ports`].
+    if pkt.proto != IPPROTO_SCTP {
+        ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
+            .map_err(|_| REWRITE_FAILED)?;
+    }
     ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+}
+
+/// The 4 port bytes at the start of an L4 header, as stored, read as one
+/// native integer.
+#[inline(always)]
+fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
+    let (s, d) = (sport_be.to_ne_bytes(), dport_be.to_ne_bytes());
+    u32::from_ne_bytes([s[0], s[1], d[0], d[1]])
+}
+
+/// SCTP's CRC32c updated for the ports of `to` ([`crc32c::update_ports`]),
+/// before they are written. The CRC covers the whole SCTP packet: the first
+/// fragment of a fragmented one does not tell its length, and is dropped
+/// (`drop_sctp_fragment`). A packet whose CRC is yet to be computed (a
+/// local sender's, `CHECKSUM_PARTIAL` with the CRC offloaded, as over veth)
+/// gets a field the kernel overwrites anyway.
+#[inline(always)]
+fn sctp_ports(ctx: &TcContext, pkt: &Packet, to: &Tuple) -> Result<(), Verdict> {
+    let old = ports_word(pkt.sport_be, pkt.dport_be);
+    let new = ports_word(to.sport_be, to.dport_be);
+    if old == new || !pkt.l4_present {
+        return Ok(());
+    }
+    // Read here, not kept in `pkt` by the parser: a fragment flag the
+    // verifier knows on each of the parser's paths would keep those paths
+    // apart through the whole program (measured: past its million).
+    let frag = ctx.load::<u16>(IP_FRAG_OFF).map_err(|_| REWRITE_FAILED)?;
+    if u16::from_be(frag) & IP_MF != 0 {
+        return Err(Verdict::Drop(stat::DROP_SCTP_FRAGMENT));
+    }
+    let ihl = pkt.l4_off - ETH_HLEN;
+    let len = (pkt.tot_len as usize).saturating_sub(ihl) as u16;
+    let stored = ctx.load::<u32>(pkt.csum_off).map_err(|_| REWRITE_FAILED)?;
+    let crc = crc32c::update_ports(stored, len, old, new);
+    ctx.store(pkt.csum_off, &crc, 0).map_err(|_| REWRITE_FAILED)
 }
 
 /// Rewrites a tc packet to tuple `to` (unchanged fields are left alone), with
 /// the IPv4 and L4 checksums kept valid; a later fragment only gets its
-/// addresses rewritten.
+/// addresses rewritten (an SCTP one whatever its ports: its CRC is the first
+/// fragment's, see [`sctp_ports`]).
 pub fn rewrite(ctx: &TcContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verdict> {
+    if pkt.proto == IPPROTO_SCTP {
+        sctp_ports(ctx, pkt, to)?;
+    }
     rewrite_addr(ctx, pkt, IP_DST_OFF, pkt.daddr_be, to.daddr_be)?;
     pkt.daddr_be = to.daddr_be;
     rewrite_port(ctx, pkt, pkt.l4_off + 2, pkt.dport_be, to.dport_be)?;

@@ -1,4 +1,4 @@
-//! Parsing: Ethernet, IPv4 and the TCP/UDP ports, into a [`Packet`].
+//! Parsing: Ethernet, IPv4 and the TCP/UDP/SCTP ports, into a [`Packet`].
 //!
 //! tc reads headers with `bpf_skb_load_bytes` ([`parse`]); XDP reads them in
 //! place, bounds-checked ([`parse_xdp`]). Both give the same [`Packet`], so the
@@ -10,7 +10,10 @@ use aya_ebpf::{
     bindings::BPF_ANY,
     programs::{TcContext, XdpContext},
 };
-use proxy_common::{stat, Ct4Key, Frag4Key, Frag4Ports, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{
+    conntrack::sctp_flags, stat, Ct4Key, Frag4Key, Frag4Ports, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP,
+};
 
 use crate::{
     maps::{count, FRAG4_V1},
@@ -23,10 +26,13 @@ pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
 pub const IP_SRC_OFF: usize = ETH_HLEN + 12;
 pub const IP_DST_OFF: usize = ETH_HLEN + 16;
-const IP_MF: u16 = 0x2000;
+pub const IP_FRAG_OFF: usize = ETH_HLEN + 6;
+pub const IP_MF: u16 = 0x2000;
 const IP_OFFSET: u16 = 0x1fff;
 /// Byte of the TCP header holding the flags.
 const TCP_FLAGS_OFF: usize = 13;
+/// Byte of an SCTP packet holding its first chunk's type.
+const SCTP_CHUNK_OFF: usize = 12;
 
 /// The fixed 20 bytes of an IPv4 header, as in the packet.
 #[repr(C)]
@@ -55,6 +61,8 @@ pub struct Packet {
     pub sport_be: u16,
     pub dport_be: u16,
     pub tot_len: u16,
+    /// TCP: the header's flags; SCTP: those its first chunk stands for
+    /// ([`proxy_common::conntrack::sctp_flags`]).
     pub tcp_flags: u8,
     /// False for a non-first IPv4 fragment: it carries no L4 header; its ports
     /// come from the fragment map, and only addresses are rewritten.
@@ -118,7 +126,7 @@ pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
     if ip.ver_ihl >> 4 != 4 || ihl < 20 {
         return Err(Verdict::Pass(stat::PASS_MALFORMED));
     }
-    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP {
+    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP && ip.proto != IPPROTO_SCTP {
         return Err(Verdict::Pass(stat::PASS_OTHER_PROTO));
     }
     let l4_off = ETH_HLEN + ihl;
@@ -160,24 +168,36 @@ pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
     Ok((pkt, ip, if l4_present { l4_off + l4_min } else { l4_off }))
 }
 
-/// Offset of the L4 checksum in its header, and the header's minimum length.
+/// Offset of the L4 checksum in its header, and the header's minimum length
+/// (SCTP: the common header and one chunk's header).
 #[inline(always)]
 fn l4_layout(proto: u8) -> (usize, usize) {
     if proto == IPPROTO_TCP {
         (16, 20)
+    } else if proto == IPPROTO_SCTP {
+        (8, 16)
     } else {
         (6, 8)
     }
 }
 
-/// Reads the TCP flags of a frontend-bound tc packet into `pkt` (a later
-/// fragment has none).
+/// Reads the TCP flags of a tc packet into `pkt`, or for SCTP those its
+/// first chunk stands for (a later fragment has none).
 #[inline(always)]
 pub fn load_tcp_flags(ctx: &TcContext, pkt: &mut Packet) -> Result<(), Verdict> {
-    if pkt.proto == IPPROTO_TCP && pkt.l4_present {
+    if !pkt.l4_present {
+        return Ok(());
+    }
+    let malformed = |_| Verdict::Drop(stat::DROP_MALFORMED);
+    if pkt.proto == IPPROTO_TCP {
         pkt.tcp_flags = ctx
             .load::<u8>(pkt.l4_off + TCP_FLAGS_OFF)
-            .map_err(|_| Verdict::Drop(stat::DROP_MALFORMED))?;
+            .map_err(malformed)?;
+    } else if pkt.proto == IPPROTO_SCTP {
+        let chunk = ctx
+            .load::<u8>(pkt.l4_off + SCTP_CHUNK_OFF)
+            .map_err(malformed)?;
+        pkt.tcp_flags = sctp_flags(chunk);
     }
     Ok(())
 }
@@ -194,7 +214,8 @@ pub fn xdp_ptr<T>(ctx: &XdpContext, off: usize) -> Option<*mut T> {
 }
 
 /// Parses an XDP frame in place: IPv4 without options, not a fragment, TCP or
-/// UDP with a complete header. Anything else is deferred to tc
+/// UDP with a complete header. Anything else (SCTP included: its checksum
+/// update is tc's) is deferred to tc
 /// (`Pass(XDP_DEFERRED)`), which handles every case.
 #[inline(always)]
 pub fn parse_xdp(ctx: &XdpContext) -> Result<Packet, Verdict> {
