@@ -1,5 +1,6 @@
 //! `proxy-agent inspect`: reads the pinned maps of a running agent and prints
 //! them as a table or as JSON.
+use crate::model::proto_name;
 use std::{collections::BTreeMap, path::PathBuf};
 
 use clap::{Parser, ValueEnum};
@@ -39,14 +40,6 @@ pub struct InspectArgs {
     bpffs: PathBuf,
     #[arg(long, short, value_enum, default_value = "table")]
     output: Output,
-}
-
-fn proto_name(p: u8) -> String {
-    match p {
-        proxy_common::IPPROTO_TCP => "TCP".into(),
-        proxy_common::IPPROTO_UDP => "UDP".into(),
-        other => other.to_string(),
-    }
 }
 
 pub fn run(a: InspectArgs) -> Result<(), BpfError> {

@@ -80,11 +80,7 @@ impl Collector for DatapathStats {
         let Ok(traffic) = PinnedMaps::new(&self.pin_dir).traffic() else {
             return Ok(());
         };
-        let proto = |p: u8| match p {
-            proxy_common::IPPROTO_TCP => "TCP".to_string(),
-            proxy_common::IPPROTO_UDP => "UDP".to_string(),
-            n => n.to_string(),
-        };
+        let proto = crate::model::proto_name;
         let fe: Vec<(String, proxy_common::Traffic)> = traffic
             .frontends
             .values()

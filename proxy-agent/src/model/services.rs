@@ -2,7 +2,7 @@
 //! proxy's), and the object naming and protocol parsing every step shares.
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::{ModelOptions, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 
@@ -26,6 +26,7 @@ pub(super) fn parse_proto(protocol: Option<&str>) -> Result<u8, String> {
     match protocol.unwrap_or("TCP") {
         "TCP" => Ok(IPPROTO_TCP),
         "UDP" => Ok(IPPROTO_UDP),
+        "SCTP" => Ok(IPPROTO_SCTP),
         other => Err(format!("protocol {other} is not supported")),
     }
 }

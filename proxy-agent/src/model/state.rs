@@ -6,7 +6,7 @@ use std::net::Ipv4Addr;
 
 #[cfg(doc)]
 use proxy_common::svc_flags;
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
 
 use super::NodePortAddresses;
 
@@ -50,11 +50,12 @@ impl fmt::Display for BackendAddr {
     }
 }
 
-/// `TCP`, `UDP` or the protocol number.
+/// `TCP`, `UDP`, `SCTP` or the protocol number.
 pub fn proto_name(proto: u8) -> String {
     match proto {
         IPPROTO_TCP => "TCP".into(),
         IPPROTO_UDP => "UDP".into(),
+        IPPROTO_SCTP => "SCTP".into(),
         n => n.to_string(),
     }
 }

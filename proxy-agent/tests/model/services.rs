@@ -8,7 +8,7 @@ use proxy_agent::manifests::load_paths;
 use proxy_agent::model::{
     desired_state, desired_state_with, endpoint_slices_from_pods, ModelOptions,
 };
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::*;
 
@@ -338,7 +338,7 @@ fn invalid_ip_in_slice_warns_and_keeps_other_endpoints() {
 }
 
 #[test]
-fn invalid_cluster_ip_warns_and_skips_only_that_service_and_ipv6_is_ignored() {
+fn invalid_cluster_ip_or_protocol_warns_and_skips_only_that_and_ipv6_is_ignored() {
     let yaml = WEB.to_string()
         + "---
 apiVersion: v1
@@ -355,23 +355,35 @@ apiVersion: v1
 kind: Service
 metadata: {name: sctp}
 spec: {clusterIP: 198.19.0.8, ports: [{name: s, port: 80, protocol: SCTP}, {name: t, port: 81}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dccp}
+spec: {clusterIP: 198.19.0.9, ports: [{name: d, port: 80, protocol: DCCP}, {name: t, port: 81}]}
 ";
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    let keys: Vec<_> = state.frontends.keys().map(|k| (k.addr, k.port)).collect();
+    let keys: Vec<_> = state
+        .frontends
+        .keys()
+        .map(|k| (k.addr, k.port, k.proto))
+        .collect();
     let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
     assert_eq!(
         keys,
         [
-            (ip("198.19.0.1"), 80),
-            (ip("198.19.0.7"), 80),
-            (ip("198.19.0.8"), 81)
+            (ip("198.19.0.1"), 80, IPPROTO_TCP),
+            (ip("198.19.0.7"), 80, IPPROTO_TCP),
+            (ip("198.19.0.8"), 80, IPPROTO_SCTP),
+            (ip("198.19.0.8"), 81, IPPROTO_TCP),
+            (ip("198.19.0.9"), 81, IPPROTO_TCP)
         ]
     );
     let text: Vec<String> = warnings.iter().map(ToString::to_string).collect();
     assert_eq!(text.len(), 2, "{text:?}");
     assert!(text[0].contains("Service default/broken"), "{text:?}");
+    // A protocol Kubernetes does not have skips that port only.
     assert!(
-        text[1].contains("Service default/sctp") && text[1].contains("SCTP"),
+        text[1].contains("Service default/dccp") && text[1].contains("DCCP"),
         "{text:?}"
     );
 }
