@@ -28,6 +28,8 @@ mod kit;
 mod lb;
 #[path = "datapath/lifecycle.rs"]
 mod lifecycle;
+#[path = "datapath/sctp.rs"]
+mod sctp;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 

@@ -1,10 +1,10 @@
-//! Frame builders: Ethernet + IPv4 + TCP/UDP with valid checksums, IPv4
+//! Frame builders: Ethernet + IPv4 + TCP/UDP/SCTP with valid checksums, IPv4
 //! fragments and options. Names carry the family (`tcp4`, `ipv4_*`) so that
 //! IPv6 builders (`tcp6`, `ipv6_*`) can stand beside them; the L4 segment
 //! builders (`tcp_segment`, `udp_segment`) are family-neutral.
 use std::net::Ipv4Addr;
 
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::check::{ip_csum, l4_csum4};
 
@@ -44,6 +44,42 @@ pub fn udp_segment(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
     seg[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
     seg.extend_from_slice(payload);
     seg
+}
+
+/// An SCTP packet: common header (verification tag 0x01020304) and one
+/// chunk of type `chunk` (flags 0) whose value is `value` (padded to 4
+/// bytes), with its CRC32c (no pseudo-header: the addresses do not matter).
+pub fn sctp_packet(sport: u16, dport: u16, chunk: u8, value: &[u8]) -> Vec<u8> {
+    let mut p = vec![0u8; 12];
+    p[0..2].copy_from_slice(&sport.to_be_bytes());
+    p[2..4].copy_from_slice(&dport.to_be_bytes());
+    p[4..8].copy_from_slice(&0x0102_0304u32.to_be_bytes());
+    p.extend_from_slice(&[chunk, 0]);
+    p.extend_from_slice(&((4 + value.len()) as u16).to_be_bytes());
+    p.extend_from_slice(value);
+    while !p.len().is_multiple_of(4) {
+        p.push(0);
+    }
+    let c = super::check::sctp_checksum(&p);
+    p[8..12].copy_from_slice(&c);
+    p
+}
+
+/// Ethernet + IPv4 + an SCTP packet of one chunk ([`sctp_packet`]).
+pub fn sctp4(
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    chunk: u8,
+    value: &[u8],
+) -> Vec<u8> {
+    ipv4(
+        src,
+        dst,
+        IPPROTO_SCTP,
+        &sctp_packet(sport, dport, chunk, value),
+    )
 }
 
 /// Fills in the L4 checksum of `seg` (TCP or UDP) over the IPv4 pseudo-header.
