@@ -14,6 +14,7 @@
 //! The seed is printed; `KPR_FUZZ_SEED` replays one, `KPR_FUZZ_FRAMES` sets
 //! how many frames each program gets (default 1500: a few seconds).
 use super::*;
+use proxy_common::IPPROTO_SCTP;
 
 /// xorshift64*: small, seedable, good enough to pick mutations.
 struct Rng(u64);
@@ -45,7 +46,8 @@ impl Rng {
 }
 
 /// A frame is well-formed when it is Ethernet + IPv4 whose lengths agree,
-/// not a fragment, with a complete TCP/UDP/ICMP header and valid checksums.
+/// not a fragment, with a complete TCP/UDP/ICMP header (SCTP: common header
+/// and a chunk's) and valid checksums (SCTP: its CRC32c).
 /// Returns (source, sport, destination, dport, proto) then.
 fn well_formed(f: &[u8]) -> Option<(Ipv4Addr, u16, Ipv4Addr, u16, u8)> {
     if f.len() < 34 || f[12..14] != [0x08, 0x00] || f[14] >> 4 != 4 {
@@ -76,6 +78,7 @@ fn well_formed(f: &[u8]) -> Option<(Ipv4Addr, u16, Ipv4Addr, u16, u8)> {
                 && (l4[6..8] == [0, 0] || l4_csum4(src, dst, proto, l4) == 0)
         }
         IPPROTO_ICMP => l4.len() >= 8 && kit::check::ip_csum(l4) == 0,
+        IPPROTO_SCTP => l4.len() >= 16 && l4[8..12] == kit::check::sctp_checksum(l4),
         _ => false,
     };
     if !ok {
@@ -103,6 +106,8 @@ fn fuzz_frontends() -> Vec<(Ipv4Addr, u16, u8, u8)> {
         (NODE, 30080, IPPROTO_TCP, E),
         (NODE, 30080, IPPROTO_TCP, I),
         (LB, 80, IPPROTO_TCP, E),
+        (VIP, 5060, IPPROTO_SCTP, I),
+        (NODE, 30060, IPPROTO_SCTP, E),
     ]
 }
 
@@ -120,6 +125,17 @@ fn fuzz_setup() -> Setup {
         (
             fe_ext(LB, 80, IPPROTO_TCP),
             vec![be(B1, 8080, IPPROTO_TCP)],
+            0,
+        ),
+        // SCTP with port translation: the CRC32c must hold after any rewrite.
+        (
+            fe(VIP, 5060, IPPROTO_SCTP),
+            vec![be(B1, 5061, IPPROTO_SCTP), be(B2, 5061, IPPROTO_SCTP)],
+            0,
+        ),
+        (
+            fe_ext(NODE, 30060, IPPROTO_SCTP),
+            vec![be(REMOTE, 5061, IPPROTO_SCTP)],
             0,
         ),
     ]);
@@ -156,6 +172,10 @@ fn random_valid(rng: &mut Rng) -> Vec<u8> {
     let payload = rng.some_bytes(48);
     if proto == IPPROTO_UDP {
         udp4(src, sport, dst, dport, &payload)
+    } else if proto == IPPROTO_SCTP {
+        // INIT, INIT ACK, ABORT, SHUTDOWN, DATA or any chunk type.
+        let chunk = [1u8, 2, 6, 7, 0, rng.byte()][rng.below(6) as usize];
+        kit::frame::sctp4(src, sport, dst, dport, chunk, &payload)
     } else {
         let flags = match rng.below(6) {
             0 => SYN,
