@@ -9,7 +9,9 @@
 
 use std::net::Ipv4Addr;
 
-use proxy_common::{conntrack::sctp as chunk, ct_dir, ct_flags, stat, IPPROTO_SCTP, IPPROTO_TCP};
+use proxy_common::{
+    conntrack::sctp as chunk, ct_dir, ct_flags, stat, IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP,
+};
 
 use super::kit::{
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Setup},
@@ -308,4 +310,35 @@ fn sctp_conntrack_follows_init_abort_and_a_new_init() {
         .unwrap()
         .iter()
         .all(|(k, _)| k.proto != IPPROTO_TCP));
+}
+
+/// S29 for SCTP: a frontend without endpoints rejects an INIT with ICMP
+/// port unreachable (kube-proxy's REJECT), so the client's association
+/// fails at once instead of retransmitting its INIT; no conntrack state.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn sctp_to_a_frontend_without_endpoints_is_rejected() {
+    let s = Setup::new(vec![(fe(VIP, 5060, IPPROTO_SCTP), vec![], 0)]);
+    run_cases(&[not_for_the_external_device(
+        Case::new(
+            "SCTP INIT to a ClusterIP without endpoints: ICMP port unreachable",
+            &s,
+            sctp4(CLIENT, 40000, VIP, 5060, chunk::INIT, INIT),
+        )
+        .expect(
+            PodIngress,
+            Expect::fields(
+                Redirect,
+                vec![
+                    Field::MacsSwapped,
+                    Field::Proto(IPPROTO_ICMP),
+                    Field::Addrs(VIP, CLIENT),
+                    Field::Icmp(3, 3),
+                    Field::QuotesInput,
+                ],
+            )
+            .stats(&[(stat::REJECT_NO_BACKEND, 1)])
+            .then(|h, _| assert!(h.maps().conntrack().unwrap().is_empty())),
+        ),
+    )]);
 }
