@@ -127,7 +127,7 @@ fn measure_external(runs: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut d = DesiredState::default();
     d.frontends.insert(
         FrontendKey {
-            addr: node,
+            addr: node.into(),
             port: 30080,
             proto: IPPROTO_TCP,
             scope: SCOPE_EXTERNAL,
@@ -135,7 +135,7 @@ fn measure_external(runs: usize) -> anyhow::Result<Vec<serde_json::Value>> {
         Frontend {
             service: "default/np".into(),
             backends: vec![BackendAddr {
-                addr: remote,
+                addr: remote.into(),
                 port: 8080,
                 proto: IPPROTO_TCP,
             }],
@@ -192,13 +192,14 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
             let b = |k: u32| BackendAddr {
                 addr: Ipv4Addr::from(
                     u32::from(Ipv4Addr::new(198, 18, 2, 0)) + (i * 2 + k) % 60_000,
-                ),
+                )
+                .into(),
                 port: 8080,
                 proto: IPPROTO_TCP,
             };
             d.frontends.insert(
                 FrontendKey {
-                    addr: vip(i),
+                    addr: vip(i).into(),
                     port: 80,
                     proto: IPPROTO_TCP,
                     scope: SCOPE_INTERNAL,
@@ -254,14 +255,15 @@ fn lb_frontend(d: &mut DesiredState, i: u32, n: u32, alg: LbAlgorithm, first_bac
         .map(|k| BackendAddr {
             addr: Ipv4Addr::from(
                 u32::from(Ipv4Addr::new(198, 18, 2, 0)) + (first_backend + k) % 60_000,
-            ),
+            )
+            .into(),
             port: 8080,
             proto: IPPROTO_TCP,
         })
         .collect();
     d.frontends.insert(
         FrontendKey {
-            addr: vip(i),
+            addr: vip(i).into(),
             port: 80,
             proto: IPPROTO_TCP,
             scope: SCOPE_INTERNAL,

@@ -131,7 +131,11 @@ fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddrV4> {
         .iter()
         .filter(|(k, _)| k.proto == proxy_common::IPPROTO_UDP)
         .flat_map(|(_, f)| f.backends.iter().chain(f.retained.iter()))
-        .map(|b| SocketAddrV4::new(b.addr, b.port))
+        .filter_map(|b| match b.addr {
+            std::net::IpAddr::V4(a) => Some(SocketAddrV4::new(a, b.port)),
+            // Not programmed yet: no socket is aimed at one.
+            std::net::IpAddr::V6(_) => None,
+        })
         .collect()
 }
 
@@ -404,6 +408,13 @@ fn sync_once(
         error!(
             more = report.errors.len() - NAMED,
             "cannot program more frontends (same causes; see the map sizes)"
+        );
+    }
+    if report.ipv6_unprogrammed > 0 {
+        warn!(
+            frontends = report.ipv6_unprogrammed,
+            "{} IPv6 frontends not programmed: this datapath has no IPv6 maps yet",
+            report.ipv6_unprogrammed
         );
     }
     // Only a change of a UDP frontend can take a backend from a UDP socket.

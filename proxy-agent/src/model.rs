@@ -8,12 +8,19 @@
 //! `CategorizeEndpoints` does (traffic policies, topology hints, terminating
 //! fallback).
 //!
-//! Frontends built, per IPv4 service port:
+//! The model is dual-stack, as kube-proxy's: a Service is served in each
+//! family it has a ClusterIP of (`spec.clusterIPs`, `clusterIP` the primary;
+//! [`IpFamily`]), and each family's frontends get only that family's
+//! endpoints (EndpointSlices of that `addressType`), node addresses,
+//! externalIPs, load-balancer IPs and source ranges. (The writer programs
+//! IPv4 frontends only, until the datapath has IPv6 maps.)
 //!
-//! - every IPv4 ClusterIP (scope [`SCOPE_INTERNAL`], `internalTrafficPolicy`);
-//! - the north-south addresses: this node's addresses at the port's
-//!   `nodePort` (selected by [`ModelOptions::node_port_addresses`]), every
-//!   IPv4 `spec.externalIPs` entry and every IPv4 VIP-mode
+//! Frontends built, per service port and family:
+//!
+//! - the ClusterIP of the family (scope [`SCOPE_INTERNAL`], `internalTrafficPolicy`);
+//! - the north-south addresses: this node's addresses of the family at the
+//!   port's `nodePort` (selected by [`ModelOptions::node_port_addresses`]),
+//!   every `spec.externalIPs` entry and every VIP-mode
 //!   `status.loadBalancer.ingress[].ip` at the service port. Each gets a [`SCOPE_EXTERNAL`] frontend (traffic arriving
 //!   on the node's external devices, `externalTrafficPolicy`) and a
 //!   [`SCOPE_INTERNAL`] one (traffic from this node's pods, short-circuited to
@@ -65,8 +72,8 @@ pub use pipeline::{desired_state, desired_state_with};
 pub use pods::endpoint_slices_from_pods;
 pub use policy::{forbidden_address, FrontendPolicy, DEFAULT_MAX_FRONTENDS_PER_SERVICE};
 pub use state::{
-    proto_name, BackendAddr, DesiredState, Frontend, FrontendKey, Gates, HealthCheck, ModelOptions,
-    ModelWarning, ServiceAge,
+    proto_name, BackendAddr, DesiredState, Frontend, FrontendKey, Gates, HealthCheck, IpFamily,
+    ModelOptions, ModelWarning, ServiceAge,
 };
 pub use topology::{
     categorize, Categorized, EndpointInfo, NodeTopology, ServicePortInfo, TrafficPolicy,

@@ -4,9 +4,13 @@
 //! repository; see its README.md for the format and the comparison rules),
 //! runs [`categorize`] on each case and compares. Every failure is collected
 //! and reported with its file and case name.
+//!
+//! Each case runs twice: as written (IPv4 endpoints), and with every endpoint
+//! address mapped into IPv6 ([`to_ipv6`]), which must give the same answers:
+//! categorization does not depend on the family.
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use proxy_agent::model::{
@@ -41,6 +45,49 @@ fn case_files() -> Vec<PathBuf> {
     files
 }
 
+/// The address family a case runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// As written.
+    V4,
+    /// Every address mapped by [`to_ipv6`].
+    V6,
+}
+
+/// An IPv4 address of a case in 2001:2::/48 (RFC 5180's benchmarking
+/// range): 198.18.x.y is 2001:2::x:y (198.19.x.y is 2001:2::1:x:y), any
+/// other a.b.c.d (the cases' kube-proxy addresses, 10.x) is
+/// 2001:2:0:1:a:b:c:d.
+/// One to one: the answers must be the same addresses, mapped.
+fn to_ipv6(ip: Ipv4Addr) -> Ipv6Addr {
+    let [a, b, c, d] = ip.octets().map(u16::from);
+    match (a, b) {
+        (198, 18) => Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, c, d),
+        (198, 19) => Ipv6Addr::new(0x2001, 2, 0, 0, 0, 1, c, d),
+        _ => Ipv6Addr::new(0x2001, 2, 0, 1, a, b, c, d),
+    }
+}
+
+/// A case's address in `family`.
+fn case_ip(ip: &str, family: Family) -> Result<IpAddr, String> {
+    let v4: Ipv4Addr = ip.parse().map_err(|_| format!("bad ip {ip:?}"))?;
+    Ok(match family {
+        Family::V4 => IpAddr::V4(v4),
+        Family::V6 => IpAddr::V6(to_ipv6(v4)),
+    })
+}
+
+/// An expected `ip:port` of a case in `family`, as [`ip_ports`] prints it.
+fn case_ip_port(s: &str, family: Family) -> String {
+    let Some((ip, port)) = s.rsplit_once(':') else {
+        return s.to_string();
+    };
+    match (case_ip(ip, family), port.parse::<u16>()) {
+        (Ok(ip), Ok(port)) => SocketAddr::new(ip, port).to_string(),
+        _ => s.to_string(),
+    }
+}
+
 fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
     v.get(key).and_then(Value::as_str)
 }
@@ -61,9 +108,9 @@ fn bool_field(v: &Value, key: &str, default: bool) -> bool {
 
 /// One endpoint of a case. `nodeName` decides locality; a case giving only
 /// `isLocal: true` gets this node's name.
-fn endpoint(e: &Value, node_name: &str) -> Result<EndpointInfo, String> {
+fn endpoint(e: &Value, node_name: &str, family: Family) -> Result<EndpointInfo, String> {
     let ip = str_field(e, "ip").ok_or("endpoint without ip")?;
-    let addr: Ipv4Addr = ip.parse().map_err(|_| format!("bad ip {ip:?}"))?;
+    let addr = case_ip(ip, family)?;
     let port = e
         .get("port")
         .and_then(Value::as_u64)
@@ -98,13 +145,14 @@ fn endpoint(e: &Value, node_name: &str) -> Result<EndpointInfo, String> {
 
 fn ip_ports(list: &[BackendAddr]) -> BTreeSet<String> {
     list.iter()
-        .map(|b| format!("{}:{}", b.addr, b.port))
+        .map(|b| SocketAddr::new(b.addr, b.port).to_string())
         .collect()
 }
 
 /// README comparison rules: `null` → must be `None`; `[]` → `None` or empty;
 /// a list → equal as a set of `ip:port`.
 fn compare_list(
+    family: Family,
     what: &str,
     expected: Option<&Value>,
     got: Option<&Vec<BackendAddr>>,
@@ -113,7 +161,10 @@ fn compare_list(
         None => Some(format!("{what}: missing in the case")),
         Some(Value::Null) => got.map(|g| format!("{what}: expected not used, got {g:?}")),
         Some(Value::Array(_)) => {
-            let want: BTreeSet<String> = strings(expected).into_iter().collect();
+            let want: BTreeSet<String> = strings(expected)
+                .iter()
+                .map(|s| case_ip_port(s, family))
+                .collect();
             let have = got.map(|g| ip_ports(g)).unwrap_or_default();
             (want != have).then(|| format!("{what}: expected {want:?}, got {have:?}"))
         }
@@ -121,8 +172,8 @@ fn compare_list(
     }
 }
 
-/// Runs one case; the list of its failures (empty = passed).
-fn run_case(case: &Value) -> Vec<String> {
+/// Runs one case in `family`; the list of its failures (empty = passed).
+fn run_case(case: &Value, family: Family) -> Vec<String> {
     let mut failures = Vec::new();
     let service = &case["service"];
     let port = ServicePortInfo {
@@ -161,7 +212,7 @@ fn run_case(case: &Value) -> Vec<String> {
 
     let mut endpoints = Vec::new();
     for e in case["endpoints"].as_array().into_iter().flatten() {
-        match endpoint(e, node_name) {
+        match endpoint(e, node_name, family) {
             Ok(info) => endpoints.push(info),
             Err(msg) => failures.push(msg),
         }
@@ -170,16 +221,19 @@ fn run_case(case: &Value) -> Vec<String> {
     let got = categorize(&port, &endpoints, &node, &gates);
     let expected = &case["expected"];
     failures.extend(compare_list(
+        family,
         "clusterEndpoints",
         expected.get("clusterEndpoints"),
         got.cluster.as_ref(),
     ));
     failures.extend(compare_list(
+        family,
         "localEndpoints",
         expected.get("localEndpoints"),
         got.local.as_ref(),
     ));
     failures.extend(compare_list(
+        family,
         "allReachableEndpoints",
         expected.get("allReachableEndpoints"),
         Some(&got.all_reachable),
@@ -197,6 +251,43 @@ fn run_case(case: &Value) -> Vec<String> {
 
 #[test]
 fn kube_proxy_categorize_endpoints_cases() {
+    run_all(Family::V4);
+}
+
+/// The same cases with IPv6 endpoint addresses: the same answers.
+#[test]
+fn kube_proxy_categorize_endpoints_cases_ipv6() {
+    run_all(Family::V6);
+}
+
+#[test]
+fn ipv6_mapping_is_in_the_benchmarking_range_and_one_to_one() {
+    let net = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0);
+    let in_range = |a: Ipv6Addr| a.segments()[..3] == net.segments()[..3];
+    let samples = [
+        "198.18.1.2",
+        "198.19.1.2",
+        "10.1.2.3",
+        "10.0.0.0",
+        "0.0.1.2",
+    ];
+    let mapped: BTreeSet<Ipv6Addr> = samples
+        .iter()
+        .map(|s| to_ipv6(s.parse().unwrap()))
+        .collect();
+    assert_eq!(mapped.len(), samples.len());
+    assert!(mapped.iter().all(|a| in_range(*a)), "{mapped:?}");
+    assert_eq!(
+        to_ipv6("198.18.3.4".parse().unwrap()),
+        "2001:2::3:4".parse::<Ipv6Addr>().unwrap()
+    );
+    assert_eq!(
+        case_ip_port("10.1.2.3:80", Family::V6),
+        "[2001:2:0:1:a:1:2:3]:80"
+    );
+}
+
+fn run_all(family: Family) {
     let mut total = 0;
     let mut passed = 0;
     let mut report = String::new();
@@ -218,7 +309,7 @@ fn kube_proxy_categorize_endpoints_cases() {
         for (i, case) in cases.iter().enumerate() {
             total += 1;
             let name = str_field(case, "name").map_or_else(|| format!("#{i}"), str::to_string);
-            let failures = run_case(case);
+            let failures = run_case(case, family);
             if failures.is_empty() {
                 passed += 1;
             } else {
@@ -229,10 +320,10 @@ fn kube_proxy_categorize_endpoints_cases() {
             }
         }
     }
-    println!("topology conformance: {passed}/{total} cases passed");
+    println!("topology conformance ({family:?}): {passed}/{total} cases passed");
     assert!(
         report.is_empty(),
-        "topology conformance: {passed}/{total} cases passed; failures:\n{report}"
+        "topology conformance ({family:?}): {passed}/{total} cases passed; failures:\n{report}"
     );
     assert!(total > 0, "no case loaded from {}", cases_dir().display());
 }

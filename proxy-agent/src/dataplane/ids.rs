@@ -135,7 +135,7 @@ impl BackendIds {
 /// The address of backend entry `b`.
 pub(super) fn backend_addr(b: &Backend4) -> BackendAddr {
     BackendAddr {
-        addr: b.addr(),
+        addr: std::net::IpAddr::V4(b.addr()),
         port: b.port(),
         proto: b.proto,
     }
@@ -228,7 +228,7 @@ mod tests {
 
     fn addr(last: u8) -> BackendAddr {
         BackendAddr {
-            addr: Ipv4Addr::new(198, 18, 1, last),
+            addr: Ipv4Addr::new(198, 18, 1, last).into(),
             port: 8080,
             proto: IPPROTO_TCP,
         }
@@ -236,12 +236,17 @@ mod tests {
 
     fn backend(last: u8) -> Backend4 {
         let a = addr(last);
-        Backend4::new(a.addr, a.port, a.proto, backend_state::ACTIVE)
+        Backend4::new(
+            Ipv4Addr::new(198, 18, 1, last),
+            a.port,
+            a.proto,
+            backend_state::ACTIVE,
+        )
     }
 
     fn key(last: u8) -> FrontendKey {
         FrontendKey {
-            addr: Ipv4Addr::new(198, 19, 0, last),
+            addr: Ipv4Addr::new(198, 19, 0, last).into(),
             port: 80,
             proto: IPPROTO_TCP,
             scope: SCOPE_INTERNAL,

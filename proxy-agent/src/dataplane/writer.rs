@@ -13,7 +13,7 @@
 //! (`users.rs`) so that neither needs a walk over the whole state.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use proxy_common::{lb::MaglevKey, Backend4, RevNat4, Svc4Key, Svc4Value};
 
@@ -37,7 +37,7 @@ pub struct Changes<'a> {
     /// Frontends whose [`Frontend`] was added, changed or removed.
     pub frontends: &'a BTreeSet<FrontendKey>,
     /// Addresses that entered or left [`DesiredState::local_endpoints`].
-    pub local_endpoints: &'a BTreeSet<Ipv4Addr>,
+    pub local_endpoints: &'a BTreeSet<IpAddr>,
 }
 
 /// What one [`Writer::sync`] did.
@@ -52,6 +52,10 @@ pub struct SyncReport {
     pub writes: usize,
     /// Frontends refused a Maglev table by `loadBalancing.maglev.maxTables`.
     pub maglev_refused: usize,
+    /// Desired IPv6 frontends, none of them programmed: this datapath has no
+    /// IPv6 maps yet. Skipped whole (no id, no backend, no entry); IPv4
+    /// frontends are synced as if they were not there.
+    pub ipv6_unprogrammed: usize,
     /// What could not be programmed (a frontend, `service frontend`, or a
     /// backend) and why. Everything else was; a later sync retries these.
     pub errors: Vec<(String, DataplaneError)>,
@@ -180,13 +184,49 @@ impl Outcome {
     }
 }
 
+/// The IPv4 address of a frontend the writer programs. Only IPv4 frontends
+/// ever enter a sync's scope ([`ipv4_scope`]), and the model gives an IPv4
+/// frontend IPv4 backends only (a backend of the other family is never
+/// written, see [`Writer::wanted_backend`], so its frontend fails).
+fn ipv4(addr: IpAddr) -> Ipv4Addr {
+    match addr {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(a) => unreachable!("IPv6 frontend {a} in the writer's scope"),
+    }
+}
+
+/// Keeps the IPv4 frontends of `scope` (the only ones this datapath has
+/// maps for); returns the IPv6 ones taken out.
+fn ipv4_scope(scope: &mut BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
+    let v6: Vec<FrontendKey> = scope
+        .iter()
+        .filter(|k| !k.addr.is_ipv4())
+        .copied()
+        .collect();
+    for k in &v6 {
+        scope.remove(k);
+    }
+    v6
+}
+
+/// A frontend's IPv4 source ranges (an IPv4 frontend has no others).
+fn source_ranges4(fe: &Frontend) -> Vec<SourceRange> {
+    fe.source_ranges
+        .iter()
+        .filter_map(|(a, p)| match a {
+            IpAddr::V4(a) => Some((*a, *p)),
+            IpAddr::V6(_) => None,
+        })
+        .collect()
+}
+
 fn svc_key(key: &FrontendKey, slot: u16) -> Svc4Key {
-    Svc4Key::new(key.addr, key.port, key.proto, key.scope, slot)
+    Svc4Key::new(ipv4(key.addr), key.port, key.proto, key.scope, slot)
 }
 
 fn frontend_key(key: &Svc4Key) -> FrontendKey {
     FrontendKey {
-        addr: key.addr(),
+        addr: IpAddr::V4(key.addr()),
         port: key.port(),
         proto: key.proto,
         scope: key.scope,
@@ -281,6 +321,9 @@ pub struct Writer<D: Dataplane> {
     /// Whether a full [`Writer::sync`] ran: until then `sync_changed` is one
     /// (adopted leftovers are deleted, the indexes built).
     synced: bool,
+    /// The desired IPv6 frontends, as of the last sync: not programmed (see
+    /// [`SyncReport::ipv6_unprogrammed`]).
+    unprogrammed6: BTreeSet<FrontendKey>,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -368,6 +411,7 @@ impl<D: Dataplane> Writer<D> {
             unfinished: BTreeSet::new(),
             loose: Loose::default(),
             synced: false,
+            unprogrammed6: BTreeSet::new(),
         })
     }
 
@@ -425,14 +469,19 @@ impl<D: Dataplane> Writer<D> {
     /// more (reverse-NAT entries, source ranges, backends). A frontend that
     /// cannot be programmed is reported and left as it was; every other
     /// frontend is still synced.
+    ///
+    /// IPv6 frontends are skipped whole and counted
+    /// ([`SyncReport::ipv6_unprogrammed`]): this datapath has no IPv6 maps
+    /// yet.
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
-        let scope: BTreeSet<FrontendKey> = desired
+        let mut scope: BTreeSet<FrontendKey> = desired
             .frontends
             .keys()
             .chain(self.frontends.keys())
             .chain(self.users.keys())
             .copied()
             .collect();
+        self.unprogrammed6 = ipv4_scope(&mut scope).into_iter().collect();
         self.users.update(&scope, desired);
         self.run(desired, scope, true)
     }
@@ -460,6 +509,13 @@ impl<D: Dataplane> Writer<D> {
             .chain(&self.affinity_pending)
             .copied()
             .collect();
+        for key in ipv4_scope(&mut scope) {
+            if desired.frontends.contains_key(&key) {
+                self.unprogrammed6.insert(key);
+            } else {
+                self.unprogrammed6.remove(&key);
+            }
+        }
         let changed = self.users.update(&scope, desired);
         // A backend whose users changed may be unused now.
         for addr in &changed {
@@ -540,7 +596,8 @@ impl<D: Dataplane> Writer<D> {
             self.unfinished.extend(self.users.of(addr));
         }
         self.synced = true;
-        let report = out.report;
+        let mut report = out.report;
+        report.ipv6_unprogrammed = self.unprogrammed6.len();
         if !report.errors.is_empty() {
             tracing::warn!(
                 errors = report.errors.len(),
@@ -559,7 +616,10 @@ impl<D: Dataplane> Writer<D> {
         if desired.local_endpoints.contains(&addr.addr) {
             state |= proxy_common::backend_state::LOCAL;
         }
-        Some(Backend4::new(addr.addr, addr.port, addr.proto, state))
+        let IpAddr::V4(ip) = addr.addr else {
+            return None;
+        };
+        Some(Backend4::new(ip, addr.port, addr.proto, state))
     }
 
     /// Records slot `slot` (≥ 1) of `key` as programmed naming backend `id`,

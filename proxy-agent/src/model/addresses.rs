@@ -1,45 +1,46 @@
 //! The addresses a Service is reachable at besides its ClusterIPs: this
 //! node's NodePort addresses (`nodePortAddresses`), `externalIPs` and
-//! load-balancer ingress IPs, with IPv4 addresses and CIDRs parsed as the API
-//! server's Go code reads them.
+//! load-balancer ingress IPs, of both families, with addresses and CIDRs
+//! parsed as the API server's Go code reads them.
 use std::fmt;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 
-use super::{ModelWarning, NODE_ADDRESS_INTERNAL_IP};
+use super::{IpFamily, ModelWarning, NODE_ADDRESS_INTERNAL_IP};
 
 /// One entry of kube-proxy's `--nodeport-addresses` / `nodePortAddresses`.
 ///
-/// The candidate addresses are this node's IPv4 `InternalIP` addresses from
-/// its Node object's `status.addresses` (kube-proxy matches the addresses of
-/// the host's interfaces instead). A list:
+/// The candidate addresses are this node's `InternalIP` addresses of one
+/// family from its Node object's `status.addresses` (kube-proxy matches the
+/// addresses of the host's interfaces instead); each family is selected on
+/// its own, as kube-proxy's per-family proxiers do. A list:
 ///
 /// - empty (the default): every candidate. kube-proxy's default is every
-///   local address (`0.0.0.0/0`; `primary` in nftables mode), which amounts to
-///   the same on a cluster whose nodes have one `InternalIP` (NodePorts on
-///   other interface addresses, e.g. a second NIC or a bridge, are not
-///   served here);
-/// - otherwise the union of what the entries select; a list holding only
-///   IPv6 CIDRs selects every candidate, as kube-proxy's IPv4 proxier falls
-///   back to `0.0.0.0/0` when no CIDR of its family is given
-///   (`proxyutil.NewNodePortAddresses`).
+///   local address (`0.0.0.0/0` and `::/0`; `primary` in nftables mode),
+///   which amounts to the same on a cluster whose nodes have one
+///   `InternalIP` per family (NodePorts on other interface addresses, e.g. a
+///   second NIC or a bridge, are not served here);
+/// - otherwise, per family, the union of what the entries select; a list
+///   holding no CIDR of a family selects every candidate of that family, as
+///   kube-proxy's proxier of that family falls back to `0.0.0.0/0` (`::/0`)
+///   when no CIDR of its family is given (`proxyutil.NewNodePortAddresses`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum NodePortAddresses {
     /// An IPv4 CIDR (network address, prefix length): the candidates in it.
     Cidr(Ipv4Addr, u8),
-    /// `primary`: the node's first `InternalIP` (kube-proxy: the node's
-    /// primary IP of the family, as `/32`).
+    /// An IPv6 CIDR (network address, prefix length): the candidates in it.
+    Cidr6(Ipv6Addr, u8),
+    /// `primary`: the node's first `InternalIP` of each family (kube-proxy:
+    /// the node's primary IP of the family, as `/32` or `/128`).
     Primary,
-    /// An IPv6 CIDR: accepted, selects nothing for this IPv4 proxier.
-    Ipv6Cidr,
 }
 
 impl NodePortAddresses {
-    /// `"primary"`, or a CIDR (IPv4, or IPv6 which selects nothing). Host
-    /// bits are cleared (`198.18.0.7/24` is `198.18.0.0/24`), as Go's
-    /// `ParseCIDR` does; leading zeros are decimal, as in kube-proxy's
+    /// `"primary"`, or an IPv4 or IPv6 CIDR. Host bits are cleared
+    /// (`198.18.0.7/24` is `198.18.0.0/24`), as Go's `ParseCIDR` does;
+    /// leading zeros of IPv4 parts are decimal, as in kube-proxy's
     /// `ParseCIDRSloppy`.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
@@ -47,22 +48,35 @@ impl NodePortAddresses {
             return Ok(Self::Primary);
         }
         match parse_cidr(s)? {
-            Some((addr, prefix)) => Ok(Self::Cidr(addr, prefix)),
-            None => Ok(Self::Ipv6Cidr),
+            (IpAddr::V4(addr), prefix) => Ok(Self::Cidr(addr, prefix)),
+            (IpAddr::V6(addr), prefix) => Ok(Self::Cidr6(addr, prefix)),
         }
     }
 
-    /// The addresses of `internal_ips` (the node's IPv4 `InternalIP`s, in
-    /// order) this entry selects.
-    fn select(&self, internal_ips: &[Ipv4Addr]) -> Vec<Ipv4Addr> {
+    /// The family of its CIDR; `None` for `primary` (both).
+    fn family(&self) -> Option<IpFamily> {
+        match self {
+            Self::Cidr(..) => Some(IpFamily::V4),
+            Self::Cidr6(..) => Some(IpFamily::V6),
+            Self::Primary => None,
+        }
+    }
+
+    /// The addresses of `internal_ips` (the node's `InternalIP`s of one
+    /// family, in order) this entry selects.
+    fn select(&self, internal_ips: &[IpAddr]) -> Vec<IpAddr> {
         match *self {
             Self::Cidr(net, prefix) => internal_ips
                 .iter()
                 .copied()
-                .filter(|ip| in_cidr(*ip, net, prefix))
+                .filter(|ip| in_cidr(*ip, (IpAddr::V4(net), prefix)))
+                .collect(),
+            Self::Cidr6(net, prefix) => internal_ips
+                .iter()
+                .copied()
+                .filter(|ip| in_cidr(*ip, (IpAddr::V6(net), prefix)))
                 .collect(),
             Self::Primary => internal_ips.first().copied().into_iter().collect(),
-            Self::Ipv6Cidr => Vec::new(),
         }
     }
 }
@@ -78,28 +92,29 @@ impl fmt::Display for NodePortAddresses {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Cidr(addr, prefix) => write!(f, "{addr}/{prefix}"),
+            Self::Cidr6(addr, prefix) => write!(f, "{addr}/{prefix}"),
             Self::Primary => f.write_str("primary"),
-            Self::Ipv6Cidr => f.write_str("(IPv6 CIDR)"),
         }
     }
 }
 
-/// The addresses NodePorts are served on: `internal_ips` filtered by
-/// `entries` (see [`NodePortAddresses`]). Sorted, without duplicates.
+/// The addresses NodePorts are served on: `internal_ips` (the node's
+/// `InternalIP`s of `family`, in order) filtered by `entries` (see
+/// [`NodePortAddresses`]). Sorted, without duplicates.
 pub(super) fn node_port_addresses(
-    internal_ips: &[Ipv4Addr],
+    family: IpFamily,
+    internal_ips: &[IpAddr],
     entries: &[NodePortAddresses],
-) -> Vec<Ipv4Addr> {
-    let mut out: Vec<Ipv4Addr> = if entries
+) -> Vec<IpAddr> {
+    // The entries for this family: `primary` and its CIDRs.
+    let mine: Vec<&NodePortAddresses> = entries
         .iter()
-        .all(|e| matches!(e, NodePortAddresses::Ipv6Cidr))
-    {
+        .filter(|e| e.family().is_none_or(|f| f == family))
+        .collect();
+    let mut out: Vec<IpAddr> = if mine.is_empty() {
         internal_ips.to_vec()
     } else {
-        entries
-            .iter()
-            .flat_map(|e| e.select(internal_ips))
-            .collect()
+        mine.iter().flat_map(|e| e.select(internal_ips)).collect()
     };
     out.sort();
     out.dedup();
@@ -107,18 +122,33 @@ pub(super) fn node_port_addresses(
 }
 
 /// `addr` with the bits past `prefix` cleared.
-fn mask(addr: Ipv4Addr, prefix: u8) -> Ipv4Addr {
-    let bits = u32::from(addr);
-    let m = if prefix == 0 {
-        0
-    } else {
-        u32::MAX << (32 - u32::from(prefix.min(32)))
-    };
-    Ipv4Addr::from(bits & m)
+fn mask(addr: IpAddr, prefix: u8) -> IpAddr {
+    match addr {
+        IpAddr::V4(a) => {
+            let m = u32::MAX
+                .checked_shl(32 - u32::from(prefix.min(32)))
+                .unwrap_or(0);
+            IpAddr::V4(Ipv4Addr::from(u32::from(a) & m))
+        }
+        IpAddr::V6(a) => {
+            let m = u128::MAX
+                .checked_shl(128 - u32::from(prefix.min(128)))
+                .unwrap_or(0);
+            IpAddr::V6(Ipv6Addr::from(u128::from(a) & m))
+        }
+    }
 }
 
-fn in_cidr(ip: Ipv4Addr, net: Ipv4Addr, prefix: u8) -> bool {
-    mask(ip, prefix) == mask(net, prefix)
+/// Whether `ip` is in the CIDR `(net, prefix)`; never across families.
+pub(super) fn in_cidr(ip: IpAddr, (net, prefix): (IpAddr, u8)) -> bool {
+    IpFamily::of(ip) == IpFamily::of(net) && mask(ip, prefix) == mask(net, prefix)
+}
+
+/// An IPv4 address as [`parse_ipv4`] reads it, or an IPv6 address.
+pub(super) fn parse_ip(s: &str) -> Option<IpAddr> {
+    parse_ipv4(s)
+        .map(IpAddr::V4)
+        .or_else(|| s.parse::<Ipv6Addr>().ok().map(IpAddr::V6))
 }
 
 /// An IPv4 address as Go's `netutils.ParseIPSloppy` reads it (what the API
@@ -144,49 +174,57 @@ pub(super) fn parse_ipv4(s: &str) -> Option<Ipv4Addr> {
     parts.next().is_none().then(|| Ipv4Addr::from(octets))
 }
 
-/// A CIDR as `netutils.ParseCIDRSloppy` reads it: `Some((network, prefix))`
-/// for IPv4 (host bits cleared), `None` for a valid IPv6 CIDR.
-fn parse_cidr(s: &str) -> Result<Option<(Ipv4Addr, u8)>, String> {
+/// A CIDR as `netutils.ParseCIDRSloppy` reads it: (network, prefix), host
+/// bits cleared, IPv4 or IPv6.
+pub(super) fn parse_cidr(s: &str) -> Result<(IpAddr, u8), String> {
     let (addr, prefix) = s
         .split_once('/')
         .ok_or_else(|| format!("{s:?} is not a CIDR (expected e.g. 198.18.0.0/15)"))?;
     let prefix_ok = !prefix.is_empty() && prefix.bytes().all(|b| b.is_ascii_digit());
-    if let Some(ip) = parse_ipv4(addr) {
-        let p = prefix
-            .parse::<u8>()
-            .ok()
-            .filter(|p| prefix_ok && *p <= 32)
-            .ok_or_else(|| format!("{s:?}: prefix length must be 0..=32"))?;
-        return Ok(Some((mask(ip, p), p)));
-    }
-    if addr.parse::<Ipv6Addr>().is_ok() {
-        return match prefix.parse::<u8>() {
-            Ok(p) if prefix_ok && p <= 128 => Ok(None),
-            _ => Err(format!("{s:?}: prefix length must be 0..=128")),
-        };
-    }
-    Err(format!("{s:?}: {addr:?} is not an IP address"))
+    let (ip, max) = match parse_ip(addr) {
+        Some(ip @ IpAddr::V4(_)) => (ip, 32),
+        Some(ip @ IpAddr::V6(_)) => (ip, 128),
+        None => return Err(format!("{s:?}: {addr:?} is not an IP address")),
+    };
+    let p = prefix
+        .parse::<u8>()
+        .ok()
+        .filter(|p| prefix_ok && *p <= max)
+        .ok_or_else(|| format!("{s:?}: prefix length must be 0..={max}"))?;
+    Ok((mask(ip, p), p))
 }
 
-/// A Service's north-south addresses as kube-proxy's IPv4 proxier takes them
-/// (`newBaseServiceInfo`), each list sorted, without duplicates.
+/// A Service's north-south addresses as kube-proxy's proxiers take them
+/// (`newBaseServiceInfo`), of both families (each family's proxier takes
+/// those of its own), each list sorted, without duplicates.
 #[derive(Debug, Default)]
 pub(super) struct ExternalAddresses {
-    /// IPv4 `spec.externalIPs`, captured whether or not an interface owns
-    /// them (S11).
-    pub(super) external_ips: Vec<Ipv4Addr>,
-    /// IPv4 `status.loadBalancer.ingress[].ip` in VIP mode (`ipMode` missing
-    /// or `VIP`, `proxyutil.IsVIPMode`); `Proxy`-mode IPs are left to the load
+    /// `spec.externalIPs`, captured whether or not an interface owns them
+    /// (S11).
+    pub(super) external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` in VIP mode (`ipMode` missing or
+    /// `VIP`, `proxyutil.IsVIPMode`); `Proxy`-mode IPs are left to the load
     /// balancer, which sends to the NodePort.
-    pub(super) lb_ips: Vec<Ipv4Addr>,
-    /// IPv4 `spec.loadBalancerSourceRanges` (`proxyutil.MapCIDRsByIPFamily`:
+    pub(super) lb_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges` (`proxyutil.MapCIDRsByIPFamily`:
     /// trimmed, empty entries ignored, invalid ones ignored with a warning,
-    /// host bits cleared). With none of this family, no filtering.
-    pub(super) source_ranges: Vec<(Ipv4Addr, u8)>,
+    /// host bits cleared). With none of a family, no filtering for that
+    /// family.
+    pub(super) source_ranges: Vec<(IpAddr, u8)>,
+}
+
+impl ExternalAddresses {
+    /// The source ranges of `family`.
+    pub(super) fn source_ranges_of(&self, family: IpFamily) -> Vec<(IpAddr, u8)> {
+        self.source_ranges
+            .iter()
+            .copied()
+            .filter(|(a, _)| IpFamily::of(*a) == family)
+            .collect()
+    }
 }
 
 /// [`ExternalAddresses`] of `svc`; invalid entries yield warnings on `object`.
-/// Entries of the other family are skipped (kube-proxy: logged at V(4)).
 pub(super) fn external_addresses(
     svc: &Service,
     object: &str,
@@ -199,16 +237,15 @@ pub(super) fn external_addresses(
             message,
         });
     };
-    let is_v6 = |s: &str| s.parse::<Ipv6Addr>().is_ok();
     let spec = svc.spec.as_ref();
     for s in spec
         .and_then(|s| s.external_ips.as_ref())
         .into_iter()
         .flatten()
     {
-        match parse_ipv4(s) {
+        match parse_ip(s) {
             Some(ip) => out.external_ips.push(ip),
-            None if s.trim().is_empty() || is_v6(s) => {}
+            None if s.trim().is_empty() => {}
             None => warn(format!("invalid externalIP {s:?}; ignored")),
         }
     }
@@ -224,9 +261,8 @@ pub(super) fn external_addresses(
         if i.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
             continue;
         }
-        match parse_ipv4(s) {
+        match parse_ip(s) {
             Some(ip) => out.lb_ips.push(ip),
-            None if is_v6(s) => {}
             None => warn(format!("invalid load-balancer ingress IP {s:?}; ignored")),
         }
     }
@@ -236,11 +272,11 @@ pub(super) fn external_addresses(
             continue;
         }
         match parse_cidr(s) {
-            Ok(Some(cidr)) => {
+            Ok(cidr) => {
                 // Accepted as kube-proxy accepts it (`ParseCIDRSloppy` keeps
                 // the network), with the API server's warning for it, which
                 // a manifests source has no API server to give.
-                let raw = s.split_once('/').and_then(|(a, _)| parse_ipv4(a));
+                let raw = s.split_once('/').and_then(|(a, _)| parse_ip(a));
                 if raw != Some(cidr.0) {
                     warn(format!(
                         "loadBalancerSourceRanges entry {s:?} has host bits set; used as {}/{}, as kube-proxy does",
@@ -249,7 +285,6 @@ pub(super) fn external_addresses(
                 }
                 out.source_ranges.push(cidr)
             }
-            Ok(None) => {}
             Err(e) => warn(format!(
                 "invalid loadBalancerSourceRanges entry: {e}; ignored"
             )),
@@ -264,18 +299,19 @@ pub(super) fn external_addresses(
     out
 }
 
-/// The node's IPv4 `InternalIP` addresses, in `status.addresses` order,
-/// without duplicates.
-pub(super) fn node_internal_ips(node: &Node) -> Vec<Ipv4Addr> {
-    let mut out: Vec<Ipv4Addr> = Vec::new();
+/// The node's `InternalIP` addresses of both families, each in
+/// `status.addresses` order, without duplicates: `[IPv4, IPv6]`.
+pub(super) fn node_internal_ips(node: &Node) -> [Vec<IpAddr>; 2] {
+    let mut out: [Vec<IpAddr>; 2] = Default::default();
     let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
     for a in addresses.into_iter().flatten() {
         if a.type_ != NODE_ADDRESS_INTERNAL_IP {
             continue;
         }
-        if let Some(ip) = parse_ipv4(&a.address) {
-            if !out.contains(&ip) {
-                out.push(ip);
+        if let Some(ip) = parse_ip(&a.address) {
+            let list = &mut out[IpFamily::of(ip).index()];
+            if !list.contains(&ip) {
+                list.push(ip);
             }
         }
     }

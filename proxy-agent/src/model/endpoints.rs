@@ -2,13 +2,13 @@
 //! `EndpointSliceCache`: port matching, deduplication, conditions and hints),
 //! and this node's endpoint addresses.
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::core::v1::ServicePort;
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 
 use super::services::{name, namespace, parse_proto};
-use super::{BackendAddr, EndpointInfo, ModelWarning};
+use super::{BackendAddr, EndpointInfo, IpFamily, ModelWarning};
 
 /// Whether an EndpointSlice port serves this service port: same name (empty
 /// and missing are equal) and same protocol.
@@ -18,12 +18,15 @@ fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> boo
     slice_name == svc_name && parse_proto(slice_port.protocol.as_deref()).ok() == Some(proto)
 }
 
-/// The endpoints of one service port across `slices`, deduplicated by
+/// The endpoints of one service port across the `slices` of `family`
+/// (`addressType`; kube-proxy's proxier of a family reads only its slices,
+/// so a frontend never gets an endpoint of the other family), deduplicated by
 /// `ip:port` (the first slice by name wins, unless a later copy is local, as in
 /// kube-proxy `EndpointSliceCache.addEndpoints`), sorted. As kube-proxy: a
 /// slice port with no port number or port 0 is skipped; an endpoint's first
 /// address is its address; an endpoint without `nodeName` is never local.
 pub(super) fn port_endpoints(
+    family: IpFamily,
     port: &ServicePort,
     proto: u8,
     slices: &[&EndpointSlice],
@@ -32,7 +35,10 @@ pub(super) fn port_endpoints(
     reported: &mut BTreeSet<(String, String)>,
 ) -> Vec<EndpointInfo> {
     let mut found: BTreeMap<BackendAddr, EndpointInfo> = BTreeMap::new();
-    for slice in slices {
+    for slice in slices
+        .iter()
+        .filter(|s| IpFamily::from_name(&s.address_type) == Some(family))
+    {
         let Some(slice_port) = slice
             .ports
             .iter()
@@ -64,17 +70,14 @@ pub(super) fn port_endpoints(
             let Some(address) = endpoint.addresses.first() else {
                 continue;
             };
-            let addr = match address.parse::<Ipv4Addr>() {
-                Ok(a) => a,
-                Err(_) => {
-                    if reported.insert((slice_id.clone(), address.clone())) {
-                        warnings.push(ModelWarning {
-                            object: format!("EndpointSlice {slice_id}"),
-                            message: format!("invalid IPv4 address {address:?}; endpoint skipped"),
-                        });
-                    }
-                    continue;
+            let Some(addr) = parse_endpoint_address(family, address) else {
+                if reported.insert((slice_id.clone(), address.clone())) {
+                    warnings.push(ModelWarning {
+                        object: format!("EndpointSlice {slice_id}"),
+                        message: format!("invalid {family} address {address:?}; endpoint skipped"),
+                    });
                 }
+                continue;
             };
             let info = endpoint_info(
                 endpoint,
@@ -90,6 +93,15 @@ pub(super) fn port_endpoints(
         }
     }
     found.into_values().collect()
+}
+
+/// An endpoint address of a slice of `family` (an address of the other
+/// family is invalid there, as the API server's validation says).
+pub(super) fn parse_endpoint_address(family: IpFamily, address: &str) -> Option<IpAddr> {
+    match family {
+        IpFamily::V4 => address.parse::<Ipv4Addr>().ok().map(IpAddr::V4),
+        IpFamily::V6 => address.parse::<Ipv6Addr>().ok().map(IpAddr::V6),
+    }
 }
 
 fn endpoint_info(endpoint: &Endpoint, addr: BackendAddr) -> EndpointInfo {

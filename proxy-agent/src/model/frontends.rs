@@ -1,13 +1,13 @@
 //! One frontend's value from the categorized endpoints, and the claim of a
 //! frontend key: which Service keeps a frontend two Services want.
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use proxy_common::svc_flags;
 
 use super::topology::select;
 use super::{BackendAddr, Categorized, EndpointInfo, Frontend, FrontendKey};
 
-pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> FrontendKey {
+pub(super) fn frontend_key(addr: IpAddr, port: u16, proto: u8, scope: u8) -> FrontendKey {
     FrontendKey {
         addr,
         port,
@@ -22,7 +22,7 @@ pub(super) fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8, scope: u8) -> F
 /// port and protocol, whatever the scope: a ClusterIP owner keeps traffic
 /// from outside the node too, never just from its pods (see
 /// [`super::incremental`]).
-pub(super) type Owned = (Ipv4Addr, u16, u8);
+pub(super) type Owned = (IpAddr, u16, u8);
 
 /// `base` with the backends of `list` (a [`Categorized`] list; `None`, not
 /// used, is empty) and their retained terminating endpoints. An empty list

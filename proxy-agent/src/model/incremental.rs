@@ -17,7 +17,7 @@
 //!
 //! [`desired_state_with`]: super::desired_state_with
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
@@ -25,14 +25,15 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+use super::endpoints::parse_endpoint_address;
 use super::frontends::Owned;
 use super::pipeline::{service_output, NodeContext, ServiceOutput};
 use super::pods::service_slices_from_pods;
 use super::policy::ClaimRank;
 use super::services::{ignored, name, namespace};
 use super::{
-    proto_name, DesiredState, FrontendKey, HealthCheck, ModelOptions, ModelWarning, ServiceAge,
-    LABEL_SERVICE_NAME,
+    proto_name, DesiredState, FrontendKey, HealthCheck, IpFamily, ModelOptions, ModelWarning,
+    ServiceAge, LABEL_SERVICE_NAME,
 };
 use crate::manifests::Snapshot;
 
@@ -122,7 +123,7 @@ pub struct Update {
     /// Frontends added, changed or removed.
     pub frontends: BTreeSet<FrontendKey>,
     /// Addresses that became local endpoints or stopped being ones.
-    pub local_endpoints: BTreeSet<Ipv4Addr>,
+    pub local_endpoints: BTreeSet<IpAddr>,
     /// Services computed again.
     pub services: usize,
     /// Whether anything outside the frontends changed: the node's address,
@@ -143,15 +144,22 @@ impl Update {
 /// Addresses one slice places on this node and on others.
 #[derive(Clone, Debug, Default)]
 struct LocalSets {
-    here: BTreeSet<Ipv4Addr>,
-    elsewhere: BTreeSet<Ipv4Addr>,
+    here: BTreeSet<IpAddr>,
+    elsewhere: BTreeSet<IpAddr>,
 }
 
 impl LocalSets {
     fn of<'a>(slices: impl Iterator<Item = &'a EndpointSlice>, node_name: &str) -> Self {
         let mut sets = Self::default();
-        for e in slices.flat_map(|s| s.endpoints.iter()) {
-            let Some(addr) = e.addresses.first().and_then(|a| a.parse::<Ipv4Addr>().ok()) else {
+        let endpoints = slices.flat_map(|s| {
+            let family = IpFamily::from_name(&s.address_type);
+            s.endpoints.iter().map(move |e| (family, e))
+        });
+        for (family, e) in endpoints {
+            let Some(addr) = family
+                .zip(e.addresses.first())
+                .and_then(|(f, a)| parse_endpoint_address(f, a))
+            else {
                 continue;
             };
             match e.node_name.as_deref() {
@@ -167,12 +175,12 @@ impl LocalSets {
 /// How many slices place each address on this node and on others.
 #[derive(Default)]
 struct LocalCounts {
-    here: BTreeMap<Ipv4Addr, usize>,
-    elsewhere: BTreeMap<Ipv4Addr, usize>,
+    here: BTreeMap<IpAddr, usize>,
+    elsewhere: BTreeMap<IpAddr, usize>,
 }
 
 impl LocalCounts {
-    fn count(&mut self, sets: &LocalSets, add: bool, touched: &mut BTreeSet<Ipv4Addr>) {
+    fn count(&mut self, sets: &LocalSets, add: bool, touched: &mut BTreeSet<IpAddr>) {
         for (set, counts) in [
             (&sets.here, &mut self.here),
             (&sets.elsewhere, &mut self.elsewhere),
@@ -196,7 +204,7 @@ impl LocalCounts {
     /// elsewhere: one Service's slice (a stale or a hostile one) must not
     /// turn another Service's remote backend into a local one, whose external
     /// traffic would then leave without the SNAT its replies need.
-    fn is_local(&self, addr: &Ipv4Addr) -> bool {
+    fn is_local(&self, addr: &IpAddr) -> bool {
         self.here.contains_key(addr) && !self.elsewhere.contains_key(addr)
     }
 }
@@ -207,7 +215,7 @@ pub struct Incremental {
     ctx: NodeContext,
     services: BTreeMap<ObjectKey, Arc<Service>>,
     slices: BTreeMap<ObjectKey, Arc<EndpointSlice>>,
-    /// (namespace, Service name) → names of its IPv4 slices.
+    /// (namespace, Service name) → names of its IPv4 and IPv6 slices.
     slices_by_service: BTreeMap<ObjectKey, BTreeSet<String>>,
     pods: BTreeMap<ObjectKey, Arc<Pod>>,
     nodes: BTreeMap<String, Arc<Node>>,
@@ -276,15 +284,12 @@ impl Incremental {
     /// (namespace/name order) and the ownership conflicts'.
     pub fn warnings(&self) -> Vec<ModelWarning> {
         let mut out: Vec<ModelWarning> = self.pod_warnings.values().flatten().cloned().collect();
-        if let Some(why) = self.ctx.problem {
-            if let Some((k, p)) = self
-                .outputs
+        let firsts = IpFamily::ALL.map(|f| {
+            self.outputs
                 .iter()
-                .find_map(|(k, o)| o.first_node_port.map(|p| (k, p)))
-            {
-                out.push(node_problem(&self.ctx.name, why, k, p));
-            }
-        }
+                .find_map(|(k, o)| o.first_node_port[f.index()].map(|p| (k.clone(), p)))
+        });
+        out.extend(self.node_problems(&firsts));
         for o in self.outputs.values() {
             out.extend(o.warnings.iter().cloned());
         }
@@ -373,7 +378,7 @@ impl Incremental {
     pub fn apply(&mut self, changes: impl IntoIterator<Item = Change>) -> Update {
         let mut up = Update::default();
         let mut dirty: BTreeSet<ObjectKey> = BTreeSet::new();
-        let mut touched_local: BTreeSet<Ipv4Addr> = BTreeSet::new();
+        let mut touched_local: BTreeSet<IpAddr> = BTreeSet::new();
         let mut node_changed = false;
         // Services added, removed or whose creationTimestamp changed.
         let mut aged: BTreeSet<ObjectKey> = BTreeSet::new();
@@ -457,16 +462,17 @@ impl Incremental {
                 self.ctx = ctx;
                 dirty.extend(self.services.keys().cloned());
                 dirty.extend(self.outputs.keys().cloned());
-                if self.desired.node_addr != self.ctx.node_addr {
+                if self.desired.node_addr != self.ctx.node_addr
+                    || self.desired.node_addr6 != self.ctx.node_addr6
+                {
                     self.desired.node_addr = self.ctx.node_addr;
+                    self.desired.node_addr6 = self.ctx.node_addr6;
                     up.other = true;
                 }
             }
         }
         let node_problem_named = self.recompute(dirty, &mut up, &mut touched_local);
-        if let (Some(why), Some((k, p))) = (self.ctx.problem, node_problem_named) {
-            up.warnings.push(node_problem(&self.ctx.name, why, &k, p));
-        }
+        up.warnings.extend(self.node_problems(&node_problem_named));
         for addr in touched_local {
             let local = self.local.is_local(&addr);
             let changed = if local {
@@ -518,7 +524,7 @@ impl Incremental {
         &mut self,
         key: &ObjectKey,
         dirty: &mut BTreeSet<ObjectKey>,
-        touched: &mut BTreeSet<Ipv4Addr>,
+        touched: &mut BTreeSet<IpAddr>,
     ) {
         let Some(old) = self.slices.remove(key) else {
             return;
@@ -543,10 +549,11 @@ impl Incremental {
         key: ObjectKey,
         slice: Arc<EndpointSlice>,
         dirty: &mut BTreeSet<ObjectKey>,
-        touched: &mut BTreeSet<Ipv4Addr>,
+        touched: &mut BTreeSet<IpAddr>,
     ) {
-        // An IPv4 proxier ignores slices of the other family (and FQDN ones).
-        if slice.address_type == "IPv4" {
+        // Slices of either family feed that family's frontends; FQDN ones
+        // are ignored, as kube-proxy does.
+        if IpFamily::from_name(&slice.address_type).is_some() {
             let sets = LocalSets::of(std::iter::once(&*slice), &self.ctx.name);
             self.local.count(&sets, true, touched);
             self.slice_local.insert(key.clone(), sets);
@@ -563,17 +570,18 @@ impl Incremental {
     }
 
     /// Computes the `dirty` Services again and decides again who owns what
-    /// they claimed or claim. Returns the first of them (namespace/name)
-    /// with a nodePort, for the node's problem if it has one.
+    /// they claimed or claim. Returns, per family, the first of them
+    /// (namespace/name) with a nodePort of that family, for the node's
+    /// problem if it has one.
     fn recompute(
         &mut self,
         dirty: BTreeSet<ObjectKey>,
         up: &mut Update,
-        touched_local: &mut BTreeSet<Ipv4Addr>,
-    ) -> Option<(ObjectKey, u16)> {
+        touched_local: &mut BTreeSet<IpAddr>,
+    ) -> FirstNodePorts {
         let mut owned_touched: BTreeSet<Owned> = BTreeSet::new();
         let mut ports_touched: BTreeSet<u16> = BTreeSet::new();
-        let mut first_node_port = None;
+        let mut first_node_port: FirstNodePorts = Default::default();
         for key in dirty {
             if let Some(old) = self.outputs.remove(&key) {
                 for owned in old.claims.keys() {
@@ -633,8 +641,10 @@ impl Incremental {
             slices.sort_by(|a, b| name(&a.metadata).cmp(name(&b.metadata)));
             let out = service_output(svc, &slices, &self.ctx, &self.opts);
             up.warnings.extend(out.warnings.iter().cloned());
-            if let (None, Some(p)) = (&first_node_port, out.first_node_port) {
-                first_node_port = Some((key.clone(), p));
+            for (first, p) in first_node_port.iter_mut().zip(out.first_node_port) {
+                if let (None, Some(p)) = (&first, p) {
+                    *first = Some((key.clone(), p));
+                }
             }
             for owned in out.claims.keys() {
                 self.claimants
@@ -803,13 +813,48 @@ fn slice_service(slice: &EndpointSlice) -> Option<&str> {
         .map(String::as_str)
 }
 
-fn node_problem(node: &str, why: &str, first: &ObjectKey, port: u16) -> ModelWarning {
-    ModelWarning {
-        object: format!("Node {node}"),
-        message: format!(
-            "{why}: no NodePort frontends on this node (first: {}/{} port {port})",
-            first.0, first.1
-        ),
+/// Per family ([`IpFamily::index`]), the first Service with a nodePort of
+/// that family, and the port.
+type FirstNodePorts = [Option<(ObjectKey, u16)>; 2];
+
+impl Incremental {
+    /// Why the node serves no NodePort of a family some Service has one of:
+    /// one warning without a Node object, else one per family the node has
+    /// no address of (not an error: the other family is served).
+    fn node_problems(&self, firsts: &FirstNodePorts) -> Vec<ModelWarning> {
+        let object = format!("Node {}", self.ctx.name);
+        if self.ctx.no_node {
+            let first = firsts.iter().flatten().min();
+            return first
+                .map(|(k, p)| ModelWarning {
+                    object,
+                    message: format!(
+                        "no Node object for this node: no NodePort frontends on this node (first: {}/{} port {p})",
+                        k.0, k.1
+                    ),
+                })
+                .into_iter()
+                .collect();
+        }
+        IpFamily::ALL
+            .into_iter()
+            .filter_map(|f| {
+                let why = self.ctx.problems[f.index()]?;
+                let (k, p) = firsts[f.index()].as_ref()?;
+                // The IPv4 wording predates dual-stack.
+                let what = match f {
+                    IpFamily::V4 => "NodePort",
+                    IpFamily::V6 => "IPv6 NodePort",
+                };
+                Some(ModelWarning {
+                    object: object.clone(),
+                    message: format!(
+                        "{why}: no {what} frontends on this node (first: {}/{} port {p})",
+                        k.0, k.1
+                    ),
+                })
+            })
+            .collect()
     }
 }
 

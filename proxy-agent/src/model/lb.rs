@@ -183,7 +183,10 @@ pub fn maglev_table(backends: &[BackendAddr], size: u16) -> Vec<u16> {
 
 /// A backend's name for Maglev's hashes: its address, port and protocol.
 fn backend_name(b: &BackendAddr) -> Vec<u8> {
-    let mut name = b.addr.octets().to_vec();
+    let mut name = match b.addr {
+        std::net::IpAddr::V4(a) => a.octets().to_vec(),
+        std::net::IpAddr::V6(a) => a.octets().to_vec(),
+    };
     name.extend_from_slice(&b.port.to_be_bytes());
     name.push(b.proto);
     name

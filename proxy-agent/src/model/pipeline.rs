@@ -4,7 +4,7 @@
 //! modules. Which Service gets a contested frontend or health-check port is
 //! decided over all Services by [`super::incremental`].
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -18,8 +18,9 @@ use super::lb::{service_algorithms, LbAlgorithm};
 use super::policy::{forbidden_address, in_cidr};
 use super::services::{parse_proto, service_id};
 use super::{
-    categorize, proto_name, DesiredState, Frontend, FrontendKey, ModelOptions, ModelWarning,
-    NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S, LABEL_TOPOLOGY_ZONE,
+    categorize, proto_name, DesiredState, Frontend, FrontendKey, IpFamily, ModelOptions,
+    ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
+    LABEL_TOPOLOGY_ZONE,
 };
 use crate::manifests::Snapshot;
 
@@ -61,13 +62,19 @@ pub(super) struct NodeContext {
     pub(super) zone: Option<String>,
     /// Its first IPv4 InternalIP: the SNAT source.
     pub(super) node_addr: Option<Ipv4Addr>,
-    /// The addresses its NodePorts are served on.
-    pub(super) node_port_addrs: Vec<Ipv4Addr>,
-    /// Every IPv4 address of the Node object: refused as externalIP or
+    /// Its first IPv6 InternalIP: the IPv6 SNAT source.
+    pub(super) node_addr6: Option<Ipv6Addr>,
+    /// The addresses its NodePorts are served on, per family
+    /// ([`IpFamily::index`]).
+    pub(super) node_port_addrs: [Vec<IpAddr>; 2],
+    /// Every address of the Node object: refused as externalIP or
     /// load-balancer IP unless the policy allows it.
-    pub(super) own_addrs: BTreeSet<Ipv4Addr>,
-    /// Why no NodePort can be served, if so.
-    pub(super) problem: Option<&'static str>,
+    pub(super) own_addrs: BTreeSet<IpAddr>,
+    /// Why no NodePort of a family can be served, if so, per family.
+    pub(super) problems: [Option<&'static str>; 2],
+    /// Whether there is no Node object at all (one reason for both
+    /// families).
+    pub(super) no_node: bool,
 }
 
 impl NodeContext {
@@ -78,13 +85,16 @@ impl NodeContext {
             .and_then(|s| s.addresses.as_ref())
             .into_iter()
             .flatten()
-            .filter_map(|a| super::addresses::parse_ipv4(&a.address))
+            .filter_map(|a| super::addresses::parse_ip(&a.address))
             .collect();
-        let problem = match node {
+        let problems = IpFamily::ALL.map(|f| match node {
             None => Some("no Node object for this node"),
-            Some(_) if internal_ips.is_empty() => Some("the Node has no IPv4 InternalIP address"),
+            Some(_) if internal_ips[f.index()].is_empty() => Some(match f {
+                IpFamily::V4 => "the Node has no IPv4 InternalIP address",
+                IpFamily::V6 => "the Node has no IPv6 InternalIP address",
+            }),
             Some(_) => None,
-        };
+        });
         Self {
             name: name.to_string(),
             zone: node
@@ -92,10 +102,20 @@ impl NodeContext {
                 .and_then(|l| l.get(LABEL_TOPOLOGY_ZONE))
                 .filter(|z| !z.is_empty())
                 .cloned(),
-            node_addr: internal_ips.first().copied(),
-            node_port_addrs: node_port_addresses(&internal_ips, &opts.node_port_addresses),
+            node_addr: internal_ips[0].iter().find_map(|a| match a {
+                IpAddr::V4(a) => Some(*a),
+                IpAddr::V6(_) => None,
+            }),
+            node_addr6: internal_ips[1].iter().find_map(|a| match a {
+                IpAddr::V6(a) => Some(*a),
+                IpAddr::V4(_) => None,
+            }),
+            node_port_addrs: IpFamily::ALL.map(|f| {
+                node_port_addresses(f, &internal_ips[f.index()], &opts.node_port_addresses)
+            }),
             own_addrs,
-            problem,
+            problems,
+            no_node: node.is_none(),
         }
     }
 }
@@ -121,14 +141,87 @@ pub(super) struct ServiceOutput {
     /// The `healthCheckNodePort` it needs, with its number of local ready
     /// endpoint addresses.
     pub(super) health_check: Option<(u16, usize)>,
-    /// Its first port's nodePort, if any: named when the node cannot serve
-    /// NodePorts.
-    pub(super) first_node_port: Option<u16>,
+    /// Its first port's nodePort, if any, per family it has
+    /// ([`IpFamily::index`]): named when the node cannot serve NodePorts of
+    /// that family.
+    pub(super) first_node_port: [Option<u16>; 2],
+}
+
+/// The Service's ClusterIPs, one per family it has, primary first, as
+/// kube-proxy's proxier of each family takes them
+/// (`proxyutil.GetClusterIPByFamily`: `clusterIPs` when set, else
+/// `clusterIP`; the first of each family), with what the API server would
+/// have refused reported (a manifests source has no API server): a
+/// `clusterIP` other than `clusterIPs[0]`, two addresses of one family,
+/// `ipFamilies` that do not match, two families under `ipFamilyPolicy:
+/// SingleStack` (the secondary is not served) and one under
+/// `RequireDualStack`. `Err` with the invalid address: the Service is
+/// skipped.
+fn cluster_ips<'a>(
+    spec: &'a k8s_openapi::api::core::v1::ServiceSpec,
+    warn: &mut impl FnMut(String),
+) -> Result<Vec<IpAddr>, &'a str> {
+    let ip_strings: Vec<&str> = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => {
+            if let Some(primary) = spec.cluster_ip.as_deref().filter(|s| !s.is_empty()) {
+                if primary != ips[0] {
+                    warn(format!(
+                        "clusterIP {primary:?} is not clusterIPs[0] {:?}; clusterIPs used",
+                        ips[0]
+                    ));
+                }
+            }
+            ips.iter().map(String::as_str).collect()
+        }
+        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+    };
+    let mut out: Vec<IpAddr> = Vec::new();
+    for s in ip_strings {
+        let Some(ip) = super::addresses::parse_ip(s) else {
+            return Err(s);
+        };
+        if out.iter().any(|o| IpFamily::of(*o) == IpFamily::of(ip)) {
+            warn(format!(
+                "clusterIPs has a second {} address {ip}; only the first of each family is served",
+                IpFamily::of(ip)
+            ));
+            continue;
+        }
+        out.push(ip);
+    }
+    let families: Vec<&str> = out.iter().map(|ip| IpFamily::of(*ip).name()).collect();
+    if let Some(listed) = spec.ip_families.as_ref().filter(|f| !f.is_empty()) {
+        if *listed != families {
+            warn(format!(
+                "ipFamilies {listed:?} do not match the clusterIPs' families {families:?}; the clusterIPs are served, as kube-proxy does"
+            ));
+        }
+    }
+    match spec.ip_family_policy.as_deref() {
+        Some("SingleStack") if out.len() > 1 => {
+            warn(format!(
+                "ipFamilyPolicy SingleStack with clusterIPs of two families; only the primary ({}) is served",
+                out[0]
+            ));
+            out.truncate(1);
+        }
+        Some("RequireDualStack") if out.len() == 1 => {
+            warn(format!(
+                "ipFamilyPolicy RequireDualStack with one clusterIP; served on {} only",
+                IpFamily::of(out[0])
+            ));
+        }
+        _ => {}
+    }
+    Ok(out)
 }
 
 /// The per-Service step: `svc` (not ignored) with `svc_slices`, its IPv4
-/// EndpointSlices (real ones and those synthesized from Pods) sorted by
-/// name.
+/// and IPv6 EndpointSlices (real ones and those synthesized from Pods)
+/// sorted by name. Each family the Service has a ClusterIP of is served as
+/// kube-proxy's proxier of that family serves it: its frontends get only
+/// that family's endpoints, node addresses, externalIPs, load-balancer IPs
+/// and source ranges.
 pub(super) fn service_output(
     svc: &Service,
     svc_slices: &[&EndpointSlice],
@@ -148,27 +241,20 @@ pub(super) fn service_output(
     let object = format!("Service {id}");
     let Some(spec) = &svc.spec else { return out };
 
-    let ip_strings: Vec<&str> = match &spec.cluster_ips {
-        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-        _ => spec.cluster_ip.as_deref().into_iter().collect(),
-    };
-    let mut cluster_ips = Vec::new();
-    let mut bad_ip = None;
-    for s in ip_strings {
-        match s.parse::<IpAddr>() {
-            Ok(IpAddr::V4(ip)) => cluster_ips.push(ip),
-            Ok(IpAddr::V6(_)) => {}
-            Err(_) => bad_ip = Some(s),
-        }
-    }
-    if let Some(s) = bad_ip {
+    let mut warn = |message: String| {
         warnings.push(ModelWarning {
-            object,
-            message: format!("invalid clusterIP {s:?}; service skipped"),
-        });
-        out.warnings = warnings;
-        return out;
-    }
+            object: object.clone(),
+            message,
+        })
+    };
+    let mut cluster_ips = match cluster_ips(spec, &mut warn) {
+        Ok(ips) => ips,
+        Err(s) => {
+            warn(format!("invalid clusterIP {s:?}; service skipped"));
+            out.warnings = warnings;
+            return out;
+        }
+    };
     cluster_ips.retain(|ip| match forbidden_address(*ip) {
         Some(why) => {
             warnings.push(ModelWarning {
@@ -183,6 +269,7 @@ pub(super) fn service_output(
         out.warnings = warnings;
         return out;
     }
+    let families: Vec<IpFamily> = cluster_ips.iter().map(|ip| IpFamily::of(*ip)).collect();
 
     let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
         spec.session_affinity_config
@@ -204,7 +291,22 @@ pub(super) fn service_output(
         });
         external.external_ips.clear();
     }
-    let refuse = |what: &str, ip: &Ipv4Addr, warnings: &mut Vec<ModelWarning>| {
+    // An address of a family the Service has no ClusterIP of is not seen by
+    // kube-proxy (its proxier of that family skips the Service).
+    let no_family = |what: &str, ip: &IpAddr, warnings: &mut Vec<ModelWarning>| {
+        let family = IpFamily::of(*ip);
+        if families.contains(&family) {
+            return false;
+        }
+        warnings.push(ModelWarning {
+            object: object.clone(),
+            message: format!(
+                "{what} {ip} is {family} but the Service has no {family} clusterIP; ignored, as kube-proxy does"
+            ),
+        });
+        true
+    };
+    let refuse = |what: &str, ip: &IpAddr, warnings: &mut Vec<ModelWarning>| {
         let why = if let Some(why) = forbidden_address(*ip) {
             format!("is {why}; never a frontend")
         } else if ctx.own_addrs.contains(ip) && !policy.allow_node_addresses {
@@ -226,6 +328,12 @@ pub(super) fn service_output(
     };
     external
         .external_ips
+        .retain(|ip| !no_family("externalIP", ip, &mut warnings));
+    external
+        .lb_ips
+        .retain(|ip| !no_family("load-balancer IP", ip, &mut warnings));
+    external
+        .external_ips
         .retain(|ip| !refuse("externalIP", ip, &mut warnings));
     external
         .lb_ips
@@ -237,8 +345,10 @@ pub(super) fn service_output(
     let external_policy = TrafficPolicy::parse(spec.external_traffic_policy.as_deref());
     let (alg_internal, alg_external) =
         service_algorithms(svc, &object, opts.lb_algorithm, &mut warnings);
-    // Local READY endpoints' addresses over all ports, for the health check.
-    let mut local_ready: BTreeSet<Ipv4Addr> = BTreeSet::new();
+    // Local READY endpoints' addresses over all ports, for the health
+    // check: those of the primary family (kube-proxy's health server of
+    // that family reports its own family's endpoints).
+    let mut local_ready: BTreeSet<IpAddr> = BTreeSet::new();
 
     for port in spec.ports.iter().flatten() {
         let port_name = port.name.clone().unwrap_or_default();
@@ -264,29 +374,6 @@ pub(super) fn service_output(
                 });
                 continue;
             }
-        };
-
-        let endpoints = port_endpoints(
-            port,
-            proto,
-            svc_slices,
-            &ctx.name,
-            &mut warnings,
-            &mut reported,
-        );
-        local_ready.extend(
-            endpoints
-                .iter()
-                .filter(|e| e.ready && e.is_local(&ctx.name))
-                .map(|e| e.addr.addr),
-        );
-        let info = ServicePortInfo::from_service(svc, port);
-        let categorized = categorize(&info, &endpoints, &node, &opts.gates);
-        let base = Frontend {
-            service: id.clone(),
-            port_name: port_name.clone(),
-            affinity_timeout_s,
-            ..Frontend::default()
         };
         // The port's nodePort, if any (0 = none). One outside 1-65535 is
         // refused, and a NodePort (or LoadBalancer that allocates them)
@@ -324,7 +411,9 @@ pub(super) fn service_output(
             },
         };
         if let Some(p) = node_port {
-            out.first_node_port.get_or_insert(p);
+            for f in &families {
+                out.first_node_port[f.index()].get_or_insert(p);
+            }
         }
         // Within the Service, the first claim of a key wins, silently.
         let claims = &mut out.claims;
@@ -348,99 +437,133 @@ pub(super) fn service_output(
                 .push((key, fe));
         };
 
-        // ClusterIP: internalTrafficPolicy.
-        let internal_list = match info.internal_traffic_policy {
-            TrafficPolicy::Cluster => &categorized.cluster,
-            TrafficPolicy::Local => &categorized.local,
-        };
-        let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
-        internal.flags |= alg_internal.flags();
-        for ip in &cluster_ips {
+        // Each family as its own proxier serves it, the primary first.
+        for (cluster_ip, family) in cluster_ips.iter().zip(families.iter().copied()) {
+            let endpoints = port_endpoints(
+                family,
+                port,
+                proto,
+                svc_slices,
+                &ctx.name,
+                &mut warnings,
+                &mut reported,
+            );
+            if family == families[0] {
+                local_ready.extend(
+                    endpoints
+                        .iter()
+                        .filter(|e| e.ready && e.is_local(&ctx.name))
+                        .map(|e| e.addr.addr),
+                );
+            }
+            let info = ServicePortInfo::for_family(svc, port, family);
+            let categorized = categorize(&info, &endpoints, &node, &opts.gates);
+            let base = Frontend {
+                service: id.clone(),
+                port_name: port_name.clone(),
+                affinity_timeout_s,
+                ..Frontend::default()
+            };
+
+            // ClusterIP: internalTrafficPolicy.
+            let internal_list = match info.internal_traffic_policy {
+                TrafficPolicy::Cluster => &categorized.cluster,
+                TrafficPolicy::Local => &categorized.local,
+            };
+            let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
+            internal.flags |= alg_internal.flags();
             claim(
-                frontend_key(*ip, svc_port, proto, SCOPE_INTERNAL),
-                internal.clone(),
+                frontend_key(*cluster_ip, svc_port, proto, SCOPE_INTERNAL),
+                internal,
                 true,
             );
-        }
 
-        // North-south: (address, port, what it is).
-        let targets: Vec<(Ipv4Addr, u16, NorthSouth)> = node_port
-            .into_iter()
-            .flat_map(|p| {
-                ctx.node_port_addrs
-                    .iter()
-                    .map(move |a| (*a, p, NorthSouth::NodePort))
-            })
-            .chain(
-                external
-                    .external_ips
-                    .iter()
-                    .map(|a| (*a, svc_port, NorthSouth::ExternalIp)),
-            )
-            .chain(
-                external
-                    .lb_ips
-                    .iter()
-                    .map(|a| (*a, svc_port, NorthSouth::LoadBalancer)),
-            )
-            .collect();
-        if targets.is_empty() {
-            continue;
-        }
-        // From outside: externalTrafficPolicy (`Local` only matters on an
-        // externally accessible port, which this one is).
-        let external_list = match external_policy {
-            TrafficPolicy::Cluster => &categorized.cluster,
-            TrafficPolicy::Local => &categorized.local,
-        };
-        let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
-        outside.flags |= alg_external.flags();
-        if external_policy == TrafficPolicy::Local {
-            outside.flags |= svc_flags::EXTERNAL_LOCAL;
-        }
-        // From this node's pods: short-circuited to the cluster list
-        // (kube-proxy's external-traffic chain sends traffic that starts
-        // inside the cluster to the cluster endpoints whatever the
-        // externalTrafficPolicy: E4, S42); a load-balancer IP's source
-        // ranges apply here too (below).
-        let mut short_circuit =
-            with_backends(&base, &categorized.cluster, &categorized, &endpoints);
-        short_circuit.flags |= alg_internal.flags();
-        for (addr, port, kind) in targets {
-            let mut fe = outside.clone();
-            // Maglev handoff: addresses every node serves alike (a
-            // router may move their flows between nodes; a NodePort is
-            // one node's own address), with the client's address kept
-            // end to end (Cluster policy would SNAT it otherwise).
-            if alg_external == LbAlgorithm::Maglev
-                && kind != NorthSouth::NodePort
-                && external_policy == TrafficPolicy::Cluster
-            {
-                fe.flags |= svc_flags::HANDOFF;
-            }
-            let mut inside = short_circuit.clone();
-            // kube-proxy's firewall chain filters every source of a
-            // load-balancer IP: pods and the node's own clients too.
-            if kind == NorthSouth::LoadBalancer && !external.source_ranges.is_empty() {
-                for f in [&mut fe, &mut inside] {
-                    f.flags |= svc_flags::SOURCE_RANGES;
-                    f.source_ranges = external.source_ranges.clone();
+            // North-south: (address, port, what it is), of this family.
+            let of_family = |a: &&IpAddr| IpFamily::of(**a) == family;
+            let targets: Vec<(IpAddr, u16, NorthSouth)> = node_port
+                .into_iter()
+                .flat_map(|p| {
+                    ctx.node_port_addrs[family.index()]
+                        .iter()
+                        .map(move |a| (*a, p, NorthSouth::NodePort))
+                })
+                .chain(
+                    external
+                        .external_ips
+                        .iter()
+                        .filter(of_family)
+                        .map(|a| (*a, svc_port, NorthSouth::ExternalIp)),
+                )
+                .chain(
+                    external
+                        .lb_ips
+                        .iter()
+                        .filter(of_family)
+                        .map(|a| (*a, svc_port, NorthSouth::LoadBalancer)),
+                )
+                .collect();
+            // From this node's pods: short-circuited to the cluster list
+            // (kube-proxy's external-traffic chain sends traffic that starts
+            // inside the cluster to the cluster endpoints whatever the
+            // externalTrafficPolicy: E4, S42); a load-balancer IP's source
+            // ranges apply here too (below).
+            let mut short_circuit =
+                with_backends(&base, &categorized.cluster, &categorized, &endpoints);
+            short_circuit.flags |= alg_internal.flags();
+            if !targets.is_empty() {
+                // From outside: externalTrafficPolicy (`Local` only matters
+                // on an externally accessible port, which this one is).
+                let external_list = match external_policy {
+                    TrafficPolicy::Cluster => &categorized.cluster,
+                    TrafficPolicy::Local => &categorized.local,
+                };
+                let mut outside = with_backends(&base, external_list, &categorized, &endpoints);
+                outside.flags |= alg_external.flags();
+                if external_policy == TrafficPolicy::Local {
+                    outside.flags |= svc_flags::EXTERNAL_LOCAL;
+                }
+                let source_ranges = external.source_ranges_of(family);
+                for (addr, port, kind) in targets {
+                    let mut fe = outside.clone();
+                    // Maglev handoff: addresses every node serves alike (a
+                    // router may move their flows between nodes; a NodePort
+                    // is one node's own address), with the client's address
+                    // kept end to end (Cluster policy would SNAT it
+                    // otherwise).
+                    if alg_external == LbAlgorithm::Maglev
+                        && kind != NorthSouth::NodePort
+                        && external_policy == TrafficPolicy::Cluster
+                    {
+                        fe.flags |= svc_flags::HANDOFF;
+                    }
+                    let mut inside = short_circuit.clone();
+                    // kube-proxy's firewall chain filters every source of a
+                    // load-balancer IP: pods and the node's own clients too.
+                    if kind == NorthSouth::LoadBalancer && !source_ranges.is_empty() {
+                        for f in [&mut fe, &mut inside] {
+                            f.flags |= svc_flags::SOURCE_RANGES;
+                            f.source_ranges = source_ranges.clone();
+                        }
+                    }
+                    claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe, false);
+                    claim(
+                        frontend_key(addr, port, proto, SCOPE_INTERNAL),
+                        inside,
+                        false,
+                    );
+                }
+                // Localhost NodePorts (L1, L2): the node's own clients only;
+                // IPv4 only, as kube-proxy's `localhostNodePorts`.
+                if let (Some(p), true, IpFamily::V4) =
+                    (node_port, opts.localhost_node_ports, family)
+                {
+                    claim(
+                        frontend_key(IpAddr::V4(Ipv4Addr::LOCALHOST), p, proto, SCOPE_INTERNAL),
+                        short_circuit.clone(),
+                        false,
+                    );
                 }
             }
-            claim(frontend_key(addr, port, proto, SCOPE_EXTERNAL), fe, false);
-            claim(
-                frontend_key(addr, port, proto, SCOPE_INTERNAL),
-                inside,
-                false,
-            );
-        }
-        // Localhost NodePorts (L1, L2): the node's own clients only.
-        if let (Some(p), true) = (node_port, opts.localhost_node_ports) {
-            claim(
-                frontend_key(Ipv4Addr::LOCALHOST, p, proto, SCOPE_INTERNAL),
-                short_circuit.clone(),
-                false,
-            );
         }
     }
     if over_limit > 0 {

@@ -1,31 +1,36 @@
 //! EndpointSlices synthesized from Pods, standing in for the EndpointSlice
 //! controller when the source (a manifests directory) has Pods but no slices.
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use super::endpoints::parse_endpoint_address;
 use super::services::{name, namespace};
-use super::LABEL_SERVICE_NAME;
+use super::{IpFamily, LABEL_SERVICE_NAME};
 use crate::manifests::Snapshot;
 
-/// Whether the pod may back a Service: an IPv4 pod IP, not finished
-/// (`Succeeded` or `Failed`). Terminating pods may (the EndpointSlice
-/// controller's `ShouldPodBeInEndpoints` with `includeTerminating`). Returns
-/// its IPv4 address.
-fn pod_ipv4(pod: &Pod) -> Option<Ipv4Addr> {
-    let status = pod.status.as_ref()?;
+/// Whether the pod may back a Service: a pod IP, not finished (`Succeeded`
+/// or `Failed`). Terminating pods may (the EndpointSlice controller's
+/// `ShouldPodBeInEndpoints` with `includeTerminating`). Returns its first
+/// address of each family (`podIP`, then `podIPs`), IPv4 first.
+fn pod_addresses(pod: &Pod) -> Vec<IpAddr> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
     if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
-        return None;
+        return Vec::new();
     }
     let primary = status.pod_ip.as_deref().into_iter();
     let all = status.pod_ips.iter().flatten().map(|p| p.ip.as_str());
-    primary
-        .chain(all)
-        .find_map(|ip| ip.parse::<Ipv4Addr>().ok())
+    let ips: Vec<&str> = primary.chain(all).collect();
+    IpFamily::ALL
+        .into_iter()
+        .filter_map(|f| ips.iter().find_map(|ip| parse_endpoint_address(f, ip)))
+        .collect()
 }
 
 /// The pod's Ready condition; a pod without one counts as ready.
@@ -62,9 +67,10 @@ fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Optio
 
 /// EndpointSlices standing in for the EndpointSlice controller: for every
 /// Service with a selector, one slice per matching Pod in its namespace that
-/// has an IPv4 pod IP and has not finished. The slice, named
-/// `<svc>-pod-<pod>`, holds one endpoint and one port per service port whose
-/// `targetPort` resolves on that Pod.
+/// has not finished and per family of its pod IPs (`addressType`, as the
+/// controller writes a slice per family). The slice, named `<svc>-pod-<pod>`
+/// (IPv4) or `<svc>-pod-<pod>-ipv6`, holds one endpoint and one port per
+/// service port whose `targetPort` resolves on that Pod.
 ///
 /// The endpoint's conditions follow the controller's `podToEndpoint`
 /// (pkg/controller/endpointslice, `endpointslice/util`): serving = the Pod's
@@ -106,7 +112,10 @@ pub(super) fn service_slices_from_pods<'a>(
             {
                 continue;
             }
-            let Some(ip) = pod_ipv4(pod) else { continue };
+            let addresses = pod_addresses(pod);
+            if addresses.is_empty() {
+                continue;
+            }
             let ports: Vec<EndpointPort> = spec
                 .ports
                 .iter()
@@ -125,29 +134,35 @@ pub(super) fn service_slices_from_pods<'a>(
             let serving = pod_ready(pod);
             let terminating = pod.metadata.deletion_timestamp.is_some();
             let ready = publish_not_ready || (serving && !terminating);
-            out.push(EndpointSlice {
-                address_type: "IPv4".to_string(),
-                metadata: ObjectMeta {
-                    name: Some(format!("{svc_name}-pod-{}", name(&pod.metadata))),
-                    namespace: Some(ns.to_string()),
-                    labels: Some(BTreeMap::from([(
-                        LABEL_SERVICE_NAME.to_string(),
-                        svc_name.to_string(),
-                    )])),
-                    ..ObjectMeta::default()
-                },
-                endpoints: vec![Endpoint {
-                    addresses: vec![ip.to_string()],
-                    conditions: Some(EndpointConditions {
-                        ready: Some(ready),
-                        serving: Some(serving),
-                        terminating: Some(terminating),
-                    }),
-                    node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
-                    ..Endpoint::default()
-                }],
-                ports: Some(ports),
-            });
+            for ip in addresses {
+                let suffix = match IpFamily::of(ip) {
+                    IpFamily::V4 => "",
+                    IpFamily::V6 => "-ipv6",
+                };
+                out.push(EndpointSlice {
+                    address_type: IpFamily::of(ip).name().to_string(),
+                    metadata: ObjectMeta {
+                        name: Some(format!("{svc_name}-pod-{}{suffix}", name(&pod.metadata))),
+                        namespace: Some(ns.to_string()),
+                        labels: Some(BTreeMap::from([(
+                            LABEL_SERVICE_NAME.to_string(),
+                            svc_name.to_string(),
+                        )])),
+                        ..ObjectMeta::default()
+                    },
+                    endpoints: vec![Endpoint {
+                        addresses: vec![ip.to_string()],
+                        conditions: Some(EndpointConditions {
+                            ready: Some(ready),
+                            serving: Some(serving),
+                            terminating: Some(terminating),
+                        }),
+                        node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                        ..Endpoint::default()
+                    }],
+                    ports: Some(ports.clone()),
+                });
+            }
         }
     }
 }

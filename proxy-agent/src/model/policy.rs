@@ -2,7 +2,7 @@
 //! claim (the CVE-2020-8554 class: a Service must not take another's
 //! traffic by naming its address as an externalIP or load-balancer IP).
 use std::cmp::Ordering;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// The operator's frontend policy (`frontendPolicy` in the config file).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,19 +37,18 @@ impl Default for FrontendPolicy {
     }
 }
 
-pub(super) fn in_cidr(ip: Ipv4Addr, (net, prefix): (Ipv4Addr, u8)) -> bool {
-    let m = if prefix == 0 {
-        0
-    } else {
-        u32::MAX << (32 - u32::from(prefix.min(32)))
-    };
-    u32::from(ip) & m == u32::from(net) & m
+/// Whether `ip` is in the IPv4 CIDR `(net, prefix)` (an IPv6 address never
+/// is).
+pub(super) fn in_cidr(ip: IpAddr, (net, prefix): (Ipv4Addr, u8)) -> bool {
+    super::addresses::in_cidr(ip, (IpAddr::V4(net), prefix))
 }
 
-/// Why `ip` can never be a Service frontend, if so: "this network",
+/// Why `ip` can never be a Service frontend, if so. IPv4: "this network",
 /// loopback, link-local (the metadata service), multicast, reserved and
-/// broadcast addresses. (The model's own localhost NodePorts are not checked.)
-pub fn forbidden_address(ip: Ipv4Addr) -> Option<&'static str> {
+/// broadcast addresses. IPv6: unspecified, loopback, IPv4-mapped,
+/// link-local and multicast addresses. (The model's own localhost NodePorts
+/// are not checked.)
+pub fn forbidden_address(ip: impl Into<IpAddr>) -> Option<&'static str> {
     const RANGES: [((Ipv4Addr, u8), &str); 6] = [
         (
             (Ipv4Addr::new(0, 0, 0, 0), 8),
@@ -76,10 +75,32 @@ pub fn forbidden_address(ip: Ipv4Addr) -> Option<&'static str> {
             "in 240.0.0.0/4 (reserved)",
         ),
     ];
-    RANGES
+    const RANGES6: [((Ipv6Addr, u8), &str); 5] = [
+        ((Ipv6Addr::UNSPECIFIED, 128), ":: (unspecified)"),
+        ((Ipv6Addr::LOCALHOST, 128), "::1 (loopback)"),
+        (
+            (Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0), 96),
+            "in ::ffff:0:0/96 (IPv4-mapped)",
+        ),
+        (
+            (Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
+            "in fe80::/10 (link-local)",
+        ),
+        (
+            (Ipv6Addr::new(0xff00, 0, 0, 0, 0, 0, 0, 0), 8),
+            "in ff00::/8 (multicast)",
+        ),
+    ];
+    let ip = ip.into();
+    let v4 = RANGES
         .iter()
-        .find(|(cidr, _)| in_cidr(ip, *cidr))
-        .map(|(_, why)| *why)
+        .map(|((net, p), why)| ((IpAddr::V4(*net), *p), *why));
+    let v6 = RANGES6
+        .iter()
+        .map(|((net, p), why)| ((IpAddr::V6(*net), *p), *why));
+    v4.chain(v6)
+        .find(|(cidr, _)| super::addresses::in_cidr(ip, *cidr))
+        .map(|(_, why)| why)
 }
 
 /// Who a claim of a frontend comes from, for [`super::incremental`]:

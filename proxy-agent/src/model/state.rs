@@ -2,7 +2,7 @@
 //! backends, health checks), the warnings it reports and its options.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 #[cfg(doc)]
 use proxy_common::svc_flags;
@@ -13,10 +13,18 @@ use super::NodePortAddresses;
 /// A frontend: what a packet's destination is matched against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FrontendKey {
-    pub addr: Ipv4Addr,
+    /// Either family: the model is dual-stack (see [`FrontendKey::family`]).
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: u8,
     pub scope: u8,
+}
+
+impl FrontendKey {
+    /// The family of its address.
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.addr)
+    }
 }
 
 impl fmt::Display for FrontendKey {
@@ -28,9 +36,8 @@ impl fmt::Display for FrontendKey {
         };
         write!(
             f,
-            "{}:{}/{} ({scope})",
-            self.addr,
-            self.port,
+            "{}/{} ({scope})",
+            std::net::SocketAddr::new(self.addr, self.port),
             proto_name(self.proto)
         )
     }
@@ -39,14 +46,66 @@ impl fmt::Display for FrontendKey {
 /// A backend: where a packet is translated to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackendAddr {
-    pub addr: Ipv4Addr,
+    /// Of the family of the frontends naming it: the model never mixes
+    /// families (an IPv4 frontend gets only IPv4 endpoints).
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: u8,
 }
 
 impl fmt::Display for BackendAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, proto_name(self.proto))
+        write!(
+            f,
+            "{}/{}",
+            std::net::SocketAddr::new(self.addr, self.port),
+            proto_name(self.proto)
+        )
+    }
+}
+
+/// An address family, as Kubernetes names them (`ipFamilies`, an
+/// EndpointSlice's `addressType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    /// Both, IPv4 first.
+    pub const ALL: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+    /// The family of `ip`.
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    /// `IPv4` or `IPv6`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// The family Kubernetes names `name` (`IPv4`, `IPv6`), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == name)
+    }
+
+    /// 0 for IPv4, 1 for IPv6: an index into per-family arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -90,12 +149,13 @@ pub struct Frontend {
     pub flags: u16,
     /// ClientIP session-affinity timeout in seconds; 0 = none.
     pub affinity_timeout_s: u32,
-    /// The IPv4 `spec.loadBalancerSourceRanges` as (network address, prefix
-    /// length), sorted, without duplicates. Set, with
+    /// The `spec.loadBalancerSourceRanges` of the frontend's family as
+    /// (network address, prefix length), sorted, without duplicates (with
+    /// none of its family, no filtering, as kube-proxy's per-family proxier). Set, with
     /// [`svc_flags::SOURCE_RANGES`], on external load-balancer-IP frontends
     /// only: kube-proxy applies the ranges to load-balancer IPs, not to
     /// NodePorts or externalIPs. Empty elsewhere.
-    pub source_ranges: Vec<(Ipv4Addr, u8)>,
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
 /// A `healthCheckNodePort` this node serves (kube-proxy
@@ -119,13 +179,16 @@ pub struct HealthCheck {
 pub struct DesiredState {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
     /// The address of every endpoint whose `nodeName` is this node, over all
-    /// IPv4 EndpointSlices (real and synthesized from Pods). The writer marks
+    /// IPv4 and IPv6 EndpointSlices (real and synthesized from Pods). The writer marks
     /// backends with these addresses local: the datapath SNATs external
     /// traffic only towards non-local backends.
-    pub local_endpoints: BTreeSet<Ipv4Addr>,
+    pub local_endpoints: BTreeSet<IpAddr>,
     /// This node's first IPv4 `InternalIP` (from its Node object): the
     /// datapath's SNAT source. `None` without a Node object or address.
     pub node_addr: Option<Ipv4Addr>,
+    /// This node's first IPv6 `InternalIP`: the SNAT source of IPv6
+    /// traffic. `None` without one.
+    pub node_addr6: Option<Ipv6Addr>,
     /// `healthCheckNodePort` → what it reports, for every `type:
     /// LoadBalancer` Service with `externalTrafficPolicy: Local` and a
     /// `healthCheckNodePort` (kube-proxy `apiservice.NeedsHealthCheck`).

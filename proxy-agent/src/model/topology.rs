@@ -4,8 +4,8 @@
 //! `CategorizeEndpoints`, and the service-port view it needs).
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 
-use super::addresses::parse_ipv4;
-use super::{BackendAddr, Gates, LABEL_TOPOLOGY_ZONE};
+use super::addresses::parse_ip;
+use super::{BackendAddr, Gates, IpFamily, LABEL_TOPOLOGY_ZONE};
 use crate::manifests::Snapshot;
 
 /// One endpoint of a service port, as the EndpointSlices describe it
@@ -74,8 +74,9 @@ pub struct ServicePortInfo {
     pub internal_traffic_policy: TrafficPolicy,
     /// `spec.externalTrafficPolicy`.
     pub external_traffic_policy: TrafficPolicy,
-    /// The port has a nodePort, or the Service an IPv4 externalIP or an IPv4
-    /// VIP-mode load-balancer ingress IP (`ExternallyAccessible`).
+    /// The port has a nodePort, or the Service an externalIP or a VIP-mode
+    /// load-balancer ingress IP of the family concerned
+    /// (`ExternallyAccessible`).
     pub externally_accessible: bool,
 }
 
@@ -85,12 +86,19 @@ impl ServicePortInfo {
     /// the other family do not count; a load-balancer IP counts only in
     /// `VIP` mode (`ipMode` missing or `"VIP"`, `proxyutil.IsVIPMode`).
     pub fn from_service(svc: &Service, port: &ServicePort) -> Self {
+        Self::for_family(svc, port, IpFamily::V4)
+    }
+
+    /// The port of `svc` as kube-proxy's proxier of `family` sees it:
+    /// `externalIPs` and load-balancer ingress IPs of the other family do
+    /// not count.
+    pub fn for_family(svc: &Service, port: &ServicePort, family: IpFamily) -> Self {
         let spec = svc.spec.as_ref();
-        let is_v4 = |ip: &str| parse_ipv4(ip).is_some();
+        let of_family = |ip: &str| parse_ip(ip).is_some_and(|a| IpFamily::of(a) == family);
         let node_port = port.node_port.is_some_and(|p| p != 0);
         let external_ip = spec
             .and_then(|s| s.external_ips.as_ref())
-            .is_some_and(|ips| ips.iter().any(|ip| is_v4(ip)));
+            .is_some_and(|ips| ips.iter().any(|ip| of_family(ip)));
         let lb_vip = svc
             .status
             .as_ref()
@@ -98,7 +106,7 @@ impl ServicePortInfo {
             .and_then(|lb| lb.ingress.as_ref())
             .is_some_and(|ingress| {
                 ingress.iter().any(|i| {
-                    i.ip.as_deref().is_some_and(is_v4)
+                    i.ip.as_deref().is_some_and(of_family)
                         && i.ip_mode.as_deref().is_none_or(|m| m == "VIP")
                 })
             });

@@ -72,7 +72,7 @@ fn source_ranges_filter_pods_as_well_as_external_clients() {
                 service: "default/lb".into(),
                 backends: vec![be(B1, 8080, IPPROTO_TCP)],
                 flags: svc_flags::SOURCE_RANGES,
-                source_ranges: vec![(Ipv4Addr::new(198, 18, 4, 0), 24)],
+                source_ranges: vec![(Ipv4Addr::new(198, 18, 4, 0).into(), 24)],
                 ..Default::default()
             },
         );

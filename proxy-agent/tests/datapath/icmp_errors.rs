@@ -257,7 +257,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         ],
         0,
     );
-    d.local_endpoints.extend([B1]);
+    d.local_endpoints.extend([std::net::IpAddr::V4(B1)]);
     h.sync_desired(&d);
     wired(&h);
     // Local backend, no SNAT.

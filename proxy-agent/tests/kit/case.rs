@@ -47,7 +47,8 @@ impl Setup {
             );
         }
         let mut d = desired(&self.frontends, 0);
-        d.local_endpoints.extend(self.local.iter().copied());
+        d.local_endpoints
+            .extend(self.local.iter().copied().map(std::net::IpAddr::V4));
         h.sync_desired(&d);
         if let Some((route, neighbours)) = &self.wire {
             h.wire(route, neighbours);

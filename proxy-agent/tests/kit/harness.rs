@@ -528,7 +528,7 @@ pub fn desired(
 /// An internal (ClusterIP) frontend key.
 pub fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
-        addr,
+        addr: addr.into(),
         port,
         proto,
         scope: SCOPE_INTERNAL,
@@ -538,7 +538,7 @@ pub fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
 /// An external (NodePort, LB IP, externalIP) frontend key.
 pub fn fe_ext(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
-        addr,
+        addr: addr.into(),
         port,
         proto,
         scope: SCOPE_EXTERNAL,
@@ -546,5 +546,9 @@ pub fn fe_ext(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
 }
 
 pub fn be(addr: Ipv4Addr, port: u16, proto: u8) -> BackendAddr {
-    BackendAddr { addr, port, proto }
+    BackendAddr {
+        addr: addr.into(),
+        port,
+        proto,
+    }
 }

@@ -109,7 +109,7 @@ fn local_endpoints_are_every_endpoint_on_this_node() {
             "web-v6",
             "web",
             "{name: http, port: 8080}",
-            "{addresses: [\"fd00::1\"], nodeName: node-a}",
+            "{addresses: [\"2001:2::1:1\"], nodeName: node-a}",
         )
         .replace("addressType: IPv4", "addressType: IPv6")
         + &pod("p1", "app: web", "198.18.1.6", "")
@@ -123,10 +123,18 @@ spec:
   ports: [{port: 80}]
 ";
     let (state, _) = desired_state(&snap(&yaml), "node-a");
-    let expected: Vec<Ipv4Addr> = ["198.18.1.1", "198.18.1.2", "198.18.1.4", "198.18.1.6"]
-        .iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
+    // IPv6 endpoints are local endpoints too (the IPv6 slice of a Service
+    // without an IPv6 clusterIP included: locality is of the address).
+    let expected: Vec<std::net::IpAddr> = [
+        "198.18.1.1",
+        "198.18.1.2",
+        "198.18.1.4",
+        "198.18.1.6",
+        "2001:2::1:1",
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
     assert_eq!(
         state.local_endpoints.iter().copied().collect::<Vec<_>>(),
         expected
@@ -134,7 +142,7 @@ spec:
     let (other, _) = desired_state(&snap(&yaml), "node-b");
     assert_eq!(
         other.local_endpoints.iter().copied().collect::<Vec<_>>(),
-        [Ipv4Addr::new(198, 18, 1, 3)]
+        [std::net::IpAddr::from(Ipv4Addr::new(198, 18, 1, 3))]
     );
     assert_eq!(other.node_addr, None);
 }
@@ -220,13 +228,13 @@ spec:
     assert!(
         !state
             .local_endpoints
-            .contains(&Ipv4Addr::new(198, 18, 1, 3)),
+            .contains(&Ipv4Addr::new(198, 18, 1, 3).into()),
         "web's backend on node-b claimed local by evil's slice: {:?}",
         state.local_endpoints
     );
     assert!(!state
         .local_endpoints
-        .contains(&Ipv4Addr::new(198, 18, 1, 1)));
+        .contains(&Ipv4Addr::new(198, 18, 1, 1).into()));
     // Without the foreign slice, web's own view holds.
     let (state, _) = desired_state(
         &snap(

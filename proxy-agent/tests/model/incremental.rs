@@ -7,7 +7,10 @@
 //! The objects are drawn from small pools (a few addresses, ports, names,
 //! timestamps) so that Services contest frontends and health-check ports,
 //! slices move between Services, endpoints move between nodes and the
-//! node's own Node object changes under everything.
+//! node's own Node object changes under everything. Both families: IPv4,
+//! IPv6 and dual-stack Services (with each `ipFamilyPolicy`), IPv4 and IPv6
+//! slices and pods, externalIPs, load-balancer IPs and source ranges of
+//! either family, and node addresses of either or both.
 use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
@@ -29,7 +32,30 @@ const VIPS: [&str; 5] = [
     "198.19.0.4",
     "not-an-ip",
 ];
-const EXTERNAL: [&str; 3] = ["198.19.1.1", "198.19.1.2", "198.18.9.1"];
+const VIPS6: [&str; 4] = ["2001:2::19:1", "2001:2::19:2", "2001:2::19:3", "bad::v6::"];
+const EXTERNAL: [&str; 6] = [
+    "198.19.1.1",
+    "198.19.1.2",
+    "198.18.9.1",
+    "2001:2::1:1",
+    "2001:2::1:2",
+    "2001:2::9:1",
+];
+const ENDPOINTS6: [&str; 5] = [
+    "2001:2::18:1",
+    "2001:2::18:2",
+    "2001:2::18:3",
+    "2001:2::9:1",
+    "198.18.1.1",
+];
+const SOURCE_RANGES: [&str; 4] = [
+    "198.18.4.0/24",
+    "2001:2::/64",
+    "2001:2::4:7/112",
+    "0.0.0.0/0",
+];
+const NODE_PORT_ADDRESSES: [&str; 4] =
+    ["198.18.9.0/24", "2001:2::9:0/112", "primary", "2001:2::/48"];
 const ENDPOINTS: [&str; 6] = [
     "198.18.1.1",
     "198.18.1.2",
@@ -58,17 +84,33 @@ fn service(r: &mut Rng) -> Service {
         }
         ports.push(p);
     }
+    // IPv4, IPv6 or dual-stack (either family first).
     let vip = *r.pick(&VIPS);
+    let vip6 = *r.pick(&VIPS6);
+    let (ips, families): (Vec<&str>, Vec<&str>) = match r.below(5) {
+        0 | 1 => (vec![vip], vec!["IPv4"]),
+        2 => (vec![vip6], vec!["IPv6"]),
+        3 => (vec![vip, vip6], vec!["IPv4", "IPv6"]),
+        _ => (vec![vip6, vip], vec!["IPv6", "IPv4"]),
+    };
     let mut spec = json!({
         "type": type_,
-        "clusterIP": vip,
-        "clusterIPs": [vip],
+        "clusterIP": ips[0],
+        "clusterIPs": ips,
         "ports": ports,
         "externalTrafficPolicy": *r.pick(&["Cluster", "Local"]),
         "internalTrafficPolicy": *r.pick(&["Cluster", "Local"]),
     });
+    if r.chance(60) {
+        spec["ipFamilies"] = json!(families);
+        spec["ipFamilyPolicy"] =
+            json!(*r.pick(&["SingleStack", "PreferDualStack", "RequireDualStack"]));
+    }
     if r.chance(30) {
-        spec["externalIPs"] = json!([*r.pick(&EXTERNAL)]);
+        spec["externalIPs"] = json!([*r.pick(&EXTERNAL), *r.pick(&EXTERNAL)]);
+    }
+    if type_ == "LoadBalancer" && r.chance(30) {
+        spec["loadBalancerSourceRanges"] = json!([*r.pick(&SOURCE_RANGES)]);
     }
     if r.chance(40) {
         spec["selector"] = json!({"app": *r.pick(&["one", "two"])});
@@ -99,10 +141,12 @@ fn slice(r: &mut Rng) -> EndpointSlice {
     let ns = *r.pick(&NAMESPACES);
     let svc = *r.pick(&SERVICES);
     let name = format!("{svc}-{}", r.below(2));
+    let v6 = r.chance(30);
+    let pool: &[&str] = if v6 { &ENDPOINTS6 } else { &ENDPOINTS };
     let mut endpoints = Vec::new();
     for _ in 0..r.below(4) {
         let mut e = json!({
-            "addresses": [*r.pick(&ENDPOINTS)],
+            "addresses": [*r.pick(pool)],
             "conditions": {"ready": r.chance(70), "serving": r.chance(80), "terminating": r.chance(20)},
         });
         if r.chance(80) {
@@ -126,7 +170,11 @@ fn slice(r: &mut Rng) -> EndpointSlice {
     };
     serde_json::from_value(json!({
         "metadata": {"name": name, "namespace": ns, "labels": {"kubernetes.io/service-name": label}},
-        "addressType": if r.chance(90) { "IPv4" } else { "IPv6" },
+        "addressType": match (v6, r.chance(5)) {
+            (_, true) => "FQDN",
+            (true, _) => "IPv6",
+            (false, _) => "IPv4",
+        },
         "endpoints": endpoints,
         "ports": ports,
     }))
@@ -140,6 +188,15 @@ fn pod(r: &mut Rng) -> Pod {
         "spec": {"nodeName": *r.pick(&NODES), "containers": []},
         "status": {"podIP": *r.pick(&ENDPOINTS), "conditions": [{"type": "Ready", "status": if r.chance(80) { "True" } else { "False" }}]},
     });
+    // IPv6-only or dual-stack pods.
+    match r.below(4) {
+        0 => pod["status"]["podIP"] = json!(*r.pick(&ENDPOINTS6)),
+        1 => {
+            let ips = [pod["status"]["podIP"].clone(), json!(*r.pick(&ENDPOINTS6))];
+            pod["status"]["podIPs"] = json!([{"ip": ips[0]}, {"ip": ips[1]}]);
+        }
+        _ => {}
+    }
     if r.chance(10) {
         pod["metadata"]["deletionTimestamp"] = json!("2026-03-01T00:00:00Z");
     }
@@ -149,9 +206,14 @@ fn pod(r: &mut Rng) -> Pod {
 fn node(r: &mut Rng) -> Node {
     let name = *r.pick(&NODES);
     let mut addresses = Vec::new();
-    if r.chance(85) {
+    if r.chance(75) {
         addresses
             .push(json!({"type": "InternalIP", "address": *r.pick(&["198.18.9.1", "198.18.9.2"])}));
+    }
+    if r.chance(60) {
+        addresses.push(
+            json!({"type": "InternalIP", "address": *r.pick(&["2001:2::9:1", "2001:2::9:2"])}),
+        );
     }
     serde_json::from_value(json!({
         "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": *r.pick(&["z1", "z2"])}},
@@ -221,6 +283,7 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
     let mut r = Rng::new(seed);
     let mut model = Incremental::new("node-a", opts.clone());
     let mut frontends_seen = 0;
+    let mut families_seen = [false; 2];
     for step in 0..steps {
         let before = model.desired().clone();
         let c = change(&mut r, &model);
@@ -243,6 +306,7 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
             "seed {seed} step {step}: incremental and full differ after {what}"
         );
         assert_eq!(now.node_addr, full.node_addr, "seed {seed} step {step}");
+        assert_eq!(now.node_addr6, full.node_addr6, "seed {seed} step {step}");
         assert_eq!(
             now.health_checks, full.health_checks,
             "seed {seed} step {step}: {what}"
@@ -268,15 +332,25 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
             local, named,
             "seed {seed} step {step}: local endpoints after {what}"
         );
-        if before.health_checks != now.health_checks || before.node_addr != now.node_addr {
+        if before.health_checks != now.health_checks
+            || before.node_addr != now.node_addr
+            || before.node_addr6 != now.node_addr6
+        {
             assert!(update.other, "seed {seed} step {step}: {what}");
         }
         frontends_seen = frontends_seen.max(now.frontends.len());
+        for k in now.frontends.keys() {
+            families_seen[k.family().index()] = true;
+        }
     }
-    // The sequence was not trivial.
+    // The sequence was not trivial, in both families.
     assert!(
         frontends_seen >= 10,
         "seed {seed}: at most {frontends_seen} frontends"
+    );
+    assert!(
+        families_seen == [true, true],
+        "seed {seed}: frontends of each family seen: {families_seen:?}"
     );
 }
 
@@ -284,6 +358,21 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
 fn incremental_changes_give_what_a_full_recompute_gives() {
     for seed in [1, 2, 3, 0x5eed, 0xdead_beef] {
         run(seed, 600, ModelOptions::default());
+    }
+}
+
+/// With `nodePortAddresses` of both families (and `primary`).
+#[test]
+fn incremental_changes_give_what_a_full_recompute_gives_with_node_port_addresses() {
+    for (seed, entries) in [(11, [0, 1]), (12, [2, 3]), (13, [1, 1])] {
+        let opts = ModelOptions {
+            node_port_addresses: entries
+                .iter()
+                .map(|i| NODE_PORT_ADDRESSES[*i].parse().unwrap())
+                .collect(),
+            ..ModelOptions::default()
+        };
+        run(seed, 600, opts);
     }
 }
 

@@ -17,7 +17,7 @@ use super::*;
 fn backends(n: usize) -> Vec<BackendAddr> {
     (0..n)
         .map(|i| BackendAddr {
-            addr: Ipv4Addr::new(198, 18, 1 + (i / 200) as u8, (i % 200) as u8 + 10),
+            addr: Ipv4Addr::new(198, 18, 1 + (i / 200) as u8, (i % 200) as u8 + 10).into(),
             port: 8080,
             proto: IPPROTO_TCP,
         })

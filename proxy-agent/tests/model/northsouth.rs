@@ -9,8 +9,8 @@ use super::*;
 
 /// S10: a NodePort service is served on every InternalIP of this node, with
 /// the cluster list, also on a node without a local backend; the same
-/// addresses get an internal (pod-originated) entry. Other address types and
-/// IPv6 are not NodePort addresses.
+/// addresses get an internal (pod-originated) entry. Other address types are
+/// not NodePort addresses, nor are IPv6 ones for an IPv4-only Service.
 #[test]
 fn node_port_frontends_on_each_node_address_use_the_cluster_list_s10() {
     let yaml = web_svc("  type: NodePort\n", ", nodePort: 30080", "")
@@ -18,7 +18,7 @@ fn node_port_frontends_on_each_node_address_use_the_cluster_list_s10() {
             "node-a",
             &[
                 ("InternalIP", "198.18.0.11"),
-                ("InternalIP", "fd00::11"),
+                ("InternalIP", "2001:2::11"),
                 ("ExternalIP", "198.18.0.99"),
                 ("InternalIP", "198.18.0.12"),
                 ("Hostname", "node-a"),
@@ -112,18 +112,25 @@ fn an_invalid_or_missing_node_port_is_a_warning_naming_the_service_and_port() {
 }
 
 /// S11: an externalIP is captured whether or not an interface owns it, from
-/// outside and from pods; IPv6 externalIPs are not this proxier's, an
-/// invalid one warns.
+/// outside and from pods; an IPv6 externalIP of an IPv4-only Service is
+/// ignored with a warning (kube-proxy's IPv6 proxier never sees the
+/// Service), an invalid one warns.
 #[test]
 fn external_ip_frontend_in_both_scopes_s11() {
     let yaml = web_svc(
-        "  externalIPs: [198.18.9.250, \"fd00::fa\", 198.18.9.250, not-an-ip, \"\"]\n",
+        "  externalIPs: [198.18.9.250, \"2001:2::fa\", 198.18.9.250, not-an-ip, \"\"]\n",
         "",
         "",
     ) + &web_endpoints(&[("198.18.1.1", "node-b", "")]);
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
     assert!(warnings[0].message.contains("not-an-ip"), "{warnings:?}");
+    assert!(
+        warnings[1]
+            .message
+            .contains("externalIP 2001:2::fa is IPv6 but the Service has no IPv6 clusterIP"),
+        "{warnings:?}"
+    );
     for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
         let fe = fe_at(&state, "198.18.9.250", 80, IPPROTO_TCP, scope);
         assert_eq!(addrs(fe), ["198.18.1.1:8080"]);
@@ -178,7 +185,8 @@ spec:
 
 /// Load-balancer ingress IPs: captured in VIP mode (`ipMode` missing or
 /// `VIP`), not in `Proxy` mode (the load balancer then sends to a NodePort);
-/// hostnames and IPv6 are skipped.
+/// hostnames are skipped, and IPv6 ones of an IPv4-only Service (with a
+/// warning).
 #[test]
 fn lb_ingress_ip_captured_in_vip_mode_not_in_proxy_mode() {
     let status = "status:
@@ -187,7 +195,7 @@ fn lb_ingress_ip_captured_in_vip_mode_not_in_proxy_mode() {
       - {ip: 198.18.9.1}
       - {ip: 198.18.9.2, ipMode: VIP}
       - {ip: 198.18.9.3, ipMode: Proxy}
-      - {ip: \"fd00::9\"}
+      - {ip: \"2001:2::9\"}
       - {hostname: lb.example.invalid}
 ";
     let yaml = web_svc(
@@ -196,7 +204,13 @@ fn lb_ingress_ip_captured_in_vip_mode_not_in_proxy_mode() {
         status,
     ) + &web_endpoints(&[("198.18.1.1", "node-b", "")]);
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0]
+            .message
+            .contains("load-balancer IP 2001:2::9 is IPv6"),
+        "{warnings:?}"
+    );
     for ip in ["198.18.9.1", "198.18.9.2"] {
         for scope in [SCOPE_EXTERNAL, SCOPE_INTERNAL] {
             let fe = fe_at(&state, ip, 80, IPPROTO_TCP, scope);
@@ -332,14 +346,14 @@ fn external_frontends_fall_back_to_terminating_endpoints_s37_s38() {
 
 /// `loadBalancerSourceRanges` apply to load-balancer-IP frontends, from
 /// outside and from inside (not to NodePorts, externalIPs or ClusterIPs):
-/// parsed, host bits cleared (with a warning), deduplicated, IPv6 skipped,
-/// an invalid entry ignored with a warning.
+/// parsed, host bits cleared (with a warning), deduplicated, IPv6 ones left
+/// to IPv6 frontends, an invalid entry ignored with a warning.
 #[test]
 fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
     let yaml = web_svc(
         "  type: LoadBalancer
   externalIPs: [198.18.9.250]
-  loadBalancerSourceRanges: [\"198.18.4.7/24\", \" 198.18.8.0/22 \", \"fd00::/64\", not-a-cidr, \"198.18.4.0/24\", \"\"]
+  loadBalancerSourceRanges: [\"198.18.4.7/24\", \" 198.18.8.0/22 \", \"2001:2::/64\", not-a-cidr, \"198.18.4.0/24\", \"\"]
 ",
         ", nodePort: 30080",
         "status: {loadBalancer: {ingress: [{ip: 198.18.9.1}]}}\n",
@@ -366,8 +380,8 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
         assert_eq!(
             lb.source_ranges,
             [
-                (Ipv4Addr::new(198, 18, 4, 0), 24),
-                (Ipv4Addr::new(198, 18, 8, 0), 22)
+                (Ipv4Addr::new(198, 18, 4, 0).into(), 24),
+                (Ipv4Addr::new(198, 18, 8, 0).into(), 22)
             ]
         );
     }
@@ -385,7 +399,7 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
 
     // Only IPv6 ranges: nothing of this family, no filtering.
     let yaml = web_svc(
-        "  type: LoadBalancer\n  loadBalancerSourceRanges: [\"fd00::/64\"]\n",
+        "  type: LoadBalancer\n  loadBalancerSourceRanges: [\"2001:2::/64\"]\n",
         ", nodePort: 30080",
         "status: {loadBalancer: {ingress: [{ip: 198.18.9.1}]}}\n",
     ) + &two_nodes();
@@ -418,9 +432,14 @@ fn node_port_addresses_parse() {
         "198.018.002.0/24".parse::<NodePortAddresses>(),
         Ok(NodePortAddresses::Cidr(Ipv4Addr::new(198, 18, 2, 0), 24))
     );
+    // IPv6 CIDRs select the node's IPv6 addresses, host bits cleared.
     assert_eq!(
-        NodePortAddresses::parse("fd00::/64"),
-        Ok(NodePortAddresses::Ipv6Cidr)
+        NodePortAddresses::parse("2001:2::7/64"),
+        Ok(NodePortAddresses::Cidr6("2001:2::".parse().unwrap(), 64))
+    );
+    assert_eq!(
+        NodePortAddresses::parse("2001:2::5:7/112").map(|n| n.to_string()),
+        Ok("2001:2::5:0/112".to_string())
     );
     for bad in [
         "",
@@ -430,7 +449,9 @@ fn node_port_addresses_parse() {
         "198.18.0.0/",
         "198.18.0/16",
         "198.18.0.256/24",
-        "fd00::/129",
+        "2001:2::/129",
+        "2001:2::/",
+        "2001:2:::/64",
         "x/8",
     ] {
         assert!(NodePortAddresses::parse(bad).is_err(), "{bad:?} accepted");
@@ -491,11 +512,11 @@ fn node_port_addresses_cidr_filter_and_primary() {
     );
     assert_eq!(node_ports(&["primary"]), ["198.18.0.11:30080"]);
     assert_eq!(
-        node_ports(&["primary", "198.18.3.0/24", "fd00::/64"]),
+        node_ports(&["primary", "198.18.3.0/24", "2001:2::/64"]),
         ["198.18.0.11:30080", "198.18.3.5:30080"]
     );
     assert!(node_ports(&["198.18.200.0/24"]).is_empty());
-    assert_eq!(node_ports(&["fd00::/64"]), all);
+    assert_eq!(node_ports(&["2001:2::/64"]), all);
 }
 
 /// Without a Node object, or one without an IPv4 InternalIP, there is no
@@ -516,7 +537,7 @@ fn node_without_node_object_or_address_has_no_node_ports_and_warns_once() {
             services.clone()
                 + &node_addrs(
                     "node-a",
-                    &[("ExternalIP", "198.18.0.99"), ("InternalIP", "fd00::11")],
+                    &[("ExternalIP", "198.18.0.99"), ("InternalIP", "2001:2::11")],
                 ),
             "no IPv4 InternalIP",
         ),

@@ -387,7 +387,7 @@ spec:
     let node_port = info("  type: NodePort\n", "{port: 80, nodePort: 30080}", "");
     assert!(node_port.externally_accessible && node_port.uses_cluster_endpoints());
     assert!(info("  externalIPs: [198.18.9.9]\n", "{port: 80}", "").externally_accessible);
-    assert!(!info("  externalIPs: [\"fd00::9\"]\n", "{port: 80}", "").externally_accessible);
+    assert!(!info("  externalIPs: [\"2001:2::9\"]\n", "{port: 80}", "").externally_accessible);
     let lb = |ingress: &str| {
         info(
             "  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n",
@@ -431,7 +431,7 @@ fn slice_edge_cases_ipv6_port_zero_and_local_duplicate() {
             "web-v6",
             "web",
             "{name: http, port: 8080}",
-            "{addresses: [\"fd00::1\"], nodeName: node-a}",
+            "{addresses: [\"2001:2::1\"], nodeName: node-a}",
         )
         .replace("addressType: IPv4", "addressType: IPv6");
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");

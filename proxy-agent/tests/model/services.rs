@@ -1,7 +1,6 @@
 //! From Services, Pods and EndpointSlices to a ClusterIP frontend's
 //! backends: target ports, conditions, slice ports, ignored Services,
 //! invalid input, protocols, affinity and determinism.
-use std::net::Ipv4Addr;
 use std::path::Path;
 
 use proxy_agent::manifests::load_paths;
@@ -338,7 +337,7 @@ fn invalid_ip_in_slice_warns_and_keeps_other_endpoints() {
 }
 
 #[test]
-fn invalid_cluster_ip_or_protocol_warns_and_skips_only_that_and_ipv6_is_ignored() {
+fn invalid_cluster_ip_or_protocol_warns_and_skips_only_that_and_ipv6_is_served() {
     let yaml = WEB.to_string()
         + "---
 apiVersion: v1
@@ -349,7 +348,7 @@ spec: {clusterIP: 198.19.0.300, ports: [{port: 80}]}
 apiVersion: v1
 kind: Service
 metadata: {name: dual}
-spec: {clusterIP: 198.19.0.7, clusterIPs: [198.19.0.7, \"fd00::7\"], ports: [{port: 80}]}
+spec: {clusterIP: 198.19.0.7, clusterIPs: [198.19.0.7, \"2001:2::7\"], ports: [{port: 80}]}
 ---
 apiVersion: v1
 kind: Service
@@ -367,7 +366,9 @@ spec: {clusterIP: 198.19.0.9, ports: [{name: d, port: 80, protocol: DCCP}, {name
         .keys()
         .map(|k| (k.addr, k.port, k.proto))
         .collect();
-    let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+    // The dual-stack Service has a frontend per family (IPv4 addresses sort
+    // first).
     assert_eq!(
         keys,
         [
@@ -375,7 +376,8 @@ spec: {clusterIP: 198.19.0.9, ports: [{name: d, port: 80, protocol: DCCP}, {name
             (ip("198.19.0.7"), 80, IPPROTO_TCP),
             (ip("198.19.0.8"), 80, IPPROTO_SCTP),
             (ip("198.19.0.8"), 81, IPPROTO_TCP),
-            (ip("198.19.0.9"), 81, IPPROTO_TCP)
+            (ip("198.19.0.9"), 81, IPPROTO_TCP),
+            (ip("2001:2::7"), 80, IPPROTO_TCP)
         ]
     );
     let text: Vec<String> = warnings.iter().map(ToString::to_string).collect();

@@ -5,7 +5,10 @@ use std::collections::BTreeSet;
 
 use proxy_common::{map_names, Backend4, RevNat4, Svc4Value};
 
-use super::{svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target, Writer};
+use super::{
+    ipv4, source_ranges4, svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target,
+    Writer,
+};
 use crate::model::{BackendAddr, DesiredState, FrontendKey};
 
 impl<D: Dataplane> Writer<D> {
@@ -152,7 +155,7 @@ impl<D: Dataplane> Writer<D> {
                     }
                 },
             };
-            let value = RevNat4::new(key.addr, key.port);
+            let value = RevNat4::new(ipv4(key.addr), key.port);
             if self.rev_nat.get(&id) == Some(&value) {
                 continue;
             }
@@ -185,7 +188,7 @@ impl<D: Dataplane> Writer<D> {
             let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
-            for range in &fe.source_ranges {
+            for range in &source_ranges4(fe) {
                 if self
                     .source_ranges
                     .get(&id)
@@ -335,7 +338,7 @@ impl<D: Dataplane> Writer<D> {
             let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
-            let wanted: BTreeSet<SourceRange> = fe.source_ranges.iter().copied().collect();
+            let wanted: BTreeSet<SourceRange> = source_ranges4(fe).into_iter().collect();
             let extra: Vec<SourceRange> = self
                 .source_ranges
                 .get(&id)

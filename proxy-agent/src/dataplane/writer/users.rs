@@ -5,7 +5,7 @@
 //! [`Writer::sync_changed`](super::Writer::sync_changed) keep it equal to the
 //! desired state they were given.
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use proxy_common::backend_state;
 
@@ -121,7 +121,7 @@ impl Users {
     }
 
     /// Every address in use with IP `ip` (any port and protocol).
-    pub(super) fn at(&self, ip: Ipv4Addr) -> impl Iterator<Item = &BackendAddr> {
+    pub(super) fn at(&self, ip: IpAddr) -> impl Iterator<Item = &BackendAddr> {
         let lo = BackendAddr {
             addr: ip,
             port: 0,
