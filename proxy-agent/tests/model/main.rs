@@ -15,6 +15,7 @@ use proxy_agent::manifests::{load_str, Snapshot};
 use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+mod dualstack;
 #[path = "../common/fuzz.rs"]
 mod fuzz;
 mod health_and_claims;
@@ -51,7 +52,7 @@ fn backends(state: &DesiredState, ip: &str, port: u16, proto: u8) -> Vec<String>
         .unwrap_or_else(|| panic!("no frontend {ip}:{port}/{proto}"));
     fe.backends
         .iter()
-        .map(|b| format!("{}:{}", b.addr, b.port))
+        .map(|b| std::net::SocketAddr::new(b.addr, b.port).to_string())
         .collect()
 }
 
@@ -75,7 +76,7 @@ fn retained(state: &DesiredState, ip: &str, port: u16, proto: u8) -> Vec<String>
     frontend(state, ip, port, proto)
         .retained
         .iter()
-        .map(|b| format!("{}:{}", b.addr, b.port))
+        .map(|b| std::net::SocketAddr::new(b.addr, b.port).to_string())
         .collect()
 }
 
@@ -151,7 +152,7 @@ fn has_fe(state: &DesiredState, ip: &str, port: u16, proto: u8, scope: u8) -> bo
 fn addrs(fe: &Frontend) -> Vec<String> {
     fe.backends
         .iter()
-        .map(|b| format!("{}:{}", b.addr, b.port))
+        .map(|b| std::net::SocketAddr::new(b.addr, b.port).to_string())
         .collect()
 }
 
