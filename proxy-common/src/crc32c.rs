@@ -83,13 +83,18 @@ pub fn shift(reg: u32, n: u16) -> u32 {
     mul(ZEROS[n as usize], reg)
 }
 
-/// The register run from 0 over `bytes` (no initial or final inversion).
+/// The register run from 0 over `bytes` (no initial or final inversion):
+/// from 0, feeding 4 bytes is the same as starting from those bytes (little
+/// endian, as the reflected register takes them) and feeding 4 zero bytes.
+/// Written so, each table index is a mask of the register, the last
+/// operation before the lookup: 5.10's verifier refuses an index it cannot
+/// bound, as it could not the XOR LLVM made of `(reg ^ byte) & 0xff`.
 #[inline(always)]
 fn raw(bytes: [u8; 4]) -> u32 {
-    let mut reg = 0u32;
+    let mut reg = u32::from_le_bytes(bytes);
     let mut i = 0;
     while i < 4 {
-        reg = TABLE[((reg ^ bytes[i] as u32) & 0xff) as usize] ^ (reg >> 8);
+        reg = TABLE[(reg & 0xff) as usize] ^ (reg >> 8);
         i += 1;
     }
     reg
