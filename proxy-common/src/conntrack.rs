@@ -37,7 +37,7 @@ pub mod sctp {
 ///
 /// One comparison, with UDP: the verifier splits its paths at each test of
 /// a protocol it does not know, and two comparisons split them three ways
-/// (measured: 3.4 times the instructions verified in XDP).
+/// (measured on 6.18: `ext_xdp` 332k instructions verified against 195k).
 #[inline(always)]
 pub const fn connection_oriented(proto: u8) -> bool {
     proto != IPPROTO_UDP
@@ -51,17 +51,8 @@ pub const fn connection_oriented(proto: u8) -> bool {
 /// close (a RST: the short closing timeout), SHUTDOWN and SHUTDOWN_ACK close
 /// one side each (a FIN), anything else (DATA, COOKIE_ECHO, SACK,
 /// HEARTBEAT, ...) carries the association on (an ACK).
-///
-/// A table lookup, not a `match`: the verifier follows each constant a
-/// `match` returns as a path of its own through the rest of the program (five
-/// times the states); a load at an index it does not know is one unknown
-/// value, as TCP's flags read from the packet are.
 #[inline(always)]
-pub fn sctp_flags(chunk: u8) -> u8 {
-    SCTP_FLAGS[chunk as usize]
-}
-
-const fn sctp_flags_of(chunk: u8) -> u8 {
+pub const fn sctp_flags(chunk: u8) -> u8 {
     match chunk {
         sctp::INIT => tcp::SYN,
         sctp::INIT_ACK => tcp::SYN | tcp::ACK,
@@ -70,16 +61,6 @@ const fn sctp_flags_of(chunk: u8) -> u8 {
         _ => tcp::ACK,
     }
 }
-
-static SCTP_FLAGS: [u8; 256] = {
-    let mut t = [0u8; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = sctp_flags_of(i as u8);
-        i += 1;
-    }
-    t
-};
 
 /// How long an entry of protocol `proto` with [`ct_flags`] `flags` lives
 /// without traffic, in nanoseconds, following the kernel's conntrack states:
