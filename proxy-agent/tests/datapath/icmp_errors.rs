@@ -359,3 +359,40 @@ fn with_stack_delivery_errors_are_translated_at_the_last_hook() {
     assert_eq!((o.src, o.dst), (VIP, CLIENT));
     assert_eq!(quoted_tuple(&o), (CLIENT, 40000, VIP, 80));
 }
+
+/// SCTP (issue 12): a router's fragmentation needed about a client's SCTP
+/// packet to a ClusterIP with port translation (5060 → 5061) reaches the
+/// client from the frontend, quoting the packet as the client sent it
+/// (client → VIP:5060), so its association learns the path MTU. The
+/// quoted packet's CRC32c is left as the backend-side one: the client's
+/// stack finds the association by addresses, ports and verification tag
+/// (`sctp_v4_err`), never by the quoted CRC.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn frag_needed_about_an_sctp_packet_reaches_the_client_from_the_frontend() {
+    let mut h = Harness::new();
+    h.sync(&[(
+        fe(VIP, 5060, proxy_common::IPPROTO_SCTP),
+        vec![be(REMOTE, 5061, proxy_common::IPPROTO_SCTP)],
+        0,
+    )]);
+    wired(&h);
+    let data = vec![0x5a; 1200];
+    let (_, pkt) = h.run(&kit::frame::sctp4(CLIENT, 40000, VIP, 5060, 0, &data));
+    assert_eq!(parse_checked(&pkt).tuple(), (CLIENT, 40000, REMOTE, 5061));
+    let err = frag_needed(CLIENT, 1000, &pkt);
+    let o = delivered(&h, ExtIngress, &err);
+    assert_eq!((o.src, o.dst), (VIP, CLIENT), "outer header");
+    assert_eq!(&o.l4[..2], &[ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED]);
+    let inner = &o.l4[8..];
+    assert_eq!(kit::check::ip_csum(&inner[..20]), 0, "inner IPv4 checksum");
+    assert_eq!(&inner[12..16], &CLIENT.octets());
+    assert_eq!(&inner[16..20], &VIP.octets());
+    assert_eq!(&inner[20..22], &40000u16.to_be_bytes());
+    assert_eq!(
+        &inner[22..24],
+        &5060u16.to_be_bytes(),
+        "the frontend's port"
+    );
+    assert_eq!(h.stats()[&stat::ICMP_ERROR_TO_CLIENT], 1);
+}
