@@ -104,9 +104,17 @@ fn raw(bytes: [u8; 4]) -> u32 {
 /// its first 4 bytes, as stored, read as a native integer — change from
 /// `old_ports` to `new_ports`. `len` shorter than the common header (12
 /// bytes) leaves it as it is.
+///
+/// A field of 0 is left as it is too: it is a CRC yet to be computed. A
+/// Linux sender whose route's device offloads the CRC (veth does) hands the
+/// packet on with the field zeroed (`CHECKSUM_PARTIAL`); a device that
+/// cannot compute it further on (most NICs, a tunnel) has the kernel do it
+/// in software (`skb_crc32c_csum_help`), over the bytes as they are, field
+/// included: a delta written into it would be summed into a wrong CRC. The
+/// price: a packet whose real CRC is 0 (one in 2^32) keeps its old one.
 #[inline(always)]
 pub fn update_ports(stored: u32, len: u16, old_ports: u32, new_ports: u32) -> u32 {
-    if len < 12 || old_ports == new_ports {
+    if len < 12 || old_ports == new_ports || stored == 0 {
         return stored;
     }
     let delta = (old_ports ^ new_ports).to_ne_bytes();
@@ -222,8 +230,30 @@ mod tests {
     }
 
     #[test]
-    fn unchanged_ports_or_a_runt_leave_the_field() {
+    fn unchanged_ports_a_runt_or_a_crc_yet_to_be_computed_leave_the_field() {
         assert_eq!(update_ports(0xdead_beef, 100, 7, 7), 0xdead_beef);
         assert_eq!(update_ports(0xdead_beef, 11, 7, 8), 0xdead_beef);
+        assert_eq!(update_ports(0, 100, 7, 8), 0);
+    }
+
+    /// Every length from the common header's to 300 bytes, and the longest.
+    #[test]
+    fn every_short_length_and_the_longest() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for len in (12usize..=300).chain([65_535]) {
+            let mut pkt: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            seal(&mut pkt);
+            let new = next() as u32;
+            let updated = update_ports(field(&pkt, 8), len as u16, field(&pkt, 0), new);
+            pkt[0..4].copy_from_slice(&new.to_ne_bytes());
+            seal(&mut pkt);
+            assert_eq!(updated, field(&pkt, 8), "len {len}");
+        }
     }
 }

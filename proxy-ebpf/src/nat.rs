@@ -318,7 +318,8 @@ fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
 /// fragment of a fragmented one does not tell its length, and is dropped
 /// (`drop_sctp_fragment`). A packet whose CRC is yet to be computed (a
 /// local sender's, `CHECKSUM_PARTIAL` with the CRC offloaded, as over veth)
-/// gets a field the kernel overwrites anyway.
+/// has a field of 0, left so ([`crc32c::update_ports`]): the kernel
+/// computes the CRC later over the field as it is.
 #[inline(always)]
 fn sctp_ports(ctx: &TcContext, pkt: &Packet, to: &Tuple) -> Result<(), Verdict> {
     let old = ports_word(pkt.sport_be, pkt.dport_be);
