@@ -147,10 +147,13 @@ pub(super) struct ServiceOutput {
     pub(super) first_node_port: [Option<u16>; 2],
 }
 
-/// The Service's ClusterIPs, one per family it has, primary first, as
-/// kube-proxy's proxier of each family takes them
-/// (`proxyutil.GetClusterIPByFamily`: `clusterIPs` when set, else
-/// `clusterIP`; the first of each family), with what the API server would
+/// The Service's ClusterIPs, one per family it has, primary first:
+/// `clusterIPs` when set, else `clusterIP`; the first of each family. For
+/// what the API server accepts this is what kube-proxy's proxier of each
+/// family takes (`proxyutil.GetClusterIPByFamily`, which pairs
+/// `ipFamilies[i]` with `clusterIPs[i]`, or without `ipFamilies` takes
+/// `clusterIP` alone); where they differ, on input the API server would
+/// refuse, this rule serves every family listed. With what the API server would
 /// have refused reported (a manifests source has no API server): a
 /// `clusterIP` other than `clusterIPs[0]`, two addresses of one family,
 /// `ipFamilies` that do not match, two families under `ipFamilyPolicy:
@@ -193,7 +196,7 @@ fn cluster_ips<'a>(
     if let Some(listed) = spec.ip_families.as_ref().filter(|f| !f.is_empty()) {
         if *listed != families {
             warn(format!(
-                "ipFamilies {listed:?} do not match the clusterIPs' families {families:?}; the clusterIPs are served, as kube-proxy does"
+                "ipFamilies {listed:?} do not match the clusterIPs' families {families:?}; the first clusterIP of each family is served (kube-proxy would pair ipFamilies[i] with clusterIPs[i])"
             ));
         }
     }
