@@ -35,10 +35,25 @@ pub(super) fn port_endpoints(
     reported: &mut BTreeSet<(String, String)>,
 ) -> Vec<EndpointInfo> {
     let mut found: BTreeMap<BackendAddr, EndpointInfo> = BTreeMap::new();
-    for slice in slices
-        .iter()
-        .filter(|s| IpFamily::from_name(&s.address_type) == Some(family))
-    {
+    for slice in slices {
+        let slice_family = IpFamily::from_name(&slice.address_type);
+        if slice_family.is_none() && slice.address_type != "FQDN" {
+            // Not a type the API has (FQDN slices are ignored, as
+            // kube-proxy ignores them); say so, once per slice.
+            let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
+            if reported.insert((slice_id.clone(), "addressType".to_string())) {
+                warnings.push(ModelWarning {
+                    object: format!("EndpointSlice {slice_id}"),
+                    message: format!(
+                        "addressType {:?} is none of IPv4, IPv6, FQDN; its endpoints are not used",
+                        slice.address_type
+                    ),
+                });
+            }
+        }
+        if slice_family != Some(family) {
+            continue;
+        }
         let Some(slice_port) = slice
             .ports
             .iter()

@@ -552,8 +552,9 @@ impl Incremental {
         touched: &mut BTreeSet<IpAddr>,
     ) {
         // Slices of either family feed that family's frontends; FQDN ones
-        // are ignored, as kube-proxy does.
-        if IpFamily::from_name(&slice.address_type).is_some() {
+        // are ignored, as kube-proxy does. One of a type the API does not
+        // have reaches its Service's step, which warns about it.
+        if slice.address_type != "FQDN" {
             let sets = LocalSets::of(std::iter::once(&*slice), &self.ctx.name);
             self.local.count(&sets, true, touched);
             self.slice_local.insert(key.clone(), sets);

@@ -158,8 +158,9 @@ pub(super) struct ServiceOutput {
 /// `clusterIP` other than `clusterIPs[0]`, two addresses of one family,
 /// `ipFamilies` that do not match, two families under `ipFamilyPolicy:
 /// SingleStack` (the secondary is not served) and one under
-/// `RequireDualStack`. `Err` with the invalid address: the Service is
-/// skipped.
+/// `RequireDualStack`. `Err` with the primary address when it is invalid:
+/// the Service is skipped; an invalid secondary is warned about and skipped
+/// alone.
 fn cluster_ips<'a>(
     spec: &'a k8s_openapi::api::core::v1::ServiceSpec,
     warn: &mut impl FnMut(String),
@@ -179,9 +180,16 @@ fn cluster_ips<'a>(
         _ => spec.cluster_ip.as_deref().into_iter().collect(),
     };
     let mut out: Vec<IpAddr> = Vec::new();
-    for s in ip_strings {
+    for (i, s) in ip_strings.into_iter().enumerate() {
         let Some(ip) = super::addresses::parse_ip(s) else {
-            return Err(s);
+            if i == 0 {
+                return Err(s);
+            }
+            // The primary stands: its family is served.
+            warn(format!(
+                "invalid clusterIPs[{i}] {s:?}; only that address is skipped"
+            ));
+            continue;
         };
         if out.iter().any(|o| IpFamily::of(*o) == IpFamily::of(ip)) {
             warn(format!(

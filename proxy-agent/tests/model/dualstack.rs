@@ -215,19 +215,9 @@ fn ip_family_policies_with_one_or_two_cluster_ips() {
         assert!(warnings[0].message.contains(warning), "{warnings:?}");
     }
 
-    // An invalid address still skips the Service with a clear warning; a
-    // forbidden IPv6 one is refused alone.
-    let yaml = dual_svc(
-        "  clusterIPs: [198.19.0.1, \"2001:2::19:zz\"]\n",
-        "",
-        "",
-        "",
-    );
-    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
-    assert!(state.frontends.is_empty());
-    assert!(warnings[0]
-        .message
-        .contains("invalid clusterIP \"2001:2::19:zz\""));
+    // An invalid secondary address is refused alone (see
+    // `an_invalid_secondary_cluster_ip_skips_only_that_address`), and so is
+    // a forbidden IPv6 one.
     let yaml = dual_svc("  clusterIPs: [198.19.0.1, \"fe80::1\"]\n", "", "", "");
     let (state, warnings) = desired_state(&snap(&yaml), "node-a");
     assert_eq!(cluster_frontends(&state), ["198.19.0.1"]);
@@ -523,4 +513,59 @@ fn traffic_policies_per_family() {
         ["[2001:2::18:1]:8080"]
     );
     assert_eq!(state.health_checks[&30999].local_endpoints, 1);
+}
+
+/// An unparseable secondary clusterIP (input the API server would refuse)
+/// is warned about and skipped alone: the primary's family is still
+/// served. An unparseable primary skips the Service, as before.
+#[test]
+fn an_invalid_secondary_cluster_ip_skips_only_that_address() {
+    for (cluster, want, warned) in [
+        (
+            "  clusterIP: 198.19.0.1\n  clusterIPs: [198.19.0.1, None]\n",
+            &["198.19.0.1"][..],
+            "invalid clusterIPs[1] \"None\"",
+        ),
+        (
+            "  clusterIPs: [198.19.0.1, \"2001:2::19:zz\"]\n",
+            &["198.19.0.1"][..],
+            "invalid clusterIPs[1] \"2001:2::19:zz\"",
+        ),
+        (
+            "  clusterIPs: [\"\", \"2001:2::19:1\"]\n",
+            &[][..],
+            "invalid clusterIP \"\"; service skipped",
+        ),
+    ] {
+        let yaml = dual_svc(cluster, "", "", "") + &dual_endpoints();
+        let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+        assert_eq!(cluster_frontends(&state), want, "{cluster}");
+        let text: Vec<String> = warnings.iter().map(ToString::to_string).collect();
+        assert!(
+            text.iter().any(|w| w.contains(warned)),
+            "{cluster}: {text:?}"
+        );
+    }
+}
+
+/// An EndpointSlice whose `addressType` the API does not have is warned
+/// about once and feeds nothing; FQDN slices stay ignored without a word,
+/// as kube-proxy ignores them.
+#[test]
+fn an_unknown_address_type_is_warned_about_and_fqdn_is_ignored() {
+    let yaml = dual_svc(DUAL, "", "", "")
+        + &dual_endpoints()
+        + &family_slice("web-bad", "banana", &[("198.18.1.9", "node-a")])
+        + &family_slice("web-fqdn", "FQDN", &[("web.example", "node-a")]);
+    let (state, warnings) = desired_state(&snap(&yaml), "node-a");
+    let text: Vec<String> = warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(text.len(), 1, "{text:?}");
+    assert!(
+        text[0].contains("EndpointSlice default/web-bad") && text[0].contains("\"banana\""),
+        "{text:?}"
+    );
+    assert_eq!(
+        backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
+        ["198.18.1.1:8080", "198.18.1.2:8080"]
+    );
 }
