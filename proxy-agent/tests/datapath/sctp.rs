@@ -258,12 +258,7 @@ fn fragmented_sctp_with_port_translation_is_dropped_and_counted() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn sctp_conntrack_follows_init_abort_and_a_new_init() {
-    let mut h = Harness::new();
-    h.sync(&[(
-        fe(VIP, 5060, IPPROTO_SCTP),
-        vec![be(B1, 5061, IPPROTO_SCTP)],
-        0,
-    )]);
+    let h = sctp_setup().harness();
     let service_flags = |h: &Harness| {
         h.maps()
             .conntrack()
@@ -352,12 +347,7 @@ fn sctp_to_a_frontend_without_endpoints_is_rejected() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn an_sctp_crc_yet_to_be_computed_stays_zero_through_port_translation() {
-    let mut h = Harness::new();
-    h.sync(&[(
-        fe(VIP, 5060, IPPROTO_SCTP),
-        vec![be(B1, 5061, IPPROTO_SCTP)],
-        0,
-    )]);
+    let h = sctp_setup().harness();
     let mut init = sctp4(CLIENT, 40000, VIP, 5060, chunk::INIT, INIT);
     init[34 + 8..34 + 12].fill(0);
     let (rc, out) = h.run(&init);
