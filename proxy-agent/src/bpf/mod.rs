@@ -290,8 +290,11 @@ fn probe_sock_lb() -> SockLbSupport {
 }
 
 /// How many times one program's load is tried when the kernel gave up
-/// verifying it because a signal was pending (libbpf's `PROG_LOAD_ATTEMPTS`).
-pub const LOAD_ATTEMPTS: usize = 5;
+/// verifying it because a signal was pending. libbpf's `PROG_LOAD_ATTEMPTS`
+/// is 5; a fresh-clone CI run's host packet pass lost `ext_xdp` after 5
+/// `EAGAIN`s in a row (its verification doubled with SCTP, 97k to 195k
+/// instructions on 6.18, and so did its window for a signal), so 10.
+pub const LOAD_ATTEMPTS: usize = 10;
 
 /// Runs `load` (one program's `BPF_PROG_LOAD`) again, up to [`LOAD_ATTEMPTS`]
 /// times in all, while it fails with `EAGAIN`. The verifier checks for a
