@@ -54,6 +54,8 @@ pub struct RunConfig {
     /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     pub hairpin_snat_ip: Ipv4Addr,
+    /// `None`: the node's IPv6 address.
+    pub hairpin_snat_ip6: Option<std::net::Ipv6Addr>,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     pub map_sizes: MapSizes,
@@ -89,6 +91,7 @@ impl From<&Settings> for RunConfig {
             tc_attach_mode: s.tc_attach_mode,
             node_port_addresses: s.node_port_addresses.clone(),
             hairpin_snat_ip: s.hairpin_snat_ip,
+            hairpin_snat_ip6: s.hairpin_snat_ip6,
             min_sync_period: s.min_sync_period,
             sync_period: s.sync_period,
             map_sizes: s.map_sizes,
@@ -365,9 +368,13 @@ fn sync_once(
     }
     let desired = model.desired();
     // The node's address is the SNAT source of external traffic to other nodes.
+    // IPv6 hairpin flows are SNATed to the configured address, else to the
+    // node's IPv6 address.
+    let hairpin6 = cfg.hairpin_snat_ip6.or(desired.node_addr6);
     let mut node_cfg = obs
         .datapath
-        .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED));
+        .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED))
+        .with_hairpin6_addr(hairpin6.unwrap_or(std::net::Ipv6Addr::UNSPECIFIED));
     if cfg.delivery_mode == crate::config::DeliveryMode::Auto
         && obs.delivery_checked.elapsed() >= cfg.sync_period
     {

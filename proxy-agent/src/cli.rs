@@ -117,6 +117,10 @@ pub struct RunArgs {
     /// Service) [default: 169.254.42.1, Cilium's service loopback address].
     #[arg(long)]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
+    /// Source address given to IPv6 hairpin traffic [default: the node's
+    /// IPv6 address].
+    #[arg(long = "hairpin-snat-ip6")]
+    pub hairpin_snat_ip6: Option<std::net::Ipv6Addr>,
     /// Minimum time between two syncs (kube-proxy's minSyncPeriod), a Go
     /// duration: 1s, 100ms [default: 1s].
     #[arg(long, value_parser = parse_duration)]

@@ -351,6 +351,10 @@ pub struct ConfigFile {
     pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
+    /// Source address of IPv6 hairpin traffic (default: the node's IPv6
+    /// address).
+    #[serde(rename = "hairpinSnatIPv6")]
+    pub hairpin_snat_ip6: Option<std::net::Ipv6Addr>,
     /// This proxy's `service.kubernetes.io/service-proxy-name`.
     pub service_proxy_name: Option<String>,
     /// The API server's own address (kube-proxy's `--master`), e.g.
@@ -499,6 +503,8 @@ pub struct Settings {
     pub snat_port_range: Option<(u16, u16)>,
     pub tc_attach_mode: crate::bpf::TcAttachMode,
     pub hairpin_snat_ip: Ipv4Addr,
+    /// `None`: the node's IPv6 address.
+    pub hairpin_snat_ip6: Option<std::net::Ipv6Addr>,
     pub min_sync_period: Duration,
     pub sync_period: Duration,
     /// `None`: disabled (an empty address).
@@ -803,6 +809,7 @@ impl Settings {
                 .hairpin_snat_ip
                 .or(file.hairpin_snat_ip)
                 .unwrap_or(DEFAULT_HAIRPIN_SNAT_IP),
+            hairpin_snat_ip6: flags.hairpin_snat_ip6.or(file.hairpin_snat_ip6),
             min_sync_period,
             sync_period,
             healthz_bind_address: parse_bind_address("healthzBindAddress", &healthz, 10256)?,

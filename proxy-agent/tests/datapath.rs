@@ -23,6 +23,8 @@ mod fuzz;
 mod hardening;
 #[path = "datapath/icmp_errors.rs"]
 mod icmp_errors;
+#[path = "datapath/ipv6.rs"]
+mod ipv6;
 mod kit;
 #[path = "datapath/lb.rs"]
 mod lb;

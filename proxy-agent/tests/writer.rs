@@ -5,7 +5,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use proxy_agent::dataplane::{Dataplane, InMemory, Op, Writer};
 use proxy_agent::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
 use proxy_common::{
-    backend_state, Backend4, Svc4Key, Svc4Value, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+    backend_state, Backend4, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL,
 };
 
 /// The IPv4 address of a test frontend or backend (all of them are).
@@ -111,7 +112,12 @@ fn assert_programmed(writer: &Writer<InMemory>, desired: &DesiredState) {
         desired.frontends.len(),
         "extra reverse-NAT entries"
     );
-    assert_eq!(writer.backend_ids().len(), used.len());
+    let ids4 = writer
+        .backend_ids()
+        .keys()
+        .filter(|b| b.addr.is_ipv4())
+        .count();
+    assert_eq!(ids4, used.len());
 }
 
 #[test]
@@ -1312,32 +1318,32 @@ mod scale {
     }
 }
 
-/// IPv6 frontends (the model is dual-stack, this datapath has no IPv6 maps
-/// yet) are skipped whole and counted in every sync, full or changed: the
-/// IPv4 frontends get exactly the operations they get without them, in the
-/// same make-before-break order, and nothing IPv6 is ever written.
+/// Dual-stack: internal IPv6 frontends (ClusterIPs) are programmed into the
+/// IPv6 maps, with backend and reverse-NAT ids from the same spaces as
+/// IPv4's, in the same make-before-break order (the in-memory invariant is
+/// checked for them too); external IPv6 frontends are skipped whole and
+/// counted, in every sync, full or changed; IPv4 frontends are programmed
+/// as they are without them.
 #[test]
-fn ipv6_frontends_are_skipped_counted_and_change_nothing_for_ipv4() {
+fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
     use proxy_agent::dataplane::Changes;
     use std::collections::BTreeSet;
+    use std::net::Ipv6Addr;
 
-    let key6 = |last: u16| FrontendKey {
-        addr: IpAddr::V6(std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0x19, last)),
+    let key6 = |last: u16, scope: u8| FrontendKey {
+        addr: IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0x19, last)),
         port: 80,
         proto: IPPROTO_TCP,
-        scope: SCOPE_INTERNAL,
+        scope,
+    };
+    let b6 = |b: u16| BackendAddr {
+        addr: IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0x18, b)),
+        port: 8080,
+        proto: IPPROTO_TCP,
     };
     let frontend6 = |backends: &[u16]| Frontend {
         service: "default/dual".into(),
-        backends: backends
-            .iter()
-            .map(|b| BackendAddr {
-                addr: IpAddr::V6(std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0x18, *b)),
-                port: 8080,
-                proto: IPPROTO_TCP,
-            })
-            .collect(),
-        source_ranges: vec![("2001:2::".parse().unwrap(), 64)],
+        backends: backends.iter().map(|b| b6(*b)).collect(),
         ..Frontend::default()
     };
     let v4_only = desired(&[
@@ -1345,29 +1351,77 @@ fn ipv6_frontends_are_skipped_counted_and_change_nothing_for_ipv4() {
         (key(2, 80, IPPROTO_TCP), &[2]),
     ]);
     let mut dual = v4_only.clone();
-    dual.frontends.insert(key6(1), frontend6(&[1, 2]));
-    dual.frontends.insert(key6(2), frontend6(&[3]));
+    dual.frontends
+        .insert(key6(1, SCOPE_INTERNAL), frontend6(&[1, 2]));
+    dual.frontends
+        .insert(key6(2, SCOPE_INTERNAL), frontend6(&[3]));
+    dual.frontends
+        .insert(key6(1, SCOPE_EXTERNAL), frontend6(&[1, 2]));
     dual.local_endpoints.insert("2001:2::18:1".parse().unwrap());
 
-    let mut plain = Writer::adopt(InMemory::default()).unwrap();
-    let r = plain.sync(&v4_only);
-    assert_eq!(r.ipv6_unprogrammed, 0);
+    // What the IPv6 maps must hold for `d`'s internal IPv6 frontends.
+    let check6 = |w: &Writer<InMemory>, d: &DesiredState| {
+        let p = w.dataplane().programmed();
+        let mut entries = 0;
+        let mut used = BTreeSet::new();
+        for (k, fe) in d.frontends.iter().filter(|(k, _)| k.addr.is_ipv6()) {
+            let IpAddr::V6(a) = k.addr else {
+                unreachable!()
+            };
+            let slot0 = p
+                .services6
+                .get(&Svc6Key::new(a, k.port, k.proto, k.scope, 0));
+            if k.scope == SCOPE_EXTERNAL {
+                assert!(slot0.is_none(), "{k} programmed");
+                continue;
+            }
+            let slot0 = slot0.unwrap_or_else(|| panic!("{k} missing"));
+            assert_eq!(slot0.count as usize, fe.backends.len(), "{k}");
+            for (i, b) in fe.backends.iter().enumerate() {
+                let slot = p.services6[&Svc6Key::new(a, k.port, k.proto, k.scope, i as u16 + 1)];
+                let be = p.backends6[&slot.backend_id];
+                assert_eq!((IpAddr::V6(be.addr()), be.port()), (b.addr, b.port));
+                assert!(
+                    !p.backends.contains_key(&slot.backend_id),
+                    "id in both families"
+                );
+                used.insert(*b);
+            }
+            let rev = p.rev_nat6[&slot0.rev_nat_id];
+            assert_eq!((IpAddr::V6(rev.addr()), rev.port()), (k.addr, k.port));
+            assert!(
+                !p.rev_nat.contains_key(&slot0.rev_nat_id),
+                "id in both families"
+            );
+            entries += 1 + fe.backends.len();
+        }
+        assert_eq!(p.services6.len(), entries, "extra IPv6 service entries");
+        assert_eq!(p.backends6.len(), used.len(), "extra IPv6 backends");
+        assert!(
+            w.dataplane().violations().is_empty(),
+            "{:?}",
+            w.dataplane().violations()
+        );
+    };
+
     let mut w = Writer::adopt(InMemory::default()).unwrap();
     let r = w.sync(&dual);
-    assert_eq!(r.ipv6_unprogrammed, 2);
+    assert_eq!(r.ipv6_unprogrammed, 1);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!(w.dataplane().ops(), plain.dataplane().ops());
-    assert!(w.dataplane().violations().is_empty());
-    assert_programmed(&w, &v4_only);
-    assert!(w.rev_nat_ids().keys().all(|k| k.addr.is_ipv4()));
-    assert!(w.backend_ids().keys().all(|b| b.addr.is_ipv4()));
+    let mut v4 = dual.clone();
+    v4.frontends.retain(|k, _| k.addr.is_ipv4());
+    assert_programmed(&w, &v4);
+    check6(&w, &dual);
+    // The local endpoint's entry is marked local.
+    let p = w.dataplane().programmed();
+    let local = w.backend_ids()[&b6(1)];
+    assert_ne!(p.backends6[&local].state & backend_state::LOCAL, 0);
 
-    // Changed syncs: an IPv6 frontend added, then one removed, then an IPv4
-    // one changed alongside; the count follows, IPv6 writes nothing.
+    // Changed syncs: an IPv6 frontend added, one removed, one changed with
+    // an IPv4 one; the maps follow, the external one stays unprogrammed.
     let changed = |w: &mut Writer<InMemory>, d: &DesiredState, keys: &[FrontendKey]| {
         let frontends: BTreeSet<FrontendKey> = keys.iter().copied().collect();
         let local_endpoints = BTreeSet::new();
-        w.dataplane_mut().take_ops();
         let r = w.sync_changed(
             d,
             Changes {
@@ -1376,28 +1430,41 @@ fn ipv6_frontends_are_skipped_counted_and_change_nothing_for_ipv4() {
             },
         );
         assert!(r.errors.is_empty(), "{:?}", r.errors);
-        (r.ipv6_unprogrammed, w.dataplane_mut().take_ops())
+        r.ipv6_unprogrammed
     };
-    dual.frontends.insert(key6(3), frontend6(&[4]));
-    let (n, ops) = changed(&mut w, &dual, &[key6(3)]);
-    assert_eq!((n, ops.len()), (3, 0), "{ops:?}");
-    dual.frontends.remove(&key6(1));
-    let (n, ops) = changed(&mut w, &dual, &[key6(1)]);
-    assert_eq!((n, ops.len()), (2, 0), "{ops:?}");
+    dual.frontends
+        .insert(key6(3, SCOPE_INTERNAL), frontend6(&[4]));
+    assert_eq!(changed(&mut w, &dual, &[key6(3, SCOPE_INTERNAL)]), 1);
+    check6(&w, &dual);
+    dual.frontends.remove(&key6(1, SCOPE_INTERNAL));
+    assert_eq!(changed(&mut w, &dual, &[key6(1, SCOPE_INTERNAL)]), 1);
+    check6(&w, &dual);
     let k = key(1, 80, IPPROTO_TCP);
     dual.frontends.insert(k, frontend(&k, &[1, 2, 3]));
-    dual.frontends.insert(key6(2), frontend6(&[3, 5]));
-    let (n, ops) = changed(&mut w, &dual, &[k, key6(2)]);
-    assert_eq!(n, 2);
-    assert!(!ops.is_empty());
-    assert!(w.dataplane().violations().is_empty());
-    let mut expected = dual.clone();
-    expected.frontends.retain(|k, _| k.addr.is_ipv4());
-    assert_programmed(&w, &expected);
+    dual.frontends
+        .insert(key6(2, SCOPE_INTERNAL), frontend6(&[3, 5]));
+    changed(&mut w, &dual, &[k, key6(2, SCOPE_INTERNAL)]);
+    check6(&w, &dual);
+    dual.frontends.remove(&key6(1, SCOPE_EXTERNAL));
+    assert_eq!(changed(&mut w, &dual, &[key6(1, SCOPE_EXTERNAL)]), 0);
 
-    // A full sync agrees, and with no IPv6 frontend left the count is 0.
+    // A full sync agrees; a writer adopting these maps keeps every id.
     let r = w.sync(&dual);
-    assert_eq!((r.ipv6_unprogrammed, r.writes), (2, 0));
-    let r = w.sync(&expected);
     assert_eq!((r.ipv6_unprogrammed, r.writes), (0, 0));
+    let ids = (w.backend_ids().clone(), w.rev_nat_ids().clone());
+    let mut adopted = Writer::adopt(w.into_dataplane()).unwrap();
+    let r = adopted.sync(&dual);
+    assert_eq!(r.writes, 0, "{r:?}");
+    assert_eq!(
+        (adopted.backend_ids().clone(), adopted.rev_nat_ids().clone()),
+        ids
+    );
+    check6(&adopted, &dual);
+
+    // Every IPv6 frontend gone: the IPv6 maps are emptied.
+    let r = adopted.sync(&v4_only);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let p = adopted.dataplane().programmed();
+    assert!(p.services6.is_empty() && p.backends6.is_empty() && p.rev_nat6.is_empty());
+    assert!(adopted.dataplane().violations().is_empty());
 }

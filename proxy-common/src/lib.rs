@@ -14,11 +14,14 @@
 pub mod conntrack;
 pub mod crc32c;
 pub mod csum;
+pub mod ipv6;
 pub mod lb;
 pub mod ratelimit;
 
 use core::mem::{offset_of, size_of};
-use core::net::Ipv4Addr;
+use core::net::{Ipv4Addr, Ipv6Addr};
+
+pub use ipv6::{Addr6, Affinity6Key, Backend6, Ct6Key, RevNat6, Svc6Key};
 
 /// Layout version of every map below. Bump it when any key or value changes.
 pub const MAP_LAYOUT_VERSION: u32 = 1;
@@ -66,9 +69,28 @@ pub mod map_names {
     /// the backend-side tuple with port 0 → when (`u64`, ns). See
     /// [`super::SNAT_SEARCH_BACKOFF_NS`].
     pub const SNAT_FULL: &str = "SNAT_FULL4_V1";
+    /// IPv6 frontends and their backend slots: [`super::Svc6Key`] →
+    /// [`super::Svc4Value`].
+    pub const SERVICES6: &str = "SVC6_V1";
+    /// IPv6 backends: backend id (`u32`, the IPv4 map's id space) →
+    /// [`super::Backend6`].
+    pub const BACKENDS6: &str = "BACKEND6_V1";
+    /// IPv6 reverse NAT: reverse-NAT id (`u16`, the IPv4 map's id space) →
+    /// [`super::RevNat6`].
+    pub const REV_NAT6: &str = "REVNAT6_V1";
+    /// IPv6 connection tracking (LRU): [`super::Ct6Key`] → [`super::Ct4Value`].
+    pub const CONNTRACK6: &str = "CT6_V1";
+    /// IPv6 session affinity (LRU): [`super::Affinity6Key`] →
+    /// [`super::Affinity4Value`].
+    pub const AFFINITY6: &str = "AFFINITY6_V1";
+    /// The IPv6 tc programs the IPv4 ones tail-call (a program array, index
+    /// → program). Pinned so that it outlives the agent (the kernel empties
+    /// a program array whose last user-space reference goes): a restarted
+    /// agent fills it with its own programs.
+    pub const TAIL6: &str = "TAIL6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 23] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -86,6 +108,12 @@ pub mod map_names {
         ROUND_ROBIN,
         REJECT_LIMIT,
         SNAT_FULL,
+        SERVICES6,
+        BACKENDS6,
+        REV_NAT6,
+        CONNTRACK6,
+        AFFINITY6,
+        TAIL6,
     ];
 }
 
@@ -113,6 +141,13 @@ pub mod capacity {
     /// SNAT port spaces remembered as full (one per backend and source
     /// address whose whole range a search found taken).
     pub const SNAT_FULL: u32 = 1_024;
+    /// IPv6 frontend slots (not preallocated: memory follows use).
+    pub const SERVICES6: u32 = SERVICES;
+    /// IPv6 conntrack (preallocated, as every LRU map): half of IPv4's
+    /// default, as an IPv6 entry is twice the size.
+    pub const CONNTRACK6: u32 = 131_072;
+    /// IPv6 session-affinity clients.
+    pub const AFFINITY6: u32 = 16_384;
 }
 
 /// How long a SNAT port space a search found full is not searched again:
@@ -603,7 +638,10 @@ pub struct Config {
     /// out of the host's `ip_local_port_range` by the agent.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _reserved: [u32; 4],
+    /// Source address given to IPv6 hairpin flows ([`Config::hairpin_addr_be`]
+    /// for IPv6), [`Addr6`] words. All zeroes disables IPv6 hairpin SNAT.
+    /// (Reserved, and zero, before IPv6: an older datapath ignores it.)
+    pub hairpin6_be: Addr6,
 }
 const _: () = assert!(size_of::<Config>() == 64);
 const _: () = assert!(offset_of!(Config, layout_version) == 20);
@@ -611,7 +649,7 @@ const _: () = assert!(offset_of!(Config, node_addr_be) == 24);
 const _: () = assert!(offset_of!(Config, flags) == 28);
 const _: () = assert!(offset_of!(Config, ct_udp_stream_s) == 40);
 const _: () = assert!(offset_of!(Config, snat_port_min) == 44);
-const _: () = assert!(offset_of!(Config, _reserved) == 48);
+const _: () = assert!(offset_of!(Config, hairpin6_be) == 48);
 
 impl Default for Config {
     /// Conntrack timeouts follow the kernel's conntrack and kube-proxy's
@@ -636,7 +674,7 @@ impl Default for Config {
             ct_udp_stream_s: 120,
             snat_port_min: 1024,
             snat_port_max: 32767,
-            _reserved: [0; 4],
+            hairpin6_be: [0; 4],
         }
     }
 }
@@ -644,6 +682,10 @@ impl Default for Config {
 impl Config {
     pub const fn with_hairpin_addr(mut self, addr: Ipv4Addr) -> Self {
         self.hairpin_addr_be = u32::from_ne_bytes(addr.octets());
+        self
+    }
+    pub const fn with_hairpin6_addr(mut self, addr: Ipv6Addr) -> Self {
+        self.hairpin6_be = ipv6::addr6(addr);
         self
     }
     pub const fn with_node_addr(mut self, addr: Ipv4Addr) -> Self {
@@ -681,7 +723,8 @@ pub mod iface_flags {
 /// delivered (`REDIRECT*`, `PASS_FIB_MISS`, `PASS_TTL`); `HAIRPIN` and
 /// `CT_INSERT_FAILED` are extra marks on packets already counted.
 pub mod stat {
-    /// Not IPv4 (ARP, IPv6, ...): passed untouched.
+    /// Neither IPv4 nor IPv6 (ARP, ...), or IPv6 where the IPv6 programs
+    /// are not loaded: passed untouched.
     pub const PASS_NOT_IPV4: u32 = 1;
     /// IPv4 but neither for a frontend nor a reply of a tracked flow: passed untouched.
     pub const PASS_NO_SERVICE: u32 = 2;
@@ -816,9 +859,16 @@ pub mod stat {
     /// chunks to the path MTU and sends with DF set, so IP fragments of it
     /// are rare; without port translation fragments pass translated).
     pub const DROP_SCTP_FRAGMENT: u32 = 48;
+    /// An IPv6 packet with a routing header, a header this datapath does
+    /// not walk past (AH, ESP, ...), or more extension headers than it
+    /// walks: passed untouched.
+    pub const PASS_IPV6_EXT_HEADER: u32 = 49;
+    /// An IPv6 frontend without a usable backend: dropped. (IPv4's are
+    /// answered with an ICMP port unreachable; no ICMPv6 one is built yet.)
+    pub const DROP_NO_BACKEND_IPV6: u32 = 50;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 49] = [
+    pub const NAMES: [&str; 51] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -868,6 +918,8 @@ pub mod stat {
         "sock_revnat_insert_failed",
         "sock_source_range",
         "drop_sctp_fragment",
+        "pass_ipv6_ext_header",
+        "drop_no_backend_ipv6",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }
@@ -913,4 +965,14 @@ mod user {
     unsafe impl aya::Pod for lb::MaglevKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for lb::MaglevChunk {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Svc6Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Backend6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for RevNat6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Ct6Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Affinity6Key {}
 }

@@ -28,8 +28,12 @@
 //! unreachable, time exceeded) are translated with their flow at tc
 //! ([`icmp_error`]); XDP passes them on to tc.
 //!
-//! Limits (each counted when it happens): IPv4 only; a later fragment whose
-//! first was not seen passes untouched.
+//! - `pod_ingress6`, `ext_ingress6`, `pod_egress6`: the tc path for IPv6,
+//!   tail-called by the programs above for IPv6 frames ([`ipv6`]).
+//!
+//! Limits (each counted when it happens): a later IPv4 fragment whose first
+//! was not seen passes untouched; IPv6 fragments pass untouched; see
+//! [`ipv6`] for what the IPv6 path does not do yet.
 #![no_std]
 #![no_main]
 
@@ -38,6 +42,7 @@ mod fib;
 mod forward;
 mod icmp;
 mod icmp_error;
+mod ipv6;
 mod lb;
 mod maps;
 mod nat;
@@ -47,6 +52,7 @@ mod tc;
 mod verdict;
 mod xdp;
 
+use aya_ebpf::bindings::TC_ACT_OK;
 use aya_ebpf::{
     bindings::xdp_action,
     macros::{cgroup_sock_addr, classifier, xdp},
@@ -54,12 +60,34 @@ use aya_ebpf::{
 };
 use proxy_common::{stat, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+use ipv6::{TAIL6_V1, TAIL_EXT_INGRESS6, TAIL_POD_EGRESS6, TAIL_POD_INGRESS6};
 use maps::count;
+
+/// An IPv6 frame goes on in the IPv6 program at `index` of [`TAIL6_V1`];
+/// where there is none (not loaded), it passes untouched. Returns the
+/// action when the frame was IPv6. In the entry's own frame: a tail call
+/// from a BPF function whose callers' frames exceed 256 bytes is refused.
+#[inline(always)]
+fn ipv6_tail(ctx: &TcContext, index: u32) -> Option<i32> {
+    // SAFETY: the context pointer is valid for this program run.
+    let proto = unsafe { (*ctx.skb.skb).protocol } as u16;
+    if u16::from_be(proto) != ipv6::ETH_P_IPV6 {
+        return None;
+    }
+    // SAFETY: a tail call into a program of this type; returns only when
+    // the slot is empty.
+    unsafe { TAIL6_V1.tail_call(ctx, index) };
+    count(stat::PASS_NOT_IPV4);
+    Some(TC_ACT_OK)
+}
 
 /// tc ingress of pod interfaces: internal frontends (ClusterIP), and replies
 /// of flows to pods on this node.
 #[classifier]
 pub fn pod_ingress(ctx: TcContext) -> i32 {
+    if let Some(action) = ipv6_tail(&ctx, TAIL_POD_INGRESS6) {
+        return action;
+    }
     let (action, code) = tc::run::<true>(&ctx, SCOPE_INTERNAL);
     count(code);
     action
@@ -69,6 +97,9 @@ pub fn pod_ingress(ctx: TcContext) -> i32 {
 /// needing a source port gets random tries only, see [`tc::run`].
 #[classifier]
 pub fn pod_ingress_rnd(ctx: TcContext) -> i32 {
+    if let Some(action) = ipv6_tail(&ctx, TAIL_POD_INGRESS6) {
+        return action;
+    }
     let (action, code) = tc::run::<false>(&ctx, SCOPE_INTERNAL);
     count(code);
     action
@@ -78,6 +109,9 @@ pub fn pod_ingress_rnd(ctx: TcContext) -> i32 {
 /// sends to pods (hostNetwork backends on this node).
 #[classifier]
 pub fn pod_egress(ctx: TcContext) -> i32 {
+    if let Some(action) = ipv6_tail(&ctx, TAIL_POD_EGRESS6) {
+        return action;
+    }
     let (action, code) = tc::run_egress(&ctx);
     // Only translations are counted: every packet to a pod passes here.
     if code == stat::FWD_REPLY || code == stat::ICMP_ERROR_TO_CLIENT {
@@ -91,6 +125,9 @@ pub fn pod_egress(ctx: TcContext) -> i32 {
 /// the first hook they meet on this node.
 #[classifier]
 pub fn ext_ingress(ctx: TcContext) -> i32 {
+    if let Some(action) = ipv6_tail(&ctx, TAIL_EXT_INGRESS6) {
+        return action;
+    }
     let (action, code) = tc::run::<true>(&ctx, SCOPE_EXTERNAL);
     count(code);
     action
@@ -99,8 +136,37 @@ pub fn ext_ingress(ctx: TcContext) -> i32 {
 /// `ext_ingress` for kernels without `bpf_loop`, as `pod_ingress_rnd`.
 #[classifier]
 pub fn ext_ingress_rnd(ctx: TcContext) -> i32 {
+    if let Some(action) = ipv6_tail(&ctx, TAIL_EXT_INGRESS6) {
+        return action;
+    }
     let (action, code) = tc::run::<false>(&ctx, SCOPE_EXTERNAL);
     count(code);
+    action
+}
+
+/// `pod_ingress` for IPv6 (tail-called by the IPv4 programs): see [`ipv6`].
+#[classifier]
+pub fn pod_ingress6(ctx: TcContext) -> i32 {
+    let (action, code) = ipv6::run(&ctx, SCOPE_INTERNAL);
+    count(code);
+    action
+}
+
+/// `ext_ingress` for IPv6: see [`ipv6`].
+#[classifier]
+pub fn ext_ingress6(ctx: TcContext) -> i32 {
+    let (action, code) = ipv6::run(&ctx, SCOPE_EXTERNAL);
+    count(code);
+    action
+}
+
+/// `pod_egress` for IPv6: see [`ipv6`].
+#[classifier]
+pub fn pod_egress6(ctx: TcContext) -> i32 {
+    let (action, code) = ipv6::run_egress(&ctx);
+    if code == stat::FWD_REPLY {
+        count(code);
+    }
     action
 }
 

@@ -12,8 +12,9 @@ use aya_ebpf::{
 use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
-    Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Frag4Key, Frag4Ports, Iface,
-    RevNat4, SockRevNat4Key, SockRevNat4Value, SourceRange4, Svc4Key, Svc4Value, Traffic,
+    Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
+    Ct6Key, Frag4Key, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value,
+    SourceRange4, Svc4Key, Svc4Value, Svc6Key, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
@@ -90,6 +91,43 @@ pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
 #[btf_map]
 pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize }> =
     LruHashMap::new();
+
+/// IPv6 frontends and their backend slots (as `SVC4_V1`); not preallocated:
+/// memory follows the IPv6 Services a cluster has.
+#[btf_map]
+pub static SVC6_V1: HashMap<
+    Svc6Key,
+    Svc4Value,
+    { capacity::SERVICES6 as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+/// Backend id → IPv6 backend (ids shared with `BACKEND4_V1`).
+#[btf_map]
+pub static BACKEND6_V1: HashMap<
+    u32,
+    Backend6,
+    { capacity::BACKENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+/// Reverse-NAT id → the IPv6 frontend replies come from.
+#[btf_map]
+pub static REVNAT6_V1: HashMap<
+    u16,
+    RevNat6,
+    { capacity::REV_NAT as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+/// Both directions of every translated IPv6 flow.
+#[btf_map]
+pub static CT6_V1: LruHashMap<Ct6Key, Ct4Value, { capacity::CONNTRACK6 as usize }> =
+    LruHashMap::new();
+/// IPv6 session affinity: (client, reverse-NAT id) → backend, last use.
+#[btf_map]
+pub static AFFINITY6_V1: LruHashMap<
+    Affinity6Key,
+    Affinity4Value,
+    { capacity::AFFINITY6 as usize },
+> = LruHashMap::new();
 
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]

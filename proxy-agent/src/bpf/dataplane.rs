@@ -12,6 +12,10 @@ pub struct BpfDataplane {
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
+    services6: HashMap<MapData, Svc6Key, Svc4Value>,
+    backends6: HashMap<MapData, u32, Backend6>,
+    rev_nat6: HashMap<MapData, u16, RevNat6>,
+    affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
     sizes: MapSizes,
 }
 
@@ -54,6 +58,14 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
             maglev: HashMap::try_from(take_map(ebpf, map_names::MAGLEV)?)
                 .map_err(map_err(map_names::MAGLEV))?,
+            services6: HashMap::try_from(take_map(ebpf, map_names::SERVICES6)?)
+                .map_err(map_err(map_names::SERVICES6))?,
+            backends6: HashMap::try_from(take_map(ebpf, map_names::BACKENDS6)?)
+                .map_err(map_err(map_names::BACKENDS6))?,
+            rev_nat6: HashMap::try_from(take_map(ebpf, map_names::REV_NAT6)?)
+                .map_err(map_err(map_names::REV_NAT6))?,
+            affinity6: HashMap::try_from(take_map(ebpf, map_names::AFFINITY6)?)
+                .map_err(map_err(map_names::AFFINITY6))?,
             sizes,
         })
     }
@@ -80,6 +92,14 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::SOURCE_RANGES))?,
             maglev: HashMap::try_from(Map::HashMap(open(map_names::MAGLEV)?))
                 .map_err(map_err(map_names::MAGLEV))?,
+            services6: HashMap::try_from(Map::HashMap(open(map_names::SERVICES6)?))
+                .map_err(map_err(map_names::SERVICES6))?,
+            backends6: HashMap::try_from(Map::HashMap(open(map_names::BACKENDS6)?))
+                .map_err(map_err(map_names::BACKENDS6))?,
+            rev_nat6: HashMap::try_from(Map::HashMap(open(map_names::REV_NAT6)?))
+                .map_err(map_err(map_names::REV_NAT6))?,
+            affinity6: HashMap::try_from(Map::LruHashMap(open(map_names::AFFINITY6)?))
+                .map_err(map_err(map_names::AFFINITY6))?,
             sizes,
         })
     }
@@ -132,6 +152,39 @@ impl Dataplane for BpfDataplane {
         ignore_missing(self.maglev.remove(&key))
             .map_err(|e| op_err(map_names::MAGLEV, "delete", cap, e))
     }
+    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        let cap = capacity::SERVICES6;
+        self.services6
+            .insert(key, value, 0)
+            .map_err(|e| op_err(map_names::SERVICES6, "insert", cap, e))
+    }
+    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
+        let cap = capacity::SERVICES6;
+        ignore_missing(self.services6.remove(&key))
+            .map_err(|e| op_err(map_names::SERVICES6, "delete", cap, e))
+    }
+    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
+        let cap = capacity::BACKENDS;
+        self.backends6
+            .insert(id, backend, 0)
+            .map_err(|e| op_err(map_names::BACKENDS6, "insert", cap, e))
+    }
+    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let cap = capacity::BACKENDS;
+        ignore_missing(self.backends6.remove(&id))
+            .map_err(|e| op_err(map_names::BACKENDS6, "delete", cap, e))
+    }
+    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
+        let cap = capacity::REV_NAT;
+        self.rev_nat6
+            .insert(id, value, 0)
+            .map_err(|e| op_err(map_names::REV_NAT6, "insert", cap, e))
+    }
+    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let cap = capacity::REV_NAT;
+        ignore_missing(self.rev_nat6.remove(&id))
+            .map_err(|e| op_err(map_names::REV_NAT6, "delete", cap, e))
+    }
     fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
         let cap = self.sizes.backends;
         self.backends
@@ -182,7 +235,19 @@ impl Dataplane for BpfDataplane {
             ignore_missing(self.affinity.remove(k))
                 .map_err(|e| op_err(map_names::AFFINITY, "delete", cap, e))?;
         }
-        Ok(stale.len())
+        let stale6: Vec<Affinity6Key> = self
+            .affinity6
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| k.rev_nat_id == rev_nat_id && !keep.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &stale6 {
+            let cap = capacity::AFFINITY6;
+            ignore_missing(self.affinity6.remove(k))
+                .map_err(|e| op_err(map_names::AFFINITY6, "delete", cap, e))?;
+        }
+        Ok(stale.len() + stale6.len())
     }
     fn put_source_range(
         &mut self,
@@ -230,6 +295,18 @@ impl Dataplane for BpfDataplane {
         for kv in self.maglev.iter() {
             let (k, v) = kv.map_err(d(map_names::MAGLEV))?;
             p.maglev.insert(k, v);
+        }
+        for kv in self.services6.iter() {
+            let (k, v) = kv.map_err(d(map_names::SERVICES6))?;
+            p.services6.insert(k, v);
+        }
+        for kv in self.backends6.iter() {
+            let (k, v) = kv.map_err(d(map_names::BACKENDS6))?;
+            p.backends6.insert(k, v);
+        }
+        for kv in self.rev_nat6.iter() {
+            let (k, v) = kv.map_err(d(map_names::REV_NAT6))?;
+            p.rev_nat6.insert(k, v);
         }
         for k in self.source_ranges.keys() {
             let k = k.map_err(d(map_names::SOURCE_RANGES))?;

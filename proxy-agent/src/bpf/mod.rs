@@ -32,8 +32,9 @@ use aya::{
 use proxy_common::{
     capacity, conntrack, iface_flags,
     lb::{MaglevChunk, MaglevKey},
-    map_names, stat, Affinity4Key, Affinity4Value, Backend4, Config, Ct4Key, Ct4Value, Iface,
-    RevNat4, SourceRange4, Svc4Key, Svc4Value, Traffic, SOURCE_RANGE_ID_BITS,
+    map_names, stat, Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config,
+    Ct4Key, Ct4Value, Iface, RevNat4, RevNat6, SourceRange4, Svc4Key, Svc4Value, Svc6Key, Traffic,
+    SOURCE_RANGE_ID_BITS,
 };
 
 use crate::dataplane::{Dataplane, DataplaneError, Programmed, SourceRange};
@@ -53,6 +54,11 @@ pub const EXT_INGRESS_PROGRAM: &str = "ext_ingress";
 /// (see [`PortSearch`]).
 pub const POD_INGRESS_RND_PROGRAM: &str = "pod_ingress_rnd";
 pub const EXT_INGRESS_RND_PROGRAM: &str = "ext_ingress_rnd";
+
+/// The IPv6 tc programs, at their index of the `TAIL6_V1` program array
+/// (the IPv4 programs tail-call them for IPv6 frames).
+pub const IPV6_PROGRAMS: [(&str, u32); 3] =
+    [("pod_ingress6", 0), ("ext_ingress6", 1), ("pod_egress6", 2)];
 
 /// Name of the XDP program for the node's external devices (`--acceleration xdp`).
 pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
@@ -253,6 +259,9 @@ pub struct Loaded {
     pub xdp: Result<(), String>,
     /// Which build of the tc ingress programs was loaded.
     pub port_search: PortSearch,
+    /// Whether the IPv6 tc programs loaded (and are tail-called); `Err`
+    /// says why not: IPv6 then passes untouched.
+    pub ipv6: Result<(), String>,
 }
 
 /// This process's network namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14),
@@ -451,6 +460,10 @@ fn load_checked(
         port_search = PortSearch::RandomTries;
         load_tc_programs(&mut ebpf, port_search).map_err(|_| e)?;
     }
+    let ipv6 = load_ipv6_programs(&mut ebpf);
+    if let Err(why) = &ipv6 {
+        tracing::warn!("the IPv6 datapath off (IPv6 passes untouched): {why}");
+    }
     let xdp: &mut Xdp = ebpf
         .program_mut(EXT_XDP_PROGRAM)
         .ok_or(BpfError::Program {
@@ -491,7 +504,40 @@ fn load_checked(
         sock_lb,
         xdp: xdp_loaded,
         port_search,
+        ipv6,
     })
+}
+
+/// Loads the IPv6 tc programs and puts them in the program array the IPv4
+/// programs tail-call. A kernel refusing them loses IPv6 only.
+fn load_ipv6_programs(ebpf: &mut Ebpf) -> Result<(), String> {
+    let mut fds = Vec::new();
+    for (name, index) in IPV6_PROGRAMS {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or_else(|| format!("program {name} missing from the object"))?
+            .try_into()
+            .map_err(|e| format!("program {name}: {e}"))?;
+        load_retrying(name, || prog.load()).map_err(|e| {
+            tracing::debug!(program = name, error = ?e, "IPv6 program not loaded");
+            format!("program {name} not accepted by this kernel: {e}")
+        })?;
+        let fd = prog
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+            .map_err(|e| format!("program {name}: {e}"))?;
+        fds.push((index, fd));
+    }
+    let map = ebpf
+        .map_mut(map_names::TAIL6)
+        .ok_or_else(|| format!("map {} missing from the object", map_names::TAIL6))?;
+    let mut tail: aya::maps::ProgramArray<&mut MapData> =
+        aya::maps::ProgramArray::try_from(map).map_err(|e| format!("{}: {e}", map_names::TAIL6))?;
+    for (index, fd) in &fds {
+        tail.set(*index, fd, 0)
+            .map_err(|e| format!("{}[{index}]: {e}", map_names::TAIL6))?;
+    }
+    Ok(())
 }
 
 /// Loads the tc programs of build `search`.

@@ -10,7 +10,7 @@
 //! frontend or backend that needs an id does not scan the space again.
 use std::collections::{BTreeMap, BTreeSet};
 
-use proxy_common::Backend4;
+use super::BackendEntry;
 
 use crate::model::{BackendAddr, FrontendKey};
 
@@ -82,7 +82,7 @@ impl BackendIds {
     /// the lowest. `highest`: the highest backend id any entry names; new ids
     /// start after it, so they do not collide with adopted ones.
     pub(super) fn adopt(
-        backends: &BTreeMap<u32, Backend4>,
+        backends: &BTreeMap<u32, BackendEntry>,
         live: &BTreeSet<u32>,
         highest: Option<u32>,
     ) -> Self {
@@ -124,7 +124,7 @@ impl BackendIds {
 
     /// Forgets the id of `backend`'s address, if it is still `id` (its entry
     /// was deleted).
-    pub(super) fn release(&mut self, backend: &Backend4, id: u32) {
+    pub(super) fn release(&mut self, backend: &BackendEntry, id: u32) {
         let addr = backend_addr(backend);
         if self.by_addr.get(&addr) == Some(&id) {
             self.by_addr.remove(&addr);
@@ -133,12 +133,8 @@ impl BackendIds {
 }
 
 /// The address of backend entry `b`.
-pub(super) fn backend_addr(b: &Backend4) -> BackendAddr {
-    BackendAddr {
-        addr: std::net::IpAddr::V4(b.addr()),
-        port: b.port(),
-        proto: b.proto,
-    }
+pub(super) fn backend_addr(b: &BackendEntry) -> BackendAddr {
+    b.addr()
 }
 
 /// One reverse-NAT id per [`FrontendKey`] (its owner), never 0.
@@ -234,14 +230,8 @@ mod tests {
         }
     }
 
-    fn backend(last: u8) -> Backend4 {
-        let a = addr(last);
-        Backend4::new(
-            Ipv4Addr::new(198, 18, 1, last),
-            a.port,
-            a.proto,
-            backend_state::ACTIVE,
-        )
+    fn backend(last: u8) -> BackendEntry {
+        BackendEntry::new(&addr(last), backend_state::ACTIVE)
     }
 
     fn key(last: u8) -> FrontendKey {

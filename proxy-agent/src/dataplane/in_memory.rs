@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
-    map_names, svc_flags, Backend4, RevNat4, Svc4Key, Svc4Value,
+    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key,
 };
 
 use super::{Dataplane, DataplaneError, Programmed, SourceRange};
@@ -23,6 +23,12 @@ pub enum Op {
     DeleteSourceRange(u16, SourceRange),
     PutMaglevChunk(MaglevKey),
     DeleteMaglevChunk(MaglevKey),
+    PutBackend6(u32, Backend6),
+    DeleteBackend6(u32),
+    PutService6(Svc6Key, Svc4Value),
+    DeleteService6(Svc6Key),
+    PutRevNat6(u16, RevNat6),
+    DeleteRevNat6(u16),
 }
 
 /// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
@@ -150,7 +156,7 @@ impl InMemory {
             return;
         }
         let slot0s: Vec<(Svc4Key, Svc4Value)> = match check {
-            Check::Nothing => Vec::new(),
+            Check::Nothing | Check::Frontend6(_) => Vec::new(),
             Check::Frontend(key) => {
                 let key = key.with_slot(0);
                 self.state
@@ -192,6 +198,57 @@ impl InMemory {
                 Some(r) if r.addr() == key.addr() && r.port() == key.port() => {}
                 other => self.violations.push(format!(
                     "after {op:?}: {key:?} rev_nat_id {} has entry {other:?}",
+                    value.rev_nat_id
+                )),
+            }
+        }
+        self.check6(op, check);
+    }
+
+    /// [`InMemory::record`]'s check for the IPv6 frontends `check` names.
+    fn check6(&mut self, op: Op, check: Check) {
+        let slot0s: Vec<(Svc6Key, Svc4Value)> = match check {
+            Check::Nothing | Check::Frontend(_) => Vec::new(),
+            Check::Frontend6(key) => {
+                let key = key.with_slot(0);
+                self.state
+                    .services6
+                    .get(&key)
+                    .map(|v| (key, *v))
+                    .into_iter()
+                    .collect()
+            }
+            Check::All => self
+                .state
+                .services6
+                .iter()
+                .filter(|(k, _)| k.slot == 0)
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+        };
+        for (key, value) in &slot0s {
+            for slot in 1..=value.count {
+                match self.state.services6.get(&key.with_slot(slot)) {
+                    None => self.violations.push(format!(
+                        "after {op:?}: {key:?} count {} but slot {slot} missing",
+                        value.count
+                    )),
+                    Some(s) if !self.state.backends6.contains_key(&s.backend_id) => {
+                        self.violations.push(format!(
+                            "after {op:?}: {key:?} slot {slot} names missing IPv6 backend {}",
+                            s.backend_id
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            if let Some(v) = maglev_violation6(&self.state, value) {
+                self.violations.push(format!("after {op:?}: {key:?} {v}"));
+            }
+            match self.state.rev_nat6.get(&value.rev_nat_id) {
+                Some(r) if r.addr() == key.addr() && r.port() == key.port() => {}
+                other => self.violations.push(format!(
+                    "after {op:?}: {key:?} rev_nat_id {} has IPv6 entry {other:?}",
                     value.rev_nat_id
                 )),
             }
@@ -244,9 +301,11 @@ impl InMemory {
 /// tens of thousands of frontends quadratic). Adding an entry that was not
 /// there breaks nothing; a service entry concerns only its frontend; any
 /// other overwrite or delete may concern any frontend.
+#[derive(Clone, Copy)]
 enum Check {
     Nothing,
     Frontend(Svc4Key),
+    Frontend6(Svc6Key),
     All,
 }
 
@@ -255,6 +314,7 @@ impl Check {
     fn or_frontend(self, op: &Op) -> Self {
         match op {
             Op::PutService(key, _) | Op::DeleteService(key) => Check::Frontend(*key),
+            Op::PutService6(key, _) | Op::DeleteService6(key) => Check::Frontend6(*key),
             _ => self,
         }
     }
@@ -288,7 +348,60 @@ fn maglev_violation(state: &Programmed, value: &Svc4Value) -> Option<String> {
     None
 }
 
+/// [`maglev_violation`] for an IPv6 frontend: its table names IPv6 backends.
+fn maglev_violation6(state: &Programmed, value: &Svc4Value) -> Option<String> {
+    let mut as_v4 = Programmed {
+        maglev: state.maglev.clone(),
+        ..Programmed::default()
+    };
+    as_v4.backends = state
+        .backends6
+        .keys()
+        .map(|id| (*id, Backend4::default()))
+        .collect();
+    maglev_violation(&as_v4, value)
+}
+
 impl Dataplane for InMemory {
+    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::BACKENDS6,
+            |s| &mut s.backends6,
+            self.cap_backends,
+            (id, backend),
+            Op::PutBackend6(id, backend),
+        )
+    }
+    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let op = Op::DeleteBackend6(id);
+        self.delete_entry(map_names::BACKENDS6, |s| &mut s.backends6, id, op)
+    }
+    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::SERVICES6,
+            |s| &mut s.services6,
+            self.cap_services,
+            (key, value),
+            Op::PutService6(key, value),
+        )
+    }
+    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
+        let op = Op::DeleteService6(key);
+        self.delete_entry(map_names::SERVICES6, |s| &mut s.services6, key, op)
+    }
+    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::REV_NAT6,
+            |s| &mut s.rev_nat6,
+            self.cap_rev_nat,
+            (id, value),
+            Op::PutRevNat6(id, value),
+        )
+    }
+    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let op = Op::DeleteRevNat6(id);
+        self.delete_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, id, op)
+    }
     fn prune_affinity(
         &mut self,
         rev_nat_id: u16,

@@ -15,16 +15,21 @@
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
 use std::collections::{BTreeMap, BTreeSet};
 
+use std::net::IpAddr;
+
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    Backend4, RevNat4, Svc4Key, Svc4Value,
+    map_names, Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key,
 };
+
+use crate::model::{BackendAddr, FrontendKey};
 
 mod ids;
 mod in_memory;
 mod writer;
 
 pub use in_memory::{InMemory, Op};
+
 pub use writer::{Changes, MaglevSettings, SyncReport, Writer};
 
 /// A failed map operation.
@@ -55,6 +60,70 @@ pub struct Programmed {
     pub source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
     /// Maglev tables, chunk by chunk.
     pub maglev: BTreeMap<MaglevKey, MaglevChunk>,
+    /// IPv6 frontends and their slots (`SVC6_V1`).
+    pub services6: BTreeMap<Svc6Key, Svc4Value>,
+    /// IPv6 backends (`BACKEND6_V1`; ids shared with `backends`).
+    pub backends6: BTreeMap<u32, Backend6>,
+    /// IPv6 reverse NAT (`REVNAT6_V1`; ids shared with `rev_nat`).
+    pub rev_nat6: BTreeMap<u16, RevNat6>,
+}
+
+/// A backend entry, in the map of its address's family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendEntry {
+    V4(Backend4),
+    V6(Backend6),
+}
+
+impl BackendEntry {
+    /// The entry of backend `addr` in state `state` ([`proxy_common::backend_state`]).
+    pub fn new(addr: &BackendAddr, state: u8) -> Self {
+        match addr.addr {
+            IpAddr::V4(a) => Self::V4(Backend4::new(a, addr.port, addr.proto, state)),
+            IpAddr::V6(a) => Self::V6(Backend6::new(a, addr.port, addr.proto, state)),
+        }
+    }
+    /// The backend this entry is.
+    pub fn addr(&self) -> BackendAddr {
+        match self {
+            Self::V4(b) => BackendAddr {
+                addr: IpAddr::V4(b.addr()),
+                port: b.port(),
+                proto: b.proto,
+            },
+            Self::V6(b) => BackendAddr {
+                addr: IpAddr::V6(b.addr()),
+                port: b.port(),
+                proto: b.proto,
+            },
+        }
+    }
+}
+
+/// A reverse-NAT entry, in the map of its frontend's family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RevNatEntry {
+    V4(RevNat4),
+    V6(RevNat6),
+}
+
+impl RevNatEntry {
+    /// The entry of frontend `key`: its address and port.
+    pub fn of(key: &FrontendKey) -> Self {
+        match key.addr {
+            IpAddr::V4(a) => Self::V4(RevNat4::new(a, key.port)),
+            IpAddr::V6(a) => Self::V6(RevNat6::new(a, key.port)),
+        }
+    }
+}
+
+/// The error of an IPv6 operation on a dataplane without IPv6 maps.
+fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
+    DataplaneError::Op {
+        map,
+        op,
+        reason: "this dataplane has no IPv6 maps".into(),
+    }
 }
 
 /// An allowed client prefix (network address, prefix length).
@@ -102,4 +171,30 @@ pub trait Dataplane {
     fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError>;
     /// Reads back everything programmed (used to adopt pinned maps on start).
     fn dump(&self) -> Result<Programmed, DataplaneError>;
+    /// The IPv6 maps' operations: as their IPv4 counterparts. A dataplane
+    /// without IPv6 maps refuses them.
+    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        let _ = (key, value);
+        Err(no_ipv6(map_names::SERVICES6, "put"))
+    }
+    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
+        let _ = key;
+        Err(no_ipv6(map_names::SERVICES6, "delete"))
+    }
+    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
+        let _ = (id, backend);
+        Err(no_ipv6(map_names::BACKENDS6, "put"))
+    }
+    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let _ = id;
+        Err(no_ipv6(map_names::BACKENDS6, "delete"))
+    }
+    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
+        let _ = (id, value);
+        Err(no_ipv6(map_names::REV_NAT6, "put"))
+    }
+    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
+        let _ = id;
+        Err(no_ipv6(map_names::REV_NAT6, "delete"))
+    }
 }

@@ -13,14 +13,15 @@
 //! (`users.rs`) so that neither needs a walk over the whole state.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
-use proxy_common::{lb::MaglevKey, Backend4, RevNat4, Svc4Key, Svc4Value};
+use proxy_common::{lb::MaglevKey, Svc4Key, Svc4Value, Svc6Key, SCOPE_INTERNAL};
 
 use super::ids::{BackendIds, RevNatIds};
-use super::{Dataplane, DataplaneError, SourceRange};
+use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
 
+mod family;
 mod maglev;
 mod prune;
 mod update;
@@ -52,9 +53,11 @@ pub struct SyncReport {
     pub writes: usize,
     /// Frontends refused a Maglev table by `loadBalancing.maglev.maxTables`.
     pub maglev_refused: usize,
-    /// Desired IPv6 frontends, none of them programmed: this datapath has no
-    /// IPv6 maps yet. Skipped whole (no id, no backend, no entry); IPv4
-    /// frontends are synced as if they were not there.
+    /// Desired external IPv6 frontends (NodePort, externalIPs, load-balancer
+    /// IPs from outside the node), none of them programmed: the IPv6
+    /// datapath has no SNAT to the node yet, which they need. Skipped whole
+    /// (no id, no backend, no entry); every other frontend is synced as if
+    /// they were not there.
     pub ipv6_unprogrammed: usize,
     /// What could not be programmed (a frontend, `service frontend`, or a
     /// backend) and why. Everything else was; a later sync retries these.
@@ -184,29 +187,18 @@ impl Outcome {
     }
 }
 
-/// The IPv4 address of a frontend the writer programs. Only IPv4 frontends
-/// ever enter a sync's scope ([`ipv4_scope`]), and the model gives an IPv4
-/// frontend IPv4 backends only (a backend of the other family is never
-/// written, see [`Writer::wanted_backend`], so its frontend fails).
-fn ipv4(addr: IpAddr) -> Ipv4Addr {
-    match addr {
-        IpAddr::V4(a) => a,
-        IpAddr::V6(a) => unreachable!("IPv6 frontend {a} in the writer's scope"),
-    }
-}
-
-/// Keeps the IPv4 frontends of `scope` (the only ones this datapath has
-/// maps for); returns the IPv6 ones taken out.
-fn ipv4_scope(scope: &mut BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
-    let v6: Vec<FrontendKey> = scope
+/// Takes out of `scope` the frontends the datapath cannot serve: external
+/// IPv6 ones (see [`SyncReport::ipv6_unprogrammed`]); returns them.
+fn programmable_scope(scope: &mut BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
+    let out: Vec<FrontendKey> = scope
         .iter()
-        .filter(|k| !k.addr.is_ipv4())
+        .filter(|k| k.addr.is_ipv6() && k.scope != SCOPE_INTERNAL)
         .copied()
         .collect();
-    for k in &v6 {
+    for k in &out {
         scope.remove(k);
     }
-    v6
+    out
 }
 
 /// A frontend's IPv4 source ranges (an IPv4 frontend has no others).
@@ -220,13 +212,18 @@ fn source_ranges4(fe: &Frontend) -> Vec<SourceRange> {
         .collect()
 }
 
-fn svc_key(key: &FrontendKey, slot: u16) -> Svc4Key {
-    Svc4Key::new(ipv4(key.addr), key.port, key.proto, key.scope, slot)
-}
-
 fn frontend_key(key: &Svc4Key) -> FrontendKey {
     FrontendKey {
         addr: IpAddr::V4(key.addr()),
+        port: key.port(),
+        proto: key.proto,
+        scope: key.scope,
+    }
+}
+
+fn frontend_key6(key: &Svc6Key) -> FrontendKey {
+    FrontendKey {
+        addr: IpAddr::V6(key.addr()),
         port: key.port(),
         proto: key.proto,
         scope: key.scope,
@@ -291,8 +288,8 @@ struct Loose {
 pub struct Writer<D: Dataplane> {
     dp: D,
     frontends: BTreeMap<FrontendKey, FrontendEntries>,
-    backends: BTreeMap<u32, Backend4>,
-    rev_nat: BTreeMap<u16, RevNat4>,
+    backends: BTreeMap<u32, BackendEntry>,
+    rev_nat: BTreeMap<u16, RevNatEntry>,
     backend_ids: BackendIds,
     rev_nat_ids: RevNatIds,
     /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
@@ -321,8 +318,8 @@ pub struct Writer<D: Dataplane> {
     /// Whether a full [`Writer::sync`] ran: until then `sync_changed` is one
     /// (adopted leftovers are deleted, the indexes built).
     synced: bool,
-    /// The desired IPv6 frontends, as of the last sync: not programmed (see
-    /// [`SyncReport::ipv6_unprogrammed`]).
+    /// The desired external IPv6 frontends, as of the last sync: not
+    /// programmed (see [`SyncReport::ipv6_unprogrammed`]).
     unprogrammed6: BTreeSet<FrontendKey>,
 }
 
@@ -335,14 +332,46 @@ impl<D: Dataplane> Writer<D> {
     pub fn adopt(dp: D) -> Result<Self, DataplaneError> {
         let programmed = dp.dump()?;
         let mut frontends: BTreeMap<FrontendKey, FrontendEntries> = BTreeMap::new();
-        for (key, value) in &programmed.services {
-            let entries = frontends.entry(frontend_key(key)).or_default();
-            if key.slot == 0 {
+        let services = programmed
+            .services
+            .iter()
+            .map(|(k, v)| (frontend_key(k), k.slot, v))
+            .chain(
+                programmed
+                    .services6
+                    .iter()
+                    .map(|(k, v)| (frontend_key6(k), k.slot, v)),
+            );
+        for (key, slot, value) in services {
+            let entries = frontends.entry(key).or_default();
+            if slot == 0 {
                 entries.slot0 = Some(*value);
             } else {
-                entries.slots.insert(key.slot, value.backend_id);
+                entries.slots.insert(slot, value.backend_id);
             }
         }
+        let backends: BTreeMap<u32, BackendEntry> = programmed
+            .backends
+            .iter()
+            .map(|(id, b)| (*id, BackendEntry::V4(*b)))
+            .chain(
+                programmed
+                    .backends6
+                    .iter()
+                    .map(|(id, b)| (*id, BackendEntry::V6(*b))),
+            )
+            .collect();
+        let rev_nat: BTreeMap<u16, RevNatEntry> = programmed
+            .rev_nat
+            .iter()
+            .map(|(id, r)| (*id, RevNatEntry::V4(*r)))
+            .chain(
+                programmed
+                    .rev_nat6
+                    .iter()
+                    .map(|(id, r)| (*id, RevNatEntry::V6(*r))),
+            )
+            .collect();
         // Backend ids packets may use now win over duplicates.
         let live: BTreeSet<u32> = frontends
             .values()
@@ -353,14 +382,12 @@ impl<D: Dataplane> Writer<D> {
                     .map(|(_, id)| *id)
             })
             .collect();
-        let max_backend = programmed
-            .backends
+        let max_backend = backends
             .keys()
             .copied()
             .chain(frontends.values().flat_map(|e| e.slots.values().copied()))
             .max();
-        let max_rev_nat = programmed
-            .rev_nat
+        let max_rev_nat = rev_nat
             .keys()
             .copied()
             .chain(
@@ -369,7 +396,7 @@ impl<D: Dataplane> Writer<D> {
                     .filter_map(|e| e.slot0.map(|v| v.rev_nat_id)),
             )
             .max();
-        let backend_ids = BackendIds::adopt(&programmed.backends, &live, max_backend);
+        let backend_ids = BackendIds::adopt(&backends, &live, max_backend);
         let rev_nat_ids = RevNatIds::adopt(
             frontends
                 .iter()
@@ -378,8 +405,8 @@ impl<D: Dataplane> Writer<D> {
         );
         tracing::debug!(
             frontends = frontends.len(),
-            backends = programmed.backends.len(),
-            rev_nat = programmed.rev_nat.len(),
+            backends = backends.len(),
+            rev_nat = rev_nat.len(),
             "writer: adopted programmed state"
         );
         let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
@@ -396,8 +423,8 @@ impl<D: Dataplane> Writer<D> {
         Ok(Self {
             dp,
             frontends,
-            backends: programmed.backends,
-            rev_nat: programmed.rev_nat,
+            backends,
+            rev_nat,
             backend_ids,
             rev_nat_ids,
             source_ranges: programmed.source_ranges,
@@ -470,9 +497,8 @@ impl<D: Dataplane> Writer<D> {
     /// cannot be programmed is reported and left as it was; every other
     /// frontend is still synced.
     ///
-    /// IPv6 frontends are skipped whole and counted
-    /// ([`SyncReport::ipv6_unprogrammed`]): this datapath has no IPv6 maps
-    /// yet.
+    /// External IPv6 frontends are skipped whole and counted
+    /// ([`SyncReport::ipv6_unprogrammed`]).
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
         let mut scope: BTreeSet<FrontendKey> = desired
             .frontends
@@ -481,7 +507,7 @@ impl<D: Dataplane> Writer<D> {
             .chain(self.users.keys())
             .copied()
             .collect();
-        self.unprogrammed6 = ipv4_scope(&mut scope).into_iter().collect();
+        self.unprogrammed6 = programmable_scope(&mut scope).into_iter().collect();
         self.users.update(&scope, desired);
         self.run(desired, scope, true)
     }
@@ -509,7 +535,7 @@ impl<D: Dataplane> Writer<D> {
             .chain(&self.affinity_pending)
             .copied()
             .collect();
-        for key in ipv4_scope(&mut scope) {
+        for key in programmable_scope(&mut scope) {
             if desired.frontends.contains_key(&key) {
                 self.unprogrammed6.insert(key);
             } else {
@@ -611,15 +637,12 @@ impl<D: Dataplane> Writer<D> {
     /// The entry backend `addr` should have: its state from the frontends
     /// using it, local if its address is a local endpoint. `None` when no
     /// desired frontend uses it.
-    fn wanted_backend(&self, addr: &BackendAddr, desired: &DesiredState) -> Option<Backend4> {
+    fn wanted_backend(&self, addr: &BackendAddr, desired: &DesiredState) -> Option<BackendEntry> {
         let mut state = self.users.state(addr)?;
         if desired.local_endpoints.contains(&addr.addr) {
             state |= proxy_common::backend_state::LOCAL;
         }
-        let IpAddr::V4(ip) = addr.addr else {
-            return None;
-        };
-        Some(Backend4::new(ip, addr.port, addr.proto, state))
+        Some(BackendEntry::new(addr, state))
     }
 
     /// Records slot `slot` (≥ 1) of `key` as programmed naming backend `id`,
@@ -709,14 +732,14 @@ impl<D: Dataplane> Writer<D> {
             .collect();
         let has_slot0 = entries.slot0.is_some();
         for slot in extra {
-            if self.dp.delete_service(svc_key(key, slot)).is_ok() {
+            if family::delete_service(&mut self.dp, key, slot).is_ok() {
                 out.wrote();
                 self.mirror_slot(key, slot, None);
             }
         }
         if !has_slot0 {
             if let Some(id) = self.rev_nat_ids.get(key) {
-                if self.dp.delete_rev_nat(id).is_ok() {
+                if family::delete_rev_nat(&mut self.dp, id, self.rev_nat.get(&id)).is_ok() {
                     out.wrote();
                     self.rev_nat.remove(&id);
                     self.release_rev_nat(key);

@@ -5,7 +5,7 @@
 //! [`Writer::sync_changed`] at the frontends in scope and the ids that may
 //! have lost their last reference ([`super::Loose`]) only: an entry is
 //! deleted in both cases exactly when nothing names it any more.
-use super::{svc_key, Dataplane, FrontendKey, SourceRange, SyncState, Writer};
+use super::{family, Dataplane, FrontendKey, SourceRange, SyncState, Writer};
 use crate::dataplane::ids::backend_addr;
 use crate::model::DesiredState;
 
@@ -27,7 +27,7 @@ impl<D: Dataplane> Writer<D> {
         for key in removed {
             let entries = self.frontends[&key].clone();
             if entries.slot0.is_some() {
-                if let Err(e) = self.dp.delete_service(svc_key(&key, 0)) {
+                if let Err(e) = family::delete_service(&mut self.dp, &key, 0) {
                     s.out.unfinished(&key, None, e);
                     continue;
                 }
@@ -37,7 +37,7 @@ impl<D: Dataplane> Writer<D> {
             }
             let mut clean = true;
             for slot in entries.slots.keys() {
-                match self.dp.delete_service(svc_key(&key, *slot)) {
+                match family::delete_service(&mut self.dp, &key, *slot) {
                     Ok(()) => {
                         s.out.wrote();
                         self.mirror_slot(&key, *slot, None);
@@ -50,7 +50,7 @@ impl<D: Dataplane> Writer<D> {
             }
             if let Some(id) = self.rev_nat_ids.get(&key) {
                 if clean && self.slot0_refs(id) == 0 {
-                    match self.dp.delete_rev_nat(id) {
+                    match family::delete_rev_nat(&mut self.dp, id, self.rev_nat.get(&id)) {
                         Ok(()) => {
                             s.out.wrote();
                             self.rev_nat.remove(&id);
@@ -93,7 +93,7 @@ impl<D: Dataplane> Writer<D> {
             .filter(|id| self.rev_nat_ids.owner(*id).is_none() && self.slot0_refs(*id) == 0)
             .collect();
         for id in stale {
-            match self.dp.delete_rev_nat(id) {
+            match family::delete_rev_nat(&mut self.dp, id, self.rev_nat.get(&id)) {
                 Ok(()) => {
                     s.out.wrote();
                     self.rev_nat.remove(&id);
@@ -173,7 +173,7 @@ impl<D: Dataplane> Writer<D> {
             })
             .collect();
         for id in unused {
-            match self.dp.delete_backend(id) {
+            match family::delete_backend(&mut self.dp, id, self.backends.get(&id)) {
                 Ok(()) => {
                     s.out.wrote();
                     s.out.report.backends_removed += 1;

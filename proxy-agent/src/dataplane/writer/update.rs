@@ -3,11 +3,11 @@
 //! anything names it, or after nothing does any more.
 use std::collections::BTreeSet;
 
-use proxy_common::{map_names, Backend4, RevNat4, Svc4Value};
+use proxy_common::{map_names, Svc4Value};
 
 use super::{
-    ipv4, source_ranges4, svc_key, Dataplane, DataplaneError, SourceRange, SyncState, Target,
-    Writer,
+    family, source_ranges4, BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange,
+    SyncState, Target, Writer,
 };
 use crate::model::{BackendAddr, DesiredState, FrontendKey};
 
@@ -22,7 +22,7 @@ impl<D: Dataplane> Writer<D> {
         &self,
         desired: &DesiredState,
         s: &SyncState,
-    ) -> Vec<(BackendAddr, Backend4)> {
+    ) -> Vec<(BackendAddr, BackendEntry)> {
         let mut seen = BTreeSet::new();
         let mut out = Vec::new();
         for fe in s.order.iter().filter_map(|k| desired.frontends.get(k)) {
@@ -66,7 +66,7 @@ impl<D: Dataplane> Writer<D> {
             if self.backends.get(&id) == Some(value) {
                 continue;
             }
-            match self.dp.put_backend(id, *value) {
+            match family::put_backend(&mut self.dp, id, value) {
                 Ok(()) => {
                     s.out.wrote();
                     self.backends.insert(id, *value);
@@ -155,11 +155,11 @@ impl<D: Dataplane> Writer<D> {
                     }
                 },
             };
-            let value = RevNat4::new(ipv4(key.addr), key.port);
+            let value = RevNatEntry::of(key);
             if self.rev_nat.get(&id) == Some(&value) {
                 continue;
             }
-            match self.dp.put_rev_nat(id, value) {
+            match family::put_rev_nat(&mut self.dp, id, &value) {
                 Ok(()) => {
                     s.out.wrote();
                     self.rev_nat.insert(id, value);
@@ -228,10 +228,7 @@ impl<D: Dataplane> Writer<D> {
                 if self.frontends.get(key).and_then(|e| e.slots.get(&slot)) == Some(id) {
                     continue;
                 }
-                match self
-                    .dp
-                    .put_service(svc_key(key, slot), Svc4Value::slot(*id))
-                {
+                match family::put_service(&mut self.dp, key, slot, Svc4Value::slot(*id)) {
                     Ok(()) => {
                         s.out.wrote();
                         s.touched.insert(*key);
@@ -274,7 +271,7 @@ impl<D: Dataplane> Writer<D> {
             if previous == Some(value) {
                 continue;
             }
-            match self.dp.put_service(svc_key(key, 0), value) {
+            match family::put_service(&mut self.dp, key, 0, value) {
                 Ok(()) => {
                     s.out.wrote();
                     s.touched.insert(*key);
@@ -311,7 +308,7 @@ impl<D: Dataplane> Writer<D> {
                 .filter(|slot| *slot > target.count)
                 .collect();
             for slot in obsolete {
-                match self.dp.delete_service(svc_key(key, slot)) {
+                match family::delete_service(&mut self.dp, key, slot) {
                     Ok(()) => {
                         s.out.wrote();
                         s.touched.insert(*key);

@@ -1,0 +1,944 @@
+//! The IPv6 tc path: `pod_ingress6`, `ext_ingress6` and `pod_egress6`,
+//! reached by tail call from the IPv4 programs when a frame is IPv6
+//! ([`TAIL6_V1`]), so each family's program has the verifier's whole budget and
+//! its own 512-byte stack.
+//!
+//! What it does is the IPv4 tc path's, with the IPv6 maps
+//! ([`proxy_common::ipv6`]): frontend lookup (`SVC6_V1`), conntrack first
+//! (`CT6_V1`), else a backend chosen as IPv4 chooses (session affinity, then
+//! the frontend's algorithm: random, round robin, source hash, Maglev — the
+//! tables and cursors are IPv4's, by reverse-NAT id), DNAT with the L4
+//! checksum kept valid (the pseudo-header's 128-bit addresses through
+//! `bpf_csum_diff`; SCTP's CRC32c for its ports), delivery by FIB lookup and
+//! redirect, and reverse NAT of replies. A pod reaching itself is SNATed to
+//! the IPv6 hairpin address; a backend-side tuple another live flow holds
+//! gets another source port (field bug C6).
+//!
+//! Extension headers: hop-by-hop and destination options are walked (up to
+//! [`MAX_EXT_HEADERS`]); a routing header or any other passes untouched
+//! (`pass_ipv6_ext_header`), and so do fragments (`pass_fragment`). ICMPv6
+//! (neighbour discovery among it) always passes untouched.
+//!
+//! Not yet IPv4's (each passes or drops, counted): `loadBalancerSourceRanges`
+//! (a frontend with them drops every new flow, `drop_source_range`: closed
+//! rather than open to all), the ICMPv6 reject of a
+//! frontend without endpoints (dropped, `drop_no_backend_ipv6`), ICMPv6
+//! errors about translated flows (passed untranslated), SNAT to the node
+//! for external traffic (the agent programs no external IPv6 frontend), the
+//! exhaustive SNAT port search (random tries only), XDP (IPv6 is deferred to
+//! tc).
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, bpf_redir_neigh, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK,
+        TC_ACT_SHOT,
+    },
+    btf_maps::ProgramArray,
+    helpers::{
+        bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
+        bpf_redirect_neigh, bpf_redirect_peer,
+    },
+    macros::btf_map,
+    programs::TcContext,
+};
+use proxy_common::{
+    config_flags,
+    conntrack::{
+        alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
+        tcp_state, NSEC_PER_SEC,
+    },
+    crc32c, ct_dir, ct_flags, iface_flags,
+    ipv6::fold6,
+    lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
+    stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct4Value, Ct6Key,
+    RevNat6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
+    SCOPE_EXTERNAL,
+};
+
+use crate::{
+    maps::{
+        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V2, CT6_V1, IFACE_V1, MAGLEV4_V1,
+        REVNAT6_V1, RR4_V1, SVC6_V1,
+    },
+    parse::ETH_HLEN,
+    verdict::Verdict,
+};
+
+pub const ETH_P_IPV6: u16 = 0x86dd;
+
+/// The IPv6 programs the IPv4 ones tail-call, by index; filled by the agent
+/// at load ([`proxy_common::map_names::TAIL6`]).
+#[btf_map]
+pub static TAIL6_V1: ProgramArray<4> = ProgramArray::new();
+/// [`TAIL6_V1`] index of `pod_ingress6`.
+pub const TAIL_POD_INGRESS6: u32 = 0;
+/// [`TAIL6_V1`] index of `ext_ingress6`.
+pub const TAIL_EXT_INGRESS6: u32 = 1;
+/// [`TAIL6_V1`] index of `pod_egress6`.
+pub const TAIL_POD_EGRESS6: u32 = 2;
+
+const IP6_HLEN: usize = 40;
+const IP6_HOP_OFF: usize = ETH_HLEN + 7;
+const IP6_SRC_OFF: usize = ETH_HLEN + 8;
+const IP6_DST_OFF: usize = ETH_HLEN + 24;
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_DEST: u8 = 60;
+/// Hop-by-hop and destination-options headers walked before the L4 header.
+pub const MAX_EXT_HEADERS: usize = 4;
+const TCP_FLAGS_OFF: usize = 13;
+const SCTP_CHUNK_OFF: usize = 12;
+const AF_INET6: u8 = 10;
+/// Random source ports tried when a new flow's backend-side tuple is taken.
+const NAT_PORT_ATTEMPTS: u32 = 8;
+const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
+
+/// The fixed IPv6 header, as in the packet.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ipv6Hdr {
+    vtc_flow_be: u32,
+    payload_len_be: u16,
+    nexthdr: u8,
+    hop_limit: u8,
+    saddr_be: Addr6,
+    daddr_be: Addr6,
+}
+const _: () = assert!(size_of::<Ipv6Hdr>() == IP6_HLEN);
+
+/// What the parser found, as in the packet.
+#[derive(Default)]
+pub struct Packet6 {
+    l4_off: usize,
+    csum_off: usize,
+    proto: u8,
+    tcp_flags: u8,
+    saddr_be: Addr6,
+    daddr_be: Addr6,
+    sport_be: u16,
+    dport_be: u16,
+    /// The L4 length (payload after the extension headers).
+    l4_len: u16,
+}
+
+impl Packet6 {
+    #[inline(always)]
+    fn ct_key(&self, dir: u8) -> Ct6Key {
+        Ct6Key {
+            saddr_be: self.saddr_be,
+            daddr_be: self.daddr_be,
+            sport_be: self.sport_be,
+            dport_be: self.dport_be,
+            proto: self.proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// A translated 4-tuple.
+struct Tuple6 {
+    saddr_be: Addr6,
+    daddr_be: Addr6,
+    sport_be: u16,
+    dport_be: u16,
+}
+
+/// Parses an IPv6 tc frame into `pkt`, up to its L4 ports (and TCP flags,
+/// or the SCTP flags its first chunk stands for); 0, else the counter of a
+/// frame passed untouched. A BPF call of its own: the IPv6 header it reads
+/// is not kept in the entry's frame, under those of the calls after it
+/// (the verifier's 512 bytes are for the whole chain).
+#[inline(never)]
+fn parse(ctx: &TcContext, pkt: &mut Packet6) -> u32 {
+    match parse_inner(ctx) {
+        Ok(p) => {
+            *pkt = p;
+            0
+        }
+        Err(Verdict::Pass(c) | Verdict::Drop(c) | Verdict::Deliver(c) | Verdict::Reject(c)) => c,
+    }
+}
+
+#[inline(always)]
+fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
+    let malformed = Verdict::Pass(stat::PASS_MALFORMED);
+    let ip = ctx.load::<Ipv6Hdr>(ETH_HLEN).map_err(|_| malformed)?;
+    if u32::from_be(ip.vtc_flow_be) >> 28 != 6 {
+        return Err(malformed);
+    }
+    let mut nh = ip.nexthdr;
+    let mut off = ETH_HLEN + IP6_HLEN;
+    for _ in 0..MAX_EXT_HEADERS {
+        if nh != NEXTHDR_HOP && nh != NEXTHDR_DEST {
+            break;
+        }
+        let h = ctx.load::<[u8; 2]>(off).map_err(|_| malformed)?;
+        nh = h[0];
+        off += (h[1] as usize + 1) * 8;
+    }
+    if nh == NEXTHDR_FRAGMENT {
+        return Err(Verdict::Pass(stat::PASS_FRAGMENT));
+    }
+    if nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP {
+        return Err(Verdict::Pass(
+            if nh == NEXTHDR_HOP || nh == NEXTHDR_DEST || nh == 43 || nh == 51 || nh == 50 {
+                stat::PASS_IPV6_EXT_HEADER
+            } else {
+                stat::PASS_OTHER_PROTO
+            },
+        ));
+    }
+    let ext_len = off - ETH_HLEN - IP6_HLEN;
+    let l4_len = (u16::from_be(ip.payload_len_be) as usize).saturating_sub(ext_len) as u16;
+    let (csum, l4_min) = if nh == IPPROTO_TCP {
+        (16, 20)
+    } else if nh == IPPROTO_SCTP {
+        (8, 16)
+    } else {
+        (6, 8)
+    };
+    // The whole L4 header must be there (the verdict of a packet that is
+    // neither a frontend's nor a reply's is the stack's).
+    if (ctx.len() as usize) < off + l4_min {
+        return Err(malformed);
+    }
+    let ports = ctx.load::<[u16; 2]>(off).map_err(|_| malformed)?;
+    let mut tcp_flags = 0;
+    if nh == IPPROTO_TCP {
+        tcp_flags = ctx.load::<u8>(off + TCP_FLAGS_OFF).map_err(|_| malformed)?;
+    } else if nh == IPPROTO_SCTP {
+        tcp_flags = sctp_flags(
+            ctx.load::<u8>(off + SCTP_CHUNK_OFF)
+                .map_err(|_| malformed)?,
+        );
+    }
+    Ok(Packet6 {
+        l4_off: off,
+        csum_off: off + csum,
+        proto: nh,
+        tcp_flags,
+        saddr_be: ip.saddr_be,
+        daddr_be: ip.daddr_be,
+        sport_be: ports[0],
+        dport_be: ports[1],
+        l4_len,
+    })
+}
+
+/// The IPv6 tc ingress path for frontends of `scope`: a packet to a
+/// frontend is translated and delivered; a reply of a tracked flow gets its
+/// reverse NAT; anything else passes. Returns the action and its counter.
+#[inline(always)]
+pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
+    let mut pkt = Packet6::default();
+    let code = parse(ctx, &mut pkt);
+    if code != 0 {
+        return (TC_ACT_OK, code);
+    }
+    let key = Svc6Key {
+        addr_be: pkt.daddr_be,
+        port_be: pkt.dport_be,
+        slot: 0,
+        proto: pkt.proto,
+        scope,
+        _pad: [0; 2],
+    };
+    let verdict = match SVC6_V1.get_ptr(key) {
+        // SAFETY: a map value pointer, read once into a copy.
+        Some(fe) => translate(ctx, &mut pkt, &key, &unsafe { *fe }),
+        None => reply(ctx, &mut pkt, false),
+    };
+    match verdict {
+        Verdict::Deliver(code) => deliver(ctx, &pkt, code),
+        v => act(ctx, v),
+    }
+}
+
+/// tc egress of pod interfaces (and external devices): reverse NAT of
+/// replies at the last hook, as IPv4's `pod_egress`.
+#[inline(always)]
+pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
+    let mut pkt = Packet6::default();
+    let code = parse(ctx, &mut pkt);
+    if code != 0 {
+        return (TC_ACT_OK, code);
+    }
+    match reply(ctx, &mut pkt, true) {
+        Verdict::Drop(code) => (TC_ACT_SHOT, code),
+        Verdict::Pass(c) | Verdict::Deliver(c) | Verdict::Reject(c) => (TC_ACT_OK, c),
+    }
+}
+
+#[inline(always)]
+fn act(_ctx: &TcContext, v: Verdict) -> (i32, u32) {
+    match v {
+        Verdict::Pass(c) | Verdict::Deliver(c) => (TC_ACT_OK, c),
+        Verdict::Drop(c) => (TC_ACT_SHOT, c),
+        Verdict::Reject(_) => (TC_ACT_SHOT, stat::DROP_NO_BACKEND_IPV6),
+    }
+}
+
+/// The datapath's configuration, once an agent of this layout wrote it.
+#[inline(always)]
+fn config() -> Result<&'static Config, Verdict> {
+    match CONFIG_V2.get(0) {
+        Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
+        _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
+    }
+}
+
+/// One IPv6 flow as the forward path needs it.
+#[derive(Clone, Copy, Default)]
+struct Flow6 {
+    backend_id: u32,
+    backend: Backend6,
+    flags: u16,
+    nat_port_be: u16,
+}
+
+impl Flow6 {
+    #[inline(always)]
+    fn of(v: &Ct4Value, backend: Backend6) -> Self {
+        Flow6 {
+            backend_id: v.backend_id,
+            backend,
+            flags: v.flags,
+            nat_port_be: v.nat_port_be,
+        }
+    }
+
+    /// The client's address and port as the backend sees them.
+    #[inline(always)]
+    fn client_seen(&self, cfg: &Config, pkt: &Packet6) -> (Addr6, u16) {
+        (
+            if self.flags & ct_flags::SNAT_ADDR != 0 {
+                cfg.hairpin6_be
+            } else {
+                pkt.saddr_be
+            },
+            if self.flags & ct_flags::SNAT_PORT != 0 {
+                self.nat_port_be
+            } else {
+                pkt.sport_be
+            },
+        )
+    }
+
+    #[inline(always)]
+    fn reply_key(&self, cfg: &Config, pkt: &Packet6) -> Ct6Key {
+        let (addr, port) = self.client_seen(cfg, pkt);
+        Ct6Key::reply(
+            pkt.proto,
+            self.backend.addr_be,
+            self.backend.port_be,
+            addr,
+            port,
+        )
+    }
+}
+
+#[inline(always)]
+fn backend(id: u32) -> Option<Backend6> {
+    // SAFETY: map value pointer, copied.
+    BACKEND6_V1.get_ptr(id).map(|b| unsafe { *b })
+}
+
+#[inline(always)]
+fn rev_nat(id: u16) -> Option<RevNat6> {
+    // SAFETY: map value pointer, copied.
+    REVNAT6_V1.get_ptr(id).map(|r| unsafe { *r })
+}
+
+/// A packet to frontend `fe` (at `key`): the forward decision, then the
+/// rewrite. A BPF call of its own: its frame is not the entry's.
+#[inline(never)]
+fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) -> Verdict {
+    let cfg = match config() {
+        Ok(c) => c,
+        Err(v) => return v,
+    };
+    let mut flow = Flow6::default();
+    let code = match decide(cfg, pkt, key, fe, &mut flow) {
+        Ok(c) => c,
+        Err(v) => return v,
+    };
+    account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
+    let (saddr_be, sport_be) = flow.client_seen(cfg, pkt);
+    let to = Tuple6 {
+        saddr_be,
+        sport_be,
+        daddr_be: flow.backend.addr_be,
+        dport_be: flow.backend.port_be,
+    };
+    if let Err(v) = rewrite(ctx, pkt, &to) {
+        return v;
+    }
+    if flow.flags & ct_flags::SNAT_ADDR != 0 {
+        count(stat::HAIRPIN);
+    }
+    if flow.flags & ct_flags::VIA_STACK != 0 {
+        count(code);
+        return Verdict::Pass(stat::DELIVER_STACK);
+    }
+    Verdict::Deliver(code)
+}
+
+/// Conntrack first, else a new flow; then the REPLY entry. The counter of
+/// the translation when the packet is to be translated.
+#[inline(always)]
+fn decide(
+    cfg: &Config,
+    pkt: &Packet6,
+    key: &Svc6Key,
+    fe: &Svc4Value,
+    flow: &mut Flow6,
+) -> Result<u32, Verdict> {
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let skey = pkt.ct_key(ct_dir::SERVICE);
+    let established = lookup(cfg, pkt, &skey, now, flow);
+    if !established {
+        new_flow(cfg, pkt, &skey, key, fe, now, flow)?;
+    }
+    ensure_reply(cfg, pkt, flow, fe.rev_nat_id, established, now);
+    Ok(if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    })
+}
+
+/// The tracked flow of `skey` while alive and its backend exists (as
+/// IPv4's `conntrack::lookup`).
+#[inline(always)]
+fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6) -> bool {
+    let Some(ct) = CT6_V1.get_ptr_mut(*skey) else {
+        return false;
+    };
+    // SAFETY: LRU value pointer; fields read and written individually.
+    let c = unsafe { &mut *ct };
+    if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
+        return false;
+    }
+    let Some(b) = backend(c.backend_id) else {
+        return false;
+    };
+    let flags = forward_state(c.flags, pkt.proto, pkt.tcp_flags);
+    if needs_refresh(c, flags, now) {
+        c.flags = flags;
+        c.last_seen_ns = now;
+    }
+    *flow = Flow6::of(c, b);
+    true
+}
+
+/// A SYN reusing a closed TCP (or SCTP) tuple: a new flow.
+#[inline(always)]
+fn reopens(pkt: &Packet6, c: &Ct4Value) -> bool {
+    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
+    connection_oriented(pkt.proto)
+        && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
+        && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn new_flow(
+    cfg: &Config,
+    pkt: &Packet6,
+    skey: &Ct6Key,
+    key: &Svc6Key,
+    fe: &Svc4Value,
+    now: u64,
+    flow: &mut Flow6,
+) -> Result<(), Verdict> {
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
+        // No IPv6 source-range map yet: closed to every client rather than
+        // open to all (a load-balancer IP's `loadBalancerSourceRanges`).
+        return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
+    }
+    let (backend_id, b) = select(pkt, key, fe, now)?;
+    let mut flags = ct_flags::UNREPLIED;
+    if key.scope != SCOPE_EXTERNAL && b.addr_be == pkt.saddr_be && cfg.hairpin6_be != [0; 4] {
+        // A pod reaching itself: its own address as the source would be
+        // dropped by its stack as a martian.
+        flags |= ct_flags::SNAT_ADDR;
+    }
+    if cfg.flags & config_flags::DELIVER_VIA_STACK != 0 && flags & ct_flags::SNAT_ADDR == 0 {
+        flags |= ct_flags::VIA_STACK;
+    }
+    if connection_oriented(pkt.proto) {
+        flags |= tcp_state(0, pkt.tcp_flags);
+        if pkt.tcp_flags & tcp::SYN == 0 {
+            count(stat::CT_NEW_MIDSTREAM);
+        }
+    }
+    let mut mine = Flow6 {
+        backend_id,
+        backend: b,
+        flags,
+        nat_port_be: 0,
+    };
+    let mut rkey = mine.reply_key(cfg, pkt);
+    if reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
+        let port_be = free_nat_port(cfg, &mut rkey, now)?;
+        count(stat::SNAT_PORT_COLLISION);
+        mine.nat_port_be = port_be;
+        mine.flags |= ct_flags::SNAT_PORT;
+    }
+    let sval = Ct4Value {
+        backend_id,
+        nat_addr_be: 0,
+        rev_nat_id: fe.rev_nat_id,
+        flags: mine.flags,
+        nat_port_be: mine.nat_port_be,
+        _pad: 0,
+        last_seen_ns: now,
+    };
+    *flow = mine;
+    if CT6_V1.insert(*skey, sval, BPF_NOEXIST as u64).is_ok() {
+        return Ok(());
+    }
+    // A racing first packet of the same flow won: its choice is followed
+    // (field bug K8); a closed flow's entry whose tuple this SYN reuses is
+    // replaced.
+    if let Some(w) = CT6_V1.get_ptr(*skey) {
+        // SAFETY: map value pointer, copied.
+        let w = unsafe { *w };
+        if alive(cfg, pkt.proto, &w, now) && !reopens(pkt, &w) {
+            if let Some(wb) = backend(w.backend_id) {
+                *flow = Flow6::of(&w, wb);
+                return Ok(());
+            }
+        }
+    }
+    if CT6_V1.insert(*skey, sval, BPF_ANY as u64).is_err() {
+        count(stat::CT_INSERT_FAILED);
+    }
+    Ok(())
+}
+
+/// Session affinity while valid, else the frontend's algorithm (as IPv4's
+/// `lb::select`).
+#[inline(always)]
+fn select(
+    pkt: &Packet6,
+    key: &Svc6Key,
+    fe: &Svc4Value,
+    now: u64,
+) -> Result<(u32, Backend6), Verdict> {
+    if fe.count == 0 {
+        if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
+            return Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND));
+        }
+        return Err(Verdict::Reject(stat::DROP_NO_BACKEND_IPV6));
+    }
+    let akey = Affinity6Key {
+        client_be: pkt.saddr_be,
+        rev_nat_id: fe.rev_nat_id,
+        _pad: 0,
+    };
+    let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
+    if timeout_ns != 0 {
+        if let Some(a) = AFFINITY6_V1.get_ptr_mut(akey) {
+            // SAFETY: LRU value pointer; fields read and written individually.
+            let a = unsafe { &mut *a };
+            if now.saturating_sub(a.last_used_ns) <= timeout_ns {
+                if let Some(b) = backend(a.backend_id) {
+                    a.last_used_ns = now;
+                    count(stat::AFFINITY_HIT);
+                    return Ok((a.backend_id, b));
+                }
+            }
+        }
+    }
+    let id = choose(pkt, key, fe)?;
+    let Some(b) = backend(id) else {
+        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
+    };
+    if timeout_ns != 0 {
+        let av = Affinity4Value {
+            backend_id: id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        let _ = AFFINITY6_V1.insert(akey, av, BPF_ANY as u64);
+    }
+    Ok((id, b))
+}
+
+#[inline(always)]
+fn choose(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value) -> Result<u32, Verdict> {
+    let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
+    let algorithm = svc_flags::algorithm(fe.flags);
+    if algorithm == alg::MAGLEV {
+        if fe.maglev_size == 0 {
+            return Err(miss);
+        }
+        let h = flow_hash(
+            fold6(&pkt.saddr_be),
+            fold6(&pkt.daddr_be),
+            pkt.sport_be,
+            pkt.dport_be,
+            pkt.proto,
+        );
+        let index = h % fe.maglev_size as u32;
+        let generation = u8::from(fe.flags & svc_flags::MAGLEV_GEN != 0);
+        let mkey = MaglevKey::new(
+            fe.rev_nat_id,
+            generation,
+            (index / MAGLEV_CHUNK as u32) as u16,
+        );
+        let chunk = MAGLEV4_V1.get_ptr(mkey).ok_or(miss)?;
+        let entry = (index as usize) & (MAGLEV_CHUNK - 1);
+        // SAFETY: map value pointer; `entry` is below the chunk's length.
+        let id = unsafe { (*chunk).backend_ids[entry] };
+        return if id == 0 { Err(miss) } else { Ok(id) };
+    }
+    let r = if algorithm == alg::ROUND_ROBIN {
+        match RR4_V1.get_ptr_mut(fe.rev_nat_id as u32) {
+            // SAFETY: this CPU's cursor; no other writer while we run.
+            Some(c) => unsafe {
+                let r = *c;
+                *c = r.wrapping_add(1);
+                r
+            },
+            None => 0,
+        }
+    } else if algorithm == alg::SOURCE_HASH {
+        source_hash(fold6(&pkt.saddr_be))
+    } else {
+        // SAFETY: helper without arguments.
+        unsafe { bpf_get_prandom_u32() }
+    };
+    let slot = (r % fe.count as u32) as u16 + 1;
+    let sv = SVC6_V1.get_ptr(key.with_slot(slot)).ok_or(miss)?;
+    // SAFETY: map value pointer, copied.
+    Ok(unsafe { (*sv).backend_id })
+}
+
+/// Whether backend-side tuple `rkey` belongs to another frontend's live flow.
+#[inline(always)]
+fn reply_tuple_taken(cfg: &Config, rkey: &Ct6Key, rev_nat_id: u16, now: u64) -> bool {
+    let Some(e) = CT6_V1.get_ptr(*rkey) else {
+        return false;
+    };
+    // SAFETY: map value pointer, copied.
+    let e = unsafe { *e };
+    if e.rev_nat_id == rev_nat_id {
+        return false;
+    }
+    live_service_of(cfg, rkey, &e, now).is_some_and(|o| o.backend_id == e.backend_id)
+}
+
+#[inline(always)]
+fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct4Value, now: u64) -> Option<Ct4Value> {
+    let rev = rev_nat(e.rev_nat_id)?;
+    let o = CT6_V1.get_ptr(rkey.service_of_reply(e, &rev))?;
+    // SAFETY: map value pointer, copied.
+    let o = unsafe { *o };
+    alive(cfg, rkey.proto, &o, now).then_some(o)
+}
+
+/// A free source port from the SNAT range, random tries only.
+#[inline(always)]
+fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdict> {
+    let none = Verdict::Drop(stat::DROP_NO_FREE_PORT);
+    let min = cfg.snat_port_min as u32;
+    let max = cfg.snat_port_max as u32;
+    if min == 0 || max < min {
+        return Err(none);
+    }
+    let size = core::num::NonZeroU32::new(max - min + 1).ok_or(none)?;
+    for _ in 0..NAT_PORT_ATTEMPTS {
+        // SAFETY: helper without arguments.
+        let r = unsafe { bpf_get_prandom_u32() };
+        let port_be = ((min + r % size) as u16).to_be();
+        rkey.dport_be = port_be;
+        let in_use = match CT6_V1.get_ptr(*rkey) {
+            // SAFETY: map value pointer, copied.
+            Some(e) => {
+                let e = unsafe { *e };
+                now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
+                    || live_service_of(cfg, rkey, &e, now).is_some()
+            }
+            None => false,
+        };
+        if !in_use {
+            return Ok(port_be);
+        }
+    }
+    Err(none)
+}
+
+/// The REPLY entry of `flow`: written for a new flow, and again for a
+/// tracked one whose entry the LRU evicted.
+#[inline(always)]
+fn ensure_reply(
+    cfg: &Config,
+    pkt: &Packet6,
+    flow: &Flow6,
+    rev_nat_id: u16,
+    established: bool,
+    now: u64,
+) {
+    let rkey = flow.reply_key(cfg, pkt);
+    let restore = established && CT6_V1.get_ptr(rkey).is_none();
+    if restore {
+        count(stat::CT_REPLY_RESTORED);
+    }
+    if !established || restore {
+        let rval = Ct4Value::reply_of(
+            flow.backend_id,
+            rev_nat_id,
+            flow.flags,
+            0,
+            pkt.sport_be,
+            now,
+        );
+        if CT6_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+            count(stat::CT_INSERT_FAILED);
+        }
+    }
+}
+
+/// The reply direction of a tracked flow: the source back to the frontend,
+/// the destination back to the client where it was SNATed. `last_hook`: tc
+/// egress towards the client (where flows delivered through the stack get
+/// their reverse NAT).
+#[inline(never)]
+fn reply(ctx: &TcContext, pkt: &mut Packet6, last_hook: bool) -> Verdict {
+    let Some(rptr) = CT6_V1.get_ptr_mut(pkt.ct_key(ct_dir::REPLY)) else {
+        return Verdict::Pass(stat::PASS_NO_SERVICE);
+    };
+    // SAFETY: a map value pointer, read once into a copy.
+    let ct = unsafe { *rptr };
+    if ct.flags & ct_flags::VIA_STACK != 0 && !last_hook {
+        return Verdict::Pass(stat::PASS_REPLY_VIA_STACK);
+    }
+    let Some(rev) = rev_nat(ct.rev_nat_id) else {
+        return Verdict::Pass(stat::PASS_NO_SERVICE);
+    };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let rflags = reply_state(ct.flags, pkt.proto, pkt.tcp_flags);
+    if needs_refresh(&ct, rflags, now) {
+        // SAFETY: LRU value pointer; fields written individually.
+        unsafe {
+            (*rptr).flags = rflags;
+            (*rptr).last_seen_ns = now;
+        }
+        let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(&ct, &rev);
+        if let Some(s) = CT6_V1.get_ptr_mut(skey) {
+            // SAFETY: LRU value pointer; fields read and written individually.
+            unsafe {
+                if (*s).backend_id == ct.backend_id {
+                    (*s).flags = reply_state((*s).flags, pkt.proto, pkt.tcp_flags);
+                    (*s).last_seen_ns = now;
+                }
+            }
+        }
+    }
+    account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
+    let to = Tuple6 {
+        saddr_be: rev.addr_be,
+        sport_be: rev.port_be,
+        // A hairpin flow's client is its backend: the reply's own source.
+        daddr_be: if ct.flags & ct_flags::SNAT_ADDR != 0 {
+            pkt.saddr_be
+        } else {
+            pkt.daddr_be
+        },
+        dport_be: if ct.flags & ct_flags::SNAT_PORT != 0 {
+            ct.nat_port_be
+        } else {
+            pkt.dport_be
+        },
+    };
+    match rewrite(ctx, pkt, &to) {
+        Ok(()) => Verdict::Deliver(stat::FWD_REPLY),
+        Err(v) => v,
+    }
+}
+
+// --- rewrite -----------------------------------------------------------------
+
+#[inline(always)]
+fn l4_flags(pkt: &Packet6) -> u64 {
+    if pkt.proto == IPPROTO_UDP {
+        BPF_F_MARK_MANGLED_0 as u64
+    } else {
+        0
+    }
+}
+
+/// Rewrites the address at `off` from `old` to `new`, the L4 checksum (its
+/// pseudo-header) following; IPv6 has no header checksum.
+#[inline(always)]
+fn rewrite_addr(
+    ctx: &TcContext,
+    pkt: &Packet6,
+    off: usize,
+    old: &Addr6,
+    new: &Addr6,
+) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
+    if pkt.proto != IPPROTO_SCTP {
+        // SAFETY: two 16-byte buffers on the stack, sizes given; the helper
+        // only reads them.
+        let diff = unsafe {
+            bpf_csum_diff(
+                old.as_ptr() as *mut u32,
+                16,
+                new.as_ptr() as *mut u32,
+                16,
+                0,
+            )
+        };
+        if diff < 0 {
+            return Err(REWRITE_FAILED);
+        }
+        ctx.l4_csum_replace(
+            pkt.csum_off,
+            0,
+            diff as u64,
+            BPF_F_PSEUDO_HDR as u64 | l4_flags(pkt),
+        )
+        .map_err(|_| REWRITE_FAILED)?;
+    }
+    ctx.store(off, new, 0).map_err(|_| REWRITE_FAILED)
+}
+
+#[inline(always)]
+fn rewrite_port(
+    ctx: &TcContext,
+    pkt: &Packet6,
+    off: usize,
+    old: u16,
+    new: u16,
+) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
+    if pkt.proto != IPPROTO_SCTP {
+        ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
+            .map_err(|_| REWRITE_FAILED)?;
+    }
+    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+}
+
+#[inline(always)]
+fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
+    let (s, d) = (sport_be.to_ne_bytes(), dport_be.to_ne_bytes());
+    u32::from_ne_bytes([s[0], s[1], d[0], d[1]])
+}
+
+/// Rewrites a frame to tuple `to`, checksums kept valid (SCTP: its CRC32c
+/// for the ports; its checksum covers no address).
+#[inline(always)]
+fn rewrite(ctx: &TcContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
+    if pkt.proto == IPPROTO_SCTP {
+        let old = ports_word(pkt.sport_be, pkt.dport_be);
+        let new = ports_word(to.sport_be, to.dport_be);
+        if old != new {
+            let stored = ctx.load::<u32>(pkt.csum_off).map_err(|_| REWRITE_FAILED)?;
+            let crc = crc32c::update_ports(stored, pkt.l4_len, old, new);
+            ctx.store(pkt.csum_off, &crc, 0)
+                .map_err(|_| REWRITE_FAILED)?;
+        }
+    }
+    rewrite_addr(ctx, pkt, IP6_DST_OFF, &pkt.daddr_be, &to.daddr_be)?;
+    pkt.daddr_be = to.daddr_be;
+    rewrite_port(ctx, pkt, pkt.l4_off + 2, pkt.dport_be, to.dport_be)?;
+    pkt.dport_be = to.dport_be;
+    rewrite_addr(ctx, pkt, IP6_SRC_OFF, &pkt.saddr_be, &to.saddr_be)?;
+    pkt.saddr_be = to.saddr_be;
+    rewrite_port(ctx, pkt, pkt.l4_off, pkt.sport_be, to.sport_be)?;
+    pkt.sport_be = to.sport_be;
+    Ok(())
+}
+
+// --- delivery ----------------------------------------------------------------
+
+/// Delivers a translated frame (counted under `code`): FIB lookup, hop limit
+/// decremented, MACs, then `bpf_redirect_peer` into a pod or
+/// `bpf_redirect(_neigh)`; to the stack when the FIB has no answer. A BPF
+/// call of its own: its FIB parameters are not in the entry's frame.
+#[inline(never)]
+fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
+    count(code);
+    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET6;
+    p.l4_protocol = pkt.proto;
+    p.sport = pkt.sport_be;
+    p.dport = pkt.dport_be;
+    // SAFETY: the context pointer is valid for this program run.
+    p.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // No length: the kernel checks the frame against the output device
+    // (GSO frames included), see IPv4's `fib::tc_tot_len`.
+    p.__bindgen_anon_3.ipv6_src = pkt.saddr_be;
+    p.__bindgen_anon_4.ipv6_dst = pkt.daddr_be;
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            &mut p,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    } as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        return pass;
+    }
+    let Ok(hop) = ctx.load::<u8>(IP6_HOP_OFF) else {
+        return pass;
+    };
+    if hop <= 1 {
+        return (TC_ACT_OK, stat::PASS_TTL);
+    }
+    if ctx.store(IP6_HOP_OFF, &(hop - 1), 0).is_err() {
+        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
+    }
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        let mut nh = bpf_redir_neigh {
+            nh_family: AF_INET6 as u32,
+            // SAFETY: a union of plain integers; all zeroes is valid.
+            __bindgen_anon_1: unsafe { core::mem::zeroed() },
+        };
+        // SAFETY: plain fields of stack unions.
+        unsafe { nh.__bindgen_anon_1.ipv6_nh = p.__bindgen_anon_4.ipv6_dst };
+        // SAFETY: nh is a stack struct of the size given.
+        let r = unsafe {
+            bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
+        };
+        return (r as i32, stat::REDIRECT_NEIGH);
+    }
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&p.dmac);
+    macs[6..].copy_from_slice(&p.smac);
+    if ctx.store(0, &macs, 0).is_err() {
+        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
+    }
+    let pod = match IFACE_V1.get_ptr(p.ifindex) {
+        // SAFETY: map value pointer, read once.
+        Some(i) => (unsafe { (*i).flags } & iface_flags::POD) != 0,
+        None => false,
+    };
+    // SAFETY: plain helpers taking an ifindex.
+    let r = unsafe {
+        if pod {
+            bpf_redirect_peer(p.ifindex, 0)
+        } else {
+            bpf_redirect(p.ifindex, 0)
+        }
+    };
+    (r as i32, stat::REDIRECT)
+}
