@@ -374,7 +374,12 @@ fn sync_once(
     let mut node_cfg = obs
         .datapath
         .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED))
-        .with_hairpin6_addr(hairpin6.unwrap_or(std::net::Ipv6Addr::UNSPECIFIED));
+        .with_hairpin6_addr(hairpin6.unwrap_or(std::net::Ipv6Addr::UNSPECIFIED))
+        .with_node6_addr(
+            desired
+                .node_addr6
+                .unwrap_or(std::net::Ipv6Addr::UNSPECIFIED),
+        );
     if cfg.delivery_mode == crate::config::DeliveryMode::Auto
         && obs.delivery_checked.elapsed() >= cfg.sync_period
     {
@@ -415,13 +420,6 @@ fn sync_once(
         error!(
             more = report.errors.len() - NAMED,
             "cannot program more frontends (same causes; see the map sizes)"
-        );
-    }
-    if report.ipv6_unprogrammed > 0 {
-        warn!(
-            frontends = report.ipv6_unprogrammed,
-            "{} IPv6 frontends not programmed: this datapath has no IPv6 maps yet",
-            report.ipv6_unprogrammed
         );
     }
     // Only a change of a UDP frontend can take a backend from a UDP socket.

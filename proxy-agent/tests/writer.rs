@@ -916,7 +916,7 @@ mod incremental {
         maglev_size: u16,
         slots: Vec<Backend4>,
         rev_nat: Option<(Ipv4Addr, u16)>,
-        source_ranges: BTreeSet<(Ipv4Addr, u8)>,
+        source_ranges: BTreeSet<(IpAddr, u8)>,
         maglev: Vec<Backend4>,
     }
 
@@ -1318,14 +1318,14 @@ mod scale {
     }
 }
 
-/// Dual-stack: internal IPv6 frontends (ClusterIPs) are programmed into the
-/// IPv6 maps, with backend and reverse-NAT ids from the same spaces as
-/// IPv4's, in the same make-before-break order (the in-memory invariant is
-/// checked for them too); external IPv6 frontends are skipped whole and
-/// counted, in every sync, full or changed; IPv4 frontends are programmed
-/// as they are without them.
+/// Dual-stack: IPv6 frontends are programmed into the IPv6 maps, with
+/// backend and reverse-NAT ids from the same spaces as IPv4's (never one id
+/// in both families' maps), source ranges into the IPv6 trie, in the same
+/// make-before-break order (the in-memory invariant is checked for them
+/// too), in full and changed syncs; a writer adopting the maps keeps every
+/// id; IPv4 frontends are programmed as they are without them.
 #[test]
-fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
+fn ipv6_frontends_are_programmed_into_the_ipv6_maps() {
     use proxy_agent::dataplane::Changes;
     use std::collections::BTreeSet;
     use std::net::Ipv6Addr;
@@ -1355,11 +1355,12 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
         .insert(key6(1, SCOPE_INTERNAL), frontend6(&[1, 2]));
     dual.frontends
         .insert(key6(2, SCOPE_INTERNAL), frontend6(&[3]));
-    dual.frontends
-        .insert(key6(1, SCOPE_EXTERNAL), frontend6(&[1, 2]));
+    let mut lb6 = frontend6(&[1, 2]);
+    lb6.source_ranges = vec![("2001:2:0:4::".parse().unwrap(), 64)];
+    dual.frontends.insert(key6(1, SCOPE_EXTERNAL), lb6);
     dual.local_endpoints.insert("2001:2::18:1".parse().unwrap());
 
-    // What the IPv6 maps must hold for `d`'s internal IPv6 frontends.
+    // What the IPv6 maps must hold for `d`'s IPv6 frontends.
     let check6 = |w: &Writer<InMemory>, d: &DesiredState| {
         let p = w.dataplane().programmed();
         let mut entries = 0;
@@ -1370,12 +1371,17 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
             };
             let slot0 = p
                 .services6
-                .get(&Svc6Key::new(a, k.port, k.proto, k.scope, 0));
-            if k.scope == SCOPE_EXTERNAL {
-                assert!(slot0.is_none(), "{k} programmed");
-                continue;
-            }
-            let slot0 = slot0.unwrap_or_else(|| panic!("{k} missing"));
+                .get(&Svc6Key::new(a, k.port, k.proto, k.scope, 0))
+                .unwrap_or_else(|| panic!("{k} missing"));
+            let ranges: BTreeSet<_> = fe.source_ranges.iter().copied().collect();
+            assert_eq!(
+                p.source_ranges
+                    .get(&slot0.rev_nat_id)
+                    .cloned()
+                    .unwrap_or_default(),
+                ranges,
+                "{k} source ranges"
+            );
             assert_eq!(slot0.count as usize, fe.backends.len(), "{k}");
             for (i, b) in fe.backends.iter().enumerate() {
                 let slot = p.services6[&Svc6Key::new(a, k.port, k.proto, k.scope, i as u16 + 1)];
@@ -1406,7 +1412,6 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
 
     let mut w = Writer::adopt(InMemory::default()).unwrap();
     let r = w.sync(&dual);
-    assert_eq!(r.ipv6_unprogrammed, 1);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let mut v4 = dual.clone();
     v4.frontends.retain(|k, _| k.addr.is_ipv4());
@@ -1418,7 +1423,7 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
     assert_ne!(p.backends6[&local].state & backend_state::LOCAL, 0);
 
     // Changed syncs: an IPv6 frontend added, one removed, one changed with
-    // an IPv4 one; the maps follow, the external one stays unprogrammed.
+    // an IPv4 one, the load-balancer one removed; the maps follow.
     let changed = |w: &mut Writer<InMemory>, d: &DesiredState, keys: &[FrontendKey]| {
         let frontends: BTreeSet<FrontendKey> = keys.iter().copied().collect();
         let local_endpoints = BTreeSet::new();
@@ -1430,14 +1435,13 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
             },
         );
         assert!(r.errors.is_empty(), "{:?}", r.errors);
-        r.ipv6_unprogrammed
     };
     dual.frontends
         .insert(key6(3, SCOPE_INTERNAL), frontend6(&[4]));
-    assert_eq!(changed(&mut w, &dual, &[key6(3, SCOPE_INTERNAL)]), 1);
+    changed(&mut w, &dual, &[key6(3, SCOPE_INTERNAL)]);
     check6(&w, &dual);
     dual.frontends.remove(&key6(1, SCOPE_INTERNAL));
-    assert_eq!(changed(&mut w, &dual, &[key6(1, SCOPE_INTERNAL)]), 1);
+    changed(&mut w, &dual, &[key6(1, SCOPE_INTERNAL)]);
     check6(&w, &dual);
     let k = key(1, 80, IPPROTO_TCP);
     dual.frontends.insert(k, frontend(&k, &[1, 2, 3]));
@@ -1445,12 +1449,15 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
         .insert(key6(2, SCOPE_INTERNAL), frontend6(&[3, 5]));
     changed(&mut w, &dual, &[k, key6(2, SCOPE_INTERNAL)]);
     check6(&w, &dual);
-    dual.frontends.remove(&key6(1, SCOPE_EXTERNAL));
-    assert_eq!(changed(&mut w, &dual, &[key6(1, SCOPE_EXTERNAL)]), 0);
+    let ids_before = (w.backend_ids().clone(), w.rev_nat_ids().clone());
 
     // A full sync agrees; a writer adopting these maps keeps every id.
     let r = w.sync(&dual);
-    assert_eq!((r.ipv6_unprogrammed, r.writes), (0, 0));
+    assert_eq!(r.writes, 0);
+    assert_eq!(
+        (w.backend_ids().clone(), w.rev_nat_ids().clone()),
+        ids_before
+    );
     let ids = (w.backend_ids().clone(), w.rev_nat_ids().clone());
     let mut adopted = Writer::adopt(w.into_dataplane()).unwrap();
     let r = adopted.sync(&dual);
@@ -1460,6 +1467,10 @@ fn ipv6_internal_frontends_programmed_external_ones_skipped_and_counted() {
         ids
     );
     check6(&adopted, &dual);
+    dual.frontends.remove(&key6(1, SCOPE_EXTERNAL));
+    changed(&mut adopted, &dual, &[key6(1, SCOPE_EXTERNAL)]);
+    check6(&adopted, &dual);
+    assert!(adopted.dataplane().programmed().source_ranges.is_empty());
 
     // Every IPv6 frontend gone: the IPv6 maps are emptied.
     let r = adopted.sync(&v4_only);

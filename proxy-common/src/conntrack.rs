@@ -91,10 +91,38 @@ pub fn timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
     s as u64 * NSEC_PER_SEC
 }
 
+/// What the rules read of a conntrack entry of either family
+/// ([`Ct4Value`], [`crate::ipv6::Ct6Value`]).
+pub trait CtEntry {
+    fn flags(&self) -> u16;
+    fn last_seen_ns(&self) -> u64;
+    fn rev_nat_id(&self) -> u16;
+    fn backend_id(&self) -> u32;
+}
+
+impl CtEntry for Ct4Value {
+    #[inline(always)]
+    fn flags(&self) -> u16 {
+        self.flags
+    }
+    #[inline(always)]
+    fn last_seen_ns(&self) -> u64 {
+        self.last_seen_ns
+    }
+    #[inline(always)]
+    fn rev_nat_id(&self) -> u16 {
+        self.rev_nat_id
+    }
+    #[inline(always)]
+    fn backend_id(&self) -> u32 {
+        self.backend_id
+    }
+}
+
 /// Whether entry `v` of protocol `proto` is still alive at `now_ns`.
 #[inline(always)]
-pub fn alive(cfg: &Config, proto: u8, v: &Ct4Value, now_ns: u64) -> bool {
-    now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns(cfg, proto, v.flags)
+pub fn alive<E: CtEntry>(cfg: &Config, proto: u8, v: &E, now_ns: u64) -> bool {
+    now_ns.saturating_sub(v.last_seen_ns()) <= timeout_ns(cfg, proto, v.flags())
 }
 
 /// The TCP state bits of an entry after a segment from the client with header
@@ -161,8 +189,8 @@ pub fn reply_state(prev: u16, proto: u8, tcp_flags: u8) -> u16 {
 /// is more than a second old (refreshing on every packet would make every
 /// packet write the entry).
 #[inline(always)]
-pub fn needs_refresh(v: &Ct4Value, flags: u16, now_ns: u64) -> bool {
-    flags != v.flags || now_ns.saturating_sub(v.last_seen_ns) > NSEC_PER_SEC
+pub fn needs_refresh<E: CtEntry>(v: &E, flags: u16, now_ns: u64) -> bool {
+    flags != v.flags() || now_ns.saturating_sub(v.last_seen_ns()) > NSEC_PER_SEC
 }
 
 impl Ct4Key {

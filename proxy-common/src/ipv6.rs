@@ -12,7 +12,7 @@
 use core::mem::{offset_of, size_of};
 use core::net::Ipv6Addr;
 
-use crate::{ct_dir, ct_flags, Ct4Value};
+use crate::{conntrack::CtEntry, ct_dir, ct_flags};
 
 /// An IPv6 address as four words of its bytes in network order.
 pub type Addr6 = [u32; 4];
@@ -157,12 +157,8 @@ impl RevNat6 {
     }
 }
 
-/// IPv6 conntrack key: [`crate::Ct4Key`] with IPv6 addresses. Its value is a
-/// [`crate::Ct4Value`]: the only source address an IPv6 flow is SNATed to
-/// is the hairpin one ([`crate::Config::hairpin6_be`]), and a hairpin
-/// flow's client is its backend, so neither entry needs an address of its
-/// own (`nat_addr_be` stays 0): the SERVICE entry's new source is the
-/// configured one, the REPLY entry's client is the reply's own source.
+/// IPv6 conntrack key: [`crate::Ct4Key`] with IPv6 addresses; its value is
+/// a [`Ct6Value`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Ct6Key {
@@ -204,14 +200,12 @@ impl Ct6Key {
     }
 
     /// The SERVICE key of the flow this REPLY key and entry `v` belong to,
-    /// to the frontend `rev`, as [`crate::Ct4Key::service_of_reply`]; a
-    /// hairpin flow's client (source SNATed) is its backend, this key's
-    /// source.
+    /// to the frontend `rev`, as [`crate::Ct4Key::service_of_reply`].
     #[inline(always)]
-    pub const fn service_of_reply(&self, v: &Ct4Value, rev: &RevNat6) -> Self {
+    pub const fn service_of_reply(&self, v: &Ct6Value, rev: &RevNat6) -> Self {
         Self {
             saddr_be: if v.flags & ct_flags::SNAT_ADDR != 0 {
-                self.saddr_be
+                v.nat_addr_be
             } else {
                 self.daddr_be
             },
@@ -235,6 +229,116 @@ impl Ct6Key {
         ipv6(&self.daddr_be)
     }
 }
+
+/// IPv6 conntrack value: [`crate::Ct4Value`] with an IPv6 `nat_addr_be`
+/// (SERVICE entries: the source a SNATed flow gets; REPLY entries: the
+/// client's own address, restored on replies).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Ct6Value {
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    /// [`crate::ct_flags`].
+    pub flags: u16,
+    pub nat_port_be: u16,
+    pub _pad: u16,
+    pub nat_addr_be: Addr6,
+    pub _pad2: u32,
+    /// `bpf_ktime_get_ns()` of the last packet seen (refreshed at most once
+    /// a second).
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(size_of::<Ct6Value>() == 40);
+const _: () = assert!(offset_of!(Ct6Value, flags) == 6);
+const _: () = assert!(offset_of!(Ct6Value, nat_port_be) == 8);
+const _: () = assert!(offset_of!(Ct6Value, nat_addr_be) == 12);
+const _: () = assert!(offset_of!(Ct6Value, last_seen_ns) == 32);
+
+impl Ct6Value {
+    /// The REPLY entry of a flow, as [`crate::Ct4Value::reply_of`].
+    #[inline(always)]
+    pub const fn reply_of(
+        backend_id: u32,
+        rev_nat_id: u16,
+        flags: u16,
+        client_addr_be: Addr6,
+        client_port_be: u16,
+        now_ns: u64,
+    ) -> Self {
+        let snat_addr = flags & ct_flags::SNAT_ADDR != 0;
+        let snat_port = flags & ct_flags::SNAT_PORT != 0;
+        Self {
+            backend_id,
+            rev_nat_id,
+            flags: flags
+                & (ct_flags::SNAT_ADDR
+                    | ct_flags::SNAT_PORT
+                    | ct_flags::VIA_STACK
+                    | ct_flags::UNREPLIED),
+            nat_port_be: if snat_port { client_port_be } else { 0 },
+            _pad: 0,
+            nat_addr_be: if snat_addr { client_addr_be } else { [0; 4] },
+            _pad2: 0,
+            last_seen_ns: now_ns,
+        }
+    }
+}
+
+impl CtEntry for Ct6Value {
+    #[inline(always)]
+    fn flags(&self) -> u16 {
+        self.flags
+    }
+    #[inline(always)]
+    fn last_seen_ns(&self) -> u64 {
+        self.last_seen_ns
+    }
+    #[inline(always)]
+    fn rev_nat_id(&self) -> u16 {
+        self.rev_nat_id
+    }
+    #[inline(always)]
+    fn backend_id(&self) -> u32 {
+        self.backend_id
+    }
+}
+
+/// Data of an IPv6 source-range LPM key: [`crate::SourceRange4`] with an
+/// IPv6 client prefix (the prefix length counts
+/// [`crate::SOURCE_RANGE_ID_BITS`] plus the CIDR's).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SourceRange6 {
+    /// Big-endian, so that the LPM trie compares it bytewise.
+    pub rev_nat_id_be: u16,
+    pub _pad: u16,
+    pub addr_be: Addr6,
+}
+const _: () = assert!(size_of::<SourceRange6>() == 20);
+const _: () = assert!(offset_of!(SourceRange6, addr_be) == 4);
+
+/// Socket-level reverse-NAT key for IPv6 sockets: [`crate::SockRevNat4Key`]
+/// with an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockRevNat6Key {
+    pub cookie: u64,
+    pub addr_be: Addr6,
+    pub port_be: u16,
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(size_of::<SockRevNat6Key>() == 32);
+const _: () = assert!(offset_of!(SockRevNat6Key, addr_be) == 8);
+
+/// Socket-level reverse-NAT value for IPv6 sockets: the frontend asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SockRevNat6Value {
+    pub addr_be: Addr6,
+    pub port_be: u16,
+    pub rev_nat_id: u16,
+}
+const _: () = assert!(size_of::<SockRevNat6Value>() == 20);
 
 /// IPv6 session-affinity key: [`crate::Affinity4Key`] with an IPv6 client.
 /// Its value is a [`crate::Affinity4Value`].
@@ -270,16 +374,16 @@ mod tests {
         let hairpin = addr6("2001:2::fe".parse().unwrap());
         let rev = RevNat6::new("2001:2:0:ff::1".parse().unwrap(), 80);
         let p = crate::IPPROTO_TCP;
-        let plain = Ct4Value::reply_of(7, 3, 0, 0, 0, 1);
+        let plain = Ct6Value::reply_of(7, 3, 0, client, 40000u16.to_be(), 1);
         let r = Ct6Key::reply(p, backend, 8080u16.to_be(), client, 40000u16.to_be());
         let s = r.service_of_reply(&plain, &rev);
         assert_eq!((s.saddr_be, s.daddr_be), (client, rev.addr_be));
         assert_eq!((s.sport_be, s.dport_be), (40000u16.to_be(), 80u16.to_be()));
         assert_eq!(s.dir, ct_dir::SERVICE);
         // Hairpin: the backend is the client, seen from the hairpin address;
-        // a moved port is restored from the entry.
+        // its address and moved port are restored from the entry.
         let f = ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
-        let hp = Ct4Value::reply_of(7, 3, f, 0, 40000u16.to_be(), 1);
+        let hp = Ct6Value::reply_of(7, 3, f, backend, 40000u16.to_be(), 1);
         let r = Ct6Key::reply(p, backend, 8080u16.to_be(), hairpin, 2000u16.to_be());
         let s = r.service_of_reply(&hp, &rev);
         assert_eq!((s.saddr_be, s.sport_be), (backend, 40000u16.to_be()));

@@ -21,7 +21,10 @@ pub mod ratelimit;
 use core::mem::{offset_of, size_of};
 use core::net::{Ipv4Addr, Ipv6Addr};
 
-pub use ipv6::{Addr6, Affinity6Key, Backend6, Ct6Key, RevNat6, Svc6Key};
+pub use ipv6::{
+    Addr6, Affinity6Key, Backend6, Ct6Key, Ct6Value, RevNat6, SockRevNat6Key, SockRevNat6Value,
+    SourceRange6, Svc6Key,
+};
 
 /// Layout version of every map below. Bump it when any key or value changes.
 pub const MAP_LAYOUT_VERSION: u32 = 1;
@@ -39,7 +42,7 @@ pub mod map_names {
     /// Per-CPU packet counters indexed by [`super::stat`] codes (`u64` each).
     pub const STATS: &str = "STATS_V1";
     /// One [`super::Config`] at index 0.
-    pub const CONFIG: &str = "CONFIG_V2";
+    pub const CONFIG: &str = "CONFIG_V3";
     /// Pod-facing interfaces: ifindex (`u32`) → [`super::Iface`]. The datapath
     /// delivers to these with `bpf_redirect_peer`.
     pub const IFACES: &str = "IFACE_V1";
@@ -78,7 +81,7 @@ pub mod map_names {
     /// IPv6 reverse NAT: reverse-NAT id (`u16`, the IPv4 map's id space) →
     /// [`super::RevNat6`].
     pub const REV_NAT6: &str = "REVNAT6_V1";
-    /// IPv6 connection tracking (LRU): [`super::Ct6Key`] → [`super::Ct4Value`].
+    /// IPv6 connection tracking (LRU): [`super::Ct6Key`] → [`super::Ct6Value`].
     pub const CONNTRACK6: &str = "CT6_V1";
     /// IPv6 session affinity (LRU): [`super::Affinity6Key`] →
     /// [`super::Affinity4Value`].
@@ -88,9 +91,12 @@ pub mod map_names {
     /// a program array whose last user-space reference goes): a restarted
     /// agent fills it with its own programs.
     pub const TAIL6: &str = "TAIL6_V1";
+    /// IPv6 `loadBalancerSourceRanges` (LPM trie): `{prefix_len,
+    /// SourceRange6}` → `u8` (1).
+    pub const SOURCE_RANGES6: &str = "SRCRANGE6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -114,6 +120,7 @@ pub mod map_names {
         CONNTRACK6,
         AFFINITY6,
         TAIL6,
+        SOURCE_RANGES6,
     ];
 }
 
@@ -640,16 +647,20 @@ pub struct Config {
     pub snat_port_max: u16,
     /// Source address given to IPv6 hairpin flows ([`Config::hairpin_addr_be`]
     /// for IPv6), [`Addr6`] words. All zeroes disables IPv6 hairpin SNAT.
-    /// (Reserved, and zero, before IPv6: an older datapath ignores it.)
     pub hairpin6_be: Addr6,
+    /// The node's IPv6 address ([`Config::node_addr_be`] for IPv6): the
+    /// source given to external IPv6 traffic sent to a backend on another
+    /// node. All zeroes disables that SNAT.
+    pub node6_be: Addr6,
 }
-const _: () = assert!(size_of::<Config>() == 64);
+const _: () = assert!(size_of::<Config>() == 80);
 const _: () = assert!(offset_of!(Config, layout_version) == 20);
 const _: () = assert!(offset_of!(Config, node_addr_be) == 24);
 const _: () = assert!(offset_of!(Config, flags) == 28);
 const _: () = assert!(offset_of!(Config, ct_udp_stream_s) == 40);
 const _: () = assert!(offset_of!(Config, snat_port_min) == 44);
 const _: () = assert!(offset_of!(Config, hairpin6_be) == 48);
+const _: () = assert!(offset_of!(Config, node6_be) == 64);
 
 impl Default for Config {
     /// Conntrack timeouts follow the kernel's conntrack and kube-proxy's
@@ -675,6 +686,7 @@ impl Default for Config {
             snat_port_min: 1024,
             snat_port_max: 32767,
             hairpin6_be: [0; 4],
+            node6_be: [0; 4],
         }
     }
 }
@@ -686,6 +698,10 @@ impl Config {
     }
     pub const fn with_hairpin6_addr(mut self, addr: Ipv6Addr) -> Self {
         self.hairpin6_be = ipv6::addr6(addr);
+        self
+    }
+    pub const fn with_node6_addr(mut self, addr: Ipv6Addr) -> Self {
+        self.node6_be = ipv6::addr6(addr);
         self
     }
     pub const fn with_node_addr(mut self, addr: Ipv4Addr) -> Self {
@@ -734,7 +750,8 @@ pub mod stat {
     pub const FWD_ESTABLISHED: u32 = 4;
     /// A reply of a tracked flow: reverse NAT done.
     pub const FWD_REPLY: u32 = 5;
-    /// A frontend without a usable backend: rejected with ICMP port unreachable.
+    /// A frontend without a usable backend: rejected with ICMP (ICMPv6) port
+    /// unreachable.
     pub const REJECT_NO_BACKEND: u32 = 6;
     /// A frontend whose endpoints may not be used from this node: dropped.
     pub const DROP_NO_LOCAL_BACKEND: u32 = 7;
@@ -863,12 +880,9 @@ pub mod stat {
     /// not walk past (AH, ESP, ...), or more extension headers than it
     /// walks: passed untouched.
     pub const PASS_IPV6_EXT_HEADER: u32 = 49;
-    /// An IPv6 frontend without a usable backend: dropped. (IPv4's are
-    /// answered with an ICMP port unreachable; no ICMPv6 one is built yet.)
-    pub const DROP_NO_BACKEND_IPV6: u32 = 50;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 51] = [
+    pub const NAMES: [&str; 50] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -919,7 +933,6 @@ pub mod stat {
         "sock_source_range",
         "drop_sctp_fragment",
         "pass_ipv6_ext_header",
-        "drop_no_backend_ipv6",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }
@@ -975,4 +988,12 @@ mod user {
     unsafe impl aya::Pod for Ct6Key {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Affinity6Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Ct6Value {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SourceRange6 {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SockRevNat6Key {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SockRevNat6Value {}
 }

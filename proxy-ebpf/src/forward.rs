@@ -14,7 +14,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, Flow},
     lb,
-    maps::{count, CONFIG_V2},
+    maps::{count, CONFIG_V3},
     nat,
     parse::Packet,
     verdict::Verdict,
@@ -44,7 +44,7 @@ pub fn decide(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Verdic
 /// The datapath's configuration, once an agent of this layout wrote it.
 #[inline(always)]
 fn config() -> Result<&'static Config, Verdict> {
-    match CONFIG_V2.get(0) {
+    match CONFIG_V3.get(0) {
         Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
         _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
     }

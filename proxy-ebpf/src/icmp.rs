@@ -34,7 +34,7 @@ pub fn reject(ctx: &TcContext, ip: &Ipv4Hdr) -> (i32, u32) {
 
 /// Takes one reject from this CPU's bucket, if it has one.
 #[inline(always)]
-fn allowed() -> bool {
+pub fn allowed() -> bool {
     let Some(tat) = REJECT_RL_V1.get_ptr_mut(0) else {
         return true;
     };

@@ -5,28 +5,27 @@
 //!
 //! What it does is the IPv4 tc path's, with the IPv6 maps
 //! ([`proxy_common::ipv6`]): frontend lookup (`SVC6_V1`), conntrack first
-//! (`CT6_V1`), else a backend chosen as IPv4 chooses (session affinity, then
-//! the frontend's algorithm: random, round robin, source hash, Maglev — the
-//! tables and cursors are IPv4's, by reverse-NAT id), DNAT with the L4
-//! checksum kept valid (the pseudo-header's 128-bit addresses through
-//! `bpf_csum_diff`; SCTP's CRC32c for its ports), delivery by FIB lookup and
-//! redirect, and reverse NAT of replies. A pod reaching itself is SNATed to
-//! the IPv6 hairpin address; a backend-side tuple another live flow holds
-//! gets another source port (field bug C6).
+//! (`CT6_V1`), else a new flow — `loadBalancerSourceRanges`
+//! (`SRCRANGE6_V1`), a backend chosen as IPv4 chooses (session affinity,
+//! then the frontend's algorithm: random, round robin, source hash, Maglev
+//! with its handoff — tables and cursors are IPv4's, by reverse-NAT id),
+//! the SNAT it needs (the hairpin address for a pod reaching itself; the
+//! node's IPv6 address and a port of its own for external traffic to
+//! another node's backend under `externalTrafficPolicy: Cluster`), another
+//! source port where the backend-side tuple is taken (field bug C6) — DNAT
+//! with the L4 checksum kept valid (the pseudo-header's 128-bit addresses
+//! through `bpf_csum_diff`; SCTP's CRC32c for its ports), delivery by FIB
+//! lookup and redirect, reverse NAT of replies. A frontend without
+//! endpoints is answered with an ICMPv6 port unreachable.
 //!
 //! Extension headers: hop-by-hop and destination options are walked (up to
 //! [`MAX_EXT_HEADERS`]); a routing header or any other passes untouched
 //! (`pass_ipv6_ext_header`), and so do fragments (`pass_fragment`). ICMPv6
 //! (neighbour discovery among it) always passes untouched.
 //!
-//! Not yet IPv4's (each passes or drops, counted): `loadBalancerSourceRanges`
-//! (a frontend with them drops every new flow, `drop_source_range`: closed
-//! rather than open to all), the ICMPv6 reject of a
-//! frontend without endpoints (dropped, `drop_no_backend_ipv6`), ICMPv6
-//! errors about translated flows (passed untranslated), SNAT to the node
-//! for external traffic (the agent programs no external IPv6 frontend), the
-//! exhaustive SNAT port search (random tries only), XDP (IPv6 is deferred to
-//! tc).
+//! Not yet IPv4's (each passes, counted): ICMPv6 errors about translated
+//! flows (passed untranslated), the exhaustive SNAT port search (random
+//! tries only), XDP (IPv6 is deferred to tc).
 
 use core::mem::size_of;
 
@@ -36,32 +35,32 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK,
         TC_ACT_SHOT,
     },
-    btf_maps::ProgramArray,
+    btf_maps::{lpm_trie::Key as LpmKey, PerCpuArray, ProgramArray},
     helpers::{
         bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
-        bpf_redirect_neigh, bpf_redirect_peer,
+        bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_tail,
     },
     macros::btf_map,
     programs::TcContext,
 };
 use proxy_common::{
-    config_flags,
+    backend_state, config_flags,
     conntrack::{
         alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
         tcp_state, NSEC_PER_SEC,
     },
-    crc32c, ct_dir, ct_flags, iface_flags,
+    crc32c, csum, ct_dir, ct_flags, iface_flags,
     ipv6::fold6,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct4Value, Ct6Key,
-    RevNat6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, MAP_LAYOUT_VERSION,
-    SCOPE_EXTERNAL,
+    stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct6Key, Ct6Value,
+    RevNat6, SourceRange6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
     maps::{
-        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V2, CT6_V1, IFACE_V1, MAGLEV4_V1,
-        REVNAT6_V1, RR4_V1, SVC6_V1,
+        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, IFACE_V1, MAGLEV4_V1,
+        REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
     },
     parse::ETH_HLEN,
     verdict::Verdict,
@@ -140,6 +139,8 @@ impl Packet6 {
 }
 
 /// A translated 4-tuple.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
 struct Tuple6 {
     saddr_be: Addr6,
     daddr_be: Addr6,
@@ -274,49 +275,143 @@ pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
 }
 
 #[inline(always)]
-fn act(_ctx: &TcContext, v: Verdict) -> (i32, u32) {
+fn act(ctx: &TcContext, v: Verdict) -> (i32, u32) {
     match v {
         Verdict::Pass(c) | Verdict::Deliver(c) => (TC_ACT_OK, c),
         Verdict::Drop(c) => (TC_ACT_SHOT, c),
-        Verdict::Reject(_) => (TC_ACT_SHOT, stat::DROP_NO_BACKEND_IPV6),
+        Verdict::Reject(_) => reject(ctx),
     }
+}
+
+const REJECT6_LEN: usize = ETH_HLEN + IP6_HLEN + 8 + IP6_HLEN + 8;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PORT_UNREACH: u8 = 4;
+const IPPROTO_ICMPV6: u8 = 58;
+
+/// The reject of an IPv6 frontend without endpoints: an ICMPv6 destination
+/// unreachable (port unreachable) from the frontend back to the client,
+/// quoting the client's IPv6 header and the first 8 bytes after it, as
+/// kube-proxy's REJECT answers (`icmp6-port-unreachable`); rate-limited with
+/// IPv4's rejects, dropped over the limit. A BPF call of its own (its
+/// buffer is not in the entry's frame).
+#[inline(never)]
+fn reject(ctx: &TcContext) -> (i32, u32) {
+    if !crate::icmp::allowed() {
+        return (TC_ACT_SHOT, stat::DROP_REJECT_RATE_LIMITED);
+    }
+    let failed = (TC_ACT_SHOT, stat::DROP_REJECT_FAILED);
+    let mut buf = [0u8; REJECT6_LEN];
+    let Ok(quoted) = ctx.load::<[u8; IP6_HLEN + 8]>(ETH_HLEN) else {
+        return failed;
+    };
+    let Ok(eth) = ctx.load::<[u8; 12]>(0) else {
+        return failed;
+    };
+    buf[..6].copy_from_slice(&eth[6..12]);
+    buf[6..12].copy_from_slice(&eth[..6]);
+    buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+    let ip = ETH_HLEN;
+    let msg_len = (8 + IP6_HLEN + 8) as u16;
+    buf[ip] = 0x60;
+    buf[ip + 4..ip + 6].copy_from_slice(&msg_len.to_be_bytes());
+    buf[ip + 6] = IPPROTO_ICMPV6;
+    buf[ip + 7] = 64;
+    // From the frontend (the quoted destination) to the client (its source).
+    buf[ip + 8..ip + 24].copy_from_slice(&quoted[24..40]);
+    buf[ip + 24..ip + 40].copy_from_slice(&quoted[8..24]);
+    let icmp = ip + IP6_HLEN;
+    buf[icmp] = ICMPV6_DEST_UNREACH;
+    buf[icmp + 1] = ICMPV6_PORT_UNREACH;
+    buf[icmp + 8..].copy_from_slice(&quoted);
+    // The checksum covers the pseudo-header (addresses, length, next
+    // header) and the message.
+    let mut sum: u32 = u16::from_ne_bytes([0, msg_len as u8]) as u32
+        + u16::from_ne_bytes([0, IPPROTO_ICMPV6]) as u32;
+    let mut i = ip + 8;
+    while i + 1 < REJECT6_LEN {
+        sum += u16::from_ne_bytes([buf[i], buf[i + 1]]) as u32;
+        i += 2;
+    }
+    let c = !csum::fold(sum);
+    buf[icmp + 2..icmp + 4].copy_from_slice(&c.to_ne_bytes());
+    // SAFETY: the context pointer is valid for this program run.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REJECT6_LEN as u32, 0) } != 0 {
+        return failed;
+    }
+    if ctx.store(0, &buf, 0).is_err() {
+        return failed;
+    }
+    // SAFETY: the context pointer is valid for this program run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: plain helper taking an ifindex.
+    let r = unsafe { bpf_redirect(ifindex, 0) };
+    (r as i32, stat::REJECT_NO_BACKEND)
 }
 
 /// The datapath's configuration, once an agent of this layout wrote it.
 #[inline(always)]
 fn config() -> Result<&'static Config, Verdict> {
-    match CONFIG_V2.get(0) {
+    match CONFIG_V3.get(0) {
         Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
         _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
     }
 }
 
+/// Per-CPU room for the forward path's larger values: the verifier allows
+/// 512 bytes of stack for a program's whole call chain, and IPv6 keys and
+/// entries are 40 bytes each. Each field has one user at a time (a program
+/// run owns its CPU's entry until it returns).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Scratch6 {
+    flow: Flow6,
+    skey: Ct6Key,
+    rkey: Ct6Key,
+    entry: Ct6Value,
+    to: Tuple6,
+}
+
+#[btf_map]
+static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
+
+/// This CPU's [`Scratch6`].
+#[inline(always)]
+fn scratch() -> Result<*mut Scratch6, Verdict> {
+    SCRATCH6
+        .get_ptr_mut(0)
+        .ok_or(Verdict::Drop(stat::DROP_REWRITE_FAILED))
+}
+
 /// One IPv6 flow as the forward path needs it.
+#[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct Flow6 {
     backend_id: u32,
     backend: Backend6,
     flags: u16,
     nat_port_be: u16,
+    /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
+    nat_addr_be: Addr6,
 }
 
 impl Flow6 {
     #[inline(always)]
-    fn of(v: &Ct4Value, backend: Backend6) -> Self {
+    fn of(v: &Ct6Value, backend: Backend6) -> Self {
         Flow6 {
             backend_id: v.backend_id,
             backend,
             flags: v.flags,
             nat_port_be: v.nat_port_be,
+            nat_addr_be: v.nat_addr_be,
         }
     }
 
     /// The client's address and port as the backend sees them.
     #[inline(always)]
-    fn client_seen(&self, cfg: &Config, pkt: &Packet6) -> (Addr6, u16) {
+    fn client_seen(&self, pkt: &Packet6) -> (Addr6, u16) {
         (
             if self.flags & ct_flags::SNAT_ADDR != 0 {
-                cfg.hairpin6_be
+                self.nat_addr_be
             } else {
                 pkt.saddr_be
             },
@@ -329,8 +424,8 @@ impl Flow6 {
     }
 
     #[inline(always)]
-    fn reply_key(&self, cfg: &Config, pkt: &Packet6) -> Ct6Key {
-        let (addr, port) = self.client_seen(cfg, pkt);
+    fn reply_key(&self, pkt: &Packet6) -> Ct6Key {
+        let (addr, port) = self.client_seen(pkt);
         Ct6Key::reply(
             pkt.proto,
             self.backend.addr_be,
@@ -353,33 +448,128 @@ fn rev_nat(id: u16) -> Option<RevNat6> {
     REVNAT6_V1.get_ptr(id).map(|r| unsafe { *r })
 }
 
-/// A packet to frontend `fe` (at `key`): the forward decision, then the
-/// rewrite. A BPF call of its own: its frame is not the entry's.
-#[inline(never)]
+/// Whether a client in `addr_be` may open flows to the frontend with
+/// `rev_nat_id` (its `loadBalancerSourceRanges`).
+#[inline(always)]
+fn source_allowed(rev_nat_id: u16, addr_be: &Addr6) -> bool {
+    let key = LpmKey {
+        prefix_len: SOURCE_RANGE_ID_BITS + 128,
+        data: SourceRange6 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be: *addr_be,
+        },
+    };
+    SRCRANGE6_V1.get(&key).is_some()
+}
+
+/// A packet to frontend `fe` (at `key`): conntrack first ([`established`]),
+/// else a new flow ([`new_flow`]), then the REPLY entry and the rewrite
+/// ([`finish`]). Each is a BPF call of its own, made from the entry's
+/// frame: siblings, so that their frames never stack on one another (the
+/// verifier's 512 bytes are for the deepest chain of calls).
+#[inline(always)]
 fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) -> Verdict {
+    let est = established(pkt);
+    if est > ESTABLISHED {
+        // Not configured, or no scratch entry.
+        return Verdict::Pass(est);
+    }
+    if est == NOT_ESTABLISHED {
+        let Ok(sc) = scratch() else {
+            return Verdict::Drop(stat::DROP_REWRITE_FAILED);
+        };
+        // SAFETY: this CPU's scratch entry; `flow` is the flow's.
+        let flow = unsafe { &mut (*sc).flow };
+        match new_flow(pkt, key, fe, flow) {
+            Ok(()) => {}
+            Err(Verdict::Deliver(stat::FWD_HANDOFF)) => {
+                // Maglev handoff: sent unchanged towards the backend's node,
+                // routed by the backend's address.
+                account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
+                pkt.daddr_be = flow.backend.addr_be;
+                return Verdict::Deliver(stat::FWD_HANDOFF);
+            }
+            Err(v) => return v,
+        }
+    }
+    let mut meta = fe.rev_nat_id as u32;
+    if est == ESTABLISHED {
+        meta |= META_ESTABLISHED;
+    }
+    if key.scope == SCOPE_EXTERNAL {
+        meta |= META_EXTERNAL;
+    }
+    finish(ctx, pkt, meta)
+}
+
+/// [`established`]: no tracked flow; a tracked flow (in the scratch
+/// entry's `flow`). Anything above is the counter to pass under.
+const NOT_ESTABLISHED: u32 = 0;
+const ESTABLISHED: u32 = 1;
+/// [`finish`]'s `meta`: the reverse-NAT id in the low 16 bits, and these.
+const META_ESTABLISHED: u32 = 1 << 16;
+const META_EXTERNAL: u32 = 1 << 17;
+
+/// The tracked flow of the packet's SERVICE key, in the scratch entry's
+/// `flow` ([`lookup`]).
+#[inline(never)]
+fn established(pkt: &Packet6) -> u32 {
     let cfg = match config() {
         Ok(c) => c,
-        Err(v) => return v,
+        Err(_) => return stat::PASS_UNCONFIGURED,
     };
-    let mut flow = Flow6::default();
-    let code = match decide(cfg, pkt, key, fe, &mut flow) {
-        Ok(c) => c,
-        Err(v) => return v,
+    let Ok(sc) = scratch() else {
+        return stat::DROP_REWRITE_FAILED;
     };
-    account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
-    let (saddr_be, sport_be) = flow.client_seen(cfg, pkt);
-    let to = Tuple6 {
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: this CPU's scratch entry; `skey` (kept for `new_flow`) and
+    // `flow` are the flow's.
+    let (skey, flow) = unsafe { (&mut (*sc).skey, &mut (*sc).flow) };
+    *skey = pkt.ct_key(ct_dir::SERVICE);
+    if lookup(cfg, pkt, skey, now, flow) {
+        ESTABLISHED
+    } else {
+        NOT_ESTABLISHED
+    }
+}
+
+/// The flow in the scratch entry's `flow`: its REPLY entry, the packet's
+/// accounting and rewrite. `meta`: see [`META_ESTABLISHED`].
+#[inline(never)]
+fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
+    let Ok(sc) = scratch() else {
+        return Verdict::Drop(stat::DROP_REWRITE_FAILED);
+    };
+    // SAFETY: this CPU's scratch entry; `flow` and `to` are the flow's.
+    let (flow, to) = unsafe { (&(*sc).flow, &mut (*sc).to) };
+    let rev_nat_id = meta as u16;
+    let established = meta & META_ESTABLISHED != 0;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Err(v) = ensure_reply(pkt, flow, rev_nat_id, established, now) {
+        return v;
+    }
+    account(ctx.len() as u64, rev_nat_id, flow.backend_id);
+    let (saddr_be, sport_be) = flow.client_seen(pkt);
+    *to = Tuple6 {
         saddr_be,
         sport_be,
         daddr_be: flow.backend.addr_be,
         dport_be: flow.backend.port_be,
     };
-    if let Err(v) = rewrite(ctx, pkt, &to) {
+    if let Err(v) = rewrite(ctx, pkt, to) {
         return v;
     }
-    if flow.flags & ct_flags::SNAT_ADDR != 0 {
+    if flow.flags & ct_flags::SNAT_ADDR != 0 && meta & META_EXTERNAL == 0 {
         count(stat::HAIRPIN);
     }
+    let code = if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    };
     if flow.flags & ct_flags::VIA_STACK != 0 {
         count(code);
         return Verdict::Pass(stat::DELIVER_STACK);
@@ -387,36 +577,11 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) 
     Verdict::Deliver(code)
 }
 
-/// Conntrack first, else a new flow; then the REPLY entry. The counter of
-/// the translation when the packet is to be translated.
-#[inline(always)]
-fn decide(
-    cfg: &Config,
-    pkt: &Packet6,
-    key: &Svc6Key,
-    fe: &Svc4Value,
-    flow: &mut Flow6,
-) -> Result<u32, Verdict> {
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let skey = pkt.ct_key(ct_dir::SERVICE);
-    let established = lookup(cfg, pkt, &skey, now, flow);
-    if !established {
-        new_flow(cfg, pkt, &skey, key, fe, now, flow)?;
-    }
-    ensure_reply(cfg, pkt, flow, fe.rev_nat_id, established, now);
-    Ok(if established {
-        stat::FWD_ESTABLISHED
-    } else {
-        stat::FWD_NEW
-    })
-}
-
 /// The tracked flow of `skey` while alive and its backend exists (as
 /// IPv4's `conntrack::lookup`).
 #[inline(always)]
 fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6) -> bool {
-    let Some(ct) = CT6_V1.get_ptr_mut(*skey) else {
+    let Some(ct) = CT6_V1.get_ptr_mut(skey) else {
         return false;
     };
     // SAFETY: LRU value pointer; fields read and written individually.
@@ -438,35 +603,54 @@ fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6
 
 /// A SYN reusing a closed TCP (or SCTP) tuple: a new flow.
 #[inline(always)]
-fn reopens(pkt: &Packet6, c: &Ct4Value) -> bool {
+fn reopens(pkt: &Packet6, c: &Ct6Value) -> bool {
     let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
     connection_oriented(pkt.proto)
         && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
         && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
 }
 
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn new_flow(
-    cfg: &Config,
-    pkt: &Packet6,
-    skey: &Ct6Key,
-    key: &Svc6Key,
-    fe: &Svc4Value,
-    now: u64,
-    flow: &mut Flow6,
-) -> Result<(), Verdict> {
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
-        // No IPv6 source-range map yet: closed to every client rather than
-        // open to all (a load-balancer IP's `loadBalancerSourceRanges`).
+/// A new flow to frontend `fe` (as IPv4's `forward::new_flow`): source
+/// ranges, a backend selected (or the Maglev handoff, `Err(Deliver
+/// (FWD_HANDOFF))` with `flow` set), the SNAT it needs — the hairpin
+/// address for a pod reaching itself, the node's address and a port of its
+/// own for external traffic to a backend on another node
+/// (`externalTrafficPolicy: Cluster`) — and a source port of its own where
+/// the backend-side tuple is another live flow's; its SERVICE entry. A BPF
+/// call of its own (the verifier's stack is per frame).
+#[inline(never)]
+fn new_flow(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value, flow: &mut Flow6) -> Result<(), Verdict> {
+    let cfg = config()?;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let sc = scratch()?;
+    // SAFETY: this CPU's scratch entry: `skey` (written by `decide`, the
+    // caller), `rkey` and `entry` are used here only while this runs.
+    let (skey, rkey, sval) = unsafe { (&(*sc).skey, &mut (*sc).rkey, &mut (*sc).entry) };
+    let external = key.scope == SCOPE_EXTERNAL;
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !source_allowed(fe.rev_nat_id, &pkt.saddr_be) {
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
     let (backend_id, b) = select(pkt, key, fe, now)?;
+    if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
+        flow.backend_id = backend_id;
+        flow.backend = b;
+        return Err(Verdict::Deliver(stat::FWD_HANDOFF));
+    }
     let mut flags = ct_flags::UNREPLIED;
-    if key.scope != SCOPE_EXTERNAL && b.addr_be == pkt.saddr_be && cfg.hairpin6_be != [0; 4] {
+    let mut nat_addr_be = [0u32; 4];
+    if !external && b.addr_be == pkt.saddr_be && cfg.hairpin6_be != [0; 4] {
         // A pod reaching itself: its own address as the source would be
         // dropped by its stack as a martian.
         flags |= ct_flags::SNAT_ADDR;
+        nat_addr_be = cfg.hairpin6_be;
+    } else if external
+        && b.state & backend_state::LOCAL == 0
+        && fe.flags & svc_flags::EXTERNAL_LOCAL == 0
+        && cfg.node6_be != [0; 4]
+    {
+        flags |= ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
+        nat_addr_be = cfg.node6_be;
     }
     if cfg.flags & config_flags::DELIVER_VIA_STACK != 0 && flags & ct_flags::SNAT_ADDR == 0 {
         flags |= ct_flags::VIA_STACK;
@@ -477,46 +661,53 @@ fn new_flow(
             count(stat::CT_NEW_MIDSTREAM);
         }
     }
-    let mut mine = Flow6 {
+    // The flow as chosen, in `flow` (replaced below by a racing packet's).
+    *flow = Flow6 {
         backend_id,
         backend: b,
         flags,
         nat_port_be: 0,
+        nat_addr_be,
     };
-    let mut rkey = mine.reply_key(cfg, pkt);
-    if reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
-        let port_be = free_nat_port(cfg, &mut rkey, now)?;
-        count(stat::SNAT_PORT_COLLISION);
-        mine.nat_port_be = port_be;
-        mine.flags |= ct_flags::SNAT_PORT;
+    *rkey = flow.reply_key(pkt);
+    let snat_node = flags & ct_flags::SNAT_PORT != 0;
+    if snat_node || reply_tuple_taken(cfg, rkey, fe.rev_nat_id, now) {
+        let port_be = free_nat_port(cfg, rkey, now)?;
+        count(if snat_node {
+            stat::SNAT_NODE
+        } else {
+            stat::SNAT_PORT_COLLISION
+        });
+        flow.nat_port_be = port_be;
+        flow.flags |= ct_flags::SNAT_PORT;
     }
-    let sval = Ct4Value {
+    *sval = Ct6Value {
         backend_id,
-        nat_addr_be: 0,
         rev_nat_id: fe.rev_nat_id,
-        flags: mine.flags,
-        nat_port_be: mine.nat_port_be,
+        flags: flow.flags,
+        nat_port_be: flow.nat_port_be,
         _pad: 0,
+        nat_addr_be: flow.nat_addr_be,
+        _pad2: 0,
         last_seen_ns: now,
     };
-    *flow = mine;
-    if CT6_V1.insert(*skey, sval, BPF_NOEXIST as u64).is_ok() {
+    if CT6_V1.insert(skey, &*sval, BPF_NOEXIST as u64).is_ok() {
         return Ok(());
     }
     // A racing first packet of the same flow won: its choice is followed
     // (field bug K8); a closed flow's entry whose tuple this SYN reuses is
     // replaced.
-    if let Some(w) = CT6_V1.get_ptr(*skey) {
-        // SAFETY: map value pointer, copied.
-        let w = unsafe { *w };
-        if alive(cfg, pkt.proto, &w, now) && !reopens(pkt, &w) {
+    if let Some(w) = CT6_V1.get_ptr(skey) {
+        // SAFETY: map value pointer, read in place.
+        let w = unsafe { &*w };
+        if alive(cfg, pkt.proto, w, now) && !reopens(pkt, w) {
             if let Some(wb) = backend(w.backend_id) {
-                *flow = Flow6::of(&w, wb);
+                *flow = Flow6::of(w, wb);
                 return Ok(());
             }
         }
     }
-    if CT6_V1.insert(*skey, sval, BPF_ANY as u64).is_err() {
+    if CT6_V1.insert(skey, &*sval, BPF_ANY as u64).is_err() {
         count(stat::CT_INSERT_FAILED);
     }
     Ok(())
@@ -535,7 +726,7 @@ fn select(
         if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
             return Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND));
         }
-        return Err(Verdict::Reject(stat::DROP_NO_BACKEND_IPV6));
+        return Err(Verdict::Reject(stat::REJECT_NO_BACKEND));
     }
     let akey = Affinity6Key {
         client_be: pkt.saddr_be,
@@ -624,27 +815,31 @@ fn choose(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value) -> Result<u32, Verdict> 
 /// Whether backend-side tuple `rkey` belongs to another frontend's live flow.
 #[inline(always)]
 fn reply_tuple_taken(cfg: &Config, rkey: &Ct6Key, rev_nat_id: u16, now: u64) -> bool {
-    let Some(e) = CT6_V1.get_ptr(*rkey) else {
+    let Some(e) = CT6_V1.get_ptr(rkey) else {
         return false;
     };
-    // SAFETY: map value pointer, copied.
-    let e = unsafe { *e };
+    // SAFETY: map value pointer, read in place.
+    let e = unsafe { &*e };
     if e.rev_nat_id == rev_nat_id {
         return false;
     }
-    live_service_of(cfg, rkey, &e, now).is_some_and(|o| o.backend_id == e.backend_id)
+    live_service_of(cfg, rkey, e, now) == Some(e.backend_id)
 }
 
+/// The backend of the live flow whose REPLY entry `e` is at `rkey`.
 #[inline(always)]
-fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct4Value, now: u64) -> Option<Ct4Value> {
-    let rev = rev_nat(e.rev_nat_id)?;
-    let o = CT6_V1.get_ptr(rkey.service_of_reply(e, &rev))?;
-    // SAFETY: map value pointer, copied.
-    let o = unsafe { *o };
-    alive(cfg, rkey.proto, &o, now).then_some(o)
+fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct6Value, now: u64) -> Option<u32> {
+    let rev = REVNAT6_V1.get_ptr(e.rev_nat_id)?;
+    // SAFETY: map value pointer, read in place.
+    let skey = rkey.service_of_reply(e, unsafe { &*rev });
+    let o = CT6_V1.get_ptr(&skey)?;
+    // SAFETY: map value pointer, read in place.
+    let o = unsafe { &*o };
+    alive(cfg, rkey.proto, o, now).then_some(o.backend_id)
 }
 
-/// A free source port from the SNAT range, random tries only.
+/// A free source port from the SNAT range: random tries only (IPv4's
+/// exhaustive search is not built for IPv6).
 #[inline(always)]
 fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdict> {
     let none = Verdict::Drop(stat::DROP_NO_FREE_PORT);
@@ -659,12 +854,12 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
         let r = unsafe { bpf_get_prandom_u32() };
         let port_be = ((min + r % size) as u16).to_be();
         rkey.dport_be = port_be;
-        let in_use = match CT6_V1.get_ptr(*rkey) {
-            // SAFETY: map value pointer, copied.
+        let in_use = match CT6_V1.get_ptr(&*rkey) {
             Some(e) => {
-                let e = unsafe { *e };
+                // SAFETY: map value pointer, read in place.
+                let e = unsafe { &*e };
                 now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
-                    || live_service_of(cfg, rkey, &e, now).is_some()
+                    || live_service_of(cfg, rkey, e, now).is_some()
             }
             None => false,
         };
@@ -679,31 +874,34 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
 /// tracked one whose entry the LRU evicted.
 #[inline(always)]
 fn ensure_reply(
-    cfg: &Config,
     pkt: &Packet6,
     flow: &Flow6,
     rev_nat_id: u16,
     established: bool,
     now: u64,
-) {
-    let rkey = flow.reply_key(cfg, pkt);
-    let restore = established && CT6_V1.get_ptr(rkey).is_none();
+) -> Result<(), Verdict> {
+    let sc = scratch()?;
+    // SAFETY: this CPU's scratch entry; `new_flow` is done with these.
+    let (rkey, rval) = unsafe { (&mut (*sc).rkey, &mut (*sc).entry) };
+    *rkey = flow.reply_key(pkt);
+    let restore = established && CT6_V1.get_ptr(&*rkey).is_none();
     if restore {
         count(stat::CT_REPLY_RESTORED);
     }
     if !established || restore {
-        let rval = Ct4Value::reply_of(
+        *rval = Ct6Value::reply_of(
             flow.backend_id,
             rev_nat_id,
             flow.flags,
-            0,
+            pkt.saddr_be,
             pkt.sport_be,
             now,
         );
-        if CT6_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+        if CT6_V1.insert(&*rkey, &*rval, BPF_ANY as u64).is_err() {
             count(stat::CT_INSERT_FAILED);
         }
     }
+    Ok(())
 }
 
 /// The reply direction of a tracked flow: the source back to the frontend,
@@ -747,9 +945,8 @@ fn reply(ctx: &TcContext, pkt: &mut Packet6, last_hook: bool) -> Verdict {
     let to = Tuple6 {
         saddr_be: rev.addr_be,
         sport_be: rev.port_be,
-        // A hairpin flow's client is its backend: the reply's own source.
         daddr_be: if ct.flags & ct_flags::SNAT_ADDR != 0 {
-            pkt.saddr_be
+            ct.nat_addr_be
         } else {
             pkt.daddr_be
         },

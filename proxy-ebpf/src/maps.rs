@@ -13,8 +13,8 @@ use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
     Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
-    Ct6Key, Frag4Key, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value,
-    SourceRange4, Svc4Key, Svc4Value, Svc6Key, Traffic,
+    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key,
+    SockRevNat4Value, SourceRange4, SourceRange6, Svc4Key, Svc4Value, Svc6Key, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
@@ -35,7 +35,7 @@ pub static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }
 pub static STATS_V1: PerCpuArray<u64, { capacity::STATS as usize }> = PerCpuArray::new();
 /// The agent's configuration, at index 0.
 #[btf_map]
-pub static CONFIG_V2: Array<Config, 1> = Array::new();
+pub static CONFIG_V3: Array<Config, 1> = Array::new();
 /// Pod-facing interfaces (delivered to with `bpf_redirect_peer`).
 #[btf_map]
 pub static IFACE_V1: HashMap<u32, Iface, { capacity::IFACES as usize }> = HashMap::new();
@@ -119,8 +119,12 @@ pub static REVNAT6_V1: HashMap<
 > = HashMap::new();
 /// Both directions of every translated IPv6 flow.
 #[btf_map]
-pub static CT6_V1: LruHashMap<Ct6Key, Ct4Value, { capacity::CONNTRACK6 as usize }> =
+pub static CT6_V1: LruHashMap<Ct6Key, Ct6Value, { capacity::CONNTRACK6 as usize }> =
     LruHashMap::new();
+/// IPv6 `loadBalancerSourceRanges`: (reverse-NAT id, client prefix) → allowed.
+#[btf_map]
+pub static SRCRANGE6_V1: LpmTrie<SourceRange6, u8, { capacity::SOURCE_RANGES as usize }> =
+    LpmTrie::new();
 /// IPv6 session affinity: (client, reverse-NAT id) → backend, last use.
 #[btf_map]
 pub static AFFINITY6_V1: LruHashMap<

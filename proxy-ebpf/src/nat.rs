@@ -18,7 +18,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Flow},
-    maps::{count, CONFIG_V2, CT4_V1, SNAT_FULL4_V1},
+    maps::{count, CONFIG_V3, CT4_V1, SNAT_FULL4_V1},
     parse::{
         xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_FRAG_OFF, IP_MF, IP_SRC_OFF,
     },
@@ -171,7 +171,7 @@ struct Search {
 /// and the callback's frame stack on the program's frame, not on `decide`'s.
 #[inline(never)]
 pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
-    let cfg = CONFIG_V2.get(0)?;
+    let cfg = CONFIG_V3.get(0)?;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let rkey = flow.reply_key(pkt);
@@ -220,7 +220,7 @@ extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
     // SAFETY: `ctx` is the `Search` in `search_nat_port`'s frame, which
     // waits for `bpf_loop` to return.
     let s = unsafe { &mut *ctx.cast::<Search>() };
-    let Some(cfg) = CONFIG_V2.get(0) else {
+    let Some(cfg) = CONFIG_V3.get(0) else {
         return 1;
     };
     // `start < size` and `index < size`: one subtraction wraps it.

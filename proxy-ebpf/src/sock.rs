@@ -42,7 +42,7 @@ use proxy_common::{
 
 use crate::{
     lb,
-    maps::{account, count, CONFIG_V2, SOCK_REVNAT4_V1, SVC4_V1},
+    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V1, SVC4_V1},
     parse::Packet,
     verdict::Verdict,
 };
@@ -136,7 +136,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
         // A host client's packets leave from the node's address (its own
         // address is not bound yet at connect()): judged by that, failing
         // closed while the node's address is unknown.
-        let node_be = CONFIG_V2.get(0).map_or(0, |c| c.node_addr_be);
+        let node_be = CONFIG_V3.get(0).map_or(0, |c| c.node_addr_be);
         if node_be == 0 || !lb::source_allowed(fe.rev_nat_id, node_be) {
             count(stat::SOCK_SOURCE_RANGE);
             return fail(EPERM);

@@ -1,6 +1,8 @@
 //! [`BpfDataplane`]: the maps the writer programs (conntrack garbage
 //! collection is `gc.rs`'s, over the pinned maps).
 
+use std::net::IpAddr;
+
 use super::*;
 
 /// The maps the agent writes, taken out of the loaded object.
@@ -16,6 +18,7 @@ pub struct BpfDataplane {
     backends6: HashMap<MapData, u32, Backend6>,
     rev_nat6: HashMap<MapData, u16, RevNat6>,
     affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
+    source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     sizes: MapSizes,
 }
 
@@ -30,13 +33,24 @@ pub fn ktime_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn source_range_key(rev_nat_id: u16, (addr, len): SourceRange) -> LpmKey<SourceRange4> {
+fn source_range_key(rev_nat_id: u16, addr: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange4> {
     LpmKey::new(
         SOURCE_RANGE_ID_BITS + u32::from(len.min(32)),
         SourceRange4 {
             rev_nat_id_be: rev_nat_id.to_be(),
             _pad: 0,
             addr_be: u32::from_ne_bytes(addr.octets()),
+        },
+    )
+}
+
+fn source_range_key6(rev_nat_id: u16, addr: std::net::Ipv6Addr, len: u8) -> LpmKey<SourceRange6> {
+    LpmKey::new(
+        SOURCE_RANGE_ID_BITS + u32::from(len.min(128)),
+        SourceRange6 {
+            rev_nat_id_be: rev_nat_id.to_be(),
+            _pad: 0,
+            addr_be: proxy_common::ipv6::addr6(addr),
         },
     )
 }
@@ -66,6 +80,8 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::REV_NAT6))?,
             affinity6: HashMap::try_from(take_map(ebpf, map_names::AFFINITY6)?)
                 .map_err(map_err(map_names::AFFINITY6))?,
+            source_ranges6: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES6)?)
+                .map_err(map_err(map_names::SOURCE_RANGES6))?,
             sizes,
         })
     }
@@ -100,6 +116,8 @@ impl BpfDataplane {
                 .map_err(map_err(map_names::REV_NAT6))?,
             affinity6: HashMap::try_from(Map::LruHashMap(open(map_names::AFFINITY6)?))
                 .map_err(map_err(map_names::AFFINITY6))?,
+            source_ranges6: LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES6)?))
+                .map_err(map_err(map_names::SOURCE_RANGES6))?,
             sizes,
         })
     }
@@ -252,24 +270,38 @@ impl Dataplane for BpfDataplane {
     fn put_source_range(
         &mut self,
         rev_nat_id: u16,
-        range: SourceRange,
+        (addr, len): SourceRange,
     ) -> Result<(), DataplaneError> {
         let cap = capacity::SOURCE_RANGES;
-        self.source_ranges
-            .insert(&source_range_key(rev_nat_id, range), 1, 0)
-            .map_err(|e| op_err(map_names::SOURCE_RANGES, "insert", cap, e))
+        match addr {
+            IpAddr::V4(a) => self
+                .source_ranges
+                .insert(&source_range_key(rev_nat_id, a, len), 1, 0)
+                .map_err(|e| op_err(map_names::SOURCE_RANGES, "insert", cap, e)),
+            IpAddr::V6(a) => self
+                .source_ranges6
+                .insert(&source_range_key6(rev_nat_id, a, len), 1, 0)
+                .map_err(|e| op_err(map_names::SOURCE_RANGES6, "insert", cap, e)),
+        }
     }
     fn delete_source_range(
         &mut self,
         rev_nat_id: u16,
-        range: SourceRange,
+        (addr, len): SourceRange,
     ) -> Result<(), DataplaneError> {
         let cap = capacity::SOURCE_RANGES;
-        ignore_missing(
-            self.source_ranges
-                .remove(&source_range_key(rev_nat_id, range)),
-        )
-        .map_err(|e| op_err(map_names::SOURCE_RANGES, "delete", cap, e))
+        match addr {
+            IpAddr::V4(a) => ignore_missing(
+                self.source_ranges
+                    .remove(&source_range_key(rev_nat_id, a, len)),
+            )
+            .map_err(|e| op_err(map_names::SOURCE_RANGES, "delete", cap, e)),
+            IpAddr::V6(a) => ignore_missing(
+                self.source_ranges6
+                    .remove(&source_range_key6(rev_nat_id, a, len)),
+            )
+            .map_err(|e| op_err(map_names::SOURCE_RANGES6, "delete", cap, e)),
+        }
     }
     fn dump(&self) -> Result<Programmed, DataplaneError> {
         let d = |map: &'static str| {
@@ -316,7 +348,19 @@ impl Dataplane for BpfDataplane {
             p.source_ranges
                 .entry(u16::from_be(data.rev_nat_id_be))
                 .or_default()
-                .insert((std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3]), len));
+                .insert((
+                    IpAddr::V4(std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3])),
+                    len,
+                ));
+        }
+        for k in self.source_ranges6.keys() {
+            let k = k.map_err(d(map_names::SOURCE_RANGES6))?;
+            let data = k.data();
+            let len = k.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+            p.source_ranges
+                .entry(u16::from_be(data.rev_nat_id_be))
+                .or_default()
+                .insert((IpAddr::V6(proxy_common::ipv6::ipv6(&data.addr_be)), len));
         }
         Ok(p)
     }

@@ -8,31 +8,70 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
 use super::*;
+use proxy_common::{conntrack::CtEntry, Ct6Key, Ct6Value};
+
+/// A conntrack key of either family: what the collector needs of it.
+trait CtKey: aya::Pod + Default {
+    /// The conntrack value and reverse-NAT entry of its family.
+    type Value: aya::Pod + CtEntry;
+    type Rev: aya::Pod;
+    fn dir(&self) -> u8;
+    fn proto(&self) -> u8;
+    fn service_of_reply(&self, v: &Self::Value, rev: &Self::Rev) -> Self;
+}
+
+impl CtKey for Ct4Key {
+    type Value = Ct4Value;
+    type Rev = RevNat4;
+    fn dir(&self) -> u8 {
+        self.dir
+    }
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+    fn service_of_reply(&self, v: &Ct4Value, rev: &RevNat4) -> Self {
+        Ct4Key::service_of_reply(self, v, rev)
+    }
+}
+
+impl CtKey for Ct6Key {
+    type Value = Ct6Value;
+    type Rev = RevNat6;
+    fn dir(&self) -> u8 {
+        self.dir
+    }
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+    fn service_of_reply(&self, v: &Ct6Value, rev: &RevNat6) -> Self {
+        Ct6Key::service_of_reply(self, v, rev)
+    }
+}
 
 /// Whether entry `k` (`v`) has expired at `now_ns`: a SERVICE entry idle
 /// for longer than its timeout (per protocol and TCP state, as the
 /// datapath judges it); a REPLY entry whose SERVICE entry is gone or
 /// expired, or whose frontend is gone — unless it is younger than a second
 /// (its flow may be being created right now).
-fn entry_expired(
-    conntrack: &HashMap<MapData, Ct4Key, Ct4Value>,
-    rev_nat: &HashMap<MapData, u16, RevNat4>,
+fn entry_expired<K: CtKey>(
+    conntrack: &HashMap<MapData, K, K::Value>,
+    rev_nat: &HashMap<MapData, u16, K::Rev>,
     cfg: &Config,
-    k: &Ct4Key,
-    v: &Ct4Value,
+    k: &K,
+    v: &K::Value,
     now_ns: u64,
 ) -> bool {
-    if k.dir == proxy_common::ct_dir::SERVICE {
-        return !conntrack::alive(cfg, k.proto, v, now_ns);
+    if k.dir() == proxy_common::ct_dir::SERVICE {
+        return !conntrack::alive(cfg, k.proto(), v, now_ns);
     }
-    let Ok(r) = rev_nat.get(&v.rev_nat_id, 0) else {
+    let Ok(r) = rev_nat.get(&v.rev_nat_id(), 0) else {
         return true;
     };
-    if now_ns.saturating_sub(v.last_seen_ns) < conntrack::NSEC_PER_SEC {
+    if now_ns.saturating_sub(v.last_seen_ns()) < conntrack::NSEC_PER_SEC {
         return false;
     }
     match conntrack.get(&k.service_of_reply(v, &r), 0) {
-        Ok(s) => !conntrack::alive(cfg, k.proto, &s, now_ns),
+        Ok(s) => !conntrack::alive(cfg, k.proto(), &s, now_ns),
         Err(_) => true,
     }
 }
@@ -59,36 +98,75 @@ pub struct GcRound {
 /// bounded number of entries: each round goes on where the last one
 /// stopped (the next key, fetched before the current entry may be
 /// deleted), so one round's cost does not grow with the map; a pass whose
-/// next key the LRU evicted between rounds ends there. The datapath's
-/// configuration (its timeouts) is read from the pinned config map at
-/// each pass's start, as the programs read it; without one (none written,
-/// or of another layout) nothing is deleted.
+/// next key the LRU evicted between rounds ends there. A pass walks the
+/// IPv4 map, then the IPv6 one. The datapath's configuration (its
+/// timeouts) is read from the pinned config map at each pass's start, as
+/// the programs read it; without one (none written, or of another layout)
+/// nothing is deleted.
 pub struct ConntrackGc {
-    conntrack: HashMap<MapData, Ct4Key, Ct4Value>,
+    v4: FamilyGc<Ct4Key>,
+    v6: FamilyGc<Ct6Key>,
+    /// The IPv4 map's walk of this pass is done; the IPv6 one's goes on.
+    v4_done: bool,
+}
+
+/// The collector of one family's conntrack map.
+struct FamilyGc<K: CtKey> {
+    conntrack: HashMap<MapData, K, K::Value>,
     /// The conntrack map's descriptor (owned by `conntrack`), for
     /// `BPF_MAP_GET_NEXT_KEY` from a key of ours.
     conntrack_fd: i32,
-    rev_nat: HashMap<MapData, u16, RevNat4>,
+    rev_nat: HashMap<MapData, u16, K::Rev>,
     config: Array<MapData, Config>,
     cfg: Option<Config>,
     /// The next key to look at; `None`: the next round starts a pass.
-    next: Option<Ct4Key>,
+    next: Option<K>,
 }
 
 impl ConntrackGc {
     /// Opens the maps an agent pinned under `pin_dir`.
     pub fn open(pin_dir: &Path) -> Result<Self, BpfError> {
+        Ok(Self {
+            v4: FamilyGc::open(pin_dir, map_names::CONNTRACK, map_names::REV_NAT)?,
+            v6: FamilyGc::open(pin_dir, map_names::CONNTRACK6, map_names::REV_NAT6)?,
+            v4_done: false,
+        })
+    }
+
+    /// Looks at up to `budget` entries from where the last round stopped
+    /// (the IPv4 map, then the IPv6 one), deleting the expired ones at time
+    /// `now_ns`.
+    pub fn round(&mut self, now_ns: u64, budget: usize) -> GcRound {
+        let mut out = GcRound::default();
+        if !self.v4_done {
+            out = self.v4.round(now_ns, budget);
+            if !out.pass_done {
+                return out;
+            }
+            self.v4_done = true;
+        }
+        let r = self.v6.round(now_ns, budget.saturating_sub(out.scanned));
+        out.scanned += r.scanned;
+        out.expired += r.expired;
+        out.pass_done = r.pass_done;
+        if r.pass_done {
+            self.v4_done = false;
+        }
+        out
+    }
+}
+
+impl<K: CtKey> FamilyGc<K> {
+    fn open(pin_dir: &Path, ct: &'static str, rev: &'static str) -> Result<Self, BpfError> {
         use aya::maps::Map;
         let open =
             |name: &'static str| MapData::from_pin(pin_dir.join(name)).map_err(map_err(name));
-        let ct = open(map_names::CONNTRACK)?;
-        let conntrack_fd = ct.fd().as_fd().as_raw_fd();
+        let ct_map = open(ct)?;
+        let conntrack_fd = ct_map.fd().as_fd().as_raw_fd();
         Ok(Self {
-            conntrack: HashMap::try_from(Map::LruHashMap(ct))
-                .map_err(map_err(map_names::CONNTRACK))?,
+            conntrack: HashMap::try_from(Map::LruHashMap(ct_map)).map_err(map_err(ct))?,
             conntrack_fd,
-            rev_nat: HashMap::try_from(Map::HashMap(open(map_names::REV_NAT)?))
-                .map_err(map_err(map_names::REV_NAT))?,
+            rev_nat: HashMap::try_from(Map::HashMap(open(rev)?)).map_err(map_err(rev))?,
             config: Array::try_from(Map::Array(open(map_names::CONFIG)?))
                 .map_err(map_err(map_names::CONFIG))?,
             cfg: None,
@@ -96,9 +174,8 @@ impl ConntrackGc {
         })
     }
 
-    /// Looks at up to `budget` entries from where the last round stopped,
-    /// deleting the expired ones at time `now_ns`.
-    pub fn round(&mut self, now_ns: u64, budget: usize) -> GcRound {
+    /// See [`ConntrackGc::round`], over this family's map.
+    fn round(&mut self, now_ns: u64, budget: usize) -> GcRound {
         let mut out = GcRound::default();
         let fd = self.conntrack_fd;
         let mut key = match self.next.take() {
@@ -150,7 +227,9 @@ impl ConntrackGc {
         out.pass_done = key.is_none();
         out
     }
+}
 
+impl ConntrackGc {
     /// Runs passes every `interval` on a thread of its own, in rounds of
     /// [`GC_ROUND`] entries with a pause between them, until `stop` is
     /// dropped or sent to. Logs each pass that deleted entries.
@@ -201,16 +280,17 @@ pub const GC_PAUSE: Duration = Duration::from_millis(5);
 /// `BPF_MAP_GET_NEXT_KEY`: the key after `key` in the map of `fd` (the
 /// first key when `key` is `None` or no longer in the map); `None` at the
 /// end or on an error.
-fn next_key(fd: i32, key: Option<&Ct4Key>) -> Option<Ct4Key> {
+fn next_key<K: CtKey>(fd: i32, key: Option<&K>) -> Option<K> {
     const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-    let mut next = Ct4Key::default();
+    let mut next = K::default();
     // union bpf_attr for map element commands: map_fd, (pad), key, next_key.
     let mut attr = [0u64; 4];
     attr[0] = fd as u32 as u64;
-    attr[1] = key.map_or(0, |k| k as *const Ct4Key as u64);
-    attr[2] = &mut next as *mut Ct4Key as u64;
-    // SAFETY: the bpf syscall reads a key of the map's key size from
-    // `attr[1]` (a live Ct4Key, or none) and writes one to `attr[2]` (ours).
+    attr[1] = key.map_or(0, |k| k as *const K as u64);
+    attr[2] = &mut next as *mut K as u64;
+    // SAFETY: the bpf syscall reads a key of the map's key size (a `K`: the
+    // map's key type) from `attr[1]` (a live key, or none) and writes one
+    // to `attr[2]` (ours).
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,

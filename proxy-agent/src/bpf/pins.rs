@@ -102,6 +102,11 @@ fn is_state(name: &str) -> bool {
         map_names::IFACES,
         map_names::AFFINITY,
         map_names::SOCK_REVNAT,
+        map_names::SERVICES6,
+        map_names::BACKENDS6,
+        map_names::REV_NAT6,
+        map_names::CONNTRACK6,
+        map_names::AFFINITY6,
     ]
     .contains(&name)
 }

@@ -127,7 +127,7 @@ fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
 }
 
 /// An allowed client prefix (network address, prefix length).
-pub type SourceRange = (std::net::Ipv4Addr, u8);
+pub type SourceRange = (IpAddr, u8);
 
 /// Map operations. Keys and values are the shared kernel types; ids are host
 /// order. Each operation either takes effect whole or fails.

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use proxy_common::{lb::MaglevKey, Svc4Key, Svc4Value, Svc6Key, SCOPE_INTERNAL};
+use proxy_common::{lb::MaglevKey, Svc4Key, Svc4Value, Svc6Key};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};
@@ -53,12 +53,6 @@ pub struct SyncReport {
     pub writes: usize,
     /// Frontends refused a Maglev table by `loadBalancing.maglev.maxTables`.
     pub maglev_refused: usize,
-    /// Desired external IPv6 frontends (NodePort, externalIPs, load-balancer
-    /// IPs from outside the node), none of them programmed: the IPv6
-    /// datapath has no SNAT to the node yet, which they need. Skipped whole
-    /// (no id, no backend, no entry); every other frontend is synced as if
-    /// they were not there.
-    pub ipv6_unprogrammed: usize,
     /// What could not be programmed (a frontend, `service frontend`, or a
     /// backend) and why. Everything else was; a later sync retries these.
     pub errors: Vec<(String, DataplaneError)>,
@@ -187,28 +181,13 @@ impl Outcome {
     }
 }
 
-/// Takes out of `scope` the frontends the datapath cannot serve: external
-/// IPv6 ones (see [`SyncReport::ipv6_unprogrammed`]); returns them.
-fn programmable_scope(scope: &mut BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
-    let out: Vec<FrontendKey> = scope
-        .iter()
-        .filter(|k| k.addr.is_ipv6() && k.scope != SCOPE_INTERNAL)
-        .copied()
-        .collect();
-    for k in &out {
-        scope.remove(k);
-    }
-    out
-}
-
-/// A frontend's IPv4 source ranges (an IPv4 frontend has no others).
-fn source_ranges4(fe: &Frontend) -> Vec<SourceRange> {
+/// A frontend's source ranges of its own family (the model gives it no
+/// others; one of the other family could not be keyed in its family's map).
+fn source_ranges_of(key: &FrontendKey, fe: &Frontend) -> Vec<SourceRange> {
     fe.source_ranges
         .iter()
-        .filter_map(|(a, p)| match a {
-            IpAddr::V4(a) => Some((*a, *p)),
-            IpAddr::V6(_) => None,
-        })
+        .filter(|(a, _)| a.is_ipv4() == key.addr.is_ipv4())
+        .copied()
         .collect()
 }
 
@@ -318,9 +297,6 @@ pub struct Writer<D: Dataplane> {
     /// Whether a full [`Writer::sync`] ran: until then `sync_changed` is one
     /// (adopted leftovers are deleted, the indexes built).
     synced: bool,
-    /// The desired external IPv6 frontends, as of the last sync: not
-    /// programmed (see [`SyncReport::ipv6_unprogrammed`]).
-    unprogrammed6: BTreeSet<FrontendKey>,
 }
 
 impl<D: Dataplane> Writer<D> {
@@ -438,7 +414,6 @@ impl<D: Dataplane> Writer<D> {
             unfinished: BTreeSet::new(),
             loose: Loose::default(),
             synced: false,
-            unprogrammed6: BTreeSet::new(),
         })
     }
 
@@ -496,18 +471,14 @@ impl<D: Dataplane> Writer<D> {
     /// more (reverse-NAT entries, source ranges, backends). A frontend that
     /// cannot be programmed is reported and left as it was; every other
     /// frontend is still synced.
-    ///
-    /// External IPv6 frontends are skipped whole and counted
-    /// ([`SyncReport::ipv6_unprogrammed`]).
     pub fn sync(&mut self, desired: &DesiredState) -> SyncReport {
-        let mut scope: BTreeSet<FrontendKey> = desired
+        let scope: BTreeSet<FrontendKey> = desired
             .frontends
             .keys()
             .chain(self.frontends.keys())
             .chain(self.users.keys())
             .copied()
             .collect();
-        self.unprogrammed6 = programmable_scope(&mut scope).into_iter().collect();
         self.users.update(&scope, desired);
         self.run(desired, scope, true)
     }
@@ -535,13 +506,6 @@ impl<D: Dataplane> Writer<D> {
             .chain(&self.affinity_pending)
             .copied()
             .collect();
-        for key in programmable_scope(&mut scope) {
-            if desired.frontends.contains_key(&key) {
-                self.unprogrammed6.insert(key);
-            } else {
-                self.unprogrammed6.remove(&key);
-            }
-        }
         let changed = self.users.update(&scope, desired);
         // A backend whose users changed may be unused now.
         for addr in &changed {
@@ -622,8 +586,7 @@ impl<D: Dataplane> Writer<D> {
             self.unfinished.extend(self.users.of(addr));
         }
         self.synced = true;
-        let mut report = out.report;
-        report.ipv6_unprogrammed = self.unprogrammed6.len();
+        let report = out.report;
         if !report.errors.is_empty() {
             tracing::warn!(
                 errors = report.errors.len(),

@@ -11,8 +11,8 @@ use std::net::Ipv6Addr;
 
 use proxy_agent::model::{BackendAddr, FrontendKey};
 use proxy_common::{
-    conntrack::sctp as chunk, stat, Config, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL,
+    conntrack::sctp as chunk, map_names, stat, svc_flags, Config, Ct6Key, Ct6Value, IPPROTO_SCTP,
+    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
 use super::kit::{
@@ -26,9 +26,19 @@ const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, 10);
 const B6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 1, 0, 0, 0, 0x10);
 const B6_2: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 1, 0, 0, 0, 0x11);
 const HAIRPIN6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0xfe);
+const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0x0a);
+const EXT_CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0x64);
+const REMOTE6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 2, 0, 0, 0, 0x10);
 const ETH_P_IPV6: u16 = 0x86dd;
 const L4_OFF6: usize = 14 + 40;
 const IPPROTO_ICMPV6: u8 = 58;
+
+fn fe6_ext(addr: Ipv6Addr, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        scope: SCOPE_EXTERNAL,
+        ..fe6(addr, port, proto)
+    }
+}
 
 fn fe6(addr: Ipv6Addr, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
@@ -173,7 +183,11 @@ fn delta(h: &Harness, before: &std::collections::BTreeMap<u32, u64>, code: u32) 
 
 fn harness6(frontends: &[(FrontendKey, Vec<BackendAddr>, u16)]) -> Harness {
     let mut h = Harness::new();
-    h.set_config(Config::default().with_hairpin6_addr(HAIRPIN6));
+    h.set_config(
+        Config::default()
+            .with_hairpin6_addr(HAIRPIN6)
+            .with_node6_addr(NODE6),
+    );
     h.sync_desired(&desired(frontends, 0));
     h
 }
@@ -353,23 +367,28 @@ fn ipv6_what_is_not_a_frontend_passes_untouched() {
 
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_frontend_without_endpoints_drops_and_external_frontends_are_not_programmed() {
-    let ext = FrontendKey {
-        scope: SCOPE_EXTERNAL,
-        ..fe6(VIP6, 80, IPPROTO_TCP)
-    };
-    let h = harness6(&[
-        (fe6(VIP6, 81, IPPROTO_TCP), vec![], 0),
-        (ext, vec![be6(B6, 8080, IPPROTO_TCP)], 0),
-    ]);
+fn ipv6_frontend_without_endpoints_is_rejected_with_icmpv6_port_unreachable() {
+    let h = harness6(&[(fe6(VIP6, 81, IPPROTO_TCP), vec![], 0)]);
     let before = h.stats();
-    let (rc, _) = h.run(&tcp6(CLIENT6, 40000, VIP6, 81, SYN));
-    assert_eq!(rc, TC_ACT_SHOT as u32);
-    assert_eq!(delta(&h, &before, stat::DROP_NO_BACKEND_IPV6), 1);
-    // The external frontend was not programmed: untouched.
-    let f = tcp6(CLIENT6, 40000, VIP6, 80, SYN);
-    let (rc, out) = h.run_prog(Prog::ExtIngress, &f);
-    assert_eq!((rc, out), (TC_ACT_OK as u32, f));
+    let syn = tcp6(CLIENT6, 40000, VIP6, 81, SYN);
+    let (_, out) = h.run(&syn);
+    assert_eq!(delta(&h, &before, stat::REJECT_NO_BACKEND), 1);
+    // An ICMPv6 port unreachable from the frontend to the client, quoting
+    // the client's header and 8 bytes of its TCP header, its checksum valid.
+    assert_eq!(out.len(), 14 + 40 + 8 + 48);
+    assert_eq!((&out[0..6], &out[6..12]), (&syn[6..12], &syn[0..6]));
+    assert_eq!(u16::from_be_bytes([out[12], out[13]]), ETH_P_IPV6);
+    assert_eq!(out[14 + 6], IPPROTO_ICMPV6);
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&out[22..38]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&out[38..54]).unwrap());
+    assert_eq!((src, dst), (VIP6, CLIENT6));
+    assert_eq!((out[54], out[55]), (1, 4), "destination unreachable, port");
+    assert_eq!(&out[62..], &syn[14..14 + 48]);
+    assert_eq!(
+        l4_csum6(src, dst, IPPROTO_ICMPV6, &out[54..]),
+        0,
+        "ICMPv6 checksum"
+    );
 }
 
 #[test]
@@ -398,4 +417,129 @@ fn ipv6_test_frames_are_valid() {
     let seg = sctp_packet(40000, 80, chunk::INIT, &[0; 16]);
     let f = frame6(CLIENT6, VIP6, IPPROTO_SCTP, &[], seg);
     assert_eq!(tuple6_checked(&f, L4_OFF6), (CLIENT6, 40000, VIP6, 80));
+}
+
+/// The IPv6 conntrack entries of the harness's pinned map.
+fn ct6_entries(h: &Harness) -> usize {
+    use aya::maps::{HashMap, Map, MapData};
+    let data = MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK6)).expect("CT6 pin");
+    let ct: HashMap<MapData, Ct6Key, Ct6Value> =
+        HashMap::try_from(Map::LruHashMap(data)).expect("CT6 map");
+    ct.keys().count()
+}
+
+/// The agent's garbage collector walks the IPv6 conntrack map after the
+/// IPv4 one: an unanswered SYN's two entries live the SYN timeout (60 s),
+/// then both are deleted; a live flow's are kept.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_conntrack_entries_expire_and_are_collected() {
+    let h = harness6(&[(
+        fe6(VIP6, 80, IPPROTO_TCP),
+        vec![be6(B6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    h.run(&tcp6(CLIENT6, 40000, VIP6, 80, SYN));
+    assert_eq!(ct6_entries(&h), 2, "SERVICE and REPLY entries");
+    let gc_ahead = |secs: u64| {
+        let now = proxy_agent::bpf::ktime_ns() + secs * 1_000_000_000;
+        let mut gc = proxy_agent::bpf::ConntrackGc::open(h.pin_dir()).expect("open the maps");
+        let mut expired = 0;
+        for _ in 0..1_000 {
+            let r = gc.round(now, 1);
+            expired += r.expired;
+            if r.pass_done {
+                return expired;
+            }
+        }
+        panic!("no end of the pass in 1,000 rounds");
+    };
+    assert_eq!(gc_ahead(30), 0, "alive for 60 s");
+    assert_eq!(ct6_entries(&h), 2);
+    assert_eq!(gc_ahead(61), 2);
+    assert_eq!(ct6_entries(&h), 0);
+}
+
+/// A NodePort on the node's IPv6 address whose backend is on another node
+/// (`externalTrafficPolicy: Cluster`): DNAT, SNAT to the node's IPv6 address
+/// with a port of its own, so the reply comes back here and gets both back.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_nodeport_to_a_remote_backend_is_snated_to_the_node() {
+    let h = harness6(&[(
+        fe6_ext(NODE6, 30080, IPPROTO_TCP),
+        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let before = h.stats();
+    let (_, out) = h.run_prog(
+        Prog::ExtIngress,
+        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN),
+    );
+    let (src, sport, dst, dport) = tuple6_checked(&out, L4_OFF6);
+    assert_eq!((src, dst, dport), (NODE6, REMOTE6, 8080));
+    assert_eq!(delta(&h, &before, stat::SNAT_NODE), 1);
+    let reply = tcp6(REMOTE6, 8080, NODE6, sport, SYN | ACK);
+    let (_, out) = h.run_prog(Prog::ExtIngress, &reply);
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (NODE6, 30080, EXT_CLIENT6, 40000)
+    );
+    // The next packet of the flow keeps its port.
+    let (_, out) = h.run_prog(
+        Prog::ExtIngress,
+        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, ACK),
+    );
+    assert_eq!(tuple6_checked(&out, L4_OFF6), (NODE6, sport, REMOTE6, 8080));
+}
+
+/// `externalTrafficPolicy: Local`: the client's address is kept.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_external_local_policy_keeps_the_client_address() {
+    let h = harness6(&[(
+        fe6_ext(NODE6, 30080, IPPROTO_TCP),
+        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+        svc_flags::EXTERNAL_LOCAL,
+    )]);
+    let (_, out) = h.run_prog(
+        Prog::ExtIngress,
+        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN),
+    );
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (EXT_CLIENT6, 40000, REMOTE6, 8080)
+    );
+}
+
+/// `loadBalancerSourceRanges` over IPv6: a client inside the range is
+/// served, one outside is dropped.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_load_balancer_source_ranges_filter_clients() {
+    let lb = Ipv6Addr::new(0x2001, 2, 0, 0xee, 0, 0, 0, 1);
+    let mut d = desired(
+        &[(
+            fe6_ext(lb, 80, IPPROTO_TCP),
+            vec![be6(B6, 8080, IPPROTO_TCP)],
+            svc_flags::SOURCE_RANGES | svc_flags::EXTERNAL_LOCAL,
+        )],
+        0,
+    );
+    for fe in d.frontends.values_mut() {
+        fe.source_ranges = vec![("2001:2::".parse().unwrap(), 64)];
+    }
+    let mut h = Harness::new();
+    h.set_config(Config::default().with_node6_addr(NODE6));
+    h.sync_desired(&d);
+    let before = h.stats();
+    let (_, out) = h.run_prog(Prog::ExtIngress, &tcp6(EXT_CLIENT6, 40000, lb, 80, SYN));
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (EXT_CLIENT6, 40000, B6, 8080)
+    );
+    let outsider = Ipv6Addr::new(0x2001, 2, 0, 9, 0, 0, 0, 1);
+    let (rc, _) = h.run_prog(Prog::ExtIngress, &tcp6(outsider, 40000, lb, 80, SYN));
+    assert_eq!(rc, TC_ACT_SHOT as u32);
+    assert_eq!(delta(&h, &before, stat::DROP_SOURCE_RANGE), 1);
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use proxy_common::{map_names, Svc4Value};
 
 use super::{
-    family, source_ranges4, BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange,
+    family, source_ranges_of, BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange,
     SyncState, Target, Writer,
 };
 use crate::model::{BackendAddr, DesiredState, FrontendKey};
@@ -188,7 +188,7 @@ impl<D: Dataplane> Writer<D> {
             let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
-            for range in &source_ranges4(fe) {
+            for range in &source_ranges_of(key, fe) {
                 if self
                     .source_ranges
                     .get(&id)
@@ -335,7 +335,7 @@ impl<D: Dataplane> Writer<D> {
             let Some(id) = self.rev_nat_ids.get(key) else {
                 continue;
             };
-            let wanted: BTreeSet<SourceRange> = source_ranges4(fe).into_iter().collect();
+            let wanted: BTreeSet<SourceRange> = source_ranges_of(key, fe).into_iter().collect();
             let extra: Vec<SourceRange> = self
                 .source_ranges
                 .get(&id)
