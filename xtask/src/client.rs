@@ -1,8 +1,14 @@
 //! Clients that talk from inside a lab namespace without spawning processes:
 //! each call runs on a fresh thread that joins the namespace first.
+//!
+//! Addresses are taken as `impl Into<SocketAddr>`: a `SocketAddrV4` as
+//! before, or a `SocketAddr` of either family (TCP and UDP; the SCTP client
+//! is IPv4 only).
 
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::net::{
+    Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream, UdpSocket,
+};
 use std::time::{Duration, Instant};
 
 use crate::netns::in_netns;
@@ -12,23 +18,24 @@ use crate::netns::in_netns;
 pub enum Request {
     /// New TCP connection: connect, write `payload`, shut down writing, read to end.
     Tcp {
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         payload: Vec<u8>,
         timeout: Duration,
     },
     /// New UDP socket (bound to `bind_port`, or an ephemeral port): send one
     /// datagram, wait for one reply from `addr`.
     Udp {
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         payload: Vec<u8>,
         timeout: Duration,
         bind_port: Option<u16>,
     },
     /// New SCTP association (one-to-one socket): connect, write `payload`
     /// (a line ended by `\n`: an SCTP shutdown is no half-close, so the end
-    /// of the request is not marked by one), read to end.
+    /// of the request is not marked by one), read to end. IPv4 only: an
+    /// IPv6 address fails with `Unsupported`, sending nothing.
     Sctp {
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         payload: Vec<u8>,
         timeout: Duration,
     },
@@ -36,28 +43,28 @@ pub enum Request {
 
 impl Request {
     /// A TCP request.
-    pub fn tcp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+    pub fn tcp(addr: impl Into<SocketAddr>, payload: &[u8], timeout: Duration) -> Self {
         Request::Tcp {
-            addr,
+            addr: addr.into(),
             payload: payload.to_vec(),
             timeout,
         }
     }
 
     /// A UDP request from an ephemeral port.
-    pub fn udp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+    pub fn udp(addr: impl Into<SocketAddr>, payload: &[u8], timeout: Duration) -> Self {
         Request::Udp {
-            addr,
+            addr: addr.into(),
             payload: payload.to_vec(),
             timeout,
             bind_port: None,
         }
     }
 
-    /// An SCTP request.
-    pub fn sctp(addr: SocketAddrV4, payload: &[u8], timeout: Duration) -> Self {
+    /// An SCTP request (IPv4 only: see [`Request::Sctp`]).
+    pub fn sctp(addr: impl Into<SocketAddr>, payload: &[u8], timeout: Duration) -> Self {
         Request::Sctp {
-            addr,
+            addr: addr.into(),
             payload: payload.to_vec(),
             timeout,
         }
@@ -77,10 +84,17 @@ impl Request {
                 bind_port,
             } => udp_request_here(*addr, payload, *timeout, *bind_port),
             Request::Sctp {
-                addr,
+                addr: SocketAddr::V4(addr),
                 payload,
                 timeout,
             } => sctp_request_here(*addr, payload, *timeout),
+            Request::Sctp {
+                addr: SocketAddr::V6(addr),
+                ..
+            } => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("SCTP to {addr}: the lab's SCTP client is IPv4 only"),
+            )),
         }
     }
 }
@@ -97,11 +111,11 @@ fn timed_out(e: io::Error) -> io::Error {
 /// TCP request from the current thread's namespace. The timeout bounds the
 /// connect and each read/write.
 pub fn tcp_request_here(
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     request: &[u8],
     timeout: Duration,
 ) -> io::Result<Vec<u8>> {
-    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    let mut stream = TcpStream::connect_timeout(&addr.into(), timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     stream.write_all(request)?;
@@ -111,19 +125,23 @@ pub fn tcp_request_here(
     Ok(reply)
 }
 
-/// UDP request from the current thread's namespace. The socket is connected to
-/// `addr`, so a reply from any other source is not accepted (it times out) and
-/// an ICMP port unreachable surfaces as `ConnectionRefused`.
+/// UDP request from the current thread's namespace. The socket (bound to
+/// the unspecified address of `addr`'s family) is connected to `addr`, so a
+/// reply from any other source is not accepted (it times out) and an ICMP
+/// port unreachable surfaces as `ConnectionRefused`.
 pub fn udp_request_here(
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
     bind_port: Option<u16>,
 ) -> io::Result<Vec<u8>> {
-    let sock = UdpSocket::bind(SocketAddrV4::new(
-        std::net::Ipv4Addr::UNSPECIFIED,
-        bind_port.unwrap_or(0),
-    ))?;
+    let addr = addr.into();
+    let port = bind_port.unwrap_or(0);
+    let local = match addr {
+        SocketAddr::V4(_) => SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)),
+        SocketAddr::V6(_) => SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, port, 0, 0)),
+    };
+    let sock = UdpSocket::bind(local)?;
     sock.connect(addr)?;
     sock.set_read_timeout(Some(timeout))?;
     sock.send(payload)?;
@@ -166,27 +184,30 @@ pub fn sctp_request(
     in_netns(ns, move || sctp_request_here(addr, &request, timeout))?
 }
 
-/// New TCP connection from namespace `ns` to `addr`: connect (with timeout),
-/// write `request`, shut down writing, read the reply to EOF.
+/// New TCP connection from namespace `ns` to `addr` (either family):
+/// connect (with timeout), write `request`, shut down writing, read the
+/// reply to EOF.
 pub fn tcp_request(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     request: &[u8],
     timeout: Duration,
 ) -> io::Result<Vec<u8>> {
+    let addr = addr.into();
     let request = request.to_vec();
     in_netns(ns, move || tcp_request_here(addr, &request, timeout))?
 }
 
 /// One UDP datagram from a new socket in namespace `ns` (bound to `bind_port`
-/// if given), and the one reply.
+/// if given) to `addr` (either family), and the one reply.
 pub fn udp_request(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     payload: &[u8],
     timeout: Duration,
     bind_port: Option<u16>,
 ) -> io::Result<Vec<u8>> {
+    let addr = addr.into();
     let payload = payload.to_vec();
     in_netns(ns, move || {
         udp_request_here(addr, &payload, timeout, bind_port)

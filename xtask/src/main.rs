@@ -77,6 +77,10 @@ enum LabCmd {
         /// Zones of the nodes, in node order, comma separated (zone-a,zone-b).
         #[arg(long, value_delimiter = ',')]
         zones: Vec<String>,
+        /// IPv6 beside IPv4 (2001:2::/48): every node, pod and client gets
+        /// both, Services the families they ask for.
+        #[arg(long)]
+        dual_stack: bool,
         /// Do not wait for the agent's first sync.
         #[arg(long)]
         no_wait: bool,
@@ -187,6 +191,7 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             no_agent,
             nodes,
             zones,
+            dual_stack,
             no_wait,
             timeout,
             agent_bin,
@@ -200,7 +205,8 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
                 .manifests_path(manifests)
                 .agent(!no_agent)
                 .nodes(nodes)
-                .zones(&zones);
+                .zones(&zones)
+                .ipv6(dual_stack);
             if let Some(p) = agent_bin {
                 b = b.agent_bin(p);
             }
@@ -404,9 +410,9 @@ fn spread(ns: &str, f: &Frontend, n: usize) -> Result<Spread> {
         let reqs = (0..chunk)
             .map(|_| {
                 if tcp {
-                    Request::tcp(f.addr(), b"hostname\n", Duration::from_secs(1))
+                    Request::tcp(f.socket_addr(), b"hostname\n", Duration::from_secs(1))
                 } else {
-                    Request::udp(f.addr(), b"hostname", Duration::from_secs(1))
+                    Request::udp(f.socket_addr(), b"hostname", Duration::from_secs(1))
                 }
             })
             .collect();
@@ -428,7 +434,7 @@ fn spread(ns: &str, f: &Frontend, n: usize) -> Result<Spread> {
     let mut line = format!(
         "{:<12} {:<20} {n} {what}:",
         f.service.trim_start_matches("default/"),
-        format!("{}/{}", f.addr(), f.protocol)
+        format!("{}/{}", f.socket_addr(), f.protocol)
     );
     for (pod, c) in &s.counts {
         line.push_str(&format!(

@@ -3,11 +3,11 @@
 //!
 //! Nothing here ever touches the machine's root namespace: every `ip` command
 //! is either `ip netns add/del` or carries `-n <ns>`, and every address passed
-//! in is checked against the lab range 198.18.0.0/15.
+//! in is checked against the lab ranges 198.18.0.0/15 and 2001:2::/48.
 
 use std::fs::File;
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -20,10 +20,33 @@ pub const LAB_NET: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 0);
 /// Prefix length of [`LAB_NET`].
 pub const LAB_NET_PREFIX: u8 = 15;
 
+/// The only IPv6 addresses the lab may use (RFC 5180 benchmarking range).
+pub const LAB_NET6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0);
+/// Prefix length of [`LAB_NET6`].
+pub const LAB_NET6_PREFIX: u8 = 48;
+
 /// True if `ip` is inside 198.18.0.0/15.
 pub fn in_lab_range(ip: Ipv4Addr) -> bool {
     let mask = u32::MAX << (32 - LAB_NET_PREFIX);
     u32::from(ip) & mask == u32::from(LAB_NET) & mask
+}
+
+/// True if `ip` is inside 2001:2::/48.
+pub fn in_lab_range6(ip: Ipv6Addr) -> bool {
+    let mask = u128::MAX << (128 - LAB_NET6_PREFIX);
+    u128::from(ip) & mask == u128::from(LAB_NET6) & mask
+}
+
+/// The IPv6 twin of a lab IPv4 address in 198.18.0.0/16: 198.18.`x`.`y` is
+/// 2001:2:0:`x`::`y` (`x` and `y` as numbers: 198.18.1.10 is 2001:2:0:1::a).
+/// The dual-stack lab gives every node, pod and client the twin of its IPv4
+/// address, so node i's pod CIDR 198.18.i.0/24 lies in 2001:2:0:i::/64.
+/// `None` outside 198.18.0.0/16.
+pub fn ipv6_twin(ip: Ipv4Addr) -> Option<Ipv6Addr> {
+    match ip.octets() {
+        [198, 18, x, y] => Some(Ipv6Addr::new(0x2001, 2, 0, x.into(), 0, 0, 0, y.into())),
+        _ => None,
+    }
 }
 
 /// Fails unless `ip` is inside 198.18.0.0/15.
@@ -34,6 +57,24 @@ pub fn check_lab_addr(ip: Ipv4Addr) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Fails unless `ip` is inside 2001:2::/48.
+pub fn check_lab_addr6(ip: Ipv6Addr) -> Result<()> {
+    if !in_lab_range6(ip) {
+        bail!(
+            "address {ip} is outside the lab range {LAB_NET6}/{LAB_NET6_PREFIX}; refusing to use it"
+        );
+    }
+    Ok(())
+}
+
+/// Fails unless `ip` is inside the lab range of its family.
+pub fn check_lab_ip(ip: IpAddr) -> Result<()> {
+    match ip {
+        IpAddr::V4(a) => check_lab_addr(a),
+        IpAddr::V6(a) => check_lab_addr6(a),
+    }
 }
 
 /// Path of a named namespace's handle.
@@ -75,6 +116,18 @@ pub fn sysctl_in(ns: &str, key: &str, value: &str) -> Result<()> {
     run(Command::new("ip")
         .args(["netns", "exec", ns, "sysctl", "-qw"])
         .arg(format!("{key}={value}")))?;
+    Ok(())
+}
+
+/// `ip netns exec <ns> sysctl -qw <key>=<value> ...`: several keys, one
+/// process.
+pub fn sysctls_in(ns: &str, settings: &[(&str, &str)]) -> Result<()> {
+    if settings.is_empty() {
+        return Ok(());
+    }
+    run(Command::new("ip")
+        .args(["netns", "exec", ns, "sysctl", "-qw"])
+        .args(settings.iter().map(|(k, v)| format!("{k}={v}"))))?;
     Ok(())
 }
 
@@ -166,5 +219,33 @@ mod tests {
         assert!(in_lab_range(Ipv4Addr::new(198, 19, 255, 255)));
         assert!(!in_lab_range(Ipv4Addr::new(198, 20, 0, 1)));
         assert!(!in_lab_range(Ipv4Addr::new(10, 0, 0, 1)));
+    }
+
+    #[test]
+    fn lab_range6() {
+        let ok = |s: &str| in_lab_range6(s.parse().unwrap());
+        assert!(ok("2001:2::1"));
+        assert!(ok("2001:2:0:ffff:ffff:ffff:ffff:ffff"));
+        assert!(!ok("2001:2:1::1"));
+        assert!(!ok("2001:db8::1"));
+        assert!(!ok("fd00::1"));
+        assert!(!ok("fe80::1"));
+        assert!(check_lab_ip("2001:2:0:ff::a".parse().unwrap()).is_ok());
+        assert!(check_lab_ip("fd00::1".parse().unwrap()).is_err());
+        assert!(check_lab_ip("10.0.0.1".parse().unwrap()).is_err());
+    }
+
+    #[test]
+    fn ipv6_twins() {
+        let twin = |s: &str| ipv6_twin(s.parse().unwrap()).map(|a| a.to_string());
+        assert_eq!(twin("198.18.1.10").as_deref(), Some("2001:2:0:1::a"));
+        assert_eq!(twin("198.18.0.1").as_deref(), Some("2001:2::1"));
+        assert_eq!(twin("198.18.0.10").as_deref(), Some("2001:2::a"));
+        assert_eq!(twin("198.18.50.254").as_deref(), Some("2001:2:0:32::fe"));
+        assert_eq!(twin("198.19.0.10"), None);
+        for h in [0u8, 1, 255] {
+            let a = ipv6_twin(Ipv4Addr::new(198, 18, h, h)).unwrap();
+            assert!(in_lab_range6(a), "{a}");
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The lab's pod server: answers `hostname`, `clientip` and `echo <data>` on
-//! every given TCP, UDP and SCTP port (bound to 0.0.0.0).
+//! every given TCP, UDP and SCTP port (bound to 0.0.0.0; with `--ipv6`, TCP
+//! and UDP also on `[::]`, a second socket per port that takes IPv6 only).
 //!
 //! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
 //! timeout), one reply line, then close; except `stream`, which keeps the
@@ -12,7 +13,8 @@
 //! Prints `ready` on stdout once every port is bound.
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,9 +36,13 @@ struct Args {
     /// UDP ports to listen on.
     #[arg(long = "udp")]
     udp: Vec<u16>,
-    /// SCTP ports to listen on (one-to-one style sockets).
+    /// SCTP ports to listen on (one-to-one style sockets; IPv4 only).
     #[arg(long = "sctp")]
     sctp: Vec<u16>,
+    /// Also listen on IPv6: TCP and UDP on `[::]` too (IPv6-only sockets
+    /// beside the IPv4 ones, so IPv4 peers keep their plain addresses).
+    #[arg(long)]
+    ipv6: bool,
     /// Id of the lab this server belongs to (only used to recognise it).
     #[arg(long)]
     lab: Option<String>,
@@ -175,21 +181,102 @@ fn serve_udp(name: Arc<String>, sock: UdpSocket) {
     }
 }
 
+fn cvt(r: libc::c_int) -> std::io::Result<libc::c_int> {
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// Sets an int socket option.
+fn set_int(
+    fd: &OwnedFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: a valid descriptor and an int option of the right size.
+    cvt(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+/// A socket of `kind` (`SOCK_STREAM`: listening, or `SOCK_DGRAM`) on
+/// `[addr]:port` that takes IPv6 only: `IPV6_V6ONLY` is set before the
+/// bind, so the IPv4 socket of the same port on 0.0.0.0 does not conflict
+/// with it (std's bind to `[::]` would make a dual-stack socket, and fail
+/// with `AddrInUse`).
+fn bind_ipv6_only(kind: libc::c_int, addr: Ipv6Addr, port: u16) -> std::io::Result<OwnedFd> {
+    // SAFETY: plain socket(2); the descriptor is owned from here on.
+    let fd = cvt(unsafe { libc::socket(libc::AF_INET6, kind | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `fd` was just returned by socket(2) and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    set_int(&fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 1)?;
+    if kind == libc::SOCK_STREAM {
+        // As std's TcpListener::bind does.
+        set_int(&fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    }
+    let sa = libc::sockaddr_in6 {
+        sin6_family: libc::AF_INET6 as libc::sa_family_t,
+        sin6_port: port.to_be(),
+        sin6_flowinfo: 0,
+        sin6_addr: libc::in6_addr {
+            s6_addr: addr.octets(),
+        },
+        sin6_scope_id: 0,
+    };
+    // SAFETY: `sa` is a sockaddr_in6 of the length given.
+    cvt(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sa as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        )
+    })?;
+    if kind == libc::SOCK_STREAM {
+        // SAFETY: a bound stream socket.
+        cvt(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
+    }
+    Ok(fd)
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let name = Arc::new(args.name);
     let mut threads = Vec::new();
     for port in args.tcp {
-        let l = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
-            .with_context(|| format!("bind tcp {port}"))?;
-        let name = name.clone();
-        threads.push(std::thread::spawn(move || serve_tcp(name, l)));
+        let mut listeners = vec![TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+            .with_context(|| format!("bind tcp {port}"))?];
+        if args.ipv6 {
+            let fd = bind_ipv6_only(libc::SOCK_STREAM, Ipv6Addr::UNSPECIFIED, port)
+                .with_context(|| format!("bind tcp [::]:{port}"))?;
+            listeners.push(TcpListener::from(fd));
+        }
+        for l in listeners {
+            let name = name.clone();
+            threads.push(std::thread::spawn(move || serve_tcp(name, l)));
+        }
     }
     for port in args.udp {
-        let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
-            .with_context(|| format!("bind udp {port}"))?;
-        let name = name.clone();
-        threads.push(std::thread::spawn(move || serve_udp(name, s)));
+        let mut sockets = vec![UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+            .with_context(|| format!("bind udp {port}"))?];
+        if args.ipv6 {
+            let fd = bind_ipv6_only(libc::SOCK_DGRAM, Ipv6Addr::UNSPECIFIED, port)
+                .with_context(|| format!("bind udp [::]:{port}"))?;
+            sockets.push(UdpSocket::from(fd));
+        }
+        for s in sockets {
+            let name = name.clone();
+            threads.push(std::thread::spawn(move || serve_udp(name, s)));
+        }
     }
     for port in args.sctp {
         let l = xtask::sctp::listen(port).with_context(|| format!("bind sctp {port}"))?;
@@ -215,5 +302,45 @@ mod tests {
         assert_eq!(answer("pod-1", b"hostname\n", peer), b"pod-1\n");
         assert_eq!(answer("pod-1", b"clientip", peer), b"198.18.1.2:4000\n");
         assert_eq!(answer("pod-1", b"echo a b\r\n", peer), b"a b\n");
+        let peer6: SocketAddr = "[2001:2:0:1::2]:4000".parse().unwrap();
+        assert_eq!(
+            answer("pod-1", b"clientip", peer6),
+            b"[2001:2:0:1::2]:4000\n"
+        );
+    }
+
+    /// An IPv6-only socket and an IPv4 one share a port, for TCP and UDP
+    /// alike, and the IPv6 one answers IPv6 peers (on loopback only: a unit
+    /// test listens on nothing else).
+    #[test]
+    fn ipv6_only_socket_beside_the_ipv4_one() {
+        let v4 = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = v4.local_addr().unwrap().port();
+        let Ok(fd) = bind_ipv6_only(libc::SOCK_STREAM, Ipv6Addr::LOCALHOST, port) else {
+            // No IPv6 where the test runs: nothing to check.
+            return;
+        };
+        let v6 = TcpListener::from(fd);
+        assert_eq!(
+            v6.local_addr().unwrap(),
+            SocketAddr::from((Ipv6Addr::LOCALHOST, port))
+        );
+        let server = std::thread::spawn(move || {
+            let (stream, _) = v6.accept().unwrap();
+            serve_tcp_conn("pod-1", stream).unwrap();
+        });
+        let mut c = TcpStream::connect((Ipv6Addr::LOCALHOST, port)).unwrap();
+        c.write_all(b"clientip\n").unwrap();
+        let mut reply = String::new();
+        c.read_to_string(&mut reply).unwrap();
+        server.join().unwrap();
+        let peer: SocketAddr = reply.trim().parse().unwrap();
+        assert_eq!(peer.ip(), Ipv6Addr::LOCALHOST);
+
+        let u4 = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let uport = u4.local_addr().unwrap().port();
+        let u6 =
+            UdpSocket::from(bind_ipv6_only(libc::SOCK_DGRAM, Ipv6Addr::LOCALHOST, uport).unwrap());
+        assert_eq!(u6.local_addr().unwrap().port(), uport);
     }
 }

@@ -1,7 +1,11 @@
 //! lab.json: what the lab is made of (nodes, clients, pods, frontends,
 //! processes), and the accessors of [`Lab`] that read it.
+//!
+//! The IPv6 fields (`ip6`, `pod_cidr6`, `dual_stack`) are set in a
+//! dual-stack lab only, and left out of lab.json otherwise: a lab.json
+//! written before they existed still loads.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
@@ -15,9 +19,16 @@ pub struct NodeInfo {
     pub name: String,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// The node's IPv6 address (dual-stack): `2001:2::<9+i>`, on `lo` or,
+    /// with a switch, on `eth0` (/64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip6: Option<Ipv6Addr>,
     /// The node's pod CIDR (`198.18.i.0/24`).
     #[serde(default)]
     pub pod_cidr: String,
+    /// The node's IPv6 pod CIDR (dual-stack): `2001:2:0:i::/64`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_cidr6: Option<String>,
     /// `topology.kubernetes.io/zone` of the lab's Node object, if any.
     #[serde(default)]
     pub zone: Option<String>,
@@ -47,6 +58,9 @@ pub struct Endpoint {
     pub name: String,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address (dual-stack), the twin of `ip`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip6: Option<Ipv6Addr>,
     /// The host-side veth in the node namespace (`lxc<8 hex>`); for the
     /// external client, its port in the switch namespace.
     pub host_if: String,
@@ -71,6 +85,9 @@ pub struct PodInfo {
     pub node: String,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address (dual-stack): `podIPs`' IPv6 entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip6: Option<Ipv6Addr>,
     pub host_if: String,
     pub ports: Vec<PortInfo>,
     /// The pod's server does not listen on its SCTP ports (the Pod's
@@ -81,12 +98,13 @@ pub struct PodInfo {
     pub no_sctp_listener: bool,
 }
 
-/// A Service frontend: `(ip, port, protocol)`.
+/// A Service frontend: `(ip, port, protocol)`, of either family.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Frontend {
     /// `namespace/name` of the Service.
     pub service: String,
-    pub ip: Ipv4Addr,
+    /// Compares with an `Ipv4Addr` as well (`f.ip == node.ip`).
+    pub ip: IpAddr,
     pub port: u16,
     pub protocol: String,
     pub port_name: Option<String>,
@@ -95,9 +113,27 @@ pub struct Frontend {
 }
 
 impl Frontend {
-    /// The frontend as a socket address.
+    /// An IPv4 frontend as a socket address. Panics on an IPv6 frontend
+    /// (only a dual-stack lab has them): [`socket_addr`](Frontend::socket_addr)
+    /// takes both.
     pub fn addr(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.ip, self.port)
+        match self.ip {
+            IpAddr::V4(ip) => SocketAddrV4::new(ip, self.port),
+            IpAddr::V6(ip) => panic!(
+                "frontend [{ip}]:{} of {} is IPv6: use Frontend::socket_addr",
+                self.port, self.service
+            ),
+        }
+    }
+
+    /// The frontend as a socket address, of either family.
+    pub fn socket_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, self.port)
+    }
+
+    /// Whether the frontend's address is IPv6.
+    pub fn is_ipv6(&self) -> bool {
+        self.ip.is_ipv6()
     }
 }
 
@@ -128,6 +164,10 @@ pub struct LabInfo {
     pub id: String,
     pub dir: PathBuf,
     pub manifests_dir: PathBuf,
+    /// Whether every node, pod and client has an IPv6 address too
+    /// ([`LabBuilder::dual_stack`](super::LabBuilder::dual_stack)).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dual_stack: bool,
     /// node-1's pin directory.
     pub bpffs: PathBuf,
     /// node-1 (kept in step with `nodes[0]`).
@@ -186,10 +226,29 @@ impl LabInfo {
             .collect()
     }
 
-    /// The ClusterIP frontend of `service` for `port`/`protocol`.
+    /// The IPv4 ClusterIP frontend of `service` for `port`/`protocol`.
     pub fn cluster_frontend(&self, service: &str, port: u16, protocol: &str) -> Option<&Frontend> {
+        self.cluster_frontend_of(service, port, protocol, false)
+    }
+
+    /// The IPv6 ClusterIP frontend of `service` for `port`/`protocol`
+    /// (dual-stack labs).
+    pub fn cluster_frontend6(&self, service: &str, port: u16, protocol: &str) -> Option<&Frontend> {
+        self.cluster_frontend_of(service, port, protocol, true)
+    }
+
+    fn cluster_frontend_of(
+        &self,
+        service: &str,
+        port: u16,
+        protocol: &str,
+        ipv6: bool,
+    ) -> Option<&Frontend> {
         self.frontends_of(service).into_iter().find(|f| {
-            f.kind == "ClusterIP" && f.port == port && f.protocol.eq_ignore_ascii_case(protocol)
+            f.kind == "ClusterIP"
+                && f.is_ipv6() == ipv6
+                && f.port == port
+                && f.protocol.eq_ignore_ascii_case(protocol)
         })
     }
 }
@@ -288,6 +347,11 @@ impl Lab {
         Ok(&self.info.nodes[self.node_index(name)?])
     }
 
+    /// Whether the lab is dual-stack.
+    pub fn is_dual_stack(&self) -> bool {
+        self.info.dual_stack
+    }
+
     /// The external client on the switch (198.18.0.100), if the lab has a
     /// switch: it reaches node addresses and pod IPs, not ClusterIPs.
     pub fn external(&self) -> Option<&Endpoint> {
@@ -314,7 +378,7 @@ impl Lab {
         &self.info.frontends
     }
 
-    /// The ClusterIP frontend of `service` (`name` or `ns/name`) for
+    /// The IPv4 ClusterIP frontend of `service` (`name` or `ns/name`) for
     /// `port`/`protocol`.
     pub fn cluster_frontend(
         &self,
@@ -327,13 +391,48 @@ impl Lab {
             .map(Frontend::addr)
     }
 
-    /// The ClusterIP of `service`.
-    pub fn service_ip(&self, service: &str) -> Option<Ipv4Addr> {
+    /// The IPv6 ClusterIP frontend of `service` for `port`/`protocol`
+    /// (dual-stack labs).
+    pub fn cluster_frontend6(
+        &self,
+        service: &str,
+        port: u16,
+        protocol: &str,
+    ) -> Option<SocketAddr> {
         self.info
-            .frontends_of(service)
+            .cluster_frontend6(service, port, protocol)
+            .map(Frontend::socket_addr)
+    }
+
+    /// The IPv4 ClusterIP of `service`.
+    pub fn service_ip(&self, service: &str) -> Option<Ipv4Addr> {
+        self.service_ips(service)
             .into_iter()
-            .find(|f| f.kind == "ClusterIP")
-            .map(|f| f.ip)
+            .find_map(|ip| match ip {
+                IpAddr::V4(ip) => Some(ip),
+                IpAddr::V6(_) => None,
+            })
+    }
+
+    /// The IPv6 ClusterIP of `service` (dual-stack labs).
+    pub fn service_ip6(&self, service: &str) -> Option<Ipv6Addr> {
+        self.service_ips(service)
+            .into_iter()
+            .find_map(|ip| match ip {
+                IpAddr::V6(ip) => Some(ip),
+                IpAddr::V4(_) => None,
+            })
+    }
+
+    /// The ClusterIPs of `service`, in `clusterIPs` order.
+    pub fn service_ips(&self, service: &str) -> Vec<IpAddr> {
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for f in self.info.frontends_of(service) {
+            if f.kind == "ClusterIP" && !ips.contains(&f.ip) {
+                ips.push(f.ip);
+            }
+        }
+        ips
     }
 
     /// The current manifests (as written to cluster.yaml).
@@ -348,5 +447,60 @@ impl Lab {
         self.info.bpffs = self.info.nodes[0].bpffs.clone();
         let json = serde_json::to_string_pretty(&self.info)?;
         write_atomic(&self.json_path(), json.as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lab.json as an IPv4 lab wrote it before the IPv6 fields existed.
+    const OLD: &str = r#"{
+  "id": "abc123", "dir": "/run/kpr-lab/abc123", "manifests_dir": "/run/kpr-lab/abc123/manifests",
+  "bpffs": "/sys/fs/bpf/kpr-lab-abc123",
+  "node": {"name": "node-1", "netns": "kpr-abc123-node", "ip": "198.18.0.10"},
+  "client": {"name": "client", "netns": "kpr-abc123-client", "ip": "198.18.1.2", "host_if": "lxc00000001"},
+  "clients": [],
+  "pods": [{"name": "p", "namespace": "default", "node": "node-1", "netns": "kpr-abc123-p",
+            "ip": "198.18.1.10", "host_if": "lxc00000002", "ports": []}],
+  "frontends": [{"service": "default/web", "ip": "198.19.0.10", "port": 80, "protocol": "TCP",
+                 "port_name": "http", "kind": "ClusterIP"}],
+  "agent": null, "servers": [], "namespaces": []
+}"#;
+
+    #[test]
+    fn an_old_lab_json_loads_and_an_ipv4_lab_writes_no_ipv6_fields() {
+        let info: LabInfo = serde_json::from_str(OLD).unwrap();
+        assert!(!info.dual_stack);
+        assert_eq!(info.pods[0].ip6, None);
+        assert_eq!(info.node.ip6, None);
+        let f = info.cluster_frontend("web", 80, "TCP").unwrap();
+        assert_eq!(f.addr(), "198.19.0.10:80".parse().unwrap());
+        assert!(info.cluster_frontend6("web", 80, "TCP").is_none());
+        let json = serde_json::to_string(&info).unwrap();
+        for key in ["ip6", "pod_cidr6", "dual_stack"] {
+            assert!(!json.contains(key), "{key} in {json}");
+        }
+    }
+
+    #[test]
+    fn ipv6_frontends_and_addresses_round_trip() {
+        let mut info: LabInfo = serde_json::from_str(OLD).unwrap();
+        info.dual_stack = true;
+        info.pods[0].ip6 = Some("2001:2:0:1::a".parse().unwrap());
+        let mut f6 = info.frontends[0].clone();
+        f6.ip = "2001:2:0:ff::a".parse().unwrap();
+        info.frontends.push(f6);
+        let again: LabInfo = serde_json::from_str(&serde_json::to_string(&info).unwrap()).unwrap();
+        assert_eq!(again, info);
+        let f = again.cluster_frontend6("default/web", 80, "tcp").unwrap();
+        assert_eq!(f.socket_addr(), "[2001:2:0:ff::a]:80".parse().unwrap());
+        assert!(f.is_ipv6());
+        // The IPv4 accessor still finds the IPv4 frontend, whatever the order.
+        info.frontends.reverse();
+        assert_eq!(
+            info.cluster_frontend("web", 80, "TCP").unwrap().addr(),
+            "198.19.0.10:80".parse().unwrap()
+        );
     }
 }

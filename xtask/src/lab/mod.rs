@@ -15,6 +15,34 @@
 //! `<prefix>-ext` (198.18.0.100/24) sits on the bridge with routes to every
 //! pod CIDR but none to ClusterIPs. Every address is in 198.18.0.0/15.
 //!
+//! Dual-stack ([`LabBuilder::dual_stack`]; off by default) adds IPv6 from
+//! 2001:2::/48 beside every IPv4 address, each the twin of its IPv4 one
+//! ([`crate::netns::ipv6_twin`]: 198.18.x.y is 2001:2:0:x::y):
+//!
+//! | what | IPv4 | IPv6 |
+//! | --- | --- | --- |
+//! | node i's address (`lo`, or `eth0` with a switch) | 198.18.0.(9+i) | 2001:2::(9+i) (/64 on `eth0`) |
+//! | gateway, on every node's `lo` | 198.18.0.1 | 2001:2::1 |
+//! | node i's pod CIDR | 198.18.i.0/24 | 2001:2:0:i::/64 |
+//! | a pod, on its `eth0` | 198.18.i.h/32 | 2001:2:0:i::h/128 |
+//! | default client | 198.18.1.2 | 2001:2:0:1::2 |
+//! | external client | 198.18.0.100 | 2001:2::64 |
+//! | ClusterIPs | 198.19.0.0/16 | 2001:2:0:ff::/112 |
+//!
+//! A pod routes 2001:2::/48 via `fe80::1` on `eth0`: the link-local address
+//! every host-side veth holds ([`GATEWAY_LINK_LOCAL6`]); IPv6 answers
+//! neighbour solicitations only for addresses of the link they arrive on,
+//! so the node's 2001:2::1 on `lo` could not be the next hop as 198.18.0.1
+//! is. Nodes forward IPv6 (`net.ipv6.conf.all.forwarding=1`) and route to
+//! each pod's /128 over its veth, and with a switch to the other nodes' IPv6
+//! pod CIDRs via their IPv6 addresses; the external client routes to every
+//! IPv6 pod CIDR. Duplicate address detection is off in every lab
+//! namespace, so addresses are usable at once. Services get ClusterIPs of
+//! the families they ask for (`ipFamilies`, `ipFamilyPolicy`; IPv4 alone
+//! when they ask for none), and Pods `podIPs` of both families, from which
+//! the agent makes an EndpointSlice per family. The pods' servers listen on
+//! both families.
+//!
 //! A [`Lab`] tears everything down when dropped, unless it was
 //! [`detach`](Lab::detach)ed (`cargo xtask lab up`) or [`attach`](Lab::attach)ed;
 //! then [`down`](Lab::down) removes it.
@@ -42,7 +70,7 @@ mod topology;
 mod wait;
 
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::Duration;
@@ -102,6 +130,23 @@ pub const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
 /// Prefix length of the node link (198.18.0.0/24).
 pub const NODE_LINK_PREFIX: u8 = 24;
 
+/// Dual-stack: the IPv6 gateway on every node's `lo` (twin of [`GATEWAY_IP`]).
+pub const GATEWAY_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 1);
+/// Dual-stack: the pods' IPv6 next hop, a link-local address every
+/// host-side veth holds.
+pub const GATEWAY_LINK_LOCAL6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+/// Dual-stack: node 1's IPv6 address: [`node_ip6`]`(1)`.
+pub const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 10);
+/// Dual-stack: the default client's IPv6 address.
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 1, 0, 0, 0, 2);
+/// Dual-stack: the external client's IPv6 address.
+pub const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 100);
+/// Dual-stack: the IPv6 lab route every pod namespace has (via
+/// [`GATEWAY_LINK_LOCAL6`]).
+pub const LAB_ROUTE6: &str = "2001:2::/48";
+/// Prefix length of the IPv6 node link (2001:2::/64).
+pub const NODE_LINK_PREFIX6: u8 = 64;
+
 /// The address of node `i` (1-based): 198.18.0.(9+i).
 pub fn node_ip(i: usize) -> Ipv4Addr {
     assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
@@ -120,7 +165,19 @@ pub fn node_pod_addr(i: usize, host: u8) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, i as u8, host)
 }
 
-/// A node of the lab.
+/// The IPv6 address of node `i` (1-based): 2001:2::(9+i), the twin of
+/// [`node_ip`]`(i)`.
+pub fn node_ip6(i: usize) -> Ipv6Addr {
+    crate::netns::ipv6_twin(node_ip(i)).expect("a node address is in 198.18.0.0/16")
+}
+
+/// The IPv6 pod CIDR of node `i` (1-based): 2001:2:0:i::/64 (`i` as a
+/// number: node 10's is 2001:2:0:a::/64).
+pub fn node_pod_cidr6(i: usize) -> String {
+    assert!((1..=MAX_NODES).contains(&i), "node index {i} out of range");
+    format!("{}/64", Ipv6Addr::new(0x2001, 2, 0, i as u16, 0, 0, 0, 0))
+}
+
 /// How to start a [`Lab`].
 #[derive(Debug, Clone, Default)]
 pub struct LabBuilder {
@@ -137,9 +194,22 @@ pub struct LabBuilder {
     external: Option<bool>,
     agent_image: Option<AgentImage>,
     without_caps: Vec<String>,
+    ipv6: bool,
 }
 
 impl LabBuilder {
+    /// Dual-stack: IPv6 beside IPv4 everywhere (see the module's address
+    /// plan); Services get the families they ask for. Default: IPv4 only.
+    pub fn dual_stack(self) -> Self {
+        self.ipv6(true)
+    }
+
+    /// Whether the lab is dual-stack ([`dual_stack`](LabBuilder::dual_stack)).
+    pub fn ipv6(mut self, on: bool) -> Self {
+        self.ipv6 = on;
+        self
+    }
+
     /// Runs every node's agent from this image under runc, configured from
     /// `deploy/` (default: `KPR_LAB_AGENT=runc` selects the image at
     /// `KPR_LAB_IMAGE`; else the agent runs as a plain process).
@@ -272,7 +342,7 @@ pub struct Lab {
     keep: bool,
 }
 
-fn new_allocator(nodes: &[NodeInfo]) -> Allocator {
+fn new_allocator(nodes: &[NodeInfo], dual_stack: bool) -> Allocator {
     let first = &nodes[0];
     let mut a = Allocator::new(&first.name, first.ip, POD_IP_FIRST, POD_IP_LAST);
     for (i, n) in nodes.iter().enumerate().skip(1) {
@@ -289,6 +359,17 @@ fn new_allocator(nodes: &[NodeInfo]) -> Allocator {
     }
     for n in nodes {
         a.reserve_ip(n.ip);
+    }
+    if dual_stack {
+        a.set_dual_stack(true);
+        for ip in [GATEWAY_IP, HAIRPIN_SNAT_IP, CLIENT_IP, EXTERNAL_IP] {
+            a.reserve_ip(crate::netns::ipv6_twin(ip).expect("a lab address"));
+        }
+        for n in nodes {
+            if let Some(ip6) = n.ip6 {
+                a.set_node_ip6(&n.name, ip6);
+            }
+        }
     }
     a
 }
@@ -370,7 +451,9 @@ impl Lab {
                         format!("{prefix}-node-{i}")
                     },
                     ip: node_ip(i),
+                    ip6: b.ipv6.then(|| node_ip6(i)),
                     pod_cidr: node_pod_cidr(i),
+                    pod_cidr6: b.ipv6.then(|| node_pod_cidr6(i)),
                     zone: b.zones.get(i - 1).cloned(),
                     agent: None,
                     agent_log: if single {
@@ -396,6 +479,7 @@ impl Lab {
             id: id.clone(),
             dir: dir.clone(),
             manifests_dir: manifests_dir.clone(),
+            dual_stack: b.ipv6,
             bpffs: nodes[0].bpffs.clone(),
             node: nodes[0].clone(),
             nodes: nodes.clone(),
@@ -405,6 +489,7 @@ impl Lab {
                 name: "client".to_string(),
                 netns: format!("{prefix}-client"),
                 ip: CLIENT_IP,
+                ip6: b.ipv6.then_some(CLIENT_IP6),
                 host_if: String::new(),
                 node: nodes[0].name.clone(),
             },
@@ -418,7 +503,7 @@ impl Lab {
         let mut lab = Lab {
             info,
             objects: Vec::new(),
-            alloc: new_allocator(&nodes),
+            alloc: new_allocator(&nodes, b.ipv6),
             children: HashMap::new(),
             agent_bin,
             agent_args: b.agent_args,
@@ -448,7 +533,8 @@ impl Lab {
             lab.create_external()?;
         }
         let client_ns = lab.info.client.netns.clone();
-        lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP)?;
+        let client_ip6 = lab.info.client.ip6;
+        lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP, client_ip6)?;
         lab.save()?;
 
         lab.add_missing_nodes(&mut objects);
@@ -478,10 +564,12 @@ impl Lab {
                 |o| matches!(o, Object::Node(x) if x.metadata.name.as_deref() == Some(&n.name)),
             );
             if !defined {
-                missing.push(manifests::node_object(
+                let ipv6 = n.ip6.zip(n.pod_cidr6.as_deref());
+                missing.push(manifests::node_object_dual_stack(
                     &n.name,
                     n.ip,
                     &n.pod_cidr,
+                    ipv6,
                     n.zone.as_deref(),
                 ));
             }
@@ -517,7 +605,7 @@ impl Lab {
             n.agent = info.agent.clone();
             info.nodes.push(n);
         }
-        let mut alloc = new_allocator(&info.nodes);
+        let mut alloc = new_allocator(&info.nodes, info.dual_stack);
         let cluster = info.manifests_dir.join("cluster.yaml");
         let mut objects = if cluster.is_file() {
             manifests::load_path(&cluster)?
@@ -526,6 +614,9 @@ impl Lab {
         };
         for c in &info.clients {
             alloc.reserve_ip(c.ip);
+            if let Some(ip6) = c.ip6 {
+                alloc.reserve_ip(ip6);
+            }
         }
         for o in &mut objects {
             let prev = o.clone();

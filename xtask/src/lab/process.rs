@@ -105,6 +105,9 @@ impl Lab {
         let log = self.info.dir.join(format!("server-{}.log", pod.netns));
         let mut cmd = Command::new(&bin);
         cmd.args(["--name", &pod.name, "--lab", &self.info.id]);
+        if pod.ip6.is_some() {
+            cmd.arg("--ipv6");
+        }
         for p in &ports {
             cmd.args(["--tcp", &p.to_string(), "--udp", &p.to_string()]);
         }
@@ -534,6 +537,7 @@ mod tests {
             node: "node-1".into(),
             netns: String::new(),
             ip: "198.18.1.10".parse().unwrap(),
+            ip6: None,
             host_if: String::new(),
             ports: ports
                 .iter()

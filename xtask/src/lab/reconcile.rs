@@ -3,7 +3,7 @@
 //! frontends), and the public ways to change them.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
@@ -14,7 +14,12 @@ use super::{Frontend, Lab, PodInfo, PortInfo, NODE_NAME, SCTP_LISTENER_ANNOTATIO
 use crate::manifests::pod_ports;
 use crate::manifests::{self, Object};
 
-fn frontends_of(objects: &[Object], node_ips: &[Ipv4Addr]) -> Vec<Frontend> {
+/// The frontends of the Services of `objects`: every ClusterIP (of either
+/// family), externalIP and load-balancer IP at every port, and the NodePort
+/// at every node address (`node_ips`, both families) of a family the
+/// Service has a ClusterIP of (IPv4 when it has none), as kube-proxy's
+/// proxier of each family serves only the Services of its family.
+fn frontends_of(objects: &[Object], node_ips: &[IpAddr]) -> Vec<Frontend> {
     let mut out = Vec::new();
     for o in objects {
         let Object::Service(svc) = o else { continue };
@@ -29,8 +34,8 @@ fn frontends_of(objects: &[Object], node_ips: &[Ipv4Addr]) -> Vec<Frontend> {
             svc.metadata.namespace.as_deref().unwrap_or("default"),
             svc.metadata.name.as_deref().unwrap_or("")
         );
-        let parse = |s: &str| s.parse::<Ipv4Addr>().ok();
-        let mut addrs: Vec<(Ipv4Addr, &str)> = Vec::new();
+        let parse = |s: &str| s.parse::<IpAddr>().ok();
+        let mut addrs: Vec<(IpAddr, &str)> = Vec::new();
         let cluster_ips = spec
             .cluster_ips
             .clone()
@@ -42,6 +47,13 @@ fn frontends_of(objects: &[Object], node_ips: &[Ipv4Addr]) -> Vec<Frontend> {
                 .filter_map(|a| parse(a))
                 .map(|a| (a, "ClusterIP")),
         );
+        let has_v6 = addrs.iter().any(|(a, _)| a.is_ipv6());
+        let has_v4 = addrs.iter().any(|(a, _)| a.is_ipv4()) || !has_v6;
+        let node_port_ips: Vec<IpAddr> = node_ips
+            .iter()
+            .copied()
+            .filter(|ip| if ip.is_ipv6() { has_v6 } else { has_v4 })
+            .collect();
         addrs.extend(
             spec.external_ips
                 .iter()
@@ -77,7 +89,7 @@ fn frontends_of(objects: &[Object], node_ips: &[Ipv4Addr]) -> Vec<Frontend> {
                 });
             }
             if let Some(np) = p.node_port.and_then(|n| u16::try_from(n).ok()) {
-                for ip in node_ips {
+                for ip in &node_port_ips {
                     out.push(Frontend {
                         service: service.clone(),
                         ip: *ip,
@@ -111,33 +123,52 @@ fn pods_of(objects: &[Object]) -> BTreeMap<PodKey, &k8s_openapi::api::core::v1::
         .collect()
 }
 
-fn object_ips(o: &Object) -> Vec<Ipv4Addr> {
+/// The addresses (of both families) an object was allocated: its pod IPs
+/// or ClusterIPs.
+fn object_ips(o: &Object) -> Vec<IpAddr> {
     let mut v = Vec::new();
     match o {
-        Object::Pod(p) => v.extend(
-            p.status
-                .as_ref()
-                .and_then(|s| s.pod_ip.as_deref())
-                .and_then(|a| a.parse::<Ipv4Addr>().ok()),
-        ),
+        Object::Pod(p) => {
+            if let Some(s) = p.status.as_ref() {
+                v.extend(s.pod_ip.as_deref().and_then(|a| a.parse::<IpAddr>().ok()));
+                v.extend(
+                    s.pod_ips
+                        .iter()
+                        .flatten()
+                        .filter_map(|a| a.ip.parse::<IpAddr>().ok()),
+                );
+            }
+        }
         Object::Service(s) => {
             if let Some(spec) = &s.spec {
                 v.extend(
                     spec.cluster_ips
                         .iter()
                         .flatten()
-                        .filter_map(|a| a.parse::<Ipv4Addr>().ok()),
+                        .filter_map(|a| a.parse::<IpAddr>().ok()),
                 );
                 v.extend(
                     spec.cluster_ip
                         .iter()
-                        .filter_map(|a| a.parse::<Ipv4Addr>().ok()),
+                        .filter_map(|a| a.parse::<IpAddr>().ok()),
                 );
             }
         }
         _ => {}
     }
+    v.sort();
+    v.dedup();
     v
+}
+
+/// The first IPv6 address of a Pod's `podIPs`.
+fn pod_ip6(pod: &k8s_openapi::api::core::v1::Pod) -> Option<Ipv6Addr> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.pod_ips.as_ref())
+        .into_iter()
+        .flatten()
+        .find_map(|p| p.ip.parse::<Ipv6Addr>().ok())
 }
 
 impl Lab {
@@ -197,6 +228,7 @@ impl Lab {
                     node,
                     netns: String::new(),
                     ip,
+                    ip6: pod_ip6(pod),
                     host_if: String::new(),
                     ports,
                     no_sctp_listener,
@@ -238,7 +270,7 @@ impl Lab {
                 None => {
                     let idx = self.node_index(&pod.node)?;
                     let ns = self.unique_netns(&pod.name);
-                    pod.host_if = self.create_endpoint(idx, &ns, pod.ip)?;
+                    pod.host_if = self.create_endpoint(idx, &ns, pod.ip, pod.ip6)?;
                     pod.netns = ns;
                     self.info.pods.push(pod.clone());
                     self.save()?;
@@ -249,14 +281,19 @@ impl Lab {
 
         // Addresses of objects that disappear are freed after the new ones
         // were allocated, so they are not reused in the same change.
-        let gone: Vec<Ipv4Addr> = self
+        let gone: Vec<IpAddr> = self
             .objects
             .iter()
             .filter(|o| !new.iter().any(|n| n.key() == o.key()))
             .flat_map(object_ips)
             .collect();
         self.objects = new;
-        let node_ips: Vec<Ipv4Addr> = self.info.nodes.iter().map(|n| n.ip).collect();
+        let node_ips: Vec<IpAddr> = self
+            .info
+            .nodes
+            .iter()
+            .flat_map(|n| std::iter::once(IpAddr::V4(n.ip)).chain(n.ip6.map(IpAddr::V6)))
+            .collect();
         self.info.frontends = frontends_of(&self.objects, &node_ips);
         self.write_manifests()?;
         self.save()?;

@@ -1,17 +1,34 @@
 //! The lab's network: the switch, node namespaces and their links, the
-//! external client, and pod-like namespaces (clients and pods) on a node.
+//! external client, and pod-like namespaces (clients and pods) on a node;
+//! in a dual-stack lab, their IPv6 addresses and routes too.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{anyhow, bail, Context, Result};
 
 use super::{
-    node_pod_addr, Endpoint, Lab, BPFFS_PREFIX, BRIDGE, EXTERNAL_IP, EXTRA_CLIENT_FIRST,
-    EXTRA_CLIENT_LAST, GATEWAY_IP, LAB_ROUTE, NODE_LINK_PREFIX,
+    node_pod_addr, Endpoint, Lab, BPFFS_PREFIX, BRIDGE, EXTERNAL_IP, EXTERNAL_IP6,
+    EXTRA_CLIENT_FIRST, EXTRA_CLIENT_LAST, GATEWAY_IP, GATEWAY_IP6, GATEWAY_LINK_LOCAL6, LAB_ROUTE,
+    LAB_ROUTE6, NODE_LINK_PREFIX, NODE_LINK_PREFIX6,
 };
-use crate::netns::{self, check_lab_addr, create_netns, delete_netns, ip_in, sysctl_in};
+use crate::netns::{
+    self, check_lab_addr, check_lab_addr6, create_netns, delete_netns, ip_in, ipv6_twin, sysctl_in,
+    sysctls_in,
+};
+
+/// Dual-stack: IPv6 on in a lab namespace, without duplicate address
+/// detection (for its interfaces to come: set before they are created), so
+/// an address is usable as soon as it is added.
+const IPV6_SYSCTLS: [(&str, &str); 6] = [
+    ("net.ipv6.conf.all.disable_ipv6", "0"),
+    ("net.ipv6.conf.default.disable_ipv6", "0"),
+    ("net.ipv6.conf.all.accept_dad", "0"),
+    ("net.ipv6.conf.default.accept_dad", "0"),
+    ("net.ipv6.conf.all.dad_transmits", "0"),
+    ("net.ipv6.conf.default.dad_transmits", "0"),
+];
 
 impl Lab {
     pub(super) fn create_switch(&mut self) -> Result<()> {
@@ -22,6 +39,23 @@ impl Lab {
         self.save()?;
         create_netns(&sw)?;
         ip_in(&sw, &["link", "add", BRIDGE, "type", "bridge"])?;
+        if self.info.dual_stack {
+            sysctls_in(&sw, &IPV6_SYSCTLS)?;
+            // Neighbour solicitations are multicast: flooded, not filtered
+            // by what MLD snooping learnt (or forgot) of the ports.
+            ip_in(
+                &sw,
+                &[
+                    "link",
+                    "set",
+                    BRIDGE,
+                    "type",
+                    "bridge",
+                    "mcast_snooping",
+                    "0",
+                ],
+            )?;
+        }
         ip_in(&sw, &["link", "set", BRIDGE, "up"])?;
         Ok(())
     }
@@ -72,14 +106,23 @@ impl Lab {
     }
 
     /// A veth from the switch's bridge (port `port`) to `eth0` in `ns`, with
-    /// `ip`/24 on it, up.
-    pub(super) fn plug_into_switch(&mut self, ns: &str, port: &str, ip: Ipv4Addr) -> Result<()> {
+    /// `ip`/24 (and `ip6`/64) on it, up.
+    pub(super) fn plug_into_switch(
+        &mut self,
+        ns: &str,
+        port: &str,
+        ip: Ipv4Addr,
+        ip6: Option<Ipv6Addr>,
+    ) -> Result<()> {
         let sw = self
             .info
             .switch_netns
             .clone()
             .ok_or_else(|| anyhow!("the lab has no switch"))?;
         check_lab_addr(ip)?;
+        if let Some(ip6) = ip6 {
+            check_lab_addr6(ip6)?;
+        }
         ip_in(
             &sw,
             &[
@@ -119,6 +162,20 @@ impl Lab {
                 "eth0",
             ],
         )?;
+        if let Some(ip6) = ip6 {
+            ip_in(
+                ns,
+                &[
+                    "-6",
+                    "addr",
+                    "add",
+                    &format!("{ip6}/{NODE_LINK_PREFIX6}"),
+                    "dev",
+                    "eth0",
+                    "nodad",
+                ],
+            )?;
+        }
         ip_in(ns, &["link", "set", "eth0", "up"])?;
         Ok(())
     }
@@ -139,20 +196,46 @@ impl Lab {
         ] {
             sysctl_in(&ns, k, v)?;
         }
+        if self.info.dual_stack {
+            let mut settings = IPV6_SYSCTLS.to_vec();
+            settings.push(("net.ipv6.conf.all.forwarding", "1"));
+            sysctls_in(&ns, &settings)?;
+        }
         check_lab_addr(GATEWAY_IP)?;
         ip_in(
             &ns,
             &["addr", "add", &format!("{GATEWAY_IP}/32"), "dev", "lo"],
         )?;
+        if self.info.dual_stack {
+            check_lab_addr6(GATEWAY_IP6)?;
+            ip_in(
+                &ns,
+                &[
+                    "-6",
+                    "addr",
+                    "add",
+                    &format!("{GATEWAY_IP6}/128"),
+                    "dev",
+                    "lo",
+                ],
+            )?;
+        }
         if node.eth.is_empty() {
             check_lab_addr(node.ip)?;
             ip_in(
                 &ns,
                 &["addr", "add", &format!("{}/32", node.ip), "dev", "lo"],
             )?;
+            if let Some(ip6) = node.ip6 {
+                check_lab_addr6(ip6)?;
+                ip_in(
+                    &ns,
+                    &["-6", "addr", "add", &format!("{ip6}/128"), "dev", "lo"],
+                )?;
+            }
             return Ok(());
         }
-        self.plug_into_switch(&ns, &format!("n{}", i + 1), node.ip)?;
+        self.plug_into_switch(&ns, &format!("n{}", i + 1), node.ip, node.ip6)?;
         sysctl_in(&ns, "net.ipv4.conf.eth0.rp_filter", "0")?;
         sysctl_in(&ns, "net.ipv4.conf.eth0.forwarding", "1")?;
         for (j, other) in self.info.nodes.clone().iter().enumerate() {
@@ -164,6 +247,13 @@ impl Lab {
                 &ns,
                 &["route", "add", &other.pod_cidr, "via", &via, "dev", "eth0"],
             )?;
+            if let (Some(cidr6), Some(via6)) = (&other.pod_cidr6, other.ip6) {
+                let via6 = via6.to_string();
+                ip_in(
+                    &ns,
+                    &["-6", "route", "add", cidr6, "via", &via6, "dev", "eth0"],
+                )?;
+            }
         }
         Ok(())
     }
@@ -176,18 +266,30 @@ impl Lab {
         self.info.namespaces.push(ns.clone());
         self.save()?;
         create_netns(&ns)?;
-        self.plug_into_switch(&ns, "ext", EXTERNAL_IP)?;
+        let ip6 = self.info.dual_stack.then_some(EXTERNAL_IP6);
+        if ip6.is_some() {
+            sysctls_in(&ns, &IPV6_SYSCTLS)?;
+        }
+        self.plug_into_switch(&ns, "ext", EXTERNAL_IP, ip6)?;
         for n in self.info.nodes.clone() {
             let via = n.ip.to_string();
             ip_in(
                 &ns,
                 &["route", "add", &n.pod_cidr, "via", &via, "dev", "eth0"],
             )?;
+            if let (Some(cidr6), Some(via6), true) = (&n.pod_cidr6, n.ip6, ip6.is_some()) {
+                let via6 = via6.to_string();
+                ip_in(
+                    &ns,
+                    &["-6", "route", "add", cidr6, "via", &via6, "dev", "eth0"],
+                )?;
+            }
         }
         self.info.external = Some(Endpoint {
             name: "external".to_string(),
             netns: ns,
             ip: EXTERNAL_IP,
+            ip6,
             host_if: "ext".to_string(),
             node: String::new(),
         });
@@ -228,20 +330,28 @@ impl Lab {
         }
     }
 
-    /// Creates namespace `ns` with `eth0` holding `ip`, wired to node
-    /// `node_idx` (0-based) by a veth pair; returns the host-side interface.
+    /// Creates namespace `ns` with `eth0` holding `ip` (and `ip6`), wired
+    /// to node `node_idx` (0-based) by a veth pair; returns the host-side
+    /// interface.
     pub(super) fn create_endpoint(
         &mut self,
         node_idx: usize,
         ns: &str,
         ip: Ipv4Addr,
+        ip6: Option<Ipv6Addr>,
     ) -> Result<String> {
         check_lab_addr(ip)?;
+        if let Some(ip6) = ip6 {
+            check_lab_addr6(ip6)?;
+        }
         let node = self.info.nodes[node_idx].netns.clone();
         let host_if = self.unique_host_if();
         self.info.namespaces.push(ns.to_string());
         self.save()?;
         create_netns(ns)?;
+        if ip6.is_some() {
+            sysctls_in(ns, &IPV6_SYSCTLS)?;
+        }
         ip_in(
             &node,
             &[
@@ -257,7 +367,38 @@ impl Lab {
         ip_in(&node, &["link", "set", &host_if, "up"])?;
         ip_in(&node, &["route", "add", &cidr, "dev", &host_if])?;
         sysctl_in(&node, &format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
+        if let Some(ip6) = ip6 {
+            self.wire_endpoint6(&node, &host_if, ns, ip6)?;
+        }
         Ok(host_if)
+    }
+
+    /// Dual-stack half of [`create_endpoint`](Lab::create_endpoint), both
+    /// ends up: `ip6`/128 on `eth0` in `ns`, [`GATEWAY_LINK_LOCAL6`] on the
+    /// host side `host_if` in `node`, the pod's route to 2001:2::/48 via it
+    /// and the node's to `ip6`/128 over `host_if`.
+    fn wire_endpoint6(&self, node: &str, host_if: &str, ns: &str, ip6: Ipv6Addr) -> Result<()> {
+        let cidr6 = format!("{ip6}/128");
+        let gw6 = GATEWAY_LINK_LOCAL6.to_string();
+        ip_in(
+            node,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{gw6}/64"),
+                "dev",
+                host_if,
+                "nodad",
+            ],
+        )?;
+        ip_in(ns, &["-6", "addr", "add", &cidr6, "dev", "eth0", "nodad"])?;
+        ip_in(
+            ns,
+            &["-6", "route", "add", LAB_ROUTE6, "via", &gw6, "dev", "eth0"],
+        )?;
+        ip_in(node, &["-6", "route", "add", &cidr6, "dev", host_if])?;
+        Ok(())
     }
 
     pub(super) fn remove_namespace(&mut self, ns: &str) -> Result<()> {
@@ -274,7 +415,8 @@ impl Lab {
     }
 
     /// Adds a client namespace on node `node` (an address from
-    /// 198.18.i.3-9 of node i's pod CIDR, not a backend).
+    /// 198.18.i.3-9 of node i's pod CIDR, not a backend; dual-stack: and its
+    /// IPv6 twin).
     pub fn add_client_on(&mut self, name: &str, node: &str) -> Result<Endpoint> {
         if name == "client" || self.info.clients.iter().any(|c| c.name == name) {
             bail!("client {name} already exists");
@@ -285,12 +427,21 @@ impl Lab {
             node_pod_addr(idx + 1, EXTRA_CLIENT_LAST.octets()[3]),
             "client",
         )?;
+        let ip6 = if self.info.dual_stack {
+            let ip6 =
+                ipv6_twin(ip).ok_or_else(|| anyhow!("client address {ip} has no IPv6 twin"))?;
+            self.alloc.reserve_ip(ip6);
+            Some(ip6)
+        } else {
+            None
+        };
         let ns = self.unique_netns(name);
-        let host_if = self.create_endpoint(idx, &ns, ip)?;
+        let host_if = self.create_endpoint(idx, &ns, ip, ip6)?;
         let ep = Endpoint {
             name: name.to_string(),
             netns: ns,
             ip,
+            ip6,
             host_if,
             node: node.to_string(),
         };

@@ -19,7 +19,7 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use k8s_openapi::api::core::v1::{
     ClientIPConfig, Container, ContainerPort, LoadBalancerIngress, LoadBalancerStatus,
@@ -182,6 +182,40 @@ impl Svc {
     pub fn cluster_ip(mut self, ip: &str) -> Svc {
         self.spec().cluster_ip = Some(ip.to_string());
         self
+    }
+
+    /// `spec.ipFamilies` (`IPv4`, `IPv6`, in order; default: the lab's API
+    /// server picks them, as the policy says). Needs a dual-stack lab when
+    /// it names IPv6 (`LabBuilder::dual_stack`).
+    pub fn ip_families(mut self, families: &[&str]) -> Svc {
+        self.spec().ip_families = Some(strings(families));
+        self
+    }
+
+    /// `spec.ipFamilyPolicy` (SingleStack, PreferDualStack, RequireDualStack).
+    pub fn ip_family_policy(mut self, policy: &str) -> Svc {
+        self.spec().ip_family_policy = Some(policy.to_string());
+        self
+    }
+
+    /// An IPv6-only Service: `ipFamilies: [IPv6]`, `ipFamilyPolicy:
+    /// SingleStack`.
+    pub fn ipv6_only(self) -> Svc {
+        self.ip_families(&["IPv6"]).ip_family_policy("SingleStack")
+    }
+
+    /// A dual-stack Service: `ipFamilies: [IPv4, IPv6]`, `ipFamilyPolicy:
+    /// PreferDualStack` (a ClusterIP of each family in a dual-stack lab).
+    pub fn dual_stack(self) -> Svc {
+        self.ip_families(&["IPv4", "IPv6"])
+            .ip_family_policy("PreferDualStack")
+    }
+
+    /// [`dual_stack`](Svc::dual_stack) with `ipFamilyPolicy:
+    /// RequireDualStack`.
+    pub fn require_dual_stack(self) -> Svc {
+        self.ip_families(&["IPv4", "IPv6"])
+            .ip_family_policy("RequireDualStack")
     }
 
     /// Appends a port.
@@ -377,8 +411,10 @@ impl Pod {
 pub struct Ep(Endpoint);
 
 impl Ep {
-    /// A ready (and serving, not terminating) endpoint at `ip`, no node.
-    pub fn new(ip: Ipv4Addr) -> Ep {
+    /// A ready (and serving, not terminating) endpoint at `ip` (either
+    /// family: put it in a [`Slice`] of its family), no node.
+    pub fn new(ip: impl Into<IpAddr>) -> Ep {
+        let ip: IpAddr = ip.into();
         Ep(Endpoint {
             addresses: vec![ip.to_string()],
             ..Endpoint::default()
@@ -393,6 +429,22 @@ impl Ep {
             .pod(name)
             .unwrap_or_else(|| panic!("no pod {name} in the lab"));
         let ep = Ep::new(p.ip).node(&p.node);
+        match lab.node_named(&p.node).and_then(|n| n.zone.clone()) {
+            Some(zone) => ep.zone(&zone),
+            None => ep,
+        }
+    }
+
+    /// [`Ep::of`] at pod `name`'s IPv6 address (dual-stack labs), for an
+    /// IPv6 [`Slice`].
+    pub fn of6(lab: &Lab, name: &str) -> Ep {
+        let p = lab
+            .pod(name)
+            .unwrap_or_else(|| panic!("no pod {name} in the lab"));
+        let ip6 = p
+            .ip6
+            .unwrap_or_else(|| panic!("pod {name} has no IPv6 address: is the lab dual-stack?"));
+        let ep = Ep::new(ip6).node(&p.node);
         match lab.node_named(&p.node).and_then(|n| n.zone.clone()) {
             Some(zone) => ep.zone(&zone),
             None => ep,
@@ -454,8 +506,9 @@ impl Ep {
     }
 }
 
-/// An IPv4 EndpointSlice of a Service (label `kubernetes.io/service-name`),
-/// written by a test for a selector-less Service.
+/// An EndpointSlice of a Service (label `kubernetes.io/service-name`),
+/// written by a test for a selector-less Service: IPv4, or IPv6 with
+/// [`Slice::ipv6`].
 #[derive(Clone, Debug)]
 pub struct Slice(EndpointSlice);
 
@@ -474,6 +527,12 @@ impl Slice {
             endpoints: Vec::new(),
             ports: None,
         })
+    }
+
+    /// `addressType: IPv6` (for endpoints at IPv6 addresses, [`Ep::of6`]).
+    pub fn ipv6(mut self) -> Slice {
+        self.0.address_type = "IPv6".to_string();
+        self
     }
 
     /// Appends port `name` `port`/`protocol`.

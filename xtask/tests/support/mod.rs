@@ -13,7 +13,7 @@ pub mod flows;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream, UdpSocket};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -322,15 +322,25 @@ pub fn client_on(lab: &mut Lab, node: &str, sync_timeout: Duration) -> Endpoint 
     c
 }
 
-/// The ClusterIP frontend of `service`'s `proto` port `port`.
+/// The (IPv4) ClusterIP frontend of `service`'s `proto` port `port`.
 pub fn frontend(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddrV4 {
     lab.cluster_frontend(service, port, proto)
         .unwrap_or_else(|| panic!("no {proto} ClusterIP frontend {service}:{port}"))
 }
 
-// ---------------------------------------------------------------- requests
+/// The IPv6 ClusterIP frontend of `service`'s `proto` port `port`
+/// (dual-stack labs).
+pub fn frontend6(lab: &Lab, service: &str, port: u16, proto: &str) -> SocketAddr {
+    lab.cluster_frontend6(service, port, proto)
+        .unwrap_or_else(|| panic!("no {proto} IPv6 ClusterIP frontend {service}:{port}"))
+}
 
-pub fn tcp_hostname(ns: &str, addr: SocketAddrV4) -> io::Result<String> {
+// ---------------------------------------------------------------- requests
+//
+// Addresses are `impl Into<SocketAddr>`: a `SocketAddrV4`, or a `SocketAddr`
+// of either family.
+
+pub fn tcp_hostname(ns: &str, addr: impl Into<SocketAddr>) -> io::Result<String> {
     client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r))
 }
 
@@ -354,9 +364,10 @@ pub fn count_answers(ns: &str, reqs: Vec<Request>) -> (BTreeMap<String, usize>, 
 /// thread: counts per answer, and the errors.
 pub fn tcp_hostnames(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     n: usize,
 ) -> (BTreeMap<String, usize>, Vec<String>) {
+    let addr = addr.into();
     count_answers(
         ns,
         (0..n)
@@ -368,7 +379,8 @@ pub fn tcp_hostnames(
 /// `n` requests asking `hostname`, sent one after another: new TCP
 /// connections, with `proto` "UDP" datagrams each from a new socket (a new
 /// source port, so a new flow), with "SCTP" new SCTP associations.
-pub fn hostname_requests(addr: SocketAddrV4, proto: &str, n: usize) -> Vec<Request> {
+pub fn hostname_requests(addr: impl Into<SocketAddr>, proto: &str, n: usize) -> Vec<Request> {
+    let addr = addr.into();
     (0..n)
         .map(|_| match proto {
             "UDP" => Request::udp(addr, b"hostname", T),
@@ -382,11 +394,12 @@ pub fn hostname_requests(addr: SocketAddrV4, proto: &str, n: usize) -> Vec<Reque
 /// ([`hostname_requests`]) all succeed; returns the answers' counts.
 pub fn all_answered(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     proto: &str,
     n: usize,
     what: &str,
 ) -> BTreeMap<String, usize> {
+    let addr = addr.into();
     let (counts, errors) = count_answers(ns, hostname_requests(addr, proto, n));
     println!(
         "{what}: {n} {proto} requests to {addr}: {counts:?}, {} errors",
@@ -405,12 +418,13 @@ pub fn all_answered(
 /// answered by exactly the pods `expected`.
 pub fn assert_answered_by(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     proto: &str,
     n: usize,
     expected: &[&str],
     what: &str,
 ) {
+    let addr = addr.into();
     let counts = all_answered(ns, addr, proto, n, what);
     let seen: BTreeSet<&str> = counts.keys().map(String::as_str).collect();
     let want: BTreeSet<&str> = expected.iter().copied().collect();
@@ -422,7 +436,8 @@ pub fn assert_answered_by(
 
 /// Asserts a TCP connect to `addr` is refused (RST or ICMP) quickly; returns
 /// the time it took.
-pub fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) -> Duration {
+pub fn assert_tcp_refused(ns: &str, addr: impl Into<SocketAddr>, what: &str) -> Duration {
+    let addr = addr.into();
     let t = Instant::now();
     let r = tcp_hostname(ns, addr);
     let el = t.elapsed();
@@ -440,7 +455,8 @@ pub fn assert_tcp_refused(ns: &str, addr: SocketAddrV4, what: &str) -> Duration 
 
 /// Asserts that `tries` TCP connects from `ns` to `addr` are dropped: each
 /// times out after [`T`] (no RST, no ICMP: not "refused", no answer).
-pub fn assert_tcp_dropped(ns: &str, addr: SocketAddrV4, tries: usize, what: &str) {
+pub fn assert_tcp_dropped(ns: &str, addr: impl Into<SocketAddr>, tries: usize, what: &str) {
+    let addr = addr.into();
     for i in 0..tries {
         let t = Instant::now();
         let r = client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
@@ -503,12 +519,13 @@ impl Stream {
     }
 
     /// Connects to `vip` (within [`T`]) from the current namespace.
-    pub fn open_here(vip: SocketAddrV4) -> io::Result<Stream> {
+    pub fn open_here(vip: impl Into<SocketAddr>) -> io::Result<Stream> {
         Stream::from_tcp(TcpStream::connect_timeout(&vip.into(), T)?)
     }
 
     /// Connects to `vip` from namespace `ns`; panics if that fails.
-    pub fn open(ns: &str, vip: SocketAddrV4) -> Stream {
+    pub fn open(ns: &str, vip: impl Into<SocketAddr>) -> Stream {
+        let vip = vip.into();
         in_netns(ns, move || Stream::open_here(vip))
             .and_then(|r| r)
             .unwrap_or_else(|e| panic!("stream to {vip}: {e}"))
@@ -563,30 +580,38 @@ impl UdpProbe {
     /// Waits up to `interval` for each answer; at most 1000 datagrams.
     pub fn start(
         ns: &str,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
         bind_port: u16,
         interval: Duration,
         max: Duration,
     ) -> Self {
-        Self::spawn(ns, addr, bind_port, interval, interval, max, 1000)
+        Self::spawn(ns, addr.into(), bind_port, interval, interval, max, 1000)
     }
 
     /// Waits up to `read_timeout` for each answer; no cap on the number of
     /// datagrams (until stopped or `max` has passed).
     pub fn start_waiting(
         ns: &str,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
         bind_port: u16,
         interval: Duration,
         read_timeout: Duration,
         max: Duration,
     ) -> Self {
-        Self::spawn(ns, addr, bind_port, interval, read_timeout, max, usize::MAX)
+        Self::spawn(
+            ns,
+            addr.into(),
+            bind_port,
+            interval,
+            read_timeout,
+            max,
+            usize::MAX,
+        )
     }
 
     fn spawn(
         ns: &str,
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         bind_port: u16,
         interval: Duration,
         read_timeout: Duration,
@@ -599,7 +624,15 @@ impl UdpProbe {
         let ns = ns.to_string();
         let handle = std::thread::spawn(move || {
             in_netns(&ns, move || -> io::Result<()> {
-                let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))?;
+                let local = match addr {
+                    SocketAddr::V4(_) => {
+                        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))
+                    }
+                    SocketAddr::V6(_) => {
+                        SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, bind_port, 0, 0))
+                    }
+                };
+                let sock = UdpSocket::bind(local)?;
                 sock.connect(addr)?;
                 sock.set_read_timeout(Some(read_timeout))?;
                 let begin = Instant::now();
