@@ -94,9 +94,12 @@ pub mod map_names {
     /// IPv6 `loadBalancerSourceRanges` (LPM trie): `{prefix_len,
     /// SourceRange6}` → `u8` (1).
     pub const SOURCE_RANGES6: &str = "SRCRANGE6_V1";
+    /// Socket-level reverse NAT of IPv6 sockets (LRU):
+    /// [`super::SockRevNat6Key`] → [`super::SockRevNat6Value`].
+    pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 24] = [
+    pub const ALL: [&str; 25] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -121,6 +124,7 @@ pub mod map_names {
         AFFINITY6,
         TAIL6,
         SOURCE_RANGES6,
+        SOCK_REVNAT6,
     ];
 }
 

@@ -124,6 +124,20 @@ pub struct Packet6 {
 }
 
 impl Packet6 {
+    /// What backend selection reads of a host client's socket aimed at
+    /// `daddr_be`:`dport_be`: no client address yet (one identity per
+    /// node), `sport_be` standing in for the port (see [`crate::sock`]).
+    #[inline(always)]
+    pub fn of_socket(proto: u8, daddr_be: Addr6, dport_be: u16, sport_be: u16) -> Self {
+        Packet6 {
+            proto,
+            daddr_be,
+            dport_be,
+            sport_be,
+            ..Packet6::default()
+        }
+    }
+
     #[inline(always)]
     fn ct_key(&self, dir: u8) -> Ct6Key {
         Ct6Key {
@@ -716,7 +730,7 @@ fn new_flow(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value, flow: &mut Flow6) -> R
 /// Session affinity while valid, else the frontend's algorithm (as IPv4's
 /// `lb::select`).
 #[inline(always)]
-fn select(
+pub fn select(
     pkt: &Packet6,
     key: &Svc6Key,
     fe: &Svc4Value,

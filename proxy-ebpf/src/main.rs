@@ -204,6 +204,30 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
 }
 
+/// Host clients' `connect()` on IPv6 sockets: see [`sock`].
+#[cgroup_sock_addr(connect6)]
+pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock::forward6(&ctx, stat::SOCK_CONNECT)
+}
+
+/// Host clients' unconnected UDP `sendmsg()` on IPv6 sockets: see [`sock`].
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::forward6(&ctx, stat::SOCK_SENDMSG)
+}
+
+/// Host clients' UDP `recvmsg()` source address on IPv6 sockets.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::reverse6(&ctx)
+}
+
+/// Host clients' `getpeername()` on IPv6 sockets.
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::reverse6(&ctx)
+}
+
 // Only for the BPF target: on the host (`cargo clippy --workspace`), feature
 // unification brings std, which has its own.
 #[cfg(target_arch = "bpf")]

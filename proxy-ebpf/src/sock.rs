@@ -31,18 +31,20 @@
 
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
+    btf_maps::lpm_trie::Key as LpmKey,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
     EbpfContext,
 };
 use proxy_common::{
-    stat, svc_flags, SockRevNat4Key, SockRevNat4Value, Svc4Key, IPPROTO_TCP, IPPROTO_UDP,
-    SCOPE_INTERNAL,
+    stat, svc_flags, Addr6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
+    SourceRange6, Svc4Key, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+    SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
-    lb,
-    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V1, SVC4_V1},
+    ipv6, lb,
+    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V1, SOCK_REVNAT6_V1, SRCRANGE6_V1, SVC4_V1, SVC6_V1},
     parse::Packet,
     verdict::Verdict,
 };
@@ -119,6 +121,184 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     }
     // SAFETY: context fields writable by connect4 and sendmsg4.
     let (daddr_be, dport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    match forward4(ctx, proto, daddr_be, dport_be, translated) {
+        Forward::Proceed => PROCEED,
+        Forward::Fail(errno) => fail(errno),
+        Forward::To(addr_be, port_be) => {
+            // SAFETY: context fields writable by connect4 and sendmsg4.
+            unsafe {
+                (*sa).user_ip4 = addr_be;
+                (*sa).user_port = port_be as u32;
+            }
+            PROCEED
+        }
+    }
+}
+
+/// What a socket hook does with a destination.
+enum Forward {
+    /// Leaves it (not a frontend).
+    Proceed,
+    /// Fails the call with this errno.
+    Fail(i32),
+    /// Aims the socket at this backend (address and port, network order).
+    To(u32, u16),
+}
+
+/// The first three words of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`).
+const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+
+/// `connect6` and `sendmsg6`: as `connect4` and `sendmsg4`, for IPv6
+/// sockets: an IPv6 frontend is looked up in the IPv6 maps; an IPv4-mapped
+/// destination (a dual-stack socket reaching an IPv4 frontend) in the IPv4
+/// ones, and the socket is aimed at the backend's IPv4-mapped address.
+#[inline(always)]
+pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
+    let sa = sock_addr(ctx);
+    let Some(proto) = protocol(sa) else {
+        return PROCEED;
+    };
+    if !served(ctx) {
+        return PROCEED;
+    }
+    // SAFETY: context fields readable by connect6 and sendmsg6.
+    let (daddr_be, dport_be) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    };
+    if daddr_be[..3] == V4_MAPPED {
+        return match forward4(ctx, proto, daddr_be[3], dport_be, translated) {
+            Forward::Proceed => PROCEED,
+            Forward::Fail(errno) => fail(errno),
+            Forward::To(addr_be, port_be) => {
+                // SAFETY: context fields writable by connect6 and sendmsg6.
+                unsafe {
+                    (*sa).user_ip6[3] = addr_be;
+                    (*sa).user_port = port_be as u32;
+                }
+                PROCEED
+            }
+        };
+    }
+    match forward_ipv6(ctx, proto, &daddr_be, dport_be, translated) {
+        Ok(None) => PROCEED,
+        Err(errno) => fail(errno),
+        Ok(Some((b, port_be))) => {
+            // SAFETY: context fields writable by connect6 and sendmsg6.
+            unsafe {
+                (*sa).user_ip6[0] = b[0];
+                (*sa).user_ip6[1] = b[1];
+                (*sa).user_ip6[2] = b[2];
+                (*sa).user_ip6[3] = b[3];
+                (*sa).user_port = port_be as u32;
+            }
+            PROCEED
+        }
+    }
+}
+
+/// The socket cookie folded into 16 bits: the stand-in for a host client's
+/// source port when a backend is chosen (see [`forward4`]).
+#[inline(always)]
+fn cookie_port(cookie: u64) -> u16 {
+    (cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16
+}
+
+/// A host client's IPv6 socket sent to `daddr_be`:`dport_be`: the backend to
+/// aim it at (`None`: not a frontend), or the errno to fail with.
+#[inline(always)]
+fn forward_ipv6(
+    ctx: &SockAddrContext,
+    proto: u8,
+    daddr_be: &Addr6,
+    dport_be: u16,
+    translated: u32,
+) -> Result<Option<(Addr6, u16)>, i32> {
+    let key = Svc6Key {
+        addr_be: *daddr_be,
+        port_be: dport_be,
+        slot: 0,
+        proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    };
+    let Some(fe) = SVC6_V1.get_ptr(&key) else {
+        return Ok(None);
+    };
+    // SAFETY: map value pointer, copied.
+    let fe = unsafe { *fe };
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
+        // Judged by the node's IPv6 address, as IPv4's by the node's.
+        let node = CONFIG_V3.get(0).map_or([0; 4], |c| c.node6_be);
+        let key = LpmKey {
+            prefix_len: SOURCE_RANGE_ID_BITS + 128,
+            data: SourceRange6 {
+                rev_nat_id_be: fe.rev_nat_id.to_be(),
+                _pad: 0,
+                addr_be: node,
+            },
+        };
+        if node == [0; 4] || SRCRANGE6_V1.get(&key).is_none() {
+            count(stat::SOCK_SOURCE_RANGE);
+            return Err(EPERM);
+        }
+    }
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let pkt = ipv6::Packet6::of_socket(proto, *daddr_be, dport_be, cookie_port(cookie));
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (backend_id, b) = match ipv6::select(&pkt, &key, &fe, now) {
+        Ok(chosen) => chosen,
+        Err(Verdict::Reject(_)) => {
+            count(stat::SOCK_REJECT_NO_BACKEND);
+            return Err(ECONNREFUSED);
+        }
+        Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
+            count(stat::SOCK_NO_LOCAL_BACKEND);
+            return Err(EHOSTUNREACH);
+        }
+        Err(_) => {
+            count(stat::SOCK_NO_BACKEND_ENTRY);
+            return Err(EHOSTUNREACH);
+        }
+    };
+    let rkey = SockRevNat6Key {
+        cookie,
+        addr_be: b.addr_be,
+        port_be: b.port_be,
+        _pad: [0; 6],
+    };
+    let rval = SockRevNat6Value {
+        addr_be: *daddr_be,
+        port_be: dport_be,
+        rev_nat_id: fe.rev_nat_id,
+    };
+    if SOCK_REVNAT6_V1.insert(&rkey, &rval, BPF_ANY as u64).is_err() {
+        count(stat::SOCK_REVNAT_INSERT_FAILED);
+    }
+    count(translated);
+    account(0, fe.rev_nat_id, backend_id);
+    Ok(Some((b.addr_be, b.port_be)))
+}
+
+/// A host client's socket sent to IPv4 `daddr_be`:`dport_be` (of an IPv4
+/// socket, or the IPv4-mapped destination of an IPv6 one).
+#[inline(always)]
+fn forward4(
+    ctx: &SockAddrContext,
+    proto: u8,
+    daddr_be: u32,
+    dport_be: u16,
+    translated: u32,
+) -> Forward {
     let key = Svc4Key {
         addr_be: daddr_be,
         port_be: dport_be,
@@ -128,7 +308,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
         _pad: [0; 2],
     };
     let Some(fe) = SVC4_V1.get_ptr(key) else {
-        return PROCEED;
+        return Forward::Proceed;
     };
     // SAFETY: map value pointer, copied.
     let fe = unsafe { *fe };
@@ -139,7 +319,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
         let node_be = CONFIG_V3.get(0).map_or(0, |c| c.node_addr_be);
         if node_be == 0 || !lb::source_allowed(fe.rev_nat_id, node_be) {
             count(stat::SOCK_SOURCE_RANGE);
-            return fail(EPERM);
+            return Forward::Fail(EPERM);
         }
     }
     // SAFETY: helper on this program's context.
@@ -155,7 +335,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
         proto,
         saddr_be: 0,
         daddr_be,
-        sport_be: (cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16,
+        sport_be: cookie_port(cookie),
         dport_be,
         tot_len: 0,
         tcp_flags: 0,
@@ -167,15 +347,15 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
         Ok(chosen) => chosen,
         Err(Verdict::Reject(_)) => {
             count(stat::SOCK_REJECT_NO_BACKEND);
-            return fail(ECONNREFUSED);
+            return Forward::Fail(ECONNREFUSED);
         }
         Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
             count(stat::SOCK_NO_LOCAL_BACKEND);
-            return fail(EHOSTUNREACH);
+            return Forward::Fail(EHOSTUNREACH);
         }
         Err(_) => {
             count(stat::SOCK_NO_BACKEND_ENTRY);
-            return fail(EHOSTUNREACH);
+            return Forward::Fail(EHOSTUNREACH);
         }
     };
     let rkey = SockRevNat4Key {
@@ -192,15 +372,10 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     if SOCK_REVNAT4_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
         count(stat::SOCK_REVNAT_INSERT_FAILED);
     }
-    // SAFETY: context fields writable by connect4 and sendmsg4.
-    unsafe {
-        (*sa).user_ip4 = b.addr_be;
-        (*sa).user_port = b.port_be as u32;
-    }
     count(translated);
     // One flow opened: its packets never meet a program (bytes unknown).
     account(0, fe.rev_nat_id, backend_id);
-    PROCEED
+    Forward::To(b.addr_be, b.port_be)
 }
 
 /// `recvmsg4` and `getpeername4`: shows a backend this socket was aimed at
@@ -226,6 +401,67 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
         unsafe {
             let v = *v;
             (*sa).user_ip4 = v.addr_be;
+            (*sa).user_port = v.port_be as u32;
+        }
+        count(stat::SOCK_REVNAT);
+    }
+    PROCEED
+}
+
+/// `recvmsg6` and `getpeername6`: as `recvmsg4` and `getpeername4`, for
+/// IPv6 sockets (an IPv4-mapped backend through the IPv4 map).
+#[inline(always)]
+pub fn reverse6(ctx: &SockAddrContext) -> i32 {
+    let sa = sock_addr(ctx);
+    if protocol(sa).is_none() || !served(ctx) {
+        return PROCEED;
+    }
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: context fields readable and writable by these hooks.
+    let (addr_be, port_be) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    };
+    if addr_be[..3] == V4_MAPPED {
+        let key = SockRevNat4Key {
+            cookie,
+            addr_be: addr_be[3],
+            port_be,
+            _pad: 0,
+        };
+        if let Some(v) = SOCK_REVNAT4_V1.get_ptr(&key) {
+            // SAFETY: LRU value pointer, copied; context fields as above.
+            unsafe {
+                let v = *v;
+                (*sa).user_ip6[3] = v.addr_be;
+                (*sa).user_port = v.port_be as u32;
+            }
+            count(stat::SOCK_REVNAT);
+        }
+        return PROCEED;
+    }
+    let key = SockRevNat6Key {
+        cookie,
+        addr_be,
+        port_be,
+        _pad: [0; 6],
+    };
+    if let Some(v) = SOCK_REVNAT6_V1.get_ptr(&key) {
+        // SAFETY: LRU value pointer, copied; context fields as above.
+        unsafe {
+            let v = *v;
+            (*sa).user_ip6[0] = v.addr_be[0];
+            (*sa).user_ip6[1] = v.addr_be[1];
+            (*sa).user_ip6[2] = v.addr_be[2];
+            (*sa).user_ip6[3] = v.addr_be[3];
             (*sa).user_port = v.port_be as u32;
         }
         count(stat::SOCK_REVNAT);

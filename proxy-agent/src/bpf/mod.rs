@@ -107,11 +107,15 @@ impl PortSearch {
 
 /// The cgroup socket hooks serving the node's own clients (host
 /// processes, hostNetwork pods), see `proxy-ebpf/src/sock.rs`.
-pub const SOCK_PROGRAMS: [&str; 4] = [
+pub const SOCK_PROGRAMS: [&str; 8] = [
     "sock_connect4",
     "sock_sendmsg4",
     "sock_recvmsg4",
     "sock_getpeername4",
+    "sock_connect6",
+    "sock_sendmsg6",
+    "sock_recvmsg6",
+    "sock_getpeername6",
 ];
 
 /// What the kernel offers the socket hooks, found at load time.

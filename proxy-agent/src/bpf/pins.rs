@@ -107,6 +107,7 @@ fn is_state(name: &str) -> bool {
         map_names::REV_NAT6,
         map_names::CONNTRACK6,
         map_names::AFFINITY6,
+        map_names::SOCK_REVNAT6,
     ]
     .contains(&name)
 }
