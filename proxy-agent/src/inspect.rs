@@ -1,7 +1,7 @@
 //! `proxy-agent inspect`: reads the pinned maps of a running agent and prints
 //! them as a table or as JSON.
 use crate::model::proto_name;
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf};
 
 use clap::{Parser, ValueEnum};
 use proxy_common::{ct_dir, stat};
@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::bpf::{BpfError, PinnedMaps};
 use crate::model::LbAlgorithm;
-use proxy_common::lb::MaglevKey;
+use proxy_common::{lb::MaglevKey, Svc4Value};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum What {
@@ -48,6 +48,14 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
         What::Services => {
             let p = maps.programmed()?;
             let mut out = Vec::new();
+            let row = |addr: SocketAddr, proto: u8, scope: u8, v: &Svc4Value, backends| {
+                json!({
+                    "frontend": format!("{addr}/{}", proto_name(proto)),
+                    "scope": if scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
+                    "rev_nat_id": v.rev_nat_id, "flags": v.flags, "backends": backends,
+                    "algorithm": LbAlgorithm::of_flags(v.flags).name(),
+                })
+            };
             for (k, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
                 let backends: Vec<String> = (1..=v.count)
                     .filter_map(|s| p.services.get(&k.with_slot(s)))
@@ -56,12 +64,19 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                         None => format!("missing#{}", sv.backend_id),
                     })
                     .collect();
-                out.push(json!({
-                    "frontend": format!("{}:{}/{}", k.addr(), k.port(), proto_name(k.proto)),
-                    "scope": if k.scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
-                    "rev_nat_id": v.rev_nat_id, "flags": v.flags, "backends": backends,
-                    "algorithm": LbAlgorithm::of_flags(v.flags).name(),
-                }));
+                let at = SocketAddr::new(k.addr().into(), k.port());
+                out.push(row(at, k.proto, k.scope, v, backends));
+            }
+            for (k, v) in p.services6.iter().filter(|(k, _)| k.slot == 0) {
+                let backends: Vec<String> = (1..=v.count)
+                    .filter_map(|s| p.services6.get(&k.with_slot(s)))
+                    .map(|sv| match p.backends6.get(&sv.backend_id) {
+                        Some(b) => SocketAddr::new(b.addr().into(), b.port()).to_string(),
+                        None => format!("missing#{}", sv.backend_id),
+                    })
+                    .collect();
+                let at = SocketAddr::new(k.addr().into(), k.port());
+                out.push(row(at, k.proto, k.scope, v, backends));
             }
             json!(out)
         }
@@ -105,26 +120,66 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
         }
         What::Backends => {
             let p = maps.programmed()?;
-            json!(p
+            let backends = p
                 .backends
                 .iter()
+                .map(|(id, b)| {
+                    (
+                        *id,
+                        SocketAddr::new(b.addr().into(), b.port()),
+                        b.proto,
+                        b.state,
+                    )
+                })
+                .chain(p.backends6.iter().map(|(id, b)| {
+                    (
+                        *id,
+                        SocketAddr::new(b.addr().into(), b.port()),
+                        b.proto,
+                        b.state,
+                    )
+                }));
+            json!(backends
                 .map(
-                    |(id, b)| json!({"id": id, "address": format!("{}:{}", b.addr(), b.port()),
-                                       "protocol": proto_name(b.proto), "state": b.state})
+                    |(id, at, proto, state)| json!({"id": id, "address": at.to_string(),
+                                       "protocol": proto_name(proto), "state": state})
                 )
                 .collect::<Vec<_>>())
         }
         What::Conntrack => {
-            let ct = maps.conntrack()?;
-            json!(ct
-                .iter()
-                .map(|(k, v)| json!({
-                    "dir": if k.dir == ct_dir::SERVICE { "service" } else { "reply" },
-                    "tuple": format!("{}:{} -> {}:{}/{}", k.saddr(), u16::from_be(k.sport_be),
-                                     k.daddr(), u16::from_be(k.dport_be), proto_name(k.proto)),
+            let dir = |d: u8| {
+                if d == ct_dir::SERVICE {
+                    "service"
+                } else {
+                    "reply"
+                }
+            };
+            let tuple = |s: SocketAddr, d: SocketAddr, proto: u8| {
+                format!("{s} -> {d}/{}", proto_name(proto))
+            };
+            let v4 = maps.conntrack()?.into_iter().map(|(k, v)| {
+                json!({
+                    "dir": dir(k.dir),
+                    "tuple": tuple(
+                        SocketAddr::new(k.saddr().into(), u16::from_be(k.sport_be)),
+                        SocketAddr::new(k.daddr().into(), u16::from_be(k.dport_be)),
+                        k.proto,
+                    ),
                     "backend_id": v.backend_id, "rev_nat_id": v.rev_nat_id, "flags": v.flags,
-                }))
-                .collect::<Vec<_>>())
+                })
+            });
+            let v6 = maps.conntrack6()?.into_iter().map(|(k, v)| {
+                json!({
+                    "dir": dir(k.dir),
+                    "tuple": tuple(
+                        SocketAddr::new(k.saddr().into(), u16::from_be(k.sport_be)),
+                        SocketAddr::new(k.daddr().into(), u16::from_be(k.dport_be)),
+                        k.proto,
+                    ),
+                    "backend_id": v.backend_id, "rev_nat_id": v.rev_nat_id, "flags": v.flags,
+                })
+            });
+            json!(v4.chain(v6).collect::<Vec<_>>())
         }
         What::Stats => {
             let s = maps.stats()?;

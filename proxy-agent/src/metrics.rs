@@ -84,12 +84,18 @@ impl Collector for DatapathStats {
         let fe: Vec<(String, proxy_common::Traffic)> = traffic
             .frontends
             .values()
-            .map(|(a, p, pr, t)| (format!("{a}:{p}/{}", proto(*pr)), *t))
+            .map(|(a, p, pr, t)| {
+                let at = std::net::SocketAddr::new(*a, *p);
+                (format!("{at}/{}", proto(*pr)), *t)
+            })
             .collect();
         let be: Vec<(String, proxy_common::Traffic)> = traffic
             .backends
             .values()
-            .map(|(a, p, pr, t)| (format!("{a}:{p}/{}", proto(*pr)), *t))
+            .map(|(a, p, pr, t)| {
+                let at = std::net::SocketAddr::new(*a, *p);
+                (format!("{at}/{}", proto(*pr)), *t)
+            })
             .collect();
         for (what, label, rows) in [("frontend", "frontend", &fe), ("backend", "backend", &be)] {
             for (unit, help, get) in [

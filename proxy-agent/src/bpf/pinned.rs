@@ -1,14 +1,16 @@
 //! [`PinnedMaps`]: a running agent's pinned maps, read without loading the
 //! object (inspect, metrics).
 
+use std::net::IpAddr;
+
 use super::*;
 
 /// Traffic per frontend (reverse-NAT id → address, port, protocol, counters)
 /// and per backend (id → address, port, protocol, counters).
 #[derive(Clone, Debug, Default)]
 pub struct ProgrammedTraffic {
-    pub frontends: BTreeMap<u16, (std::net::Ipv4Addr, u16, u8, Traffic)>,
-    pub backends: BTreeMap<u32, (std::net::Ipv4Addr, u16, u8, Traffic)>,
+    pub frontends: BTreeMap<u16, (IpAddr, u16, u8, Traffic)>,
+    pub backends: BTreeMap<u32, (IpAddr, u16, u8, Traffic)>,
 }
 
 /// Read-only views of pinned maps, for `inspect` and tests.
@@ -41,7 +43,9 @@ impl PinnedMaps {
         let data = self.pin(name)?;
         Ok(match name {
             n if n == map_names::STATS => aya::maps::Map::PerCpuArray(data),
-            n if n == map_names::CONNTRACK => aya::maps::Map::LruHashMap(data),
+            n if n == map_names::CONNTRACK || n == map_names::CONNTRACK6 => {
+                aya::maps::Map::LruHashMap(data)
+            }
             n if n == map_names::CONFIG => aya::maps::Map::Array(data),
             _ => aya::maps::Map::HashMap(data),
         })
@@ -86,17 +90,34 @@ impl PinnedMaps {
             .iter()
             .filter(|(k, _)| k.slot == 0)
             .map(|(k, v)| (v.rev_nat_id, k.proto))
+            .chain(
+                p.services6
+                    .iter()
+                    .filter(|(k, _)| k.slot == 0)
+                    .map(|(k, v)| (v.rev_nat_id, k.proto)),
+            )
             .collect();
-        for (id, rev) in &p.rev_nat {
-            let proto = protos.get(id).copied().unwrap_or(0);
-            out.frontends.insert(
-                *id,
-                (rev.addr(), rev.port(), proto, sum(&fe, u32::from(*id))),
+        let revs = p
+            .rev_nat
+            .iter()
+            .map(|(id, r)| (*id, IpAddr::V4(r.addr()), r.port()))
+            .chain(
+                p.rev_nat6
+                    .iter()
+                    .map(|(id, r)| (*id, IpAddr::V6(r.addr()), r.port())),
             );
+        for (id, addr, port) in revs {
+            let proto = protos.get(&id).copied().unwrap_or(0);
+            out.frontends
+                .insert(id, (addr, port, proto, sum(&fe, u32::from(id))));
         }
         for (id, b) in &p.backends {
             out.backends
-                .insert(*id, (b.addr(), b.port(), b.proto, sum(&be, *id)));
+                .insert(*id, (b.addr().into(), b.port(), b.proto, sum(&be, *id)));
+        }
+        for (id, b) in &p.backends6 {
+            out.backends
+                .insert(*id, (b.addr().into(), b.port(), b.proto, sum(&be, *id)));
         }
         Ok(out)
     }
@@ -108,6 +129,18 @@ impl PinnedMaps {
         m.iter()
             .collect::<Result<_, _>>()
             .map_err(map_err(map_names::CONNTRACK))
+    }
+
+    /// The IPv6 conntrack entries (none where the agent has no IPv6 maps).
+    pub fn conntrack6(&self) -> Result<Vec<(Ct6Key, Ct6Value)>, BpfError> {
+        let Ok(m) = self.open(map_names::CONNTRACK6) else {
+            return Ok(Vec::new());
+        };
+        let m: HashMap<MapData, Ct6Key, Ct6Value> =
+            HashMap::try_from(m).map_err(map_err(map_names::CONNTRACK6))?;
+        m.iter()
+            .collect::<Result<_, _>>()
+            .map_err(map_err(map_names::CONNTRACK6))
     }
 
     pub fn programmed(&self) -> Result<Programmed, BpfError> {
@@ -140,6 +173,31 @@ impl PinnedMaps {
             for kv in maglev.iter() {
                 let (k, v) = kv.map_err(map_err(map_names::MAGLEV))?;
                 p.maglev.insert(k, v);
+            }
+        }
+        // An agent older than IPv6 has no such maps.
+        if let (Ok(s), Ok(b), Ok(r)) = (
+            self.open(map_names::SERVICES6),
+            self.open(map_names::BACKENDS6),
+            self.open(map_names::REV_NAT6),
+        ) {
+            let s: HashMap<MapData, Svc6Key, Svc4Value> =
+                HashMap::try_from(s).map_err(map_err(map_names::SERVICES6))?;
+            for kv in s.iter() {
+                let (k, v) = kv.map_err(map_err(map_names::SERVICES6))?;
+                p.services6.insert(k, v);
+            }
+            let b: HashMap<MapData, u32, Backend6> =
+                HashMap::try_from(b).map_err(map_err(map_names::BACKENDS6))?;
+            for kv in b.iter() {
+                let (k, v) = kv.map_err(map_err(map_names::BACKENDS6))?;
+                p.backends6.insert(k, v);
+            }
+            let r: HashMap<MapData, u16, RevNat6> =
+                HashMap::try_from(r).map_err(map_err(map_names::REV_NAT6))?;
+            for kv in r.iter() {
+                let (k, v) = kv.map_err(map_err(map_names::REV_NAT6))?;
+                p.rev_nat6.insert(k, v);
             }
         }
         Ok(p)
