@@ -3,7 +3,7 @@
 //! the source, with kube-proxy's minimum sync period.
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -15,7 +15,7 @@ use netlink_packet_route::{
     link::{LinkAttribute, LinkMessage},
     RouteNetlinkMessage,
 };
-use proxy_common::{Config, SockRevNat4Key, SockRevNat4Value};
+use proxy_common::{Config, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 use rtnetlink::{new_multicast_connection, MulticastGroup};
 use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
@@ -121,24 +121,67 @@ struct Observers {
     health_checks: crate::healthcheck::HealthCheckServers,
     /// Backends of UDP frontends as last programmed: connected UDP sockets
     /// of host clients aimed at one that goes away are destroyed.
-    udp_backends: BTreeSet<SocketAddrV4>,
-    /// The socket-level reverse-NAT map (which sockets the hooks aimed
-    /// where); `None` while host socket LB is off.
-    sock_revnat: Option<aya::maps::HashMap<aya::maps::MapData, SockRevNat4Key, SockRevNat4Value>>,
+    udp_backends: BTreeSet<SocketAddr>,
+    /// The socket-level reverse-NAT maps (which sockets the hooks aimed
+    /// where), IPv4's and IPv6's; `None` while host socket LB is off.
+    sock_revnat: Option<SockRevNatMaps>,
+}
+
+/// The socket-level reverse-NAT maps of both families.
+struct SockRevNatMaps {
+    v4: aya::maps::HashMap<aya::maps::MapData, SockRevNat4Key, SockRevNat4Value>,
+    v6: aya::maps::HashMap<aya::maps::MapData, SockRevNat6Key, SockRevNat6Value>,
+}
+
+impl SockRevNatMaps {
+    fn open(pin_dir: &std::path::Path) -> Result<Self, String> {
+        let open = |name: &str| {
+            aya::maps::MapData::from_pin(pin_dir.join(name))
+                .map(aya::maps::Map::LruHashMap)
+                .map_err(|e| format!("{name}: {e}"))
+        };
+        Ok(Self {
+            v4: aya::maps::HashMap::try_from(open(proxy_common::map_names::SOCK_REVNAT)?)
+                .map_err(|e| e.to_string())?,
+            v6: aya::maps::HashMap::try_from(open(proxy_common::map_names::SOCK_REVNAT6)?)
+                .map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Whether the hooks aimed socket `cookie` at `peer` (as the socket has
+    /// it: an IPv4-mapped peer of an IPv6 socket is in the IPv4 map).
+    fn aimed(&self, cookie: u64, peer: SocketAddr) -> bool {
+        match crate::sockdiag::backend_of(peer) {
+            SocketAddr::V4(p) => {
+                let key = SockRevNat4Key {
+                    cookie,
+                    addr_be: u32::from_ne_bytes(p.ip().octets()),
+                    port_be: p.port().to_be(),
+                    _pad: 0,
+                };
+                self.v4.get(&key, 0).is_ok()
+            }
+            SocketAddr::V6(p) => {
+                let key = SockRevNat6Key {
+                    cookie,
+                    addr_be: proxy_common::ipv6::addr6(*p.ip()),
+                    port_be: p.port().to_be(),
+                    _pad: [0; 6],
+                };
+                self.v6.get(&key, 0).is_ok()
+            }
+        }
+    }
 }
 
 /// The backends of every UDP frontend of `desired`, retained ones included.
-fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddrV4> {
+fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddr> {
     desired
         .frontends
         .iter()
         .filter(|(k, _)| k.proto == proxy_common::IPPROTO_UDP)
         .flat_map(|(_, f)| f.backends.iter().chain(f.retained.iter()))
-        .filter_map(|b| match b.addr {
-            std::net::IpAddr::V4(a) => Some(SocketAddrV4::new(a, b.port)),
-            // Not programmed yet: no socket is aimed at one.
-            std::net::IpAddr::V6(_) => None,
-        })
+        .map(|b| SocketAddr::new(b.addr, b.port))
         .collect()
 }
 
@@ -146,7 +189,7 @@ fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddrV4> {
 /// at a backend no longer programmed (see [`crate::sockdiag`]).
 fn destroy_stale_udp_sockets(obs: &mut Observers, desired: &model::DesiredState) {
     let now = udp_backends(desired);
-    let gone: BTreeSet<SocketAddrV4> = obs.udp_backends.difference(&now).copied().collect();
+    let gone: BTreeSet<SocketAddr> = obs.udp_backends.difference(&now).copied().collect();
     obs.udp_backends = now;
     let Some(revnat) = &obs.sock_revnat else {
         return;
@@ -154,15 +197,7 @@ fn destroy_stale_udp_sockets(obs: &mut Observers, desired: &model::DesiredState)
     if gone.is_empty() {
         return;
     }
-    let ours = |cookie: u64, peer: SocketAddrV4| {
-        let key = SockRevNat4Key {
-            cookie,
-            addr_be: u32::from_ne_bytes(peer.ip().octets()),
-            port_be: peer.port().to_be(),
-            _pad: 0,
-        };
-        revnat.get(&key, 0).is_ok()
-    };
+    let ours = |cookie: u64, peer: SocketAddr| revnat.aimed(cookie, peer);
     match crate::sockdiag::destroy_aimed_at(&gone, ours) {
         Ok(d) if d.destroyed > 0 || d.failed > 0 => info!(
             destroyed = d.destroyed,
@@ -597,13 +632,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     };
     let sock_lb = loaded.sock_lb.clone();
     if cfg.host_socket_lb.is_some() && sock_lb.loaded.is_ok() {
-        let pin = loaded.pin_dir.join(proxy_common::map_names::SOCK_REVNAT);
-        match aya::maps::MapData::from_pin(&pin)
-            .map_err(|e| e.to_string())
-            .and_then(|m| {
-                aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(m))
-                    .map_err(|e| e.to_string())
-            }) {
+        match SockRevNatMaps::open(&loaded.pin_dir) {
             Ok(m) => obs.sock_revnat = Some(m),
             Err(e) => warn!(error = %e, "cannot open the socket-level reverse-NAT map"),
         }

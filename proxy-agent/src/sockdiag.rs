@@ -9,10 +9,12 @@
 //! through the hooks, to a live backend. Only sockets the hooks translated
 //! (their cookie and backend are in the socket-level reverse-NAT map) are
 //! touched: an application that dialled a pod IP itself is left alone.
-//! TCP is never destroyed (kube-proxy keeps established TCP too).
+//! TCP is never destroyed (kube-proxy keeps established TCP too). Both
+//! families: IPv6 sockets (a dual-stack one aimed at an IPv4-mapped backend
+//! included) are dumped and destroyed as IPv4 ones.
 use std::{
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
@@ -34,8 +36,8 @@ const MSG_LEN: usize = 4 + SOCKID_LEN + 20;
 /// A connected UDP socket, as socket diag reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UdpSock {
-    pub local: SocketAddrV4,
-    pub remote: SocketAddrV4,
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
     pub ifindex: u32,
     pub cookie: u64,
     /// The raw `inet_diag_sockid`, echoed back to destroy this socket.
@@ -79,8 +81,15 @@ pub(crate) fn netlink_socket(protocol: i32) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// An `inet_diag_req_v2` for UDP over IPv4 in a netlink message.
-fn request(kind: u16, flags: u16, seq: u32, states: u32, id: &[u8; SOCKID_LEN]) -> Vec<u8> {
+/// An `inet_diag_req_v2` for UDP over `family` in a netlink message.
+fn request(
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    family: u8,
+    states: u32,
+    id: &[u8; SOCKID_LEN],
+) -> Vec<u8> {
     let len = NLMSG_HDRLEN + REQ_LEN;
     let mut m = Vec::with_capacity(len);
     m.extend_from_slice(&(len as u32).to_ne_bytes());
@@ -88,7 +97,7 @@ fn request(kind: u16, flags: u16, seq: u32, states: u32, id: &[u8; SOCKID_LEN]) 
     m.extend_from_slice(&flags.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
-    m.push(libc::AF_INET as u8);
+    m.push(family);
     m.push(libc::IPPROTO_UDP as u8);
     m.push(0); // idiag_ext
     m.push(0); // pad
@@ -134,29 +143,47 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// Parses one `inet_diag_msg`.
+/// Parses one `inet_diag_msg` (of an IPv4 or IPv6 socket).
 fn parse_msg(p: &[u8]) -> Option<UdpSock> {
-    if p.len() < MSG_LEN || p[0] != libc::AF_INET as u8 {
+    if p.len() < MSG_LEN {
         return None;
     }
+    let family = p[0];
     let id: [u8; SOCKID_LEN] = p[4..4 + SOCKID_LEN].try_into().ok()?;
     let sport = u16::from_be_bytes([id[0], id[1]]);
     let dport = u16::from_be_bytes([id[2], id[3]]);
-    let src = Ipv4Addr::new(id[4], id[5], id[6], id[7]);
-    let dst = Ipv4Addr::new(id[20], id[21], id[22], id[23]);
+    let (src, dst): (IpAddr, IpAddr) = if family == libc::AF_INET as u8 {
+        (
+            Ipv4Addr::new(id[4], id[5], id[6], id[7]).into(),
+            Ipv4Addr::new(id[20], id[21], id[22], id[23]).into(),
+        )
+    } else if family == libc::AF_INET6 as u8 {
+        let a: [u8; 16] = id[4..20].try_into().ok()?;
+        let b: [u8; 16] = id[20..36].try_into().ok()?;
+        (Ipv6Addr::from(a).into(), Ipv6Addr::from(b).into())
+    } else {
+        return None;
+    };
     let ifindex = u32_at(&id, 36);
     let cookie = u64::from(u32_at(&id, 40)) | (u64::from(u32_at(&id, 44)) << 32);
     Some(UdpSock {
-        local: SocketAddrV4::new(src, sport),
-        remote: SocketAddrV4::new(dst, dport),
+        local: SocketAddr::new(src, sport),
+        remote: SocketAddr::new(dst, dport),
         ifindex,
         cookie,
         id,
     })
 }
 
-/// Every connected IPv4 UDP socket of this network namespace.
-pub fn connected_udp4() -> io::Result<Vec<UdpSock>> {
+/// Every connected UDP socket of this network namespace, of both families.
+pub fn connected_udp() -> io::Result<Vec<UdpSock>> {
+    let mut out = connected_udp_of(libc::AF_INET as u8)?;
+    out.extend(connected_udp_of(libc::AF_INET6 as u8)?);
+    Ok(out)
+}
+
+/// Every connected UDP socket of `family` of this network namespace.
+fn connected_udp_of(family: u8) -> io::Result<Vec<UdpSock>> {
     let fd = netlink()?;
     send(
         &fd,
@@ -164,6 +191,7 @@ pub fn connected_udp4() -> io::Result<Vec<UdpSock>> {
             SOCK_DIAG_BY_FAMILY,
             NLM_F_REQUEST | NLM_F_DUMP,
             1,
+            family,
             UDP_CONNECTED_STATES,
             &[0; SOCKID_LEN],
         ),
@@ -213,6 +241,11 @@ pub fn destroy(sock: &UdpSock) -> io::Result<()> {
             SOCK_DESTROY,
             NLM_F_REQUEST | NLM_F_ACK,
             2,
+            if sock.remote.is_ipv4() {
+                libc::AF_INET as u8
+            } else {
+                libc::AF_INET6 as u8
+            },
             u32::MAX,
             &sock.id,
         ),
@@ -235,18 +268,31 @@ pub struct Destroyed {
     pub failed: usize,
 }
 
-/// Destroys the connected UDP sockets whose peer is one of `gone` and that
-/// `ours` says the socket hooks aimed there (by cookie and backend).
+/// The peer of a socket as a backend address: an IPv4-mapped IPv6 peer (a
+/// dual-stack socket's) is the IPv4 backend it reaches.
+pub fn backend_of(peer: SocketAddr) -> SocketAddr {
+    match peer {
+        SocketAddr::V6(p) => match p.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(v4.into(), p.port()),
+            None => peer,
+        },
+        v4 => v4,
+    }
+}
+
+/// Destroys the connected UDP sockets whose peer (as a backend,
+/// [`backend_of`]) is one of `gone` and that `ours` says the socket hooks
+/// aimed there (by cookie and the peer as the socket has it).
 pub fn destroy_aimed_at(
-    gone: &std::collections::BTreeSet<SocketAddrV4>,
-    ours: impl Fn(u64, SocketAddrV4) -> bool,
+    gone: &std::collections::BTreeSet<SocketAddr>,
+    ours: impl Fn(u64, SocketAddr) -> bool,
 ) -> io::Result<Destroyed> {
     let mut d = Destroyed::default();
     if gone.is_empty() {
         return Ok(d);
     }
-    for s in connected_udp4()? {
-        if gone.contains(&s.remote) && ours(s.cookie, s.remote) {
+    for s in connected_udp()? {
+        if gone.contains(&backend_of(s.remote)) && ours(s.cookie, s.remote) {
             match destroy(&s) {
                 Ok(()) => d.destroyed += 1,
                 Err(e) => {

@@ -32,6 +32,8 @@ mod lb;
 mod lifecycle;
 #[path = "datapath/sctp.rs"]
 mod sctp;
+#[path = "datapath/sockdiag.rs"]
+mod sockdiag;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
