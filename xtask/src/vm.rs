@@ -705,6 +705,8 @@ struct LabBinaries {
     server: PathBuf,
     /// `tests/lab.rs`, for the smoke.
     smoke: Option<PathBuf>,
+    /// `tests/lab_ipv6.rs`, for the IPv6 smoke (with the smoke).
+    ipv6: Option<PathBuf>,
     /// `tests/lab_sctp.rs`.
     sctp: Option<PathBuf>,
 }
@@ -712,6 +714,11 @@ struct LabBinaries {
 /// The lab test the kernel matrix runs (one node, a ClusterIP, pods added
 /// and removed, ECONNREFUSED with none).
 const LAB_SMOKE: &str = "s1_basic_endpoint_added_and_removed";
+
+/// The IPv6 lab test the kernel matrix runs beside the smoke (a dual-stack
+/// lab; both ClusterIPs of two dual-stack Services answered by every pod):
+/// the IPv6 programs, tail-called from the IPv4 ones, on every kernel.
+const LAB_IPV6_SMOKE: &str = "d_lab_3_dual_stack_service_answers_on_both_cluster_ips";
 
 /// The SCTP lab test run before the guest loads sctp: the proxy must not
 /// load it (S41).
@@ -739,6 +746,7 @@ fn build(lab: bool, sctp: bool) -> Result<Binaries> {
             agent,
             server,
             smoke: lab.then(|| test_binary("xtask", "lab")).transpose()?,
+            ipv6: lab.then(|| test_binary("xtask", "lab_ipv6")).transpose()?,
             sctp: sctp.then(|| test_binary("xtask", "lab_sctp")).transpose()?,
         })
     } else {
@@ -794,6 +802,15 @@ fn script(b: &Binaries, packet_tests: bool, sctp_modules: &[GuestModule]) -> Str
                 format!(
                     "{env} {} --include-ignored --exact {LAB_SMOKE}",
                     smoke.display()
+                ),
+            );
+        }
+        if let Some(ipv6) = &l.ipv6 {
+            step(
+                "lab-ipv6",
+                format!(
+                    "{env} {} --include-ignored --exact {LAB_IPV6_SMOKE}",
+                    ipv6.display()
                 ),
             );
         }
