@@ -23,9 +23,9 @@
 //! (`pass_ipv6_ext_header`), and so do fragments (`pass_fragment`). ICMPv6
 //! (neighbour discovery among it) always passes untouched.
 //!
-//! Not yet IPv4's (each passes, counted): ICMPv6 errors about translated
-//! flows (passed untranslated), the exhaustive SNAT port search (random
-//! tries only), XDP (IPv6 is deferred to tc).
+//! ICMPv6 errors about translated flows are translated with them
+//! ([`crate::icmp6_error`]). Not yet IPv4's: the exhaustive SNAT port
+//! search (random tries only), XDP (IPv6 is deferred to tc).
 
 use core::mem::size_of;
 
@@ -91,6 +91,7 @@ pub const MAX_EXT_HEADERS: usize = 4;
 const TCP_FLAGS_OFF: usize = 13;
 const SCTP_CHUNK_OFF: usize = 12;
 const AF_INET6: u8 = 10;
+const IPPROTO_ICMPV6: u8 = 58;
 /// Random source ports tried when a new flow's backend-side tuple is taken.
 const NAT_PORT_ATTEMPTS: u32 = 8;
 const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
@@ -98,13 +99,13 @@ const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
 /// The fixed IPv6 header, as in the packet.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ipv6Hdr {
-    vtc_flow_be: u32,
-    payload_len_be: u16,
-    nexthdr: u8,
-    hop_limit: u8,
-    saddr_be: Addr6,
-    daddr_be: Addr6,
+pub struct Ipv6Hdr {
+    pub vtc_flow_be: u32,
+    pub payload_len_be: u16,
+    pub nexthdr: u8,
+    pub hop_limit: u8,
+    pub saddr_be: Addr6,
+    pub daddr_be: Addr6,
 }
 const _: () = assert!(size_of::<Ipv6Hdr>() == IP6_HLEN);
 
@@ -136,6 +137,15 @@ impl Packet6 {
             sport_be,
             ..Packet6::default()
         }
+    }
+
+    /// What delivery reads of a translated ICMPv6 error: its outer
+    /// addresses.
+    #[inline(always)]
+    pub fn set_error_addrs(&mut self, saddr_be: &Addr6, daddr_be: &Addr6) {
+        self.proto = IPPROTO_ICMPV6;
+        self.saddr_be = *saddr_be;
+        self.daddr_be = *daddr_be;
     }
 
     #[inline(always)]
@@ -246,9 +256,28 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
 
 /// The IPv6 tc ingress path for frontends of `scope`: a packet to a
 /// frontend is translated and delivered; a reply of a tracked flow gets its
-/// reverse NAT; anything else passes. Returns the action and its counter.
+/// reverse NAT; an ICMPv6 error about a translated flow is translated with
+/// it; anything else passes. Returns the action and its counter.
+///
+/// The entry's frame holds nothing: an ICMPv6 error and a flow's packet
+/// each go on in a BPF call of their own, so the deepest chain of frames
+/// (the verifier's 512 bytes) is one of theirs alone.
 #[inline(always)]
 pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
+    if next_header(ctx) == IPPROTO_ICMPV6 {
+        return crate::icmp6_error::translate(ctx, false);
+    }
+    run_flow(ctx, scope)
+}
+
+/// The IPv6 header's next header (0xff when unreadable).
+#[inline(always)]
+fn next_header(ctx: &TcContext) -> u8 {
+    ctx.load::<u8>(ETH_HLEN + 6).unwrap_or(0xff)
+}
+
+#[inline(never)]
+fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
     let mut pkt = Packet6::default();
     let code = parse(ctx, &mut pkt);
     if code != 0 {
@@ -262,7 +291,7 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
         scope,
         _pad: [0; 2],
     };
-    let verdict = match SVC6_V1.get_ptr(key) {
+    let verdict = match SVC6_V1.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
         Some(fe) => translate(ctx, &mut pkt, &key, &unsafe { *fe }),
         None => reply(ctx, &mut pkt, false),
@@ -277,6 +306,14 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
 /// replies at the last hook, as IPv4's `pod_egress`.
 #[inline(always)]
 pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
+    if next_header(ctx) == IPPROTO_ICMPV6 {
+        return crate::icmp6_error::translate(ctx, true);
+    }
+    run_egress_flow(ctx)
+}
+
+#[inline(never)]
+fn run_egress_flow(ctx: &TcContext) -> (i32, u32) {
     let mut pkt = Packet6::default();
     let code = parse(ctx, &mut pkt);
     if code != 0 {
@@ -300,7 +337,6 @@ fn act(ctx: &TcContext, v: Verdict) -> (i32, u32) {
 const REJECT6_LEN: usize = ETH_HLEN + IP6_HLEN + 8 + IP6_HLEN + 8;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
-const IPPROTO_ICMPV6: u8 = 58;
 
 /// The reject of an IPv6 frontend without endpoints: an ICMPv6 destination
 /// unreachable (port unreachable) from the frontend back to the client,
@@ -1082,7 +1118,7 @@ fn rewrite(ctx: &TcContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdic
 /// `bpf_redirect(_neigh)`; to the stack when the FIB has no answer. A BPF
 /// call of its own: its FIB parameters are not in the entry's frame.
 #[inline(never)]
-fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
+pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     count(code);
     let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
     // SAFETY: zeroed plain-old-data struct.

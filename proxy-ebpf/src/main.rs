@@ -41,6 +41,7 @@ mod conntrack;
 mod fib;
 mod forward;
 mod icmp;
+mod icmp6_error;
 mod icmp_error;
 mod ipv6;
 mod lb;

@@ -13,8 +13,9 @@ use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
     Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
-    Ct6Key, Ct6Value, Frag4Key, SockRevNat6Key, SockRevNat6Value, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key,
-    SockRevNat4Value, SourceRange4, SourceRange6, Svc4Key, Svc4Value, Svc6Key, Traffic,
+    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key,
+    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key,
+    Svc4Value, Svc6Key, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).

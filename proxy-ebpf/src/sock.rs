@@ -38,13 +38,14 @@ use aya_ebpf::{
 };
 use proxy_common::{
     stat, svc_flags, Addr6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    SourceRange6, Svc4Key, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
-    SOURCE_RANGE_ID_BITS,
+    SourceRange6, Svc4Key, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
     ipv6, lb,
-    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V1, SOCK_REVNAT6_V1, SRCRANGE6_V1, SVC4_V1, SVC6_V1},
+    maps::{
+        account, count, CONFIG_V3, SOCK_REVNAT4_V1, SOCK_REVNAT6_V1, SRCRANGE6_V1, SVC4_V1, SVC6_V1,
+    },
     parse::Packet,
     verdict::Verdict,
 };
@@ -281,7 +282,10 @@ fn forward_ipv6(
         port_be: dport_be,
         rev_nat_id: fe.rev_nat_id,
     };
-    if SOCK_REVNAT6_V1.insert(&rkey, &rval, BPF_ANY as u64).is_err() {
+    if SOCK_REVNAT6_V1
+        .insert(&rkey, &rval, BPF_ANY as u64)
+        .is_err()
+    {
         count(stat::SOCK_REVNAT_INSERT_FAILED);
     }
     count(translated);

@@ -543,3 +543,113 @@ fn ipv6_load_balancer_source_ranges_filter_clients() {
     assert_eq!(rc, TC_ACT_SHOT as u32);
     assert_eq!(delta(&h, &before, stat::DROP_SOURCE_RANGE), 1);
 }
+
+/// An ICMPv6 error of `icmp_type` from `src` to `dst`, quoting `quoted`
+/// (an IPv6 packet without its Ethernet header), its checksum computed.
+fn icmp6_error(src: Ipv6Addr, dst: Ipv6Addr, icmp_type: u8, quoted: &[u8]) -> Vec<u8> {
+    let mut msg = vec![icmp_type, 0, 0, 0, 0, 0, 0x05, 0x00];
+    msg.extend_from_slice(quoted);
+    let c = l4_csum6(src, dst, IPPROTO_ICMPV6, &msg);
+    msg[2..4].copy_from_slice(&c.to_be_bytes());
+    frame6(src, dst, IPPROTO_ICMPV6, &[], msg)
+}
+
+/// The packet an ICMPv6 error quotes, behind the error's Ethernet header.
+fn quoted_frame(f: &[u8]) -> Vec<u8> {
+    let mut q = f[..14].to_vec();
+    q.extend_from_slice(&f[62..]);
+    q
+}
+
+/// An output ICMPv6 error: (outer source, outer destination, the inner
+/// tuple), its ICMPv6 checksum verified (and the inner L4 checksum when
+/// the whole inner segment is there).
+fn icmp6_checked(f: &[u8]) -> (Ipv6Addr, Ipv6Addr, (Ipv6Addr, u16, Ipv6Addr, u16)) {
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&f[22..38]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&f[38..54]).unwrap());
+    assert_eq!(f[20], IPPROTO_ICMPV6);
+    assert_eq!(
+        l4_csum6(src, dst, IPPROTO_ICMPV6, &f[54..]),
+        0,
+        "ICMPv6 checksum"
+    );
+    let inner = &f[62..];
+    let isrc = Ipv6Addr::from(<[u8; 16]>::try_from(&inner[8..24]).unwrap());
+    let idst = Ipv6Addr::from(<[u8; 16]>::try_from(&inner[24..40]).unwrap());
+    let port = |at: usize| u16::from_be_bytes([inner[40 + at], inner[41 + at]]);
+    (src, dst, (isrc, port(0), idst, port(2)))
+}
+
+/// Path-MTU discovery through an IPv6 ClusterIP: a router's "packet too
+/// big" about a packet the client sent (quoting client → backend, as it
+/// left) reaches the client from the frontend, quoting client → frontend,
+/// every checksum valid — the inner TCP one too, so the client's stack
+/// matches it to its socket. Before, it passed untranslated and no socket
+/// knew the quoted tuple.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_packet_too_big_reaches_the_client_translated() {
+    let h = harness6(&[(
+        fe6(VIP6, 80, IPPROTO_TCP),
+        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let (_, out) = h.run(&tcp6(CLIENT6, 40000, VIP6, 80, SYN));
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (CLIENT6, 40000, REMOTE6, 8080)
+    );
+    let router = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0xfe01);
+    let ptb = icmp6_error(router, CLIENT6, 2, &out[14..]);
+    let before = h.stats();
+    for prog in [Prog::ExtIngress, Prog::PodIngress] {
+        let (rc, out) = h.run_prog(prog, &ptb);
+        assert_eq!(rc, TC_ACT_OK as u32, "{prog:?}");
+        let (src, dst, inner) = icmp6_checked(&out);
+        assert_eq!((src, dst), (VIP6, CLIENT6), "{prog:?}");
+        assert_eq!(inner, (CLIENT6, 40000, VIP6, 80), "{prog:?}");
+        // The inner TCP segment came whole: its checksum holds too.
+        assert_eq!(
+            tuple6_checked(&quoted_frame(&out), L4_OFF6),
+            (CLIENT6, 40000, VIP6, 80)
+        );
+    }
+    assert_eq!(delta(&h, &before, stat::ICMP_ERROR_TO_CLIENT), 2);
+}
+
+/// An error about a reply that left through a NodePort SNATed to the node
+/// (a router towards the external client): translated on to the backend,
+/// quoting the reply as the backend sent it (to the node's address and
+/// port), from the node's address.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_error_about_a_reply_goes_on_to_the_backend() {
+    let h = harness6(&[(
+        fe6_ext(NODE6, 30053, IPPROTO_UDP),
+        vec![be6(REMOTE6, 5353, IPPROTO_UDP)],
+        0,
+    )]);
+    let (_, out) = h.run_prog(
+        Prog::ExtIngress,
+        &udp6(EXT_CLIENT6, 40000, NODE6, 30053, b"query"),
+    );
+    let (_, nat_port, _, _) = tuple6_checked(&out, L4_OFF6);
+    let (_, reply) = h.run_prog(
+        Prog::ExtIngress,
+        &udp6(REMOTE6, 5353, NODE6, nat_port, b"answer"),
+    );
+    assert_eq!(
+        tuple6_checked(&reply, L4_OFF6),
+        (NODE6, 30053, EXT_CLIENT6, 40000)
+    );
+    let router = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0xfe01);
+    let unreach = icmp6_error(router, NODE6, 1, &reply[14..]);
+    let (_, out) = h.run_prog(Prog::ExtIngress, &unreach);
+    let (src, dst, inner) = icmp6_checked(&out);
+    assert_eq!((src, dst), (NODE6, REMOTE6));
+    assert_eq!(inner, (REMOTE6, 5353, NODE6, nat_port));
+    assert_eq!(
+        tuple6_checked(&quoted_frame(&out), L4_OFF6),
+        (REMOTE6, 5353, NODE6, nat_port)
+    );
+}
