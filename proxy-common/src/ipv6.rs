@@ -340,6 +340,21 @@ pub struct SockRevNat6Value {
 }
 const _: () = assert!(size_of::<SockRevNat6Value>() == 20);
 
+/// IPv6 fragment key: one datagram being fragmented, as its fragments carry
+/// it (before translation); its value is a [`crate::Frag4Ports`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Frag6Key {
+    pub saddr_be: Addr6,
+    pub daddr_be: Addr6,
+    /// The fragment header's identification, as in the packet.
+    pub id_be: u32,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(size_of::<Frag6Key>() == 40);
+const _: () = assert!(offset_of!(Frag6Key, id_be) == 32);
+
 /// IPv6 session-affinity key: [`crate::Affinity4Key`] with an IPv6 client.
 /// Its value is a [`crate::Affinity4Value`].
 #[repr(C)]

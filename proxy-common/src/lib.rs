@@ -22,8 +22,8 @@ use core::mem::{offset_of, size_of};
 use core::net::{Ipv4Addr, Ipv6Addr};
 
 pub use ipv6::{
-    Addr6, Affinity6Key, Backend6, Ct6Key, Ct6Value, RevNat6, SockRevNat6Key, SockRevNat6Value,
-    SourceRange6, Svc6Key,
+    Addr6, Affinity6Key, Backend6, Ct6Key, Ct6Value, Frag6Key, RevNat6, SockRevNat6Key,
+    SockRevNat6Value, SourceRange6, Svc6Key,
 };
 
 /// Layout version of every map below. Bump it when any key or value changes.
@@ -97,9 +97,11 @@ pub mod map_names {
     /// Socket-level reverse NAT of IPv6 sockets (LRU):
     /// [`super::SockRevNat6Key`] → [`super::SockRevNat6Value`].
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V1";
+    /// IPv6 fragments (LRU): [`super::Frag6Key`] → [`super::Frag4Ports`].
+    pub const FRAGMENTS6: &str = "FRAG6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 26] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -125,6 +127,7 @@ pub mod map_names {
         TAIL6,
         SOURCE_RANGES6,
         SOCK_REVNAT6,
+        FRAGMENTS6,
     ];
 }
 
@@ -761,8 +764,9 @@ pub mod stat {
     pub const DROP_NO_LOCAL_BACKEND: u32 = 7;
     /// A packet for a frontend too short for its headers: dropped.
     pub const DROP_MALFORMED: u32 = 8;
-    /// A later IPv4 fragment whose first fragment was not seen (or whose flow is
-    /// not tracked): passed untouched; the datapath does not reassemble.
+    /// A later IPv4 or IPv6 fragment whose first fragment was not seen (or
+    /// whose flow is not tracked): passed untouched; the datapath does not
+    /// reassemble.
     pub const PASS_FRAGMENT: u32 = 9;
     /// A slot points to a backend id missing from the backends map: dropped.
     pub const DROP_NO_BACKEND_ENTRY: u32 = 10;
@@ -802,7 +806,8 @@ pub mod stat {
     /// first; where the kernel has `bpf_loop`, tc then searches the whole
     /// range before dropping.
     pub const DROP_NO_FREE_PORT: u32 = 24;
-    /// A first IPv4 fragment: its ports were recorded for the fragments that follow.
+    /// A first IPv4 or IPv6 fragment: its ports were recorded for the
+    /// fragments that follow.
     pub const FRAGMENT_TRACKED: u32 = 25;
     /// A new flow to a load-balancer frontend from outside its
     /// `loadBalancerSourceRanges`: dropped.
@@ -1000,4 +1005,6 @@ mod user {
     unsafe impl aya::Pod for SockRevNat6Key {}
     // SAFETY: as above.
     unsafe impl aya::Pod for SockRevNat6Value {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for Frag6Key {}
 }

@@ -18,10 +18,14 @@
 //! lookup and redirect, reverse NAT of replies. A frontend without
 //! endpoints is answered with an ICMPv6 port unreachable.
 //!
-//! Extension headers: hop-by-hop and destination options are walked (up to
-//! [`MAX_EXT_HEADERS`]); a routing header or any other passes untouched
-//! (`pass_ipv6_ext_header`), and so do fragments (`pass_fragment`). ICMPv6
-//! (neighbour discovery among it) always passes untouched.
+//! Extension headers: hop-by-hop, destination options and a fragment header
+//! are walked (up to [`MAX_EXT_HEADERS`] in all); a routing header or any
+//! other passes untouched (`pass_ipv6_ext_header`). Fragments are followed
+//! as IPv4's: a first fragment's ports are recorded (`FRAG6_V1`) for the
+//! later ones, which carry no L4 header and get only their addresses
+//! rewritten; a later fragment whose first was not seen passes untouched
+//! (`pass_fragment`). ICMPv6 other than errors about translated flows
+//! (neighbour discovery among it) passes untouched.
 //!
 //! ICMPv6 errors about translated flows are translated with them
 //! ([`crate::icmp6_error`]). Not yet IPv4's: the exhaustive SNAT port
@@ -53,14 +57,14 @@ use proxy_common::{
     ipv6::fold6,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
     stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct6Key, Ct6Value,
-    RevNat6, SourceRange6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS,
+    Frag4Ports, Frag6Key, RevNat6, SourceRange6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
     maps::{
-        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, IFACE_V1, MAGLEV4_V1,
-        REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
+        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, FRAG6_V1, IFACE_V1,
+        MAGLEV4_V1, REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
     },
     parse::ETH_HLEN,
     verdict::Verdict,
@@ -122,7 +126,18 @@ pub struct Packet6 {
     dport_be: u16,
     /// The L4 length (payload after the extension headers).
     l4_len: u16,
+    /// [`FRAGMENT_NONE`], [`FRAGMENT_FIRST`] (the L4 header is there) or
+    /// [`FRAGMENT_LATER`] (no L4 header: ports from the fragment map, only
+    /// addresses are rewritten).
+    fragment: u8,
 }
+
+const FRAGMENT_NONE: u8 = 0;
+const FRAGMENT_FIRST: u8 = 1;
+const FRAGMENT_LATER: u8 = 2;
+/// The fragment header's offset (13 bits, then 2 reserved, then M).
+const IP6_FRAG_OFFSET: u16 = 0xfff8;
+const IP6_FRAG_MORE: u16 = 0x0001;
 
 impl Packet6 {
     /// What backend selection reads of a host client's socket aimed at
@@ -197,7 +212,19 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     }
     let mut nh = ip.nexthdr;
     let mut off = ETH_HLEN + IP6_HLEN;
+    // The fragment header's identification and offset field, once seen.
+    let mut frag: Option<(u32, u16)> = None;
     for _ in 0..MAX_EXT_HEADERS {
+        if nh == NEXTHDR_FRAGMENT && frag.is_none() {
+            let h = ctx.load::<[u8; 8]>(off).map_err(|_| malformed)?;
+            nh = h[0];
+            frag = Some((
+                u32::from_ne_bytes([h[4], h[5], h[6], h[7]]),
+                u16::from_be_bytes([h[2], h[3]]),
+            ));
+            off += 8;
+            continue;
+        }
         if nh != NEXTHDR_HOP && nh != NEXTHDR_DEST {
             break;
         }
@@ -205,12 +232,15 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
         nh = h[0];
         off += (h[1] as usize + 1) * 8;
     }
-    if nh == NEXTHDR_FRAGMENT {
-        return Err(Verdict::Pass(stat::PASS_FRAGMENT));
-    }
     if nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP {
         return Err(Verdict::Pass(
-            if nh == NEXTHDR_HOP || nh == NEXTHDR_DEST || nh == 43 || nh == 51 || nh == 50 {
+            if nh == NEXTHDR_HOP
+                || nh == NEXTHDR_DEST
+                || nh == NEXTHDR_FRAGMENT
+                || nh == 43
+                || nh == 51
+                || nh == 50
+            {
                 stat::PASS_IPV6_EXT_HEADER
             } else {
                 stat::PASS_OTHER_PROTO
@@ -226,12 +256,64 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     } else {
         (6, 8)
     };
+    let mut fragment = FRAGMENT_NONE;
+    if let Some((id_be, offset_field)) = frag {
+        let key = Frag6Key {
+            saddr_be: ip.saddr_be,
+            daddr_be: ip.daddr_be,
+            id_be,
+            proto: nh,
+            _pad: [0; 3],
+        };
+        if offset_field & IP6_FRAG_OFFSET != 0 {
+            // A later fragment: its ports are those its first one carried,
+            // and it has no L4 header.
+            let Some(p) = FRAG6_V1.get_ptr(&key) else {
+                return Err(Verdict::Pass(stat::PASS_FRAGMENT));
+            };
+            // SAFETY: map value pointer, copied.
+            let p = unsafe { *p };
+            return Ok(Packet6 {
+                l4_off: off,
+                csum_off: off + csum,
+                proto: nh,
+                tcp_flags: 0,
+                saddr_be: ip.saddr_be,
+                daddr_be: ip.daddr_be,
+                sport_be: p.sport_be,
+                dport_be: p.dport_be,
+                l4_len,
+                fragment: FRAGMENT_LATER,
+            });
+        }
+        if offset_field & IP6_FRAG_MORE != 0 {
+            fragment = FRAGMENT_FIRST;
+        }
+    }
     // The whole L4 header must be there (the verdict of a packet that is
     // neither a frontend's nor a reply's is the stack's).
     if (ctx.len() as usize) < off + l4_min {
         return Err(malformed);
     }
     let ports = ctx.load::<[u16; 2]>(off).map_err(|_| malformed)?;
+    if fragment == FRAGMENT_FIRST {
+        if let Some((id_be, _)) = frag {
+            // A first fragment: its ports, for the fragments that follow.
+            let key = Frag6Key {
+                saddr_be: ip.saddr_be,
+                daddr_be: ip.daddr_be,
+                id_be,
+                proto: nh,
+                _pad: [0; 3],
+            };
+            let v = Frag4Ports {
+                sport_be: ports[0],
+                dport_be: ports[1],
+            };
+            let _ = FRAG6_V1.insert(&key, &v, BPF_ANY as u64);
+            count(stat::FRAGMENT_TRACKED);
+        }
+    }
     let mut tcp_flags = 0;
     if nh == IPPROTO_TCP {
         tcp_flags = ctx.load::<u8>(off + TCP_FLAGS_OFF).map_err(|_| malformed)?;
@@ -251,6 +333,7 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
         sport_be: ports[0],
         dport_be: ports[1],
         l4_len,
+        fragment,
     })
 }
 
@@ -526,6 +609,10 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) 
         return Verdict::Pass(est);
     }
     if est == NOT_ESTABLISHED {
+        if pkt.fragment == FRAGMENT_LATER {
+            // A later fragment of a flow that is not tracked.
+            return Verdict::Pass(stat::PASS_FRAGMENT);
+        }
         let Ok(sc) = scratch() else {
             return Verdict::Drop(stat::DROP_REWRITE_FAILED);
         };
@@ -642,7 +729,11 @@ fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6
     let Some(b) = backend(c.backend_id) else {
         return false;
     };
-    let flags = forward_state(c.flags, pkt.proto, pkt.tcp_flags);
+    let flags = if pkt.fragment == FRAGMENT_LATER {
+        c.flags
+    } else {
+        forward_state(c.flags, pkt.proto, pkt.tcp_flags)
+    };
     if needs_refresh(c, flags, now) {
         c.flags = flags;
         c.last_seen_ns = now;
@@ -1036,7 +1127,8 @@ fn rewrite_addr(
     if old == new {
         return Ok(());
     }
-    if pkt.proto != IPPROTO_SCTP {
+    // SCTP's checksum covers no address; a later fragment has no L4 header.
+    if pkt.proto != IPPROTO_SCTP && pkt.fragment != FRAGMENT_LATER {
         // SAFETY: two 16-byte buffers on the stack, sizes given; the helper
         // only reads them.
         let diff = unsafe {
@@ -1070,7 +1162,7 @@ fn rewrite_port(
     old: u16,
     new: u16,
 ) -> Result<(), Verdict> {
-    if old == new {
+    if old == new || pkt.fragment == FRAGMENT_LATER {
         return Ok(());
     }
     if pkt.proto != IPPROTO_SCTP {
@@ -1090,9 +1182,14 @@ fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
 /// for the ports; its checksum covers no address).
 #[inline(always)]
 fn rewrite(ctx: &TcContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
-    if pkt.proto == IPPROTO_SCTP {
+    if pkt.proto == IPPROTO_SCTP && pkt.fragment != FRAGMENT_LATER {
         let old = ports_word(pkt.sport_be, pkt.dport_be);
         let new = ports_word(to.sport_be, to.dport_be);
+        if old != new && pkt.fragment == FRAGMENT_FIRST {
+            // The CRC covers the whole packet, whose length this fragment
+            // does not give (as IPv4's `drop_sctp_fragment`).
+            return Err(Verdict::Drop(stat::DROP_SCTP_FRAGMENT));
+        }
         if old != new {
             let stored = ctx.load::<u32>(pkt.csum_off).map_err(|_| REWRITE_FAILED)?;
             let crc = crc32c::update_ports(stored, pkt.l4_len, old, new);

@@ -13,7 +13,7 @@ use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
     Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
-    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Iface, RevNat4, RevNat6, SockRevNat4Key,
+    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Frag6Key, Iface, RevNat4, RevNat6, SockRevNat4Key,
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key,
     Svc4Value, Svc6Key, Traffic,
 };
@@ -126,6 +126,10 @@ pub static CT6_V1: LruHashMap<Ct6Key, Ct6Value, { capacity::CONNTRACK6 as usize 
 #[btf_map]
 pub static SRCRANGE6_V1: LpmTrie<SourceRange6, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
+/// Ports of IPv6 datagrams being fragmented, from their first fragment.
+#[btf_map]
+pub static FRAG6_V1: LruHashMap<Frag6Key, Frag4Ports, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
 /// Socket-level reverse NAT of IPv6 sockets: (host client's socket,
 /// backend) → frontend.
 #[btf_map]
