@@ -315,6 +315,7 @@ kind: Service
 metadata:
   name: my-service
 spec:
+  ipFamilyPolicy: PreferDualStack
   selector:
     app: my-app
   ports:
@@ -367,6 +368,7 @@ kind: Service
 metadata:
   name: web
 spec:
+  ipFamilyPolicy: PreferDualStack
   selector:
     app: web
   ports:
@@ -493,7 +495,10 @@ fn demo(requests: usize) -> Result<()> {
     let server = setup::build_lab_server()?;
     let examples = ensure_examples()?;
     catch_interrupts()?;
+    // Dual-stack: the examples' Services get a ClusterIP of each family,
+    // and the spread is shown over both.
     let mut lab = Lab::builder()
+        .dual_stack()
         .manifests_path(&examples)
         .agent_bin(agent)
         .server_bin(server)
