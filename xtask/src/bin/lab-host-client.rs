@@ -3,6 +3,13 @@
 //! stdin/stdout by the lab ([`xtask::lab::HostClient`]) so that one process
 //! makes many requests.
 //!
+//! Addresses (`<ip:port>`) are IPv4 (`198.19.0.5:80`, an AF_INET socket) or
+//! IPv6 (`[2001:2:0:ff::5]:80`, an AF_INET6 socket), IPv4-mapped included
+//! (`[::ffff:198.19.0.5]:80`: an AF_INET6 socket sending IPv4, a dual-stack
+//! socket; `net.ipv6.bindv6only` is 0 in every new namespace). Peers are
+//! printed as the socket reports them (`getpeername()`, `recvfrom()`), in
+//! the socket's family.
+//!
 //! One command per line, one answer line each:
 //! - `tcp <ip:port> <request>`: connect, send the request line, read one
 //!   reply line. `ok <peer> <reply>`; `peer` is what `getpeername()` says.
@@ -20,7 +27,7 @@
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader, Read, Write},
-    net::{SocketAddr, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     time::Duration,
 };
 
@@ -72,8 +79,18 @@ fn tcp(addr: SocketAddr, req: &str) -> std::io::Result<String> {
     Ok(format!("ok {peer} {}", line_of(&buf)))
 }
 
+/// A UDP socket of `addr`'s family, bound to the wildcard address and an
+/// ephemeral port (IPv6's `[::]` takes IPv4-mapped destinations too).
+fn udp_socket(addr: SocketAddr) -> std::io::Result<UdpSocket> {
+    let any: SocketAddr = match addr {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    UdpSocket::bind(any)
+}
+
 fn udp(addr: SocketAddr, req: &str) -> std::io::Result<String> {
-    let s = UdpSocket::bind("0.0.0.0:0")?;
+    let s = udp_socket(addr)?;
     s.set_read_timeout(Some(TIMEOUT))?;
     s.send_to(req.as_bytes(), addr)?;
     let mut buf = [0u8; 65536];
@@ -102,7 +119,7 @@ fn main() {
                         "udp" => udp(addr, b).unwrap_or_else(err),
                         _ => {
                             let mut open = || -> std::io::Result<String> {
-                                let s = UdpSocket::bind("0.0.0.0:0")?;
+                                let s = udp_socket(addr)?;
                                 s.set_read_timeout(Some(TIMEOUT))?;
                                 s.connect(addr)?;
                                 let peer = s.peer_addr()?;

@@ -1,8 +1,15 @@
 //! [`HostClient`]: requests from a lab node's own namespace and cgroup, as
 //! a host process or hostNetwork pod makes them (through the socket hooks).
+//!
+//! Addresses are any [`SocketAddr`]: an IPv4 one opens an AF_INET socket, an
+//! IPv6 one an AF_INET6 socket, also when it is IPv4-mapped
+//! (`[::ffff:a.b.c.d]:port`: a dual-stack socket, as a Java or Go program
+//! makes one, whose packets are IPv4). Peers are reported as the socket
+//! sees them: an AF_INET6 socket's in IPv6 form (`[::ffff:a.b.c.d]:port`
+//! for a mapped one).
 use std::{
     io::{BufRead, BufReader, Write},
-    net::SocketAddrV4,
+    net::SocketAddr,
     path::PathBuf,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
 };
@@ -123,26 +130,32 @@ impl HostClient {
         })
     }
 
-    /// A TCP request (one line) to `addr`.
-    pub fn tcp(&mut self, addr: SocketAddrV4, request: &str) -> Result<HostReply> {
-        self.ask(&format!("tcp {addr} {request}"))
+    /// A TCP request (one line) to `addr`; `peer` is what `getpeername()`
+    /// of the connected socket says.
+    pub fn tcp(&mut self, addr: impl Into<SocketAddr>, request: &str) -> Result<HostReply> {
+        self.ask(&format!("tcp {} {request}", addr.into()))
     }
 
-    /// A UDP request from a fresh unconnected socket.
-    pub fn udp(&mut self, addr: SocketAddrV4, request: &str) -> Result<HostReply> {
-        self.ask(&format!("udp {addr} {request}"))
+    /// A UDP request from a fresh unconnected socket (of `addr`'s family,
+    /// bound to the wildcard address); `peer` is the reply's source.
+    pub fn udp(&mut self, addr: impl Into<SocketAddr>, request: &str) -> Result<HostReply> {
+        self.ask(&format!("udp {} {request}", addr.into()))
     }
 
     /// Opens (or reopens) the connected UDP socket `name` to `addr`; the
     /// reply's `peer` is what `getpeername()` says.
-    pub fn udp_connect(&mut self, name: &str, addr: SocketAddrV4) -> Result<HostReply> {
-        self.ask(&format!("udpc-open {name} {addr}"))
+    pub fn udp_connect(&mut self, name: &str, addr: impl Into<SocketAddr>) -> Result<HostReply> {
+        self.ask(&format!("udpc-open {name} {}", addr.into()))
     }
 
     /// Opens the long-lived TCP connection `name` to `addr` (the lab
     /// server's `stream` mode); `peer` is what `getpeername()` says.
-    pub fn tcp_stream_open(&mut self, name: &str, addr: SocketAddrV4) -> Result<HostReply> {
-        self.ask(&format!("tcps-open {name} {addr}"))
+    pub fn tcp_stream_open(
+        &mut self,
+        name: &str,
+        addr: impl Into<SocketAddr>,
+    ) -> Result<HostReply> {
+        self.ask(&format!("tcps-open {name} {}", addr.into()))
     }
 
     /// One line on the TCP connection `name`; the reply is `<pod> <line>`
