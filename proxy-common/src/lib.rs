@@ -99,9 +99,12 @@ pub mod map_names {
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V1";
     /// IPv6 fragments (LRU): [`super::Frag6Key`] → [`super::Frag4Ports`].
     pub const FRAGMENTS6: &str = "FRAG6_V1";
+    /// The XDP program for IPv6 that `ext_xdp` tail-calls (a program array
+    /// of one; pinned as [`TAIL6`]).
+    pub const TAIL6_XDP: &str = "TAIL6_XDP_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 26] = [
+    pub const ALL: [&str; 27] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -128,6 +131,7 @@ pub mod map_names {
         SOURCE_RANGES6,
         SOCK_REVNAT6,
         FRAGMENTS6,
+        TAIL6_XDP,
     ];
 }
 

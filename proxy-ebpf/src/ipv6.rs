@@ -29,7 +29,7 @@
 //!
 //! ICMPv6 errors about translated flows are translated with them
 //! ([`crate::icmp6_error`]). Not yet IPv4's: the exhaustive SNAT port
-//! search (random tries only), XDP (IPv6 is deferred to tc).
+//! search (random tries only). XDP: [`crate::xdp6`].
 
 use core::mem::size_of;
 
@@ -114,25 +114,25 @@ pub struct Ipv6Hdr {
 const _: () = assert!(size_of::<Ipv6Hdr>() == IP6_HLEN);
 
 /// What the parser found, as in the packet.
-#[derive(Default)]
+#[derive(Clone, Copy, Default)]
 pub struct Packet6 {
-    l4_off: usize,
-    csum_off: usize,
-    proto: u8,
-    tcp_flags: u8,
-    saddr_be: Addr6,
-    daddr_be: Addr6,
-    sport_be: u16,
-    dport_be: u16,
+    pub(crate) l4_off: usize,
+    pub(crate) csum_off: usize,
+    pub(crate) proto: u8,
+    pub(crate) tcp_flags: u8,
+    pub(crate) saddr_be: Addr6,
+    pub(crate) daddr_be: Addr6,
+    pub(crate) sport_be: u16,
+    pub(crate) dport_be: u16,
     /// The L4 length (payload after the extension headers).
-    l4_len: u16,
+    pub(crate) l4_len: u16,
     /// [`FRAGMENT_NONE`], [`FRAGMENT_FIRST`] (the L4 header is there) or
     /// [`FRAGMENT_LATER`] (no L4 header: ports from the fragment map, only
     /// addresses are rewritten).
-    fragment: u8,
+    pub(crate) fragment: u8,
 }
 
-const FRAGMENT_NONE: u8 = 0;
+pub const FRAGMENT_NONE: u8 = 0;
 const FRAGMENT_FIRST: u8 = 1;
 const FRAGMENT_LATER: u8 = 2;
 /// The fragment header's offset (13 bits, then 2 reserved, then M).
@@ -180,11 +180,11 @@ impl Packet6 {
 /// A translated 4-tuple.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct Tuple6 {
-    saddr_be: Addr6,
-    daddr_be: Addr6,
-    sport_be: u16,
-    dport_be: u16,
+pub struct Tuple6 {
+    pub saddr_be: Addr6,
+    pub daddr_be: Addr6,
+    pub sport_be: u16,
+    pub dport_be: u16,
 }
 
 /// Parses an IPv6 tc frame into `pkt`, up to its L4 ports (and TCP flags,
@@ -483,7 +483,7 @@ fn reject(ctx: &TcContext) -> (i32, u32) {
 
 /// The datapath's configuration, once an agent of this layout wrote it.
 #[inline(always)]
-fn config() -> Result<&'static Config, Verdict> {
+pub fn config() -> Result<&'static Config, Verdict> {
     match CONFIG_V3.get(0) {
         Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
         _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
@@ -497,11 +497,13 @@ fn config() -> Result<&'static Config, Verdict> {
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct Scratch6 {
-    flow: Flow6,
-    skey: Ct6Key,
-    rkey: Ct6Key,
-    entry: Ct6Value,
-    to: Tuple6,
+    pub(crate) flow: Flow6,
+    pub(crate) skey: Ct6Key,
+    pub(crate) rkey: Ct6Key,
+    pub(crate) entry: Ct6Value,
+    pub(crate) to: Tuple6,
+    /// The packet, on the XDP path (tc keeps it on its stack).
+    pub(crate) xdp_pkt: Packet6,
 }
 
 #[btf_map]
@@ -509,7 +511,7 @@ static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
 
 /// This CPU's [`Scratch6`].
 #[inline(always)]
-fn scratch() -> Result<*mut Scratch6, Verdict> {
+pub fn scratch() -> Result<*mut Scratch6, Verdict> {
     SCRATCH6
         .get_ptr_mut(0)
         .ok_or(Verdict::Drop(stat::DROP_REWRITE_FAILED))
@@ -518,13 +520,13 @@ fn scratch() -> Result<*mut Scratch6, Verdict> {
 /// One IPv6 flow as the forward path needs it.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct Flow6 {
-    backend_id: u32,
-    backend: Backend6,
-    flags: u16,
-    nat_port_be: u16,
+pub struct Flow6 {
+    pub(crate) backend_id: u32,
+    pub(crate) backend: Backend6,
+    pub(crate) flags: u16,
+    pub(crate) nat_port_be: u16,
     /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
-    nat_addr_be: Addr6,
+    pub(crate) nat_addr_be: Addr6,
 }
 
 impl Flow6 {
@@ -541,7 +543,7 @@ impl Flow6 {
 
     /// The client's address and port as the backend sees them.
     #[inline(always)]
-    fn client_seen(&self, pkt: &Packet6) -> (Addr6, u16) {
+    pub fn client_seen(&self, pkt: &Packet6) -> (Addr6, u16) {
         (
             if self.flags & ct_flags::SNAT_ADDR != 0 {
                 self.nat_addr_be
@@ -642,8 +644,8 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) 
 
 /// [`established`]: no tracked flow; a tracked flow (in the scratch
 /// entry's `flow`). Anything above is the counter to pass under.
-const NOT_ESTABLISHED: u32 = 0;
-const ESTABLISHED: u32 = 1;
+pub const NOT_ESTABLISHED: u32 = 0;
+pub const ESTABLISHED: u32 = 1;
 /// [`finish`]'s `meta`: the reverse-NAT id in the low 16 bits, and these.
 const META_ESTABLISHED: u32 = 1 << 16;
 const META_EXTERNAL: u32 = 1 << 17;
@@ -651,7 +653,7 @@ const META_EXTERNAL: u32 = 1 << 17;
 /// The tracked flow of the packet's SERVICE key, in the scratch entry's
 /// `flow` ([`lookup`]).
 #[inline(never)]
-fn established(pkt: &Packet6) -> u32 {
+pub fn established(pkt: &Packet6) -> u32 {
     let cfg = match config() {
         Ok(c) => c,
         Err(_) => return stat::PASS_UNCONFIGURED,
@@ -760,7 +762,12 @@ fn reopens(pkt: &Packet6, c: &Ct6Value) -> bool {
 /// the backend-side tuple is another live flow's; its SERVICE entry. A BPF
 /// call of its own (the verifier's stack is per frame).
 #[inline(never)]
-fn new_flow(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value, flow: &mut Flow6) -> Result<(), Verdict> {
+pub fn new_flow(
+    pkt: &Packet6,
+    key: &Svc6Key,
+    fe: &Svc4Value,
+    flow: &mut Flow6,
+) -> Result<(), Verdict> {
     let cfg = config()?;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -1014,7 +1021,7 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
 /// The REPLY entry of `flow`: written for a new flow, and again for a
 /// tracked one whose entry the LRU evicted.
 #[inline(always)]
-fn ensure_reply(
+pub fn ensure_reply(
     pkt: &Packet6,
     flow: &Flow6,
     rev_nat_id: u16,
@@ -1051,16 +1058,39 @@ fn ensure_reply(
 /// their reverse NAT).
 #[inline(never)]
 fn reply(ctx: &TcContext, pkt: &mut Packet6, last_hook: bool) -> Verdict {
+    let Ok(sc) = scratch() else {
+        return Verdict::Drop(stat::DROP_REWRITE_FAILED);
+    };
+    // SAFETY: this CPU's scratch entry; a reply has no forward flow.
+    let to = unsafe { &mut (*sc).to };
+    let (rev_nat_id, backend_id) = match reply_plan(pkt, last_hook, to) {
+        Ok(ids) => ids,
+        Err(v) => return v,
+    };
+    account(ctx.len() as u64, rev_nat_id, backend_id);
+    match rewrite(ctx, pkt, to) {
+        Ok(()) => Verdict::Deliver(stat::FWD_REPLY),
+        Err(v) => v,
+    }
+}
+
+/// A reply of a tracked flow: its state and age follow it, and `to` is the
+/// tuple it is sent on (from the frontend, to the client's own address);
+/// the flow's (reverse-NAT id, backend id). `Err(Pass(..))` when the packet
+/// is no such reply, or is to be reverse-translated later (at the last
+/// hook, for flows delivered through the stack). Shared by tc and XDP.
+#[inline(always)]
+pub fn reply_plan(pkt: &Packet6, last_hook: bool, to: &mut Tuple6) -> Result<(u16, u32), Verdict> {
     let Some(rptr) = CT6_V1.get_ptr_mut(pkt.ct_key(ct_dir::REPLY)) else {
-        return Verdict::Pass(stat::PASS_NO_SERVICE);
+        return Err(Verdict::Pass(stat::PASS_NO_SERVICE));
     };
     // SAFETY: a map value pointer, read once into a copy.
     let ct = unsafe { *rptr };
     if ct.flags & ct_flags::VIA_STACK != 0 && !last_hook {
-        return Verdict::Pass(stat::PASS_REPLY_VIA_STACK);
+        return Err(Verdict::Pass(stat::PASS_REPLY_VIA_STACK));
     }
     let Some(rev) = rev_nat(ct.rev_nat_id) else {
-        return Verdict::Pass(stat::PASS_NO_SERVICE);
+        return Err(Verdict::Pass(stat::PASS_NO_SERVICE));
     };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -1082,25 +1112,19 @@ fn reply(ctx: &TcContext, pkt: &mut Packet6, last_hook: bool) -> Verdict {
             }
         }
     }
-    account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
-    let to = Tuple6 {
-        saddr_be: rev.addr_be,
-        sport_be: rev.port_be,
-        daddr_be: if ct.flags & ct_flags::SNAT_ADDR != 0 {
-            ct.nat_addr_be
-        } else {
-            pkt.daddr_be
-        },
-        dport_be: if ct.flags & ct_flags::SNAT_PORT != 0 {
-            ct.nat_port_be
-        } else {
-            pkt.dport_be
-        },
+    to.saddr_be = rev.addr_be;
+    to.sport_be = rev.port_be;
+    to.daddr_be = if ct.flags & ct_flags::SNAT_ADDR != 0 {
+        ct.nat_addr_be
+    } else {
+        pkt.daddr_be
     };
-    match rewrite(ctx, pkt, &to) {
-        Ok(()) => Verdict::Deliver(stat::FWD_REPLY),
-        Err(v) => v,
-    }
+    to.dport_be = if ct.flags & ct_flags::SNAT_PORT != 0 {
+        ct.nat_port_be
+    } else {
+        pkt.dport_be
+    };
+    Ok((ct.rev_nat_id, ct.backend_id))
 }
 
 // --- rewrite -----------------------------------------------------------------

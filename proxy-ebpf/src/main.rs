@@ -29,7 +29,8 @@
 //! ([`icmp_error`]); XDP passes them on to tc.
 //!
 //! - `pod_ingress6`, `ext_ingress6`, `pod_egress6`: the tc path for IPv6,
-//!   tail-called by the programs above for IPv6 frames ([`ipv6`]).
+//!   tail-called by the programs above for IPv6 frames ([`ipv6`]);
+//!   `ext_xdp6`, the XDP path for IPv6, tail-called by `ext_xdp` ([`xdp6`]).
 //!
 //! Limits (each counted when it happens): a later IPv4 fragment whose first
 //! was not seen passes untouched; IPv6 fragments pass untouched; see
@@ -52,6 +53,7 @@ mod sock;
 mod tc;
 mod verdict;
 mod xdp;
+mod xdp6;
 
 use aya_ebpf::bindings::TC_ACT_OK;
 use aya_ebpf::{
@@ -174,7 +176,23 @@ pub fn pod_egress6(ctx: TcContext) -> i32 {
 /// XDP on the node's external devices: see [`xdp`].
 #[xdp]
 pub fn ext_xdp(ctx: XdpContext) -> u32 {
+    if xdp6::is_ipv6(&ctx) {
+        // SAFETY: a tail call into a program of this type; returns only
+        // when the slot is empty (XDP acceleration of IPv6 not loaded).
+        unsafe { xdp6::TAIL6_XDP_V1.tail_call(&ctx, 0) };
+        return xdp_action::XDP_PASS;
+    }
     let (action, code) = xdp::run(&ctx);
+    if action != xdp_action::XDP_PASS || code != stat::XDP_DEFERRED {
+        count(code);
+    }
+    action
+}
+
+/// XDP for IPv6 (tail-called by `ext_xdp`): see [`xdp6`].
+#[xdp]
+pub fn ext_xdp6(ctx: XdpContext) -> u32 {
+    let (action, code) = xdp6::run(&ctx);
     if action != xdp_action::XDP_PASS || code != stat::XDP_DEFERRED {
         count(code);
     }

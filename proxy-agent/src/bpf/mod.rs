@@ -60,6 +60,9 @@ pub const EXT_INGRESS_RND_PROGRAM: &str = "ext_ingress_rnd";
 pub const IPV6_PROGRAMS: [(&str, u32); 3] =
     [("pod_ingress6", 0), ("ext_ingress6", 1), ("pod_egress6", 2)];
 
+/// The XDP program for IPv6, tail-called by `ext_xdp` (`TAIL6_XDP_V1`).
+pub const EXT_XDP6_PROGRAM: &str = "ext_xdp6";
+
 /// Name of the XDP program for the node's external devices (`--acceleration xdp`).
 pub const EXT_XDP_PROGRAM: &str = "ext_xdp";
 
@@ -490,6 +493,11 @@ fn load_checked(
                 name: EXT_XDP_PROGRAM,
                 source,
             })?;
+            if ipv6.is_ok() {
+                if let Err(why) = load_xdp6(&mut ebpf) {
+                    tracing::warn!("XDP acceleration of IPv6 off (tc handles it): {why}");
+                }
+            }
             Ok(())
         }
     };
@@ -510,6 +518,31 @@ fn load_checked(
         port_search,
         ipv6,
     })
+}
+
+/// Loads `ext_xdp6` and puts it in the program array `ext_xdp` tail-calls
+/// for IPv6 frames.
+fn load_xdp6(ebpf: &mut Ebpf) -> Result<(), String> {
+    let prog: &mut Xdp = ebpf
+        .program_mut(EXT_XDP6_PROGRAM)
+        .ok_or_else(|| format!("program {EXT_XDP6_PROGRAM} missing from the object"))?
+        .try_into()
+        .map_err(|e| format!("program {EXT_XDP6_PROGRAM}: {e}"))?;
+    load_retrying(EXT_XDP6_PROGRAM, || prog.load()).map_err(|e| {
+        tracing::debug!(program = EXT_XDP6_PROGRAM, error = ?e, "IPv6 XDP program not loaded");
+        format!("program {EXT_XDP6_PROGRAM} not accepted by this kernel: {e}")
+    })?;
+    let fd = prog
+        .fd()
+        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+        .map_err(|e| format!("program {EXT_XDP6_PROGRAM}: {e}"))?;
+    let map = ebpf
+        .map_mut(map_names::TAIL6_XDP)
+        .ok_or_else(|| format!("map {} missing from the object", map_names::TAIL6_XDP))?;
+    let mut tail: aya::maps::ProgramArray<&mut MapData> = aya::maps::ProgramArray::try_from(map)
+        .map_err(|e| format!("{}: {e}", map_names::TAIL6_XDP))?;
+    tail.set(0, &fd, 0)
+        .map_err(|e| format!("{}[0]: {e}", map_names::TAIL6_XDP))
 }
 
 /// Loads the IPv6 tc programs and puts them in the program array the IPv4

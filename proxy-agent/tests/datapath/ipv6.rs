@@ -724,3 +724,70 @@ fn ipv6_error_about_a_reply_goes_on_to_the_backend() {
         (REMOTE6, 5353, NODE6, nat_port)
     );
 }
+
+/// XDP acceleration over IPv6: a NodePort flow to a backend on another
+/// node is translated at the driver (DNAT, SNAT to the node with a port of
+/// its own, hop limit decremented, MACs from the FIB) and redirected, and so
+/// is its reply; a flow to a backend on this node is handed to tc after its
+/// conntrack entries are written, and tc keeps the backend XDP chose.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_xdp_translates_external_flows_to_remote_backends() {
+    const XDP_PASS: u32 = 2;
+    const XDP_REDIRECT: u32 = 4;
+    let mut d = desired(
+        &[
+            (
+                fe6_ext(NODE6, 30080, IPPROTO_TCP),
+                vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+                0,
+            ),
+            (
+                fe6_ext(NODE6, 30081, IPPROTO_TCP),
+                vec![be6(B6, 8080, IPPROTO_TCP)],
+                0,
+            ),
+        ],
+        0,
+    );
+    d.local_endpoints.insert(B6.into());
+    let mut h = Harness::new();
+    h.set_config(Config::default().with_node6_addr(NODE6));
+    h.sync_desired(&d);
+    h.wire(
+        "2001:2::/48",
+        &[
+            ("2001:2:0:2::10", "02:00:00:00:00:bb"),
+            ("2001:2::64", "02:00:00:00:00:cc"),
+        ],
+    );
+    let before = h.stats();
+    let syn = tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN);
+    let (rc, out) = h.run_prog(Prog::ExtXdp, &syn);
+    assert_eq!(rc, XDP_REDIRECT);
+    let (src, nat_port, dst, dport) = tuple6_checked(&out, L4_OFF6);
+    assert_eq!((src, dst, dport), (NODE6, REMOTE6, 8080));
+    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 0xbb], "the FIB's MAC");
+    assert_eq!(out[21], 63, "hop limit decremented");
+    assert_eq!(delta(&h, &before, stat::XDP_REDIRECT), 1);
+
+    let reply = tcp6(REMOTE6, 8080, NODE6, nat_port, SYN | ACK);
+    let (rc, out) = h.run_prog(Prog::ExtXdp, &reply);
+    assert_eq!(rc, XDP_REDIRECT);
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (NODE6, 30080, EXT_CLIENT6, 40000)
+    );
+    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 0xcc]);
+
+    // A local backend: XDP hands the frame to tc untouched; tc translates it
+    // to the backend XDP wrote down.
+    let local = tcp6(EXT_CLIENT6, 40001, NODE6, 30081, SYN);
+    let (rc, out) = h.run_prog(Prog::ExtXdp, &local);
+    assert_eq!((rc, &out), (XDP_PASS, &local));
+    let (_, out) = h.run_prog(Prog::ExtIngress, &local);
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6),
+        (EXT_CLIENT6, 40001, B6, 8080)
+    );
+}

@@ -159,6 +159,8 @@ impl NetNs {
         }
         netns::sysctl_in(&self.name, "net.ipv4.ip_forward", "1")?;
         netns::sysctl_in(&self.name, "net.ipv4.conf.lo.forwarding", "1")?;
+        netns::sysctl_in(&self.name, "net.ipv6.conf.all.forwarding", "1")?;
+        netns::sysctl_in(&self.name, "net.ipv6.conf.lo.forwarding", "1")?;
         Ok(())
     }
 
@@ -449,14 +451,12 @@ fn sys_bpf(cmd: i64, attr: &mut [u64; 8]) -> std::io::Result<()> {
 
 /// Empties every map pinned under `pin_dir` as a new load would have it:
 /// hash, LRU and LPM maps lose every entry, arrays are zeroed. The program
-/// array keeps the object's IPv6 programs, as a new load fills it.
+/// arrays keep the object's IPv6 programs, as a new load fills them.
 pub fn reset_maps(pin_dir: &Path) -> anyhow::Result<()> {
     use aya::maps::{MapData, MapType};
     use std::os::fd::AsRawFd;
-    for name in map_names::ALL
-        .into_iter()
-        .filter(|n| *n != map_names::TAIL6)
-    {
+    let programs = [map_names::TAIL6, map_names::TAIL6_XDP];
+    for name in map_names::ALL.into_iter().filter(|n| !programs.contains(n)) {
         let m = MapData::from_pin(pin_dir.join(name)).with_context(|| format!("open {name}"))?;
         let info = m.info()?;
         let fd = m.fd().as_fd().as_raw_fd() as u64;

@@ -1,0 +1,359 @@
+//! The XDP path for IPv6 (`ext_xdp6`, tail-called by `ext_xdp` for IPv6
+//! frames): as IPv4's [`crate::xdp`], external traffic to backends on other
+//! nodes (DNAT, SNAT to the node's IPv6 address) and their replies are
+//! translated at the driver and sent back out (XDP_TX) or to another device
+//! (XDP_REDIRECT) after a FIB lookup, with the flow decisions of the tc path
+//! ([`crate::ipv6`]). Everything else — flows to local backends (their
+//! conntrack entries written first, so tc keeps the backend chosen here),
+//! extension headers, fragments, SCTP, no backend (tc rejects), a new flow
+//! none of whose source ports was free, packets without a usable FIB answer
+//! — is passed on to tc untouched.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
+    btf_maps::ProgramArray,
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect},
+    macros::btf_map,
+    programs::XdpContext,
+};
+use proxy_common::{
+    backend_state, csum, stat, Addr6, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+};
+
+use crate::{
+    ipv6::{
+        self, Ipv6Hdr, Packet6, Tuple6, ESTABLISHED, ETH_P_IPV6, FRAGMENT_NONE, NOT_ESTABLISHED,
+    },
+    maps::{account, count, IFACE_V1, SVC6_V1},
+    parse::{xdp_ptr, ETH_HLEN},
+    verdict::Verdict,
+};
+
+/// The XDP program for IPv6 that `ext_xdp` tail-calls; filled by the agent
+/// when it loads XDP acceleration ([`proxy_common::map_names::TAIL6_XDP`]).
+#[btf_map]
+pub static TAIL6_XDP_V1: ProgramArray<1> = ProgramArray::new();
+
+/// Whether an XDP frame is IPv6 (its EtherType).
+#[inline(always)]
+pub fn is_ipv6(ctx: &XdpContext) -> bool {
+    match xdp_ptr::<u16>(ctx, 12) {
+        // SAFETY: bounds-checked frame pointer.
+        Some(p) => u16::from_be(unsafe { *p }) == ETH_P_IPV6,
+        None => false,
+    }
+}
+
+/// Handed to tc untouched (not counted here: tc counts the packet).
+const DEFER: Verdict = Verdict::Pass(stat::XDP_DEFERRED);
+const L4_OFF: usize = ETH_HLEN + 40;
+const AF_INET6: u8 = 10;
+const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
+
+/// Runs the IPv6 XDP path; returns the XDP action and its counter
+/// (`XDP_DEFERRED` is not counted: tc counts the packet).
+#[inline(always)]
+pub fn run(ctx: &XdpContext) -> (u32, u32) {
+    let r = path(ctx);
+    ((r >> 32) as u32, r as u32)
+}
+
+/// [`try_run`] as one word (action in the high half, counter in the low):
+/// a BPF call of its own, so the entry's frame holds nothing and the
+/// deepest chain of frames is this path's.
+#[inline(never)]
+fn path(ctx: &XdpContext) -> u64 {
+    let (action, code) = match try_run(ctx) {
+        Ok(v) => v,
+        Err(Verdict::Drop(code)) => (xdp_action::XDP_DROP, code),
+        Err(Verdict::Pass(_) | Verdict::Deliver(_) | Verdict::Reject(_)) => {
+            (xdp_action::XDP_PASS, stat::XDP_DEFERRED)
+        }
+    };
+    (u64::from(action) << 32) | u64::from(code)
+}
+
+/// An IPv6 frame without extension headers, TCP or UDP with a complete
+/// header, read in place into `pkt` (field by field: `pkt` is in the
+/// scratch entry, and a whole `Packet6` built first would be on the stack).
+/// False when XDP leaves the frame to tc.
+#[inline(always)]
+fn parse(ctx: &XdpContext, pkt: &mut Packet6) -> bool {
+    let Some(eth_proto) = xdp_ptr::<u16>(ctx, 12) else {
+        return false;
+    };
+    // SAFETY: bounds-checked frame pointer.
+    if u16::from_be(unsafe { *eth_proto }) != ETH_P_IPV6 {
+        return false;
+    }
+    let Some(ip) = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN) else {
+        return false;
+    };
+    // SAFETY: bounds-checked frame pointer.
+    let (vtc, nh) = unsafe { ((*ip).vtc_flow_be, (*ip).nexthdr) };
+    if u32::from_be(vtc) >> 28 != 6 || (nh != IPPROTO_TCP && nh != IPPROTO_UDP) {
+        return false;
+    }
+    let l4_len = if nh == IPPROTO_TCP { 20 } else { 8 };
+    if ctx.data() + L4_OFF + l4_len > ctx.data_end() {
+        return false;
+    }
+    let Some(ports) = xdp_ptr::<[u16; 2]>(ctx, L4_OFF) else {
+        return false;
+    };
+    let mut tcp_flags = 0;
+    if nh == IPPROTO_TCP {
+        let Some(f) = xdp_ptr::<u8>(ctx, L4_OFF + 13) else {
+            return false;
+        };
+        // SAFETY: bounds-checked frame pointer.
+        tcp_flags = unsafe { *f };
+    }
+    // SAFETY: bounds-checked frame pointers, copied.
+    unsafe {
+        pkt.saddr_be = (*ip).saddr_be;
+        pkt.daddr_be = (*ip).daddr_be;
+        pkt.l4_len = u16::from_be((*ip).payload_len_be);
+        pkt.sport_be = (*ports)[0];
+        pkt.dport_be = (*ports)[1];
+    }
+    pkt.l4_off = L4_OFF;
+    pkt.csum_off = L4_OFF + if nh == IPPROTO_TCP { 16 } else { 6 };
+    pkt.proto = nh;
+    pkt.tcp_flags = tcp_flags;
+    pkt.fragment = FRAGMENT_NONE;
+    true
+}
+
+#[inline(always)]
+fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
+    let sc = ipv6::scratch()?;
+    // SAFETY: this CPU's scratch entry: `xdp_pkt` and `to` are this
+    // packet's (the flow's fields are the flow functions').
+    let (pkt, to) = unsafe { (&mut (*sc).xdp_pkt, &mut (*sc).to) };
+    if !parse(ctx, pkt) {
+        return Err(DEFER);
+    }
+    let len = (ctx.data_end() - ctx.data()) as u64;
+    let key = Svc6Key {
+        addr_be: pkt.daddr_be,
+        port_be: pkt.dport_be,
+        slot: 0,
+        proto: pkt.proto,
+        scope: SCOPE_EXTERNAL,
+        _pad: [0; 2],
+    };
+    let (code, rev_nat_id, backend_id) = match SVC6_V1.get_ptr(&key) {
+        Some(fe) => {
+            // SAFETY: map value pointer, copied.
+            let fe = unsafe { *fe };
+            forward(pkt, &key, &fe, to)?
+        }
+        None => {
+            let ids = reply(pkt, to);
+            if ids == 0 {
+                return Err(DEFER);
+            }
+            (stat::FWD_REPLY, (ids >> 32) as u16, ids as u32)
+        }
+    };
+    let sent = transmit(ctx, pkt, to, code)?;
+    // Accounted only once sent: a packet handed on to tc is accounted there.
+    account(len, rev_nat_id, backend_id);
+    Ok(sent)
+}
+
+/// A reply of a tracked flow ([`ipv6::reply_plan`], `to` set): its
+/// reverse-NAT id in the high half, its backend id in the low; 0 when it is
+/// none (or left to tc). A BPF call of its own (a sibling of
+/// [`ipv6::new_flow`]'s: their frames never stack).
+#[inline(never)]
+fn reply(pkt: &Packet6, to: &mut Tuple6) -> u64 {
+    match ipv6::reply_plan(pkt, false, to) {
+        Ok((rev_nat_id, backend_id)) => (u64::from(rev_nat_id) << 32) | u64::from(backend_id),
+        Err(_) => 0,
+    }
+}
+
+/// A packet to frontend `fe` (at `key`): conntrack first, else a new flow,
+/// as tc decides; `to`, where it goes. (counter, reverse-NAT id, backend id).
+#[inline(always)]
+fn forward(
+    pkt: &Packet6,
+    key: &Svc6Key,
+    fe: &proxy_common::Svc4Value,
+    to: &mut Tuple6,
+) -> Result<(u32, u16, u32), Verdict> {
+    let est = ipv6::established(pkt);
+    if est > ESTABLISHED {
+        return Err(DEFER);
+    }
+    let sc = ipv6::scratch()?;
+    // SAFETY: this CPU's scratch entry; `flow` is this flow's.
+    let flow = unsafe { &mut (*sc).flow };
+    if est == NOT_ESTABLISHED {
+        match ipv6::new_flow(pkt, key, fe, flow) {
+            Ok(()) => {}
+            Err(Verdict::Deliver(stat::FWD_HANDOFF)) => {
+                // Untranslated, routed towards the backend (so to its node).
+                to.saddr_be = pkt.saddr_be;
+                to.daddr_be = flow.backend.addr_be;
+                to.sport_be = pkt.sport_be;
+                to.dport_be = pkt.dport_be;
+                return Ok((stat::FWD_HANDOFF, fe.rev_nat_id, flow.backend_id));
+            }
+            // Reject, pass, a flow without a free source port: tc does the
+            // rest.
+            Err(Verdict::Pass(_) | Verdict::Reject(_) | Verdict::Drop(stat::DROP_NO_FREE_PORT)) => {
+                return Err(DEFER)
+            }
+            Err(v) => return Err(v),
+        }
+    }
+    let code = chosen(pkt, fe.rev_nat_id, est == ESTABLISHED, to);
+    if code == 0 {
+        return Err(DEFER);
+    }
+    Ok((code, fe.rev_nat_id, flow.backend_id))
+}
+
+/// The flow in the scratch entry, chosen: its REPLY entry, and `to` set;
+/// the counter, or 0 when tc is to deliver it (a backend on this node: tc
+/// delivers with `bpf_redirect_peer`, following the flow written down
+/// here). A BPF call of its own (a sibling of [`ipv6::new_flow`]'s).
+#[inline(never)]
+fn chosen(pkt: &Packet6, rev_nat_id: u16, established: bool, to: &mut Tuple6) -> u32 {
+    let Ok(sc) = ipv6::scratch() else {
+        return 0;
+    };
+    // SAFETY: this CPU's scratch entry; `flow` is this flow's.
+    let flow = unsafe { &(*sc).flow };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if ipv6::ensure_reply(pkt, flow, rev_nat_id, established, now).is_err() {
+        return 0;
+    }
+    if flow.backend.state & backend_state::LOCAL != 0 {
+        return 0;
+    }
+    let (saddr_be, sport_be) = flow.client_seen(pkt);
+    to.saddr_be = saddr_be;
+    to.sport_be = sport_be;
+    to.daddr_be = flow.backend.addr_be;
+    to.dport_be = flow.backend.port_be;
+    if established {
+        stat::FWD_ESTABLISHED
+    } else {
+        stat::FWD_NEW
+    }
+}
+
+/// The FIB's answer for `to` first (what XDP cannot send itself goes to tc
+/// untouched, which finds the conntrack entries just written), then the
+/// rewrite (none for a handoff), hop limit and MACs, and the send. A BPF
+/// call of its own: the FIB parameters live in its frame.
+#[inline(never)]
+fn transmit(
+    ctx: &XdpContext,
+    pkt: &mut Packet6,
+    to: &Tuple6,
+    code: u32,
+) -> Result<(u32, u32), Verdict> {
+    // SAFETY: zeroed plain-old-data struct.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET6;
+    p.l4_protocol = pkt.proto;
+    p.sport = to.sport_be;
+    p.dport = to.dport_be;
+    p.__bindgen_anon_1.tot_len = pkt.l4_len.saturating_add(40);
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    p.__bindgen_anon_3.ipv6_src = to.saddr_be;
+    p.__bindgen_anon_4.ipv6_dst = to.daddr_be;
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
+        as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
+        return Err(DEFER);
+    }
+    if code != stat::FWD_HANDOFF {
+        rewrite(ctx, pkt, to)?;
+    }
+    let ip = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
+    let eth = xdp_ptr::<[u8; 12]>(ctx, 0).ok_or(REWRITE_FAILED)?;
+    count(code);
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        if (*ip).hop_limit <= 1 {
+            // Translated already; the stack answers with time exceeded.
+            return Ok((xdp_action::XDP_PASS, stat::PASS_TTL));
+        }
+        (*ip).hop_limit -= 1;
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&p.dmac);
+        macs[6..].copy_from_slice(&p.smac);
+        *eth = macs;
+    }
+    if p.ifindex == ctx.ingress_ifindex() as u32 {
+        return Ok((xdp_action::XDP_TX, stat::XDP_TX));
+    }
+    // SAFETY: plain helper taking an ifindex.
+    let r = unsafe { bpf_redirect(p.ifindex, 0) } as u32;
+    Ok((r, stat::XDP_REDIRECT))
+}
+
+/// What a checksum's sum gains when address `old` becomes `new` (RFC 1624).
+#[inline(always)]
+fn diff128(old: &Addr6, new: &Addr6) -> u32 {
+    let mut d = 0u32;
+    for i in 0..4 {
+        let (o, n) = (csum::words(old[i]), csum::words(new[i]));
+        d += (!o[0]) as u32 + (!o[1]) as u32 + n[0] as u32 + n[1] as u32;
+    }
+    d
+}
+
+/// Rewrites the frame's addresses and ports in place to `to`, the L4
+/// checksum updated incrementally over the pseudo-header.
+#[inline(always)]
+fn rewrite(ctx: &XdpContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
+    let diff = diff128(&pkt.saddr_be, &to.saddr_be)
+        + diff128(&pkt.daddr_be, &to.daddr_be)
+        + (!pkt.sport_be) as u32
+        + to.sport_be as u32
+        + (!pkt.dport_be) as u32
+        + to.dport_be as u32;
+    // A constant offset per protocol: one read back from the scratch entry
+    // is a number the verifier knows no bound of.
+    let c = if pkt.proto == IPPROTO_TCP {
+        xdp_ptr::<u16>(ctx, L4_OFF + 16)
+    } else {
+        xdp_ptr::<u16>(ctx, L4_OFF + 6)
+    }
+    .ok_or(REWRITE_FAILED)?;
+    let ip = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
+    let ports = xdp_ptr::<[u16; 2]>(ctx, L4_OFF).ok_or(REWRITE_FAILED)?;
+    // SAFETY: bounds-checked frame pointers.
+    unsafe {
+        let old = *c;
+        // A UDP checksum of 0 (not allowed over IPv6, but sent) stays; a
+        // computed 0 is sent as 0xffff.
+        if !(pkt.proto == IPPROTO_UDP && old == 0) {
+            let v = !csum::fold((!old) as u32 + csum::fold(diff) as u32);
+            *c = if v == 0 && pkt.proto == IPPROTO_UDP {
+                0xffff
+            } else {
+                v
+            };
+        }
+        (*ip).saddr_be = to.saddr_be;
+        (*ip).daddr_be = to.daddr_be;
+        *ports = [to.sport_be, to.dport_be];
+    }
+    pkt.saddr_be = to.saddr_be;
+    pkt.daddr_be = to.daddr_be;
+    pkt.sport_be = to.sport_be;
+    pkt.dport_be = to.dport_be;
+    Ok(())
+}
