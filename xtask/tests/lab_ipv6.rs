@@ -2,25 +2,40 @@
 //! namespaces of a dual-stack lab (`LabBuilder::dual_stack`: every pod and
 //! client has an address of each family, from 198.18.0.0/15 and
 //! 2001:2::/48; see `xtask::lab` for the address plan), through the agent's
-//! tc datapath. Each test builds its own one-node lab and lets it drop at
+//! tc datapath. Each test builds its own lab (one node; two for D-lab-5 and
+//! D-lab-6, with the switch and the external client) and lets it drop at
 //! the end, also on failure. The IDs name upstream's dual-stack e2e
-//! behaviours (test/e2e/network/dual_stack.go) as the lab reproduces them.
+//! behaviours (test/e2e/network/dual_stack.go, and service.go's where the
+//! dual-stack file has none) as the lab reproduces them.
 //!
 //! D-lab-1 checks the lab's own IPv6 plumbing (no Service): it holds with
-//! any datapath that lets IPv6 pass. D-lab-2 to D-lab-4 need the agent to
-//! serve IPv6 ClusterIPs. Before each ClusterIP check, the test asserts that
-//! every pod answers on its own IPv6 address, so a failure there is the
-//! IPv6 ClusterIP's.
+//! any datapath that lets IPv6 pass. D-lab-2 to D-lab-8 need the agent to
+//! serve IPv6 Services. Before each Service check, the test asserts that
+//! every pod answers on its own IPv6 address (from where the Service is
+//! reached), so a failure there is the IPv6 Service's.
+//!
+//! | ID | what |
+//! | --- | --- |
+//! | D-lab-1 | the dual-stack lab's addressing; pods answer on their IPv6 addresses |
+//! | D-lab-2 | an IPv6-only Service's ClusterIP, TCP and UDP |
+//! | D-lab-3 | dual-stack Services answer on both ClusterIPs |
+//! | D-lab-4 | a deleted pod stops answering on the IPv6 ClusterIP |
+//! | D-lab-5 | two nodes: the IPv6 ClusterIP answered by pods on both, no SNAT |
+//! | D-lab-6 | two nodes: IPv6 NodePort from the external client, eTP Cluster (SNAT to the node) and Local (client address kept), with and without XDP |
+//! | D-lab-7 | hairpin: a pod reaching itself through its IPv6 ClusterIP (SNAT to the node's IPv6 address, or `--hairpin-snat-ip6`) |
+//! | D-lab-8 | an IPv6 Service without endpoints refuses TCP and UDP (ICMPv6 port unreachable), not a timeout |
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_ipv6 -- --include-ignored`.
 //!
-//! On failure the agent's log tail and `proxy-agent inspect
-//! services|stats|conntrack` are printed before the lab is torn down; set
-//! `KPR_LAB_DIAG=1` to print them after every test.
+//! On failure the agents' log tails and `proxy-agent inspect
+//! services|stats|conntrack` (of every node) are printed before the lab is
+//! torn down; set `KPR_LAB_DIAG=1` to print them after every test.
 
+use std::collections::BTreeMap;
+use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use xtask::client::{self, reply_text};
 use xtask::manifests::Object;
@@ -37,15 +52,37 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 const N: usize = 30;
 /// The pods' port, and the Services'.
 const PORT: u16 = 80;
+/// How soon a UDP request to a Service without endpoints must be refused
+/// (D-lab-8): at once.
+const REFUSED_WITHIN: Duration = Duration::from_millis(500);
+/// How soon a TCP connect to a Service without endpoints must be refused
+/// (D-lab-8): by the answer to the SYN's first retransmission (after 1 s),
+/// before the second (3 s) and before the client gives up (2 s). The
+/// answer to the first SYN arrives while `connect()` still holds the
+/// socket, and Linux keeps an ICMPv6 error arriving then only as a soft
+/// error (`TcpExtLockDroppedIcmps`): so does it for ip6tables' `REJECT
+/// --reject-with icmp6-port-unreachable`, refused after 1.02 s in the same
+/// lab, where IPv4's ICMP is taken at once.
+const TCP_REFUSED_WITHIN: Duration = Duration::from_millis(1500);
 
 // ---------------------------------------------------------------- lab runner
 
 /// Starts a dual-stack one-node lab with `yaml`, waits for the agent's
 /// first sync and its attachments, runs `f`; see [`support::run_lab`].
 fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
+    with_lab_args(test, yaml, &[], f)
+}
+
+/// [`with_lab`] with `args` appended to the agent's command line.
+fn with_lab_args(test: &str, yaml: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
+    let builder = args
+        .iter()
+        .fold(Lab::builder().dual_stack().manifests_yaml(yaml), |b, a| {
+            b.agent_arg(*a)
+        });
     run_lab(
         test,
-        Lab::builder().dual_stack().manifests_yaml(yaml),
+        builder,
         " (dual-stack)",
         |lab| {
             lab.wait_ready(SYNC_TIMEOUT)
@@ -56,6 +93,19 @@ fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
         |lab| support::diagnostics(lab, None),
         f,
     )
+}
+
+/// Starts a dual-stack lab with `nodes` nodes (the switch, every node's
+/// `eth0`, the external client) and `yaml`, `args` appended to every
+/// agent's command line; waits for every agent's first sync and
+/// attachments, runs `f`; see [`support::with_nodes`].
+fn with_nodes(test: &str, nodes: usize, yaml: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
+    let builder = args
+        .iter()
+        .fold(Lab::builder().dual_stack().manifests_yaml(yaml), |b, a| {
+            b.agent_arg(*a)
+        });
+    support::with_nodes(test, builder, nodes, SYNC_TIMEOUT, f)
 }
 
 /// Pods `<app>-1` .. `<app>-n` of app `app`, serving TCP and UDP on
@@ -98,8 +148,12 @@ fn client_ip6(lab: &Lab) -> IpAddr {
 /// (nothing translates the direct path): the lab's IPv6 plumbing works, so
 /// whatever fails after this is the Service's.
 fn pods_answer_directly6(lab: &Lab, pods: &[&str], what: &str) {
-    let ns = &lab.client().netns;
-    let me = client_ip6(lab);
+    pods_answer_directly6_from(lab, &lab.client().netns, client_ip6(lab), pods, what)
+}
+
+/// [`pods_answer_directly6`] from namespace `ns`, whose IPv6 address is
+/// `me` (the external client, a client on another node).
+fn pods_answer_directly6_from(lab: &Lab, ns: &str, me: IpAddr, pods: &[&str], what: &str) {
     for name in pods {
         let addr = pod_addr6(lab, name);
         let tcp = client::tcp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
@@ -114,19 +168,88 @@ fn pods_answer_directly6(lab: &Lab, pods: &[&str], what: &str) {
             Some(*name),
             "{what}: UDP straight to {name} at {addr}: {udp:?}"
         );
-        let peer = client::tcp_request(ns, addr, b"clientip\n", T).map(|r| reply_text(&r));
-        let seen = peer
-            .as_ref()
-            .ok()
-            .and_then(|p| p.parse::<SocketAddr>().ok())
-            .map(|p| p.ip());
+        let seen = peer_seen(ns, addr);
         assert_eq!(
-            seen,
-            Some(me),
-            "{what}: {name} at {addr} saw the client as {peer:?}"
+            seen.as_ref().ok(),
+            Some(&me),
+            "{what}: {name} at {addr} saw {ns} as {seen:?}"
         );
     }
-    println!("{what}: {pods:?} answer TCP and UDP on their IPv6 addresses");
+    println!("{what}: {pods:?} answer TCP and UDP on their IPv6 addresses (from {me})");
+}
+
+/// One `clientip` request over TCP from `ns` to `addr`: the source address
+/// the pod that answered saw.
+fn peer_seen(ns: &str, addr: SocketAddr) -> io::Result<IpAddr> {
+    let text = client::tcp_request(ns, addr, b"clientip\n", T).map(|r| reply_text(&r))?;
+    text.parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .map_err(|_| io::Error::other(format!("unexpected clientip reply {text:?}")))
+}
+
+/// Asserts that `n` `clientip` requests over TCP from `ns` to `addr`, each
+/// a new connection, all succeed and all saw the source address `want`.
+fn assert_peer_seen(ns: &str, addr: SocketAddr, n: usize, want: IpAddr, what: &str) {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for _ in 0..n {
+        let got = match peer_seen(ns, addr) {
+            Ok(ip) => ip.to_string(),
+            Err(e) => format!("{:?}: {e}", e.kind()),
+        };
+        *seen.entry(got).or_insert(0) += 1;
+    }
+    println!("{what}: {n} clientip requests to {addr}: the pods saw {seen:?}");
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        [&want.to_string()],
+        "{what}: source addresses the pods saw through {addr} (counts {seen:?}), expected {want} only"
+    );
+}
+
+/// `node`'s IPv6 address.
+fn node_ip6(lab: &Lab, node: &str) -> IpAddr {
+    lab.node_named(node)
+        .unwrap_or_else(|| panic!("no node {node}"))
+        .ip6
+        .unwrap_or_else(|| panic!("{node} has no IPv6 address: is the lab dual-stack?"))
+        .into()
+}
+
+/// Whether `node`'s `eth0` has an XDP program (`ip link` shows
+/// `prog/xdp`).
+fn xdp_on_eth0(lab: &Lab, node: &str) -> bool {
+    let ns = &lab.node_named(node).expect("node").netns;
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns, "link", "show", "dev", "eth0"])
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip -n {ns} link show dev eth0: {out:?}"
+    );
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+/// `node`'s IPv6 address at the NodePort of `service`'s `proto` port
+/// `port`, from lab.json's frontends.
+fn node_port6(lab: &Lab, service: &str, port: u16, proto: &str, node: &str) -> SocketAddr {
+    let ip = node_ip6(lab, node);
+    let fronts = lab.info().frontends_of(service);
+    let port_name = fronts
+        .iter()
+        .find(|f| f.kind == "ClusterIP" && f.port == port && f.protocol.eq_ignore_ascii_case(proto))
+        .map(|f| f.port_name.clone())
+        .unwrap_or_else(|| panic!("no {proto} port {port} of {service}"));
+    fronts
+        .iter()
+        .find(|f| {
+            f.kind == "NodePort"
+                && f.ip == ip
+                && f.protocol.eq_ignore_ascii_case(proto)
+                && f.port_name == port_name
+        })
+        .map(|f| f.socket_addr())
+        .unwrap_or_else(|| panic!("no {proto} IPv6 NodePort of {service}:{port} on {node}"))
 }
 
 /// The Service `name`'s `clusterIPs`, `ipFamilies` and `ipFamilyPolicy` as
@@ -324,5 +447,306 @@ fn d_lab_4_deleted_pod_stops_answering_on_the_ipv6_cluster_ip() {
         assert_answered_by(&c, v6, "TCP", N, &rest, "D-lab-4 IPv6, upd-3 deleted");
         let udp6 = frontend6(lab, "upd", PORT, "UDP");
         assert_answered_by(&c, udp6, "UDP", N, &rest, "D-lab-4 UDP IPv6, upd-3 deleted");
+    });
+}
+
+/// D-lab-5 — an IPv6 Service across nodes (upstream: "should function for
+/// pod-Service: tcp/udp" over IPv6, whose pods the e2e framework spreads
+/// over the nodes): two nodes, an IPv6-only Service over `x-n1` on node-1
+/// and `x-n2a`, `x-n2b` on node-2. From the client pod on node-1, new TCP
+/// connections and UDP datagrams to [ClusterIP]:80 are answered by all
+/// three (node-2's through node-1's `eth0` both ways: the request
+/// translated on node-1 and forwarded, the reply reverse-translated as it
+/// arrives on node-1's `eth0`), and every pod answering sees the client's
+/// own IPv6 address (a ClusterIP is not SNATed between pods, on either
+/// node).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d_lab_5_ipv6_cluster_ip_answered_by_pods_on_both_nodes() {
+    let svc = Svc::new("x6")
+        .selector("x")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let pods = [
+        Pod::new("x-n1", "x").node("node-1").port(PORT, "TCP"),
+        Pod::new("x-n2a", "x").node("node-2").port(PORT, "TCP"),
+        Pod::new("x-n2b", "x").node("node-2").port(PORT, "TCP"),
+    ];
+    let yaml = yaml(Some(&svc), &pods);
+    with_nodes("d-lab-5", 2, &yaml, &[], |lab| {
+        let placed: Vec<(&str, &str)> = lab
+            .pods()
+            .iter()
+            .map(|p| (p.name.as_str(), p.node.as_str()))
+            .collect();
+        assert_eq!(
+            placed,
+            [("x-n1", "node-1"), ("x-n2a", "node-2"), ("x-n2b", "node-2")],
+            "pod placement"
+        );
+        let all = ["x-n1", "x-n2a", "x-n2b"];
+        pods_answer_directly6(lab, &all, "D-lab-5");
+        let c = lab.client().netns.clone();
+        let tcp = frontend6(lab, "x6", PORT, "TCP");
+        let udp = frontend6(lab, "x6", PORT, "UDP");
+        assert_answered_by(
+            &c,
+            tcp,
+            "TCP",
+            N,
+            &all,
+            "D-lab-5 TCP → IPv6 ClusterIP from node-1",
+        );
+        assert_answered_by(
+            &c,
+            udp,
+            "UDP",
+            N,
+            &all,
+            "D-lab-5 UDP → IPv6 ClusterIP from node-1",
+        );
+        // Two in three land on node-2: (1/3)^30 that none does.
+        let me = client_ip6(lab);
+        assert_peer_seen(
+            &c,
+            tcp,
+            N,
+            me,
+            "D-lab-5 client address through the ClusterIP",
+        );
+    });
+}
+
+/// D-lab-6 — an IPv6 NodePort from outside the cluster (upstream: "should
+/// function for node-Service: http/udp" over IPv6 for
+/// externalTrafficPolicy Cluster, and "ESIPP should work for type=NodePort"
+/// for Local, which keeps the client's source address): two nodes,
+/// IPv6-only NodePort Services; the external client (2001:2::64) connects
+/// to node-1's IPv6 address at their NodePorts.
+/// - `far`, eTP Cluster, its only pod `far-n2` on node-2: TCP and UDP are
+///   answered by it, and it sees node-1's IPv6 address (the flow is SNATed
+///   to the node it entered, so the reply comes back through it).
+/// - `near`, eTP Local, pods `near-n1` on node-1 and `near-n2` on node-2:
+///   only `near-n1` answers (node-1's local endpoint; Cluster would spread
+///   over both), and it sees the external client's own IPv6 address.
+///
+/// Run twice, each time in a fresh lab, as `lab_northsouth.rs` runs its
+/// scenarios: with the agent's `--acceleration none` and `xdp` (the
+/// `ext_xdp` program on the nodes' `eth0`, checked to be there, sees the
+/// external client's IPv6 packets first).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d_lab_6_ipv6_node_port_from_external_etp_cluster_and_local() {
+    let far = Svc::new("far")
+        .service_type("NodePort")
+        .selector("far")
+        .ipv6_only()
+        .external_traffic_policy("Cluster")
+        .ports(tcp_and_udp(PORT));
+    let near = Svc::new("near")
+        .service_type("NodePort")
+        .selector("near")
+        .ipv6_only()
+        .external_traffic_policy("Local")
+        .ports(tcp_and_udp(PORT));
+    let pods = [
+        Pod::new("far-n2", "far").node("node-2").port(PORT, "TCP"),
+        Pod::new("near-n1", "near").node("node-1").port(PORT, "TCP"),
+        Pod::new("near-n2", "near").node("node-2").port(PORT, "TCP"),
+    ];
+    let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&far, &near];
+    objects.extend(pods.iter().map(|p| p as &dyn support::fixtures::Manifest));
+    let yaml = manifests(&objects);
+    for mode in ["none", "xdp"] {
+        let test = format!("d-lab-6/{mode}");
+        let args = ["--acceleration", mode];
+        with_nodes(&test, 2, &yaml, &args, |lab| {
+            let eth0 = xdp_on_eth0(lab, "node-1");
+            assert_eq!(
+                eth0,
+                mode == "xdp",
+                "{test}: an XDP program on node-1's eth0"
+            );
+            let ext = lab.external().expect("an external client").clone();
+            let me: IpAddr = ext
+                .ip6
+                .expect("the external client of a dual-stack lab has an IPv6 address")
+                .into();
+            assert_eq!(me, "2001:2::64".parse::<IpAddr>().unwrap());
+            let node1 = node_ip6(lab, "node-1");
+            pods_answer_directly6_from(
+                lab,
+                &ext.netns,
+                me,
+                &["far-n2", "near-n1", "near-n2"],
+                &format!("{test} from the external client"),
+            );
+
+            let tcp = node_port6(lab, "far", PORT, "TCP", "node-1");
+            let udp = node_port6(lab, "far", PORT, "UDP", "node-1");
+            let what = format!("{test} eTP Cluster, external → node-1, pod on node-2");
+            assert_answered_by(&ext.netns, tcp, "TCP", N, &["far-n2"], &what);
+            assert_answered_by(&ext.netns, udp, "UDP", N, &["far-n2"], &what);
+            assert_peer_seen(
+                &ext.netns,
+                tcp,
+                5,
+                node1,
+                &format!("{what}: SNAT to node-1"),
+            );
+
+            let tcp = node_port6(lab, "near", PORT, "TCP", "node-1");
+            let udp = node_port6(lab, "near", PORT, "UDP", "node-1");
+            let what = format!("{test} eTP Local, external → node-1");
+            assert_answered_by(&ext.netns, tcp, "TCP", N, &["near-n1"], &what);
+            assert_answered_by(&ext.netns, udp, "UDP", N, &["near-n1"], &what);
+            assert_peer_seen(
+                &ext.netns,
+                tcp,
+                5,
+                me,
+                &format!("{what}: client address kept"),
+            );
+        });
+    }
+}
+
+/// D-lab-7 — hairpin over IPv6 (upstream: "should allow pods to hairpin
+/// back to themselves through services", with an IPv6-only Service): pod
+/// `hp-1`, the only endpoint of IPv6-only `hp`, connects to [ClusterIP]:80
+/// and is answered by itself over TCP and UDP; its server sees the hairpin
+/// SNAT address (else it would answer itself from its own address, past the
+/// reverse NAT): the node's IPv6 address by default, `--hairpin-snat-ip6`
+/// when the agent is given one (the twin of the lab's IPv4 hairpin
+/// address, 2001:2::fe; a second lab). In the first lab also `hpb-1`, one
+/// of two endpoints of `hpb`, reaching `hpb` is answered by both, itself
+/// among them.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d_lab_7_pod_hairpins_to_itself_through_ipv6_cluster_ip() {
+    let hp = Svc::new("hp")
+        .selector("hp")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let hpb = Svc::new("hpb")
+        .selector("hpb")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let backends: Vec<Pod> = pods("hp", 1).into_iter().chain(pods("hpb", 2)).collect();
+    let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&hp, &hpb];
+    objects.extend(
+        backends
+            .iter()
+            .map(|p| p as &dyn support::fixtures::Manifest),
+    );
+    let yaml = manifests(&objects);
+    let snat6 = xtask::netns::ipv6_twin(xtask::lab::HAIRPIN_SNAT_IP).expect("a lab address");
+    let flag = snat6.to_string();
+    for (test, args) in [
+        ("d-lab-7", Vec::new()),
+        ("d-lab-7/flag", vec!["--hairpin-snat-ip6", flag.as_str()]),
+    ] {
+        with_lab_args(test, &yaml, &args, |lab| {
+            let want: IpAddr = if args.is_empty() {
+                node_ip6(lab, "node-1")
+            } else {
+                snat6.into()
+            };
+            let all = ["hp-1", "hpb-1", "hpb-2"];
+            pods_answer_directly6(lab, &all, test);
+            let p = lab.pod("hp-1").expect("pod hp-1").netns.clone();
+            let tcp = frontend6(lab, "hp", PORT, "TCP");
+            let udp = frontend6(lab, "hp", PORT, "UDP");
+            let what = format!("{test}: hp-1 → its IPv6 ClusterIP");
+            assert_answered_by(&p, tcp, "TCP", 5, &["hp-1"], &what);
+            assert_answered_by(&p, udp, "UDP", 5, &["hp-1"], &what);
+            assert_peer_seen(&p, tcp, 3, want, &format!("{what}: hairpin SNAT"));
+            if args.is_empty() {
+                let b = lab.pod("hpb-1").expect("pod hpb-1").netns.clone();
+                let vip = frontend6(lab, "hpb", PORT, "TCP");
+                // Each of 2 missed by 30 random picks: 2 × 2^-30.
+                let what = format!("{test}: hpb-1 → IPv6 ClusterIP of 2 pods");
+                assert_answered_by(&b, vip, "TCP", N, &["hpb-1", "hpb-2"], &what);
+            }
+        });
+    }
+}
+
+/// D-lab-8 — an IPv6 Service without endpoints is rejected (upstream:
+/// "should be rejected when no endpoints exist", with an IPv6-only
+/// Service: REFUSED, not a timeout): `empty`, selecting no pod. From the
+/// client pod, each of 3 TCP connects to [ClusterIP]:80 fails with
+/// connection refused (the datapath's ICMPv6 port unreachable; with no
+/// datapath the node has no route to it: unreachable, not refused) within
+/// [`TCP_REFUSED_WITHIN`] (the kernel takes the answer to the SYN's first
+/// retransmission, see there), before the client's 2 s timeout; each of 3
+/// UDP datagrams is refused within [`REFUSED_WITHIN`]. Then a pod matching
+/// it is created: the ClusterIP answers, by that pod (the refusal followed
+/// the endpoints).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d_lab_8_ipv6_service_without_endpoints_refuses() {
+    let empty = Svc::new("empty")
+        .selector("late")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let yaml = yaml(Some(&empty), &pods("other", 1));
+    with_lab("d-lab-8", &yaml, |lab| {
+        pods_answer_directly6(lab, &["other-1"], "D-lab-8");
+        let c = lab.client().netns.clone();
+        let tcp = frontend6(lab, "empty", PORT, "TCP");
+        let udp = frontend6(lab, "empty", PORT, "UDP");
+        for i in 1..=3 {
+            let took = support::assert_tcp_refused(&c, tcp, &format!("D-lab-8 TCP try {i}"));
+            assert!(
+                took < TCP_REFUSED_WITHIN,
+                "D-lab-8 TCP try {i}: refused only after {} ms",
+                took.as_millis()
+            );
+        }
+        for i in 1..=3 {
+            let t = Instant::now();
+            let r = client::udp_request(&c, udp, b"hostname", T, None).map(|r| reply_text(&r));
+            let took = t.elapsed();
+            println!(
+                "D-lab-8 UDP try {i} {udp}: {r:?} after {} ms",
+                took.as_millis()
+            );
+            assert!(
+                matches!(&r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused)
+                    && took < REFUSED_WITHIN,
+                "D-lab-8 UDP try {i} {udp}: expected refused within {} ms, got {r:?} after {} ms",
+                REFUSED_WITHIN.as_millis(),
+                took.as_millis()
+            );
+        }
+        println!(
+            "D-lab-8: reject_no_backend {} after 3 TCP tries (a SYN and its retransmission each) and 3 UDP",
+            support::stat(lab, "node-1", "reject_no_backend")
+        );
+
+        let late = Pod::new("late-1", "late").port(PORT, "TCP");
+        let took = support::apply(lab, &late.yaml(), SYNC_TIMEOUT);
+        println!(
+            "D-lab-8: late-1 created, agent synced in {} ms",
+            took.as_millis()
+        );
+        pods_answer_directly6(lab, &["late-1"], "D-lab-8 late-1");
+        assert_answered_by(
+            &c,
+            tcp,
+            "TCP",
+            5,
+            &["late-1"],
+            "D-lab-8 TCP, late-1 created",
+        );
+        assert_answered_by(
+            &c,
+            udp,
+            "UDP",
+            5,
+            &["late-1"],
+            "D-lab-8 UDP, late-1 created",
+        );
     });
 }
