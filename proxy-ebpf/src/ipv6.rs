@@ -361,8 +361,12 @@ fn next_header(ctx: &TcContext) -> u8 {
 
 #[inline(never)]
 fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
-    let mut pkt = Packet6::default();
-    let code = parse(ctx, &mut pkt);
+    let Ok(sc) = scratch() else {
+        return (TC_ACT_OK, stat::PASS_MALFORMED);
+    };
+    // SAFETY: this CPU's scratch entry; `pkt` is this packet's.
+    let pkt = unsafe { &mut (*sc).pkt };
+    let code = parse(ctx, pkt);
     if code != 0 {
         return (TC_ACT_OK, code);
     }
@@ -376,11 +380,11 @@ fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
     };
     let verdict = match SVC6_V1.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
-        Some(fe) => translate(ctx, &mut pkt, &key, &unsafe { *fe }),
-        None => reply(ctx, &mut pkt, false),
+        Some(fe) => translate(ctx, pkt, &key, &unsafe { *fe }),
+        None => reply(ctx, pkt, false),
     };
     match verdict {
-        Verdict::Deliver(code) => deliver(ctx, &pkt, code),
+        Verdict::Deliver(code) => deliver(ctx, pkt, code),
         v => act(ctx, v),
     }
 }
@@ -397,12 +401,16 @@ pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
 
 #[inline(never)]
 fn run_egress_flow(ctx: &TcContext) -> (i32, u32) {
-    let mut pkt = Packet6::default();
-    let code = parse(ctx, &mut pkt);
+    let Ok(sc) = scratch() else {
+        return (TC_ACT_OK, stat::PASS_MALFORMED);
+    };
+    // SAFETY: this CPU's scratch entry; `pkt` is this packet's.
+    let pkt = unsafe { &mut (*sc).pkt };
+    let code = parse(ctx, pkt);
     if code != 0 {
         return (TC_ACT_OK, code);
     }
-    match reply(ctx, &mut pkt, true) {
+    match reply(ctx, pkt, true) {
         Verdict::Drop(code) => (TC_ACT_SHOT, code),
         Verdict::Pass(c) | Verdict::Deliver(c) | Verdict::Reject(c) => (TC_ACT_OK, c),
     }
@@ -490,9 +498,9 @@ pub fn config() -> Result<&'static Config, Verdict> {
     }
 }
 
-/// Per-CPU room for the forward path's larger values: the verifier allows
-/// 512 bytes of stack for a program's whole call chain, and IPv6 keys and
-/// entries are 40 bytes each. Each field has one user at a time (a program
+/// Per-CPU room for the packet and the forward path's larger values: the
+/// verifier allows 512 bytes of stack for a program's whole call chain, and
+/// IPv6 keys and entries are 40 bytes each. Each field has one user at a time (a program
 /// run owns its CPU's entry until it returns).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -502,8 +510,13 @@ pub struct Scratch6 {
     pub(crate) rkey: Ct6Key,
     pub(crate) entry: Ct6Value,
     pub(crate) to: Tuple6,
-    /// The packet, on the XDP path (tc keeps it on its stack).
-    pub(crate) xdp_pkt: Packet6,
+    /// The packet, as parsed. In the map, not on the stack: what the
+    /// verifier knows of a value read back from a map is its type, not the
+    /// constant one path of the parser gave it, so the paths of the parser
+    /// (protocols, extension headers, fragments) do not stay apart through
+    /// the rest of the program (5.10's verifier went past its million with
+    /// the packet on the stack).
+    pub(crate) pkt: Packet6,
 }
 
 #[btf_map]

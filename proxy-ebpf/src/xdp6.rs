@@ -130,9 +130,9 @@ fn parse(ctx: &XdpContext, pkt: &mut Packet6) -> bool {
 #[inline(always)]
 fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     let sc = ipv6::scratch()?;
-    // SAFETY: this CPU's scratch entry: `xdp_pkt` and `to` are this
+    // SAFETY: this CPU's scratch entry: `pkt` and `to` are this
     // packet's (the flow's fields are the flow functions').
-    let (pkt, to) = unsafe { (&mut (*sc).xdp_pkt, &mut (*sc).to) };
+    let (pkt, to) = unsafe { (&mut (*sc).pkt, &mut (*sc).to) };
     if !parse(ctx, pkt) {
         return Err(DEFER);
     }
