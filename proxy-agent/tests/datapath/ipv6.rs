@@ -205,7 +205,7 @@ fn ipv6_clusterip_tcp_dnat_and_reverse_nat_keep_the_checksum() {
     )]);
     let before = h.stats();
     let (rc, out) = h.run(&tcp6(CLIENT6, 40000, VIP6, 80, SYN));
-    assert_eq!(rc, TC_ACT_OK as u32);
+    assert_eq!(rc, TC_ACT_OK);
     assert_eq!(tuple6_checked(&out, L4_OFF6), (CLIENT6, 40000, B6, 8080));
     assert_eq!(&out[L4_OFF6 + 20..], b"hello", "payload intact");
     assert_eq!(delta(&h, &before, stat::FWD_NEW), 1);
@@ -219,7 +219,7 @@ fn ipv6_clusterip_tcp_dnat_and_reverse_nat_keep_the_checksum() {
     // the last hook towards the client.
     for prog in [Prog::PodIngress, Prog::ExtIngress, Prog::Egress] {
         let (rc, out) = h.run_prog(prog, &tcp6(B6, 8080, CLIENT6, 40000, SYN | ACK));
-        assert_eq!(rc, TC_ACT_OK as u32, "{prog:?}");
+        assert_eq!(rc, TC_ACT_OK, "{prog:?}");
         assert_eq!(
             tuple6_checked(&out, L4_OFF6),
             (VIP6, 80, CLIENT6, 40000),
@@ -245,7 +245,7 @@ fn ipv6_udp_and_sctp_are_translated_with_valid_checksums() {
         ),
     ]);
     let (rc, out) = h.run(&udp6(CLIENT6, 33000, VIP6, 53, b"query"));
-    assert_eq!(rc, TC_ACT_OK as u32);
+    assert_eq!(rc, TC_ACT_OK);
     assert_eq!(tuple6_checked(&out, L4_OFF6), (CLIENT6, 33000, B6, 5353));
     let (_, out) = h.run(&udp6(B6, 5353, CLIENT6, 33000, b"answer"));
     assert_eq!(tuple6_checked(&out, L4_OFF6), (VIP6, 53, CLIENT6, 33000));
@@ -321,7 +321,7 @@ fn ipv6_hop_by_hop_options_are_walked_routing_headers_pass() {
     );
     for f in [&routing, &deep] {
         let (rc, out) = h.run(f);
-        assert_eq!((rc, &out), (TC_ACT_OK as u32, f));
+        assert_eq!((rc, &out), (TC_ACT_OK, f));
     }
     assert_eq!(delta(&h, &before, stat::PASS_IPV6_EXT_HEADER), 2);
 }
@@ -398,7 +398,7 @@ fn ipv6_fragments_follow_their_first() {
     );
     let before = h.stats();
     let (rc, out) = h.run(&stray);
-    assert_eq!((rc, &out), (TC_ACT_OK as u32, &stray));
+    assert_eq!((rc, &out), (TC_ACT_OK, &stray));
     assert_eq!(delta(&h, &before, stat::PASS_FRAGMENT), 1);
 }
 
@@ -429,7 +429,7 @@ fn ipv6_what_is_not_a_frontend_passes_untouched() {
             let pass = if prog == Prog::ExtXdp {
                 2
             } else {
-                TC_ACT_OK as u32
+                TC_ACT_OK
             };
             assert_eq!((rc, &out), (pass, f), "{prog:?}");
         }
@@ -611,7 +611,7 @@ fn ipv6_load_balancer_source_ranges_filter_clients() {
     );
     let outsider = Ipv6Addr::new(0x2001, 2, 0, 9, 0, 0, 0, 1);
     let (rc, _) = h.run_prog(Prog::ExtIngress, &tcp6(outsider, 40000, lb, 80, SYN));
-    assert_eq!(rc, TC_ACT_SHOT as u32);
+    assert_eq!(rc, TC_ACT_SHOT);
     assert_eq!(delta(&h, &before, stat::DROP_SOURCE_RANGE), 1);
 }
 
@@ -675,7 +675,7 @@ fn ipv6_packet_too_big_reaches_the_client_translated() {
     let before = h.stats();
     for prog in [Prog::ExtIngress, Prog::PodIngress] {
         let (rc, out) = h.run_prog(prog, &ptb);
-        assert_eq!(rc, TC_ACT_OK as u32, "{prog:?}");
+        assert_eq!(rc, TC_ACT_OK, "{prog:?}");
         let (src, dst, inner) = icmp6_checked(&out);
         assert_eq!((src, dst), (VIP6, CLIENT6), "{prog:?}");
         assert_eq!(inner, (CLIENT6, 40000, VIP6, 80), "{prog:?}");
