@@ -426,11 +426,7 @@ fn ipv6_what_is_not_a_frontend_passes_untouched() {
             Prog::ExtXdp,
         ] {
             let (rc, out) = h.run_prog(prog, f);
-            let pass = if prog == Prog::ExtXdp {
-                2
-            } else {
-                TC_ACT_OK
-            };
+            let pass = if prog == Prog::ExtXdp { 2 } else { TC_ACT_OK };
             assert_eq!((rc, &out), (pass, f), "{prog:?}");
         }
     }
