@@ -50,7 +50,16 @@ fn connected_udp_sockets_of_both_families_are_found_and_destroyed() {
         let mapped = UdpSocket::bind("[::]:0").unwrap();
         mapped.connect(mapped_peer).unwrap();
 
-        let found = sockdiag::connected_udp().expect("socket diag dump");
+        let found = match sockdiag::connected_udp() {
+            Ok(found) => found,
+            // No UDP socket diag in this kernel (`udp_diag` not built in,
+            // and the VM runner's guests load no module): nothing to test.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                eprintln!("SKIPPED: this kernel has no UDP socket diag (udp_diag): {e}");
+                return;
+            }
+            Err(e) => panic!("socket diag dump: {e}"),
+        };
         for (s, peer) in [(&v4, v4_peer), (&v6, v6_peer), (&mapped, mapped_peer)] {
             let c = cookie(s);
             let d = found
