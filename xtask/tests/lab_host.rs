@@ -14,14 +14,13 @@
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use xtask::{HostClient, HostReply, Lab};
 
 mod support;
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Port, Slice, Svc};
-use support::{delete_pod, frontend, frontend6, stat};
+use support::{delete_pod, frontend, frontend6, stat, HostServer};
 
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 const NODE_PORT: u16 = 30080;
@@ -55,41 +54,6 @@ fn node_ip(lab: &Lab, node: &str) -> Ipv4Addr {
     lab.node_named(node).expect("node").ip
 }
 
-/// `n` requests `proto` to `addr` from `c`; answers by pod name (the
-/// first word of the reply), errors counted under `error:<kind>`. Asserts
-/// that what the client saw as its peer is `addr`, as the socket of
-/// `addr`'s family prints it (getpeername for TCP, the datagram's source
-/// for UDP).
-fn spread(
-    c: &mut HostClient,
-    proto: &str,
-    addr: impl Into<SocketAddr>,
-    n: usize,
-) -> BTreeMap<String, usize> {
-    let addr: SocketAddr = addr.into();
-    let mut counts = BTreeMap::new();
-    for _ in 0..n {
-        let r = match proto {
-            "TCP" => c.tcp(addr, "hostname"),
-            _ => c.udp(addr, "hostname"),
-        }
-        .expect("host client");
-        let key = match &r {
-            HostReply::Ok { peer, text } => {
-                assert_eq!(
-                    peer,
-                    &addr.to_string(),
-                    "{proto} {addr}: the client must see the frontend as its peer, saw {peer}"
-                );
-                text.split_whitespace().next().unwrap_or("").to_string()
-            }
-            HostReply::Err { kind, .. } => format!("error:{kind}"),
-        };
-        *counts.entry(key).or_default() += 1;
-    }
-    counts
-}
-
 fn assert_every(
     c: &mut HostClient,
     proto: &str,
@@ -98,7 +62,7 @@ fn assert_every(
     what: &str,
 ) {
     let addr: SocketAddr = addr.into();
-    let counts = spread(c, proto, addr, N);
+    let counts = support::host_spread(c, proto, addr, N);
     let want: BTreeMap<String, ()> = pods.iter().map(|p| (p.to_string(), ())).collect();
     let seen: BTreeMap<String, ()> = counts.keys().map(|k| (k.clone(), ())).collect();
     assert_eq!(seen, want, "{what}: {proto} {addr} answered by {counts:?}");
@@ -143,40 +107,6 @@ fn c4_n5_n15_node_reaches_cluster_ip_and_node_port() {
         let vip = frontend(lab, "web", 80, "TCP");
         assert_every(&mut c2, "TCP", vip, &pods, "node-2 → ClusterIP");
     });
-}
-
-/// A lab server in a node's own namespace: a hostNetwork endpoint.
-struct HostServer(Child);
-
-impl HostServer {
-    fn start(lab: &Lab, node: &str, name: &str, port: u16) -> Self {
-        let ns = lab.node_named(node).expect("node").netns.clone();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lab-server"));
-        cmd.args([
-            "--name",
-            name,
-            "--tcp",
-            &port.to_string(),
-            "--udp",
-            &port.to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-        xtask::netns::enter_netns_on_spawn(&mut cmd, &ns).expect("netns");
-        let mut child = cmd.spawn().expect("spawn lab-server");
-        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut out, &mut line).expect("ready line");
-        assert_eq!(line.trim(), "ready", "host server {name}");
-        HostServer(child)
-    }
-}
-
-impl Drop for HostServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// N21: endpoints that are hostNetwork (their addresses are the nodes'):
@@ -304,7 +234,7 @@ fn l1_l2_localhost_node_ports() {
             "L1: 127.0.0.1:nodePort",
         );
         let sticky = SocketAddrV4::new(Ipv4Addr::LOCALHOST, NODE_PORT + 1);
-        let counts = spread(&mut c, "TCP", sticky, 15);
+        let counts = support::host_spread(&mut c, "TCP", sticky, 15);
         assert_eq!(
             counts.len(),
             1,

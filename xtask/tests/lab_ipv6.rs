@@ -2,28 +2,47 @@
 //! namespaces of a dual-stack lab (`LabBuilder::dual_stack`: every pod and
 //! client has an address of each family, from 198.18.0.0/15 and
 //! 2001:2::/48; see `xtask::lab` for the address plan), through the agent's
-//! tc datapath. Each test builds its own lab (one node; two for D-lab-5 and
-//! D-lab-6, with the switch and the external client) and lets it drop at
+//! tc datapath. Each test builds its own lab (one node; two for D-lab-5,
+//! D-lab-6 and D14, with the switch and the external client) and lets it drop at
 //! the end, also on failure. The IDs name upstream's dual-stack e2e
 //! behaviours (test/e2e/network/dual_stack.go, and service.go's where the
 //! dual-stack file has none) as the lab reproduces them.
 //!
 //! D-lab-1 checks the lab's own IPv6 plumbing (no Service): it holds with
-//! any datapath that lets IPv6 pass. D-lab-2 to D-lab-8 need the agent to
-//! serve IPv6 Services. Before each Service check, the test asserts that
+//! any datapath that lets IPv6 pass. The others need the agent to serve
+//! IPv6 Services. Before each Service check, the test asserts that
 //! every pod answers on its own IPv6 address (from where the Service is
 //! reached), so a failure there is the IPv6 Service's.
 //!
-//! | ID | what |
-//! | --- | --- |
-//! | D-lab-1 | the dual-stack lab's addressing; pods answer on their IPv6 addresses |
-//! | D-lab-2 | an IPv6-only Service's ClusterIP, TCP and UDP |
-//! | D-lab-3 | dual-stack Services answer on both ClusterIPs |
-//! | D-lab-4 | a deleted pod stops answering on the IPv6 ClusterIP |
-//! | D-lab-5 | two nodes: the IPv6 ClusterIP answered by pods on both, no SNAT |
-//! | D-lab-6 | two nodes: IPv6 NodePort from the external client, eTP Cluster (SNAT to the node) and Local (client address kept), with and without XDP |
-//! | D-lab-7 | hairpin: a pod reaching itself through its IPv6 ClusterIP (SNAT to the node's IPv6 address, or `--hairpin-snat-ip6`) |
-//! | D-lab-8 | an IPv6 Service without endpoints refuses TCP and UDP (ICMPv6 port unreachable), not a timeout |
+//! The last column maps each test to the rows of section C of
+//! `../shared/conformance/service-behaviours.md` (from the repository root,
+//! as in the README: dual_stack.go's "Granular Checks: Services Secondary
+//! IP Family", D1–D14) it reproduces, wholly or the part named.
+//!
+//! | ID | what | rows |
+//! | --- | --- | --- |
+//! | D-lab-1 | the dual-stack lab's addressing; pods answer on their IPv6 addresses | none (dual_stack.go's pod IP checks, before section C) |
+//! | D-lab-2 | an IPv6-only Service's ClusterIP, TCP and UDP | D1, D2: pod → ClusterIP (the only one, IPv6) |
+//! | D-lab-3 | dual-stack Services answer on both ClusterIPs | D1: pod → secondary ClusterIP, TCP |
+//! | D-lab-4 | a deleted pod stops answering on the IPv6 ClusterIP | D8, D9 |
+//! | D-lab-5 | two nodes: the IPv6 ClusterIP answered by pods on both, no SNAT | D1, D2: pod → ClusterIP, endpoints on both nodes |
+//! | D-lab-6 | two nodes: IPv6 NodePort from the external client, eTP Cluster (SNAT to the node) and Local (client address kept), with and without XDP | D1, D2: the nodePort half, from outside the cluster rather than from a pod |
+//! | D-lab-7 | hairpin: a pod reaching itself through its IPv6 ClusterIP (SNAT to the node's IPv6 address, or `--hairpin-snat-ip6`) | D6, D7: endpoint pod → ClusterIP |
+//! | D-lab-8 | an IPv6 Service without endpoints refuses TCP and UDP (ICMPv6 port unreachable), not a timeout | none (service.go's "should be rejected when no endpoints exist") |
+//! | D10, D11 | ClientIP session affinity on the secondary ClusterIP: 10 TCP and 10 UDP dials land on one pod; without affinity on several | D10, D11 |
+//! | D12, D13 | 2,000-byte TCP and UDP echoes through the secondary ClusterIP; the UDP one in IPv6 fragments, both ways | D12, D13 |
+//! | D14 | hostNetwork endpoints (the nodes' addresses), two nodes: pod and node (host client) → secondary ClusterIP and node-1's IPv6 NodePort, TCP and UDP, and 2,000-byte echoes | D14 |
+//!
+//! Not covered here:
+//! - D3 (SCTP over the secondary family): the lab's SCTP client is IPv4
+//!   only (`xtask::client::Request::Sctp` refuses an IPv6 address) and the
+//!   pods' SCTP listeners are IPv4 only (`lab-server --sctp`).
+//! - D4, D5 (node → secondary ClusterIP and nodePort, pod endpoints): the
+//!   ClusterIP half is `lab_host.rs`'s H6-1 (IPv6-only Service); the
+//!   nodePort half only with hostNetwork endpoints, in D14.
+//! - D1, D2, D6, D7's nodePort half from a pod (pod endpoints): from a pod
+//!   only with hostNetwork endpoints (D14), else from the external client
+//!   (D-lab-6).
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_ipv6 -- --include-ignored`.
@@ -42,8 +61,10 @@ use xtask::manifests::Object;
 use xtask::Lab;
 
 mod support;
-use support::fixtures::{manifests, tcp_and_udp, Pod, Svc};
-use support::{assert_answered_by, delete_pod, frontend, frontend6, run_lab, T};
+use support::fixtures::{manifests, tcp_and_udp, Pod, Port, Svc};
+use support::{
+    all_answered, assert_answered_by, delete_pod, frontend, frontend6, run_lab, HostServer, T,
+};
 
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
@@ -64,6 +85,16 @@ const REFUSED_WITHIN: Duration = Duration::from_millis(500);
 /// --reject-with icmp6-port-unreachable`, refused after 1.02 s in the same
 /// lab, where IPv4's ICMP is taken at once.
 const TCP_REFUSED_WITHIN: Duration = Duration::from_millis(1500);
+/// Dials per protocol of the session-affinity checks (D10, D11), as
+/// upstream's.
+const AFFINITY_DIALS: usize = 10;
+/// Bytes echoed by the large-request checks (D12, D13, D14), as upstream's.
+const LARGE: usize = 2000;
+/// Large requests per protocol and client.
+const LARGE_TRIES: usize = 5;
+/// The port of the hostNetwork endpoints' servers (D14), in the nodes' own
+/// namespaces: upstream's netexec port.
+const HOST_PORT: u16 = 9376;
 
 // ---------------------------------------------------------------- lab runner
 
@@ -269,6 +300,70 @@ fn service_families(lab: &Lab, name: &str) -> (Vec<String>, Vec<String>, String)
         spec.ip_families.clone().unwrap_or_default(),
         spec.ip_family_policy.clone().unwrap_or_default(),
     )
+}
+
+/// [`LARGE`] bytes of printable text, no space or newline (a TCP request
+/// ends at its newline; the host client's at its line's end).
+fn large_payload() -> Vec<u8> {
+    (0..LARGE)
+        .map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[i % 36])
+        .collect()
+}
+
+/// Asserts that `tries` `echo <`[`large_payload`]`>` requests over `proto`
+/// from `ns` to `addr` (new connections; UDP: one datagram each, from a new
+/// socket) are all answered with exactly the payload and a newline.
+fn assert_large_echo(ns: &str, addr: SocketAddr, proto: &str, tries: usize, what: &str) {
+    let data = large_payload();
+    let mut request = b"echo ".to_vec();
+    request.extend_from_slice(&data);
+    if proto == "TCP" {
+        request.push(b'\n');
+    }
+    let mut want = data.clone();
+    want.push(b'\n');
+    for i in 1..=tries {
+        let reply = match proto {
+            "TCP" => client::tcp_request(ns, addr, &request, T),
+            _ => client::udp_request(ns, addr, &request, T, None),
+        }
+        .unwrap_or_else(|e| {
+            panic!(
+                "{what}: {proto} request {i} of {} bytes to {addr}: {e}",
+                request.len()
+            )
+        });
+        println!(
+            "{what}: {proto} request {i} of {} bytes to {addr}: {} bytes back",
+            request.len(),
+            reply.len()
+        );
+        assert!(
+            reply == want,
+            "{what}: {proto} {addr} try {i}: echo not intact: {} bytes back, expected {} ({:?}...)",
+            reply.len(),
+            want.len(),
+            String::from_utf8_lossy(&reply[..reply.len().min(60)])
+        );
+    }
+}
+
+/// The MTU of `dev` in namespace `ns`.
+fn link_mtu(ns: &str, dev: &str) -> usize {
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns, "-o", "link", "show", "dev", dev])
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip -n {ns} link show dev {dev}: {out:?}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "mtu")
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("no mtu in {text:?}"))
 }
 
 // ================================================================ tests
@@ -748,5 +843,240 @@ fn d_lab_8_ipv6_service_without_endpoints_refuses() {
             &["late-1"],
             "D-lab-8 UDP, late-1 created",
         );
+    });
+}
+
+/// D10, D11 — "should function for client IP based session affinity:
+/// http/udp" on the secondary ClusterIP: `sticky`, a dual-stack Service
+/// (`ipFamilies: [IPv4, IPv6]`: its IPv6 ClusterIP is `clusterIPs[1]`) with
+/// `sessionAffinity: ClientIP` over three pods. From the client pod, 10 new
+/// TCP connections to its IPv6 ClusterIP are all answered by one pod, and
+/// 10 UDP requests (each from a new socket, so a new flow) by one pod
+/// (per protocol: TCP and UDP are frontends of their own, each may pick
+/// another pod); the datapath counts an `affinity_hit` for every dial
+/// after the first of each. The same 10 dials to `spread`, the same Service
+/// without affinity over the same pods, reach more than one pod (3 ×
+/// (1/3)^10 ≈ 5e-5 that they do not): the sticky result is the affinity's.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d10_d11_session_affinity_on_the_ipv6_cluster_ip() {
+    let sticky = Svc::new("sticky")
+        .selector("aff")
+        .dual_stack()
+        .client_ip_affinity(None)
+        .ports(tcp_and_udp(PORT));
+    let spread = Svc::new("spread")
+        .selector("aff")
+        .dual_stack()
+        .no_affinity()
+        .ports(tcp_and_udp(PORT));
+    let pods = pods("aff", 3);
+    let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&sticky, &spread];
+    objects.extend(pods.iter().map(|p| p as &dyn support::fixtures::Manifest));
+    let yaml = manifests(&objects);
+    with_lab("d10-d11", &yaml, |lab| {
+        let all = ["aff-1", "aff-2", "aff-3"];
+        pods_answer_directly6(lab, &all, "D10/D11");
+        let c = lab.client().netns.clone();
+        let secondary = |name: &str| {
+            let (ips, families, _) = service_families(lab, name);
+            assert_eq!(families, ["IPv4", "IPv6"], "{name}");
+            ips[1].parse::<IpAddr>().expect("a clusterIP")
+        };
+        let hits = support::stat(lab, "node-1", "affinity_hit");
+        for (row, proto) in [("D10", "TCP"), ("D11", "UDP")] {
+            let vip = frontend6(lab, "sticky", PORT, proto);
+            assert_eq!(vip.ip(), secondary("sticky"), "{row}: clusterIPs[1]");
+            let what = format!("{row} {proto} → IPv6 ClusterIP, ClientIP affinity");
+            let counts = all_answered(&c, vip, proto, AFFINITY_DIALS, &what);
+            assert_eq!(
+                counts.len(),
+                1,
+                "{what}: {AFFINITY_DIALS} dials from one client answered by several pods: {counts:?}"
+            );
+
+            let vip = frontend6(lab, "spread", PORT, proto);
+            assert_eq!(vip.ip(), secondary("spread"), "{row}: clusterIPs[1]");
+            let what = format!("{row} {proto} → IPv6 ClusterIP, no affinity");
+            let counts = all_answered(&c, vip, proto, AFFINITY_DIALS, &what);
+            assert!(
+                counts.len() > 1,
+                "{what}: {AFFINITY_DIALS} dials all answered by one pod ({counts:?}): \
+                 the affinity check above could not have failed"
+            );
+        }
+        let hits = support::stat(lab, "node-1", "affinity_hit") - hits;
+        println!("D10/D11: affinity_hit grew by {hits}");
+        assert!(
+            hits >= 2 * (AFFINITY_DIALS as u64 - 1),
+            "D10/D11: affinity_hit grew by {hits}, expected at least {} (every dial after the first, per protocol)",
+            2 * (AFFINITY_DIALS - 1)
+        );
+    });
+}
+
+/// D12, D13 — "should be able to handle large requests: http/udp" on the
+/// secondary ClusterIP: a dual-stack Service over three pods. From the
+/// client pod, to its IPv6 ClusterIP:
+/// - TCP: `echo <2,000 bytes>` on new connections (segments of at most the
+///   MSS, no fragments), answered with exactly those bytes.
+/// - UDP: first a small datagram is answered (the path works), then
+///   `echo <2,000 bytes>` in one datagram, each from a new socket: 2,053
+///   bytes of IPv6 packet on the client's 1,500-byte `eth0`, so the client
+///   sends it in two fragments, and the pod's 2,049-byte answer comes back
+///   in two. The answer must be the payload exactly: the datapath records
+///   the first fragment's ports and translates the later one to the same
+///   pod (with three pods, a later fragment sent elsewhere would never be
+///   reassembled), both ways. `fragment_tracked` grows by at least two
+///   per request (the first fragment of the request, and of its answer).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d12_d13_large_requests_through_the_ipv6_cluster_ip() {
+    let svc = Svc::new("echo")
+        .selector("echo")
+        .dual_stack()
+        .ports(tcp_and_udp(PORT));
+    let yaml = yaml(Some(&svc), &pods("echo", 3));
+    with_lab("d12-d13", &yaml, |lab| {
+        let all = ["echo-1", "echo-2", "echo-3"];
+        pods_answer_directly6(lab, &all, "D12/D13");
+        let c = lab.client().netns.clone();
+        let (ips, _, _) = service_families(lab, "echo");
+        let tcp = frontend6(lab, "echo", PORT, "TCP");
+        let udp = frontend6(lab, "echo", PORT, "UDP");
+        assert_eq!(tcp.ip().to_string(), ips[1], "clusterIPs[1]");
+        assert_large_echo(&c, tcp, "TCP", LARGE_TRIES, "D12");
+
+        let mtu = link_mtu(&c, "eth0");
+        assert!(
+            mtu < LARGE + 5 + 8 + 40,
+            "D13: the client's eth0 has MTU {mtu}: a {LARGE}-byte datagram would not be fragmented"
+        );
+        all_answered(&c, udp, "UDP", 5, "D13 small datagrams first");
+        let before = support::stat(lab, "node-1", "fragment_tracked");
+        assert_large_echo(&c, udp, "UDP", LARGE_TRIES, "D13");
+        let tracked = support::stat(lab, "node-1", "fragment_tracked") - before;
+        println!(
+            "D13: fragment_tracked grew by {tracked}, pass_fragment is {}",
+            support::stat(lab, "node-1", "pass_fragment")
+        );
+        assert!(
+            tracked >= 2 * LARGE_TRIES as u64,
+            "D13: fragment_tracked grew by {tracked} over {LARGE_TRIES} fragmented requests \
+             and their fragmented answers: expected a first fragment recorded each way"
+        );
+    });
+}
+
+/// D14 — "should function for service endpoints using hostNetwork" on the
+/// secondary family (N21 over IPv6): two nodes, a dual-stack NodePort
+/// Service (`clusterIPs[1]` IPv6) whose endpoints are the hostNetwork pods
+/// `host-1` on node-1 and `host-2` on node-2: their `podIPs` are their
+/// nodes' addresses (2001:2::a, 2001:2::b), their servers (started by the
+/// test in the nodes' namespaces, TCP and UDP on [`HOST_PORT`], the
+/// Service's targetPort) the nodes' own. After checking that the client pod
+/// reaches each server straight at its node's IPv6 address, TCP and UDP are
+/// answered by both endpoints
+/// - from the client pod (node-1), on the IPv6 ClusterIP and on node-1's
+///   IPv6 address at the NodePort;
+/// - from node-1's host client (its namespace and cgroup: the socket
+///   hooks), on the same two, each answer's peer being the address dialled;
+///
+/// and a 2,000-byte echo over TCP and UDP through the IPv6 ClusterIP is
+/// answered intact, from the client pod (the UDP datagram in fragments) and
+/// from the host client.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d14_host_network_endpoints_over_ipv6() {
+    let svc = Svc::new("hostnet")
+        .service_type("NodePort")
+        .selector("hostnet")
+        .dual_stack()
+        .port(Port::tcp("tcp", PORT).target_port(HOST_PORT))
+        .port(Port::udp("udp", PORT).target_port(HOST_PORT));
+    let pods: Vec<Pod> = ["node-1", "node-2"]
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            Pod::new(&format!("host-{}", i + 1), "hostnet")
+                .host_network()
+                .node(node)
+                .port(HOST_PORT, "TCP")
+                .port(HOST_PORT, "UDP")
+        })
+        .collect();
+    let yaml = yaml(Some(&svc), &pods);
+    with_nodes("d14", 2, &yaml, &[], |lab| {
+        let both = ["host-1", "host-2"];
+        let mut servers = Vec::new();
+        for (name, node) in both.iter().zip(["node-1", "node-2"]) {
+            let p = lab.pod(name).unwrap_or_else(|| panic!("no pod {name}"));
+            let n = lab.node_named(node).expect("node");
+            assert_eq!(
+                (p.ip, p.ip6, p.netns.as_str()),
+                (n.ip, n.ip6, n.netns.as_str()),
+                "{name}: a hostNetwork pod has its node's addresses and namespace"
+            );
+            servers.push(HostServer::start(lab, node, name, HOST_PORT));
+        }
+        let c = lab.client().netns.clone();
+        for (name, node) in both.iter().zip(["node-1", "node-2"]) {
+            let direct = SocketAddr::new(node_ip6(lab, node), HOST_PORT);
+            let what = format!("D14: straight to {name} at {direct}");
+            assert_answered_by(&c, direct, "TCP", 1, &[*name], &what);
+            assert_answered_by(&c, direct, "UDP", 1, &[*name], &what);
+        }
+
+        let (ips, _, _) = service_families(lab, "hostnet");
+        let mut targets = Vec::new();
+        for proto in ["TCP", "UDP"] {
+            let vip = frontend6(lab, "hostnet", PORT, proto);
+            assert_eq!(vip.ip().to_string(), ips[1], "clusterIPs[1]");
+            targets.push((proto, "IPv6 ClusterIP", vip));
+            let np = node_port6(lab, "hostnet", PORT, proto, "node-1");
+            targets.push((proto, "node-1's IPv6 NodePort", np));
+        }
+        for (proto, what, addr) in &targets {
+            let what = format!("D14 pod → {what} (hostNetwork endpoints)");
+            assert_answered_by(&c, *addr, proto, N, &both, &what);
+        }
+        let mut host = lab
+            .host_client("node-1")
+            .unwrap_or_else(|e| panic!("host client on node-1: {e:#}"));
+        for (proto, what, addr) in &targets {
+            let what = format!("D14 node-1 → {what} (hostNetwork endpoints)");
+            let counts = support::host_spread(&mut host, proto, *addr, N);
+            println!("{what}: {N} {proto} requests to {addr}: {counts:?}");
+            assert_eq!(
+                counts.keys().map(String::as_str).collect::<Vec<_>>(),
+                both,
+                "{what}: {proto} {addr} answered by {counts:?}"
+            );
+        }
+
+        let tcp = frontend6(lab, "hostnet", PORT, "TCP");
+        let udp = frontend6(lab, "hostnet", PORT, "UDP");
+        assert_large_echo(&c, tcp, "TCP", LARGE_TRIES, "D14 pod");
+        assert_large_echo(&c, udp, "UDP", LARGE_TRIES, "D14 pod");
+        let data = large_payload();
+        let request = format!("echo {}", String::from_utf8_lossy(&data));
+        for (proto, addr) in [("TCP", tcp), ("UDP", udp)] {
+            for i in 1..=LARGE_TRIES {
+                let r = match proto {
+                    "TCP" => host.tcp(addr, &request),
+                    _ => host.udp(addr, &request),
+                }
+                .expect("host client");
+                let text = r.text().map(str::as_bytes);
+                let len = text.map(<[u8]>::len);
+                println!("D14 node-1 {proto} large request {i} to {addr}: {len:?} bytes back");
+                assert!(
+                    text == Some(&data[..]),
+                    "D14 node-1 {proto} {addr} try {i}: echo not intact ({len:?} bytes back, {:?})",
+                    r.error_kind()
+                );
+            }
+        }
+        drop(servers);
     });
 }

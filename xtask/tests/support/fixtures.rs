@@ -361,6 +361,15 @@ impl Pod {
         self
     }
 
+    /// `spec.hostNetwork: true`: the lab gives the pod its node's addresses
+    /// as `podIPs` (both families in a dual-stack lab) and its node's
+    /// namespace, and starts no server for it (a test starts one there:
+    /// [`super::HostServer`]).
+    pub fn host_network(mut self) -> Pod {
+        self.spec().host_network = Some(true);
+        self
+    }
+
     /// Declares container port `port`/`protocol`.
     pub fn port(self, port: u16, protocol: &str) -> Pod {
         self.declare(None, port, protocol)

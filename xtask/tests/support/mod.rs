@@ -16,7 +16,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream, UdpSocket};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -320,6 +320,45 @@ pub fn client_on(lab: &mut Lab, node: &str, sync_timeout: Duration) -> Endpoint 
         .unwrap_or_else(|e| panic!("add_client_on({name}, {node}): {e:#}"));
     attached(lab, sync_timeout);
     c
+}
+
+/// A lab server in a node's own namespace: a hostNetwork endpoint (the lab
+/// starts none for a hostNetwork pod). It answers TCP and UDP on `port` as
+/// `name`, on IPv6 too when the lab is dual-stack; killed on drop.
+pub struct HostServer(Child);
+
+impl HostServer {
+    pub fn start(lab: &Lab, node: &str, name: &str, port: u16) -> Self {
+        let ns = lab.node_named(node).expect("node").netns.clone();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_lab-server"));
+        cmd.args([
+            "--name",
+            name,
+            "--tcp",
+            &port.to_string(),
+            "--udp",
+            &port.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        if lab.is_dual_stack() {
+            cmd.arg("--ipv6");
+        }
+        xtask::netns::enter_netns_on_spawn(&mut cmd, &ns).expect("netns");
+        let mut child = cmd.spawn().expect("spawn lab-server");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("ready line");
+        assert_eq!(line.trim(), "ready", "host server {name}");
+        HostServer(child)
+    }
+}
+
+impl Drop for HostServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The (IPv4) ClusterIP frontend of `service`'s `proto` port `port`.
@@ -711,4 +750,41 @@ pub fn describe(shots: &[Shot], origin: Instant) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// `n` requests `proto` to `addr` from the host client `c`; answers by pod
+/// name (the first word of the reply), errors counted under
+/// `error:<kind>`. Asserts that what the client saw as its peer is `addr`,
+/// as the socket of `addr`'s family prints it (getpeername for TCP, the
+/// datagram's source for UDP): the hooks show the frontend, not the
+/// endpoint.
+#[allow(dead_code)] // Not every lab test file uses it.
+pub fn host_spread(
+    c: &mut xtask::HostClient,
+    proto: &str,
+    addr: impl Into<std::net::SocketAddr>,
+    n: usize,
+) -> std::collections::BTreeMap<String, usize> {
+    let addr: std::net::SocketAddr = addr.into();
+    let mut counts = std::collections::BTreeMap::new();
+    for _ in 0..n {
+        let r = match proto {
+            "TCP" => c.tcp(addr, "hostname"),
+            _ => c.udp(addr, "hostname"),
+        }
+        .expect("host client");
+        let key = match &r {
+            xtask::HostReply::Ok { peer, text } => {
+                assert_eq!(
+                    peer,
+                    &addr.to_string(),
+                    "{proto} {addr}: the client must see the frontend as its peer, saw {peer}"
+                );
+                text.split_whitespace().next().unwrap_or("").to_string()
+            }
+            xtask::HostReply::Err { kind, .. } => format!("error:{kind}"),
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
 }
