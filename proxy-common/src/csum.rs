@@ -49,6 +49,35 @@ pub const fn words(addr_be: u32) -> [u16; 2] {
     ]
 }
 
+/// What a checksum's one's-complement sum gains when 16-bit field `old`
+/// becomes `new` (RFC 1624), in memory order.
+#[inline(always)]
+pub const fn diff16(old: u16, new: u16) -> u32 {
+    (!old) as u32 + new as u32
+}
+
+/// As [`diff16`] for a 32-bit field (an IPv4 address), as two words.
+#[inline(always)]
+pub const fn diff32(old: u32, new: u32) -> u32 {
+    let (o, n) = (words(old), words(new));
+    (!o[0]) as u32 + (!o[1]) as u32 + n[0] as u32 + n[1] as u32
+}
+
+/// As [`diff16`] for an IPv6 address (four words of its bytes).
+#[inline(always)]
+pub const fn diff128(old: &[u32; 4], new: &[u32; 4]) -> u32 {
+    diff32(old[0], new[0])
+        + diff32(old[1], new[1])
+        + diff32(old[2], new[2])
+        + diff32(old[3], new[3])
+}
+
+/// Checksum `check` updated by the sum of field differences `diff`.
+#[inline(always)]
+pub const fn apply(check: u16, diff: u32) -> u16 {
+    !fold((!check) as u32 + fold(diff) as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,7 +36,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    csum, ct_dir, ct_flags, stat, Addr6, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    csum::{apply, diff128, diff16},
+    ct_dir, ct_flags, stat, Addr6, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
@@ -275,28 +276,6 @@ fn about_a_flow(m: &IcmpError6) -> bool {
         && (m.inner.nexthdr == IPPROTO_TCP
             || m.inner.nexthdr == IPPROTO_UDP
             || m.inner.nexthdr == IPPROTO_SCTP)
-}
-
-/// What a checksum's sum gains when address `old` becomes `new` (RFC 1624).
-#[inline(always)]
-fn diff128(old: &Addr6, new: &Addr6) -> u32 {
-    let mut d = 0u32;
-    for i in 0..4 {
-        let (o, n) = (csum::words(old[i]), csum::words(new[i]));
-        d += (!o[0]) as u32 + (!o[1]) as u32 + n[0] as u32 + n[1] as u32;
-    }
-    d
-}
-
-#[inline(always)]
-fn diff16(old: u16, new: u16) -> u32 {
-    (!old) as u32 + new as u32
-}
-
-/// Checksum `check` updated by the sum of field differences `diff`.
-#[inline(always)]
-fn apply(check: u16, diff: u32) -> u16 {
-    !csum::fold((!check) as u32 + csum::fold(diff) as u32)
 }
 
 /// Writes `to` into the error, its checksums kept valid.

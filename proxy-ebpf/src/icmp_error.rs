@@ -26,8 +26,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    csum, ct_dir, ct_flags, stat, Ct4Key, Ct4Value, IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP,
-    IPPROTO_UDP,
+    csum::{apply, diff16, diff32},
+    ct_dir, ct_flags, stat, Ct4Key, Ct4Value, IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
@@ -243,26 +243,6 @@ fn client_of(m: &IcmpError4, r: &Ct4Value) -> (u32, u16) {
             m.sport_be
         },
     )
-}
-
-/// What a checksum's one's-complement sum gains when 32-bit field `old`
-/// becomes `new` (RFC 1624), as two 16-bit words in memory order.
-#[inline(always)]
-fn diff32(old: u32, new: u32) -> u32 {
-    let (o, n) = (csum::words(old), csum::words(new));
-    (!o[0]) as u32 + (!o[1]) as u32 + n[0] as u32 + n[1] as u32
-}
-
-/// As [`diff32`] for a 16-bit field.
-#[inline(always)]
-fn diff16(old: u16, new: u16) -> u32 {
-    (!old) as u32 + new as u32
-}
-
-/// Checksum `check` updated by the sum of field differences `diff`.
-#[inline(always)]
-fn apply(check: u16, diff: u32) -> u16 {
-    !csum::fold((!check) as u32 + csum::fold(diff) as u32)
 }
 
 /// Writes `to` into the error, every checksum kept valid.

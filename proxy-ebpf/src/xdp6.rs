@@ -24,7 +24,9 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use proxy_common::{
-    backend_state, csum, stat, Addr6, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+    backend_state,
+    csum::{apply, diff128, diff16},
+    stat, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
 };
 
 use crate::{
@@ -308,27 +310,14 @@ fn transmit(
     Ok((r, stat::XDP_REDIRECT))
 }
 
-/// What a checksum's sum gains when address `old` becomes `new` (RFC 1624).
-#[inline(always)]
-fn diff128(old: &Addr6, new: &Addr6) -> u32 {
-    let mut d = 0u32;
-    for i in 0..4 {
-        let (o, n) = (csum::words(old[i]), csum::words(new[i]));
-        d += (!o[0]) as u32 + (!o[1]) as u32 + n[0] as u32 + n[1] as u32;
-    }
-    d
-}
-
 /// Rewrites the frame's addresses and ports in place to `to`, the L4
 /// checksum updated incrementally over the pseudo-header.
 #[inline(always)]
 fn rewrite(ctx: &XdpContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
     let diff = diff128(&pkt.saddr_be, &to.saddr_be)
         + diff128(&pkt.daddr_be, &to.daddr_be)
-        + (!pkt.sport_be) as u32
-        + to.sport_be as u32
-        + (!pkt.dport_be) as u32
-        + to.dport_be as u32;
+        + diff16(pkt.sport_be, to.sport_be)
+        + diff16(pkt.dport_be, to.dport_be);
     // A constant offset per protocol: one read back from the scratch entry
     // is a number the verifier knows no bound of.
     let c = if pkt.proto == IPPROTO_TCP {
@@ -345,7 +334,7 @@ fn rewrite(ctx: &XdpContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdi
         // A UDP checksum of 0 (not allowed over IPv6, but sent) stays; a
         // computed 0 is sent as 0xffff.
         if !(pkt.proto == IPPROTO_UDP && old == 0) {
-            let v = !csum::fold((!old) as u32 + csum::fold(diff) as u32);
+            let v = apply(old, diff);
             *c = if v == 0 && pkt.proto == IPPROTO_UDP {
                 0xffff
             } else {
