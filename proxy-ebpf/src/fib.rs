@@ -120,14 +120,26 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
+    redirect(ctx, &p, rc)
+}
+
+/// The send of a tc frame the FIB answered for with `p` (`rc`: success, or
+/// no neighbour entry yet), either family, its TTL or hop limit already
+/// decremented: `bpf_redirect_neigh` to the next hop the FIB wrote when the
+/// neighbour is unresolved; else the FIB's MACs and `bpf_redirect_peer`
+/// into a pod or `bpf_redirect`.
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, p: &FibParams, rc: u32) -> (i32, u32) {
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
         let mut nh = bpf_redir_neigh {
-            nh_family: AF_INET as u32,
+            nh_family: p.family as u32,
             // SAFETY: a union of plain integers; all zeroes is valid.
             __bindgen_anon_1: unsafe { core::mem::zeroed() },
         };
-        // SAFETY: writing a plain field of a stack union.
-        unsafe { nh.__bindgen_anon_1.ipv4_nh = p.__bindgen_anon_4.ipv4_dst };
+        // SAFETY: plain fields of stack unions. Both unions lay an IPv4
+        // address over the first word of an IPv6 one: copying the IPv6
+        // words copies the next hop of either family.
+        unsafe { nh.__bindgen_anon_1.ipv6_nh = p.__bindgen_anon_4.ipv6_dst };
         // SAFETY: nh is a stack struct of the size given.
         let r = unsafe {
             bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)

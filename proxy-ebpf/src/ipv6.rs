@@ -40,14 +40,13 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, bpf_redir_neigh, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK,
-        TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{lpm_trie::Key as LpmKey, PerCpuArray, ProgramArray},
     helpers::{
         bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
-        bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_tail,
+        bpf_skb_change_tail,
     },
     macros::btf_map,
     programs::TcContext,
@@ -58,7 +57,7 @@ use proxy_common::{
         alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
         tcp_state, NSEC_PER_SEC,
     },
-    crc32c, csum, ct_dir, ct_flags, iface_flags,
+    crc32c, csum, ct_dir, ct_flags,
     ipv6::fold6,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
     stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct6Key, Ct6Value,
@@ -68,8 +67,8 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, FRAG6_V1, IFACE_V1,
-        MAGLEV4_V1, REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
+        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, FRAG6_V1, MAGLEV4_V1,
+        REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
     },
     parse::ETH_HLEN,
     verdict::Verdict,
@@ -1293,38 +1292,5 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     if ctx.store(IP6_HOP_OFF, &(hop - 1), 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        let mut nh = bpf_redir_neigh {
-            nh_family: AF_INET6 as u32,
-            // SAFETY: a union of plain integers; all zeroes is valid.
-            __bindgen_anon_1: unsafe { core::mem::zeroed() },
-        };
-        // SAFETY: plain fields of stack unions.
-        unsafe { nh.__bindgen_anon_1.ipv6_nh = p.__bindgen_anon_4.ipv6_dst };
-        // SAFETY: nh is a stack struct of the size given.
-        let r = unsafe {
-            bpf_redirect_neigh(p.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0)
-        };
-        return (r as i32, stat::REDIRECT_NEIGH);
-    }
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&p.dmac);
-    macs[6..].copy_from_slice(&p.smac);
-    if ctx.store(0, &macs, 0).is_err() {
-        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
-    }
-    let pod = match IFACE_V1.get_ptr(p.ifindex) {
-        // SAFETY: map value pointer, read once.
-        Some(i) => (unsafe { (*i).flags } & iface_flags::POD) != 0,
-        None => false,
-    };
-    // SAFETY: plain helpers taking an ifindex.
-    let r = unsafe {
-        if pod {
-            bpf_redirect_peer(p.ifindex, 0)
-        } else {
-            bpf_redirect(p.ifindex, 0)
-        }
-    };
-    (r as i32, stat::REDIRECT)
+    crate::fib::redirect(ctx, &p, rc)
 }
