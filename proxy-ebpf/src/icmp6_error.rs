@@ -41,6 +41,7 @@ use proxy_common::{
 };
 
 use crate::{
+    icmp_error::inner_l4_check,
     ipv6::{self, Ipv6Hdr, Packet6},
     maps::{BACKEND6_V1, CT6_V1, REVNAT6_V1},
     parse::ETH_HLEN,
@@ -288,27 +289,13 @@ fn rewrite(ctx: &TcContext, m: &mut IcmpError6, to: &Rewrite6) -> Result<(), ()>
         + diff128(&m.inner.daddr_be, &to.inner_daddr_be);
     let inner_tuple =
         inner_addrs + diff16(m.sport_be, to.sport_be) + diff16(m.dport_be, to.dport_be);
-    let tcp_check =
-        if m.inner.nexthdr == IPPROTO_TCP && ctx.len() as usize >= INNER_TCP_CSUM_OFF + 2 {
-            ctx.load::<u16>(INNER_TCP_CSUM_OFF).ok()
-        } else {
-            None
-        };
-    let l4_check_old = match tcp_check {
-        Some(c) => c,
-        None if m.inner.nexthdr == IPPROTO_UDP => m.l4_rest[1],
-        None => 0,
-    };
-    let l4_check_new = match tcp_check {
-        Some(c) => apply(c, inner_tuple),
-        None if m.inner.nexthdr == IPPROTO_UDP && l4_check_old != 0 => {
-            match apply(l4_check_old, inner_tuple) {
-                0 => 0xffff,
-                c => c,
-            }
-        }
-        None => l4_check_old,
-    };
+    let (tcp_check, l4_check_old, l4_check_new) = inner_l4_check(
+        ctx,
+        m.inner.nexthdr,
+        INNER_TCP_CSUM_OFF,
+        m.l4_rest[1],
+        inner_tuple,
+    );
     m.icmp_check = apply(
         m.icmp_check,
         outer + inner_tuple + diff16(l4_check_old, l4_check_new),

@@ -245,6 +245,41 @@ fn client_of(m: &IcmpError4, r: &Ct4Value) -> (u32, u16) {
     )
 }
 
+/// The inner L4 checksum of an ICMP(v6) error about a packet of `proto`,
+/// before and after its tuple changes by the sum of differences
+/// `inner_tuple`: TCP's, at `tcp_csum_off`, when 20 bytes of its header
+/// came along (`Some`: it is to be written there); UDP's, the error's copy
+/// `udp_check`, unless it is 0 ("no checksum"; a computed 0 is sent as
+/// 0xffff); otherwise none, left as it is. (TCP's, old, new.)
+#[inline(always)]
+pub fn inner_l4_check(
+    ctx: &TcContext,
+    proto: u8,
+    tcp_csum_off: usize,
+    udp_check: u16,
+    inner_tuple: u32,
+) -> (Option<u16>, u16, u16) {
+    let tcp_check = if proto == IPPROTO_TCP && ctx.len() as usize >= tcp_csum_off + 2 {
+        ctx.load::<u16>(tcp_csum_off).ok()
+    } else {
+        None
+    };
+    let old = match tcp_check {
+        Some(c) => c,
+        None if proto == IPPROTO_UDP => udp_check,
+        None => 0,
+    };
+    let new = match tcp_check {
+        Some(c) => apply(c, inner_tuple),
+        None if proto == IPPROTO_UDP && old != 0 => match apply(old, inner_tuple) {
+            0 => 0xffff,
+            c => c,
+        },
+        None => old,
+    };
+    (tcp_check, old, new)
+}
+
 /// Writes `to` into the error, every checksum kept valid.
 #[inline(always)]
 fn rewrite(ctx: &TcContext, m: &mut IcmpError4, to: &Rewrite) -> Result<(), ()> {
@@ -257,28 +292,13 @@ fn rewrite(ctx: &TcContext, m: &mut IcmpError4, to: &Rewrite) -> Result<(), ()> 
         inner_addrs + diff16(m.sport_be, to.sport_be) + diff16(m.dport_be, to.dport_be);
     let ip_check_old = m.inner.check;
     let ip_check_new = apply(ip_check_old, inner_addrs);
-    let tcp_check = if m.inner.proto == IPPROTO_TCP && ctx.len() as usize >= INNER_TCP_CSUM_OFF + 2
-    {
-        ctx.load::<u16>(INNER_TCP_CSUM_OFF).ok()
-    } else {
-        None
-    };
-    let l4_check_old = match tcp_check {
-        Some(c) => c,
-        None if m.inner.proto == IPPROTO_UDP => m.l4_rest[1],
-        None => 0,
-    };
-    let l4_check_new = match tcp_check {
-        Some(c) => apply(c, inner_tuple),
-        // UDP: 0 is "no checksum"; a computed 0 is sent as 0xffff.
-        None if m.inner.proto == IPPROTO_UDP && l4_check_old != 0 => {
-            match apply(l4_check_old, inner_tuple) {
-                0 => 0xffff,
-                c => c,
-            }
-        }
-        None => l4_check_old,
-    };
+    let (tcp_check, l4_check_old, l4_check_new) = inner_l4_check(
+        ctx,
+        m.inner.proto,
+        INNER_TCP_CSUM_OFF,
+        m.l4_rest[1],
+        inner_tuple,
+    );
     // The ICMP checksum covers the inner header and the part of its payload
     // the error carries, with no pseudo-header.
     m.icmp_check = apply(
