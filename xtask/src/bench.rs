@@ -15,6 +15,20 @@
 //! cells run in rounds that interleave the modes. Medians over rounds are
 //! reported, absolute and as ratios to iptables-legacy and to the floor.
 //!
+//! Address families (`--family ipv4,ipv6`, both by default): every mode
+//! runs in each, in a lab of its own (IPv6: a dual-stack lab whose traffic
+//! is all IPv6, addresses from 2001:2::/48), and the rounds interleave all
+//! of them. In IPv6 kube-proxy's modes are `ip6tables-legacy`,
+//! `ip6tables-nft` (the same chains, `ip6tables-*-restore`) and `nftables`
+//! (the `ip6 kube-proxy` table); the agent serves single-stack IPv6
+//! Services. IPv6 results are reported against the IPv6 floor and
+//! `ip6tables-legacy`, and per N the agent's ratios to the floor are
+//! compared across families (the target: IPv6's no costlier than IPv4's).
+//!
+//! `results.json` keeps its IPv4 shape: per N, `modes` holds the IPv4
+//! modes as before; `modes_ipv6` the IPv6 ones (keyed by their IPv6 names)
+//! and `family_target` the comparison, both left out when not measured.
+//!
 //! This file runs the rounds; the submodules hold the rest:
 //!
 //! | module | concern |
@@ -46,12 +60,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{bail, Context, Result};
 
 use crate::setup;
-pub use config::{BenchArgs, Config, Mode};
+pub use config::{BenchArgs, Config, Family, Mode};
 use measure::{measure_round, RoundData};
 use mode_lab::{agent_bin, ModeLab};
 use program::program;
 use results::{checks, median, merge_conn, merge_rr};
-pub use results::{Check, ConnStats, ModeResult, NResult, ProgStats, Results, RrStats};
+pub use results::{
+    Check, ConnStats, FamilyMetric, FamilyTarget, ModeResult, NResult, ProgStats, Results, RrStats,
+};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -150,12 +166,14 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
     if !setup::is_root() {
         bail!("the benchmark needs root: it creates network namespaces, loads rules and eBPF programs");
     }
-    for m in &cfg.modes {
+    for (m, f) in cfg
+        .modes
+        .iter()
+        .flat_map(|m| cfg.families.iter().map(move |f| (*m, *f)))
+    {
         let need = match m {
-            Mode::IptablesLegacy => Some("iptables-legacy-restore"),
-            Mode::IptablesNft => Some("iptables-nft-restore"),
             Mode::Nftables => Some("nft"),
-            _ => None,
+            _ => m.restore_bin(f),
         };
         if let Some(bin) = need {
             if std::process::Command::new(bin)
@@ -179,6 +197,14 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
     };
     for (k, v) in [
         ("n", format!("{:?}", cfg.ns)),
+        (
+            "families",
+            cfg.families
+                .iter()
+                .map(|f| f.name())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
         ("endpoints", cfg.endpoints.to_string()),
         ("samples", cfg.samples.to_string()),
         ("rr_samples", cfg.rr_samples.to_string()),
@@ -214,10 +240,14 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
 
     let mut labs: Vec<ModeLab> = Vec::new();
     let outcome = (|| -> Result<()> {
-        for m in &cfg.modes {
-            check_interrupted()?;
-            log(format!("starting the lab of {}", m.name()));
-            labs.push(ModeLab::start(*m, &cfg)?);
+        for f in &cfg.families {
+            for m in &cfg.modes {
+                check_interrupted()?;
+                log(format!("starting the lab of {}", m.name_in(*f)));
+                let ml = ModeLab::start(*m, *f, &cfg)
+                    .with_context(|| format!("the lab of {} ({})", m.name_in(*f), f.label()))?;
+                labs.push(ml);
+            }
         }
         for &n in &cfg.ns {
             let n_res = run_n(&mut labs, n, &cfg)?;
@@ -260,25 +290,27 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         n,
         positions: positions.clone(),
         modes: BTreeMap::new(),
+        modes_ipv6: BTreeMap::new(),
+        family_target: None,
     };
     let mut progs = BTreeMap::new();
     for ml in labs.iter_mut() {
         check_interrupted()?;
-        log(format!("N={n}: programming {}", ml.mode.name()));
+        log(format!("N={n}: programming {}", ml.label()));
         let p = program(ml, n, &targets, cfg)
-            .with_context(|| format!("programming {} at N={n}", ml.mode.name()))?;
+            .with_context(|| format!("programming {} at N={n}", ml.label()))?;
         log(format!(
             "N={n} {}: from empty {:?} s, single tx {:?}{}, change {:?} ms, npl {:?} ms",
-            ml.mode.name(),
+            ml.label(),
             p.from_empty_s,
             p.single_tx_s,
             if p.single_tx_capped { " (capped)" } else { "" },
             p.change_ms,
             p.npl_ms
         ));
-        progs.insert(ml.mode, p);
+        progs.insert((ml.family, ml.mode), p);
     }
-    let mut data: BTreeMap<Mode, RoundData> = BTreeMap::new();
+    let mut data: BTreeMap<(Family, Mode), RoundData> = BTreeMap::new();
     for r in 0..cfg.rounds {
         let k = labs.len();
         for j in 0..k {
@@ -287,24 +319,26 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
                 "N={n} round {}/{}: {}",
                 r + 1,
                 cfg.rounds,
-                ml.mode.name()
+                ml.label()
             ));
-            let d = data.entry(ml.mode).or_insert_with(|| RoundData {
-                conn: BTreeMap::new(),
-                rate: Vec::new(),
-                tcp_rr: Vec::new(),
-                udp_rr: Vec::new(),
-                bulk: Vec::new(),
-                host_conn: Vec::new(),
-                host_rate: Vec::new(),
-            });
+            let d = data
+                .entry((ml.family, ml.mode))
+                .or_insert_with(|| RoundData {
+                    conn: BTreeMap::new(),
+                    rate: Vec::new(),
+                    tcp_rr: Vec::new(),
+                    udp_rr: Vec::new(),
+                    bulk: Vec::new(),
+                    host_conn: Vec::new(),
+                    host_rate: Vec::new(),
+                });
             measure_round(ml, &positions, main_pos, cfg, d)?;
         }
     }
     for ml in labs.iter() {
-        let d = &data[&ml.mode];
+        let d = &data[&(ml.family, ml.mode)];
         let mut mr = ModeResult {
-            prog: progs.remove(&ml.mode).unwrap_or_default(),
+            prog: progs.remove(&(ml.family, ml.mode)).unwrap_or_default(),
             conn: d
                 .conn
                 .iter()
@@ -323,12 +357,19 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         for c in mr.checks.iter().filter(|c| !c.ok) {
             log(format!(
                 "N={n} {}: check failed: {}: {}",
-                ml.mode.name(),
+                ml.label(),
                 c.name,
                 c.detail
             ));
         }
-        out.modes.insert(ml.mode.name().to_string(), mr);
+        match ml.family {
+            Family::Ipv4 => out.modes.insert(ml.name().to_string(), mr),
+            Family::Ipv6 => out.modes_ipv6.insert(ml.name().to_string(), mr),
+        };
+    }
+    out.family_target = results::family_target(&out);
+    if let Some(t) = &out.family_target {
+        log(format!("N={n}: {}", t.summary()));
     }
     Ok(out)
 }

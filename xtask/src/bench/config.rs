@@ -1,5 +1,6 @@
-//! What a run measures: the command's arguments, the modes compared and
-//! the run's [`Config`] (full, quick, or the sanity test's).
+//! What a run measures: the command's arguments, the modes compared, the
+//! address families they are compared in, and the run's [`Config`] (full,
+//! quick, or the sanity tests').
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -21,9 +22,14 @@ pub struct BenchArgs {
     /// Output directory (default: target/bench/<unix time>).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Modes to run (default all): none, iptables-legacy, iptables-nft, nftables, proxy-tc.
+    /// Modes to run (default all): none, iptables-legacy, iptables-nft, nftables, proxy-tc,
+    /// proxy-tc-maglev, proxy-tc-stack (ip6tables-legacy and ip6tables-nft name the
+    /// iptables modes too: in the IPv6 run they are those).
     #[arg(long, value_delimiter = ',')]
     pub modes: Vec<String>,
+    /// Address families to run every mode in (default both): ipv4, ipv6.
+    #[arg(long, value_delimiter = ',')]
+    pub family: Vec<String>,
     /// Connections per latency cell.
     #[arg(long)]
     pub samples: Option<usize>,
@@ -36,6 +42,45 @@ pub struct BenchArgs {
     /// The proxy-agent binary (default: target/release/proxy-agent if built, else debug).
     #[arg(long, env = "KPR_BENCH_AGENT_BIN")]
     pub agent_bin: Option<PathBuf>,
+}
+
+/// The address family a mode's lab carries traffic in.
+///
+/// IPv4 runs in a single-stack lab, as before there was IPv6; IPv6 in a
+/// dual-stack lab ([`crate::lab::LabBuilder::dual_stack`]): the client
+/// dials the pods' and the Services' IPv6 addresses (2001:2::/48), and
+/// kube-proxy's layouts are its IPv6 ones (ip6tables, nftables `ip6`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::Ipv4, Family::Ipv6];
+
+    /// `ipv4` or `ipv6` (the `--family` values).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ipv4",
+            Family::Ipv6 => "ipv6",
+        }
+    }
+
+    /// `IPv4` or `IPv6`, for people.
+    pub fn label(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "IPv4",
+            Family::Ipv6 => "IPv6",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Family> {
+        Family::ALL
+            .into_iter()
+            .find(|f| f.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| anyhow!("unknown family {s:?} (ipv4, ipv6)"))
+    }
 }
 
 /// A mode of the benchmark.
@@ -66,6 +111,7 @@ impl Mode {
         Mode::ProxyStack,
     ];
 
+    /// The mode's name in IPv4 (and the name it is asked for by).
     pub fn name(self) -> &'static str {
         match self {
             Mode::None => "none",
@@ -75,6 +121,16 @@ impl Mode {
             Mode::ProxyTc => "proxy-tc",
             Mode::ProxyMaglev => "proxy-tc-maglev",
             Mode::ProxyStack => "proxy-tc-stack",
+        }
+    }
+
+    /// The mode's name in `family`: kube-proxy's iptables modes are
+    /// ip6tables in IPv6; the others keep their names.
+    pub fn name_in(self, family: Family) -> &'static str {
+        match (self, family) {
+            (Mode::IptablesLegacy, Family::Ipv6) => "ip6tables-legacy",
+            (Mode::IptablesNft, Family::Ipv6) => "ip6tables-nft",
+            _ => self.name(),
         }
     }
 
@@ -101,16 +157,27 @@ impl Mode {
     pub fn parse(s: &str) -> Result<Mode> {
         Mode::ALL
             .into_iter()
-            .find(|m| m.name() == s)
+            .find(|m| m.name() == s || m.name_in(Family::Ipv6) == s)
             .ok_or_else(|| anyhow!("unknown mode {s:?}"))
     }
 
-    pub(super) fn restore_bin(self) -> Option<&'static str> {
-        match self {
-            Mode::IptablesLegacy => Some("iptables-legacy-restore"),
-            Mode::IptablesNft => Some("iptables-nft-restore"),
+    /// kube-proxy's iptables modes: the restore command of `family`.
+    pub(super) fn restore_bin(self, family: Family) -> Option<&'static str> {
+        match (self, family) {
+            (Mode::IptablesLegacy, Family::Ipv4) => Some("iptables-legacy-restore"),
+            (Mode::IptablesNft, Family::Ipv4) => Some("iptables-nft-restore"),
+            (Mode::IptablesLegacy, Family::Ipv6) => Some("ip6tables-legacy-restore"),
+            (Mode::IptablesNft, Family::Ipv6) => Some("ip6tables-nft-restore"),
             _ => None,
         }
+    }
+
+    /// Whether kube-proxy's rules (iptables or nftables) run this mode.
+    pub(super) fn is_kube_proxy(self) -> bool {
+        matches!(
+            self,
+            Mode::IptablesLegacy | Mode::IptablesNft | Mode::Nftables
+        )
     }
 }
 
@@ -120,6 +187,8 @@ pub struct Config {
     pub ns: Vec<usize>,
     pub endpoints: usize,
     pub modes: Vec<Mode>,
+    /// Every mode runs in each of these families (a lab per mode and family).
+    pub families: Vec<Family>,
     pub samples: usize,
     pub rr_samples: usize,
     pub rate_threads: usize,
@@ -150,6 +219,16 @@ impl Config {
                 .map(|m| Mode::parse(m))
                 .collect::<Result<_>>()?
         };
+        let mut families: Vec<Family> = if a.family.is_empty() {
+            Family::ALL.to_vec()
+        } else {
+            a.family
+                .iter()
+                .map(|f| Family::parse(f))
+                .collect::<Result<_>>()?
+        };
+        families.sort();
+        families.dedup();
         Ok(Config {
             ns: if !a.n.is_empty() {
                 a.n.clone()
@@ -160,6 +239,7 @@ impl Config {
             },
             endpoints: a.endpoints.clamp(1, 8),
             modes,
+            families,
             samples: a.samples.unwrap_or(if full { 3000 } else { 2000 }),
             rr_samples: if full { 3000 } else { 2000 },
             rate_threads: 4,
@@ -181,13 +261,14 @@ impl Config {
         })
     }
 
-    /// The sanity test's configuration: every mode, N = 1 and 100, few
-    /// samples, one round.
+    /// The sanity test's configuration: every mode in IPv4, N = 1 and 100,
+    /// few samples, one round.
     pub fn sanity() -> Config {
         Config {
             ns: vec![1, 100],
             endpoints: 2,
             modes: Mode::ALL.to_vec(),
+            families: vec![Family::Ipv4],
             samples: 400,
             rr_samples: 200,
             rate_threads: 2,
@@ -202,6 +283,23 @@ impl Config {
             agent_bin: std::env::var_os("KPR_AGENT_BIN").map(PathBuf::from),
             out: None,
             quick: true,
+        }
+    }
+
+    /// The sanity test's IPv6 configuration, kept short (CI's time is
+    /// tight): the floor, one ip6tables layout, nftables `ip6` and the
+    /// agent, at N = 1, with the IPv4 sanity run's samples.
+    pub fn sanity_ipv6() -> Config {
+        Config {
+            ns: vec![1],
+            modes: vec![
+                Mode::None,
+                Mode::IptablesLegacy,
+                Mode::Nftables,
+                Mode::ProxyTc,
+            ],
+            families: vec![Family::Ipv6],
+            ..Config::sanity()
         }
     }
 }

@@ -6,16 +6,35 @@
 //!
 //! Also renders the same services as manifests (Services and
 //! EndpointSlices) for the agent.
+//!
+//! Both families: an [`Entry`]'s addresses say which. IPv6 entries render
+//! what kube-proxy's IPv6 proxiers write: for iptables the same chains
+//! (for `ip6tables-restore`), with the endpoint written `[addr]:port` in
+//! the KUBE-SEP hash, its comment and the DNAT target, and `! -d ::1/128`
+//! on the NodePorts jump; for nftables the `ip6 kube-proxy` table
+//! (`ipv6_addr` sets and maps, `ip6 daddr`/`ip6 saddr`, `dnat to
+//! [addr]:port`, the endpoint chain's address with `.` for `:`). IPv6
+//! Services are single-stack IPv6 (`ipFamilies: [IPv6]`) with IPv6
+//! EndpointSlices. Addresses: IPv4 from 198.18.0.0/15, IPv6 from
+//! 2001:2::/48 (VIPs in the lab's 2001:2:0:ff::/112, dummy endpoints
+//! 2001:2:0:c8::x, the twins of 198.18.200.x).
 
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use sha2::{Digest, Sha256};
+
+use super::Family;
 
 /// kube-proxy's "cluster CIDR" in the layouts (the lab's pods and clients are in it).
 pub const CLUSTER_CIDR: &str = "198.18.0.0/16";
 /// The Service CIDR the VIPs come from.
 pub const SVC_CIDR: &str = "198.19.0.0/16";
+/// IPv6: the cluster CIDR (the twins of 198.18.0.0/16: 198.18.x.y is
+/// 2001:2:0:x::y; the lab's IPv6 pods and clients are in it).
+pub const CLUSTER_CIDR6: &str = "2001:2::/56";
+/// IPv6: the Service CIDR the VIPs come from (the lab's).
+pub const SVC_CIDR6: &str = crate::manifests::SERVICE_CIDR6;
 /// Service port.
 pub const PORT: u16 = 80;
 /// Target (container) port: the bench servers listen on it in the pods.
@@ -28,9 +47,58 @@ pub fn vip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(198, 19, ((i >> 8) & 0xff) as u8, (i & 0xff) as u8)
 }
 
+/// The IPv6 VIP of service `i`: 2001:2:0:ff::(i + 1), in the lab's
+/// IPv6 Service CIDR.
+pub fn vip6(i: usize) -> Ipv6Addr {
+    let i = i + 1;
+    assert!(i < 65_535, "service index {i} out of the /112");
+    Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, i as u16)
+}
+
+/// The VIP of service `i` in `family`.
+pub fn vip_in(family: Family, i: usize) -> IpAddr {
+    match family {
+        Family::Ipv4 => vip(i).into(),
+        Family::Ipv6 => vip6(i).into(),
+    }
+}
+
 /// Dummy endpoint `e` (198.18.200.x: routed nowhere, never contacted).
 pub fn dummy_ep(e: usize) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, 200, 2 + (e % 250) as u8)
+}
+
+/// Dummy endpoint `e` in `family` (IPv6: 2001:2:0:c8::x, the twin of
+/// [`dummy_ep`]; routed nowhere, never contacted).
+pub fn dummy_ep_in(family: Family, e: usize) -> IpAddr {
+    match family {
+        Family::Ipv4 => dummy_ep(e).into(),
+        Family::Ipv6 => crate::netns::ipv6_twin(dummy_ep(e))
+            .expect("198.18.200.x has a twin")
+            .into(),
+    }
+}
+
+/// kube-proxy's cluster CIDR in `family`.
+pub fn cluster_cidr(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => CLUSTER_CIDR,
+        Family::Ipv6 => CLUSTER_CIDR6,
+    }
+}
+
+/// The Service CIDR in `family`.
+pub fn svc_cidr(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => SVC_CIDR,
+        Family::Ipv6 => SVC_CIDR6,
+    }
+}
+
+/// An endpoint as kube-proxy writes it (Go's `net.JoinHostPort`):
+/// `198.18.1.2:8080`, `[2001:2:0:1::2]:8080`.
+fn ep_port(ep: IpAddr) -> String {
+    SocketAddr::new(ep, TPORT).to_string()
 }
 
 fn base32(bytes: &[u8]) -> String {
@@ -74,26 +142,43 @@ pub struct Entry {
     pub port_name: String,
     /// `tcp` or `udp`.
     pub proto: &'static str,
-    pub vip: Ipv4Addr,
-    pub eps: Vec<Ipv4Addr>,
+    pub vip: IpAddr,
+    /// Of the VIP's family.
+    pub eps: Vec<IpAddr>,
 }
 
 impl Entry {
+    /// The family of its addresses.
+    pub fn family(&self) -> Family {
+        if self.vip.is_ipv6() {
+            Family::Ipv6
+        } else {
+            Family::Ipv4
+        }
+    }
+
     /// `ns<i>/svc<i>:<port name>` (kube-proxy's ServicePortName).
     pub fn spn(&self) -> String {
         format!("{}:{}", self.name, self.port_name)
     }
 }
 
-/// The entries of service `i`: TCP always; UDP too when `udp`.
-pub fn service_entries(i: usize, eps: &[Ipv4Addr], udp: bool) -> Vec<Entry> {
+/// The entries of service `i` in `family`: TCP always; UDP too when
+/// `udp`. `eps` are of `family`.
+pub fn service_entries(i: usize, family: Family, eps: &[IpAddr], udp: bool) -> Vec<Entry> {
+    assert!(
+        eps.iter().all(|e| e.is_ipv6() == (family == Family::Ipv6)),
+        "endpoints {eps:?} are not all {}",
+        family.label()
+    );
+    let vip = vip_in(family, i);
     let name = format!("ns{i}/svc{i}");
     let mut v = vec![Entry {
         index: i,
         name: name.clone(),
         port_name: "p80".into(),
         proto: "tcp",
-        vip: vip(i),
+        vip,
         eps: eps.to_vec(),
     }];
     if udp {
@@ -102,7 +187,7 @@ pub fn service_entries(i: usize, eps: &[Ipv4Addr], udp: bool) -> Vec<Entry> {
             name,
             port_name: "u80".into(),
             proto: "udp",
-            vip: vip(i),
+            vip,
             eps: eps.to_vec(),
         });
     }
@@ -129,37 +214,54 @@ fn ipt_entry(e: &Entry) -> (String, Vec<String>, Vec<String>) {
     let svc_chain = format!("KUBE-SVC-{}", h16(&format!("{spn}{p}")));
     let ks = ipt_kube_services_rule(e);
     let mut decls = vec![format!(":{svc_chain} - [0:0]")];
+    let cidr = cluster_cidr(e.family());
     let mut rules = vec![format!(
-        "-A {svc_chain} -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ"
+        "-A {svc_chain} -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} ! -s {cidr} -j KUBE-MARK-MASQ"
     )];
     let n = e.eps.len();
     for (k, ep) in e.eps.iter().enumerate() {
-        let sep = format!("KUBE-SEP-{}", h16(&format!("{spn}{p}{ep}:{TPORT}")));
+        let dest = ep_port(*ep);
+        let sep = format!("KUBE-SEP-{}", h16(&format!("{spn}{p}{dest}")));
         decls.push(format!(":{sep} - [0:0]"));
         let left = n - k;
         if left > 1 {
             rules.push(format!(
-                "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{TPORT}\" -m statistic --mode random --probability {:.10} -j {sep}",
+                "-A {svc_chain} -m comment --comment \"{spn} -> {dest}\" -m statistic --mode random --probability {:.10} -j {sep}",
                 1.0 / left as f64
             ));
         } else {
             rules.push(format!(
-                "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{TPORT}\" -j {sep}"
+                "-A {svc_chain} -m comment --comment \"{spn} -> {dest}\" -j {sep}"
             ));
         }
         rules.push(format!(
             "-A {sep} -m comment --comment {spn} -s {ep} -j KUBE-MARK-MASQ"
         ));
         rules.push(format!(
-            "-A {sep} -m comment --comment {spn} -m {p} -p {p} -j DNAT --to-destination {ep}:{TPORT}"
+            "-A {sep} -m comment --comment {spn} -m {p} -p {p} -j DNAT --to-destination {dest}"
         ));
     }
     (ks, decls, rules)
 }
 
 const NODEPORTS_RULE: &str = "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS";
+/// IPv6: kube-proxy blocks localhost NodePorts (they never work in IPv6).
+const NODEPORTS_RULE6: &str = "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS";
 
-/// A full iptables-restore file (filter and nat), as kube-proxy's full sync.
+/// The family of `entries` (IPv4 when there are none).
+fn family_of(entries: &[Entry]) -> Family {
+    entries.first().map_or(Family::Ipv4, Entry::family)
+}
+
+fn nodeports_rule(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => NODEPORTS_RULE,
+        Family::Ipv6 => NODEPORTS_RULE6,
+    }
+}
+
+/// A full iptables-restore file (filter and nat), as kube-proxy's full
+/// sync; for `ip6tables-restore` when the entries are IPv6.
 pub fn ipt_full(entries: &[Entry]) -> String {
     let mut out = String::with_capacity(entries.len() * 1200 + 4096);
     out.push_str(
@@ -214,7 +316,7 @@ COMMIT
         out.push_str(&l);
         out.push('\n');
     }
-    out.push_str(NODEPORTS_RULE);
+    out.push_str(nodeports_rule(family_of(entries)));
     out.push('\n');
     for l in rules {
         out.push_str(&l);
@@ -249,7 +351,7 @@ pub fn ipt_partial_add(existing: &[Entry], new: &[Entry]) -> String {
         out.push_str(&l);
         out.push('\n');
     }
-    out.push_str(NODEPORTS_RULE);
+    out.push_str(nodeports_rule(family_of(new)));
     out.push('\n');
     for l in new_rules {
         out.push_str(&l);
@@ -264,58 +366,75 @@ pub const IPT_EMPTY: &str = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]
 
 // ------------------------------------------------------------------ nftables
 
-const NFT_BASE: &str = r#"add table ip kube-proxy { comment "rules for kube-proxy" ; }
-add set ip kube-proxy cluster-ips { type ipv4_addr ; comment "Active ClusterIPs" ; }
-add set ip kube-proxy nodeport-ips { type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }
-add map ip kube-proxy firewall-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment "destinations that are subject to LoadBalancerSourceRanges" ; }
-add map ip kube-proxy no-endpoint-nodeports { type inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }
-add map ip kube-proxy no-endpoint-services { type ipv4_addr . inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to services with no endpoints" ; }
-add map ip kube-proxy service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }
-add map ip kube-proxy service-nodeports { type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }
-add chain ip kube-proxy cluster-ips-check
-add chain ip kube-proxy filter-prerouting-pre-dnat { type filter hook prerouting priority -110 ; }
-add chain ip kube-proxy filter-output-pre-dnat { type filter hook output priority -110 ; }
-add chain ip kube-proxy filter-forward { type filter hook forward priority 0 ; }
-add chain ip kube-proxy filter-input { type filter hook input priority 0 ; }
-add chain ip kube-proxy filter-output { type filter hook output priority 0 ; }
-add chain ip kube-proxy firewall-check
-add chain ip kube-proxy mark-for-masquerade
-add chain ip kube-proxy masquerading
-add chain ip kube-proxy nat-output { type nat hook output priority -100 ; }
-add chain ip kube-proxy nat-postrouting { type nat hook postrouting priority 100 ; }
-add chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -100 ; }
-add chain ip kube-proxy nodeport-endpoints-check
-add chain ip kube-proxy reject-chain { comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }
-add chain ip kube-proxy services
-add chain ip kube-proxy service-endpoints-check
-add rule ip kube-proxy cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"
-add rule ip kube-proxy cluster-ips-check ip daddr { SVC_CIDR } drop comment "Drop traffic to unallocated ClusterIPs"
-add rule ip kube-proxy filter-prerouting-pre-dnat ct state new jump firewall-check
-add rule ip kube-proxy filter-forward ct state new jump service-endpoints-check
-add rule ip kube-proxy filter-forward ct state new jump cluster-ips-check
-add rule ip kube-proxy filter-input ct state new jump nodeport-endpoints-check
-add rule ip kube-proxy filter-input ct state new jump service-endpoints-check
-add rule ip kube-proxy filter-output ct state new jump service-endpoints-check
-add rule ip kube-proxy filter-output-pre-dnat ct state new jump firewall-check
-add rule ip kube-proxy filter-output ct state new jump cluster-ips-check
-add rule ip kube-proxy firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips
-add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000
-add rule ip kube-proxy masquerading mark and 0x4000 == 0 return
-add rule ip kube-proxy masquerading mark set mark xor 0x4000
-add rule ip kube-proxy masquerading masquerade fully-random
-add rule ip kube-proxy nat-output jump services
-add rule ip kube-proxy nat-postrouting jump masquerading
-add rule ip kube-proxy nat-prerouting jump services
-add rule ip kube-proxy nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports
-add rule ip kube-proxy reject-chain reject
-add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips
-add rule ip kube-proxy services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports
-add rule ip kube-proxy service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services
+const NFT_BASE: &str = r#"add table FAM kube-proxy { comment "rules for kube-proxy" ; }
+add set FAM kube-proxy cluster-ips { type ADDR_T ; comment "Active ClusterIPs" ; }
+add set FAM kube-proxy nodeport-ips { type ADDR_T ; comment "IPs that accept NodePort traffic" ; }
+add map FAM kube-proxy firewall-ips { type ADDR_T . inet_proto . inet_service : verdict ; comment "destinations that are subject to LoadBalancerSourceRanges" ; }
+add map FAM kube-proxy no-endpoint-nodeports { type inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }
+add map FAM kube-proxy no-endpoint-services { type ADDR_T . inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to services with no endpoints" ; }
+add map FAM kube-proxy service-ips { type ADDR_T . inet_proto . inet_service : verdict ; comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }
+add map FAM kube-proxy service-nodeports { type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }
+add chain FAM kube-proxy cluster-ips-check
+add chain FAM kube-proxy filter-prerouting-pre-dnat { type filter hook prerouting priority -110 ; }
+add chain FAM kube-proxy filter-output-pre-dnat { type filter hook output priority -110 ; }
+add chain FAM kube-proxy filter-forward { type filter hook forward priority 0 ; }
+add chain FAM kube-proxy filter-input { type filter hook input priority 0 ; }
+add chain FAM kube-proxy filter-output { type filter hook output priority 0 ; }
+add chain FAM kube-proxy firewall-check
+add chain FAM kube-proxy mark-for-masquerade
+add chain FAM kube-proxy masquerading
+add chain FAM kube-proxy nat-output { type nat hook output priority -100 ; }
+add chain FAM kube-proxy nat-postrouting { type nat hook postrouting priority 100 ; }
+add chain FAM kube-proxy nat-prerouting { type nat hook prerouting priority -100 ; }
+add chain FAM kube-proxy nodeport-endpoints-check
+add chain FAM kube-proxy reject-chain { comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }
+add chain FAM kube-proxy services
+add chain FAM kube-proxy service-endpoints-check
+add rule FAM kube-proxy cluster-ips-check IPX daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"
+add rule FAM kube-proxy cluster-ips-check IPX daddr { SVC_CIDR } drop comment "Drop traffic to unallocated ClusterIPs"
+add rule FAM kube-proxy filter-prerouting-pre-dnat ct state new jump firewall-check
+add rule FAM kube-proxy filter-forward ct state new jump service-endpoints-check
+add rule FAM kube-proxy filter-forward ct state new jump cluster-ips-check
+add rule FAM kube-proxy filter-input ct state new jump nodeport-endpoints-check
+add rule FAM kube-proxy filter-input ct state new jump service-endpoints-check
+add rule FAM kube-proxy filter-output ct state new jump service-endpoints-check
+add rule FAM kube-proxy filter-output-pre-dnat ct state new jump firewall-check
+add rule FAM kube-proxy filter-output ct state new jump cluster-ips-check
+add rule FAM kube-proxy firewall-check IPX daddr . meta l4proto . th dport vmap @firewall-ips
+add rule FAM kube-proxy mark-for-masquerade mark set mark or 0x4000
+add rule FAM kube-proxy masquerading mark and 0x4000 == 0 return
+add rule FAM kube-proxy masquerading mark set mark xor 0x4000
+add rule FAM kube-proxy masquerading masquerade fully-random
+add rule FAM kube-proxy nat-output jump services
+add rule FAM kube-proxy nat-postrouting jump masquerading
+add rule FAM kube-proxy nat-prerouting jump services
+add rule FAM kube-proxy nodeport-endpoints-check IPX daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports
+add rule FAM kube-proxy reject-chain reject
+add rule FAM kube-proxy services IPX daddr . meta l4proto . th dport vmap @service-ips
+add rule FAM kube-proxy services IPX daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports
+add rule FAM kube-proxy service-endpoints-check IPX daddr . meta l4proto . th dport vmap @no-endpoint-services
 "#;
 
-/// The base of kube-proxy's nftables table (no services).
-pub fn nft_base() -> String {
-    NFT_BASE.replace("SVC_CIDR", SVC_CIDR)
+/// The nftables table family (`ip`, `ip6`) and address match (`ip`,
+/// `ip6`, as in `ip6 daddr`) of `family`: the same words.
+fn nft_fam(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => "ip",
+        Family::Ipv6 => "ip6",
+    }
+}
+
+/// The base of kube-proxy's nftables table (no services) in `family`.
+pub fn nft_base(family: Family) -> String {
+    let addr_t = match family {
+        Family::Ipv4 => "ipv4_addr",
+        Family::Ipv6 => "ipv6_addr",
+    };
+    NFT_BASE
+        .replace("SVC_CIDR", svc_cidr(family))
+        .replace("FAM", nft_fam(family))
+        .replace("ADDR_T", addr_t)
+        .replace("IPX", nft_fam(family))
 }
 
 /// The `nft -f` lines of one entry.
@@ -323,21 +442,25 @@ pub fn nft_entry(e: &Entry, out: &mut String) {
     let spn = e.spn();
     let p = e.proto;
     let v = e.vip;
+    let f = nft_fam(e.family());
+    let cidr = cluster_cidr(e.family());
     let suffix = format!("{}/{p}/{}", e.name, e.port_name);
     let sc = format!("service-{}-{suffix}", h8(&format!("{spn}{p}")));
-    let _ = writeln!(out, "add chain ip kube-proxy {sc}");
+    let _ = writeln!(out, "add chain {f} kube-proxy {sc}");
     let mut eps = Vec::new();
     for ep in &e.eps {
+        // A chain name has no `:`: kube-proxy writes an IPv6 endpoint's with `.`.
         let ec = format!(
-            "endpoint-{}-{suffix}__{ep}/{TPORT}",
-            h8(&format!("{spn}{p}{ep}"))
+            "endpoint-{}-{suffix}__{}/{TPORT}",
+            h8(&format!("{spn}{p}{ep}")),
+            ep.to_string().replace(':', ".")
         );
-        let _ = writeln!(out, "add chain ip kube-proxy {ec}");
+        let _ = writeln!(out, "add chain {f} kube-proxy {ec}");
         eps.push((ec, *ep));
     }
     let _ = writeln!(
         out,
-        "add rule ip kube-proxy {sc} ip daddr {v} {p} dport {PORT} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade"
+        "add rule {f} kube-proxy {sc} {f} daddr {v} {p} dport {PORT} {f} saddr != {cidr} jump mark-for-masquerade"
     );
     let vm: Vec<String> = eps
         .iter()
@@ -346,32 +469,33 @@ pub fn nft_entry(e: &Entry, out: &mut String) {
         .collect();
     let _ = writeln!(
         out,
-        "add rule ip kube-proxy {sc} numgen random mod {} vmap {{ {} }}",
+        "add rule {f} kube-proxy {sc} numgen random mod {} vmap {{ {} }}",
         eps.len(),
         vm.join(" , ")
     );
     for (ec, ep) in &eps {
         let _ = writeln!(
             out,
-            "add rule ip kube-proxy {ec} ip saddr {ep} jump mark-for-masquerade"
+            "add rule {f} kube-proxy {ec} {f} saddr {ep} jump mark-for-masquerade"
         );
         let _ = writeln!(
             out,
-            "add rule ip kube-proxy {ec} meta l4proto {p} dnat to {ep}:{TPORT}"
+            "add rule {f} kube-proxy {ec} meta l4proto {p} dnat to {}",
+            ep_port(*ep)
         );
     }
-    let _ = writeln!(out, "add element ip kube-proxy cluster-ips {{ {v} }}");
+    let _ = writeln!(out, "add element {f} kube-proxy cluster-ips {{ {v} }}");
     let _ = writeln!(
         out,
-        "add element ip kube-proxy service-ips {{ {v} . {p} . {PORT} : goto {sc} }}"
+        "add element {f} kube-proxy service-ips {{ {v} . {p} . {PORT} : goto {sc} }}"
     );
 }
 
 /// `nft -f` texts loading `entries`: the base plus entries of up to
 /// `chunk` services per transaction (kube-proxy's cold start), or one
-/// transaction when `chunk` is 0.
+/// transaction when `chunk` is 0; the table of the entries' family.
 pub fn nft_chunks(entries: &[Entry], chunk: usize) -> Vec<String> {
-    let mut out = vec![nft_base()];
+    let mut out = vec![nft_base(family_of(entries))];
     let mut services_in_chunk = 0;
     let mut last_index = None;
     for e in entries {
@@ -401,6 +525,8 @@ pub fn nft_add(new: &[Entry]) -> String {
 
 /// The entries as manifests for the agent: one Service (ClusterIP given)
 /// and one EndpointSlice per service, as JSON documents of one YAML stream.
+/// IPv6 entries make single-stack IPv6 Services (`ipFamilies: [IPv6]`,
+/// `ipFamilyPolicy: SingleStack`) and `addressType: IPv6` slices.
 pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
     let annotations = lb_algorithm.map_or(String::new(), |a| {
         format!(r#","annotations":{{"proxy-agent.io/lb-algorithm":"{a}"}}"#)
@@ -417,6 +543,13 @@ pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
         let first = &group[0];
         let (ns, name) = first.name.split_once('/').expect("ns/name");
         let proto = |p: &str| if p == "udp" { "UDP" } else { "TCP" };
+        let (families, address_type) = match first.family() {
+            Family::Ipv4 => ("", "IPv4"),
+            Family::Ipv6 => (
+                r#","ipFamilies":["IPv6"],"ipFamilyPolicy":"SingleStack""#,
+                "IPv6",
+            ),
+        };
         let svc_ports: Vec<String> = group
             .iter()
             .map(|e| {
@@ -430,7 +563,7 @@ pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
         let _ = writeln!(
             out,
             r#"---
-{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"{annotations}}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{ports}]}}}}"#,
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"{annotations}}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"]{families},"ports":[{ports}]}}}}"#,
             v = first.vip,
             ports = svc_ports.join(",")
         );
@@ -452,7 +585,7 @@ pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
         let _ = writeln!(
             out,
             r#"---
-{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{name}-bench","namespace":"{ns}","labels":{{"kubernetes.io/service-name":"{name}"}}}},"addressType":"IPv4","endpoints":[{eps}],"ports":[{ports}]}}"#,
+{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{name}-bench","namespace":"{ns}","labels":{{"kubernetes.io/service-name":"{name}"}}}},"addressType":"{address_type}","endpoints":[{eps}],"ports":[{ports}]}}"#,
             eps = eps.join(","),
             ports = slice_ports.join(",")
         );
@@ -471,13 +604,27 @@ mod tests {
         assert_eq!(h16("ns1/svc1:p80tcp"), "XPGD46QRK7WJZT7O");
     }
 
+    fn eps4() -> [IpAddr; 2] {
+        [
+            Ipv4Addr::new(198, 18, 1, 2).into(),
+            Ipv4Addr::new(198, 18, 1, 3).into(),
+        ]
+    }
+
+    fn eps6() -> [IpAddr; 2] {
+        [
+            "2001:2:0:1::2".parse().unwrap(),
+            "2001:2:0:1::3".parse().unwrap(),
+        ]
+    }
+
     #[test]
     fn vips_and_layout() {
         assert_eq!(vip(0), Ipv4Addr::new(198, 19, 0, 1));
         assert_eq!(vip(255), Ipv4Addr::new(198, 19, 1, 0));
-        let eps = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 1, 3)];
+        let eps = eps4();
         let entries: Vec<Entry> = (0..3)
-            .flat_map(|i| service_entries(i, &eps, false))
+            .flat_map(|i| service_entries(i, Family::Ipv4, &eps, false))
             .collect();
         let t = ipt_full(&entries);
         assert!(t.contains("--probability 0.5000000000"));
@@ -497,9 +644,9 @@ mod tests {
             eprintln!("skipped: {} missing", script.display());
             return;
         }
-        let eps = [Ipv4Addr::new(198, 18, 1, 2), Ipv4Addr::new(198, 18, 1, 3)];
+        let eps = eps4();
         let entries: Vec<Entry> = (0..3)
-            .flat_map(|i| service_entries(i, &eps, false))
+            .flat_map(|i| service_entries(i, Family::Ipv4, &eps, false))
             .collect();
         let py = |kind: &str, n: &str| -> Option<String> {
             let o = std::process::Command::new("python3")
@@ -517,7 +664,7 @@ mod tests {
         };
         assert_eq!(ipt_full(&entries), ipt);
         assert_eq!(
-            ipt_partial_add(&entries, &service_entries(3, &eps, false)),
+            ipt_partial_add(&entries, &service_entries(3, Family::Ipv4, &eps, false)),
             py("ipt_partial_add", "3").unwrap()
         );
         let nft_mine = nft_chunks(&entries, 0).remove(0);
@@ -530,8 +677,108 @@ mod tests {
         };
         assert_eq!(norm(&nft_mine), norm(&nft_ref));
         assert_eq!(
-            nft_add(&service_entries(3, &eps, false)),
+            nft_add(&service_entries(3, Family::Ipv4, &eps, false)),
             py("nft_add_one", "3").unwrap()
         );
+    }
+
+    /// IPv6 is IPv4's layout with IPv6 addresses: line for line the same
+    /// rules once the addresses (and the endpoint's written form) are
+    /// mapped, kube-proxy's IPv6 details where it has them, and every
+    /// address from 2001:2::/48.
+    #[test]
+    fn ipv6_layouts_mirror_ipv4() {
+        assert_eq!(vip6(0), "2001:2:0:ff::1".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(
+            vip6(65_533),
+            "2001:2:0:ff::fffe".parse::<Ipv6Addr>().unwrap()
+        );
+        assert_eq!(
+            dummy_ep_in(Family::Ipv6, 0),
+            "2001:2:0:c8::2".parse::<IpAddr>().unwrap()
+        );
+        let four: Vec<Entry> = (0..3)
+            .flat_map(|i| service_entries(i, Family::Ipv4, &eps4(), i == 1))
+            .collect();
+        let six: Vec<Entry> = (0..3)
+            .flat_map(|i| service_entries(i, Family::Ipv6, &eps6(), i == 1))
+            .collect();
+        assert!(six.iter().all(|e| e.family() == Family::Ipv6));
+
+        let ipt6 = ipt_full(&six);
+        assert!(ipt6.contains(
+            "-m tcp -p tcp -d 2001:2:0:ff::2 --dport 80 ! -s 2001:2::/56 -j KUBE-MARK-MASQ"
+        ));
+        assert!(ipt6.contains("-j DNAT --to-destination [2001:2:0:1::3]:8080"));
+        assert!(ipt6.contains("\"ns1/svc1:u80 -> [2001:2:0:1::2]:8080\""));
+        assert!(ipt6.contains("--dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS"));
+        // The KUBE-SEP hash is of the endpoint as kube-proxy writes it.
+        let sep = h16("ns0/svc0:p80tcp[2001:2:0:1::2]:8080");
+        assert!(ipt6.contains(&format!(":KUBE-SEP-{sep} - [0:0]")));
+        // The same rules, line for line, as IPv4's (chain names aside:
+        // their hashes cover the addresses).
+        let shape = |t: &str| -> Vec<String> {
+            t.lines()
+                .map(|l| {
+                    l.split_whitespace()
+                        .filter(|w| !w.starts_with("KUBE-SEP-") && !w.starts_with(":KUBE-SEP-"))
+                        .filter(|w| !w.contains("198.") && !w.contains("2001:") && *w != "::1/128")
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .collect()
+        };
+        let (s4, s6) = (shape(&ipt_full(&four)), shape(&ipt6));
+        assert_eq!(s4.len(), s6.len());
+        for (a, b) in s4.iter().zip(&s6) {
+            // The NodePorts jump's `! -d ::1/128` leaves `! -d`.
+            assert_eq!(a, &b.replace("LOCAL ! -d -j", "LOCAL -j"));
+        }
+        let part6 = ipt_partial_add(&six, &service_entries(3, Family::Ipv6, &eps6(), false));
+        assert!(part6.contains("-d 2001:2:0:ff::4 --dport 80"));
+        assert!(part6.contains("! -d ::1/128 -j KUBE-NODEPORTS"));
+
+        let nft6 = nft_chunks(&six, 0).remove(0);
+        for want in [
+            "add table ip6 kube-proxy",
+            "type ipv6_addr . inet_proto . inet_service : verdict",
+            "ip6 daddr . meta l4proto . th dport vmap @service-ips",
+            "ip6 daddr { 2001:2:0:ff::/112 } drop",
+            "ip6 daddr 2001:2:0:ff::1 tcp dport 80 ip6 saddr != 2001:2::/56 jump mark-for-masquerade",
+            "__2001.2.0.1..3/8080 meta l4proto tcp dnat to [2001:2:0:1::3]:8080",
+            "add element ip6 kube-proxy service-ips { 2001:2:0:ff::2 . udp . 80 : goto service-",
+        ] {
+            assert!(nft6.contains(want), "missing {want:?}");
+        }
+        for l in nft6.lines().filter(|l| !l.trim().is_empty()) {
+            assert!(
+                !l.contains(" ip kube-proxy")
+                    && !l.contains("ipv4_addr")
+                    && !l.contains("ip daddr")
+                    && !l.contains("ip saddr"),
+                "{l}"
+            );
+        }
+        assert_eq!(
+            nft_chunks(&four, 0).remove(0).lines().count(),
+            nft6.lines().count()
+        );
+
+        let m = manifests(&six, None);
+        assert!(m.contains(r#""clusterIP":"2001:2:0:ff::2","clusterIPs":["2001:2:0:ff::2"],"ipFamilies":["IPv6"],"ipFamilyPolicy":"SingleStack""#));
+        assert!(m.contains(r#""addressType":"IPv6","endpoints":[{"addresses":["2001:2:0:1::2"]"#));
+        assert!(!manifests(&four, None).contains("ipFamilies"));
+
+        // Every IPv6 address written is in 2001:2::/48.
+        for t in [ipt6, nft6, m] {
+            for w in t.split(|c: char| !(c.is_ascii_hexdigit() || c == ':')) {
+                if let Ok(a) = w.parse::<Ipv6Addr>() {
+                    assert!(
+                        a.is_loopback() || crate::netns::in_lab_range6(a),
+                        "{a} outside 2001:2::/48"
+                    );
+                }
+            }
+        }
     }
 }

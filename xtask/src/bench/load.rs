@@ -1,7 +1,8 @@
 //! The load generator and the pods' bench servers.
 //!
 //! Servers (one TCP and one UDP thread per pod, pinned to [`SERVER_CPU`],
-//! listening on [`TPORT`] inside the pod's namespace). TCP: the first byte
+//! listening on [`TPORT`] inside the pod's namespace: on every IPv4
+//! address, or on the pod's IPv6 address in an IPv6 lab). TCP: the first byte
 //! chooses the exchange:
 //! - `C`: reply `<pod index> <client ip>\n`, close (one connection, one
 //!   request, one response);
@@ -12,11 +13,14 @@
 //! UDP: every datagram is answered with one byte, the pod index.
 //!
 //! Clients are threads that join the client namespace, pinned to
-//! [`CLIENT_CPU`], recording into hdrhistograms (nanoseconds).
+//! [`CLIENT_CPU`], recording into hdrhistograms (nanoseconds); they dial
+//! addresses of either family.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::net::{
+    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket,
+};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -103,18 +107,20 @@ fn serve_conn(mut s: TcpStream, peer: SocketAddr, idx: usize) -> io::Result<()> 
 }
 
 impl Servers {
-    /// Starts the servers in each `(namespace, pod index)`.
-    pub fn start(pods: &[(String, usize)]) -> Result<Servers> {
+    /// Starts the servers in each `(namespace, pod index, address)`: the
+    /// address they listen on (IPv4's unspecified address, or the pod's
+    /// IPv6 address: `[::]` would take IPv4 as well, mapped).
+    pub fn start(pods: &[(String, usize, IpAddr)]) -> Result<Servers> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         let mut ready = Vec::new();
-        for (ns, idx) in pods {
-            let idx = *idx;
+        for (ns, idx, bind) in pods {
+            let (idx, bind) = (*idx, *bind);
             let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
             let st = stop.clone();
             threads.push(spawn_in(ns, &format!("bench-tcp-{idx}"), move || {
                 pin_to(SERVER_CPU);
-                let l = match TcpListener::bind((Ipv4Addr::UNSPECIFIED, TPORT)) {
+                let l = match TcpListener::bind((bind, TPORT)) {
                     Ok(l) => l,
                     Err(e) => {
                         let _ = tx.send(Err(e));
@@ -134,7 +140,7 @@ impl Servers {
             let st = stop.clone();
             threads.push(spawn_in(ns, &format!("bench-udp-{idx}"), move || {
                 pin_to(SERVER_CPU);
-                let s = match UdpSocket::bind((Ipv4Addr::UNSPECIFIED, TPORT)) {
+                let s = match UdpSocket::bind((bind, TPORT)) {
                     Ok(s) => s,
                     Err(e) => {
                         let _ = tx.send(Err(e));
@@ -199,8 +205,8 @@ pub struct ConnCell {
     pub first_error: Option<String>,
 }
 
-fn one_conn(addr: SocketAddrV4) -> io::Result<(usize, Ipv4Addr, SocketAddr)> {
-    let mut s = TcpStream::connect_timeout(&SocketAddr::V4(addr), IO_TIMEOUT)?;
+fn one_conn(addr: SocketAddr) -> io::Result<(usize, IpAddr, SocketAddr)> {
+    let mut s = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
     let peer = s.peer_addr()?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     s.set_nodelay(true)?;
@@ -235,9 +241,9 @@ fn one_conn(addr: SocketAddrV4) -> io::Result<(usize, Ipv4Addr, SocketAddr)> {
 /// failures in a row.
 pub fn conn_latency(
     ns: &str,
-    targets: Vec<SocketAddrV4>,
+    targets: Vec<SocketAddr>,
     samples: usize,
-    client_ip: Option<Ipv4Addr>,
+    client_ip: Option<IpAddr>,
 ) -> Result<ConnCell> {
     Ok(in_netns(ns, move || {
         pin_to(CLIENT_CPU);
@@ -264,7 +270,7 @@ pub fn conn_latency(
                     if client_ip.is_some_and(|want| ip != want) {
                         c.wrong_client_ip += 1;
                     }
-                    if peer != SocketAddr::V4(addr) {
+                    if peer != addr {
                         c.wrong_peer += 1;
                     }
                 }
@@ -287,7 +293,7 @@ pub fn conn_latency(
 /// to the client CPU) for `duration`. Returns (rate, failures).
 pub fn conn_rate(
     ns: &str,
-    targets: Vec<SocketAddrV4>,
+    targets: Vec<SocketAddr>,
     threads: usize,
     duration: Duration,
 ) -> Result<(f64, usize)> {
@@ -341,7 +347,7 @@ pub struct RrCell {
 }
 
 /// Request/response of one byte on one kept TCP connection.
-pub fn tcp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> {
+pub fn tcp_rr(ns: &str, target: SocketAddr, samples: usize) -> Result<RrCell> {
     Ok(in_netns(ns, move || {
         pin_to(CLIENT_CPU);
         let mut c = RrCell {
@@ -351,7 +357,7 @@ pub fn tcp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> 
             first_error: None,
         };
         let r = (|| -> io::Result<()> {
-            let mut s = TcpStream::connect_timeout(&SocketAddr::V4(target), IO_TIMEOUT)?;
+            let mut s = TcpStream::connect_timeout(&target, IO_TIMEOUT)?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
             s.set_nodelay(true)?;
             s.write_all(b"K")?;
@@ -378,7 +384,7 @@ pub fn tcp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> 
 /// Request/response of one datagram on one connected UDP socket (a reply
 /// from any other address than `target` is not received). Timeouts count
 /// as drops; stops after 50 in a row.
-pub fn udp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> {
+pub fn udp_rr(ns: &str, target: SocketAddr, samples: usize) -> Result<RrCell> {
     Ok(in_netns(ns, move || {
         pin_to(CLIENT_CPU);
         let mut c = RrCell {
@@ -388,7 +394,12 @@ pub fn udp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> 
             first_error: None,
         };
         let r = (|| -> io::Result<()> {
-            let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            let any: IpAddr = if target.is_ipv6() {
+                Ipv6Addr::UNSPECIFIED.into()
+            } else {
+                Ipv4Addr::UNSPECIFIED.into()
+            };
+            let s = UdpSocket::bind((any, 0))?;
             s.connect(target)?;
             s.set_read_timeout(Some(Duration::from_millis(200)))?;
             let mut b = [0u8; 16];
@@ -423,11 +434,11 @@ pub fn udp_rr(ns: &str, target: SocketAddrV4, samples: usize) -> Result<RrCell> 
 }
 
 /// Bulk TCP stream for `duration`; bits per second counted by the server.
-pub fn bulk(ns: &str, target: SocketAddrV4, duration: Duration) -> Result<f64> {
+pub fn bulk(ns: &str, target: SocketAddr, duration: Duration) -> Result<f64> {
     in_netns(ns, move || -> Result<f64> {
         pin_to(CLIENT_CPU);
         let t = Instant::now();
-        let mut s = TcpStream::connect_timeout(&SocketAddr::V4(target), IO_TIMEOUT)?;
+        let mut s = TcpStream::connect_timeout(&target, IO_TIMEOUT)?;
         s.set_write_timeout(Some(Duration::from_secs(5)))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
         s.write_all(b"B")?;
@@ -447,14 +458,14 @@ pub fn bulk(ns: &str, target: SocketAddrV4, duration: Duration) -> Result<f64> {
 /// 1 ms apart) until one succeeds; returns when, relative to `t0`.
 pub fn first_success(
     ns: &str,
-    target: SocketAddrV4,
+    target: SocketAddr,
     t0: Instant,
     limit: Duration,
 ) -> Result<Option<Duration>> {
     Ok(in_netns(ns, move || {
         pin_to(CLIENT_CPU);
         while t0.elapsed() < limit {
-            let ok = TcpStream::connect_timeout(&SocketAddr::V4(target), Duration::from_millis(5))
+            let ok = TcpStream::connect_timeout(&target, Duration::from_millis(5))
                 .and_then(|mut s| {
                     s.set_read_timeout(Some(Duration::from_millis(200)))?;
                     s.write_all(b"C")?;

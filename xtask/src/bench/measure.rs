@@ -2,11 +2,11 @@
 //! per target position, connection rate, TCP and UDP request/response,
 //! bulk throughput), each cell redone when the machine was noisy.
 use std::collections::BTreeMap;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::Result;
 
-use super::layouts::{vip, PORT, TPORT};
+use super::layouts::{vip_in, PORT, TPORT};
 use super::mode_lab::ModeLab;
 use super::{check_interrupted, load, log, sys, Config, ConnStats, Mode, RrStats};
 
@@ -36,7 +36,7 @@ fn cell<T>(
         redone += 1;
         log(format!(
             "{}: noisy cell (steal {steal:.1}%, other processes {other:.1}% of the CPUs): redoing it",
-            ml.mode.name()
+            ml.label()
         ));
     }
 }
@@ -72,14 +72,16 @@ fn as_node_process<T>(ml: &ModeLab, f: impl FnOnce() -> Result<T>) -> Result<T> 
     r
 }
 
-fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddrV4> {
+/// What the client dials: the pods themselves for the floor, else the
+/// VIP of service `index`; in the lab's family.
+fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddr> {
     if ml.mode == Mode::None {
         ml.pod_ips
             .iter()
-            .map(|ip| SocketAddrV4::new(*ip, TPORT))
+            .map(|ip| SocketAddr::new(*ip, TPORT))
             .collect()
     } else {
-        vec![SocketAddrV4::new(vip(index), PORT)]
+        vec![SocketAddr::new(vip_in(ml.family, index), PORT)]
     }
 }
 

@@ -1,8 +1,10 @@
-//! The lab of one mode: a node namespace with the pods' servers and a
-//! client, the agent for `proxy-tc`, and what the measurements do to it
-//! (reset state between cells, follow the agent's syncs, add manifests).
+//! The lab of one mode in one address family: a node namespace with the
+//! pods' servers and a client, the agent for `proxy-tc`, and what the
+//! measurements do to it (reset state between cells, follow the agent's
+//! syncs, add manifests). An IPv6 mode's lab is dual-stack, and its
+//! traffic is all IPv6.
 use std::io::{Read, Seek, SeekFrom};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -10,19 +12,22 @@ use anyhow::{bail, Context, Result};
 
 use super::layouts::Entry;
 use super::load::Servers;
-use super::{check_interrupted, sys, Config, Mode};
+use super::{check_interrupted, sys, Config, Family, Mode};
 use crate::lab::Lab;
 use crate::netns::in_netns;
 use crate::setup;
 
 pub(super) struct ModeLab {
     pub(super) mode: Mode,
+    pub(super) family: Family,
     pub(super) lab: Lab,
     servers: Option<Servers>,
     pub(super) node_ns: String,
     pub(super) client_ns: String,
-    pub(super) client_ip: Ipv4Addr,
-    pub(super) pod_ips: Vec<Ipv4Addr>,
+    /// The client's address in [`family`](ModeLab::family), as the pods see it.
+    pub(super) client_ip: IpAddr,
+    /// The pods' addresses in [`family`](ModeLab::family).
+    pub(super) pod_ips: Vec<IpAddr>,
     /// The pods' network namespaces (their servers' sockets).
     pub(super) pod_ns: Vec<String>,
     /// Entries programmed now.
@@ -49,10 +54,11 @@ pub(super) fn agent_bin(cfg: &Config) -> Result<PathBuf> {
 }
 
 impl ModeLab {
-    pub(super) fn start(mode: Mode, cfg: &Config) -> Result<ModeLab> {
+    pub(super) fn start(mode: Mode, family: Family, cfg: &Config) -> Result<ModeLab> {
         let with_agent = mode.is_proxy();
         let mut b = Lab::builder()
             .manifests_yaml(&pods_yaml(cfg.endpoints))
+            .ipv6(family == Family::Ipv6)
             .agent(with_agent);
         if with_agent {
             b = b
@@ -66,13 +72,26 @@ impl ModeLab {
             lab.wait_ready(Duration::from_secs(60))?;
             lab.wait_attached(Duration::from_secs(30))?;
         }
-        let mut pods: Vec<(String, Ipv4Addr, String)> = lab
-            .pods()
-            .iter()
-            .filter(|p| !p.host_if.is_empty())
-            .map(|p| (p.name.clone(), p.ip, p.netns.clone()))
-            .collect();
+        let mut pods: Vec<(String, IpAddr, String)> = Vec::new();
+        for p in lab.pods().iter().filter(|p| !p.host_if.is_empty()) {
+            let ip = match family {
+                Family::Ipv4 => p.ip.into(),
+                Family::Ipv6 => p
+                    .ip6
+                    .with_context(|| format!("pod {} has no IPv6 address", p.name))?
+                    .into(),
+            };
+            pods.push((p.name.clone(), ip, p.netns.clone()));
+        }
         pods.sort();
+        let client_ip: IpAddr = match family {
+            Family::Ipv4 => lab.client().ip.into(),
+            Family::Ipv6 => lab
+                .client()
+                .ip6
+                .context("the client has no IPv6 address")?
+                .into(),
+        };
         // A wide ephemeral range in the client: fewer reuses of a 4-tuple
         // whose previous connection is still in TIME_WAIT at the pod.
         crate::netns::sysctl_in(
@@ -83,11 +102,12 @@ impl ModeLab {
         // The node's own clients (the host-client cells): kube-proxy's OUTPUT
         // chain DNATs after the socket's route lookup, which needs a route to
         // the VIPs (a real node's default route). The socket hooks need none.
-        if mode.restore_bin().is_some() || mode == Mode::Nftables {
-            crate::netns::ip_in(
-                &lab.node().netns,
-                &["route", "add", "198.19.0.0/16", "dev", "lo"],
-            )?;
+        if mode.is_kube_proxy() {
+            let r = match family {
+                Family::Ipv4 => vec!["route", "add", super::layouts::SVC_CIDR, "dev", "lo"],
+                Family::Ipv6 => vec!["-6", "route", "add", super::layouts::SVC_CIDR6, "dev", "lo"],
+            };
+            crate::netns::ip_in(&lab.node().netns, &r)?;
         }
         if pods.len() != cfg.endpoints {
             bail!("lab has {} pods, wanted {}", pods.len(), cfg.endpoints);
@@ -96,14 +116,21 @@ impl ModeLab {
             &pods
                 .iter()
                 .enumerate()
-                .map(|(i, p)| (p.2.clone(), i))
+                .map(|(i, p)| {
+                    let bind = match family {
+                        Family::Ipv4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                        Family::Ipv6 => p.1,
+                    };
+                    (p.2.clone(), i, bind)
+                })
                 .collect::<Vec<_>>(),
         )?;
         Ok(ModeLab {
             mode,
+            family,
             node_ns: lab.node().netns.clone(),
             client_ns: lab.client().netns.clone(),
-            client_ip: lab.client().ip,
+            client_ip,
             pod_ips: pods.iter().map(|p| p.1).collect(),
             pod_ns: pods.iter().map(|p| p.2.clone()).collect(),
             lab,
@@ -120,18 +147,32 @@ impl ModeLab {
         self.lab.down()
     }
 
-    /// Forgets kernel conntrack (node namespace) and the agent's LRU
-    /// conntrack, so every cell starts cold.
+    /// The mode's name in its family (`ip6tables-legacy`, ...).
+    pub(super) fn name(&self) -> &'static str {
+        self.mode.name_in(self.family)
+    }
+
+    /// `<mode>` in IPv4, `<mode> (IPv6)` in IPv6: for the log.
+    pub(super) fn label(&self) -> String {
+        match self.family {
+            Family::Ipv4 => self.name().to_string(),
+            Family::Ipv6 => format!("{} (IPv6)", self.name()),
+        }
+    }
+
+    /// Forgets kernel conntrack of the lab's family (node namespace) and
+    /// the agent's LRU conntrack, so every cell starts cold.
     pub(super) fn reset_state(&self) -> Result<()> {
-        let r = in_netns(&self.node_ns, sys::flush_conntrack_here)?;
+        let family = self.family;
+        let r = in_netns(&self.node_ns, move || sys::flush_conntrack_here(family))?;
         if let Err(e) = r {
             // No conntrack in this namespace (no rules loaded): nothing to flush.
-            if self.mode != Mode::None && !self.mode.is_proxy() {
+            if self.mode.is_kube_proxy() {
                 bail!("conntrack flush in {}: {e}", self.node_ns);
             }
         }
         if self.mode.is_proxy() {
-            let ct = self.lab.info().bpffs.join(proxy_ct_map());
+            let ct = self.lab.info().bpffs.join(proxy_ct_map(self.family));
             if ct.exists() {
                 sys::clear_pinned_map(&ct).with_context(|| format!("clear {}", ct.display()))?;
             }
@@ -241,8 +282,12 @@ impl ModeLab {
     }
 }
 
-fn proxy_ct_map() -> &'static str {
-    "CT4_V1"
+/// The agent's pinned conntrack map of `family`.
+fn proxy_ct_map(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => "CT4_V1",
+        Family::Ipv6 => "CT6_V1",
+    }
 }
 
 fn tail_str(s: &str, n: usize) -> String {

@@ -2,25 +2,31 @@
 //! then one change a few times, with the network-programming latency to
 //! the first successful connection.
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::layouts::{self, service_entries, vip, Entry, PORT};
+use super::layouts::{self, service_entries, vip_in, Entry, PORT};
 use super::mode_lab::ModeLab;
 use super::results::median;
 use super::sys::{self, Timed};
-use super::{check_interrupted, load, log, Config, Mode, ProgStats};
+use super::{check_interrupted, load, log, Config, Family, Mode, ProgStats};
 
-fn entries_for(n: usize, targets: &BTreeSet<usize>, pod_ips: &[Ipv4Addr], e: usize) -> Vec<Entry> {
-    let dummies: Vec<Ipv4Addr> = (0..e).map(layouts::dummy_ep).collect();
+fn entries_for(
+    n: usize,
+    targets: &BTreeSet<usize>,
+    family: Family,
+    pod_ips: &[IpAddr],
+    e: usize,
+) -> Vec<Entry> {
+    let dummies: Vec<IpAddr> = (0..e).map(|k| layouts::dummy_ep_in(family, k)).collect();
     let mut v = Vec::with_capacity(n + targets.len());
     for i in 0..n {
         if targets.contains(&i) {
-            v.extend(service_entries(i, pod_ips, true));
+            v.extend(service_entries(i, family, pod_ips, true));
         } else {
-            v.extend(service_entries(i, &dummies, false));
+            v.extend(service_entries(i, family, &dummies, false));
         }
     }
     v
@@ -36,12 +42,13 @@ pub(super) fn program(
     if ml.mode == Mode::None {
         return Ok(p);
     }
-    let entries = entries_for(n, targets, &ml.pod_ips, cfg.endpoints);
+    let family = ml.family;
+    let entries = entries_for(n, targets, family, &ml.pod_ips, cfg.endpoints);
     let node = ml.node_ns.clone();
     let settle = Duration::from_millis(300);
     match ml.mode {
         Mode::IptablesLegacy | Mode::IptablesNft => {
-            let bin = ml.mode.restore_bin().expect("iptables mode");
+            let bin = ml.mode.restore_bin(family).expect("iptables mode");
             sys::exec_in_timed(&node, bin, &[], layouts::IPT_EMPTY)?;
             std::thread::sleep(settle);
             let m0 = sys::kernel_mem_bytes();
@@ -53,7 +60,7 @@ pub(super) fn program(
             p.from_empty_s = Some(d.as_secs_f64());
         }
         Mode::Nftables => {
-            nft_delete_table(&node);
+            nft_delete_table(&node, family);
             if let Some(cap) = cfg.nft_cap {
                 let text = layouts::nft_chunks(&entries, 0).remove(0);
                 log(format!(
@@ -66,7 +73,7 @@ pub(super) fn program(
                         p.single_tx_capped = true;
                     }
                 }
-                nft_delete_table(&node);
+                nft_delete_table(&node, family);
             }
             std::thread::sleep(settle);
             let m0 = sys::kernel_mem_bytes();
@@ -118,11 +125,11 @@ pub(super) fn program(
     for k in 0..cfg.changes {
         check_interrupted()?;
         std::thread::sleep(Duration::from_millis(150));
-        let new = service_entries(n + k, &ml.pod_ips, false);
-        let target = SocketAddrV4::new(vip(n + k), PORT);
+        let new = service_entries(n + k, family, &ml.pod_ips, false);
+        let target = SocketAddr::new(vip_in(family, n + k), PORT);
         let (change, npl) = match ml.mode {
             Mode::IptablesLegacy | Mode::IptablesNft => {
-                let bin = ml.mode.restore_bin().expect("iptables mode");
+                let bin = ml.mode.restore_bin(family).expect("iptables mode");
                 let text = layouts::ipt_partial_add(&ml.entries, &new);
                 let t0 = Instant::now();
                 let poll = npl_poller(&ml.client_ns, target, t0);
@@ -173,7 +180,7 @@ pub(super) fn program(
 
 fn npl_poller(
     ns: &str,
-    target: SocketAddrV4,
+    target: SocketAddr,
     t0: Instant,
 ) -> std::thread::JoinHandle<Option<Duration>> {
     let ns = ns.to_string();
@@ -188,14 +195,12 @@ fn join_npl(h: std::thread::JoinHandle<Option<Duration>>) -> Option<Duration> {
     h.join().ok().flatten()
 }
 
-/// Drops kube-proxy's nftables table in `node`, if there is one (an error,
-/// e.g. no such table, is ignored).
-fn nft_delete_table(node: &str) {
-    let _ = sys::exec_in(
-        node,
-        "nft",
-        &["-f", "/dev/stdin"],
-        "delete table ip kube-proxy\n",
-        None,
-    );
+/// Drops kube-proxy's nftables table of `family` in `node`, if there is
+/// one (an error, e.g. no such table, is ignored).
+fn nft_delete_table(node: &str, family: Family) {
+    let table = match family {
+        Family::Ipv4 => "delete table ip kube-proxy\n",
+        Family::Ipv6 => "delete table ip6 kube-proxy\n",
+    };
+    let _ = sys::exec_in(node, "nft", &["-f", "/dev/stdin"], table, None);
 }

@@ -1,16 +1,23 @@
 //! The benchmark's outputs: `results.json` and `results.md`.
+//!
+//! Per N, the IPv4 tables as they always were, then (when IPv6 ran) the
+//! same tables for IPv6 under `#### IPv6`, with ratios to the IPv6 floor
+//! and to `ip6tables-legacy`, then a line comparing the agent's ratios to
+//! the floor across families (the target: IPv6's no costlier).
 
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Result;
 
-use super::{ModeResult, NResult, Results};
+use super::{Family, ModeResult, NResult, Results};
 
 /// The mode ratios are taken against.
 pub const BASE: &str = "iptables-legacy";
-/// The floor.
-pub const FLOOR: &str = "none";
+/// The mode IPv6 ratios are taken against.
+pub const BASE6: &str = "ip6tables-legacy";
+/// The floor (in both families).
+pub const FLOOR: &str = super::results::FLOOR;
 
 /// Writes `results.json` and `results.md` into `dir`.
 pub fn write(dir: &Path, r: &Results) -> Result<()> {
@@ -20,20 +27,8 @@ pub fn write(dir: &Path, r: &Results) -> Result<()> {
     Ok(())
 }
 
-fn main_pos(n: &NResult) -> &'static str {
-    if n.n <= 1 {
-        "all"
-    } else {
-        "middle"
-    }
-}
-
 fn conn_main<'a>(n: &NResult, mode: &str, mr: &'a ModeResult) -> Option<&'a super::ConnStats> {
-    if mode == FLOOR {
-        mr.conn.get("direct")
-    } else {
-        mr.conn.get(main_pos(n))
-    }
+    n.conn_main(mode, mr)
 }
 
 fn ratio(x: Option<f64>, base: Option<f64>) -> String {
@@ -98,19 +93,67 @@ pub fn markdown(r: &Results) -> String {
     );
     let _ = writeln!(
         s,
-        "Cells: `abs (×{BASE} / ×floor)`; for times, lower is better; for rates, higher. Latencies in µs, medians over {} rounds of {} connections / {} round trips each. Connection latency at the `middle` target (one service, at N = 1); every position below.\n",
+        "Cells: `abs (×{BASE} / ×floor)` (IPv6: ×{BASE6} / ×the IPv6 floor); for times, lower is better; for rates, higher. Latencies in µs, medians over {} rounds of {} connections / {} round trips each. Connection latency at the `middle` target (one service, at N = 1); every position below.\n",
         r.config.get("rounds").cloned().unwrap_or_default(),
         r.config.get("samples").cloned().unwrap_or_default(),
         r.config.get("rr_samples").cloned().unwrap_or_default(),
     );
     for n in &r.results {
-        let get = |m: &str| n.modes.get(m);
         let _ = writeln!(
             s,
             "### N = {} services, {} endpoints each\n",
             n.n,
             r.config.get("endpoints").cloned().unwrap_or_default()
         );
+        for family in Family::ALL {
+            if n.modes_of(family).is_empty() {
+                continue;
+            }
+            if family == Family::Ipv6 {
+                let _ = writeln!(s, "#### IPv6 (N = {}: ×{BASE6} / ×the IPv6 floor)\n", n.n);
+            }
+            family_tables(&mut s, n, family);
+        }
+        if let Some(t) = &n.family_target {
+            let _ = writeln!(
+                s,
+                "IPv6 against IPv4, {} over its floor (target: IPv6 costs no more): **{}**\n",
+                t.mode,
+                if t.met { "met" } else { "missed" }
+            );
+            let _ = writeln!(s, "| metric | IPv4 ×floor | IPv6 ×floor | |");
+            let _ = writeln!(s, "|---|---|---|---|");
+            for m in &t.metrics {
+                let _ = writeln!(
+                    s,
+                    "| {} | {:.2} | {:.2} | {} ({}) |",
+                    m.metric,
+                    m.ipv4_ratio,
+                    m.ipv6_ratio,
+                    if m.met { "met" } else { "missed" },
+                    if m.higher_is_better {
+                        "IPv6 ≥ IPv4"
+                    } else {
+                        "IPv6 ≤ IPv4"
+                    }
+                );
+            }
+            let _ = writeln!(s);
+        }
+    }
+    s
+}
+
+/// The tables of one family at one N: traffic, host clients, programming,
+/// positions, the harness's checks.
+fn family_tables(s: &mut String, n: &NResult, family: Family) {
+    let modes = n.modes_of(family);
+    let base = match family {
+        Family::Ipv4 => BASE,
+        Family::Ipv6 => BASE6,
+    };
+    let get = |m: &str| modes.get(m);
+    {
         let _ = writeln!(
             s,
             "| mode | conn p50 | conn p99 | conn p99.9 | conn/s | TCP RR p50 | UDP RR p50 | bulk Gbit/s |"
@@ -147,7 +190,7 @@ pub fn markdown(r: &Results) -> String {
                 2,
             ),
         ];
-        for (mode, mr) in n.modes.iter().chain(std::iter::once((
+        for (mode, mr) in modes.iter().chain(std::iter::once((
             &"proxy-xdp".to_string(),
             &ModeResult::default(),
         ))) {
@@ -159,7 +202,7 @@ pub fn markdown(r: &Results) -> String {
             }
             for (f, prec) in &cols {
                 let x = f(mr, mode);
-                let ipt = metric(BASE, &**f);
+                let ipt = metric(base, &**f);
                 let fl = metric(FLOOR, &**f);
                 let abs = x.map_or("-".into(), |v| format!("{v:.*}", *prec as usize));
                 let _ = write!(row, " {} |", with_ratios(abs, x, ipt, fl, true));
@@ -184,11 +227,11 @@ pub fn markdown(r: &Results) -> String {
             ),
             (Box::new(|mr: &ModeResult, _: &str| mr.host_conn_rate), 0),
         ];
-        for (mode, mr) in &n.modes {
+        for (mode, mr) in modes {
             let mut row = format!("| {mode} |");
             for (f, prec) in &hcols {
                 let x = f(mr, mode);
-                let ipt = metric(BASE, &**f);
+                let ipt = metric(base, &**f);
                 let fl = metric(FLOOR, &**f);
                 let abs = x.map_or("-".into(), |v| format!("{v:.*}", *prec as usize));
                 let _ = write!(row, " {} |", with_ratios(abs, x, ipt, fl, true));
@@ -201,11 +244,11 @@ pub fn markdown(r: &Results) -> String {
             "| mode | program N from empty | nft single transaction | one change at N | change → first connection | kernel memory | agent RSS |"
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
-        for (mode, mr) in &n.modes {
+        for (mode, mr) in modes {
             if mode == FLOOR {
                 continue;
             }
-            let b = get(BASE).map(|m| &m.prog);
+            let b = get(base).map(|m| &m.prog);
             let p = &mr.prog;
             let prog = with_ratios(
                 p.from_empty_s.map_or("-".into(), fmt_dur_s),
@@ -251,7 +294,7 @@ pub fn markdown(r: &Results) -> String {
             let pos: Vec<&String> = n.positions.keys().collect();
             let _ = writeln!(
                 s,
-                "Connection latency p50 (µs, ×{BASE}) by the target's position in KUBE-SERVICES ({}):\n",
+                "Connection latency p50 (µs, ×{base}) by the target's position in KUBE-SERVICES ({}):\n",
                 n.positions.iter().map(|(k, v)| format!("{k} = #{v}")).collect::<Vec<_>>().join(", ")
             );
             let _ = writeln!(
@@ -263,14 +306,14 @@ pub fn markdown(r: &Results) -> String {
                     .join(" | ")
             );
             let _ = writeln!(s, "|---|{}", "---|".repeat(pos.len()));
-            for (mode, mr) in &n.modes {
+            for (mode, mr) in modes {
                 if mode == FLOOR {
                     continue;
                 }
                 let mut row = format!("| {mode} |");
                 for p in &pos {
                     let x = mr.conn.get(*p).map(|c| c.p50_us);
-                    let b = get(BASE).and_then(|m| m.conn.get(*p)).map(|c| c.p50_us);
+                    let b = get(base).and_then(|m| m.conn.get(*p)).map(|c| c.p50_us);
                     let _ = write!(
                         row,
                         " {} |",
@@ -287,8 +330,7 @@ pub fn markdown(r: &Results) -> String {
             }
             let _ = writeln!(s);
         }
-        let failed: Vec<String> = n
-            .modes
+        let failed: Vec<String> = modes
             .iter()
             .flat_map(|(m, mr)| {
                 mr.checks
@@ -307,5 +349,4 @@ pub fn markdown(r: &Results) -> String {
             let _ = writeln!(s);
         }
     }
-    s
 }

@@ -1,8 +1,11 @@
-//! What a run yields: the measured cells per mode and N, their medians over
-//! rounds, and the harness's own checks of the traffic it saw.
+//! What a run yields: the measured cells per mode, family and N, their
+//! medians over rounds, the harness's own checks of the traffic it saw,
+//! and per N the agent's cost over the floor compared across families.
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+
+use super::Family;
 
 /// One measured cell (medians over rounds where it says so).
 #[derive(Debug, Clone, Serialize, Default)]
@@ -87,9 +90,130 @@ pub struct Check {
 #[derive(Debug, Clone, Serialize)]
 pub struct NResult {
     pub n: usize,
-    /// Target service indices per position.
+    /// Target service indices per position (the same in both families).
     pub positions: BTreeMap<String, usize>,
+    /// The IPv4 modes, by name.
     pub modes: BTreeMap<String, ModeResult>,
+    /// The IPv6 modes, by their IPv6 names (`ip6tables-legacy`, ...).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub modes_ipv6: BTreeMap<String, ModeResult>,
+    /// The agent's ratios to the floor, IPv4 against IPv6 (when both ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub family_target: Option<FamilyTarget>,
+}
+
+impl NResult {
+    /// The modes of `family`.
+    pub fn modes_of(&self, family: Family) -> &BTreeMap<String, ModeResult> {
+        match family {
+            Family::Ipv4 => &self.modes,
+            Family::Ipv6 => &self.modes_ipv6,
+        }
+    }
+
+    /// The connection cell the tables show for `mode`: the floor's
+    /// (`direct`), else the one at the main target (`all` at N = 1,
+    /// `middle` above).
+    pub fn conn_main<'a>(&self, mode: &str, mr: &'a ModeResult) -> Option<&'a ConnStats> {
+        if mode == FLOOR {
+            mr.conn.get("direct")
+        } else {
+            mr.conn.get(if self.n <= 1 { "all" } else { "middle" })
+        }
+    }
+}
+
+/// The floor's name (in both families).
+pub const FLOOR: &str = "none";
+/// The mode whose families are compared.
+pub const TARGET_MODE: &str = "proxy-tc";
+
+/// One metric of [`FamilyTarget`]: the agent's figure over the floor's in
+/// each family (as the tables' `×floor`).
+#[derive(Debug, Clone, Serialize)]
+pub struct FamilyMetric {
+    pub metric: String,
+    pub ipv4_ratio: f64,
+    pub ipv6_ratio: f64,
+    /// conn/s: more is better, so IPv6 costs no more when its ratio is
+    /// at least IPv4's; the latencies: at most.
+    pub higher_is_better: bool,
+    pub met: bool,
+}
+
+/// The target at one N: IPv6 costs no more than IPv4 relative to
+/// its floor, for the agent (`proxy-tc`): met when it holds for every
+/// metric. Reported, never asserted.
+#[derive(Debug, Clone, Serialize)]
+pub struct FamilyTarget {
+    pub mode: String,
+    pub metrics: Vec<FamilyMetric>,
+    pub met: bool,
+}
+
+impl FamilyTarget {
+    /// One line: each metric's ratios and whether IPv6's is within IPv4's.
+    pub fn summary(&self) -> String {
+        let parts: Vec<String> = self
+            .metrics
+            .iter()
+            .map(|m| {
+                format!(
+                    "{} ×floor IPv4 {:.2}, IPv6 {:.2} ({})",
+                    m.metric,
+                    m.ipv4_ratio,
+                    m.ipv6_ratio,
+                    if m.met { "met" } else { "missed" }
+                )
+            })
+            .collect();
+        format!(
+            "{} IPv6 costs no more than IPv4 over its floor: {} — {}",
+            self.mode,
+            if self.met { "met" } else { "missed" },
+            parts.join("; ")
+        )
+    }
+}
+
+/// [`FamilyTarget`] of `n`, when the agent and the floor ran in both
+/// families and every metric was measured.
+pub(super) fn family_target(n: &NResult) -> Option<FamilyTarget> {
+    type Metric = fn(&NResult, &str, &ModeResult) -> Option<f64>;
+    let metrics: [(&str, bool, Metric); 4] = [
+        ("conn p50", false, |n, m, mr| {
+            n.conn_main(m, mr).map(|c| c.p50_us)
+        }),
+        ("conn/s", true, |_, _, mr| mr.conn_rate),
+        ("TCP RR p50", false, |_, _, mr| {
+            mr.tcp_rr.as_ref().map(|r| r.p50_us)
+        }),
+        ("UDP RR p50", false, |_, _, mr| {
+            mr.udp_rr.as_ref().map(|r| r.p50_us)
+        }),
+    ];
+    let ratio = |family: Family, f: Metric| -> Option<f64> {
+        let modes = n.modes_of(family);
+        let x = f(n, TARGET_MODE, modes.get(TARGET_MODE)?)?;
+        let floor = f(n, FLOOR, modes.get(FLOOR)?)?;
+        (floor > 0.0 && x > 0.0).then(|| x / floor)
+    };
+    let mut out = Vec::new();
+    for (name, higher_is_better, f) in metrics {
+        let (r4, r6) = (ratio(Family::Ipv4, f)?, ratio(Family::Ipv6, f)?);
+        out.push(FamilyMetric {
+            metric: name.to_string(),
+            ipv4_ratio: r4,
+            ipv6_ratio: r6,
+            higher_is_better,
+            met: if higher_is_better { r6 >= r4 } else { r6 <= r4 },
+        });
+    }
+    Some(FamilyTarget {
+        mode: TARGET_MODE.to_string(),
+        met: out.iter().all(|m| m.met),
+        metrics: out,
+    })
 }
 
 /// A whole run.
@@ -101,14 +225,21 @@ pub struct Results {
 }
 
 impl Results {
-    /// Every failed check, as `N=<n> <mode>: <check>: <detail>`.
+    /// Every failed check, as `N=<n> <mode>: <check>: <detail>` (IPv6:
+    /// `N=<n> IPv6 <mode>: ...`).
     pub fn failed_checks(&self) -> Vec<String> {
         let mut v = Vec::new();
         for r in &self.results {
-            for (m, mr) in &r.modes {
-                for c in &mr.checks {
-                    if !c.ok {
-                        v.push(format!("N={} {m}: {}: {}", r.n, c.name, c.detail));
+            for family in Family::ALL {
+                let prefix = match family {
+                    Family::Ipv4 => "",
+                    Family::Ipv6 => "IPv6 ",
+                };
+                for (m, mr) in r.modes_of(family) {
+                    for c in &mr.checks {
+                        if !c.ok {
+                            v.push(format!("N={} {prefix}{m}: {}: {}", r.n, c.name, c.detail));
+                        }
                     }
                 }
             }

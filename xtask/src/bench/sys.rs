@@ -279,10 +279,11 @@ pub fn pinned_maps_memlock(dir: &Path) -> Result<u64> {
 
 // ---------------------------------------------------------------- conntrack
 
-/// Flushes the kernel conntrack table of the current thread's namespace
-/// (ctnetlink IPCTNL_MSG_CT_DELETE without attributes, what `conntrack -F`
-/// sends).
-pub fn flush_conntrack_here() -> io::Result<()> {
+/// Flushes the kernel conntrack entries of `family` in the current
+/// thread's namespace (ctnetlink IPCTNL_MSG_CT_DELETE without attributes,
+/// what `conntrack -F` sends; the kernel flushes only the message's
+/// family: `conntrack -F -f ipv6` for IPv6).
+pub fn flush_conntrack_here(family: super::Family) -> io::Result<()> {
     const NETLINK_NETFILTER: i32 = 12;
     const NFNL_SUBSYS_CTNETLINK: u16 = 1;
     const IPCTNL_MSG_CT_DELETE: u16 = 2;
@@ -314,7 +315,10 @@ pub fn flush_conntrack_here() -> io::Result<()> {
         let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
         msg[6..8].copy_from_slice(&flags.to_ne_bytes());
         msg[8..12].copy_from_slice(&1u32.to_ne_bytes());
-        msg[16] = libc::AF_INET as u8; // nfgen_family
+        msg[16] = match family {
+            super::Family::Ipv4 => libc::AF_INET as u8,
+            super::Family::Ipv6 => libc::AF_INET6 as u8,
+        }; // nfgen_family
         msg[17] = 0; // NFNETLINK_V0
         let mut sa: libc::sockaddr_nl = std::mem::zeroed();
         sa.nl_family = libc::AF_NETLINK as u16;
