@@ -1,52 +1,88 @@
 //! Sanity of `cargo xtask bench`: every mode (none, iptables-legacy,
-//! iptables-nft, nftables, proxy-tc) delivers traffic and the harness's own
-//! checks hold (spread over the backends, replies from the dialled VIP,
-//! client address kept, no failed exchange) at N = 1 and N = 100, with few
-//! samples. Asserts no timing.
+//! iptables-nft, nftables, proxy-tc and its variants) delivers traffic and
+//! the harness's own checks hold (spread over the backends, replies from
+//! the dialled VIP, client address kept, no failed exchange) at N = 1 and
+//! N = 100, with few samples; and in IPv6 (a dual-stack lab, all traffic
+//! IPv6) the floor, ip6tables-legacy, nftables `ip6` and proxy-tc at N = 1.
+//! Asserts no timing; prints each run's elapsed time (CI's time is tight:
+//! the IPv6 run is kept well under a minute).
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test bench_sanity -- --include-ignored`.
 
+use std::sync::Mutex;
 use std::time::Instant;
 
-use xtask::bench::{run_config, Config, Mode};
+use xtask::bench::{run_config, Config, Family, Results};
 
-#[test]
-#[ignore = "needs root: run with cargo xtask test"]
-fn every_mode_delivers_and_the_checks_hold() {
-    if !xtask::setup::is_root() {
-        if std::env::var_os("KPR_REQUIRE_ROOT_TESTS").is_some() {
-            panic!("this test needs root");
-        }
-        eprintln!("skipped: not root");
-        return;
+/// The two runs one after the other (the test harness runs tests in
+/// parallel threads): each lab's traffic is measured alone.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Whether to run: root, or a skip (a failure when root tests are required).
+fn as_root() -> bool {
+    if xtask::setup::is_root() {
+        return true;
     }
-    let cfg = Config::sanity();
+    if std::env::var_os("KPR_REQUIRE_ROOT_TESTS").is_some() {
+        panic!("this test needs root");
+    }
+    eprintln!("skipped: not root");
+    false
+}
+
+/// Runs `cfg`, printing its elapsed time as `<what> took ...`.
+fn run(cfg: &Config, what: &str) -> Results {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let t = Instant::now();
-    let results = run_config(&cfg).expect("the benchmark ran");
-    eprintln!("sanity run took {:?}", t.elapsed());
+    let results = run_config(cfg).expect("the benchmark ran");
+    eprintln!("{what} took {:?}", t.elapsed());
+    results
+}
+
+/// Every mode of `cfg` has a result in each family at each N, with
+/// traffic answered, programming measured, and every change reachable;
+/// every check holds (see below for the kube-proxy layouts' drops).
+fn assert_sane(cfg: &Config, results: &Results) {
     assert_eq!(results.results.len(), cfg.ns.len());
     for r in &results.results {
-        for m in Mode::ALL {
-            let mr = r
-                .modes
-                .get(m.name())
-                .unwrap_or_else(|| panic!("N={} has no result for {}", r.n, m.name()));
-            assert!(!mr.checks.is_empty(), "N={} {}: no checks", r.n, m.name());
-            let total: usize = mr.conn.values().map(|c| c.ok).sum();
-            assert!(total > 0, "N={} {}: no connection answered", r.n, m.name());
-            if m != Mode::None {
+        for &family in &cfg.families {
+            let modes = r.modes_of(family);
+            assert_eq!(
+                modes.len(),
+                cfg.modes.len(),
+                "N={} {}: modes {:?}",
+                r.n,
+                family.label(),
+                modes.keys().collect::<Vec<_>>()
+            );
+            for m in &cfg.modes {
+                let name = m.name_in(family);
+                let what = format!("N={} {} {name}", r.n, family.label());
+                let mr = modes
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{what}: no result"));
+                assert!(!mr.checks.is_empty(), "{what}: no checks");
+                let total: usize = mr.conn.values().map(|c| c.ok).sum();
+                assert!(total > 0, "{what}: no connection answered");
+                if name != "none" {
+                    assert!(
+                        mr.prog.from_empty_s.is_some() && mr.prog.change_ms.is_some(),
+                        "{what}: programming not measured"
+                    );
+                    assert!(
+                        mr.prog.npl_all_ms.iter().all(Option::is_some),
+                        "{what}: a change never became reachable"
+                    );
+                }
+            }
+        }
+        for family in Family::ALL {
+            if !cfg.families.contains(&family) {
                 assert!(
-                    mr.prog.from_empty_s.is_some() && mr.prog.change_ms.is_some(),
-                    "N={} {}: programming not measured",
-                    r.n,
-                    m.name()
-                );
-                assert!(
-                    mr.prog.npl_all_ms.iter().all(Option::is_some),
-                    "N={} {}: a change never became reachable",
-                    r.n,
-                    m.name()
+                    r.modes_of(family).is_empty(),
+                    "N={} {family:?}: not asked for",
+                    r.n
                 );
             }
         }
@@ -65,4 +101,33 @@ fn every_mode_delivers_and_the_checks_hold() {
         .filter(|f| f.contains(" proxy-") || !f.contains(": no drops: "))
         .collect();
     assert!(fatal.is_empty(), "harness checks failed:\n{fatal:#?}");
+}
+
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn every_mode_delivers_and_the_checks_hold() {
+    if !as_root() {
+        return;
+    }
+    let cfg = Config::sanity();
+    let results = run(&cfg, "sanity run (IPv4)");
+    assert_sane(&cfg, &results);
+}
+
+/// IPv6: the floor, ip6tables-legacy, nftables `ip6` and proxy-tc at N =
+/// 1, each in a dual-stack lab dialling IPv6 addresses only.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn ipv6_modes_deliver_and_the_checks_hold() {
+    if !as_root() {
+        return;
+    }
+    let cfg = Config::sanity_ipv6();
+    let results = run(&cfg, "sanity run (IPv6)");
+    assert_sane(&cfg, &results);
+    // Its traffic was IPv6 only: the "client address kept" check compared
+    // each server's view of its client with the client's IPv6 address.
+    let r = &results.results[0];
+    assert!(r.modes.is_empty(), "an IPv6-only run measured IPv4 modes");
+    assert!(r.family_target.is_none(), "a comparison without IPv4");
 }
