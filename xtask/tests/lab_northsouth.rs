@@ -43,7 +43,8 @@ mod support;
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 // `T` (2 s) is also how long a drop takes to show.
 use support::{
-    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, stat, T,
+    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, listeners,
+    listens_on, stat, T,
 };
 
 /// How long the agents may take to come up, or to sync a change.
@@ -380,30 +381,6 @@ fn assert_hcnp_closed(lab: &Lab, node: &str, hcnp: u16) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// `ss -ltnuH` in `node`'s namespace: the listening sockets.
-fn listeners(lab: &Lab, node: &str) -> String {
-    let ns = lab.node_named(node).expect("node").netns.clone();
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns, "ss", "-ltnuH"])
-        .output()
-        .expect("run ss");
-    assert!(
-        out.status.success(),
-        "ss: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn listens_on(ss: &str, port: u16) -> bool {
-    let suffix = format!(":{port}");
-    ss.lines().any(|l| {
-        l.split_whitespace()
-            .nth(4)
-            .is_some_and(|local| local.ends_with(&suffix))
-    })
 }
 
 // ================================================================ tests

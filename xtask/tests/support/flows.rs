@@ -4,6 +4,7 @@
 //! the endpoints change under it.
 
 use std::io;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use xtask::Lab;
@@ -40,9 +41,15 @@ impl Placement<'_> {
 /// reject semantics. Step 3: datagrams reach D within about 1 s" (D: `pod-d`,
 /// added).
 pub fn k1_udp_flow_leaves_deleted_endpoint(lab: &mut Lab, at: &Placement) {
+    let vip = frontend(lab, "statsd", 8125, "UDP");
+    k1_udp_flow_leaves_deleted_endpoint_via(lab, at, vip.into())
+}
+
+/// [`k1_udp_flow_leaves_deleted_endpoint`] through the frontend `vip` of
+/// `statsd` (its IPv6 ClusterIP in a dual-stack lab).
+pub fn k1_udp_flow_leaves_deleted_endpoint_via(lab: &mut Lab, at: &Placement, vip: SocketAddr) {
     let what = at.what;
     let ns = lab.client().netns.clone();
-    let vip = frontend(lab, "statsd", 8125, "UDP");
     let probe = UdpProbe::start(
         &ns,
         vip,

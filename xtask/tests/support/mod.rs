@@ -60,6 +60,32 @@ pub fn inspect(what: &str, bpffs: &Path) -> String {
     }
 }
 
+/// `ss -ltnuH` in `node`'s namespace: the listening sockets.
+pub fn listeners(lab: &Lab, node: &str) -> String {
+    let ns = lab.node_named(node).expect("node").netns.clone();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns, "ss", "-ltnuH"])
+        .output()
+        .expect("run ss");
+    assert!(
+        out.status.success(),
+        "ss: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether a socket of `ss`'s output (see [`listeners`]) listens on `port`
+/// (any address, either family).
+pub fn listens_on(ss: &str, port: u16) -> bool {
+    let suffix = format!(":{port}");
+    ss.lines().any(|l| {
+        l.split_whitespace()
+            .nth(4)
+            .is_some_and(|local| local.ends_with(&suffix))
+    })
+}
+
 /// One counter of `proxy-agent inspect stats` on `node` (0 if not listed).
 pub fn stat(lab: &Lab, node: &str, name: &str) -> u64 {
     let n = lab.node_named(node).expect("node");
