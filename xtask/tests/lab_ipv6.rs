@@ -33,6 +33,22 @@
 //! | D12, D13 | 2,000-byte TCP and UDP echoes through the secondary ClusterIP; the UDP one in IPv6 fragments, both ways | D12, D13 |
 //! | D14 | hostNetwork endpoints (the nodes' addresses), two nodes: pod and node (host client) → secondary ClusterIP and node-1's IPv6 NodePort, TCP and UDP, and 2,000-byte echoes | D14 |
 //!
+//! The IPv6 runs of rows of sections A and F (same scenarios as their IPv4
+//! tests in `lab.rs`, `lab_northsouth.rs`, on IPv6-only or dual-stack
+//! Services):
+//!
+//! | test | rows |
+//! | --- | --- |
+//! | `s1_ipv6_basic_endpoint_added_and_removed` | S1 |
+//! | `s2_ipv6_multiport_named_target_ports` | S2 |
+//! | D-lab-7 | S5 (a pod hairpins to itself through its IPv6 ClusterIP) |
+//! | `s10_ipv6_node_port_reachable_on_every_node` | S10 |
+//! | `s12_s39_ipv6_tcp_and_udp_on_same_node_port_number` | S12, S39 |
+//! | `s17_ipv6_no_listener_on_node_port` | S17 |
+//! | D-lab-8 | S29 (ClusterIP without endpoints refuses) |
+//! | `k4_ipv6_node_port_without_endpoints_refused_etp_local_dropped` | K4 |
+//! | `k1_ipv6_udp_flow_leaves_deleted_endpoint` | field-bugs K1 (the UDP flow; service-behaviours' K1, CLOSE_WAIT, is IPv4's `conntrack` sysctl, family-blind) |
+//!
 //! Not covered here:
 //! - D3 (SCTP over the secondary family): the lab's SCTP client is IPv4
 //!   only (`xtask::client::Request::Sctp` refuses an IPv6 address) and the
@@ -1078,5 +1094,402 @@ fn d14_host_network_endpoints_over_ipv6() {
             }
         }
         drop(servers);
+    });
+}
+
+// ------------------------------------------------- IPv6 runs of S and K rows
+//
+// The rows of `service-behaviours.md` sections A and F that the issue asks
+// to run over IPv6 and that no D test above already reproduces: the same
+// scenarios as their IPv4 tests (`lab.rs`, `lab_northsouth.rs`), on
+// IPv6-only Services of a dual-stack lab.
+
+/// Asserts that `tries` requests over `proto` from `ns` to `addr` are each
+/// refused (ICMPv6 port unreachable, or a TCP RST from a node's stack),
+/// TCP within [`TCP_REFUSED_WITHIN`] and UDP within [`REFUSED_WITHIN`].
+fn assert_refused6(ns: &str, addr: SocketAddr, proto: &str, tries: usize, what: &str) {
+    let within = if proto == "TCP" {
+        TCP_REFUSED_WITHIN
+    } else {
+        REFUSED_WITHIN
+    };
+    for i in 1..=tries {
+        let t = Instant::now();
+        let r = match proto {
+            "TCP" => client::tcp_request(ns, addr, b"hostname\n", T),
+            _ => client::udp_request(ns, addr, b"hostname", T, None),
+        }
+        .map(|r| reply_text(&r));
+        let took = t.elapsed();
+        println!(
+            "{what}: {proto} {addr} try {i}: {r:?} after {} ms",
+            took.as_millis()
+        );
+        assert!(
+            matches!(&r, Err(e) if e.kind() == io::ErrorKind::ConnectionRefused) && took < within,
+            "{what}: {proto} {addr} try {i}: expected refused within {} ms, got {r:?} after {} ms",
+            within.as_millis(),
+            took.as_millis()
+        );
+    }
+}
+
+/// S1 over IPv6 — "should serve a basic endpoint from pods": an IPv6-only
+/// Service `web6` over `pod-1`; `pod-2` added, then `pod-1` and `pod-2`
+/// deleted one after another. After each change new TCP connections to
+/// [ClusterIP]:80 are answered by exactly the pods there are; with none
+/// left, a connect is refused.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s1_ipv6_basic_endpoint_added_and_removed() {
+    let svc = Svc::new("web6")
+        .selector("web")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let yaml = yaml(Some(&svc), &[Pod::new("pod-1", "web").port(PORT, "TCP")]);
+    with_lab("s1-ipv6", &yaml, |lab| {
+        pods_answer_directly6(lab, &["pod-1"], "S1 IPv6");
+        let c = lab.client().netns.clone();
+        let vip = frontend6(lab, "web6", PORT, "TCP");
+        assert_answered_by(&c, vip, "TCP", 10, &["pod-1"], "S1 IPv6 pod-1 only");
+
+        let pod2 = Pod::new("pod-2", "web").port(PORT, "TCP");
+        support::apply(lab, &pod2.yaml(), SYNC_TIMEOUT);
+        let both = ["pod-1", "pod-2"];
+        assert_answered_by(&c, vip, "TCP", N, &both, "S1 IPv6 pod-1 + pod-2");
+
+        delete_pod(lab, "pod-1");
+        assert_answered_by(&c, vip, "TCP", N, &["pod-2"], "S1 IPv6 pod-1 deleted");
+
+        delete_pod(lab, "pod-2");
+        assert_refused6(&c, vip, "TCP", 2, "S1 IPv6 no pods left");
+    });
+}
+
+/// S2 over IPv6 — "should serve multiport endpoints from pods": an
+/// IPv6-only Service with ports 80 and 81 whose targetPorts are the named
+/// ports `svc1` and `svc2`; `pod-1` exposes `svc1` on 100, `pod-2` `svc2`
+/// on 101. [ClusterIP]:80 is answered by `pod-1` only (at its port 100),
+/// [ClusterIP]:81 by `pod-2` only (at 101).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s2_ipv6_multiport_named_target_ports() {
+    let svc = Svc::new("multi")
+        .selector("multi")
+        .ipv6_only()
+        .port(Port::tcp("p80", 80).target_name("svc1"))
+        .port(Port::tcp("p81", 81).target_name("svc2"));
+    let pods = [
+        Pod::new("pod-1", "multi").named_port("svc1", 100, "TCP"),
+        Pod::new("pod-2", "multi").named_port("svc2", 101, "TCP"),
+    ];
+    let yaml = yaml(Some(&svc), &pods);
+    with_lab("s2-ipv6", &yaml, |lab| {
+        let c = lab.client().netns.clone();
+        let p80 = frontend6(lab, "multi", 80, "TCP");
+        let p81 = frontend6(lab, "multi", 81, "TCP");
+        assert!(p80.is_ipv6() && p81.is_ipv6());
+        assert_answered_by(&c, p80, "TCP", 20, &["pod-1"], "S2 IPv6 port 80 → svc1");
+        assert_answered_by(&c, p81, "TCP", 20, &["pod-2"], "S2 IPv6 port 81 → svc2");
+    });
+}
+
+/// S10 over IPv6 — "should be able to create a functioning NodePort
+/// service": two nodes, an IPv6-only NodePort Service over `web-1` on
+/// node-1 and `web-2` on node-2. From the external client, each node's
+/// IPv6 address at the NodePort is answered by both pods, TCP and UDP
+/// (the other node's through eTP Cluster's SNAT); from the client pod the
+/// IPv6 ClusterIP is too.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s10_ipv6_node_port_reachable_on_every_node() {
+    let svc = Svc::new("web")
+        .service_type("NodePort")
+        .selector("web")
+        .ipv6_only()
+        .ports(tcp_and_udp(PORT));
+    let pods = [
+        Pod::new("web-1", "web").node("node-1").port(PORT, "TCP"),
+        Pod::new("web-2", "web").node("node-2").port(PORT, "TCP"),
+    ];
+    let yaml = yaml(Some(&svc), &pods);
+    with_nodes("s10-ipv6", 2, &yaml, &[], |lab| {
+        let x = lab.external().expect("an external client").netns.clone();
+        let both = ["web-1", "web-2"];
+        for node in ["node-1", "node-2"] {
+            for proto in ["TCP", "UDP"] {
+                let np = node_port6(lab, "web", PORT, proto, node);
+                let what = format!("S10 IPv6 {proto} external → {node}");
+                assert_answered_by(&x, np, proto, N, &both, &what);
+            }
+        }
+        let c = lab.client().netns.clone();
+        let vip = frontend6(lab, "web", PORT, "TCP");
+        assert_answered_by(&c, vip, "TCP", N, &both, "S10 IPv6 pod → ClusterIP");
+    });
+}
+
+/// S12 / S39 over IPv6 — TCP and UDP on the same service port (80) and the
+/// same nodePort number (30080) of an IPv6-only Service, its pod on
+/// node-2: both protocols answered through node-1's and node-2's IPv6
+/// NodePort from the external client, through node-1's from a pod, and
+/// through the ClusterIP. Updated to TCP only, UDP stops (refused by
+/// node-1's stack: no UDP frontend, nothing listens) while TCP still
+/// works; then UDP only, TCP stops (a RST from node-1's stack) while UDP
+/// works.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s12_s39_ipv6_tcp_and_udp_on_same_node_port_number() {
+    let svc = |ports: &[Port]| {
+        Svc::new("dual")
+            .service_type("NodePort")
+            .no_affinity()
+            .selector("dual")
+            .ipv6_only()
+            .ports(ports.to_vec())
+    };
+    let tcp = Port::tcp("tcp", PORT).node_port(30080);
+    let udp = Port::udp("udp", PORT).node_port(30080);
+    let pods = [Pod::new("dual-1", "dual").node("node-2").port(PORT, "TCP")];
+    let yaml = yaml(Some(&svc(&[tcp.clone(), udp.clone()])), &pods);
+    with_nodes("s12-s39-ipv6", 2, &yaml, &[], |lab| {
+        let x = lab.external().expect("an external client").netns.clone();
+        let c = lab.client().netns.clone();
+        let np1 = SocketAddr::new(node_ip6(lab, "node-1"), 30080);
+        let np2 = SocketAddr::new(node_ip6(lab, "node-2"), 30080);
+        let vip = frontend6(lab, "dual", PORT, "TCP");
+        for proto in ["TCP", "UDP"] {
+            assert_eq!(node_port6(lab, "dual", PORT, proto, "node-1"), np1);
+            let what = format!("S12 IPv6 both, {proto}");
+            assert_answered_by(
+                &x,
+                np1,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} external → node-1"),
+            );
+            assert_answered_by(
+                &x,
+                np2,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} external → node-2"),
+            );
+            assert_answered_by(
+                &c,
+                np1,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("{what} pod → node-1"),
+            );
+            assert_answered_by(
+                &c,
+                vip,
+                proto,
+                5,
+                &["dual-1"],
+                &format!("S39 IPv6 both, {proto} pod → ClusterIP"),
+            );
+        }
+
+        let took = support::apply(lab, &svc(std::slice::from_ref(&tcp)).yaml(), SYNC_TIMEOUT);
+        println!("S39 IPv6 TCP only: synced in {} ms", took.as_millis());
+        assert_answered_by(
+            &x,
+            np1,
+            "TCP",
+            5,
+            &["dual-1"],
+            "S39 IPv6 TCP only, external → node-1",
+        );
+        assert_answered_by(
+            &c,
+            vip,
+            "TCP",
+            5,
+            &["dual-1"],
+            "S39 IPv6 TCP only, pod → ClusterIP",
+        );
+        assert_refused6(
+            &x,
+            np1,
+            "UDP",
+            3,
+            "S39 IPv6 TCP only: UDP external → node-1",
+        );
+        let r = client::udp_request(&c, vip, b"hostname", T, None);
+        println!("S39 IPv6 TCP only: UDP pod → ClusterIP: {r:?}");
+        assert!(
+            r.is_err(),
+            "S39 IPv6 TCP only: UDP ClusterIP still answered: {r:?}"
+        );
+
+        let took = support::apply(lab, &svc(std::slice::from_ref(&udp)).yaml(), SYNC_TIMEOUT);
+        println!("S39 IPv6 UDP only: synced in {} ms", took.as_millis());
+        assert_answered_by(
+            &x,
+            np1,
+            "UDP",
+            5,
+            &["dual-1"],
+            "S39 IPv6 UDP only, external → node-1",
+        );
+        assert_answered_by(
+            &c,
+            vip,
+            "UDP",
+            5,
+            &["dual-1"],
+            "S39 IPv6 UDP only, pod → ClusterIP",
+        );
+        assert_refused6(
+            &x,
+            np1,
+            "TCP",
+            3,
+            "S39 IPv6 UDP only: TCP external → node-1",
+        );
+    });
+}
+
+/// S17 over IPv6 — "should release NodePorts on delete": an IPv6-only
+/// NodePort Service (TCP and UDP, nodePort 30017), its pod on node-2. While
+/// the NodePort answers from the external client, nothing listens on port
+/// 30017 in either node's namespace (`ss -ltnu`: the proxy opens no socket
+/// for a NodePort, of either family); deleted, the NodePort is refused;
+/// re-created with the same nodePort, it answers TCP and UDP again and
+/// still nothing listens.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn s17_ipv6_no_listener_on_node_port() {
+    let svc = Svc::new("web")
+        .service_type("NodePort")
+        .selector("web")
+        .ipv6_only()
+        .ports([
+            Port::tcp("tcp", PORT).node_port(30017),
+            Port::udp("udp", PORT).node_port(30017),
+        ]);
+    let pods = [Pod::new("web-1", "web").node("node-2").port(PORT, "TCP")];
+    let yaml = yaml(Some(&svc), &pods);
+    with_nodes("s17-ipv6", 2, &yaml, &[], |lab| {
+        let x = lab.external().expect("an external client").netns.clone();
+        let np = SocketAddr::new(node_ip6(lab, "node-1"), 30017);
+        assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 IPv6 before");
+        let no_listener = |lab: &Lab, when: &str| {
+            for node in ["node-1", "node-2"] {
+                let ss = support::listeners(lab, node);
+                println!("S17 IPv6 {when}: {node} listeners:\n{ss}");
+                assert!(
+                    !support::listens_on(&ss, 30017),
+                    "S17 IPv6 {when}: something listens on {node}:30017:\n{ss}"
+                );
+            }
+        };
+        no_listener(lab, "before");
+        lab.delete_service("web")
+            .unwrap_or_else(|e| panic!("delete_service: {e:#}"));
+        support::synced_nodes(lab, SYNC_TIMEOUT);
+        assert_refused6(&x, np, "TCP", 2, "S17 IPv6 deleted");
+        support::apply(lab, &svc.yaml(), SYNC_TIMEOUT);
+        assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 IPv6 re-created");
+        assert_answered_by(&x, np, "UDP", 3, &["web-1"], "S17 IPv6 re-created");
+        no_listener(lab, "re-created");
+    });
+}
+
+/// K4 over IPv6 (S29's NodePort half) — an IPv6-only NodePort Service
+/// without endpoints refuses the external client at once on every node,
+/// TCP and UDP (ICMPv6 port unreachable from the datapath, counted in
+/// `reject_no_backend`); with eTP Local and its only endpoint on node-1,
+/// node-1 answers while node-2 drops (`drop_no_local_backend`), TCP and
+/// UDP.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn k4_ipv6_node_port_without_endpoints_refused_etp_local_dropped() {
+    let svc = |selector: &str, etp: &str| {
+        Svc::new("empty")
+            .service_type("NodePort")
+            .selector(selector)
+            .ipv6_only()
+            .external_traffic_policy(etp)
+            .ports(tcp_and_udp(PORT))
+    };
+    let pods = [Pod::new("k4-1", "k4").node("node-1").port(PORT, "TCP")];
+    let yaml = yaml(Some(&svc("nobody", "Cluster")), &pods);
+    with_nodes("k4-ipv6", 2, &yaml, &[], |lab| {
+        let x = lab.external().expect("an external client").netns.clone();
+        let before = support::stat(lab, "node-2", "reject_no_backend");
+        for proto in ["TCP", "UDP"] {
+            for node in ["node-1", "node-2"] {
+                let np = node_port6(lab, "empty", PORT, proto, node);
+                let what = format!("K4 IPv6 no endpoints, external → {node}");
+                assert_refused6(&x, np, proto, 3, &what);
+            }
+        }
+        let after = support::stat(lab, "node-2", "reject_no_backend");
+        println!("K4 IPv6 node-2 reject_no_backend {before} → {after}");
+        assert!(
+            after > before,
+            "K4 IPv6: refusals not counted by the datapath on node-2 ({before} → {after})"
+        );
+
+        support::apply(lab, &svc("k4", "Local").yaml(), SYNC_TIMEOUT);
+        let np1 = node_port6(lab, "empty", PORT, "TCP", "node-1");
+        let what = "K4 IPv6 eTP Local, external → node-1";
+        assert_answered_by(&x, np1, "TCP", 5, &["k4-1"], what);
+        let before = support::stat(lab, "node-2", "drop_no_local_backend");
+        let np2 = node_port6(lab, "empty", PORT, "TCP", "node-2");
+        let what = "K4 IPv6 eTP Local, external → node-2 (no local endpoint)";
+        support::assert_tcp_dropped(&x, np2, 2, what);
+        let unp2 = node_port6(lab, "empty", PORT, "UDP", "node-2");
+        let r = client::udp_request(&x, unp2, b"hostname", T, None);
+        println!("{what}: UDP {unp2}: {r:?}");
+        assert!(
+            matches!(&r, Err(e) if e.kind() == io::ErrorKind::TimedOut),
+            "{what}: UDP should be dropped: {r:?}"
+        );
+        let after = support::stat(lab, "node-2", "drop_no_local_backend");
+        println!("K4 IPv6 node-2 drop_no_local_backend {before} → {after}");
+        assert!(
+            after >= before + 3,
+            "K4 IPv6: node-2 drops not counted ({before} → {after})"
+        );
+    });
+}
+
+/// K1 over IPv6 — a UDP flow leaves a deleted endpoint: the field bug's
+/// three steps ([`support::flows::k1_udp_flow_leaves_deleted_endpoint`])
+/// through the IPv6 ClusterIP of a dual-stack Service `statsd` (UDP 8125)
+/// over `pod-a` and `pod-b`: the flow (one client socket, a fixed source
+/// port) moves to the other pod within 1 s of its pod's deletion, is
+/// refused (ICMPv6) within 1 s of the last one's, and reaches a new pod
+/// within 1 s.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn k1_ipv6_udp_flow_leaves_deleted_endpoint() {
+    let svc = Svc::new("statsd")
+        .selector("statsd")
+        .dual_stack()
+        .port(Port::udp("udp", 8125));
+    let pods = [
+        Pod::new("pod-a", "statsd").port(8125, "UDP"),
+        Pod::new("pod-b", "statsd").port(8125, "UDP"),
+    ];
+    let yaml = yaml(Some(&svc), &pods);
+    with_lab("k1-ipv6", &yaml, |lab| {
+        let vip = frontend6(lab, "statsd", 8125, "UDP");
+        support::flows::k1_udp_flow_leaves_deleted_endpoint_via(
+            lab,
+            &support::flows::Placement {
+                what: "K1 IPv6",
+                bind_port: 40011,
+                new_pod_node: None,
+            },
+            vip,
+        );
     });
 }
