@@ -32,8 +32,7 @@ pub enum Request {
     },
     /// New SCTP association (one-to-one socket): connect, write `payload`
     /// (a line ended by `\n`: an SCTP shutdown is no half-close, so the end
-    /// of the request is not marked by one), read to end. IPv4 only: an
-    /// IPv6 address fails with `Unsupported`, sending nothing.
+    /// of the request is not marked by one), read to end; either family.
     Sctp {
         addr: SocketAddr,
         payload: Vec<u8>,
@@ -61,7 +60,7 @@ impl Request {
         }
     }
 
-    /// An SCTP request (IPv4 only: see [`Request::Sctp`]).
+    /// An SCTP request.
     pub fn sctp(addr: impl Into<SocketAddr>, payload: &[u8], timeout: Duration) -> Self {
         Request::Sctp {
             addr: addr.into(),
@@ -84,17 +83,10 @@ impl Request {
                 bind_port,
             } => udp_request_here(*addr, payload, *timeout, *bind_port),
             Request::Sctp {
-                addr: SocketAddr::V4(addr),
+                addr,
                 payload,
                 timeout,
             } => sctp_request_here(*addr, payload, *timeout),
-            Request::Sctp {
-                addr: SocketAddr::V6(addr),
-                ..
-            } => Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!("SCTP to {addr}: the lab's SCTP client is IPv4 only"),
-            )),
         }
     }
 }
@@ -159,7 +151,7 @@ pub fn udp_request_here(
 /// [`crate::sctp::available`]): on a kernel where it is a module not yet
 /// loaded, the socket loads it.
 pub fn sctp_request_here(
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     request: &[u8],
     timeout: Duration,
 ) -> io::Result<Vec<u8>> {
@@ -176,10 +168,11 @@ pub fn sctp_request_here(
 /// [`sctp_request_here`]).
 pub fn sctp_request(
     ns: &str,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     request: &[u8],
     timeout: Duration,
 ) -> io::Result<Vec<u8>> {
+    let addr = addr.into();
     let request = request.to_vec();
     in_netns(ns, move || sctp_request_here(addr, &request, timeout))?
 }

@@ -12,7 +12,9 @@
 //! guest before the SCTP lab tests; nothing here loads it.
 
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{
+    Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
+};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -65,12 +67,13 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// A new one-to-one SCTP socket (`flags`: `SOCK_NONBLOCK` or 0).
-fn socket(flags: libc::c_int) -> io::Result<OwnedFd> {
+/// A new one-to-one SCTP socket of `domain` (`AF_INET`, `AF_INET6`;
+/// `flags`: `SOCK_NONBLOCK` or 0).
+fn socket(domain: libc::c_int, flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the descriptor is owned from here on.
     let fd = cvt(unsafe {
         libc::socket(
-            libc::AF_INET,
+            domain,
             libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags,
             libc::IPPROTO_SCTP,
         )
@@ -90,31 +93,91 @@ fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
-const SOCKADDR_LEN: libc::socklen_t = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+fn sockaddr6(addr: SocketAddrV6) -> libc::sockaddr_in6 {
+    libc::sockaddr_in6 {
+        sin6_family: libc::AF_INET6 as libc::sa_family_t,
+        sin6_port: addr.port().to_be(),
+        sin6_flowinfo: 0,
+        sin6_addr: libc::in6_addr {
+            s6_addr: addr.ip().octets(),
+        },
+        sin6_scope_id: addr.scope_id(),
+    }
+}
+
+/// A socket address of either family as `sockaddr_storage` and its length.
+fn sockaddr_any(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sa = sockaddr(a);
+            // SAFETY: sockaddr_storage is larger than, and aligned for, sockaddr_in.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sa) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sa = sockaddr6(a);
+            // SAFETY: sockaddr_storage is larger than, and aligned for, sockaddr_in6.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sa) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+fn domain(addr: SocketAddr) -> libc::c_int {
+    match addr {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    }
+}
 
 /// A listening one-to-one SCTP socket on 0.0.0.0:`port` (in the calling
 /// thread's namespace), as a `TcpListener`: its `accept` gives one
 /// association per `TcpStream`.
 pub fn listen(port: u16) -> io::Result<TcpListener> {
-    let fd = socket(0)?;
-    let one: libc::c_int = 1;
+    listen_on(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))
+}
+
+/// [`listen`] on [::]:`port`, IPv6 only (`IPV6_V6ONLY`: IPv4 associations
+/// stay with [`listen`]'s socket, whose peers keep their IPv4 form).
+pub fn listen6(port: u16) -> io::Result<TcpListener> {
+    listen_on(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+}
+
+fn set_int(
+    fd: &OwnedFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
     // SAFETY: a valid descriptor and an int option of the right size.
     cvt(unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_REUSEADDR,
-            (&one as *const libc::c_int).cast(),
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
-    })?;
-    let sa = sockaddr(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port));
-    // SAFETY: `sa` is a sockaddr_in of SOCKADDR_LEN bytes.
+    })
+    .map(drop)
+}
+
+fn listen_on(addr: SocketAddr) -> io::Result<TcpListener> {
+    let fd = socket(domain(addr), 0)?;
+    set_int(&fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    if addr.is_ipv6() {
+        set_int(&fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 1)?;
+    }
+    let (sa, len) = sockaddr_any(addr);
+    // SAFETY: `sa` holds a sockaddr of `len` bytes.
     cvt(unsafe {
         libc::bind(
             fd.as_raw_fd(),
-            (&sa as *const libc::sockaddr_in).cast(),
-            SOCKADDR_LEN,
+            (&sa as *const libc::sockaddr_storage).cast(),
+            len,
         )
     })?;
     // SAFETY: a bound socket.
@@ -130,15 +193,16 @@ pub fn listen(port: u16) -> io::Result<TcpListener> {
 /// Do not `shutdown(Write)` it to mark the request's end as with TCP: an
 /// SCTP SHUTDOWN is no half-close, the peer may no longer send; the lab
 /// server answers a request line ended by `\n`.
-pub fn connect_timeout(addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    let fd = socket(libc::SOCK_NONBLOCK)?;
-    let sa = sockaddr(addr);
-    // SAFETY: `sa` is a sockaddr_in of SOCKADDR_LEN bytes.
+pub fn connect_timeout(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<TcpStream> {
+    let addr = addr.into();
+    let fd = socket(domain(addr), libc::SOCK_NONBLOCK)?;
+    let (sa, len) = sockaddr_any(addr);
+    // SAFETY: `sa` holds a sockaddr of `len` bytes.
     let r = unsafe {
         libc::connect(
             fd.as_raw_fd(),
-            (&sa as *const libc::sockaddr_in).cast(),
-            SOCKADDR_LEN,
+            (&sa as *const libc::sockaddr_storage).cast(),
+            len,
         )
     };
     if r < 0 {
@@ -233,5 +297,23 @@ sctp_diag 12288 0 - Live 0x0000000000000000
             Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
             Ipv4Addr::new(198, 18, 0, 10)
         );
+    }
+
+    #[test]
+    fn sockaddr_any_holds_either_family() {
+        let (ss, len) = sockaddr_any("[2001:2::a]:5060".parse().unwrap());
+        assert_eq!(len as usize, std::mem::size_of::<libc::sockaddr_in6>());
+        // SAFETY: sockaddr_any wrote a sockaddr_in6 there.
+        let sa: libc::sockaddr_in6 =
+            unsafe { std::ptr::read((&ss as *const libc::sockaddr_storage).cast()) };
+        assert_eq!(sa.sin6_family, libc::AF_INET6 as libc::sa_family_t);
+        assert_eq!(u16::from_be(sa.sin6_port), 5060);
+        assert_eq!(
+            Ipv6Addr::from(sa.sin6_addr.s6_addr),
+            "2001:2::a".parse::<Ipv6Addr>().unwrap()
+        );
+        let (ss, len) = sockaddr_any("198.18.0.10:5060".parse().unwrap());
+        assert_eq!(len as usize, std::mem::size_of::<libc::sockaddr_in>());
+        assert_eq!(ss.ss_family, libc::AF_INET as libc::sa_family_t);
     }
 }

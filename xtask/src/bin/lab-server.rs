@@ -1,6 +1,6 @@
 //! The lab's pod server: answers `hostname`, `clientip` and `echo <data>` on
-//! every given TCP, UDP and SCTP port (bound to 0.0.0.0; with `--ipv6`, TCP
-//! and UDP also on `[::]`, a second socket per port that takes IPv6 only).
+//! every given TCP, UDP and SCTP port (bound to 0.0.0.0; with `--ipv6`, also
+//! on `[::]`, a second socket per port that takes IPv6 only).
 //!
 //! TCP: one request line per connection (up to 64 KiB, until '\n' or EOF, 5 s
 //! timeout), one reply line, then close; except `stream`, which keeps the
@@ -43,7 +43,7 @@ struct Args {
     /// SCTP ports to listen on (one-to-one style sockets; IPv4 only).
     #[arg(long = "sctp")]
     sctp: Vec<u16>,
-    /// Also listen on IPv6: TCP and UDP on `[::]` too (IPv6-only sockets
+    /// Also listen on IPv6: TCP, UDP and SCTP on `[::]` too (IPv6-only sockets
     /// beside the IPv4 ones, so IPv4 peers keep their plain addresses).
     #[arg(long)]
     ipv6: bool,
@@ -490,9 +490,17 @@ fn main() -> Result<()> {
         }
     }
     for port in args.sctp {
-        let l = xtask::sctp::listen(port).with_context(|| format!("bind sctp {port}"))?;
-        let name = name.clone();
-        threads.push(std::thread::spawn(move || serve_tcp(name, l)));
+        let mut listeners =
+            vec![xtask::sctp::listen(port).with_context(|| format!("bind sctp {port}"))?];
+        if args.ipv6 {
+            listeners.push(
+                xtask::sctp::listen6(port).with_context(|| format!("bind sctp [::]:{port}"))?,
+            );
+        }
+        for l in listeners {
+            let name = name.clone();
+            threads.push(std::thread::spawn(move || serve_tcp(name, l)));
+        }
     }
     println!("ready");
     std::io::stdout().flush()?;
