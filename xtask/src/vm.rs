@@ -86,7 +86,7 @@ const GUEST_MODULES: &[&str] = &[
 ];
 
 /// Modules the `lab-sctp` step loads in the guest, after S41 (which must see
-/// the proxy not load sctp) and before N4 and N10 (which need it), in this
+/// the proxy not load sctp) and before N4, N10 and D3 (which need it), in this
 /// order after their dependencies. `crc32c_generic` first: libcrc32c's only
 /// tie to it is `softdep=pre: crc32c`, an algorithm alias no `depends=`
 /// names, and libcrc32c's init fails without a crc32c provider (the guest's
@@ -724,7 +724,11 @@ const LAB_IPV6_SMOKE: &str = "d_lab_3_dual_stack_service_answers_on_both_cluster
 /// load it (S41).
 const SCTP_UNLOADED_TEST: &str = "s41_sctp_service_does_not_load_the_sctp_module";
 /// The SCTP lab tests run once the guest loaded sctp, with SCTP required.
-const SCTP_TESTS: &[&str] = &["n4_pod_to_service_sctp", "n10_endpoint_to_service_sctp"];
+const SCTP_TESTS: &[&str] = &[
+    "n4_pod_to_service_sctp",
+    "n10_endpoint_to_service_sctp",
+    "d3_pod_to_secondary_cluster_ip_and_node_port_sctp",
+];
 
 fn build(lab: bool, sctp: bool) -> Result<Binaries> {
     // The package selection of `cargo xtask test`'s own pass (see
@@ -880,7 +884,7 @@ fn selects(value: Option<&str>, name: &str, default: &[&str]) -> bool {
 const SCTP_KERNELS: &[&str] = &["6.12", "5.10"];
 
 /// Whether kernel `name`'s run includes the `lab-sctp` step (S41 before
-/// sctp is loaded, N4 and N10 after): `KPR_VM_SCTP_KERNELS` (a list, `all`,
+/// sctp is loaded, N4, N10 and D3 after): `KPR_VM_SCTP_KERNELS` (a list, `all`,
 /// or `none`), by default [`SCTP_KERNELS`].
 fn with_sctp(name: &str) -> bool {
     selects(

@@ -4,12 +4,14 @@
 //!
 //! S41 needs no SCTP: it checks that programming an SCTP Service does not
 //! load the kernel's sctp module, so nothing in it opens an SCTP socket (its
-//! pod declares the SCTP port without a listener). N4 and N10 need SCTP in
-//! the kernel and never load it themselves (see `xtask::sctp`): without it
-//! they print a `SKIPPED` line and pass, unless `KPR_REQUIRE_SCTP=1`, which
-//! makes its absence a failure. This machine's kernel has no SCTP; the VM
-//! runner's `lab-sctp` step runs S41 before it loads the module, then N4 and
-//! N10 with `KPR_REQUIRE_SCTP=1` (`cargo xtask test --kernel 6.12`).
+//! pod declares the SCTP port without a listener). N4, N10 and D3 need SCTP
+//! in the kernel and never load it themselves (see `xtask::sctp`): without
+//! it they print a `SKIPPED` line and pass, unless `KPR_REQUIRE_SCTP=1`,
+//! which makes its absence a failure. This machine's kernel has no SCTP; the
+//! VM runner's `lab-sctp` step runs S41 before it loads the module, then N4,
+//! N10 and D3 with `KPR_REQUIRE_SCTP=1` (`cargo xtask test --kernel 6.12`).
+//! D3 runs in a dual-stack lab (`LabBuilder::dual_stack`, see
+//! `tests/lab_ipv6.rs`): SCTP over IPv6, with the port translation.
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_sctp -- --include-ignored`.
@@ -19,7 +21,7 @@
 //! `KPR_LAB_DIAG=1` to print them after every test.
 
 use std::io::{self, Write};
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -28,7 +30,7 @@ use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{assert_answered_by, delete_pod, frontend, T};
+use support::{assert_answered_by, delete_pod, frontend, frontend6, run_lab, T};
 
 /// How long the agent may take to come up, or to sync a change.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
@@ -72,6 +74,24 @@ fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
     support::with_lab(test, yaml, SYNC_TIMEOUT, None, f)
 }
 
+/// [`with_lab`] in a dual-stack lab: every pod and the client also have an
+/// IPv6 address, and the pods' servers listen on IPv6 too.
+fn with_dual_stack_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
+    run_lab(
+        test,
+        Lab::builder().dual_stack().manifests_yaml(yaml),
+        " (dual-stack)",
+        |lab| {
+            lab.wait_ready(SYNC_TIMEOUT)
+                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
+            lab.wait_attached(SYNC_TIMEOUT)
+                .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+        },
+        |lab| support::diagnostics(lab, None),
+        f,
+    )
+}
+
 /// An SCTP NodePort Service `name` selecting `app: <name>`: port
 /// [`SVC_PORT`] to targetPort [`TARGET_PORT`].
 fn sctp_service(name: &str) -> Svc {
@@ -97,20 +117,58 @@ fn node_port(lab: &Lab, service: &str) -> SocketAddrV4 {
         .unwrap_or_else(|| panic!("no SCTP NodePort of {service} on {ip}"))
 }
 
+/// The node's IPv6 address at the SCTP NodePort of `service`.
+fn node_port6(lab: &Lab, service: &str) -> SocketAddr {
+    let ip: IpAddr = lab
+        .node()
+        .ip6
+        .expect("the node of a dual-stack lab has an IPv6 address")
+        .into();
+    lab.info()
+        .frontends_of(service)
+        .into_iter()
+        .find(|f| f.kind == "NodePort" && f.ip == ip && f.protocol.eq_ignore_ascii_case("SCTP"))
+        .map(|f| f.socket_addr())
+        .unwrap_or_else(|| panic!("no SCTP NodePort of {service} on {ip}"))
+}
+
 /// Every pod named answers SCTP on its own address at [`TARGET_PORT`]
 /// (the lab's plumbing, no Service), and nothing listens on [`SVC_PORT`]
 /// there: what answers the Service's port went through the port translation.
 fn pods_answer_directly(ns: &str, lab: &Lab, pods: &[&str]) {
-    for name in pods {
-        let ip = lab.pod(name).expect("pod").ip;
-        let addr = SocketAddrV4::new(ip, TARGET_PORT);
+    let ips: Vec<(&str, IpAddr)> = pods
+        .iter()
+        .map(|name| (*name, IpAddr::from(lab.pod(name).expect("pod").ip)))
+        .collect();
+    pods_answer_directly_at(ns, &ips)
+}
+
+/// [`pods_answer_directly`] on the pods' IPv6 addresses.
+fn pods_answer_directly6(ns: &str, lab: &Lab, pods: &[&str]) {
+    let ips: Vec<(&str, IpAddr)> = pods
+        .iter()
+        .map(|name| {
+            let p = lab.pod(name).expect("pod");
+            let ip6 = p
+                .ip6
+                .unwrap_or_else(|| panic!("pod {name} has no IPv6 address"));
+            (*name, IpAddr::from(ip6))
+        })
+        .collect();
+    pods_answer_directly_at(ns, &ips)
+}
+
+/// [`pods_answer_directly`] for pods at the addresses given.
+fn pods_answer_directly_at(ns: &str, pods: &[(&str, IpAddr)]) {
+    for (name, ip) in pods {
+        let addr = SocketAddr::new(*ip, TARGET_PORT);
         let got = client::sctp_request(ns, addr, b"hostname\n", T).map(|r| reply_text(&r));
         assert_eq!(
             got.as_deref().ok(),
             Some(*name),
             "SCTP straight to {name} at {addr}: {got:?}"
         );
-        let svc_port = SocketAddrV4::new(ip, SVC_PORT);
+        let svc_port = SocketAddr::new(*ip, SVC_PORT);
         match client::sctp_request(ns, svc_port, b"hostname\n", T) {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
             other => {
@@ -312,5 +370,39 @@ fn n10_endpoint_to_service_sctp() {
         let np = node_port(lab, "ep");
         assert_answered_by(&from, vip, "SCTP", N, &all, "N10 ep-1 → ClusterIP");
         assert_answered_by(&from, np, "SCTP", N, &all, "N10 ep-1 → nodeIP:nodePort");
+    });
+}
+
+/// D3 — Granular Checks: Services Secondary IP Family should function for
+/// pod-Service: sctp. A dual-stack SCTP NodePort Service (`ipFamilies:
+/// [IPv4, IPv6]`: its IPv6 ClusterIP is the secondary), port 5060 to
+/// targetPort 5061, over three pods. From the client pod, each pod answers
+/// SCTP on its own IPv6 address at 5061 and refuses 5060; new associations
+/// to [secondary ClusterIP]:5060 and to [node IPv6]:nodePort reach every pod
+/// (over IPv6 the datapath rewrites the ports and updates the CRC32c, as
+/// over IPv4). The primary (IPv4) ClusterIP is checked as well.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d3_pod_to_secondary_cluster_ip_and_node_port_sctp() {
+    if !sctp_or_skip("d3") {
+        return;
+    }
+    let yaml = manifests(&[
+        &sctp_service("sd").dual_stack(),
+        &sctp_pod("sd-1", "sd"),
+        &sctp_pod("sd-2", "sd"),
+        &sctp_pod("sd-3", "sd"),
+    ]);
+    with_dual_stack_lab("d3", &yaml, |lab| {
+        let c = lab.client().netns.clone();
+        let all = ["sd-1", "sd-2", "sd-3"];
+        pods_answer_directly6(&c, lab, &all);
+        let vip6 = frontend6(lab, "sd", SVC_PORT, "SCTP");
+        let np6 = node_port6(lab, "sd");
+        assert!(vip6.is_ipv6() && np6.is_ipv6(), "{vip6} {np6}");
+        assert_answered_by(&c, vip6, "SCTP", N, &all, "D3 pod → secondary ClusterIP");
+        assert_answered_by(&c, np6, "SCTP", N, &all, "D3 pod → [node IPv6]:nodePort");
+        let vip4 = frontend(lab, "sd", SVC_PORT, "SCTP");
+        assert_answered_by(&c, vip4, "SCTP", N, &all, "D3 pod → primary ClusterIP");
     });
 }
