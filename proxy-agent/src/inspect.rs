@@ -82,10 +82,13 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
         }
         What::Maglev => {
             let p = maps.programmed()?;
-            let mut out = Vec::new();
-            for (k, v) in p.services.iter().filter(|(k, v)| {
-                k.slot == 0 && LbAlgorithm::of_flags(v.flags) == LbAlgorithm::Maglev
-            }) {
+            // One row per Maglev frontend of either family: its table's size,
+            // generation, chunks present and each backend's share of slots.
+            let table = |at: SocketAddr,
+                         proto: u8,
+                         scope: u8,
+                         v: &Svc4Value,
+                         name: &dyn Fn(u32) -> Option<String>| {
                 let generation = u8::from(v.flags & proxy_common::svc_flags::MAGLEV_GEN != 0);
                 let mut share: BTreeMap<String, usize> = BTreeMap::new();
                 let mut chunks = 0;
@@ -100,21 +103,40 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                         .saturating_sub(start)
                         .min(chunk.backend_ids.len());
                     for id in &chunk.backend_ids[..n] {
-                        let name = match p.backends.get(id) {
-                            Some(b) => format!("{}:{}", b.addr(), b.port()),
-                            None => format!("missing#{id}"),
-                        };
-                        *share.entry(name).or_default() += 1;
+                        let backend = name(*id).unwrap_or_else(|| format!("missing#{id}"));
+                        *share.entry(backend).or_default() += 1;
                     }
                 }
-                out.push(json!({
-                    "frontend": format!("{}:{}/{}", k.addr(), k.port(), proto_name(k.proto)),
-                    "scope": if k.scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
+                json!({
+                    "frontend": format!("{at}/{}", proto_name(proto)),
+                    "scope": if scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
                     "table_size": v.maglev_size, "generation": generation,
                     "bytes": v.maglev_size as u64 * 4,
                     "chunks": format!("{chunks}/{}", proxy_common::lb::maglev_chunks(v.maglev_size)),
                     "entries": share,
-                }));
+                })
+            };
+            let is_maglev = |slot: u16, v: &Svc4Value| {
+                slot == 0 && LbAlgorithm::of_flags(v.flags) == LbAlgorithm::Maglev
+            };
+            let name4 = |id: u32| {
+                p.backends
+                    .get(&id)
+                    .map(|b| format!("{}:{}", b.addr(), b.port()))
+            };
+            let name6 = |id: u32| {
+                p.backends6
+                    .get(&id)
+                    .map(|b| SocketAddr::new(b.addr().into(), b.port()).to_string())
+            };
+            let mut out = Vec::new();
+            for (k, v) in p.services.iter().filter(|(k, v)| is_maglev(k.slot, v)) {
+                let at = SocketAddr::new(k.addr().into(), k.port());
+                out.push(table(at, k.proto, k.scope, v, &name4));
+            }
+            for (k, v) in p.services6.iter().filter(|(k, v)| is_maglev(k.slot, v)) {
+                let at = SocketAddr::new(k.addr().into(), k.port());
+                out.push(table(at, k.proto, k.scope, v, &name6));
             }
             json!(out)
         }

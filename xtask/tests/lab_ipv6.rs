@@ -50,15 +50,17 @@
 //! | `k1_ipv6_udp_flow_leaves_deleted_endpoint` | field-bugs K1 (the UDP flow; service-behaviours' K1, CLOSE_WAIT, is IPv4's `conntrack` sysctl, family-blind) |
 //!
 //! Not covered here:
-//! - D3 (SCTP over the secondary family): the lab's SCTP client is IPv4
-//!   only (`xtask::client::Request::Sctp` refuses an IPv6 address) and the
-//!   pods' SCTP listeners are IPv4 only (`lab-server --sctp`).
+//! - D3 (SCTP over the secondary family): in `lab_sctp.rs`, which runs where
+//!   the kernel has SCTP (the VMs' `lab-sctp` step).
 //! - D4, D5 (node → secondary ClusterIP and nodePort, pod endpoints): the
 //!   ClusterIP half is `lab_host.rs`'s H6-1 (IPv6-only Service); the
 //!   nodePort half only with hostNetwork endpoints, in D14.
-//! - D1, D2, D6, D7's nodePort half from a pod (pod endpoints): from a pod
-//!   only with hostNetwork endpoints (D14), else from the external client
-//!   (D-lab-6).
+//! - D6, D7's nodePort half (an endpoint pod → its own Service's IPv6
+//!   NodePort): only with hostNetwork endpoints (D14). D1, D2's nodePort
+//!   half from a pod with pod endpoints is in
+//!   `s12_s39_ipv6_tcp_and_udp_on_same_node_port_number` (the client pod
+//!   → node-1's IPv6 NodePort, TCP and UDP, the endpoint on node-2), on an
+//!   IPv6-only Service rather than a secondary family.
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_ipv6 -- --include-ignored`.
@@ -478,7 +480,11 @@ fn d_lab_2_ipv6_only_service_tcp_and_udp() {
 /// `require`, `ipFamilies: [IPv6, IPv4]` with RequireDualStack, over the
 /// same three pods. Each Service gets a ClusterIP of each family, in
 /// `ipFamilies` order; from the client pod, both ClusterIPs of each answer
-/// TCP, each by every pod.
+/// TCP, each by every pod. A third, `maglev` (PreferDualStack, annotated
+/// `proxy-agent.io/lb-algorithm: maglev`), answers on its IPv6 ClusterIP
+/// by every pod too, and `proxy-agent inspect maglev` shows its IPv6
+/// frontend's table: every slot filled, shared by the three pods' IPv6
+/// addresses.
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn d_lab_3_dual_stack_service_answers_on_both_cluster_ips() {
@@ -491,8 +497,13 @@ fn d_lab_3_dual_stack_service_answers_on_both_cluster_ips() {
         .ip_families(&["IPv6", "IPv4"])
         .ip_family_policy("RequireDualStack")
         .ports(tcp_and_udp(PORT));
+    let maglev = Svc::new("maglev")
+        .selector("dual")
+        .dual_stack()
+        .annotation("proxy-agent.io/lb-algorithm", "maglev")
+        .ports(tcp_and_udp(PORT));
     let pods = pods("dual", 3);
-    let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&prefer, &require];
+    let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&prefer, &require, &maglev];
     objects.extend(pods.iter().map(|p| p as &dyn support::fixtures::Manifest));
     let yaml = manifests(&objects);
     with_lab("d-lab-3", &yaml, |lab| {
@@ -526,7 +537,46 @@ fn d_lab_3_dual_stack_service_answers_on_both_cluster_ips() {
             let v6 = frontend6(lab, name, PORT, "TCP");
             assert_answered_by(&c, v6, "TCP", N, &all, &format!("D-lab-3 {name} IPv6"));
         }
+        let v6 = frontend6(lab, "maglev", PORT, "TCP");
+        assert_answered_by(&c, v6, "TCP", N, &all, "D-lab-3 maglev IPv6");
+        assert_maglev_table6(lab, v6, &all);
     });
+}
+
+/// Asserts that `proxy-agent inspect maglev` lists the IPv6 frontend `vip`
+/// (TCP) with a full table (every chunk present) whose slots all name the
+/// IPv6 addresses of `pods` at [`PORT`], each of them.
+fn assert_maglev_table6(lab: &Lab, vip: SocketAddr, pods: &[&str]) {
+    let out = std::process::Command::new(support::agent_bin())
+        .args(["inspect", "maglev", "--output", "json", "--bpffs"])
+        .arg(&lab.info().bpffs)
+        .output()
+        .expect("run proxy-agent inspect maglev");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "inspect maglev --output json: {e}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let want = format!("{vip}/TCP");
+    let row = rows
+        .iter()
+        .find(|r| r["frontend"] == want.as_str())
+        .unwrap_or_else(|| panic!("no Maglev row for {want} in inspect maglev: {rows:#?}"));
+    println!("D-lab-3 inspect maglev, {want}: {row}");
+    let size = row["table_size"].as_u64().expect("table_size");
+    let chunks = row["chunks"].as_str().expect("chunks");
+    let (have, of) = chunks.split_once('/').expect("chunks as k/n");
+    assert_eq!(have, of, "{want}: Maglev chunks present {chunks}");
+    let entries = row["entries"].as_object().expect("entries");
+    let mut names: Vec<String> = entries.keys().cloned().collect();
+    names.sort();
+    let mut expected: Vec<String> = pods.iter().map(|p| pod_addr6(lab, p).to_string()).collect();
+    expected.sort();
+    assert_eq!(names, expected, "{want}: backends in the Maglev table");
+    let filled: u64 = entries.values().filter_map(|v| v.as_u64()).sum();
+    assert_eq!(filled, size, "{want}: Maglev slots filled of {size}");
 }
 
 /// D-lab-4 — an endpoint update on IPv6 (upstream: the dual-stack
