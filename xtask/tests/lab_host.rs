@@ -5,9 +5,10 @@
 //! namespace and that cgroup, as a hostNetwork pod does on a node. Named
 //! after the rows of `../shared/conformance/service-behaviours.md`.
 //!
-//! The last section, H6-1 to H6-3, covers IPv6 sockets: IPv6 ClusterIPs in
-//! a dual-stack lab, and dual-stack sockets to IPv4 ClusterIPs
-//! (`::ffff:a.b.c.d`).
+//! The last section, H6-1 to H6-3 and D4/D5, covers IPv6 sockets: IPv6
+//! ClusterIPs in a dual-stack lab, dual-stack sockets to IPv4 ClusterIPs
+//! (`::ffff:a.b.c.d`), and a dual-stack Service's secondary ClusterIP and
+//! IPv6 NodePort (D4, D5).
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_host -- --include-ignored`.
@@ -710,4 +711,47 @@ fn h6_3_ipv6_service_without_endpoints_refused_at_once() {
         println!("H6-3: hook counters grew by {d:?}");
         assert!(d.reject >= 10, "refusals counted: {d:?}");
     });
+}
+
+/// D4, D5 — "should function for node-Service: http/udp" on the secondary
+/// family: two dual-stack nodes, a dual-stack NodePort Service
+/// (`ipFamilies: [IPv4, IPv6]`) over `web-1` on node-1 and `web-2` on
+/// node-2. From node-1's own namespace (a hostNetwork client, on the socket
+/// hooks), TCP connections and UDP requests to the secondary (IPv6)
+/// ClusterIP and to node-1's IPv6 address at the NodePort reach both pods.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d4_d5_node_reaches_secondary_cluster_ip_and_node_port() {
+    let svc = Svc::new("web")
+        .selector("web")
+        .service_type("NodePort")
+        .dual_stack()
+        .port(Port::tcp("t", 80).node_port(NODE_PORT))
+        .port(Port::udp("u", 80).node_port(NODE_PORT));
+    let pods = [
+        Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
+        Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
+    ];
+    let yaml = svc_and_pods(&svc, &pods);
+    support::with_nodes(
+        "d4_d5",
+        Lab::builder().dual_stack().manifests_yaml(&yaml),
+        2,
+        SYNC_TIMEOUT,
+        |lab| {
+            let mut c = host(lab, "node-1");
+            let names = ["web-1", "web-2"];
+            let node6 = lab
+                .node_named("node-1")
+                .and_then(|n| n.ip6)
+                .expect("node-1 has an IPv6 address");
+            for proto in ["TCP", "UDP"] {
+                let vip = frontend6(lab, "web", 80, proto);
+                assert!(vip.is_ipv6(), "{vip}");
+                assert_every(&mut c, proto, vip, &names, "node → secondary ClusterIP");
+                let np = SocketAddr::from((node6, NODE_PORT));
+                assert_every(&mut c, proto, np, &names, "node → [own IPv6]:nodePort");
+            }
+        },
+    )
 }

@@ -32,6 +32,7 @@
 //! | D10, D11 | ClientIP session affinity on the secondary ClusterIP: 10 TCP and 10 UDP dials land on one pod; without affinity on several | D10, D11 |
 //! | D12, D13 | 2,000-byte TCP and UDP echoes through the secondary ClusterIP; the UDP one in IPv6 fragments, both ways | D12, D13 |
 //! | D14 | hostNetwork endpoints (the nodes' addresses), two nodes: pod and node (host client) → secondary ClusterIP and node-1's IPv6 NodePort, TCP and UDP, and 2,000-byte echoes | D14 |
+//! | D6, D7 | an endpoint pod → its dual-stack Service's secondary ClusterIP and the node's IPv6 NodePort, TCP and UDP, every pod (itself by hairpin) | D6, D7 |
 //!
 //! The IPv6 runs of rows of sections A and F (same scenarios as their IPv4
 //! tests in `lab.rs`, `lab_northsouth.rs`, on IPv6-only or dual-stack
@@ -47,20 +48,14 @@
 //! | `s17_ipv6_no_listener_on_node_port` | S17 |
 //! | D-lab-8 | S29 (ClusterIP without endpoints refuses) |
 //! | `k4_ipv6_node_port_without_endpoints_refused_etp_local_dropped` | K4 |
-//! | `k1_ipv6_udp_flow_leaves_deleted_endpoint` | field-bugs K1 (the UDP flow; service-behaviours' K1, CLOSE_WAIT, is IPv4's `conntrack` sysctl, family-blind) |
+//! | `k1_ipv6_udp_flow_leaves_deleted_endpoint` | field-bugs K1 (the UDP flow; service-behaviours' K1, the CLOSE_WAIT timeout, is one conntrack sysctl for both families) |
 //!
 //! Not covered here:
 //! - D3 (SCTP over the secondary family): in `lab_sctp.rs`, which runs where
 //!   the kernel has SCTP (the VMs' `lab-sctp` step).
-//! - D4, D5 (node → secondary ClusterIP and nodePort, pod endpoints): the
-//!   ClusterIP half is `lab_host.rs`'s H6-1 (IPv6-only Service); the
-//!   nodePort half only with hostNetwork endpoints, in D14.
-//! - D6, D7's nodePort half (an endpoint pod → its own Service's IPv6
-//!   NodePort): only with hostNetwork endpoints (D14). D1, D2's nodePort
-//!   half from a pod with pod endpoints is in
-//!   `s12_s39_ipv6_tcp_and_udp_on_same_node_port_number` (the client pod
-//!   → node-1's IPv6 NodePort, TCP and UDP, the endpoint on node-2), on an
-//!   IPv6-only Service rather than a secondary family.
+//! - D4, D5 (node → secondary ClusterIP and nodePort, pod endpoints): in
+//!   `lab_host.rs` (`d4_d5_node_reaches_secondary_cluster_ip_and_node_port`,
+//!   the node's own clients are the socket hooks').
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_ipv6 -- --include-ignored`.
@@ -1541,5 +1536,36 @@ fn k1_ipv6_udp_flow_leaves_deleted_endpoint() {
             },
             vip,
         );
+    });
+}
+
+/// D6, D7 — "should function for endpoint-Service: http/udp" on the
+/// secondary family: a dual-stack NodePort Service (`ipFamilies: [IPv4,
+/// IPv6]`) over three pods. From one of its own endpoint pods, new TCP
+/// connections and UDP datagrams to the secondary (IPv6) ClusterIP and to
+/// the node's IPv6 address at the NodePort reach every pod, the sender
+/// itself included (hairpin, SNAT to the node's IPv6 address).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn d6_d7_endpoint_to_secondary_cluster_ip_and_node_port() {
+    let svc = Svc::new("ep")
+        .service_type("NodePort")
+        .selector("ep")
+        .dual_stack()
+        .ports(tcp_and_udp(PORT));
+    let yaml = yaml(Some(&svc), &pods("ep", 3));
+    with_lab("d6-d7", &yaml, |lab| {
+        let all = ["ep-1", "ep-2", "ep-3"];
+        pods_answer_directly6(lab, &all, "D6/D7");
+        let from = lab.pod("ep-1").expect("pod ep-1").netns.clone();
+        for proto in ["TCP", "UDP"] {
+            let vip = frontend6(lab, "ep", PORT, proto);
+            let np = node_port6(lab, "ep", PORT, proto, "node-1");
+            assert!(vip.is_ipv6() && np.is_ipv6(), "{vip} {np}");
+            let what = format!("D6/D7 ep-1 → secondary ClusterIP, {proto}");
+            assert_answered_by(&from, vip, proto, N, &all, &what);
+            let what = format!("D6/D7 ep-1 → [node IPv6]:nodePort, {proto}");
+            assert_answered_by(&from, np, proto, N, &all, &what);
+        }
     });
 }
