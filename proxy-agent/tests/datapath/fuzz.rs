@@ -17,29 +17,29 @@ use super::*;
 use proxy_common::IPPROTO_SCTP;
 
 /// xorshift64*: small, seedable, good enough to pick mutations.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub(super) fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
-    fn chance(&mut self, percent: u64) -> bool {
+    pub(super) fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
     }
-    fn byte(&mut self) -> u8 {
+    pub(super) fn byte(&mut self) -> u8 {
         self.next() as u8
     }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
+    pub(super) fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.byte()).collect()
     }
     /// Up to `max - 1` random bytes.
-    fn some_bytes(&mut self, max: u64) -> Vec<u8> {
+    pub(super) fn some_bytes(&mut self, max: u64) -> Vec<u8> {
         let n = self.below(max) as usize;
         self.bytes(n)
     }
@@ -237,9 +237,28 @@ fn mutate(rng: &mut Rng, frame: &mut Vec<u8>) {
     }
 }
 
+/// The run's seed (`KPR_FUZZ_SEED`, else the clock) and frames per program
+/// (`KPR_FUZZ_FRAMES`, else 1500), printed.
+pub(super) fn seed_and_frames() -> (u64, usize) {
+    let seed = std::env::var("KPR_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64 | 1)
+        });
+    let frames: usize = std::env::var("KPR_FUZZ_FRAMES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1500);
+    println!("fuzz seed {seed} (KPR_FUZZ_SEED={seed} replays it), {frames} frames per program");
+    (seed, frames)
+}
+
 /// Frames `BPF_PROG_TEST_RUN` refuses before any program runs: shorter than
 /// the network header their EtherType announces.
-fn runner_refuses(f: &[u8]) -> bool {
+pub(super) fn runner_refuses(f: &[u8]) -> bool {
     match f.get(12..14) {
         Some([0x08, 0x00]) => f.len() < 14 + 20,
         Some([0x86, 0xdd]) => f.len() < 14 + 40,
@@ -260,19 +279,7 @@ fn frontend_of(prog: Prog, dst: Ipv4Addr, dport: u16, proto: u8) -> bool {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn fuzzed_frames_are_translated_or_left_alone_never_broken() {
-    let seed = std::env::var("KPR_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64 | 1)
-        });
-    let frames: usize = std::env::var("KPR_FUZZ_FRAMES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1500);
-    println!("fuzz seed {seed} (KPR_FUZZ_SEED={seed} replays it), {frames} frames per program");
+    let (seed, frames) = seed_and_frames();
     let s = fuzz_setup();
     let backends = [B1, B2, REMOTE];
     for prog in Prog::ALL {

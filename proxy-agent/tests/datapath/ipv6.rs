@@ -5,7 +5,10 @@
 //! the new 128-bit pseudo-header (verified here from scratch), conntrack
 //! both ways, reverse NAT of replies, hairpin SNAT, SCTP's CRC32c. What the
 //! IPv6 path does not translate (fragments, routing headers, ICMPv6) passes
-//! untouched, and IPv4 is as it was.
+//! untouched, and IPv4 is as it was. The last test fuzzes the IPv6 path as
+//! `fuzz.rs` does IPv4's: truncated, malformed and mutated frames never
+//! crash a program, never leave a well-formed frame to a frontend
+//! untranslated, never break one it rewrites.
 
 use std::net::Ipv6Addr;
 
@@ -15,6 +18,7 @@ use proxy_common::{
     IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
+use super::fuzz::Rng;
 use super::kit::{
     check::{crc32c, fold, sum16},
     frame::{sctp_packet, tcp_segment, udp_segment, ACK, DST_MAC, SRC_MAC, SYN},
@@ -786,4 +790,342 @@ fn ipv6_xdp_translates_external_flows_to_remote_backends() {
         tuple6_checked(&out, L4_OFF6),
         (EXT_CLIENT6, 40001, B6, 8080)
     );
+}
+
+// ------------------------------------------------------------ IPv6 fuzzing
+
+/// A well-formed IPv6 frame: Ethernet + IPv6 whose payload length agrees
+/// with the frame, extension headers only hop-by-hop (first) and
+/// destination options, at most [`MAX_EXT_FUZZ`] of them, each complete; no
+/// fragment header; a complete TCP/UDP/SCTP header (SCTP: common header and
+/// a chunk's) with a valid checksum over the pseudo-header (UDP's may not be
+/// 0 over IPv6; SCTP: its CRC32c). Returns (source, sport, destination,
+/// dport, proto, L4 offset) then.
+fn well_formed6(f: &[u8]) -> Option<(Ipv6Addr, u16, Ipv6Addr, u16, u8, usize)> {
+    if f.len() < L4_OFF6 || f[12..14] != [0x86, 0xdd] || f[14] >> 4 != 6 {
+        return None;
+    }
+    if 14 + 40 + usize::from(u16::from_be_bytes([f[18], f[19]])) != f.len() {
+        return None;
+    }
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&f[22..38]).ok()?);
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&f[38..54]).ok()?);
+    let mut nh = f[20];
+    let mut off = L4_OFF6;
+    let mut walked = 0;
+    while nh == 0 || nh == 60 {
+        if (nh == 0 && walked > 0) || walked == MAX_EXT_FUZZ || off + 8 > f.len() {
+            return None;
+        }
+        let len = (usize::from(f[off + 1]) + 1) * 8;
+        if off + len > f.len() {
+            return None;
+        }
+        nh = f[off];
+        off += len;
+        walked += 1;
+    }
+    let l4 = &f[off..];
+    let csum_ok = |proto: u8| {
+        let mut pseudo = Vec::new();
+        pseudo.extend_from_slice(&src.octets());
+        pseudo.extend_from_slice(&dst.octets());
+        pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+        pseudo.extend_from_slice(&[0, 0, 0, proto]);
+        fold(sum16(&pseudo) + sum16(l4)) == 0
+    };
+    let ok = match nh {
+        IPPROTO_TCP => l4.len() >= 20 && csum_ok(nh),
+        IPPROTO_UDP => {
+            l4.len() >= 8
+                && usize::from(u16::from_be_bytes([l4[4], l4[5]])) == l4.len()
+                && l4[6..8] != [0, 0]
+                && csum_ok(nh)
+        }
+        IPPROTO_SCTP => {
+            let mut p = l4.to_vec();
+            if p.len() < 16 {
+                return None;
+            }
+            p[8..12].fill(0);
+            l4[8..12] == crc32c(&p).to_le_bytes()
+        }
+        _ => false,
+    };
+    ok.then(|| {
+        let port = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+        (src, port(0), dst, port(2), nh, off)
+    })
+}
+
+/// The extension headers a fuzzed frame may carry and still be well-formed
+/// (see [`well_formed6`]); the datapath walks up to 4.
+const MAX_EXT_FUZZ: usize = 3;
+
+const LB6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0x64, 0, 0, 0, 0x50);
+
+/// The frontends of the IPv6 fuzz: (address, port, protocol, scope).
+fn fuzz_frontends6() -> Vec<(Ipv6Addr, u16, u8, u8)> {
+    let (i, e) = (SCOPE_INTERNAL, SCOPE_EXTERNAL);
+    vec![
+        (VIP6, 80, IPPROTO_TCP, i),
+        (VIP6, 53, IPPROTO_UDP, i),
+        (NODE6, 30080, IPPROTO_TCP, e),
+        (NODE6, 30080, IPPROTO_TCP, i),
+        (LB6, 80, IPPROTO_TCP, e),
+        (VIP6, 5060, IPPROTO_SCTP, i),
+        (NODE6, 30060, IPPROTO_SCTP, e),
+    ]
+}
+
+/// The fuzz's maps, and the harness namespace's routes and neighbours (so
+/// that XDP can deliver to a remote backend and back to a client).
+fn fuzz_harness6() -> Harness {
+    let tcp2 = vec![be6(B6, 8080, IPPROTO_TCP), be6(B6_2, 8080, IPPROTO_TCP)];
+    let h = harness6(&[
+        (fe6(VIP6, 80, IPPROTO_TCP), tcp2.clone(), 0),
+        (
+            fe6(VIP6, 53, IPPROTO_UDP),
+            vec![be6(B6, 5353, IPPROTO_UDP)],
+            0,
+        ),
+        (
+            fe6_ext(NODE6, 30080, IPPROTO_TCP),
+            vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+            0,
+        ),
+        (fe6(NODE6, 30080, IPPROTO_TCP), tcp2, 0),
+        (
+            fe6_ext(LB6, 80, IPPROTO_TCP),
+            vec![be6(B6, 8080, IPPROTO_TCP)],
+            0,
+        ),
+        // Port translation: the CRC32c must hold after any rewrite.
+        (
+            fe6(VIP6, 5060, IPPROTO_SCTP),
+            vec![be6(B6, 5061, IPPROTO_SCTP), be6(B6_2, 5061, IPPROTO_SCTP)],
+            0,
+        ),
+        (
+            fe6_ext(NODE6, 30060, IPPROTO_SCTP),
+            vec![be6(REMOTE6, 5061, IPPROTO_SCTP)],
+            0,
+        ),
+    ]);
+    h.wire(
+        "2001:2::/48",
+        &[
+            ("2001:2:0:2::10", "02:00:00:00:00:bb"),
+            ("2001:2:0:1::10", "02:00:00:00:00:bb"),
+            ("2001:2:0:1::11", "02:00:00:00:00:bb"),
+            ("2001:2:0:1::2", "02:00:00:00:00:cc"),
+            ("2001:2::64", "02:00:00:00:00:cc"),
+        ],
+    );
+    h
+}
+
+/// A well-formed IPv6 frame, to a frontend (80 %) or to something else,
+/// with up to [`MAX_EXT_FUZZ`] options headers of random lengths.
+fn random_valid6(rng: &mut Rng) -> Vec<u8> {
+    let fes = fuzz_frontends6();
+    let (dst, dport, proto, _) = if rng.chance(80) {
+        fes[rng.below(fes.len() as u64) as usize]
+    } else {
+        (
+            Ipv6Addr::new(0x2001, 2, 0, 3, 0, 0, 0, u16::from(rng.byte())),
+            rng.below(65535) as u16 + 1,
+            IPPROTO_TCP,
+            0,
+        )
+    };
+    let src = if rng.chance(50) { CLIENT6 } else { EXT_CLIENT6 };
+    let sport = 1024 + rng.below(60000) as u16;
+    let payload = rng.some_bytes(48);
+    let mut ext = Vec::new();
+    for k in 0..rng.below(MAX_EXT_FUZZ as u64 + 1) {
+        // Hop-by-hop only first; options of 8 to 24 bytes (PadN).
+        let t = if k == 0 && rng.chance(50) { 0 } else { 60 };
+        let units = rng.below(3) as usize;
+        let mut h = vec![0u8; (units + 1) * 8];
+        h[1] = units as u8;
+        h[2] = 1;
+        h[3] = (h.len() - 4) as u8;
+        ext.push((t, h));
+    }
+    let seg = if proto == IPPROTO_UDP {
+        udp_segment(sport, dport, &payload)
+    } else if proto == IPPROTO_SCTP {
+        let chunk = [1u8, 2, 6, 7, 0, rng.byte()][rng.below(6) as usize];
+        sctp_packet(sport, dport, chunk, &payload)
+    } else {
+        let flags = [SYN, ACK, ACK | 0x08, 0x11, 0x04, rng.byte()][rng.below(6) as usize];
+        tcp_segment(sport, dport, flags, &payload)
+    };
+    frame6(src, dst, proto, &ext, seg)
+}
+
+/// `frame` mutated one way (or not at all).
+fn mutate6(rng: &mut Rng, frame: &mut Vec<u8>) {
+    match rng.below(8) {
+        0 => {}
+        1 => {
+            let n = rng.below(frame.len() as u64) as usize;
+            frame.truncate(n.max(14));
+        }
+        2 => {
+            // An IPv6 header field: version/traffic class/flow label,
+            // payload length, next header, hop limit.
+            let at = 14 + [0usize, 1, 3, 4, 5, 6, 7][rng.below(7) as usize];
+            frame[at] = rng.byte();
+        }
+        3 => {
+            let at = rng.below(frame.len() as u64) as usize;
+            frame[at] = rng.byte();
+        }
+        4 => {
+            // A header inserted first: a fragment header (first or later
+            // fragment), a routing header, or an options header whose
+            // length runs past the frame; payload length kept consistent.
+            let nh = frame[20];
+            let (t, mut h) = match rng.below(4) {
+                0 => (44, vec![0, 0, 0, 1, 0, 0, 0, 7]),
+                1 => (44, vec![0, 0, 0, 0x20, 0, 0, 0, 7]),
+                2 => (43, vec![0, 0, 0, 0, 0, 0, 0, 0]),
+                _ => (60, vec![0, 200, 1, 4, 0, 0, 0, 0]),
+            };
+            h[0] = nh;
+            frame[20] = t;
+            frame.splice(L4_OFF6..L4_OFF6, h);
+            let len = (frame.len() - L4_OFF6) as u16;
+            frame[18..20].copy_from_slice(&len.to_be_bytes());
+        }
+        5 => {
+            let extra = rng.some_bytes(32);
+            frame.extend(extra);
+            frame.push(0);
+        }
+        6 => {
+            let et = [0x0800u16, 0x0806, 0x8100, rng.next() as u16][rng.below(4) as usize];
+            frame[12..14].copy_from_slice(&et.to_be_bytes());
+        }
+        _ => {
+            let n = 14 + rng.below(100) as usize;
+            let mut f = rng.bytes(n);
+            f[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+            *frame = f;
+        }
+    }
+}
+
+/// Packet fuzzing over IPv6, as `fuzz.rs` does over IPv4: seeded, bounded
+/// runs of well-formed frames (options headers included) and mutations of
+/// them (truncations, header fields, fragment and routing headers, options
+/// running past the frame, stray bytes, other EtherTypes, random bytes)
+/// through pod_ingress, ext_ingress, ext_xdp and pod_egress (each tail-calls
+/// its IPv6 program) with real maps. Whatever the frame, the program
+/// returns; a well-formed frame to a frontend never leaves tc
+/// untranslated (XDP may defer to tc); a well-formed reply of a tracked
+/// flow never leaves tc with the backend as its source; and every frame
+/// rewritten from a well-formed one is well-formed (lengths, checksums over
+/// the new pseudo-header, CRC32c). `KPR_FUZZ_SEED` replays a run.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_fuzzed_frames_are_translated_or_left_alone_never_broken() {
+    let (seed, frames) = super::fuzz::seed_and_frames();
+    for prog in [
+        Prog::PodIngress,
+        Prog::ExtIngress,
+        Prog::ExtXdp,
+        Prog::Egress,
+    ] {
+        let h = fuzz_harness6();
+        let mut rng = Rng(seed ^ (prog as u64) << 8 ^ 6);
+        let mut violations = Vec::new();
+        let (mut translated, mut refused) = (0, 0);
+        let frontend = |dst, dport, proto| {
+            let scope = match prog {
+                Prog::PodIngress => SCOPE_INTERNAL,
+                Prog::ExtIngress => SCOPE_EXTERNAL,
+                _ => return false,
+            };
+            fuzz_frontends6().contains(&(dst, dport, proto, scope))
+        };
+        h.enter(|| {
+            for i in 0..frames {
+                let (mut frame, reply_of) = if rng.chance(20) {
+                    // A reply of a flow opened first through pod_ingress.
+                    let sport = 1024 + rng.below(60000) as u16;
+                    let syn = tcp6(CLIENT6, sport, VIP6, 80, SYN);
+                    let b = h
+                        .test_run(Prog::PodIngress, &syn)
+                        .ok()
+                        .and_then(|r| well_formed6(&r.frame))
+                        .map(|t| t.2)
+                        .filter(|b| [B6, B6_2].contains(b));
+                    let Some(b) = b else { continue };
+                    let flags = [SYN | ACK, ACK, ACK | 0x08, 0x11][rng.below(4) as usize];
+                    (tcp6(b, 8080, CLIENT6, sport, flags), Some(b))
+                } else {
+                    (random_valid6(&mut rng), None)
+                };
+                mutate6(&mut rng, &mut frame);
+                let input_ok = well_formed6(&frame);
+                let run = match h.test_run(prog, &frame) {
+                    Ok(r) => r,
+                    Err(_) if super::fuzz::runner_refuses(&frame) => {
+                        refused += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        violations.push(format!("#{i}: test run failed: {e} on {frame:02x?}"));
+                        continue;
+                    }
+                };
+                let dropped = run.retval == super::Drop.code(prog);
+                if dropped || run.frame == frame {
+                    if let (false, Some((_, _, dst, dport, proto, _))) = (dropped, input_ok) {
+                        if reply_of.is_none() && frontend(dst, dport, proto) {
+                            violations.push(format!(
+                                "#{i}: {}: to frontend [{dst}]:{dport}/{proto} left untranslated: {frame:02x?}",
+                                prog.name()
+                            ));
+                        }
+                        if let Some(b) = reply_of.filter(|_| !prog.is_xdp()) {
+                            violations.push(format!("#{i}: {}: reply from backend {b} left untranslated", prog.name()));
+                        }
+                    }
+                    continue;
+                }
+                if input_ok.is_none() {
+                    continue;
+                }
+                translated += 1;
+                match well_formed6(&run.frame) {
+                    None => violations.push(format!(
+                        "#{i}: {} rewrote a well-formed frame into a broken one: {frame:02x?} -> {:02x?}",
+                        prog.name(),
+                        run.frame
+                    )),
+                    Some((src, sport, ..)) => {
+                        if reply_of.is_some_and(|b| src == b && sport == 8080) {
+                            violations.push(format!("#{i}: {}: reply left with the backend's source {src}", prog.name()));
+                        }
+                    }
+                }
+            }
+        });
+        println!(
+            "{} (IPv6): {frames} frames, {translated} rewritten, {refused} refused by the runner, {} violations",
+            prog.name(),
+            violations.len()
+        );
+        assert!(
+            violations.is_empty(),
+            "seed {seed}, {} (IPv6): {} violations, first: {:#?}",
+            prog.name(),
+            violations.len(),
+            &violations[..violations.len().min(5)]
+        );
+    }
 }
