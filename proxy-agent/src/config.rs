@@ -10,7 +10,7 @@
 //! defaults.
 use std::{
     fmt,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -259,10 +259,11 @@ pub struct FrontendPolicyFile {
     /// deprecated from Kubernetes 1.36).
     #[serde(rename = "honourExternalIPs")]
     pub honour_external_ips: Option<bool>,
-    /// When given, only externalIPs in these IPv4 CIDRs are served.
+    /// When given, only externalIPs in these CIDRs (IPv4 or IPv6) are served.
     #[serde(rename = "externalIPAllowCIDRs")]
     pub external_ip_allow_cidrs: Option<Vec<String>>,
-    /// externalIPs in these IPv4 CIDRs are refused (over the allow list).
+    /// externalIPs in these CIDRs (IPv4 or IPv6) are refused (over the allow
+    /// list).
     #[serde(rename = "externalIPDenyCIDRs")]
     pub external_ip_deny_cidrs: Option<Vec<String>>,
     /// Allow this node's own addresses as externalIP or load-balancer IP
@@ -416,10 +417,10 @@ impl ConfigFile {
     }
 }
 
-/// An IPv4 CIDR, checked.
+/// An IPv4 or IPv6 CIDR, checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cidr {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub prefix: u8,
 }
 
@@ -429,14 +430,15 @@ impl std::str::FromStr for Cidr {
         let (a, p) = s
             .split_once('/')
             .ok_or_else(|| format!("{s:?} is not a CIDR (expected e.g. 198.18.0.0/15)"))?;
-        let addr: Ipv4Addr = a
+        let addr: IpAddr = a
             .parse()
-            .map_err(|_| format!("{s:?}: {a:?} is not an IPv4 address"))?;
+            .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix: u8 = p
             .parse()
             .ok()
-            .filter(|p| *p <= 32)
-            .ok_or_else(|| format!("{s:?}: prefix length must be 0..=32"))?;
+            .filter(|p| *p <= max)
+            .ok_or_else(|| format!("{s:?}: prefix length must be 0..={max}"))?;
         Ok(Cidr { addr, prefix })
     }
 }
@@ -444,11 +446,22 @@ impl std::str::FromStr for Cidr {
 impl Cidr {
     /// The network itself (host bits cleared).
     pub fn network(self) -> Cidr {
-        let mask = u32::MAX
-            .checked_shl(32 - u32::from(self.prefix))
-            .unwrap_or(0);
+        let addr = match self.addr {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
+            }
+        };
         Cidr {
-            addr: Ipv4Addr::from(u32::from(self.addr) & mask),
+            addr,
             prefix: self.prefix,
         }
     }

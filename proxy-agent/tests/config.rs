@@ -332,6 +332,24 @@ fn frontend_policy_fields_defaults_and_errors() {
     resolve("frontendPolicy:\n  externalIPDenyCIDRs: [0.0.0.0/0, 198.18.7.1/32]\n").unwrap();
     let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [198.18.7.1/0]\n").unwrap_err();
     assert!(e.contains("the network is 0.0.0.0/0"), "{e}");
+    // IPv6 CIDRs, beside IPv4 ones, with the same checks.
+    let p = resolve("frontendPolicy:\n  externalIPAllowCIDRs: [198.18.0.0/15, \"2001:2::/48\"]\n")
+        .unwrap()
+        .frontend_policy;
+    assert_eq!(
+        p.external_ip_allow,
+        [
+            ("198.18.0.0".parse().unwrap(), 15),
+            ("2001:2::".parse().unwrap(), 48)
+        ]
+    );
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [\"2001:2::7:1/112\"]\n").unwrap_err();
+    assert!(
+        e.starts_with("frontendPolicy.externalIPDenyCIDRs") && e.contains("2001:2::7:0/112"),
+        "{e}"
+    );
+    let e = resolve("frontendPolicy:\n  externalIPDenyCIDRs: [\"2001:2::/129\"]\n").unwrap_err();
+    assert!(e.contains("0..=128"), "{e}");
     let e = resolve("frontendPolicy:\n  maxFrontendsPerService: 0\n").unwrap_err();
     assert!(
         e.starts_with("frontendPolicy.maxFrontendsPerService"),

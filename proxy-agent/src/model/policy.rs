@@ -11,9 +11,9 @@ pub struct FrontendPolicy {
     /// kube-proxy does; externalIPs are deprecated from Kubernetes 1.36).
     pub honour_external_ips: bool,
     /// When not empty, only externalIPs in one of these CIDRs are served.
-    pub external_ip_allow: Vec<(Ipv4Addr, u8)>,
+    pub external_ip_allow: Vec<(IpAddr, u8)>,
     /// externalIPs in one of these CIDRs are refused (over `external_ip_allow`).
-    pub external_ip_deny: Vec<(Ipv4Addr, u8)>,
+    pub external_ip_deny: Vec<(IpAddr, u8)>,
     /// Whether an externalIP or load-balancer IP may be one of this node's
     /// own addresses (default: no).
     pub allow_node_addresses: bool,
@@ -37,10 +37,10 @@ impl Default for FrontendPolicy {
     }
 }
 
-/// Whether `ip` is in the IPv4 CIDR `(net, prefix)` (an IPv6 address never
-/// is).
-pub(super) fn in_cidr(ip: IpAddr, (net, prefix): (Ipv4Addr, u8)) -> bool {
-    super::addresses::in_cidr(ip, (IpAddr::V4(net), prefix))
+/// Whether `ip` is in the CIDR `(net, prefix)` (never when their families
+/// differ).
+pub(super) fn in_cidr(ip: IpAddr, cidr: (IpAddr, u8)) -> bool {
+    super::addresses::in_cidr(ip, cidr)
 }
 
 /// Why `ip` can never be a Service frontend, if so. IPv4: "this network",

@@ -569,3 +569,58 @@ fn an_unknown_address_type_is_warned_about_and_fqdn_is_ignored() {
         ["198.18.1.1:8080", "198.18.1.2:8080"]
     );
 }
+
+/// `frontendPolicy`'s externalIP allow and deny lists take CIDRs of both
+/// families: an IPv6 allow list serves the IPv6 externalIPs in it, an IPv6
+/// deny entry refuses one, and a list of one family says nothing about the
+/// other family's externalIPs beyond what an allow list always says (only
+/// what it names is served).
+#[test]
+fn external_ip_policy_cidrs_of_both_families() {
+    use proxy_agent::model::FrontendPolicy;
+    let yaml = dual_svc(
+        DUAL,
+        "  externalIPs: [198.18.9.250, \"2001:2::9:250\", \"2001:2::9:251\", \"2001:2:0:7::1\"]\n",
+        "",
+        "",
+    ) + &dual_endpoints();
+    let served = |p: FrontendPolicy| {
+        let opts = ModelOptions {
+            frontend_policy: p,
+            ..Default::default()
+        };
+        let (state, warnings) = desired_state_with(&snap(&yaml), "node-a", &opts);
+        let ips: Vec<&str> = [
+            "198.18.9.250",
+            "2001:2::9:250",
+            "2001:2::9:251",
+            "2001:2:0:7::1",
+        ]
+        .into_iter()
+        .filter(|ip| has_fe(&state, ip, 80, IPPROTO_TCP, SCOPE_EXTERNAL))
+        .collect();
+        (ips, warnings)
+    };
+    let (ips, warnings) = served(FrontendPolicy {
+        external_ip_allow: vec![
+            ("198.18.9.0".parse().unwrap(), 24),
+            ("2001:2::9:0".parse().unwrap(), 112),
+        ],
+        external_ip_deny: vec![("2001:2::9:251".parse().unwrap(), 128)],
+        ..Default::default()
+    });
+    assert_eq!(ips, ["198.18.9.250", "2001:2::9:250"], "{warnings:?}");
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings.iter().all(|w| w
+            .message
+            .contains("externalIPAllowCIDRs / externalIPDenyCIDRs")),
+        "{warnings:?}"
+    );
+    // An IPv4-only deny list leaves every IPv6 externalIP served.
+    let (ips, _) = served(FrontendPolicy {
+        external_ip_deny: vec![("198.18.0.0".parse().unwrap(), 15)],
+        ..Default::default()
+    });
+    assert_eq!(ips, ["2001:2::9:250", "2001:2::9:251", "2001:2:0:7::1"]);
+}
