@@ -211,7 +211,13 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
                 },
             );
         }
+        let t_sync = std::time::Instant::now();
         let report = h.writer.sync(&d);
+        eprintln!(
+            "N={n}: the writer programmed the maps in {:.1} ms ({} map writes)",
+            t_sync.elapsed().as_secs_f64() * 1e3,
+            report.writes
+        );
         anyhow::ensure!(
             report.errors.is_empty(),
             "programming {n} services: {:?}",

@@ -238,17 +238,20 @@ impl Dataplane for BpfDataplane {
     }
     fn prune_affinity(
         &mut self,
-        rev_nat_id: u16,
-        keep: &BTreeSet<u32>,
+        keep: &BTreeMap<u16, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
-        let stale: Vec<Affinity4Key> = self
+        let stale = |rev_nat_id: u16, backend_id: u32| {
+            keep.get(&rev_nat_id)
+                .is_some_and(|set| !set.contains(&backend_id))
+        };
+        let stale4: Vec<Affinity4Key> = self
             .affinity
             .iter()
             .filter_map(Result::ok)
-            .filter(|(k, v)| k.rev_nat_id == rev_nat_id && !keep.contains(&v.backend_id))
+            .filter(|(k, v)| stale(k.rev_nat_id, v.backend_id))
             .map(|(k, _)| k)
             .collect();
-        for k in &stale {
+        for k in &stale4 {
             let cap = capacity::AFFINITY;
             ignore_missing(self.affinity.remove(k))
                 .map_err(|e| op_err(map_names::AFFINITY, "delete", cap, e))?;
@@ -257,7 +260,7 @@ impl Dataplane for BpfDataplane {
             .affinity6
             .iter()
             .filter_map(Result::ok)
-            .filter(|(k, v)| k.rev_nat_id == rev_nat_id && !keep.contains(&v.backend_id))
+            .filter(|(k, v)| stale(k.rev_nat_id, v.backend_id))
             .map(|(k, _)| k)
             .collect();
         for k in &stale6 {
@@ -265,7 +268,19 @@ impl Dataplane for BpfDataplane {
             ignore_missing(self.affinity6.remove(k))
                 .map_err(|e| op_err(map_names::AFFINITY6, "delete", cap, e))?;
         }
-        Ok(stale.len() + stale6.len())
+        Ok(stale4.len() + stale6.len())
+    }
+    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+        let mut ids = BTreeSet::new();
+        for k in self.affinity.keys() {
+            let k = k.map_err(|e| op_err(map_names::AFFINITY, "dump", 0, e))?;
+            ids.insert(k.rev_nat_id);
+        }
+        for k in self.affinity6.keys() {
+            let k = k.map_err(|e| op_err(map_names::AFFINITY6, "dump", 0, e))?;
+            ids.insert(k.rev_nat_id);
+        }
+        Ok(ids)
     }
     fn put_source_range(
         &mut self,

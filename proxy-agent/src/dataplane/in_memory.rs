@@ -49,6 +49,12 @@ pub struct InMemory {
     fail_prunes: usize,
     /// Every affinity prune that took effect: (reverse-NAT id, kept backends).
     prunes: Vec<(u16, BTreeSet<u32>)>,
+    /// Every walk of the affinity maps that took effect: how many map
+    /// operations came before it.
+    prune_walks: Vec<usize>,
+    /// Reverse-NAT ids the affinity maps hold entries of, as
+    /// [`Dataplane::affinity_ids`] reports them (set by tests).
+    affinity_ids: BTreeSet<u16>,
     /// Whether the invariant is checked after every operation.
     checking: bool,
 }
@@ -73,6 +79,8 @@ impl InMemory {
             fail_count: 0,
             fail_prunes: 0,
             prunes: Vec::new(),
+            prune_walks: Vec::new(),
+            affinity_ids: BTreeSet::new(),
             checking: true,
         }
     }
@@ -117,6 +125,19 @@ impl InMemory {
     /// reverse-NAT id and the backend ids whose entries were kept.
     pub fn prunes(&self) -> &[(u16, BTreeSet<u32>)] {
         &self.prunes
+    }
+
+    /// Every walk of the affinity maps ([`Dataplane::prune_affinity`]) that
+    /// took effect, as the number of map operations ([`InMemory::ops`])
+    /// before it: a sync walks the maps at most twice, whatever its size.
+    pub fn prune_walks(&self) -> &[usize] {
+        &self.prune_walks
+    }
+
+    /// Has the affinity maps hold entries under reverse-NAT ids `ids` (left
+    /// by a previous agent), as [`Dataplane::affinity_ids`] reports them.
+    pub fn set_affinity_ids(&mut self, ids: impl IntoIterator<Item = u16>) {
+        self.affinity_ids = ids.into_iter().collect();
     }
 
     /// Makes the next `n` operations fail (without effect); 0 cancels.
@@ -404,8 +425,7 @@ impl Dataplane for InMemory {
     }
     fn prune_affinity(
         &mut self,
-        rev_nat_id: u16,
-        keep: &BTreeSet<u32>,
+        keep: &BTreeMap<u16, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
         if self.fail_prunes > 0 {
             self.fail_prunes -= 1;
@@ -415,8 +435,15 @@ impl Dataplane for InMemory {
                 reason: "injected failure".into(),
             });
         }
-        self.prunes.push((rev_nat_id, keep.clone()));
+        self.prune_walks.push(self.ops.len());
+        self.prunes
+            .extend(keep.iter().map(|(id, set)| (*id, set.clone())));
+        self.affinity_ids
+            .retain(|id| !keep.get(id).is_some_and(BTreeSet::is_empty));
         Ok(0)
+    }
+    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+        Ok(self.affinity_ids.clone())
     }
     fn put_maglev_chunk(
         &mut self,

@@ -138,17 +138,22 @@ pub trait Dataplane {
     fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
     fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
-    /// Deletes the session-affinity entries of frontend `rev_nat_id` whose
-    /// backend is not in `keep` (all of them when `keep` is empty): a client's
-    /// affinity ends when its backend leaves the frontend or affinity is
-    /// switched off. Returns how many were deleted.
+    /// Deletes, in one walk of the affinity maps, the session-affinity
+    /// entries of every frontend `keep` names (by reverse-NAT id) whose
+    /// backend is not in its set (all of them when the set is empty): a
+    /// client's affinity ends when its backend leaves the frontend or
+    /// affinity is switched off. Returns how many were deleted.
     fn prune_affinity(
         &mut self,
-        rev_nat_id: u16,
-        keep: &BTreeSet<u32>,
+        keep: &BTreeMap<u16, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
-        let _ = (rev_nat_id, keep);
+        let _ = keep;
         Ok(0)
+    }
+    /// The reverse-NAT ids the affinity maps hold entries of (read once, on
+    /// adoption: a frontend whose id has none needs no prune).
+    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+        Ok(BTreeSet::new())
     }
     /// Allows clients in `range` to open flows to the frontend `rev_nat_id`
     /// (meaningful when its slot 0 has `svc_flags::SOURCE_RANGES`).

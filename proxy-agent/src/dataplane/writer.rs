@@ -280,6 +280,11 @@ pub struct Writer<D: Dataplane> {
     maglev_tables: BTreeMap<u16, MaglevTable>,
     /// Frontends whose last affinity prune failed: retried at the next sync.
     affinity_pending: BTreeSet<FrontendKey>,
+    /// Reverse-NAT ids the affinity maps may hold entries of: those a slot 0
+    /// with session affinity named since their entries were last pruned
+    /// away, and those found in the maps on adoption. A frontend whose id is
+    /// not here has no entry to prune, so a sync skips its walk of the maps.
+    affinity_ids: BTreeSet<u16>,
     /// Backend id → how many programmed slots (live or not) name it; kept
     /// with `frontends` by [`Writer::mirror_slot`].
     slot_refs: BTreeMap<u32, usize>,
@@ -307,6 +312,7 @@ impl<D: Dataplane> Writer<D> {
     /// desired) are deleted by the first [`Writer::sync`].
     pub fn adopt(dp: D) -> Result<Self, DataplaneError> {
         let programmed = dp.dump()?;
+        let mut affinity_ids = dp.affinity_ids()?;
         let mut frontends: BTreeMap<FrontendKey, FrontendEntries> = BTreeMap::new();
         let services = programmed
             .services
@@ -321,6 +327,9 @@ impl<D: Dataplane> Writer<D> {
         for (key, slot, value) in services {
             let entries = frontends.entry(key).or_default();
             if slot == 0 {
+                if value.affinity_timeout_s > 0 {
+                    affinity_ids.insert(value.rev_nat_id);
+                }
                 entries.slot0 = Some(*value);
             } else {
                 entries.slots.insert(slot, value.backend_id);
@@ -408,6 +417,7 @@ impl<D: Dataplane> Writer<D> {
             maglev_keys: programmed.maglev.keys().copied().collect(),
             maglev_tables,
             affinity_pending: BTreeSet::new(),
+            affinity_ids,
             slot_refs,
             slot0_by_rev,
             users: Users::default(),
@@ -562,6 +572,7 @@ impl<D: Dataplane> Writer<D> {
         self.update_backends(desired, &mut s);
         self.plan_targets(desired, &mut s);
         self.update_rev_nat(desired, &mut s);
+        self.prune_reused_affinity(desired, &mut s);
         self.add_source_ranges(desired, &mut s);
         self.update_slots(desired, &mut s);
         self.update_maglev(desired, &mut s);
@@ -643,6 +654,9 @@ impl<D: Dataplane> Writer<D> {
     fn mirror_slot0(&mut self, key: &FrontendKey, value: Option<Svc4Value>) {
         let old = match value {
             Some(v) => {
+                if v.affinity_timeout_s > 0 {
+                    self.affinity_ids.insert(v.rev_nat_id);
+                }
                 self.slot0_by_rev
                     .entry(v.rev_nat_id)
                     .or_default()

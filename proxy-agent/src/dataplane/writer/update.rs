@@ -1,7 +1,7 @@
 //! The phases of [`Writer::sync`] that make desired frontends as they should
 //! be, in the order `sync` runs them. Each writes an entry only before
 //! anything names it, or after nothing does any more.
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{map_names, Svc4Value};
 
@@ -358,13 +358,68 @@ impl<D: Dataplane> Writer<D> {
         }
     }
 
+    /// Deletes the session-affinity entries left under the reverse-NAT id a
+    /// frontend's slot 0 is about to name for the first time: an id freed by
+    /// a removed frontend with affinity may still have entries pinning
+    /// clients to that frontend's backends, which would hand this
+    /// frontend's traffic to another Service's. Invariant: a slot 0 names an
+    /// id only once no entry of an earlier frontend is left under it (a
+    /// frontend whose prune fails is failed, so its slot 0 is not written).
+    /// One walk of the affinity maps for all of them; none when no such id
+    /// can have entries ([`Writer::affinity_ids`]).
+    pub(super) fn prune_reused_affinity(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        let mut keys: BTreeMap<u16, FrontendKey> = BTreeMap::new();
+        for key in &s.order {
+            if s.out.is_failed(key) {
+                continue;
+            }
+            let Some(id) = self.rev_nat_ids.get(key) else {
+                continue;
+            };
+            let named = self
+                .frontends
+                .get(key)
+                .and_then(|e| e.slot0)
+                .is_some_and(|v| v.rev_nat_id == id);
+            if !named && self.slot0_refs(id) == 0 && self.affinity_ids.contains(&id) {
+                keys.insert(id, *key);
+            }
+        }
+        if keys.is_empty() {
+            return;
+        }
+        let keep = keys.keys().map(|id| (*id, BTreeSet::new())).collect();
+        match self.dp.prune_affinity(&keep) {
+            Ok(_) => {
+                for id in keys.keys() {
+                    self.affinity_ids.remove(id);
+                }
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                for key in keys.values() {
+                    let e = DataplaneError::Op {
+                        map: map_names::AFFINITY,
+                        op: "prune",
+                        reason: reason.clone(),
+                    };
+                    s.out.fail(*key, desired.frontends.get(key), e);
+                    self.clean_failed(key, &mut s.out);
+                }
+            }
+        }
+    }
+
     /// Ends the session affinity of changed frontends: a client's entry ends
     /// when its backend left the frontend, every entry when affinity is off.
     /// A prune that failed is retried at every later sync until it succeeds
     /// (or the frontend is no longer desired: removing it ends its affinity).
     /// Invariant: affinity is pruned only once slot 0 no longer balances over
     /// the backends it drops (failed frontends are skipped), so a client is
-    /// not pinned again to a backend that is leaving.
+    /// not pinned again to a backend that is leaving. All the frontends of a
+    /// sync are pruned in one walk of the affinity maps, and only those whose
+    /// id may have entries ([`Writer::affinity_ids`]): a sync of 50,000 new
+    /// frontends without affinity walks nothing.
     pub(super) fn prune_changed_affinity(&mut self, desired: &DesiredState, s: &mut SyncState) {
         self.affinity_pending
             .retain(|key| desired.frontends.contains_key(key));
@@ -374,6 +429,8 @@ impl<D: Dataplane> Writer<D> {
             .chain(self.affinity_pending.iter())
             .copied()
             .collect();
+        let mut keep: BTreeMap<u16, BTreeSet<u32>> = BTreeMap::new();
+        let mut pruned: Vec<FrontendKey> = Vec::new();
         for key in &keys {
             let (Some(fe), Some(target), Some(id)) = (
                 desired.frontends.get(key),
@@ -385,20 +442,57 @@ impl<D: Dataplane> Writer<D> {
             if s.out.is_failed(key) {
                 continue;
             }
-            let keep: BTreeSet<u32> = if fe.affinity_timeout_s > 0 {
-                target.ids.iter().copied().collect()
-            } else {
-                BTreeSet::new()
-            };
-            match self.dp.prune_affinity(id, &keep) {
-                Ok(_) => {
+            if !self.affinity_ids.contains(&id) {
+                self.affinity_pending.remove(key);
+                continue;
+            }
+            let set = keep.entry(id).or_default();
+            if fe.affinity_timeout_s > 0 {
+                set.extend(target.ids.iter().copied());
+            }
+            pruned.push(*key);
+        }
+        if keep.is_empty() {
+            return;
+        }
+        match self.dp.prune_affinity(&keep) {
+            Ok(_) => {
+                for key in &pruned {
                     self.affinity_pending.remove(key);
                 }
-                Err(e) => {
+                // An id whose frontends all have affinity off now has no
+                // entry, and none can be made.
+                for (id, set) in &keep {
+                    if set.is_empty() && !self.names_affinity(*id) {
+                        self.affinity_ids.remove(id);
+                    }
+                }
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                for key in &pruned {
                     self.affinity_pending.insert(*key);
-                    s.out.unfinished(key, Some(fe), e);
+                    let e = DataplaneError::Op {
+                        map: map_names::AFFINITY,
+                        op: "prune",
+                        reason: reason.clone(),
+                    };
+                    s.out.unfinished(key, desired.frontends.get(key), e);
                 }
             }
         }
+    }
+
+    /// Whether a programmed slot 0 naming reverse-NAT id `id` has session
+    /// affinity.
+    fn names_affinity(&self, id: u16) -> bool {
+        self.slot0_by_rev.get(&id).is_some_and(|keys| {
+            keys.iter().any(|k| {
+                self.frontends
+                    .get(k)
+                    .and_then(|e| e.slot0)
+                    .is_some_and(|v| v.affinity_timeout_s > 0)
+            })
+        })
     }
 }
