@@ -138,9 +138,11 @@ fn main() {
         let t = Instant::now();
         let c = changes(&mut source);
         let read = ms(t);
+        let rss_read = rss_mib();
         let t = Instant::now();
         model.apply(c);
         let model_ms = ms(t);
+        let rss_model = rss_mib();
         let t = Instant::now();
         let report = writer.sync(model.desired());
         // Beyond 65,535 frontends the reverse-NAT ids (16 bits) run out:
@@ -148,6 +150,12 @@ fn main() {
         let refused = report.errors.len();
         let write = ms(t);
         assert_eq!(model.desired().frontends.len(), n);
+        // Where the memory is: what the source read, the model's
+        // additions, the writer's mirror.
+        eprintln!(
+            "N = {n}: RSS {rss_read:.0} MiB after reading, {rss_model:.0} after the model, {:.0} after the writer",
+            rss_mib()
+        );
 
         // The big file settles (a file read within a second of its
         // modification has its content compared at the next read).
