@@ -10,7 +10,7 @@
 //! defaults.
 use std::{
     fmt,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -446,22 +446,8 @@ impl std::str::FromStr for Cidr {
 impl Cidr {
     /// The network itself (host bits cleared).
     pub fn network(self) -> Cidr {
-        let addr = match self.addr {
-            IpAddr::V4(a) => {
-                let mask = u32::MAX
-                    .checked_shl(32 - u32::from(self.prefix))
-                    .unwrap_or(0);
-                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
-            }
-            IpAddr::V6(a) => {
-                let mask = u128::MAX
-                    .checked_shl(128 - u32::from(self.prefix))
-                    .unwrap_or(0);
-                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
-            }
-        };
         Cidr {
-            addr,
+            addr: crate::model::mask(self.addr, self.prefix),
             prefix: self.prefix,
         }
     }

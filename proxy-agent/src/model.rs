@@ -65,6 +65,7 @@ mod services;
 mod state;
 mod topology;
 
+pub(crate) use addresses::mask;
 pub use addresses::NodePortAddresses;
 pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};
 pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};

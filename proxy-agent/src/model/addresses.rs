@@ -122,7 +122,7 @@ pub(super) fn node_port_addresses(
 }
 
 /// `addr` with the bits past `prefix` cleared.
-fn mask(addr: IpAddr, prefix: u8) -> IpAddr {
+pub(crate) fn mask(addr: IpAddr, prefix: u8) -> IpAddr {
     match addr {
         IpAddr::V4(a) => {
             let m = u32::MAX

@@ -10,12 +10,12 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
-use super::addresses::{external_addresses, node_internal_ips, node_port_addresses};
+use super::addresses::{external_addresses, in_cidr, node_internal_ips, node_port_addresses};
 use super::endpoints::port_endpoints;
 use super::frontends::{frontend_key, with_backends, Owned};
 use super::health_checks::needs_health_check;
 use super::lb::{service_algorithms, LbAlgorithm};
-use super::policy::{forbidden_address, in_cidr};
+use super::policy::forbidden_address;
 use super::services::{parse_proto, service_id};
 use super::{
     categorize, proto_name, DesiredState, Frontend, FrontendKey, IpFamily, ModelOptions,

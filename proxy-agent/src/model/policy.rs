@@ -37,12 +37,6 @@ impl Default for FrontendPolicy {
     }
 }
 
-/// Whether `ip` is in the CIDR `(net, prefix)` (never when their families
-/// differ).
-pub(super) fn in_cidr(ip: IpAddr, cidr: (IpAddr, u8)) -> bool {
-    super::addresses::in_cidr(ip, cidr)
-}
-
 /// Why `ip` can never be a Service frontend, if so. IPv4: "this network",
 /// loopback, link-local (the metadata service), multicast, reserved and
 /// broadcast addresses. IPv6: unspecified, loopback, IPv4-mapped,

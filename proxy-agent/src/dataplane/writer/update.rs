@@ -398,11 +398,7 @@ impl<D: Dataplane> Writer<D> {
             Err(e) => {
                 let reason = e.to_string();
                 for key in keys.values() {
-                    let e = DataplaneError::Op {
-                        map: map_names::AFFINITY,
-                        op: "prune",
-                        reason: reason.clone(),
-                    };
+                    let e = prune_error(&reason);
                     s.out.fail(*key, desired.frontends.get(key), e);
                     self.clean_failed(key, &mut s.out);
                 }
@@ -472,11 +468,7 @@ impl<D: Dataplane> Writer<D> {
                 let reason = e.to_string();
                 for key in &pruned {
                     self.affinity_pending.insert(*key);
-                    let e = DataplaneError::Op {
-                        map: map_names::AFFINITY,
-                        op: "prune",
-                        reason: reason.clone(),
-                    };
+                    let e = prune_error(&reason);
                     s.out.unfinished(key, desired.frontends.get(key), e);
                 }
             }
@@ -494,5 +486,15 @@ impl<D: Dataplane> Writer<D> {
                     .is_some_and(|v| v.affinity_timeout_s > 0)
             })
         })
+    }
+}
+
+/// The error of each frontend a failed walk of the affinity maps was for
+/// (one walk serves them all; `reason` is its error).
+fn prune_error(reason: &str) -> DataplaneError {
+    DataplaneError::Op {
+        map: map_names::AFFINITY,
+        op: "prune",
+        reason: reason.into(),
     }
 }
