@@ -21,3 +21,4 @@ pub mod privileges;
 pub mod servers;
 pub mod sockdiag;
 pub mod source;
+pub mod vec_set;

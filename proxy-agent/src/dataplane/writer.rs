@@ -20,6 +20,7 @@ use proxy_common::{lb::MaglevKey, Svc4Key, Svc4Value, Svc6Key};
 use super::ids::{BackendIds, RevNatIds};
 use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
+use crate::vec_set::VecSet;
 
 mod family;
 mod maglev;
@@ -290,7 +291,7 @@ pub struct Writer<D: Dataplane> {
     slot_refs: BTreeMap<u32, usize>,
     /// Reverse-NAT id → the frontends whose programmed slot 0 names it; kept
     /// with `frontends` by [`Writer::mirror_slot0`].
-    slot0_by_rev: BTreeMap<u16, BTreeSet<FrontendKey>>,
+    slot0_by_rev: BTreeMap<u16, VecSet<FrontendKey>>,
     /// The desired frontends by backend address, as of the last sync.
     users: Users,
     /// Frontends the last sync failed or did not finish (and those using a
@@ -396,7 +397,7 @@ impl<D: Dataplane> Writer<D> {
         );
         let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
         let mut slot_refs: BTreeMap<u32, usize> = BTreeMap::new();
-        let mut slot0_by_rev: BTreeMap<u16, BTreeSet<FrontendKey>> = BTreeMap::new();
+        let mut slot0_by_rev: BTreeMap<u16, VecSet<FrontendKey>> = BTreeMap::new();
         for (key, e) in &frontends {
             for id in e.slots.values() {
                 *slot_refs.entry(*id).or_default() += 1;
@@ -681,7 +682,7 @@ impl<D: Dataplane> Writer<D> {
 
     /// How many programmed slot 0 entries name reverse-NAT id `id`.
     fn slot0_refs(&self, id: u16) -> usize {
-        self.slot0_by_rev.get(&id).map_or(0, BTreeSet::len)
+        self.slot0_by_rev.get(&id).map_or(0, VecSet::len)
     }
 
     /// Forgets `key`'s reverse-NAT id (its entry was deleted); the id is

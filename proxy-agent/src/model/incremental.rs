@@ -36,6 +36,7 @@ use super::{
     ServiceAge, LABEL_SERVICE_NAME,
 };
 use crate::manifests::Snapshot;
+use crate::vec_set::VecSet;
 
 /// An object's namespace (`default` when unset; empty for Nodes) and name.
 pub type ObjectKey = (String, String);
@@ -144,8 +145,8 @@ impl Update {
 /// Addresses one slice places on this node and on others.
 #[derive(Clone, Debug, Default)]
 struct LocalSets {
-    here: BTreeSet<IpAddr>,
-    elsewhere: BTreeSet<IpAddr>,
+    here: VecSet<IpAddr>,
+    elsewhere: VecSet<IpAddr>,
 }
 
 impl LocalSets {
@@ -216,15 +217,15 @@ pub struct Incremental {
     services: BTreeMap<ObjectKey, Arc<Service>>,
     slices: BTreeMap<ObjectKey, Arc<EndpointSlice>>,
     /// (namespace, Service name) → names of its IPv4 and IPv6 slices.
-    slices_by_service: BTreeMap<ObjectKey, BTreeSet<String>>,
+    slices_by_service: BTreeMap<ObjectKey, VecSet<String>>,
     pods: BTreeMap<ObjectKey, Arc<Pod>>,
     nodes: BTreeMap<String, Arc<Node>>,
     /// Every Service's output (ignored Services have none).
     outputs: BTreeMap<ObjectKey, ServiceOutput>,
-    claimants: HashMap<Owned, BTreeSet<ObjectKey>>,
+    claimants: HashMap<Owned, VecSet<ObjectKey>>,
     /// Warnings of the Services that lost an address, by address.
     conflicts: HashMap<Owned, Vec<ModelWarning>>,
-    health_claimants: BTreeMap<u16, BTreeSet<ObjectKey>>,
+    health_claimants: BTreeMap<u16, VecSet<ObjectKey>>,
     health_conflicts: BTreeMap<u16, Vec<ModelWarning>>,
     /// Local endpoints: each real slice's sets, each Service's synthesized
     /// slices' sets, and how many of those name each address.

@@ -3,7 +3,7 @@
 //! `healthCheckNodePort`, its warnings), with the steps of the sibling
 //! modules. Which Service gets a contested frontend or health-check port is
 //! decided over all Services by [`super::incremental`].
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -23,6 +23,7 @@ use super::{
     LABEL_TOPOLOGY_ZONE,
 };
 use crate::manifests::Snapshot;
+use crate::vec_set::VecMap;
 
 /// The desired state for `node_name`, with default options.
 pub fn desired_state(snapshot: &Snapshot, node_name: &str) -> (DesiredState, Vec<ModelWarning>) {
@@ -136,7 +137,7 @@ pub(super) struct OwnedClaims {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct ServiceOutput {
     /// Its claims, by what is owned.
-    pub(super) claims: BTreeMap<Owned, OwnedClaims>,
+    pub(super) claims: VecMap<Owned, OwnedClaims>,
     pub(super) warnings: Vec<ModelWarning>,
     /// The `healthCheckNodePort` it needs, with its number of local ready
     /// endpoint addresses.
@@ -438,8 +439,7 @@ pub(super) fn service_output(
             }
             claimed.insert(key);
             claims
-                .entry((key.addr, key.port, key.proto))
-                .or_insert_with(|| OwnedClaims {
+                .get_or_insert_with((key.addr, key.port, key.proto), || OwnedClaims {
                     cluster_ip,
                     first_key: key,
                     frontends: Vec::new(),

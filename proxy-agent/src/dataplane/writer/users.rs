@@ -10,14 +10,15 @@ use std::net::IpAddr;
 use proxy_common::backend_state;
 
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
+use crate::vec_set::VecSet;
 
 /// The desired frontends naming one backend address.
 #[derive(Debug, Default)]
 struct AddrUsers {
     /// Those that balance new flows over it (`Frontend::backends`).
-    active: BTreeSet<FrontendKey>,
+    active: VecSet<FrontendKey>,
     /// Those that keep it for flows already using it (`Frontend::retained`).
-    retained: BTreeSet<FrontendKey>,
+    retained: VecSet<FrontendKey>,
 }
 
 /// The backend lists of every desired frontend, indexed by backend address.
