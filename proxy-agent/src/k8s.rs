@@ -4,7 +4,7 @@
 //! As kube-proxy does, Services and EndpointSlices are watched with a label
 //! selector that leaves out headless services and those meant for another
 //! proxy, so the API server never sends them. Cached objects are trimmed
-//! (`managedFields`, annotations other than the EndpointSlice trigger time).
+//! (`managedFields`, annotations the agent does not read).
 //!
 //! Watch errors back off and relist; a relist replaces a store only once it has
 //! completed, and an error never clears it, so an API server outage never
@@ -40,7 +40,10 @@ use tracing::{debug, info, warn};
 
 use crate::{
     manifests::Snapshot,
-    model::{Change, Kind, Object, ObjectKey, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
+    model::{
+        Change, Kind, Object, ObjectKey, ANNOTATION_LB_ALGORITHM, LABEL_HEADLESS,
+        LABEL_SERVICE_PROXY_NAME,
+    },
     source::{Source, SourceChanges, SourceError},
 };
 
@@ -174,12 +177,17 @@ pub fn node_field_selector(node_name: &str) -> String {
     format!("metadata.name={node_name}")
 }
 
+/// The annotations the agent reads; [`trim`] drops every other.
+pub const ANNOTATIONS_READ: [&str; 2] =
+    [ANNOTATION_LAST_CHANGE_TRIGGER_TIME, ANNOTATION_LB_ALGORITHM];
+
 /// Drops what the agent never reads: `managedFields`, and every annotation but
-/// the EndpointSlice trigger time.
+/// those it reads ([`ANNOTATIONS_READ`]: the EndpointSlice trigger time, a
+/// Service's load-balancing algorithm).
 pub fn trim<K: ResourceExt>(obj: &mut K) {
     obj.managed_fields_mut().clear();
     let annotations = obj.annotations_mut();
-    annotations.retain(|k, _| k == ANNOTATION_LAST_CHANGE_TRIGGER_TIME);
+    annotations.retain(|k, _| ANNOTATIONS_READ.contains(&k.as_str()));
 }
 
 /// Options of the Kubernetes source.

@@ -15,9 +15,10 @@ use common::fake_apiserver::{FakeApiServer, Kind};
 use proxy_agent::{
     k8s::{self, KubernetesOptions, KubernetesSource},
     manifests::Snapshot,
-    model,
+    model::{self, LbAlgorithm, ANNOTATION_LB_ALGORITHM},
     source::{ManifestsSource, Source, SourceChanges},
 };
+use proxy_common::svc_flags;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -291,6 +292,50 @@ async fn adds_modifications_and_deletions_show_up_trimmed() {
     f.server.bookmark();
     let snap = wait(&mut f.source, "the node", |_, s| names(&s.nodes) == [NODE]).await;
     assert!(snap.services.is_empty());
+}
+
+/// Trimming keeps what the model reads: a Service's load-balancing
+/// algorithm annotation reaches the frontend through the Kubernetes source
+/// as it does through manifests (the trim once dropped every annotation but
+/// the slices' trigger time, so the annotation worked from manifests only).
+#[tokio::test]
+async fn the_lb_algorithm_annotation_survives_trimming() {
+    let mut f = fixture().await;
+    let mut svc = service("web", "198.18.100.1", json!({}));
+    svc["metadata"]["annotations"] = json!({
+        ANNOTATION_LB_ALGORITHM: "round-robin",
+        "kubectl.kubernetes.io/last-applied-configuration": "{}",
+    });
+    f.server.apply(svc);
+    f.server.apply(slice(
+        "web-a",
+        "web",
+        &["198.18.1.1", "198.18.1.2"],
+        json!({}),
+    ));
+    let snap = wait(&mut f.source, "web and its slice", |_, s| {
+        names(&s.services) == ["web"] && names(&s.endpoint_slices) == ["web-a"]
+    })
+    .await;
+    let annotations: Vec<_> = snap.services[0]
+        .metadata
+        .annotations
+        .iter()
+        .flat_map(|a| a.keys())
+        .collect();
+    assert_eq!(annotations, [ANNOTATION_LB_ALGORITHM]);
+    let (state, warnings) = model::desired_state(&snap, NODE);
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let fe = state
+        .frontends
+        .values()
+        .find(|fe| fe.service == "default/web")
+        .expect("web's ClusterIP frontend");
+    assert_eq!(
+        fe.flags & svc_flags::ALG_MASK,
+        LbAlgorithm::RoundRobin.flags(),
+        "{fe:?}"
+    );
 }
 
 #[tokio::test]
