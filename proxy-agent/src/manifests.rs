@@ -583,19 +583,33 @@ fn dispatch(value: &Value, text: &str, snapshot: &mut Snapshot) -> Result<(), St
         );
         return Ok(());
     }
-    match parse_typed(text, kind)? {
+    push_typed(parse_typed(text, kind)?, snapshot)
+}
+
+/// Adds `typed` to its list in `snapshot`, in the namespace `default` when
+/// it names none, trimmed as the Kubernetes source trims ([`crate::k8s::trim`]:
+/// `managedFields` and annotations the agent does not read, often most of an
+/// object dumped with `kubectl get -o yaml`). A Service is validated first.
+fn push_typed(typed: Typed, snapshot: &mut Snapshot) -> Result<(), String> {
+    match typed {
         Typed::Service(mut svc) => {
             default_namespace(&mut svc.metadata);
             validate_service(&svc)?;
+            crate::k8s::trim(&mut *svc);
             snapshot.services.push(*svc);
         }
         Typed::Pod(mut pod) => {
             default_namespace(&mut pod.metadata);
+            crate::k8s::trim(&mut *pod);
             snapshot.pods.push(*pod);
         }
-        Typed::Node(node) => snapshot.nodes.push(*node),
+        Typed::Node(mut node) => {
+            crate::k8s::trim(&mut *node);
+            snapshot.nodes.push(*node);
+        }
         Typed::EndpointSlice(mut slice) => {
             default_namespace(&mut slice.metadata);
+            crate::k8s::trim(&mut *slice);
             snapshot.endpoint_slices.push(*slice);
         }
     }
@@ -630,26 +644,8 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
         // Lists and errors are the YAML path's; other kinds are skipped there.
         _ => return false,
     };
-    match typed {
-        Ok(Typed::Service(mut svc)) => {
-            default_namespace(&mut svc.metadata);
-            if validate_service(&svc).is_err() {
-                return false;
-            }
-            snapshot.services.push(*svc);
-        }
-        Ok(Typed::Pod(mut pod)) => {
-            default_namespace(&mut pod.metadata);
-            snapshot.pods.push(*pod);
-        }
-        Ok(Typed::Node(node)) => snapshot.nodes.push(*node),
-        Ok(Typed::EndpointSlice(mut slice)) => {
-            default_namespace(&mut slice.metadata);
-            snapshot.endpoint_slices.push(*slice);
-        }
-        Err(_) => return false,
-    }
-    true
+    // An invalid Service is the YAML path's to report.
+    typed.is_ok_and(|t| push_typed(t, snapshot).is_ok())
 }
 
 /// A JSON value whose objects have each key once (deserializing fails

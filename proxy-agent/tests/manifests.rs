@@ -481,6 +481,39 @@ fn json_documents_load_as_their_yaml_form_does() {
     );
 }
 
+/// Objects dumped with `kubectl get -o yaml` carry `managedFields` and the
+/// last applied configuration, often most of their size: the manifests
+/// source keeps neither (as the Kubernetes source), in both its JSON and
+/// YAML paths, and keeps the annotations the agent reads.
+#[test]
+fn objects_are_trimmed_of_what_the_agent_never_reads() {
+    let yaml = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: '{\"big\": true}'\n    proxy-agent.io/lb-algorithm: maglev\n  managedFields: [{manager: kubectl, operation: Apply}]\nspec: {clusterIP: 198.19.0.1, ports: [{port: 80}]}\n";
+    let json = r#"{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-1","labels":{"kubernetes.io/service-name":"web"},"annotations":{"endpoints.kubernetes.io/last-change-trigger-time":"2030-01-01T00:00:00Z","other":"x"},"managedFields":[{"manager":"kube-controller-manager","operation":"Update"}]},"addressType":"IPv4","endpoints":[],"ports":[]}"#;
+    let (mut snap, mut errs) = (Snapshot::default(), Vec::new());
+    load_str(Path::new("x.yaml"), yaml, &mut snap, &mut errs);
+    load_str(Path::new("y.json"), json, &mut snap, &mut errs);
+    assert!(errs.is_empty(), "{errs:?}");
+    let svc = &snap.services[0].metadata;
+    let slice = &snap.endpoint_slices[0].metadata;
+    for m in [svc, slice] {
+        assert!(
+            m.managed_fields.as_ref().is_none_or(|f| f.is_empty()),
+            "{m:?}"
+        );
+    }
+    let keys = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        m.annotations
+            .iter()
+            .flat_map(|a| a.keys().cloned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(keys(svc), ["proxy-agent.io/lb-algorithm"]);
+    assert_eq!(
+        keys(slice),
+        ["endpoints.kubernetes.io/last-change-trigger-time"]
+    );
+}
+
 /// Found by review of the file cache: a change every stamp but the change
 /// time hides (`cp -p`, `rsync -t --inplace`), a removed file whose bad
 /// document kept its object, and a JSON document with a key twice (which the
