@@ -143,6 +143,11 @@ impl<K: Ord, V> VecMap<K, V> {
         self.0.iter().map(|(k, v)| (k, v))
     }
 
+    /// The values, in key order, to change.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.0.iter_mut().map(|(_, v)| v)
+    }
+
     pub fn len(&self) -> usize {
         self.0.len()
     }

@@ -590,6 +590,11 @@ pub(super) fn service_output(
     out.health_check =
         needs_health_check(spec, external_policy).map(|port| (port, local_ready.len()));
     out.warnings = warnings;
+    // Kept until the Service changes: no spare room (a first push reserves
+    // four frontends, where most addresses have one or two).
+    for claims in out.claims.values_mut() {
+        claims.frontends.shrink_to_fit();
+    }
     out
 }
 
