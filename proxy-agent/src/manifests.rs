@@ -627,6 +627,9 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
     if serde_json::from_str::<UniqueKeys>(doc).is_err() {
         return false;
     }
+    // Through a `serde_json::Value`: its arrays know their length, so the
+    // object's lists are allocated at their size (straight from the text,
+    // every list would keep room for four).
     let Ok(value) = serde_json::from_str::<serde_json::Value>(doc) else {
         return false;
     };
@@ -689,17 +692,42 @@ impl<'de> serde::Deserialize<'de> for UniqueKeys {
                 self,
                 mut map: A,
             ) -> Result<UniqueKeys, A::Error> {
-                let mut keys = std::collections::HashSet::new();
-                while let Some(k) = map.next_key::<String>()? {
-                    if !keys.insert(k) {
+                // Most objects have a handful of keys: a linear search of
+                // keys borrowed from the text, where they need no unescaping.
+                let mut keys: Vec<std::borrow::Cow<'de, str>> = Vec::new();
+                while let Some(JsonKey(k)) = map.next_key::<JsonKey<'de>>()? {
+                    if keys.contains(&k) {
                         return Err(serde::de::Error::custom("duplicate key"));
                     }
+                    keys.push(k);
                     map.next_value::<UniqueKeys>()?;
                 }
                 Ok(UniqueKeys)
             }
         }
         d.deserialize_any(Visitor)
+    }
+}
+
+/// A JSON object key, borrowed from the text unless it has escapes.
+struct JsonKey<'de>(std::borrow::Cow<'de, str>);
+
+impl<'de> serde::Deserialize<'de> for JsonKey<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = JsonKey<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<JsonKey<'de>, E> {
+                Ok(JsonKey(std::borrow::Cow::Borrowed(s)))
+            }
+            fn visit_str<E>(self, s: &str) -> Result<JsonKey<'de>, E> {
+                Ok(JsonKey(std::borrow::Cow::Owned(s.to_string())))
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 
