@@ -181,13 +181,41 @@ pub fn node_field_selector(node_name: &str) -> String {
 pub const ANNOTATIONS_READ: [&str; 2] =
     [ANNOTATION_LAST_CHANGE_TRIGGER_TIME, ANNOTATION_LB_ALGORITHM];
 
-/// Drops what the agent never reads: `managedFields`, and every annotation but
+/// Drops what the agent never reads: `managedFields`, every annotation but
 /// those it reads ([`ANNOTATIONS_READ`]: the EndpointSlice trigger time, a
-/// Service's load-balancing algorithm).
-pub fn trim<K: ResourceExt>(obj: &mut K) {
+/// Service's load-balancing algorithm), and the kind's own fields it never
+/// reads ([`Trim`]). Both sources keep objects trimmed so.
+pub fn trim<K: Trim>(obj: &mut K) {
     obj.managed_fields_mut().clear();
     let annotations = obj.annotations_mut();
     annotations.retain(|k, _| ANNOTATIONS_READ.contains(&k.as_str()));
+    obj.trim_own();
+}
+
+/// A kind whose objects the sources keep: which of its own fields [`trim`]
+/// drops.
+pub trait Trim: ResourceExt {
+    /// Drops the fields of this kind the agent never reads.
+    fn trim_own(&mut self) {}
+}
+
+impl Trim for Service {}
+impl Trim for Node {}
+impl Trim for k8s_openapi::api::core::v1::Pod {}
+
+impl Trim for EndpointSlice {
+    /// An endpoint's `targetRef` (kind, namespace, name, uid of its Pod),
+    /// `hostname` and `deprecatedTopology` are never read, nor any address
+    /// but its first (kube-proxy's rule, the API's limit): in a cluster's
+    /// slices those are most of an endpoint's heap.
+    fn trim_own(&mut self) {
+        for e in &mut self.endpoints {
+            e.target_ref = None;
+            e.hostname = None;
+            e.deprecated_topology = None;
+            e.addresses.truncate(1);
+        }
+    }
 }
 
 /// Options of the Kubernetes source.
@@ -211,7 +239,7 @@ struct Dirty {
 }
 
 /// A kind the model reads, as the model takes it.
-trait Watched: Sized {
+trait Watched: Trim + Sized {
     const MODEL_KIND: Kind;
     fn object(this: Arc<Self>) -> Object;
 }

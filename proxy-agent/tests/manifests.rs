@@ -484,11 +484,13 @@ fn json_documents_load_as_their_yaml_form_does() {
 /// Objects dumped with `kubectl get -o yaml` carry `managedFields` and the
 /// last applied configuration, often most of their size: the manifests
 /// source keeps neither (as the Kubernetes source), in both its JSON and
-/// YAML paths, and keeps the annotations the agent reads.
+/// YAML paths, and keeps the annotations the agent reads. Of a slice's
+/// endpoints it keeps what the model reads (the first address, no
+/// `targetRef`, `hostname` or `deprecatedTopology`).
 #[test]
 fn objects_are_trimmed_of_what_the_agent_never_reads() {
     let yaml = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: '{\"big\": true}'\n    proxy-agent.io/lb-algorithm: maglev\n  managedFields: [{manager: kubectl, operation: Apply}]\nspec: {clusterIP: 198.19.0.1, ports: [{port: 80}]}\n";
-    let json = r#"{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-1","labels":{"kubernetes.io/service-name":"web"},"annotations":{"endpoints.kubernetes.io/last-change-trigger-time":"2030-01-01T00:00:00Z","other":"x"},"managedFields":[{"manager":"kube-controller-manager","operation":"Update"}]},"addressType":"IPv4","endpoints":[],"ports":[]}"#;
+    let json = r#"{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-1","labels":{"kubernetes.io/service-name":"web"},"annotations":{"endpoints.kubernetes.io/last-change-trigger-time":"2030-01-01T00:00:00Z","other":"x"},"managedFields":[{"manager":"kube-controller-manager","operation":"Update"}]},"addressType":"IPv4","endpoints":[{"addresses":["198.18.1.1","198.18.1.9"],"hostname":"web-0","targetRef":{"kind":"Pod","namespace":"default","name":"web-0"},"deprecatedTopology":{"a":"b"}}],"ports":[]}"#;
     let (mut snap, mut errs) = (Snapshot::default(), Vec::new());
     load_str(Path::new("x.yaml"), yaml, &mut snap, &mut errs);
     load_str(Path::new("y.json"), json, &mut snap, &mut errs);
@@ -511,6 +513,12 @@ fn objects_are_trimmed_of_what_the_agent_never_reads() {
     assert_eq!(
         keys(slice),
         ["endpoints.kubernetes.io/last-change-trigger-time"]
+    );
+    let e = &snap.endpoint_slices[0].endpoints[0];
+    assert_eq!(e.addresses, ["198.18.1.1"]);
+    assert!(
+        e.target_ref.is_none() && e.hostname.is_none() && e.deprecated_topology.is_none(),
+        "{e:?}"
     );
 }
 
