@@ -18,7 +18,11 @@
 //! and Maglev's programming: 1,000 Maglev Services × 10 backends from empty,
 //! then a rebuild of every table (one backend replaced in each), and the
 //! tables' memory.
-//! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external] [--algorithms]`
+//!
+//! `--affinity` fills the session-affinity map to capacity (65,536 clients)
+//! and times the writer's read of it when it prunes: in batches
+//! (`BPF_MAP_LOOKUP_BATCH`) and with aya's iterator (two syscalls an entry).
+//! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external] [--algorithms] [--affinity]`
 use std::net::Ipv4Addr;
 
 use proxy_agent::{
@@ -74,6 +78,9 @@ fn main() -> anyhow::Result<()> {
     }
     if args.iter().any(|a| a == "--algorithms") {
         return measure_algorithms(runs);
+    }
+    if args.iter().any(|a| a == "--affinity") {
+        return measure_affinity_read();
     }
     let mut rows = measure(&ns_list, runs)?;
     if args.iter().any(|a| a == "--external") {
@@ -365,5 +372,55 @@ fn measure_algorithms(runs: usize) -> anyhow::Result<()> {
         "| tables / entry bytes | {tables} / {:.1} MiB |",
         bytes as f64 / (1024.0 * 1024.0)
     );
+    Ok(())
+}
+
+/// The session-affinity map at capacity, read whole: in batches, as the
+/// writer now does, and with aya's iterator, as it did (median of 5 each).
+fn measure_affinity_read() -> anyhow::Result<()> {
+    use aya::maps::{HashMap as AyaHashMap, IterableMap, Map, MapData};
+    use proxy_agent::bpf::batch;
+    use proxy_common::{map_names, Affinity4Key, Affinity4Value};
+    use std::os::fd::AsFd;
+    use std::time::Instant;
+
+    let h = Harness::new();
+    let data = MapData::from_pin(h.pin_dir().join(map_names::AFFINITY))?;
+    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
+        AyaHashMap::try_from(Map::LruHashMap(data))?;
+    for i in 0..capacity::AFFINITY {
+        let key = Affinity4Key {
+            client_be: (0xc612_0000 + i).to_be(),
+            rev_nat_id: 1 + (i % 1000) as u16,
+            _pad: 0,
+        };
+        let value = Affinity4Value {
+            backend_id: 1 + i % 7,
+            _pad: 0,
+            last_used_ns: 1,
+        };
+        map.insert(key, value, 0)?;
+    }
+    let time = |f: &dyn Fn() -> usize| {
+        let mut ms = Vec::new();
+        let mut n = 0;
+        for _ in 0..5 {
+            let t = Instant::now();
+            n = f();
+            ms.push(t.elapsed().as_micros() as u64);
+        }
+        (median(ms) as f64 / 1e3, n)
+    };
+    let (batched, n_b) = time(&|| {
+        batch::lookup_all::<Affinity4Key, Affinity4Value>(map.map().fd().as_fd())
+            .ok()
+            .flatten()
+            .map_or(0, |v| v.len())
+    });
+    let (iterated, n_i) = time(&|| map.iter().filter_map(Result::ok).count());
+    println!("| affinity map read whole | entries | ms |");
+    println!("|---|---:|---:|");
+    println!("| in batches (BPF_MAP_LOOKUP_BATCH) | {n_b} | {batched:.1} |");
+    println!("| aya's iterator | {n_i} | {iterated:.1} |");
     Ok(())
 }

@@ -787,6 +787,74 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
     assert_eq!(seen.len(), 1);
 }
 
+/// Pruning the session-affinity map reads it in batches
+/// (`BPF_MAP_LOOKUP_BATCH`, several calls at this size): the batches hold
+/// every entry the iterator sees, and a prune removes exactly the entries of
+/// a pruned frontend that name a backend it no longer has, whatever batch
+/// they came in.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
+    use aya::maps::{HashMap as AyaHashMap, IterableMap, Map, MapData};
+    use proxy_agent::{bpf::batch, dataplane::Dataplane};
+    use proxy_common::{Affinity4Key, Affinity4Value};
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::os::fd::AsFd;
+
+    let mut h = Harness::new();
+    let data = MapData::from_pin(h.pin_dir().join(map_names::AFFINITY)).expect("affinity pin");
+    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
+        AyaHashMap::try_from(Map::LruHashMap(data)).expect("affinity map");
+    // 12,000 clients over two frontends (reverse-NAT ids 7 and 8), each
+    // pinned to backend 1, 2 or 3.
+    let mut expected_left = BTreeSet::new();
+    for i in 0..12_000u32 {
+        let rev_nat_id = 7 + (i % 2) as u16;
+        let backend_id = 1 + i % 3;
+        let key = Affinity4Key {
+            client_be: (0xc612_0000 + i).to_be(),
+            rev_nat_id,
+            _pad: 0,
+        };
+        let value = Affinity4Value {
+            backend_id,
+            _pad: 0,
+            last_used_ns: 1,
+        };
+        map.insert(key, value, 0).expect("insert");
+        // Frontend 7 keeps backends 1 and 3; frontend 8 is not pruned.
+        if rev_nat_id == 8 || backend_id != 2 {
+            expected_left.insert((key.client_be, rev_nat_id, backend_id));
+        }
+    }
+    let as_set = |entries: Vec<(Affinity4Key, Affinity4Value)>| -> BTreeSet<(u32, u16, u32)> {
+        entries
+            .into_iter()
+            .map(|(k, v)| (k.client_be, k.rev_nat_id, v.backend_id))
+            .collect()
+    };
+    let batched = batch::lookup_all::<Affinity4Key, Affinity4Value>(map.map().fd().as_fd())
+        .expect("batch lookup")
+        .expect("this kernel has batch lookups (5.6)");
+    assert_eq!(batched.len(), 12_000);
+    let iterated: Vec<_> = map.iter().map(|r| r.expect("entry")).collect();
+    assert_eq!(as_set(batched), as_set(iterated));
+
+    let keep = BTreeMap::from([(7u16, BTreeSet::from([1u32, 3]))]);
+    let removed = h
+        .writer
+        .dataplane_mut()
+        .prune_affinity(&keep)
+        .expect("prune");
+    assert_eq!(removed, 2_000);
+    let left = batch::entries(&map).expect("entries");
+    assert_eq!(as_set(left), expected_left);
+    assert_eq!(
+        h.writer.dataplane().affinity_ids().expect("ids"),
+        BTreeSet::from([7, 8])
+    );
+}
+
 /// C6: two frontends sharing one backend, hit from the same client address and
 /// port. The second flow's backend-side tuple would collide with the first; its
 /// source port is rewritten, and replies of both flows come back from their

@@ -244,10 +244,10 @@ impl Dataplane for BpfDataplane {
             keep.get(&rev_nat_id)
                 .is_some_and(|set| !set.contains(&backend_id))
         };
-        let stale4: Vec<Affinity4Key> = self
-            .affinity
-            .iter()
-            .filter_map(Result::ok)
+        // One read of each map, in batches (`batch::entries`).
+        let stale4: Vec<Affinity4Key> = batch::entries(&self.affinity)
+            .map_err(|e| op_err(map_names::AFFINITY, "dump", 0, e))?
+            .into_iter()
             .filter(|(k, v)| stale(k.rev_nat_id, v.backend_id))
             .map(|(k, _)| k)
             .collect();
@@ -256,10 +256,9 @@ impl Dataplane for BpfDataplane {
             ignore_missing(self.affinity.remove(k))
                 .map_err(|e| op_err(map_names::AFFINITY, "delete", cap, e))?;
         }
-        let stale6: Vec<Affinity6Key> = self
-            .affinity6
-            .iter()
-            .filter_map(Result::ok)
+        let stale6: Vec<Affinity6Key> = batch::entries(&self.affinity6)
+            .map_err(|e| op_err(map_names::AFFINITY6, "dump", 0, e))?
+            .into_iter()
             .filter(|(k, v)| stale(k.rev_nat_id, v.backend_id))
             .map(|(k, _)| k)
             .collect();
@@ -272,14 +271,12 @@ impl Dataplane for BpfDataplane {
     }
     fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
         let mut ids = BTreeSet::new();
-        for k in self.affinity.keys() {
-            let k = k.map_err(|e| op_err(map_names::AFFINITY, "dump", 0, e))?;
-            ids.insert(k.rev_nat_id);
-        }
-        for k in self.affinity6.keys() {
-            let k = k.map_err(|e| op_err(map_names::AFFINITY6, "dump", 0, e))?;
-            ids.insert(k.rev_nat_id);
-        }
+        let all4 = batch::entries(&self.affinity)
+            .map_err(|e| op_err(map_names::AFFINITY, "dump", 0, e))?;
+        ids.extend(all4.iter().map(|(k, _)| k.rev_nat_id));
+        let all6 = batch::entries(&self.affinity6)
+            .map_err(|e| op_err(map_names::AFFINITY6, "dump", 0, e))?;
+        ids.extend(all6.iter().map(|(k, _)| k.rev_nat_id));
         Ok(ids)
     }
     fn put_source_range(

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | `mod.rs` | the object, program names, map sizes, loading with pinned maps, layout migrations |
 //! | `dataplane.rs` | [`BpfDataplane`]: the writer's maps |
+//! | `batch.rs` | whole-map reads in batches (`BPF_MAP_LOOKUP_BATCH`), aya's iterator where the kernel has none |
 //! | `gc.rs` | conntrack garbage collection: [`ConntrackGc`], bounded rounds on a thread of its own |
 //! | `pinned.rs` | [`PinnedMaps`]: read-only access to a running agent's maps (inspect, metrics) |
 //! | `pins.rs` | pinned maps checked against this build on adoption: resized, reset or refused |
@@ -637,6 +638,7 @@ fn map_err(name: &'static str) -> impl Fn(MapError) -> BpfError {
     move |source| BpfError::Map { name, source }
 }
 
+pub mod batch;
 mod dataplane;
 mod gc;
 mod links;

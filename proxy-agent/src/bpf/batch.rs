@@ -1,0 +1,117 @@
+//! Whole-map reads in batches (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6, hash and
+//! LRU hash maps): a few thousand entries per syscall, where aya's iterator
+//! takes two syscalls per entry (next key, then lookup). The writer reads
+//! the session-affinity maps so when a sync prunes them: 65,536 entries at
+//! most, 131,072 syscalls the other way.
+//!
+//! A kernel or map type without batch operations answers `EINVAL` or
+//! `ENOTSUPP`; the caller then walks the map with aya's iterator
+//! ([`entries`] does both).
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+use aya::maps::{HashMap, IterableMap, MapData, MapError};
+use aya::Pod;
+
+/// `BPF_MAP_LOOKUP_BATCH` (uapi `enum bpf_cmd`).
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// The kernel's `ENOTSUPP` (not in libc: it never reaches user space
+/// through the C library's names, but `bpf()` returns it).
+const ENOTSUPP: i32 = 524;
+/// Entries asked for per call.
+const BATCH: u32 = 4_096;
+
+/// `union bpf_attr`'s `batch` member.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Every entry of hash map `fd` in batches, or `None` where the kernel has
+/// no batch operations for it.
+pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Option<Vec<(K, V)>>> {
+    let mut out = Vec::new();
+    // A hash map's batch token is a bucket index (u32).
+    let mut token: u32 = 0;
+    let mut first = true;
+    let mut room = BATCH;
+    let mut keys: Vec<K> = zeroed(room);
+    let mut values: Vec<V> = zeroed(room);
+    loop {
+        let mut next: u32 = 0;
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                std::ptr::from_ref(&token) as u64
+            },
+            out_batch: std::ptr::from_mut(&mut next) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: room,
+            map_fd: fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        // SAFETY: the attribute points at buffers of `room` keys and values
+        // and at two u32 tokens, all alive for the call; the kernel writes
+        // at most `count` entries.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                std::ptr::from_mut(&mut attr),
+                std::mem::size_of::<BatchAttr>(),
+            )
+        };
+        let err = (ret < 0).then(io::Error::last_os_error);
+        match err.as_ref().and_then(io::Error::raw_os_error) {
+            None | Some(libc::ENOENT) => {}
+            // A bucket holds more entries than there was room for.
+            Some(libc::ENOSPC) if room < 1 << 20 => {
+                room *= 2;
+                keys = zeroed(room);
+                values = zeroed(room);
+                continue;
+            }
+            Some(libc::EINVAL | ENOTSUPP | libc::ENOSYS) if first => return Ok(None),
+            Some(_) => return Err(err.expect("an error")),
+        }
+        let n = (attr.count as usize).min(room as usize);
+        out.extend(keys.iter().copied().zip(values.iter().copied()).take(n));
+        if err.is_some() {
+            // ENOENT: the last buckets were read.
+            return Ok(Some(out));
+        }
+        token = next;
+        first = false;
+    }
+}
+
+/// `n` values of plain data, zeroed: buffers the kernel writes into.
+fn zeroed<T: Pod>(n: u32) -> Vec<T> {
+    // SAFETY: `T` is plain data (`aya::Pod`), for which zero bytes are a value.
+    (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
+}
+
+/// Every entry of `map`: in batches where the kernel can, else with aya's
+/// iterator. Entries that vanish during an iterator walk (an LRU eviction)
+/// are skipped.
+pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> Result<Vec<(K, V)>, MapError> {
+    let fd = map.map().fd().as_fd();
+    match lookup_all::<K, V>(fd) {
+        Ok(Some(all)) => Ok(all),
+        Ok(None) => Ok(map.iter().filter_map(Result::ok).collect()),
+        Err(io_error) => Err(MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_lookup_batch",
+            io_error,
+        })),
+    }
+}
