@@ -151,7 +151,10 @@ struct LocalSets {
 
 impl LocalSets {
     fn of<'a>(slices: impl Iterator<Item = &'a EndpointSlice>, node_name: &str) -> Self {
-        let mut sets = Self::default();
+        // Collected, then sorted once: inserted one by one, a sorted vector
+        // would shift its tail each time (a Service's Pod-synthesized slices
+        // come here all at once, in pod-name order, their addresses in none).
+        let (mut here, mut elsewhere) = (Vec::new(), Vec::new());
         let endpoints = slices.flat_map(|s| {
             let family = IpFamily::from_name(&s.address_type);
             s.endpoints.iter().map(move |e| (family, e))
@@ -164,12 +167,15 @@ impl LocalSets {
                 continue;
             };
             match e.node_name.as_deref() {
-                Some(n) if n == node_name => sets.here.insert(addr),
-                Some(_) => sets.elsewhere.insert(addr),
-                None => false,
-            };
+                Some(n) if n == node_name => here.push(addr),
+                Some(_) => elsewhere.push(addr),
+                None => {}
+            }
         }
-        sets
+        Self {
+            here: here.into_iter().collect(),
+            elsewhere: elsewhere.into_iter().collect(),
+        }
     }
 }
 
