@@ -102,13 +102,13 @@ fn zeroed<T: Pod>(n: u32) -> Vec<T> {
 }
 
 /// Every entry of `map`: in batches where the kernel can, else with aya's
-/// iterator. Entries that vanish during an iterator walk (an LRU eviction)
-/// are skipped.
+/// iterator (which skips an entry that vanishes mid-walk, an LRU eviction;
+/// any other error fails the read rather than shorten it).
 pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> Result<Vec<(K, V)>, MapError> {
     let fd = map.map().fd().as_fd();
     match lookup_all::<K, V>(fd) {
         Ok(Some(all)) => Ok(all),
-        Ok(None) => Ok(map.iter().filter_map(Result::ok).collect()),
+        Ok(None) => map.iter().collect(),
         Err(io_error) => Err(MapError::SyscallError(aya::sys::SyscallError {
             call: "bpf_map_lookup_batch",
             io_error,
