@@ -693,13 +693,27 @@ impl<'de> serde::Deserialize<'de> for UniqueKeys {
                 mut map: A,
             ) -> Result<UniqueKeys, A::Error> {
                 // Most objects have a handful of keys: a linear search of
-                // keys borrowed from the text, where they need no unescaping.
-                let mut keys: Vec<std::borrow::Cow<'de, str>> = Vec::new();
+                // keys borrowed from the text (where they need no
+                // unescaping), a hash set past that, so that a map of many
+                // keys costs no more than linear time.
+                const LINEAR: usize = 16;
+                let mut few: Vec<std::borrow::Cow<'de, str>> = Vec::new();
+                let mut many: std::collections::HashSet<std::borrow::Cow<'de, str>> =
+                    std::collections::HashSet::new();
                 while let Some(JsonKey(k)) = map.next_key::<JsonKey<'de>>()? {
-                    if keys.contains(&k) {
+                    let seen = if few.len() < LINEAR {
+                        let seen = few.contains(&k);
+                        few.push(k);
+                        seen
+                    } else {
+                        if many.is_empty() {
+                            many.extend(few.iter().cloned());
+                        }
+                        !many.insert(k)
+                    };
+                    if seen {
                         return Err(serde::de::Error::custom("duplicate key"));
                     }
-                    keys.push(k);
                     map.next_value::<UniqueKeys>()?;
                 }
                 Ok(UniqueKeys)

@@ -571,8 +571,30 @@ fn the_file_cache_sees_restored_times_removed_bad_files_and_duplicate_json_keys(
     // JSON with a key twice: refused, as its YAML form is.
     let j = dir.path().join("b.json");
     std::fs::write(&j, r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","clusterIP":"198.19.0.2","ports":[{"port":80}]}}"#).unwrap();
-    let (snap, errors) = load_paths(&[j]);
+    let (snap, errors) = load_paths(std::slice::from_ref(&j));
     assert!(snap.services.is_empty(), "{:?}", snap.services);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].message.contains("duplicate"), "{}", errors[0]);
+
+    // In an object of many keys too (past the short linear search), and
+    // with the second copy escaped: `\u006b0` is `k0`.
+    let labels: Vec<String> = (0..40).map(|i| format!(r#""k{i}":"v""#)).collect();
+    for dup in [r#""k0":"w""#, r#""\u006b0":"w""#, r#""k39":"w""#] {
+        std::fs::write(&j, format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"web","labels":{{{},{dup}}}}},"spec":{{"clusterIP":"198.19.0.1","ports":[{{"port":80}}]}}}}"#, labels.join(","))).unwrap();
+        let (snap, errors) = load_paths(std::slice::from_ref(&j));
+        assert!(snap.services.is_empty(), "{dup}: {:?}", snap.services);
+        assert!(
+            errors[0].message.contains("duplicate"),
+            "{dup}: {}",
+            errors[0]
+        );
+    }
+    // Forty distinct keys load.
+    std::fs::write(&j, format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"web","labels":{{{}}}}},"spec":{{"clusterIP":"198.19.0.1","ports":[{{"port":80}}]}}}}"#, labels.join(","))).unwrap();
+    let (snap, errors) = load_paths(&[j]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        snap.services[0].metadata.labels.as_ref().map(|l| l.len()),
+        Some(40)
+    );
 }
