@@ -4,7 +4,8 @@
 //! As kube-proxy does, Services and EndpointSlices are watched with a label
 //! selector that leaves out headless services and those meant for another
 //! proxy, so the API server never sends them. Cached objects are trimmed
-//! (`managedFields`, annotations the agent does not read).
+//! ([`trim`]: `managedFields`, and annotations and endpoint fields the agent
+//! does not read).
 //!
 //! Watch errors back off and relist; a relist replaces a store only once it has
 //! completed, and an error never clears it, so an API server outage never
