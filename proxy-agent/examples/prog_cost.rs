@@ -378,16 +378,14 @@ fn measure_algorithms(runs: usize) -> anyhow::Result<()> {
 /// The session-affinity map at capacity, read whole: in batches, as the
 /// writer now does, and with aya's iterator, as it did (median of 5 each).
 fn measure_affinity_read() -> anyhow::Result<()> {
-    use aya::maps::{HashMap as AyaHashMap, IterableMap, Map, MapData};
+    use aya::maps::{HashMap as AyaHashMap, IterableMap, MapData};
     use proxy_agent::bpf::batch;
     use proxy_common::{map_names, Affinity4Key, Affinity4Value};
     use std::os::fd::AsFd;
     use std::time::Instant;
 
     let h = Harness::new();
-    let data = MapData::from_pin(h.pin_dir().join(map_names::AFFINITY))?;
-    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
-        AyaHashMap::try_from(Map::LruHashMap(data))?;
+    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> = h.lru_map(map_names::AFFINITY);
     for i in 0..capacity::AFFINITY {
         let key = Affinity4Key {
             client_be: (0xc612_0000 + i).to_be(),

@@ -795,16 +795,14 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
-    use aya::maps::{HashMap as AyaHashMap, IterableMap, Map, MapData};
+    use aya::maps::{HashMap as AyaHashMap, IterableMap, MapData};
     use proxy_agent::{bpf::batch, dataplane::Dataplane};
     use proxy_common::{Affinity4Key, Affinity4Value};
     use std::collections::{BTreeMap, BTreeSet};
     use std::os::fd::AsFd;
 
     let mut h = Harness::new();
-    let data = MapData::from_pin(h.pin_dir().join(map_names::AFFINITY)).expect("affinity pin");
-    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
-        AyaHashMap::try_from(Map::LruHashMap(data)).expect("affinity map");
+    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> = h.lru_map(map_names::AFFINITY);
     // 12,000 clients over two frontends (reverse-NAT ids 7 and 8), each
     // pinned to backend 1, 2 or 3.
     let mut expected_left = BTreeSet::new();
@@ -1263,13 +1261,11 @@ fn conntrack_full_evicts_and_counts() {
     let service_kept = entries
         .iter()
         .any(|(k, _)| k.dir == proxy_common::ct_dir::SERVICE && k.sport_be == 20099u16.to_be());
-    let pinned: aya::maps::MapData =
-        aya::maps::MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK)).unwrap();
     let mut ct: aya::maps::HashMap<
         aya::maps::MapData,
         proxy_common::Ct4Key,
         proxy_common::Ct4Value,
-    > = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
+    > = h.lru_map(map_names::CONNTRACK);
     let (mid0, restored0) = (
         stat_of(&h, stat::CT_NEW_MIDSTREAM),
         stat_of(&h, stat::CT_REPLY_RESTORED),

@@ -492,10 +492,8 @@ fn ipv6_test_frames_are_valid() {
 
 /// The IPv6 conntrack entries of the harness's pinned map.
 fn ct6_entries(h: &Harness) -> usize {
-    use aya::maps::{HashMap, Map, MapData};
-    let data = MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK6)).expect("CT6 pin");
-    let ct: HashMap<MapData, Ct6Key, Ct6Value> =
-        HashMap::try_from(Map::LruHashMap(data)).expect("CT6 map");
+    let ct: aya::maps::HashMap<aya::maps::MapData, Ct6Key, Ct6Value> =
+        h.lru_map(map_names::CONNTRACK6);
     ct.keys().count()
 }
 

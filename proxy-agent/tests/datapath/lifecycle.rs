@@ -3,7 +3,7 @@
 //! a first packet that is no SYN is short-lived, SNAT ports come from the
 //! configured range with expired flows' ports reused; and the delivery
 //! through the host's stack (`deliveryMode: stack`).
-use aya::maps::{HashMap as AyaHashMap, Map, MapData};
+use aya::maps::{HashMap as AyaHashMap, MapData};
 use proxy_common::{ct_dir, ct_flags, Ct4Key, Ct4Value, SNAT_SEARCH_BACKOFF_NS};
 
 use super::kit::frame::RST;
@@ -14,8 +14,7 @@ const S: u64 = 1_000_000_000;
 
 /// The pinned conntrack map, writable.
 fn ct_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, Ct4Value> {
-    let pinned = MapData::from_pin(h.pin_dir().join(map_names::CONNTRACK)).unwrap();
-    AyaHashMap::try_from(Map::LruHashMap(pinned)).unwrap()
+    h.lru_map(map_names::CONNTRACK)
 }
 
 /// Entries can be made older only back to the clock's zero (boot): one aged

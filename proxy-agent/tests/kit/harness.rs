@@ -322,6 +322,17 @@ impl Harness {
         PinnedMaps::new(self.pin_dir())
     }
 
+    /// The pinned LRU hash map `name` (conntrack, affinity), writable.
+    pub fn lru_map<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> aya::maps::HashMap<aya::maps::MapData, K, V> {
+        let pinned = aya::maps::MapData::from_pin(self.pin_dir().join(name))
+            .unwrap_or_else(|e| panic!("open the pin of {name}: {e}"));
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned))
+            .unwrap_or_else(|e| panic!("{name} as an LRU hash map: {e}"))
+    }
+
     pub fn stats(&self) -> BTreeMap<u32, u64> {
         self.maps().stats().expect("stats")
     }
