@@ -18,7 +18,7 @@ use proxy_common::{csum, iface_flags, stat, IPPROTO_TCP};
 use crate::{
     maps::{count, IFACE_V1},
     nat::Tuple,
-    parse::{xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_TTL_OFF},
+    parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_TTL_OFF},
 };
 
 const AF_INET: u8 = 2;
@@ -65,7 +65,7 @@ fn tc_tot_len(ctx: &TcContext, pkt: &Packet) -> u16 {
     if pkt.proto != IPPROTO_TCP || !pkt.l4_present {
         return 0;
     }
-    let Ok(doff) = ctx.load::<u8>(pkt.l4_off + TCP_DOFF_OFF) else {
+    let Ok(doff) = tc_load::<u8>(ctx, pkt.l4_off + TCP_DOFF_OFF) else {
         return 0;
     };
     let seg = (pkt.l4_off - ETH_HLEN) as u32 + (doff >> 4) as u32 * 4 + gso_size;
@@ -105,19 +105,22 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
     }
-    // Forwarding decrements the TTL, as the stack would have.
-    let Ok(ttl_proto) = ctx.load::<[u8; 2]>(IP_TTL_OFF) else {
+    // Forwarding decrements the TTL, as the stack would have: TTL,
+    // protocol and the header checksum (updated here) are one store.
+    let Ok(ttl_csum) = tc_load::<[u16; 2]>(ctx, IP_TTL_OFF) else {
         return pass;
     };
-    if ttl_proto[0] <= 1 {
+    let [ttl, proto] = ttl_csum[0].to_ne_bytes();
+    if ttl <= 1 {
         return (TC_ACT_OK, stat::PASS_TTL);
     }
-    let new = [ttl_proto[0] - 1, ttl_proto[1]];
-    let old_w = u16::from_ne_bytes(ttl_proto) as u64;
-    let new_w = u16::from_ne_bytes(new) as u64;
-    if ctx.l3_csum_replace(IP_CSUM_OFF, old_w, new_w, 2).is_err()
-        || ctx.store(IP_TTL_OFF, &new, 0).is_err()
-    {
+    let new = u16::from_ne_bytes([ttl - 1, proto]);
+    let check = csum::update(
+        ttl_csum[1],
+        &[ttl_csum[0], 0, 0, 0, 0, 0],
+        &[new, 0, 0, 0, 0, 0],
+    );
+    if ctx.store(IP_TTL_OFF, &[new, check], 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
     redirect(ctx, &p, rc)

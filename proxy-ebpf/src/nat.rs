@@ -19,9 +19,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, Flow},
     maps::{count, CONFIG_V3, CT4_V1, SNAT_FULL4_V1},
-    parse::{
-        xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_FRAG_OFF, IP_MF, IP_SRC_OFF,
-    },
+    parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_FRAG_OFF, IP_MF},
     verdict::Verdict,
 };
 
@@ -262,47 +260,30 @@ fn l4_flags(pkt: &Packet) -> u64 {
     }
 }
 
-fn rewrite_addr(
-    ctx: &TcContext,
-    pkt: &Packet,
-    off: usize,
-    old: u32,
-    new: u32,
-) -> Result<(), Verdict> {
-    if old == new {
+/// The L4 checksum updated for an address of the pseudo-header changing
+/// from `old` to `new` (SCTP's checksum has none; a later fragment carries
+/// no L4 header).
+fn l4_csum_addr(ctx: &TcContext, pkt: &Packet, old: u32, new: u32) -> Result<(), Verdict> {
+    if old == new || !pkt.l4_present || pkt.proto == IPPROTO_SCTP {
         return Ok(());
     }
-    // SCTP's checksum has no pseudo-header.
-    if pkt.l4_present && pkt.proto != IPPROTO_SCTP {
-        ctx.l4_csum_replace(
-            pkt.csum_off,
-            old as u64,
-            new as u64,
-            BPF_F_PSEUDO_HDR as u64 | 4 | l4_flags(pkt),
-        )
-        .map_err(|_| REWRITE_FAILED)?;
-    }
-    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
-        .map_err(|_| REWRITE_FAILED)?;
-    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+    ctx.l4_csum_replace(
+        pkt.csum_off,
+        old as u64,
+        new as u64,
+        BPF_F_PSEUDO_HDR as u64 | 4 | l4_flags(pkt),
+    )
+    .map_err(|_| REWRITE_FAILED)
 }
 
-fn rewrite_port(
-    ctx: &TcContext,
-    pkt: &Packet,
-    off: usize,
-    old: u16,
-    new: u16,
-) -> Result<(), Verdict> {
-    if old == new || !pkt.l4_present {
+/// The L4 checksum updated for a port changing from `old` to `new` (SCTP:
+/// see [`sctp_ports`]).
+fn l4_csum_port(ctx: &TcContext, pkt: &Packet, old: u16, new: u16) -> Result<(), Verdict> {
+    if old == new || !pkt.l4_present || pkt.proto == IPPROTO_SCTP {
         return Ok(());
     }
-    // SCTP: see [`sctp_ports`].
-    if pkt.proto != IPPROTO_SCTP {
-        ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
-            .map_err(|_| REWRITE_FAILED)?;
-    }
-    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
+    ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
+        .map_err(|_| REWRITE_FAILED)
 }
 
 /// The 4 port bytes at the start of an L4 header, as stored, read as one
@@ -341,22 +322,48 @@ fn sctp_ports(ctx: &TcContext, pkt: &Packet, to: &Tuple) -> Result<(), Verdict> 
     ctx.store(pkt.csum_off, &crc, 0).map_err(|_| REWRITE_FAILED)
 }
 
-/// Rewrites a tc packet to tuple `to` (unchanged fields are left alone), with
-/// the IPv4 and L4 checksums kept valid; a later fragment only gets its
-/// addresses rewritten (an SCTP one whatever its ports: its CRC is the first
-/// fragment's, see [`sctp_ports`]).
+/// Rewrites a tc packet to tuple `to`, with the IPv4 and L4 checksums kept
+/// valid; a later fragment only gets its addresses rewritten (an SCTP one
+/// whatever its ports: its CRC is the first fragment's, see
+/// [`sctp_ports`]).
+///
+/// The L4 checksum goes through `bpf_l4_csum_replace`, one call per changed
+/// field: only the kernel knows how the skb keeps it (`CHECKSUM_PARTIAL`
+/// leaves the field to the device, and a port does not change it then;
+/// `CHECKSUM_COMPLETE` wants `skb->csum` updated with a pseudo-header
+/// address). The IPv4 header checksum is plain data: it is computed here and
+/// written with both addresses in one store, as both ports are in another
+/// (a field left as it was is written again: a branch per field here
+/// multiplies the paths the verifier walks, measured past its million
+/// instructions in `pod_ingress`).
 pub fn rewrite(ctx: &TcContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verdict> {
     if pkt.proto == IPPROTO_SCTP {
         sctp_ports(ctx, pkt, to)?;
     }
-    rewrite_addr(ctx, pkt, IP_DST_OFF, pkt.daddr_be, to.daddr_be)?;
+    let (os, od) = (csum::words(pkt.saddr_be), csum::words(pkt.daddr_be));
+    l4_csum_addr(ctx, pkt, pkt.daddr_be, to.daddr_be)?;
     pkt.daddr_be = to.daddr_be;
-    rewrite_port(ctx, pkt, pkt.l4_off + 2, pkt.dport_be, to.dport_be)?;
+    l4_csum_port(ctx, pkt, pkt.dport_be, to.dport_be)?;
     pkt.dport_be = to.dport_be;
-    rewrite_addr(ctx, pkt, IP_SRC_OFF, pkt.saddr_be, to.saddr_be)?;
+    l4_csum_addr(ctx, pkt, pkt.saddr_be, to.saddr_be)?;
     pkt.saddr_be = to.saddr_be;
-    rewrite_port(ctx, pkt, pkt.l4_off, pkt.sport_be, to.sport_be)?;
+    l4_csum_port(ctx, pkt, pkt.sport_be, to.sport_be)?;
     pkt.sport_be = to.sport_be;
+    let check = tc_load::<u16>(ctx, IP_CSUM_OFF).map_err(|_| REWRITE_FAILED)?;
+    let (ns, nd) = (csum::words(to.saddr_be), csum::words(to.daddr_be));
+    let check = csum::update(
+        check,
+        &[os[0], os[1], od[0], od[1], 0, 0],
+        &[ns[0], ns[1], nd[0], nd[1], 0, 0],
+    );
+    // Checksum, source, destination: bytes 10..20 of the IPv4 header.
+    let tail = [check, ns[0], ns[1], nd[0], nd[1]];
+    ctx.store(IP_CSUM_OFF, &tail, 0)
+        .map_err(|_| REWRITE_FAILED)?;
+    if pkt.l4_present {
+        ctx.store(pkt.l4_off, &[to.sport_be, to.dport_be], 0)
+            .map_err(|_| REWRITE_FAILED)?;
+    }
     Ok(())
 }
 

@@ -1,13 +1,15 @@
 //! Parsing: Ethernet, IPv4 and the TCP/UDP/SCTP ports, into a [`Packet`].
 //!
-//! tc reads headers with `bpf_skb_load_bytes` ([`parse`]); XDP reads them in
-//! place, bounds-checked ([`parse_xdp`]). Both give the same [`Packet`], so the
-//! steps after parsing are shared.
+//! Both programs read headers in place, bounds-checked: XDP always
+//! ([`parse_xdp`]); tc where they lie in the skb's linear part, which is
+//! nearly always ([`tc_load`], [`parse`]). Both give the same [`Packet`], so
+//! the steps after parsing are shared.
 
 use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::BPF_ANY,
+    cty::c_long,
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
@@ -24,8 +26,6 @@ pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_TTL_OFF: usize = ETH_HLEN + 8;
-pub const IP_SRC_OFF: usize = ETH_HLEN + 12;
-pub const IP_DST_OFF: usize = ETH_HLEN + 16;
 pub const IP_FRAG_OFF: usize = ETH_HLEN + 6;
 pub const IP_MF: u16 = 0x2000;
 const IP_OFFSET: u16 = 0x1fff;
@@ -109,17 +109,40 @@ impl Packet {
     }
 }
 
+/// Reads a `T` at `off` of a tc packet: in place when those bytes are in
+/// the skb's linear part (a bounds check against `data_end`, nearly always),
+/// else through `bpf_skb_load_bytes`, which also reads paged data. The same
+/// result either way; the first branch spares a helper call per read.
+///
+/// Reads only: a program that writes packet data in place gets the
+/// verifier's unclone prologue, a copy of the header of every cloned skb
+/// (most TCP segments a pod sends) whether or not the program touches it,
+/// so tc writes stay with `bpf_skb_store_bytes` and the checksum helpers.
+/// And not on every path: each use splits the verifier's states in two
+/// until they meet again (used in [`crate::nat`]'s SCTP CRC update, it took
+/// `pod_ingress` past a million instructions).
+#[inline(always)]
+pub fn tc_load<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, c_long> {
+    let start = ctx.data();
+    if start + off + size_of::<T>() <= ctx.data_end() {
+        // SAFETY: bounds-checked against the linear data's end; the packet
+        // has no alignment guarantee, hence the unaligned read.
+        return Ok(unsafe { ((start + off) as *const T).read_unaligned() });
+    }
+    ctx.load::<T>(off)
+}
+
 /// Parses Ethernet / IPv4 / TCP-UDP ports of a tc packet; returns the packet,
 /// its IPv4 header and the offset its L4 header must reach to be complete.
 /// `Err` for packets passed untouched before any lookup.
 pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
-    let Ok(h_proto) = ctx.load::<u16>(12) else {
+    let Ok(h_proto) = tc_load::<u16>(ctx, 12) else {
         return Err(Verdict::Pass(stat::PASS_NOT_IPV4));
     };
     if u16::from_be(h_proto) != ETH_P_IP {
         return Err(Verdict::Pass(stat::PASS_NOT_IPV4));
     }
-    let Ok(ip) = ctx.load::<Ipv4Hdr>(ETH_HLEN) else {
+    let Ok(ip) = tc_load::<Ipv4Hdr>(ctx, ETH_HLEN) else {
         return Err(Verdict::Pass(stat::PASS_MALFORMED));
     };
     let ihl = (ip.ver_ihl & 0x0f) as usize * 4;
@@ -149,7 +172,7 @@ pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
         let p = unsafe { *p };
         [p.sport_be, p.dport_be]
     } else {
-        let Ok(ports) = ctx.load::<[u16; 2]>(l4_off) else {
+        let Ok(ports) = tc_load::<[u16; 2]>(ctx, l4_off) else {
             return Err(Verdict::Pass(stat::PASS_MALFORMED));
         };
         if frag & IP_MF != 0 {
@@ -190,13 +213,9 @@ pub fn load_tcp_flags(ctx: &TcContext, pkt: &mut Packet) -> Result<(), Verdict> 
     }
     let malformed = |_| Verdict::Drop(stat::DROP_MALFORMED);
     if pkt.proto == IPPROTO_TCP {
-        pkt.tcp_flags = ctx
-            .load::<u8>(pkt.l4_off + TCP_FLAGS_OFF)
-            .map_err(malformed)?;
+        pkt.tcp_flags = tc_load::<u8>(ctx, pkt.l4_off + TCP_FLAGS_OFF).map_err(malformed)?;
     } else if pkt.proto == IPPROTO_SCTP {
-        let chunk = ctx
-            .load::<u8>(pkt.l4_off + SCTP_CHUNK_OFF)
-            .map_err(malformed)?;
+        let chunk = tc_load::<u8>(ctx, pkt.l4_off + SCTP_CHUNK_OFF).map_err(malformed)?;
         pkt.tcp_flags = sctp_flags(chunk);
     }
     Ok(())
