@@ -70,7 +70,7 @@ use crate::{
         account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, FRAG6_V1, MAGLEV4_V1,
         REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
     },
-    parse::ETH_HLEN,
+    parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
 
@@ -210,7 +210,7 @@ fn parse(ctx: &TcContext, pkt: &mut Packet6) -> u32 {
 #[inline(always)]
 fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     let malformed = Verdict::Pass(stat::PASS_MALFORMED);
-    let ip = ctx.load::<Ipv6Hdr>(ETH_HLEN).map_err(|_| malformed)?;
+    let ip = tc_load::<Ipv6Hdr>(ctx, ETH_HLEN).map_err(|_| malformed)?;
     if u32::from_be(ip.vtc_flow_be) >> 28 != 6 {
         return Err(malformed);
     }
@@ -299,7 +299,7 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     if (ctx.len() as usize) < off + l4_min {
         return Err(malformed);
     }
-    let ports = ctx.load::<[u16; 2]>(off).map_err(|_| malformed)?;
+    let ports = tc_load::<[u16; 2]>(ctx, off).map_err(|_| malformed)?;
     if fragment == FRAGMENT_FIRST {
         if let Some((id_be, _)) = frag {
             // A first fragment: its ports, for the fragments that follow.
@@ -320,12 +320,9 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     }
     let mut tcp_flags = 0;
     if nh == IPPROTO_TCP {
-        tcp_flags = ctx.load::<u8>(off + TCP_FLAGS_OFF).map_err(|_| malformed)?;
+        tcp_flags = tc_load::<u8>(ctx, off + TCP_FLAGS_OFF).map_err(|_| malformed)?;
     } else if nh == IPPROTO_SCTP {
-        tcp_flags = sctp_flags(
-            ctx.load::<u8>(off + SCTP_CHUNK_OFF)
-                .map_err(|_| malformed)?,
-        );
+        tcp_flags = sctp_flags(tc_load::<u8>(ctx, off + SCTP_CHUNK_OFF).map_err(|_| malformed)?);
     }
     Ok(Packet6 {
         l4_off: off,
@@ -360,7 +357,7 @@ pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
 /// The IPv6 header's next header (0xff when unreadable).
 #[inline(always)]
 fn next_header(ctx: &TcContext) -> u8 {
-    ctx.load::<u8>(ETH_HLEN + 6).unwrap_or(0xff)
+    tc_load::<u8>(ctx, ETH_HLEN + 6).unwrap_or(0xff)
 }
 
 #[inline(never)]
@@ -1283,7 +1280,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
     }
-    let Ok(hop) = ctx.load::<u8>(IP6_HOP_OFF) else {
+    let Ok(hop) = tc_load::<u8>(ctx, IP6_HOP_OFF) else {
         return pass;
     };
     if hop <= 1 {
