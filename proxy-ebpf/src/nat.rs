@@ -1,8 +1,9 @@
 //! Address and port translation: which SNAT a new flow needs, the source port
 //! it gets, the translated tuples of both directions, and their rewrite into
-//! the packet (tc: skb helpers that keep the checksums, and SCTP's CRC32c
-//! updated by [`proxy_common::crc32c`]; XDP: in place, with RFC 1624
-//! incremental checksum updates).
+//! the packet (tc: stores through skb helpers, the L4 checksum kept by the
+//! kernel's, the IPv4 header's computed here, SCTP's CRC32c updated by
+//! [`proxy_common::crc32c`]; XDP: in place, with RFC 1624 incremental
+//! checksum updates).
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
