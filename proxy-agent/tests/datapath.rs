@@ -853,6 +853,59 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
     );
 }
 
+/// Writes go to the kernel in batches (`BPF_MAP_UPDATE_BATCH`) with the
+/// results single writes give: handed 6,000 backends at once, a map with room
+/// for 5,000 takes the first 5,000, and each of the others fails as `Full`.
+/// The map then holds exactly those. Once it is full, updates of entries
+/// it holds still go through (they need no room), batched with new entries
+/// that are refused.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn batched_writes_stop_where_single_writes_would() {
+    use proxy_agent::dataplane::{Dataplane, DataplaneError};
+    use proxy_common::Backend4;
+
+    let sizes = MapSizes {
+        backends: 5_000,
+        ..MapSizes::default()
+    };
+    let mut h = Harness::try_new("kpr-batch", sizes, Config::default()).expect("harness");
+    let backend = |id: u32, port: u16| {
+        let addr = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + id);
+        (id, Backend4::new(addr, port, IPPROTO_TCP, 0))
+    };
+    let first: Vec<(u32, Backend4)> = (1..=6_000).map(|id| backend(id, 8080)).collect();
+    let results = h.writer.dataplane_mut().put_backends(&first);
+    assert_eq!(results.len(), first.len());
+    for ((id, _), r) in first.iter().zip(&results) {
+        match r {
+            Ok(()) => assert!(*id <= 5_000, "backend {id} written past the map's room"),
+            Err(DataplaneError::Full { map, capacity }) => {
+                assert!(*id > 5_000, "backend {id} refused with room left");
+                assert_eq!((*map, *capacity), (map_names::BACKENDS, 5_000));
+            }
+            Err(e) => panic!("backend {id}: {e}"),
+        }
+    }
+    let held = h.writer.dataplane().dump().expect("dump").backends;
+    assert_eq!(
+        held.keys().copied().collect::<Vec<u32>>(),
+        (1..=5_000).collect::<Vec<u32>>()
+    );
+
+    let mixed: Vec<(u32, Backend4)> = (4_990..=5_010).map(|id| backend(id, 9090)).collect();
+    let results = h.writer.dataplane_mut().put_backends(&mixed);
+    for ((id, _), r) in mixed.iter().zip(&results) {
+        assert_eq!(r.is_ok(), *id <= 5_000, "backend {id}: {r:?}");
+    }
+    let held = h.writer.dataplane().dump().expect("dump").backends;
+    assert_eq!(held.len(), 5_000);
+    for id in 4_990..=5_000 {
+        assert_eq!(held[&id].port(), 9090, "backend {id} not updated");
+    }
+    assert_eq!(held[&4_989].port(), 8080);
+}
+
 /// C6: two frontends sharing one backend, hit from the same client address and
 /// port. The second flow's backend-side tuple would collide with the first; its
 /// source port is rewritten, and replies of both flows come back from their

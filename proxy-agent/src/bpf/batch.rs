@@ -1,12 +1,17 @@
-//! Whole-map reads in batches (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6, hash and
-//! LRU hash maps): a few thousand entries per syscall, where aya's iterator
-//! takes two syscalls per entry (next key, then lookup). The writer reads
-//! the session-affinity maps so when a sync prunes them: 65,536 entries at
-//! most, 131,072 syscalls the other way.
+//! Map operations in batches (Linux 5.6, hash and LRU hash maps): a few
+//! thousand entries per syscall.
+//!
+//! - Whole-map reads (`BPF_MAP_LOOKUP_BATCH`), where aya's iterator takes
+//!   two syscalls per entry (next key, then lookup). The writer reads the
+//!   session-affinity maps so when a sync prunes them: 65,536 entries at
+//!   most, 131,072 syscalls the other way.
+//! - Writes (`BPF_MAP_UPDATE_BATCH`, [`update_prefix`]): the kernel writes
+//!   the entries one after the other, in order, as that many single updates
+//!   would, and stops at the first that fails.
 //!
 //! A kernel or map type without batch operations answers `EINVAL` or
-//! `ENOTSUPP`; the caller then walks the map with aya's iterator
-//! ([`entries`] does both).
+//! `ENOTSUPP`; the caller then goes one entry at a time ([`entries`] does
+//! both for reads).
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
@@ -15,6 +20,8 @@ use aya::Pod;
 
 /// `BPF_MAP_LOOKUP_BATCH` (uapi `enum bpf_cmd`).
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// `BPF_MAP_UPDATE_BATCH` (uapi `enum bpf_cmd`).
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 /// The kernel's `ENOTSUPP` (not in libc: it never reaches user space
 /// through the C library's names, but `bpf()` returns it).
 const ENOTSUPP: i32 = 524;
@@ -93,6 +100,54 @@ pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Option<Vec<(
         token = next;
         first = false;
     }
+}
+
+/// Writes `entries` (flags `BPF_ANY`) to hash map `fd`, in order, in batches
+/// of [`BATCH`]. Returns how many were written, all of them unless the
+/// kernel stopped at an entry, and then its error: the entries before it
+/// are written, it and those after it are not.
+pub fn update_prefix<K: Pod, V: Pod>(
+    fd: BorrowedFd<'_>,
+    entries: &[(K, V)],
+) -> (usize, Option<io::Error>) {
+    let mut done = 0;
+    for chunk in entries.chunks(BATCH as usize) {
+        let keys: Vec<K> = chunk.iter().map(|(k, _)| *k).collect();
+        let values: Vec<V> = chunk.iter().map(|(_, v)| *v).collect();
+        let mut attr = BatchAttr {
+            keys: keys.as_ptr() as u64,
+            values: values.as_ptr() as u64,
+            count: chunk.len() as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        // SAFETY: the attribute points at `count` keys and values, alive
+        // for the call; the kernel only reads them (and writes `count`).
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_UPDATE_BATCH,
+                std::ptr::from_mut(&mut attr),
+                std::mem::size_of::<BatchAttr>(),
+            )
+        };
+        if ret < 0 {
+            let err = io::Error::last_os_error();
+            // On failure the kernel sets `count` to the entries it wrote.
+            return (done + (attr.count as usize).min(chunk.len()), Some(err));
+        }
+        done += chunk.len();
+    }
+    (done, None)
+}
+
+/// Whether `e`, from a batch operation that did nothing, says the kernel or
+/// the map has no batch operations.
+pub fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL | ENOTSUPP | libc::ENOSYS)
+    )
 }
 
 /// `n` values of plain data, zeroed: buffers the kernel writes into.

@@ -20,6 +20,9 @@ pub struct BpfDataplane {
     affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
     source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     sizes: MapSizes,
+    /// Writes go in batches (`batch::update_prefix`) until the kernel says
+    /// it has none.
+    batch_writes: bool,
 }
 
 /// `bpf_ktime_get_ns()` as user space sees it: CLOCK_MONOTONIC.
@@ -83,6 +86,7 @@ impl BpfDataplane {
             source_ranges6: LpmTrie::try_from(take_map(ebpf, map_names::SOURCE_RANGES6)?)
                 .map_err(map_err(map_names::SOURCE_RANGES6))?,
             sizes,
+            batch_writes: true,
         })
     }
 
@@ -119,6 +123,7 @@ impl BpfDataplane {
             source_ranges6: LpmTrie::try_from(Map::LpmTrie(open(map_names::SOURCE_RANGES6)?))
                 .map_err(map_err(map_names::SOURCE_RANGES6))?,
             sizes,
+            batch_writes: true,
         })
     }
 
@@ -143,6 +148,49 @@ fn op_err(map: &'static str, op: &'static str, capacity: u32, e: MapError) -> Da
         op,
         reason: e.to_string(),
     }
+}
+
+/// Writes `entries` to `map` (`name`, `capacity` entries) in order, in
+/// batches while `batches` holds (cleared when the kernel has none), else one
+/// at a time; each entry's result, in order. The entry a batch stops at is
+/// written again alone, for its own error (or, the cause gone, written), and
+/// the batches go on after it: the results are those single writes give.
+fn put_all<K: aya::Pod, V: aya::Pod>(
+    batches: &mut bool,
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    capacity: u32,
+    entries: &[(K, V)],
+) -> Vec<Result<(), DataplaneError>> {
+    use aya::maps::IterableMap;
+    use std::os::fd::AsFd;
+    let mut out = Vec::with_capacity(entries.len());
+    let mut rest = entries;
+    while !rest.is_empty() {
+        if !*batches {
+            out.extend(rest.iter().map(|(k, v)| {
+                map.insert(k, v, 0)
+                    .map_err(|e| op_err(name, "insert", capacity, e))
+            }));
+            break;
+        }
+        let (n, err) = batch::update_prefix(map.map().fd().as_fd(), rest);
+        out.extend((0..n).map(|_| Ok(())));
+        let Some(err) = err else {
+            break;
+        };
+        if n == 0 && batch::unsupported(&err) {
+            *batches = false;
+            continue;
+        }
+        let (k, v) = &rest[n];
+        out.push(
+            map.insert(k, v, 0)
+                .map_err(|e| op_err(name, "insert", capacity, e)),
+        );
+        rest = &rest[n + 1..];
+    }
+    out
 }
 
 /// Deleting an absent key is not an error: the state wanted is reached.
@@ -224,6 +272,39 @@ impl Dataplane for BpfDataplane {
         let cap = self.sizes.services;
         ignore_missing(self.services.remove(&key))
             .map_err(|e| op_err(map_names::SERVICES, "delete", cap, e))
+    }
+    fn put_services(
+        &mut self,
+        entries: &[(Svc4Key, Svc4Value)],
+    ) -> Vec<Result<(), DataplaneError>> {
+        let cap = self.sizes.services;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.services,
+            map_names::SERVICES,
+            cap,
+            entries,
+        )
+    }
+    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> Vec<Result<(), DataplaneError>> {
+        let cap = self.sizes.backends;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.backends,
+            map_names::BACKENDS,
+            cap,
+            entries,
+        )
+    }
+    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> Vec<Result<(), DataplaneError>> {
+        let cap = self.sizes.rev_nat;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.rev_nat,
+            map_names::REV_NAT,
+            cap,
+            entries,
+        )
     }
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
         let cap = self.sizes.rev_nat;

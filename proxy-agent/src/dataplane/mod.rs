@@ -138,6 +138,34 @@ pub trait Dataplane {
     fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
     fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
+    /// Writes `entries` in order, as that many [`Dataplane::put_service`]s
+    /// would, and returns each one's result. The BPF dataplane writes them
+    /// in batches where the kernel can (`BPF_MAP_UPDATE_BATCH`): one
+    /// syscall for thousands of entries, each still landing after the one
+    /// before it. For entries no earlier one depends on: a writer phase's.
+    fn put_services(
+        &mut self,
+        entries: &[(Svc4Key, Svc4Value)],
+    ) -> Vec<Result<(), DataplaneError>> {
+        entries
+            .iter()
+            .map(|(k, v)| self.put_service(*k, *v))
+            .collect()
+    }
+    /// As [`Dataplane::put_services`], for backends.
+    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> Vec<Result<(), DataplaneError>> {
+        entries
+            .iter()
+            .map(|(id, b)| self.put_backend(*id, *b))
+            .collect()
+    }
+    /// As [`Dataplane::put_services`], for reverse-NAT entries.
+    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> Vec<Result<(), DataplaneError>> {
+        entries
+            .iter()
+            .map(|(id, r)| self.put_rev_nat(*id, *r))
+            .collect()
+    }
     /// Deletes, in one walk of the affinity maps, the session-affinity
     /// entries of every frontend `keep` names (by reverse-NAT id) whose
     /// backend is not in its set (all of them when the set is empty): a

@@ -1,6 +1,13 @@
 //! The phases of [`Writer::sync`] that make desired frontends as they should
 //! be, in the order `sync` runs them. Each writes an entry only before
 //! anything names it, or after nothing does any more.
+//!
+//! No write of a phase depends on another of the same phase, so the four
+//! phases that write the most (backends, reverse NAT, slots, slot 0) plan
+//! their writes, hand them to the dataplane in one call (batches of
+//! thousands per syscall on the BPF maps), then account each result in
+//! order. A slot phase mirrors every slot written before it cleans a
+//! frontend that failed, so the cleaning sees them all.
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{map_names, Svc4Value};
@@ -46,13 +53,24 @@ impl<D: Dataplane> Writer<D> {
     /// read. A backend that could not be written makes every frontend using
     /// it unfinished, so [`Writer::sync_changed`] retries it.
     pub(super) fn update_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        // (address, id, new id, entry): planned first, written in one
+        // batch call (`family::put_backends`), then accounted in order.
+        let mut writes: Vec<(BackendAddr, u32, bool, BackendEntry)> = Vec::new();
+        // Ids handed out in this phase, not yet written: not to be handed
+        // out twice should the allocator wrap around.
+        let mut fresh: BTreeSet<u32> = BTreeSet::new();
         for (addr, value) in &self.wanted_backends(desired, s) {
             let (id, new) = match self.backend_ids.get(addr) {
                 Some(id) => (id, false),
                 None => match self.backend_ids.allocate(|id| {
-                    self.backends.contains_key(&id) || self.slot_refs.contains_key(&id)
+                    self.backends.contains_key(&id)
+                        || self.slot_refs.contains_key(&id)
+                        || fresh.contains(&id)
                 }) {
-                    Some(id) => (id, true),
+                    Some(id) => {
+                        fresh.insert(id);
+                        (id, true)
+                    }
                     None => {
                         let e = DataplaneError::Full {
                             map: map_names::BACKENDS,
@@ -66,18 +84,23 @@ impl<D: Dataplane> Writer<D> {
             if self.backends.get(&id) == Some(value) {
                 continue;
             }
-            match family::put_backend(&mut self.dp, id, value) {
+            writes.push((*addr, id, new, *value));
+        }
+        let entries: Vec<(u32, BackendEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
+        let results = family::put_backends(&mut self.dp, &entries);
+        for ((addr, id, new, value), r) in writes.into_iter().zip(results) {
+            match r {
                 Ok(()) => {
                     s.out.wrote();
-                    self.backends.insert(id, *value);
+                    self.backends.insert(id, value);
                     // Unused if every frontend needing it fails.
                     self.loose.backends.insert(id);
                     if new {
                         s.out.report.backends_added += 1;
-                        self.backend_ids.assign(*addr, id);
+                        self.backend_ids.assign(addr, id);
                     }
                 }
-                Err(e) => s.out.unwritten(addr, e),
+                Err(e) => s.out.unwritten(&addr, e),
             }
         }
     }
@@ -133,6 +156,9 @@ impl<D: Dataplane> Writer<D> {
     /// written only for frontends that have an id, and an id is kept only
     /// once its entry is written).
     pub(super) fn update_rev_nat(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        // (frontend, id, new id, entry), as in `update_backends`.
+        let mut writes: Vec<(FrontendKey, u16, bool, RevNatEntry)> = Vec::new();
+        let mut fresh: BTreeSet<u16> = BTreeSet::new();
         for key in &s.order {
             let fe = &desired.frontends[key];
             if s.out.is_failed(key) {
@@ -142,9 +168,12 @@ impl<D: Dataplane> Writer<D> {
                 Some(id) => (id, false),
                 None => match self
                     .rev_nat_ids
-                    .allocate(|id| self.rev_nat.contains_key(&id))
+                    .allocate(|id| self.rev_nat.contains_key(&id) || fresh.contains(&id))
                 {
-                    Some(id) => (id, true),
+                    Some(id) => {
+                        fresh.insert(id);
+                        (id, true)
+                    }
                     None => {
                         let e = DataplaneError::Full {
                             map: map_names::REV_NAT,
@@ -159,15 +188,20 @@ impl<D: Dataplane> Writer<D> {
             if self.rev_nat.get(&id) == Some(&value) {
                 continue;
             }
-            match family::put_rev_nat(&mut self.dp, id, &value) {
+            writes.push((*key, id, new, value));
+        }
+        let entries: Vec<(u16, RevNatEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
+        let results = family::put_rev_nats(&mut self.dp, &entries);
+        for ((key, id, new, value), r) in writes.into_iter().zip(results) {
+            match r {
                 Ok(()) => {
                     s.out.wrote();
                     self.rev_nat.insert(id, value);
                     if new {
-                        self.rev_nat_ids.assign(*key, id);
+                        self.rev_nat_ids.assign(key, id);
                     }
                 }
-                Err(e) => s.out.fail(*key, Some(fe), e),
+                Err(e) => s.out.fail(key, desired.frontends.get(&key), e),
             }
         }
     }
@@ -216,6 +250,8 @@ impl<D: Dataplane> Writer<D> {
     /// frontend whose slot fails is failed (its slot 0 is not written) and
     /// cleaned of the slots beyond its current count.
     pub(super) fn update_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        // (frontend, slot, backend id), every frontend's in one batch call.
+        let mut writes: Vec<(FrontendKey, u16, u32)> = Vec::new();
         for key in &s.order {
             let Some(target) = s.targets.get(key) else {
                 continue;
@@ -228,19 +264,32 @@ impl<D: Dataplane> Writer<D> {
                 if self.frontends.get(key).and_then(|e| e.slots.get(&slot)) == Some(id) {
                     continue;
                 }
-                match family::put_service(&mut self.dp, key, slot, Svc4Value::slot(*id)) {
-                    Ok(()) => {
-                        s.out.wrote();
-                        s.touched.insert(*key);
-                        self.mirror_slot(key, slot, Some(*id));
-                    }
-                    Err(e) => {
-                        s.out.fail(*key, desired.frontends.get(key), e);
-                        self.clean_failed(key, &mut s.out);
-                        break;
-                    }
-                }
+                writes.push((*key, slot, *id));
             }
+        }
+        let entries: Vec<(FrontendKey, u16, Svc4Value)> = writes
+            .iter()
+            .map(|(key, slot, id)| (*key, *slot, Svc4Value::slot(*id)))
+            .collect();
+        let results = family::put_services(&mut self.dp, &entries);
+        // Every slot written is mirrored before a failed frontend is
+        // cleaned, so that the cleaning sees (and deletes) all of them.
+        let mut failed: Vec<(FrontendKey, DataplaneError)> = Vec::new();
+        for ((key, slot, id), r) in writes.into_iter().zip(results) {
+            match r {
+                Ok(()) => {
+                    s.out.wrote();
+                    s.touched.insert(key);
+                    self.mirror_slot(&key, slot, Some(id));
+                }
+                // A frontend's slots are together: its first error is kept.
+                Err(e) if failed.last().is_none_or(|(k, _)| *k != key) => failed.push((key, e)),
+                Err(_) => {}
+            }
+        }
+        for (key, e) in failed {
+            s.out.fail(key, desired.frontends.get(&key), e);
+            self.clean_failed(&key, &mut s.out);
         }
     }
 
@@ -252,6 +301,9 @@ impl<D: Dataplane> Writer<D> {
     /// are cleaned.
     pub(super) fn update_slot0(&mut self, desired: &DesiredState, s: &mut SyncState) {
         let order = std::mem::take(&mut s.order);
+        // (frontend, reverse-NAT id, value, previous value): planned (each
+        // Maglev table written as it is), then one batch call.
+        let mut writes: Vec<(FrontendKey, u16, Svc4Value, Option<Svc4Value>)> = Vec::new();
         for key in &order {
             let Some(target) = s.targets.get(key) else {
                 continue;
@@ -271,19 +323,25 @@ impl<D: Dataplane> Writer<D> {
             if previous == Some(value) {
                 continue;
             }
-            match family::put_service(&mut self.dp, key, 0, value) {
+            writes.push((*key, rev, value, previous));
+        }
+        let entries: Vec<(FrontendKey, u16, Svc4Value)> =
+            writes.iter().map(|w| (w.0, 0, w.2)).collect();
+        let results = family::put_services(&mut self.dp, &entries);
+        for ((key, rev, value, previous), r) in writes.into_iter().zip(results) {
+            match r {
                 Ok(()) => {
                     s.out.wrote();
-                    s.touched.insert(*key);
-                    self.commit_maglev(key, rev, &mut s.maglev_pending);
-                    self.mirror_slot0(key, Some(value));
+                    s.touched.insert(key);
+                    self.commit_maglev(&key, rev, &mut s.maglev_pending);
+                    self.mirror_slot0(&key, Some(value));
                     if previous.is_none() {
                         s.out.report.frontends_added += 1;
                     }
                 }
                 Err(e) => {
-                    s.out.fail(*key, Some(fe), e);
-                    self.clean_failed(key, &mut s.out);
+                    s.out.fail(key, desired.frontends.get(&key), e);
+                    self.clean_failed(&key, &mut s.out);
                 }
             }
         }
