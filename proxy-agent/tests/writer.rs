@@ -390,6 +390,45 @@ fn full_map_fails_only_that_frontend_and_a_later_sync_retries_it() {
     assert_programmed(&w, &without_b);
 }
 
+/// A frontend that does not fit is cleaned before the frontends after it are
+/// written, so a smaller, newer one still gets the room it leaves, as with
+/// one write at a time (a phase's writes now go in batches, which stop at
+/// the first failure for this).
+#[test]
+fn a_failed_frontend_frees_its_room_before_the_next_is_written() {
+    let (big, small) = (key(1, 80, IPPROTO_TCP), key(2, 80, IPPROTO_TCP));
+    let mut d = DesiredState::default();
+    let mut fe = frontend(&big, &[1, 2, 3, 4, 5, 6, 7]);
+    fe.service = "default/big".into();
+    d.frontends.insert(big, fe);
+    let mut fe = frontend(&small, &[8]);
+    fe.service = "default/small".into();
+    d.frontends.insert(small, fe);
+    d.service_order
+        .insert("default/big".into(), ServiceAge::at_second(0));
+    d.service_order
+        .insert("default/small".into(), ServiceAge::at_second(1));
+    // Room for 6 service entries: the older frontend needs 8 (7 slots and
+    // slot 0) and fails at its 7th slot; the newer one needs 2.
+    let mut w = Writer::adopt(InMemory::with_capacity(6, 100, 100)).unwrap();
+    let report = w.sync(&d);
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    assert!(
+        report.errors[0].0.contains("default/big"),
+        "{:?}",
+        report.errors
+    );
+    assert_eq!(report.frontends_added, 1);
+    let services = &w.dataplane().programmed().services;
+    assert_eq!(
+        services.len(),
+        2,
+        "the small frontend's slot 0 and slot 1 only"
+    );
+    assert!(services.keys().all(|k| k.addr() == small.addr));
+    assert!(w.dataplane().violations().is_empty());
+}
+
 /// Capacity is served by Service age, not by address: a Service created
 /// now with many frontends at low addresses (externalIPs are chosen by
 /// whoever creates the Service) cannot take the last reverse-NAT ids, map

@@ -104,8 +104,10 @@ pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Option<Vec<(
 
 /// Writes `entries` (flags `BPF_ANY`) to hash map `fd`, in order, in batches
 /// of [`BATCH`]. Returns how many were written, all of them unless the
-/// kernel stopped at an entry, and then its error: the entries before it
-/// are written, it and those after it are not.
+/// kernel stopped, and then its error: the entries before the count are
+/// written, the one at it and those after it are not. (An error the kernel
+/// met before writing anything counts none, even if its batch had started
+/// further on: rewriting an entry is harmless.)
 pub fn update_prefix<K: Pod, V: Pod>(
     fd: BorrowedFd<'_>,
     entries: &[(K, V)],
@@ -133,8 +135,13 @@ pub fn update_prefix<K: Pod, V: Pod>(
         };
         if ret < 0 {
             let err = io::Error::last_os_error();
-            // On failure the kernel sets `count` to the entries it wrote.
-            return (done + (attr.count as usize).min(chunk.len()), Some(err));
+            // Failing at an entry, the kernel sets `count` to the entries
+            // it wrote before it; failing before the first (no batch
+            // operation, a bad fd, no memory for the copies), it leaves
+            // `count` as it was: nothing written.
+            let count = attr.count as usize;
+            let written = if count < chunk.len() { count } else { 0 };
+            return (done + written, Some(err));
         }
         done += chunk.len();
     }
@@ -168,5 +175,22 @@ pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> Result<Vec<(K, V
             call: "bpf_map_lookup_batch",
             io_error,
         })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error met before the kernel writes anything (here: the fd is no
+    /// map; unprivileged, no permission) leaves the attribute's count as it
+    /// was: nothing is reported written, whatever the batch's size.
+    #[test]
+    fn an_error_before_the_first_entry_reports_none_written() {
+        let not_a_map = std::fs::File::open("/dev/null").expect("/dev/null");
+        let entries: Vec<(u32, u64)> = (0..3).map(|i| (i, u64::from(i))).collect();
+        let (written, err) = update_prefix(not_a_map.as_fd(), &entries);
+        assert_eq!(written, 0);
+        assert!(err.is_some());
     }
 }

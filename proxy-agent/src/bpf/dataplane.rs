@@ -152,30 +152,30 @@ fn op_err(map: &'static str, op: &'static str, capacity: u32, e: MapError) -> Da
 
 /// Writes `entries` to `map` (`name`, `capacity` entries) in order, in
 /// batches while `batches` holds (cleared when the kernel has none), else one
-/// at a time; each entry's result, in order. The entry a batch stops at is
-/// written again alone, for its own error (or, the cause gone, written), and
-/// the batches go on after it: the results are those single writes give.
+/// at a time, stopping at the first that fails ([`Dataplane::put_services`]).
+/// The entry a batch stops at is written again alone, for its own error (or,
+/// the cause gone, written, and the batches go on after it): the outcome is
+/// the one single writes give.
 fn put_all<K: aya::Pod, V: aya::Pod>(
     batches: &mut bool,
     map: &mut HashMap<MapData, K, V>,
     name: &'static str,
     capacity: u32,
     entries: &[(K, V)],
-) -> Vec<Result<(), DataplaneError>> {
+) -> BatchOutcome {
     use aya::maps::IterableMap;
     use std::os::fd::AsFd;
-    let mut out = Vec::with_capacity(entries.len());
-    let mut rest = entries;
-    while !rest.is_empty() {
+    let mut done = 0;
+    while done < entries.len() {
         if !*batches {
-            out.extend(rest.iter().map(|(k, v)| {
+            let (n, err) = put_each(&entries[done..], |(k, v)| {
                 map.insert(k, v, 0)
                     .map_err(|e| op_err(name, "insert", capacity, e))
-            }));
-            break;
+            });
+            return (done + n, err);
         }
-        let (n, err) = batch::update_prefix(map.map().fd().as_fd(), rest);
-        out.extend((0..n).map(|_| Ok(())));
+        let (n, err) = batch::update_prefix(map.map().fd().as_fd(), &entries[done..]);
+        done += n;
         let Some(err) = err else {
             break;
         };
@@ -183,14 +183,15 @@ fn put_all<K: aya::Pod, V: aya::Pod>(
             *batches = false;
             continue;
         }
-        let (k, v) = &rest[n];
-        out.push(
-            map.insert(k, v, 0)
-                .map_err(|e| op_err(name, "insert", capacity, e)),
-        );
-        rest = &rest[n + 1..];
+        let Some((k, v)) = entries.get(done) else {
+            break;
+        };
+        if let Err(e) = map.insert(k, v, 0) {
+            return (done, Some(op_err(name, "insert", capacity, e)));
+        }
+        done += 1;
     }
-    out
+    (done, None)
 }
 
 /// Deleting an absent key is not an error: the state wanted is reached.
@@ -273,10 +274,7 @@ impl Dataplane for BpfDataplane {
         ignore_missing(self.services.remove(&key))
             .map_err(|e| op_err(map_names::SERVICES, "delete", cap, e))
     }
-    fn put_services(
-        &mut self,
-        entries: &[(Svc4Key, Svc4Value)],
-    ) -> Vec<Result<(), DataplaneError>> {
+    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> BatchOutcome {
         let cap = self.sizes.services;
         put_all(
             &mut self.batch_writes,
@@ -286,7 +284,7 @@ impl Dataplane for BpfDataplane {
             entries,
         )
     }
-    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> Vec<Result<(), DataplaneError>> {
+    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> BatchOutcome {
         let cap = self.sizes.backends;
         put_all(
             &mut self.batch_writes,
@@ -296,7 +294,7 @@ impl Dataplane for BpfDataplane {
             entries,
         )
     }
-    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> Vec<Result<(), DataplaneError>> {
+    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> BatchOutcome {
         let cap = self.sizes.rev_nat;
         put_all(
             &mut self.batch_writes,

@@ -126,6 +126,23 @@ fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
     }
 }
 
+/// What a batch write did: how many entries it wrote (the first ones), and
+/// the error of the entry it stopped at, if it stopped.
+pub type BatchOutcome = (usize, Option<DataplaneError>);
+
+/// `entries` written one at a time with `put`, stopping at the first error.
+pub fn put_each<T>(
+    entries: &[T],
+    mut put: impl FnMut(&T) -> Result<(), DataplaneError>,
+) -> BatchOutcome {
+    for (i, e) in entries.iter().enumerate() {
+        if let Err(err) = put(e) {
+            return (i, Some(err));
+        }
+    }
+    (entries.len(), None)
+}
+
 /// An allowed client prefix (network address, prefix length).
 pub type SourceRange = (IpAddr, u8);
 
@@ -138,33 +155,23 @@ pub trait Dataplane {
     fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
     fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
-    /// Writes `entries` in order, as that many [`Dataplane::put_service`]s
-    /// would, and returns each one's result. The BPF dataplane writes them
-    /// in batches where the kernel can (`BPF_MAP_UPDATE_BATCH`): one
-    /// syscall for thousands of entries, each still landing after the one
-    /// before it. For entries no earlier one depends on: a writer phase's.
-    fn put_services(
-        &mut self,
-        entries: &[(Svc4Key, Svc4Value)],
-    ) -> Vec<Result<(), DataplaneError>> {
-        entries
-            .iter()
-            .map(|(k, v)| self.put_service(*k, *v))
-            .collect()
+    /// Writes `entries` in order, as [`Dataplane::put_service`] one after
+    /// the other would, stopping at the first that fails: returns how many
+    /// were written (the first ones) and that one's error; it and those
+    /// after it are not written. The BPF dataplane writes them in batches
+    /// where the kernel can (`BPF_MAP_UPDATE_BATCH`): one syscall for
+    /// thousands of entries, each landing after the one before it. For
+    /// entries no earlier one depends on: a writer phase's.
+    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> BatchOutcome {
+        put_each(entries, |(k, v)| self.put_service(*k, *v))
     }
     /// As [`Dataplane::put_services`], for backends.
-    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> Vec<Result<(), DataplaneError>> {
-        entries
-            .iter()
-            .map(|(id, b)| self.put_backend(*id, *b))
-            .collect()
+    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> BatchOutcome {
+        put_each(entries, |(id, b)| self.put_backend(*id, *b))
     }
     /// As [`Dataplane::put_services`], for reverse-NAT entries.
-    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> Vec<Result<(), DataplaneError>> {
-        entries
-            .iter()
-            .map(|(id, r)| self.put_rev_nat(*id, *r))
-            .collect()
+    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> BatchOutcome {
+        put_each(entries, |(id, r)| self.put_rev_nat(*id, *r))
     }
     /// Deletes, in one walk of the affinity maps, the session-affinity
     /// entries of every frontend `keep` names (by reverse-NAT id) whose

@@ -5,9 +5,9 @@
 
 use std::net::IpAddr;
 
-use proxy_common::{map_names, Backend4, RevNat4, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value, Svc6Key};
 
-use super::super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry};
+use super::super::{put_each, BackendEntry, BatchOutcome, Dataplane, DataplaneError, RevNatEntry};
 use crate::model::FrontendKey;
 
 pub(super) fn put_service<D: Dataplane>(
@@ -84,81 +84,102 @@ pub(super) fn delete_rev_nat<D: Dataplane>(
     }
 }
 
-/// The result for an entry a batch call gave none for (a [`Dataplane`]
-/// whose batch returned fewer results than entries).
-fn no_result(map: &'static str) -> Result<(), DataplaneError> {
-    Err(DataplaneError::Op {
-        map,
-        op: "put",
-        reason: "the batch returned no result for this entry".into(),
-    })
-}
-
-/// Writes slots `(frontend, slot, value)`, as that many [`put_service`]s:
-/// the IPv4 ones in one [`Dataplane::put_services`] (in batches), the IPv6
-/// ones after them, one at a time. Each one's result, in the order given.
-/// For entries no other of them depends on.
+/// Writes slots `(frontend, slot, value)` in order, as [`put_service`] one
+/// after the other would, stopping at the first that fails
+/// ([`Dataplane::put_services`]): each run of IPv4 slots in one batch call,
+/// IPv6 ones one at a time. For entries no other of them depends on.
 pub(super) fn put_services<D: Dataplane>(
     dp: &mut D,
     writes: &[(FrontendKey, u16, Svc4Value)],
-) -> Vec<Result<(), DataplaneError>> {
-    let v4: Vec<(Svc4Key, Svc4Value)> = writes
-        .iter()
-        .filter_map(|(k, slot, v)| match k.addr {
-            IpAddr::V4(a) => Some((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
-    let mut r4 = dp.put_services(&v4).into_iter();
-    writes
-        .iter()
-        .map(|(k, slot, v)| match k.addr {
-            IpAddr::V4(_) => r4.next().unwrap_or_else(|| no_result(map_names::SERVICES)),
-            IpAddr::V6(_) => put_service(dp, k, *slot, *v),
-        })
-        .collect()
+) -> BatchOutcome {
+    put_runs(
+        dp,
+        writes,
+        |(k, ..)| k.addr.is_ipv4(),
+        |dp, run| {
+            let v4: Vec<(Svc4Key, Svc4Value)> = run
+                .iter()
+                .filter_map(|(k, slot, v)| match k.addr {
+                    IpAddr::V4(a) => Some((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
+                    IpAddr::V6(_) => None,
+                })
+                .collect();
+            dp.put_services(&v4)
+        },
+        |dp, (k, slot, v)| put_service(dp, k, *slot, *v),
+    )
 }
 
 /// As [`put_services`], for backends `(id, entry)`.
 pub(super) fn put_backends<D: Dataplane>(
     dp: &mut D,
     writes: &[(u32, BackendEntry)],
-) -> Vec<Result<(), DataplaneError>> {
-    let v4: Vec<(u32, Backend4)> = writes
-        .iter()
-        .filter_map(|(id, b)| match b {
-            BackendEntry::V4(b) => Some((*id, *b)),
-            BackendEntry::V6(_) => None,
-        })
-        .collect();
-    let mut r4 = dp.put_backends(&v4).into_iter();
-    writes
-        .iter()
-        .map(|(id, b)| match b {
-            BackendEntry::V4(_) => r4.next().unwrap_or_else(|| no_result(map_names::BACKENDS)),
-            BackendEntry::V6(_) => put_backend(dp, *id, b),
-        })
-        .collect()
+) -> BatchOutcome {
+    put_runs(
+        dp,
+        writes,
+        |(_, b)| matches!(b, BackendEntry::V4(_)),
+        |dp, run| {
+            let v4: Vec<(u32, Backend4)> = run
+                .iter()
+                .filter_map(|(id, b)| match b {
+                    BackendEntry::V4(b) => Some((*id, *b)),
+                    BackendEntry::V6(_) => None,
+                })
+                .collect();
+            dp.put_backends(&v4)
+        },
+        |dp, (id, b)| put_backend(dp, *id, b),
+    )
 }
 
 /// As [`put_services`], for reverse-NAT entries `(id, entry)`.
 pub(super) fn put_rev_nats<D: Dataplane>(
     dp: &mut D,
     writes: &[(u16, RevNatEntry)],
-) -> Vec<Result<(), DataplaneError>> {
-    let v4: Vec<(u16, RevNat4)> = writes
-        .iter()
-        .filter_map(|(id, r)| match r {
-            RevNatEntry::V4(r) => Some((*id, *r)),
-            RevNatEntry::V6(_) => None,
-        })
-        .collect();
-    let mut r4 = dp.put_rev_nats(&v4).into_iter();
-    writes
-        .iter()
-        .map(|(id, r)| match r {
-            RevNatEntry::V4(_) => r4.next().unwrap_or_else(|| no_result(map_names::REV_NAT)),
-            RevNatEntry::V6(_) => put_rev_nat(dp, *id, r),
-        })
-        .collect()
+) -> BatchOutcome {
+    put_runs(
+        dp,
+        writes,
+        |(_, r)| matches!(r, RevNatEntry::V4(_)),
+        |dp, run| {
+            let v4: Vec<(u16, RevNat4)> = run
+                .iter()
+                .filter_map(|(id, r)| match r {
+                    RevNatEntry::V4(r) => Some((*id, *r)),
+                    RevNatEntry::V6(_) => None,
+                })
+                .collect();
+            dp.put_rev_nats(&v4)
+        },
+        |dp, (id, r)| put_rev_nat(dp, *id, r),
+    )
+}
+
+/// `writes` in order, stopping at the first that fails: each run of IPv4
+/// ones (`is_v4`) through `batch`, the others one at a time through
+/// `single`.
+fn put_runs<D: Dataplane, T>(
+    dp: &mut D,
+    writes: &[T],
+    is_v4: impl Fn(&T) -> bool,
+    batch: impl Fn(&mut D, &[T]) -> BatchOutcome,
+    single: impl Fn(&mut D, &T) -> Result<(), DataplaneError>,
+) -> BatchOutcome {
+    let mut done = 0;
+    while let Some(first) = writes.get(done) {
+        let v4 = is_v4(first);
+        let len = writes[done..].iter().take_while(|w| is_v4(w) == v4).count();
+        let run = &writes[done..done + len];
+        let (n, err) = if v4 {
+            batch(dp, run)
+        } else {
+            put_each(run, |w| single(dp, w))
+        };
+        done += n.min(len);
+        if err.is_some() {
+            return (done, err);
+        }
+    }
+    (done, None)
 }

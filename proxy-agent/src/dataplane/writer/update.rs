@@ -4,10 +4,11 @@
 //!
 //! No write of a phase depends on another of the same phase, so the four
 //! phases that write the most (backends, reverse NAT, slots, slot 0) plan
-//! their writes, hand them to the dataplane in one call (batches of
-//! thousands per syscall on the BPF maps), then account each result in
-//! order. A slot phase mirrors every slot written before it cleans a
-//! frontend that failed, so the cleaning sees them all.
+//! their writes and hand them to the dataplane in batch calls (thousands
+//! per syscall on the BPF maps). A batch call stops at the first write that
+//! fails; the phase handles that failure as it would a single write's
+//! (a failed frontend is cleaned before the frontends after it are
+//! written) and goes on with a batch from the next write.
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{map_names, Svc4Value};
@@ -87,21 +88,25 @@ impl<D: Dataplane> Writer<D> {
             writes.push((*addr, id, new, *value));
         }
         let entries: Vec<(u32, BackendEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
-        let results = family::put_backends(&mut self.dp, &entries);
-        for ((addr, id, new, value), r) in writes.into_iter().zip(results) {
-            match r {
-                Ok(()) => {
-                    s.out.wrote();
-                    self.backends.insert(id, value);
-                    // Unused if every frontend needing it fails.
-                    self.loose.backends.insert(id);
-                    if new {
-                        s.out.report.backends_added += 1;
-                        self.backend_ids.assign(addr, id);
-                    }
+        let mut i = 0;
+        while i < writes.len() {
+            let (n, err) = family::put_backends(&mut self.dp, &entries[i..]);
+            for (addr, id, new, value) in &writes[i..i + n] {
+                s.out.wrote();
+                self.backends.insert(*id, *value);
+                // Unused if every frontend needing it fails.
+                self.loose.backends.insert(*id);
+                if *new {
+                    s.out.report.backends_added += 1;
+                    self.backend_ids.assign(*addr, *id);
                 }
-                Err(e) => s.out.unwritten(&addr, e),
             }
+            i += n;
+            let (Some(e), Some((addr, ..))) = (err, writes.get(i)) else {
+                break;
+            };
+            s.out.unwritten(addr, e);
+            i += 1;
         }
     }
 
@@ -191,18 +196,22 @@ impl<D: Dataplane> Writer<D> {
             writes.push((*key, id, new, value));
         }
         let entries: Vec<(u16, RevNatEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
-        let results = family::put_rev_nats(&mut self.dp, &entries);
-        for ((key, id, new, value), r) in writes.into_iter().zip(results) {
-            match r {
-                Ok(()) => {
-                    s.out.wrote();
-                    self.rev_nat.insert(id, value);
-                    if new {
-                        self.rev_nat_ids.assign(key, id);
-                    }
+        let mut i = 0;
+        while i < writes.len() {
+            let (n, err) = family::put_rev_nats(&mut self.dp, &entries[i..]);
+            for (key, id, new, value) in &writes[i..i + n] {
+                s.out.wrote();
+                self.rev_nat.insert(*id, *value);
+                if *new {
+                    self.rev_nat_ids.assign(*key, *id);
                 }
-                Err(e) => s.out.fail(key, desired.frontends.get(&key), e),
             }
+            i += n;
+            let (Some(e), Some((key, ..))) = (err, writes.get(i)) else {
+                break;
+            };
+            s.out.fail(*key, desired.frontends.get(key), e);
+            i += 1;
         }
     }
 
@@ -271,25 +280,26 @@ impl<D: Dataplane> Writer<D> {
             .iter()
             .map(|(key, slot, id)| (*key, *slot, Svc4Value::slot(*id)))
             .collect();
-        let results = family::put_services(&mut self.dp, &entries);
-        // Every slot written is mirrored before a failed frontend is
-        // cleaned, so that the cleaning sees (and deletes) all of them.
-        let mut failed: Vec<(FrontendKey, DataplaneError)> = Vec::new();
-        for ((key, slot, id), r) in writes.into_iter().zip(results) {
-            match r {
-                Ok(()) => {
-                    s.out.wrote();
-                    s.touched.insert(key);
-                    self.mirror_slot(&key, slot, Some(id));
-                }
-                // A frontend's slots are together: its first error is kept.
-                Err(e) if failed.last().is_none_or(|(k, _)| *k != key) => failed.push((key, e)),
-                Err(_) => {}
+        let mut i = 0;
+        while i < writes.len() {
+            let (n, err) = family::put_services(&mut self.dp, &entries[i..]);
+            for (key, slot, id) in &writes[i..i + n] {
+                s.out.wrote();
+                s.touched.insert(*key);
+                self.mirror_slot(key, *slot, Some(*id));
             }
-        }
-        for (key, e) in failed {
+            i += n;
+            let (Some(e), Some(&(key, ..))) = (err, writes.get(i)) else {
+                break;
+            };
+            // As single writes would: the frontend is failed and cleaned at
+            // its first error (the room its slots took is free again for
+            // the frontends after it), and its other slots are not written.
             s.out.fail(key, desired.frontends.get(&key), e);
             self.clean_failed(&key, &mut s.out);
+            while writes.get(i).is_some_and(|w| w.0 == key) {
+                i += 1;
+            }
         }
     }
 
@@ -327,23 +337,27 @@ impl<D: Dataplane> Writer<D> {
         }
         let entries: Vec<(FrontendKey, u16, Svc4Value)> =
             writes.iter().map(|w| (w.0, 0, w.2)).collect();
-        let results = family::put_services(&mut self.dp, &entries);
-        for ((key, rev, value, previous), r) in writes.into_iter().zip(results) {
-            match r {
-                Ok(()) => {
-                    s.out.wrote();
-                    s.touched.insert(key);
-                    self.commit_maglev(&key, rev, &mut s.maglev_pending);
-                    self.mirror_slot0(&key, Some(value));
-                    if previous.is_none() {
-                        s.out.report.frontends_added += 1;
-                    }
-                }
-                Err(e) => {
-                    s.out.fail(key, desired.frontends.get(&key), e);
-                    self.clean_failed(&key, &mut s.out);
+        let mut i = 0;
+        while i < writes.len() {
+            let (n, err) = family::put_services(&mut self.dp, &entries[i..]);
+            for (key, rev, value, previous) in &writes[i..i + n] {
+                s.out.wrote();
+                s.touched.insert(*key);
+                self.commit_maglev(key, *rev, &mut s.maglev_pending);
+                self.mirror_slot0(key, Some(*value));
+                if previous.is_none() {
+                    s.out.report.frontends_added += 1;
                 }
             }
+            i += n;
+            let (Some(e), Some(&(key, ..))) = (err, writes.get(i)) else {
+                break;
+            };
+            // Cleaned before the frontends after it are written, as single
+            // writes would: the room its slots took is theirs.
+            s.out.fail(key, desired.frontends.get(&key), e);
+            self.clean_failed(&key, &mut s.out);
+            i += 1;
         }
         s.order = order;
     }
