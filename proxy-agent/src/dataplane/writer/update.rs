@@ -54,8 +54,8 @@ impl<D: Dataplane> Writer<D> {
     /// read. A backend that could not be written makes every frontend using
     /// it unfinished, so [`Writer::sync_changed`] retries it.
     pub(super) fn update_backends(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        // (address, id, new id, entry): planned first, written in one
-        // batch call (`family::put_backends`), then accounted in order.
+        // (address, id, new id, entry): planned first, then written in
+        // batch calls (`family::put_backends`) and accounted in order.
         let mut writes: Vec<(BackendAddr, u32, bool, BackendEntry)> = Vec::new();
         // Ids handed out in this phase, not yet written: not to be handed
         // out twice should the allocator wrap around.
@@ -259,7 +259,7 @@ impl<D: Dataplane> Writer<D> {
     /// frontend whose slot fails is failed (its slot 0 is not written) and
     /// cleaned of the slots beyond its current count.
     pub(super) fn update_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        // (frontend, slot, backend id), every frontend's in one batch call.
+        // (frontend, slot, backend id), every frontend's, in batch calls.
         let mut writes: Vec<(FrontendKey, u16, u32)> = Vec::new();
         for key in &s.order {
             let Some(target) = s.targets.get(key) else {
