@@ -858,11 +858,12 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
 /// for 5,000 takes the first 5,000 and stops at the next as `Full`; the map
 /// holds exactly those. Once it is full, updates of entries it holds still
 /// go through in a batch (they need no room), up to the first new entry.
+/// The IPv6 maps take batches alike.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn batched_writes_stop_where_single_writes_would() {
     use proxy_agent::dataplane::{Dataplane, DataplaneError};
-    use proxy_common::Backend4;
+    use proxy_common::{Backend4, Backend6};
 
     let sizes = MapSizes {
         backends: 5_000,
@@ -894,6 +895,23 @@ fn batched_writes_stop_where_single_writes_would() {
         assert_eq!(held[&id].port(), 9090, "backend {id} not updated");
     }
     assert_eq!(held[&4_989].port(), 8080);
+
+    // The IPv6 maps take batches alike.
+    let v6: Vec<(u32, Backend6)> = (1..=300u16)
+        .map(|i| {
+            let addr = std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, i);
+            (u32::from(i), Backend6::new(addr, 8080, IPPROTO_TCP, 0))
+        })
+        .collect();
+    let (written, err) = h.writer.dataplane_mut().put_backends6(&v6);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(written, 300);
+    let held6 = h.writer.dataplane().dump().expect("dump").backends6;
+    assert_eq!(held6.len(), 300);
+    assert_eq!(
+        held6[&300].addr(),
+        std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 300)
+    );
 }
 
 /// C6: two frontends sharing one backend, hit from the same client address and

@@ -241,6 +241,36 @@ impl Dataplane for BpfDataplane {
         ignore_missing(self.backends6.remove(&id))
             .map_err(|e| op_err(map_names::BACKENDS6, "delete", cap, e))
     }
+    fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
+        let cap = capacity::SERVICES6;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.services6,
+            map_names::SERVICES6,
+            cap,
+            entries,
+        )
+    }
+    fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
+        let cap = capacity::BACKENDS;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.backends6,
+            map_names::BACKENDS6,
+            cap,
+            entries,
+        )
+    }
+    fn put_rev_nats6(&mut self, entries: &[(u16, RevNat6)]) -> BatchOutcome {
+        let cap = capacity::REV_NAT;
+        put_all(
+            &mut self.batch_writes,
+            &mut self.rev_nat6,
+            map_names::REV_NAT6,
+            cap,
+            entries,
+        )
+    }
     fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
         let cap = capacity::REV_NAT;
         self.rev_nat6

@@ -237,4 +237,16 @@ pub trait Dataplane {
         let _ = id;
         Err(no_ipv6(map_names::REV_NAT6, "delete"))
     }
+    /// [`Dataplane::put_services`] for the IPv6 frontends' map.
+    fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
+        put_each(entries, |(k, v)| self.put_service6(*k, *v))
+    }
+    /// [`Dataplane::put_services`] for the IPv6 backends' map.
+    fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
+        put_each(entries, |(id, b)| self.put_backend6(*id, *b))
+    }
+    /// [`Dataplane::put_services`] for the IPv6 reverse-NAT map.
+    fn put_rev_nats6(&mut self, entries: &[(u16, RevNat6)]) -> BatchOutcome {
+        put_each(entries, |(id, r)| self.put_rev_nat6(*id, *r))
+    }
 }

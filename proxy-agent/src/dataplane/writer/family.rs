@@ -5,26 +5,10 @@
 
 use std::net::IpAddr;
 
-use proxy_common::{Backend4, RevNat4, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key};
 
-use super::super::{put_each, BackendEntry, BatchOutcome, Dataplane, DataplaneError, RevNatEntry};
+use super::super::{BackendEntry, BatchOutcome, Dataplane, DataplaneError, RevNatEntry};
 use crate::model::FrontendKey;
-
-pub(super) fn put_service<D: Dataplane>(
-    dp: &mut D,
-    key: &FrontendKey,
-    slot: u16,
-    value: Svc4Value,
-) -> Result<(), DataplaneError> {
-    match key.addr {
-        IpAddr::V4(a) => {
-            dp.put_service(Svc4Key::new(a, key.port, key.proto, key.scope, slot), value)
-        }
-        IpAddr::V6(a) => {
-            dp.put_service6(Svc6Key::new(a, key.port, key.proto, key.scope, slot), value)
-        }
-    }
-}
 
 pub(super) fn delete_service<D: Dataplane>(
     dp: &mut D,
@@ -37,17 +21,6 @@ pub(super) fn delete_service<D: Dataplane>(
     }
 }
 
-pub(super) fn put_backend<D: Dataplane>(
-    dp: &mut D,
-    id: u32,
-    b: &BackendEntry,
-) -> Result<(), DataplaneError> {
-    match b {
-        BackendEntry::V4(b) => dp.put_backend(id, *b),
-        BackendEntry::V6(b) => dp.put_backend6(id, *b),
-    }
-}
-
 /// Deletes backend `id` from the map of `b`'s family (IPv4's when unknown).
 pub(super) fn delete_backend<D: Dataplane>(
     dp: &mut D,
@@ -57,17 +30,6 @@ pub(super) fn delete_backend<D: Dataplane>(
     match b {
         Some(BackendEntry::V6(_)) => dp.delete_backend6(id),
         _ => dp.delete_backend(id),
-    }
-}
-
-pub(super) fn put_rev_nat<D: Dataplane>(
-    dp: &mut D,
-    id: u16,
-    r: &RevNatEntry,
-) -> Result<(), DataplaneError> {
-    match r {
-        RevNatEntry::V4(r) => dp.put_rev_nat(id, *r),
-        RevNatEntry::V6(r) => dp.put_rev_nat6(id, *r),
     }
 }
 
@@ -84,10 +46,11 @@ pub(super) fn delete_rev_nat<D: Dataplane>(
     }
 }
 
-/// Writes slots `(frontend, slot, value)` in order, as [`put_service`] one
+/// Writes slots `(frontend, slot, value)` in order, as single writes one
 /// after the other would, stopping at the first that fails
-/// ([`Dataplane::put_services`]): each run of IPv4 slots in one batch call,
-/// IPv6 ones one at a time. For entries no other of them depends on.
+/// ([`Dataplane::put_services`]): each run of one family's slots in one
+/// batch call to that family's map. For entries no other of them depends
+/// on.
 pub(super) fn put_services<D: Dataplane>(
     dp: &mut D,
     writes: &[(FrontendKey, u16, Svc4Value)],
@@ -106,7 +69,16 @@ pub(super) fn put_services<D: Dataplane>(
                 .collect();
             dp.put_services(&v4)
         },
-        |dp, (k, slot, v)| put_service(dp, k, *slot, *v),
+        |dp, run| {
+            let v6: Vec<(Svc6Key, Svc4Value)> = run
+                .iter()
+                .filter_map(|(k, slot, v)| match k.addr {
+                    IpAddr::V6(a) => Some((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
+                    IpAddr::V4(_) => None,
+                })
+                .collect();
+            dp.put_services6(&v6)
+        },
     )
 }
 
@@ -129,7 +101,16 @@ pub(super) fn put_backends<D: Dataplane>(
                 .collect();
             dp.put_backends(&v4)
         },
-        |dp, (id, b)| put_backend(dp, *id, b),
+        |dp, run| {
+            let v6: Vec<(u32, Backend6)> = run
+                .iter()
+                .filter_map(|(id, b)| match b {
+                    BackendEntry::V6(b) => Some((*id, *b)),
+                    BackendEntry::V4(_) => None,
+                })
+                .collect();
+            dp.put_backends6(&v6)
+        },
     )
 }
 
@@ -152,30 +133,34 @@ pub(super) fn put_rev_nats<D: Dataplane>(
                 .collect();
             dp.put_rev_nats(&v4)
         },
-        |dp, (id, r)| put_rev_nat(dp, *id, r),
+        |dp, run| {
+            let v6: Vec<(u16, RevNat6)> = run
+                .iter()
+                .filter_map(|(id, r)| match r {
+                    RevNatEntry::V6(r) => Some((*id, *r)),
+                    RevNatEntry::V4(_) => None,
+                })
+                .collect();
+            dp.put_rev_nats6(&v6)
+        },
     )
 }
 
 /// `writes` in order, stopping at the first that fails: each run of IPv4
-/// ones (`is_v4`) through `batch`, the others one at a time through
-/// `single`.
+/// ones (`is_v4`) through `batch4`, each run of IPv6 ones through `batch6`.
 fn put_runs<D: Dataplane, T>(
     dp: &mut D,
     writes: &[T],
     is_v4: impl Fn(&T) -> bool,
-    batch: impl Fn(&mut D, &[T]) -> BatchOutcome,
-    single: impl Fn(&mut D, &T) -> Result<(), DataplaneError>,
+    batch4: impl Fn(&mut D, &[T]) -> BatchOutcome,
+    batch6: impl Fn(&mut D, &[T]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
     while let Some(first) = writes.get(done) {
         let v4 = is_v4(first);
         let len = writes[done..].iter().take_while(|w| is_v4(w) == v4).count();
         let run = &writes[done..done + len];
-        let (n, err) = if v4 {
-            batch(dp, run)
-        } else {
-            put_each(run, |w| single(dp, w))
-        };
+        let (n, err) = if v4 { batch4(dp, run) } else { batch6(dp, run) };
         done += n.min(len);
         if err.is_some() {
             return (done, err);
