@@ -5,7 +5,7 @@
 
 use std::net::IpAddr;
 
-use proxy_common::{Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{Svc4Key, Svc4Value, Svc6Key};
 
 use super::super::{BackendEntry, BatchOutcome, Dataplane, DataplaneError, RevNatEntry};
 use crate::model::FrontendKey;
@@ -58,27 +58,12 @@ pub(super) fn put_services<D: Dataplane>(
     put_runs(
         dp,
         writes,
-        |(k, ..)| k.addr.is_ipv4(),
-        |dp, run| {
-            let v4: Vec<(Svc4Key, Svc4Value)> = run
-                .iter()
-                .filter_map(|(k, slot, v)| match k.addr {
-                    IpAddr::V4(a) => Some((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-                    IpAddr::V6(_) => None,
-                })
-                .collect();
-            dp.put_services(&v4)
+        |(k, slot, v)| match k.addr {
+            IpAddr::V4(a) => Ok((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
+            IpAddr::V6(a) => Err((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
         },
-        |dp, run| {
-            let v6: Vec<(Svc6Key, Svc4Value)> = run
-                .iter()
-                .filter_map(|(k, slot, v)| match k.addr {
-                    IpAddr::V6(a) => Some((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-                    IpAddr::V4(_) => None,
-                })
-                .collect();
-            dp.put_services6(&v6)
-        },
+        D::put_services,
+        D::put_services6,
     )
 }
 
@@ -90,27 +75,12 @@ pub(super) fn put_backends<D: Dataplane>(
     put_runs(
         dp,
         writes,
-        |(_, b)| matches!(b, BackendEntry::V4(_)),
-        |dp, run| {
-            let v4: Vec<(u32, Backend4)> = run
-                .iter()
-                .filter_map(|(id, b)| match b {
-                    BackendEntry::V4(b) => Some((*id, *b)),
-                    BackendEntry::V6(_) => None,
-                })
-                .collect();
-            dp.put_backends(&v4)
+        |(id, b)| match b {
+            BackendEntry::V4(b) => Ok((*id, *b)),
+            BackendEntry::V6(b) => Err((*id, *b)),
         },
-        |dp, run| {
-            let v6: Vec<(u32, Backend6)> = run
-                .iter()
-                .filter_map(|(id, b)| match b {
-                    BackendEntry::V6(b) => Some((*id, *b)),
-                    BackendEntry::V4(_) => None,
-                })
-                .collect();
-            dp.put_backends6(&v6)
-        },
+        D::put_backends,
+        D::put_backends6,
     )
 }
 
@@ -122,45 +92,41 @@ pub(super) fn put_rev_nats<D: Dataplane>(
     put_runs(
         dp,
         writes,
-        |(_, r)| matches!(r, RevNatEntry::V4(_)),
-        |dp, run| {
-            let v4: Vec<(u16, RevNat4)> = run
-                .iter()
-                .filter_map(|(id, r)| match r {
-                    RevNatEntry::V4(r) => Some((*id, *r)),
-                    RevNatEntry::V6(_) => None,
-                })
-                .collect();
-            dp.put_rev_nats(&v4)
+        |(id, r)| match r {
+            RevNatEntry::V4(r) => Ok((*id, *r)),
+            RevNatEntry::V6(r) => Err((*id, *r)),
         },
-        |dp, run| {
-            let v6: Vec<(u16, RevNat6)> = run
-                .iter()
-                .filter_map(|(id, r)| match r {
-                    RevNatEntry::V6(r) => Some((*id, *r)),
-                    RevNatEntry::V4(_) => None,
-                })
-                .collect();
-            dp.put_rev_nats6(&v6)
-        },
+        D::put_rev_nats,
+        D::put_rev_nats6,
     )
 }
 
-/// `writes` in order, stopping at the first that fails: each run of IPv4
-/// ones (`is_v4`) through `batch4`, each run of IPv6 ones through `batch6`.
-fn put_runs<D: Dataplane, T>(
+/// `writes` in order, stopping at the first that fails: `entry` gives each
+/// one's IPv4 map entry (`Ok`) or IPv6 one (`Err`); each run of one family's
+/// entries goes to `batch4` or `batch6` in one call.
+fn put_runs<D: Dataplane, T, A, B>(
     dp: &mut D,
     writes: &[T],
-    is_v4: impl Fn(&T) -> bool,
-    batch4: impl Fn(&mut D, &[T]) -> BatchOutcome,
-    batch6: impl Fn(&mut D, &[T]) -> BatchOutcome,
+    entry: impl Fn(&T) -> Result<A, B>,
+    batch4: impl Fn(&mut D, &[A]) -> BatchOutcome,
+    batch6: impl Fn(&mut D, &[B]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
     while let Some(first) = writes.get(done) {
-        let v4 = is_v4(first);
-        let len = writes[done..].iter().take_while(|w| is_v4(w) == v4).count();
-        let run = &writes[done..done + len];
-        let (n, err) = if v4 { batch4(dp, run) } else { batch6(dp, run) };
+        let v4 = entry(first).is_ok();
+        let run: Vec<Result<A, B>> = writes[done..]
+            .iter()
+            .map(&entry)
+            .take_while(|e| e.is_ok() == v4)
+            .collect();
+        let len = run.len();
+        let (n, err) = if v4 {
+            let run: Vec<A> = run.into_iter().filter_map(Result::ok).collect();
+            batch4(dp, &run)
+        } else {
+            let run: Vec<B> = run.into_iter().filter_map(Result::err).collect();
+            batch6(dp, &run)
+        };
         done += n.min(len);
         if err.is_some() {
             return (done, err);
