@@ -42,6 +42,29 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// One `bpf()` batch command `cmd` on `attr`.
+///
+/// # Safety
+/// The pointers in `attr` must be valid for what `cmd` reads and writes
+/// through them, for the call.
+unsafe fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a live `bpf_attr` batch member of the size given;
+    // the caller vouches for the pointers in it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Every entry of hash map `fd` in batches, or `None` where the kernel has
 /// no batch operations for it.
 pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Option<Vec<(K, V)>>> {
@@ -70,15 +93,7 @@ pub fn lookup_all<K: Pod, V: Pod>(fd: BorrowedFd<'_>) -> io::Result<Option<Vec<(
         // SAFETY: the attribute points at buffers of `room` keys and values
         // and at two u32 tokens, all alive for the call; the kernel writes
         // at most `count` entries.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                std::ptr::from_mut(&mut attr),
-                std::mem::size_of::<BatchAttr>(),
-            )
-        };
-        let err = (ret < 0).then(io::Error::last_os_error);
+        let err = unsafe { bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr) }.err();
         match err.as_ref().and_then(io::Error::raw_os_error) {
             None | Some(libc::ENOENT) => {}
             // A bucket holds more entries than there was room for.
@@ -125,16 +140,7 @@ pub fn update_prefix<K: Pod, V: Pod>(
         };
         // SAFETY: the attribute points at `count` keys and values, alive
         // for the call; the kernel only reads them (and writes `count`).
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_UPDATE_BATCH,
-                std::ptr::from_mut(&mut attr),
-                std::mem::size_of::<BatchAttr>(),
-            )
-        };
-        if ret < 0 {
-            let err = io::Error::last_os_error();
+        if let Err(err) = unsafe { bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr) } {
             // Failing at an entry, the kernel sets `count` to the entries
             // it wrote before it; failing before the first (no batch
             // operation, a bad fd, no memory for the copies), it leaves
