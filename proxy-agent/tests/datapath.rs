@@ -914,6 +914,62 @@ fn batched_writes_stop_where_single_writes_would() {
     );
 }
 
+/// Deletes go to the kernel's maps in batches (`BPF_MAP_DELETE_BATCH`),
+/// which stop at a key that is not there; such a key is deleted already, as
+/// a single delete says, so the deletes go on past it: every present key
+/// given goes, every other entry stays, across several batches of 4,096
+/// and in both families' maps.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn batched_deletes_go_past_absent_keys() {
+    use proxy_agent::dataplane::Dataplane;
+    use proxy_common::{Backend4, Backend6};
+
+    let mut h =
+        Harness::try_new("kpr-bdel", MapSizes::default(), Config::default()).expect("harness");
+    let backend = |id: u32| {
+        let addr = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + id);
+        (id, Backend4::new(addr, 8080, IPPROTO_TCP, 0))
+    };
+    let all: Vec<(u32, Backend4)> = (1..=10_000).map(backend).collect();
+    let (written, err) = h.writer.dataplane_mut().put_backends(&all);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(written, 10_000);
+    // Absent keys at the start, in the middle of a batch and at its end.
+    let dp = h.writer.dataplane_mut();
+    for id in [1, 5_000, 9_000] {
+        dp.delete_backend(id).expect("single delete");
+    }
+    let doomed: Vec<u32> = (1..=9_000).chain(20_000..=20_010).collect();
+    let (deleted, err) = dp.delete_backends(&doomed);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(deleted, doomed.len(), "every key taken, absent ones too");
+    let held = h.writer.dataplane().dump().expect("dump").backends;
+    assert_eq!(
+        held.keys().copied().collect::<Vec<u32>>(),
+        (9_001..=10_000).collect::<Vec<u32>>()
+    );
+    assert!(held.values().all(|b| b.port() == 8080));
+
+    let v6: Vec<(u32, Backend6)> = (1..=300u16)
+        .map(|i| {
+            let addr = std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, i);
+            (u32::from(i), Backend6::new(addr, 8080, IPPROTO_TCP, 0))
+        })
+        .collect();
+    let dp = h.writer.dataplane_mut();
+    let (written, err) = dp.put_backends6(&v6);
+    assert!(err.is_none() && written == 300, "{err:?}");
+    let (deleted, err) = dp.delete_backends6(&(100..=400).collect::<Vec<u32>>());
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(deleted, 301);
+    let held6 = h.writer.dataplane().dump().expect("dump").backends6;
+    assert_eq!(
+        held6.keys().copied().collect::<Vec<u32>>(),
+        (1..100).collect::<Vec<u32>>()
+    );
+}
+
 /// C6: two frontends sharing one backend, hit from the same client address and
 /// port. The second flow's backend-side tuple would collide with the first; its
 /// source port is rewritten, and replies of both flows come back from their

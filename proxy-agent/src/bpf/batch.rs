@@ -5,9 +5,11 @@
 //!   two syscalls per entry (next key, then lookup). The writer reads the
 //!   session-affinity maps so when a sync prunes them: 65,536 entries at
 //!   most, 131,072 syscalls the other way.
-//! - Writes (`BPF_MAP_UPDATE_BATCH`, [`update_prefix`]): the kernel writes
-//!   the entries one after the other, in order, as that many single updates
-//!   would, and stops at the first that fails.
+//! - Writes (`BPF_MAP_UPDATE_BATCH`, [`update_prefix`]) and deletes
+//!   (`BPF_MAP_DELETE_BATCH`, [`delete_prefix`]): the kernel takes the
+//!   entries one after the other, in order, as that many single updates or
+//!   deletes would, and stops at the first that fails (for a delete, also
+//!   at a key that is not there: `ENOENT`).
 //!
 //! A kernel or map type without batch operations answers `EINVAL` or
 //! `ENOTSUPP`; the caller then goes one entry at a time ([`entries`] does
@@ -22,6 +24,8 @@ use aya::Pod;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// `BPF_MAP_UPDATE_BATCH` (uapi `enum bpf_cmd`).
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+/// `BPF_MAP_DELETE_BATCH` (uapi `enum bpf_cmd`).
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 /// The kernel's `ENOTSUPP` (not in libc: it never reaches user space
 /// through the C library's names, but `bpf()` returns it).
 const ENOTSUPP: i32 = 524;
@@ -131,27 +135,84 @@ pub fn update_prefix<K: Pod, V: Pod>(
     for chunk in entries.chunks(BATCH as usize) {
         let keys: Vec<K> = chunk.iter().map(|(k, _)| *k).collect();
         let values: Vec<V> = chunk.iter().map(|(_, v)| *v).collect();
-        let mut attr = BatchAttr {
-            keys: keys.as_ptr() as u64,
-            values: values.as_ptr() as u64,
-            count: chunk.len() as u32,
-            map_fd: fd.as_raw_fd() as u32,
-            ..BatchAttr::default()
+        // SAFETY: `count` keys and values, alive for the call.
+        let (n, err) = unsafe {
+            prefix(
+                BPF_MAP_UPDATE_BATCH,
+                fd,
+                keys.as_ptr() as u64,
+                values.as_ptr() as u64,
+                chunk.len(),
+            )
         };
-        // SAFETY: the attribute points at `count` keys and values, alive
-        // for the call; the kernel only reads them (and writes `count`).
-        if let Err(err) = unsafe { bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr) } {
-            // Failing at an entry, the kernel sets `count` to the entries
-            // it wrote before it; failing before the first (no batch
-            // operation, a bad fd, no memory for the copies), it leaves
-            // `count` as it was: nothing written.
-            let count = attr.count as usize;
-            let written = if count < chunk.len() { count } else { 0 };
-            return (done + written, Some(err));
+        done += n;
+        if err.is_some() {
+            return (done, err);
         }
-        done += chunk.len();
     }
     (done, None)
+}
+
+/// Deletes `keys` from hash map `fd`, in order, in batches of [`BATCH`], as
+/// [`update_prefix`] writes: returns how many were deleted (the first ones)
+/// and the error of the one the kernel stopped at. A key that is not there
+/// stops the kernel too (`ENOENT`), though deleting it was a no-op: the
+/// caller tells that apart and goes on after it.
+pub fn delete_prefix<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> (usize, Option<io::Error>) {
+    let mut done = 0;
+    for chunk in keys.chunks(BATCH as usize) {
+        // SAFETY: `count` keys, alive for the call (a delete reads no
+        // values).
+        let (n, err) = unsafe {
+            prefix(
+                BPF_MAP_DELETE_BATCH,
+                fd,
+                chunk.as_ptr() as u64,
+                0,
+                chunk.len(),
+            )
+        };
+        done += n;
+        if err.is_some() {
+            return (done, err);
+        }
+    }
+    (done, None)
+}
+
+/// One update or delete batch `cmd` of `count` entries (`keys`, `values`:
+/// user pointers to them); returns how many the kernel took and its error.
+///
+/// # Safety
+/// `keys` (and `values`, for an update) must point at `count` keys (values)
+/// of the map's sizes, alive for the call; the kernel only reads them.
+unsafe fn prefix(
+    cmd: libc::c_long,
+    fd: BorrowedFd<'_>,
+    keys: u64,
+    values: u64,
+    count: usize,
+) -> (usize, Option<io::Error>) {
+    let mut attr = BatchAttr {
+        keys,
+        values,
+        count: count as u32,
+        map_fd: fd.as_raw_fd() as u32,
+        ..BatchAttr::default()
+    };
+    // SAFETY: the caller vouches for the keys and values; the kernel writes
+    // only `count`.
+    match unsafe { bpf_batch(cmd, &mut attr) } {
+        Ok(()) => (count, None),
+        Err(err) => {
+            // Failing at an entry, the kernel sets `count` to the entries
+            // it took before it; failing before the first (no batch
+            // operation, a bad fd, no memory for the copies), it leaves
+            // `count` as it was: nothing taken.
+            let taken = attr.count as usize;
+            (if taken < count { taken } else { 0 }, Some(err))
+        }
+    }
 }
 
 /// Whether `e`, from a batch operation that did nothing, says the kernel or
@@ -197,6 +258,10 @@ mod tests {
         let entries: Vec<(u32, u64)> = (0..3).map(|i| (i, u64::from(i))).collect();
         let (written, err) = update_prefix(not_a_map.as_fd(), &entries);
         assert_eq!(written, 0);
+        assert!(err.is_some());
+        let keys: Vec<u32> = (0..3).collect();
+        let (deleted, err) = delete_prefix(not_a_map.as_fd(), &keys);
+        assert_eq!(deleted, 0);
         assert!(err.is_some());
     }
 }

@@ -20,8 +20,9 @@ pub struct BpfDataplane {
     affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
     source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     sizes: MapSizes,
-    /// Writes go in batches (`batch::update_prefix`) until the kernel says
-    /// it has none.
+    /// Writes and deletes go in batches (`batch::update_prefix`,
+    /// `batch::delete_prefix`) until the kernel says it has none (it has
+    /// both or neither: Linux 5.6 brought them together to hash maps).
     batch_writes: bool,
 }
 
@@ -168,7 +169,7 @@ fn put_all<K: aya::Pod, V: aya::Pod>(
     let mut done = 0;
     while done < entries.len() {
         if !*batches {
-            let (n, err) = put_each(&entries[done..], |(k, v)| {
+            let (n, err) = each(&entries[done..], |(k, v)| {
                 map.insert(k, v, 0)
                     .map_err(|e| op_err(name, "insert", capacity, e))
             });
@@ -188,6 +189,47 @@ fn put_all<K: aya::Pod, V: aya::Pod>(
         };
         if let Err(e) = map.insert(k, v, 0) {
             return (done, Some(op_err(name, "insert", capacity, e)));
+        }
+        done += 1;
+    }
+    (done, None)
+}
+
+/// Deletes `keys` from `map` as [`put_all`] writes (the batches'
+/// `batch::delete_prefix`), as single deletes would: an absent key, at which
+/// a batch stops too, is deleted already, and the batches go on after it.
+fn delete_all<K: aya::Pod, V: aya::Pod>(
+    batches: &mut bool,
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    capacity: u32,
+    keys: &[K],
+) -> BatchOutcome {
+    use aya::maps::IterableMap;
+    use std::os::fd::AsFd;
+    let delete = |map: &mut HashMap<MapData, K, V>, k: &K| {
+        ignore_missing(map.remove(k)).map_err(|e| op_err(name, "delete", capacity, e))
+    };
+    let mut done = 0;
+    while done < keys.len() {
+        if !*batches {
+            let (n, err) = each(&keys[done..], |k| delete(map, k));
+            return (done + n, err);
+        }
+        let (n, err) = batch::delete_prefix(map.map().fd().as_fd(), &keys[done..]);
+        done += n;
+        let Some(err) = err else {
+            break;
+        };
+        if n == 0 && batch::unsupported(&err) {
+            *batches = false;
+            continue;
+        }
+        let Some(k) = keys.get(done) else {
+            break;
+        };
+        if let Err(e) = delete(map, k) {
+            return (done, Some(e));
         }
         done += 1;
     }
@@ -271,6 +313,36 @@ impl Dataplane for BpfDataplane {
             entries,
         )
     }
+    fn delete_services6(&mut self, keys: &[Svc6Key]) -> BatchOutcome {
+        let cap = capacity::SERVICES6;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.services6,
+            map_names::SERVICES6,
+            cap,
+            keys,
+        )
+    }
+    fn delete_backends6(&mut self, ids: &[u32]) -> BatchOutcome {
+        let cap = capacity::BACKENDS;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.backends6,
+            map_names::BACKENDS6,
+            cap,
+            ids,
+        )
+    }
+    fn delete_rev_nats6(&mut self, ids: &[u16]) -> BatchOutcome {
+        let cap = capacity::REV_NAT;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.rev_nat6,
+            map_names::REV_NAT6,
+            cap,
+            ids,
+        )
+    }
     fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
         let cap = capacity::REV_NAT;
         self.rev_nat6
@@ -332,6 +404,36 @@ impl Dataplane for BpfDataplane {
             map_names::REV_NAT,
             cap,
             entries,
+        )
+    }
+    fn delete_services(&mut self, keys: &[Svc4Key]) -> BatchOutcome {
+        let cap = self.sizes.services;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.services,
+            map_names::SERVICES,
+            cap,
+            keys,
+        )
+    }
+    fn delete_backends(&mut self, ids: &[u32]) -> BatchOutcome {
+        let cap = self.sizes.backends;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.backends,
+            map_names::BACKENDS,
+            cap,
+            ids,
+        )
+    }
+    fn delete_rev_nats(&mut self, ids: &[u16]) -> BatchOutcome {
+        let cap = self.sizes.rev_nat;
+        delete_all(
+            &mut self.batch_writes,
+            &mut self.rev_nat,
+            map_names::REV_NAT,
+            cap,
+            ids,
         )
     }
     fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {

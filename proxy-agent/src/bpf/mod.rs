@@ -38,9 +38,7 @@ use proxy_common::{
     Svc4Key, Svc4Value, Svc6Key, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
-use crate::dataplane::{
-    put_each, BatchOutcome, Dataplane, DataplaneError, Programmed, SourceRange,
-};
+use crate::dataplane::{each, BatchOutcome, Dataplane, DataplaneError, Programmed, SourceRange};
 
 /// The kernel object built from `proxy-ebpf` by `build.rs`.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));

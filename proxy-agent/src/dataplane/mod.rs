@@ -126,17 +126,18 @@ fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
     }
 }
 
-/// What a batch write did: how many entries it wrote (the first ones), and
-/// the error of the entry it stopped at, if it stopped.
+/// What a batch write or delete did: how many entries it took (the first
+/// ones), and the error of the entry it stopped at, if it stopped.
 pub type BatchOutcome = (usize, Option<DataplaneError>);
 
-/// `entries` written one at a time with `put`, stopping at the first error.
-pub fn put_each<T>(
+/// `entries` taken one at a time with `op` (a put or a delete), stopping at
+/// the first error.
+pub fn each<T>(
     entries: &[T],
-    mut put: impl FnMut(&T) -> Result<(), DataplaneError>,
+    mut op: impl FnMut(&T) -> Result<(), DataplaneError>,
 ) -> BatchOutcome {
     for (i, e) in entries.iter().enumerate() {
-        if let Err(err) = put(e) {
+        if let Err(err) = op(e) {
             return (i, Some(err));
         }
     }
@@ -163,15 +164,31 @@ pub trait Dataplane {
     /// thousands of entries, each landing after the one before it. For
     /// entries no earlier one depends on: a writer phase's.
     fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> BatchOutcome {
-        put_each(entries, |(k, v)| self.put_service(*k, *v))
+        each(entries, |(k, v)| self.put_service(*k, *v))
     }
     /// As [`Dataplane::put_services`], for backends.
     fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> BatchOutcome {
-        put_each(entries, |(id, b)| self.put_backend(*id, *b))
+        each(entries, |(id, b)| self.put_backend(*id, *b))
     }
     /// As [`Dataplane::put_services`], for reverse-NAT entries.
     fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> BatchOutcome {
-        put_each(entries, |(id, r)| self.put_rev_nat(*id, *r))
+        each(entries, |(id, r)| self.put_rev_nat(*id, *r))
+    }
+    /// Deletes `keys` in order, as [`Dataplane::delete_service`] one after
+    /// the other would (an absent key is deleted already), stopping at the
+    /// first that fails, as [`Dataplane::put_services`] does. The BPF
+    /// dataplane deletes them in batches where the kernel can
+    /// (`BPF_MAP_DELETE_BATCH`).
+    fn delete_services(&mut self, keys: &[Svc4Key]) -> BatchOutcome {
+        each(keys, |k| self.delete_service(*k))
+    }
+    /// As [`Dataplane::delete_services`], for backends.
+    fn delete_backends(&mut self, ids: &[u32]) -> BatchOutcome {
+        each(ids, |id| self.delete_backend(*id))
+    }
+    /// As [`Dataplane::delete_services`], for reverse-NAT entries.
+    fn delete_rev_nats(&mut self, ids: &[u16]) -> BatchOutcome {
+        each(ids, |id| self.delete_rev_nat(*id))
     }
     /// Deletes, in one walk of the affinity maps, the session-affinity
     /// entries of every frontend `keep` names (by reverse-NAT id) whose
@@ -239,14 +256,26 @@ pub trait Dataplane {
     }
     /// [`Dataplane::put_services`] for the IPv6 frontends' map.
     fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
-        put_each(entries, |(k, v)| self.put_service6(*k, *v))
+        each(entries, |(k, v)| self.put_service6(*k, *v))
     }
     /// [`Dataplane::put_services`] for the IPv6 backends' map.
     fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
-        put_each(entries, |(id, b)| self.put_backend6(*id, *b))
+        each(entries, |(id, b)| self.put_backend6(*id, *b))
     }
     /// [`Dataplane::put_services`] for the IPv6 reverse-NAT map.
     fn put_rev_nats6(&mut self, entries: &[(u16, RevNat6)]) -> BatchOutcome {
-        put_each(entries, |(id, r)| self.put_rev_nat6(*id, *r))
+        each(entries, |(id, r)| self.put_rev_nat6(*id, *r))
+    }
+    /// [`Dataplane::delete_services`] for the IPv6 frontends' map.
+    fn delete_services6(&mut self, keys: &[Svc6Key]) -> BatchOutcome {
+        each(keys, |k| self.delete_service6(*k))
+    }
+    /// [`Dataplane::delete_services`] for the IPv6 backends' map.
+    fn delete_backends6(&mut self, ids: &[u32]) -> BatchOutcome {
+        each(ids, |id| self.delete_backend6(*id))
+    }
+    /// [`Dataplane::delete_services`] for the IPv6 reverse-NAT map.
+    fn delete_rev_nats6(&mut self, ids: &[u16]) -> BatchOutcome {
+        each(ids, |id| self.delete_rev_nat6(*id))
     }
 }
