@@ -221,6 +221,63 @@ fn remove_deletes_slot0_first_then_slots_then_rev_nat_then_backends() {
     assert_programmed(&w, &d);
 }
 
+/// Removed frontends' deletes go in batch calls, one step for all of them
+/// at a time (every slot 0, then the slots, then the reverse NAT). A slot 0
+/// that cannot be deleted keeps its frontend whole and answering (its
+/// slots, reverse NAT and backends with it) while the frontends after it
+/// in the same call are removed; the next sync removes it.
+#[test]
+fn a_removed_frontend_whose_slot0_stays_is_kept_whole_and_the_others_go() {
+    let (a, b, c) = (
+        key(1, 80, IPPROTO_TCP),
+        key(2, 80, IPPROTO_TCP),
+        key(3, 80, IPPROTO_TCP),
+    );
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let all = desired(&[(a, &[1, 2]), (b, &[3, 4]), (c, &[5])]);
+    assert!(w.sync(&all).errors.is_empty());
+    let before = w.dataplane().programmed().clone();
+    let b_rev = before.services[&svc(&b, 0)].rev_nat_id;
+
+    // A's slot 0 goes, B's (the second delete) fails, C's goes.
+    w.dataplane_mut().fail_after(1, 1);
+    let report = w.sync(&DesiredState::default());
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    assert!(
+        report.errors[0]
+            .0
+            .starts_with(&format!("{}:80/TCP", b.addr)),
+        "{:?}",
+        report.errors
+    );
+    assert_eq!(report.frontends_removed, 2);
+    let after = w.dataplane().programmed();
+    for slot in 0..=2 {
+        assert_eq!(
+            after.services.get(&svc(&b, slot)),
+            before.services.get(&svc(&b, slot)),
+            "B whole, slot {slot}"
+        );
+    }
+    assert!(after.rev_nat.contains_key(&b_rev), "B's reverse NAT kept");
+    assert_eq!(
+        after.services.len(),
+        3,
+        "A's and C's entries gone: {:?}",
+        after.services
+    );
+    assert_eq!(after.rev_nat.len(), 1, "only B's reverse NAT is left");
+    assert_eq!(after.backends.len(), 2, "B's two backends are left");
+    assert!(w.dataplane().violations().is_empty());
+
+    let report = w.sync(&DesiredState::default());
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.frontends_removed, 1);
+    let after = w.dataplane().programmed();
+    assert!(after.services.is_empty() && after.rev_nat.is_empty() && after.backends.is_empty());
+    assert!(w.dataplane().violations().is_empty());
+}
+
 #[test]
 fn unchanged_state_writes_nothing_and_backends_are_shared() {
     let (a, b) = (key(1, 80, IPPROTO_TCP), key(1, 81, IPPROTO_TCP));

@@ -21,18 +21,6 @@ pub(super) fn delete_service<D: Dataplane>(
     }
 }
 
-/// Deletes backend `id` from the map of `b`'s family (IPv4's when unknown).
-pub(super) fn delete_backend<D: Dataplane>(
-    dp: &mut D,
-    id: u32,
-    b: Option<&BackendEntry>,
-) -> Result<(), DataplaneError> {
-    match b {
-        Some(BackendEntry::V6(_)) => dp.delete_backend6(id),
-        _ => dp.delete_backend(id),
-    }
-}
-
 /// Deletes reverse-NAT `id` from the map of `r`'s family (IPv4's when
 /// unknown).
 pub(super) fn delete_rev_nat<D: Dataplane>(
@@ -55,7 +43,7 @@ pub(super) fn put_services<D: Dataplane>(
     dp: &mut D,
     writes: &[(FrontendKey, u16, Svc4Value)],
 ) -> BatchOutcome {
-    put_runs(
+    runs(
         dp,
         writes,
         |(k, slot, v)| match k.addr {
@@ -72,7 +60,7 @@ pub(super) fn put_backends<D: Dataplane>(
     dp: &mut D,
     writes: &[(u32, BackendEntry)],
 ) -> BatchOutcome {
-    put_runs(
+    runs(
         dp,
         writes,
         |(id, b)| match b {
@@ -89,7 +77,7 @@ pub(super) fn put_rev_nats<D: Dataplane>(
     dp: &mut D,
     writes: &[(u16, RevNatEntry)],
 ) -> BatchOutcome {
-    put_runs(
+    runs(
         dp,
         writes,
         |(id, r)| match r {
@@ -101,20 +89,76 @@ pub(super) fn put_rev_nats<D: Dataplane>(
     )
 }
 
-/// `writes` in order, stopping at the first that fails: `entry` gives each
-/// one's IPv4 map entry (`Ok`) or IPv6 one (`Err`); each run of one family's
-/// entries goes to `batch4` or `batch6` in one call.
-fn put_runs<D: Dataplane, T, A, B>(
+/// Deletes slots `(frontend, slot)` in order, as single deletes one after
+/// the other would, stopping at the first that fails
+/// ([`Dataplane::delete_services`]): each run of one family's slots in one
+/// batch call, as [`put_services`] writes.
+pub(super) fn delete_services<D: Dataplane>(
     dp: &mut D,
-    writes: &[T],
+    slots: &[(FrontendKey, u16)],
+) -> BatchOutcome {
+    runs(
+        dp,
+        slots,
+        |(k, slot)| match k.addr {
+            IpAddr::V4(a) => Ok(Svc4Key::new(a, k.port, k.proto, k.scope, *slot)),
+            IpAddr::V6(a) => Err(Svc6Key::new(a, k.port, k.proto, k.scope, *slot)),
+        },
+        D::delete_services,
+        D::delete_services6,
+    )
+}
+
+/// As [`delete_services`], for backends `(id, entry)`: each from the map of
+/// its entry's family (IPv4's when unknown).
+pub(super) fn delete_backends<D: Dataplane>(
+    dp: &mut D,
+    ids: &[(u32, Option<BackendEntry>)],
+) -> BatchOutcome {
+    runs(
+        dp,
+        ids,
+        |(id, b)| match b {
+            Some(BackendEntry::V6(_)) => Err(*id),
+            _ => Ok(*id),
+        },
+        D::delete_backends,
+        D::delete_backends6,
+    )
+}
+
+/// As [`delete_backends`], for reverse-NAT entries `(id, entry)`.
+pub(super) fn delete_rev_nats<D: Dataplane>(
+    dp: &mut D,
+    ids: &[(u16, Option<RevNatEntry>)],
+) -> BatchOutcome {
+    runs(
+        dp,
+        ids,
+        |(id, r)| match r {
+            Some(RevNatEntry::V6(_)) => Err(*id),
+            _ => Ok(*id),
+        },
+        D::delete_rev_nats,
+        D::delete_rev_nats6,
+    )
+}
+
+/// `ops` (writes or deletes) in order, stopping at the first that fails:
+/// `entry` gives each one's IPv4 map entry or key (`Ok`) or IPv6 one
+/// (`Err`); each run of one family's goes to `batch4` or `batch6` in one
+/// call.
+fn runs<D: Dataplane, T, A, B>(
+    dp: &mut D,
+    ops: &[T],
     entry: impl Fn(&T) -> Result<A, B>,
     batch4: impl Fn(&mut D, &[A]) -> BatchOutcome,
     batch6: impl Fn(&mut D, &[B]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
-    while let Some(first) = writes.get(done) {
+    while let Some(first) = ops.get(done) {
         let v4 = entry(first).is_ok();
-        let run: Vec<Result<A, B>> = writes[done..]
+        let run: Vec<Result<A, B>> = ops[done..]
             .iter()
             .map(&entry)
             .take_while(|e| e.is_ok() == v4)

@@ -5,18 +5,53 @@
 //! [`Writer::sync_changed`] at the frontends in scope and the ids that may
 //! have lost their last reference ([`super::Loose`]) only: an entry is
 //! deleted in both cases exactly when nothing names it any more.
-use super::{family, Dataplane, FrontendKey, SourceRange, SyncState, Writer};
+use std::collections::BTreeSet;
+
+use super::{
+    family, BackendEntry, Dataplane, DataplaneError, FrontendKey, RevNatEntry, SourceRange,
+    SyncState, Writer,
+};
 use crate::dataplane::ids::backend_addr;
+use crate::dataplane::BatchOutcome;
 use crate::model::DesiredState;
 
 impl<D: Dataplane> Writer<D> {
+    /// Takes `ops` (deletes) in order in batch calls `batch`: `took`
+    /// accounts each one the dataplane took, `failed` the one a call stopped
+    /// at, and a new call goes on after it, so every op is tried once, as
+    /// single deletes one after the other would be.
+    pub(super) fn in_batches<T>(
+        &mut self,
+        s: &mut SyncState,
+        ops: &[T],
+        batch: impl Fn(&mut D, &[T]) -> BatchOutcome,
+        mut took: impl FnMut(&mut Self, &mut SyncState, &T),
+        mut failed: impl FnMut(&mut Self, &mut SyncState, &T, DataplaneError),
+    ) {
+        let mut i = 0;
+        while i < ops.len() {
+            let (n, err) = batch(&mut self.dp, &ops[i..]);
+            let n = n.min(ops.len() - i);
+            for op in &ops[i..i + n] {
+                s.out.wrote();
+                took(self, s, op);
+            }
+            i += n;
+            let (Some(e), Some(op)) = (err, ops.get(i)) else {
+                break;
+            };
+            failed(self, s, op, e);
+            i += 1;
+        }
+    }
+
     /// Deletes every programmed frontend in scope that is not desired: its
-    /// slot 0, then its slots, then its reverse-NAT entry. Invariant: a
-    /// frontend disappears whole before its parts do (no packet reads a slot
-    /// once slot 0 is gone), and a reverse-NAT entry is deleted only once no
-    /// slot 0 names it and all the frontend's slots are gone. A frontend
-    /// whose slot 0 cannot be deleted is kept whole, and looked at again by
-    /// the next sync.
+    /// slot 0, then its slots, then its reverse-NAT entry, each step in batch
+    /// calls for all of them. Invariant: a frontend disappears whole before
+    /// its parts do (no packet reads a slot once slot 0 is gone), and a
+    /// reverse-NAT entry is deleted only once no slot 0 names it and all the
+    /// frontend's slots are gone. A frontend whose slot 0 cannot be deleted
+    /// is kept whole, and looked at again by the next sync.
     pub(super) fn remove_frontends(&mut self, desired: &DesiredState, s: &mut SyncState) {
         let removed: Vec<FrontendKey> = s
             .scope
@@ -24,43 +59,65 @@ impl<D: Dataplane> Writer<D> {
             .filter(|k| self.frontends.contains_key(k) && !desired.frontends.contains_key(k))
             .copied()
             .collect();
-        for key in removed {
-            let entries = self.frontends[&key].clone();
-            if entries.slot0.is_some() {
-                if let Err(e) = family::delete_service(&mut self.dp, &key, 0) {
-                    s.out.unfinished(&key, None, e);
-                    continue;
-                }
-                s.out.wrote();
+        // Frontends whose slot 0 or a slot could not be deleted.
+        let mut kept: BTreeSet<FrontendKey> = BTreeSet::new();
+        let slot0s: Vec<(FrontendKey, u16)> = removed
+            .iter()
+            .filter(|k| self.frontends[k].slot0.is_some())
+            .map(|k| (*k, 0))
+            .collect();
+        self.in_batches(
+            s,
+            &slot0s,
+            family::delete_services,
+            |w, s, (key, _)| {
                 s.out.report.frontends_removed += 1;
-                self.mirror_slot0(&key, None);
-            }
-            let mut clean = true;
-            for slot in entries.slots.keys() {
-                match family::delete_service(&mut self.dp, &key, *slot) {
-                    Ok(()) => {
-                        s.out.wrote();
-                        self.mirror_slot(&key, *slot, None);
-                    }
-                    Err(e) => {
-                        s.out.unfinished(&key, None, e);
-                        clean = false;
-                    }
-                }
-            }
-            if let Some(id) = self.rev_nat_ids.get(&key) {
-                if clean && self.slot0_refs(id) == 0 {
-                    match family::delete_rev_nat(&mut self.dp, id, self.rev_nat.get(&id)) {
-                        Ok(()) => {
-                            s.out.wrote();
-                            self.rev_nat.remove(&id);
-                            self.release_rev_nat(&key);
-                        }
-                        Err(e) => s.out.unfinished(&key, None, e),
-                    }
-                }
-            }
-            self.forget_if_empty(&key);
+                w.mirror_slot0(key, None);
+            },
+            |_, s, (key, _), e| {
+                s.out.unfinished(key, None, e);
+                kept.insert(*key);
+            },
+        );
+        let slots: Vec<(FrontendKey, u16)> = removed
+            .iter()
+            .filter(|k| !kept.contains(k))
+            .flat_map(|k| self.frontends[k].slots.keys().map(|slot| (*k, *slot)))
+            .collect();
+        let mut unclean: BTreeSet<FrontendKey> = BTreeSet::new();
+        self.in_batches(
+            s,
+            &slots,
+            family::delete_services,
+            |w, _, (key, slot)| w.mirror_slot(key, *slot, None),
+            |_, s, (key, _), e| {
+                s.out.unfinished(key, None, e);
+                unclean.insert(*key);
+            },
+        );
+        let rev_nats: Vec<(FrontendKey, u16, Option<RevNatEntry>)> = removed
+            .iter()
+            .filter(|k| !kept.contains(k) && !unclean.contains(k))
+            .filter_map(|k| Some((*k, self.rev_nat_ids.get(k)?)))
+            .filter(|(_, id)| self.slot0_refs(*id) == 0)
+            .map(|(k, id)| (k, id, self.rev_nat.get(&id).copied()))
+            .collect();
+        self.in_batches(
+            s,
+            &rev_nats,
+            |dp, ops| {
+                let ids: Vec<(u16, Option<RevNatEntry>)> =
+                    ops.iter().map(|(_, id, r)| (*id, *r)).collect();
+                family::delete_rev_nats(dp, &ids)
+            },
+            |w, _, (key, id, _)| {
+                w.rev_nat.remove(id);
+                w.release_rev_nat(key);
+            },
+            |_, s, (key, ..), e| s.out.unfinished(key, None, e),
+        );
+        for key in &removed {
+            self.forget_if_empty(key);
         }
     }
 
@@ -92,18 +149,22 @@ impl<D: Dataplane> Writer<D> {
             .into_iter()
             .filter(|id| self.rev_nat_ids.owner(*id).is_none() && self.slot0_refs(*id) == 0)
             .collect();
-        for id in stale {
-            match family::delete_rev_nat(&mut self.dp, id, self.rev_nat.get(&id)) {
-                Ok(()) => {
-                    s.out.wrote();
-                    self.rev_nat.remove(&id);
-                }
-                Err(e) => {
-                    s.out.retry.rev_nat.insert(id);
-                    s.out.error(format!("reverse NAT {id}"), e);
-                }
-            }
-        }
+        let ops: Vec<(u16, Option<RevNatEntry>)> = stale
+            .into_iter()
+            .map(|id| (id, self.rev_nat.get(&id).copied()))
+            .collect();
+        self.in_batches(
+            s,
+            &ops,
+            family::delete_rev_nats,
+            |w, _, (id, _)| {
+                w.rev_nat.remove(id);
+            },
+            |_, s, (id, _), e| {
+                s.out.retry.rev_nat.insert(*id);
+                s.out.error(format!("reverse NAT {id}"), e);
+            },
+        );
     }
 
     /// Deletes the source ranges of reverse-NAT ids no desired frontend owns.
@@ -172,20 +233,24 @@ impl<D: Dataplane> Writer<D> {
                 !self.slot_refs.contains_key(id) && !retained
             })
             .collect();
-        for id in unused {
-            match family::delete_backend(&mut self.dp, id, self.backends.get(&id)) {
-                Ok(()) => {
-                    s.out.wrote();
-                    s.out.report.backends_removed += 1;
-                    if let Some(b) = self.backends.remove(&id) {
-                        self.backend_ids.release(&b, id);
-                    }
+        let ops: Vec<(u32, Option<BackendEntry>)> = unused
+            .into_iter()
+            .map(|id| (id, self.backends.get(&id).copied()))
+            .collect();
+        self.in_batches(
+            s,
+            &ops,
+            family::delete_backends,
+            |w, s, (id, _)| {
+                s.out.report.backends_removed += 1;
+                if let Some(b) = w.backends.remove(id) {
+                    w.backend_ids.release(&b, *id);
                 }
-                Err(e) => {
-                    s.out.retry.backends.insert(id);
-                    s.out.error(format!("backend id {id}"), e);
-                }
-            }
-        }
+            },
+            |_, s, (id, _), e| {
+                s.out.retry.backends.insert(*id);
+                s.out.error(format!("backend id {id}"), e);
+            },
+        );
     }
 }

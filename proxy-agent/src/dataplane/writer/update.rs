@@ -366,6 +366,7 @@ impl<D: Dataplane> Writer<D> {
     /// deleted only once slot 0 no longer counts it (its slot 0 with the new
     /// count is written: failed frontends are skipped).
     pub(super) fn delete_obsolete_slots(&mut self, desired: &DesiredState, s: &mut SyncState) {
+        let mut obsolete: Vec<(FrontendKey, u16)> = Vec::new();
         for (key, target) in &s.targets {
             if s.out.is_failed(key) {
                 continue;
@@ -373,23 +374,19 @@ impl<D: Dataplane> Writer<D> {
             let Some(entries) = self.frontends.get(key) else {
                 continue;
             };
-            let obsolete: Vec<u16> = entries
-                .slots
-                .keys()
-                .copied()
-                .filter(|slot| *slot > target.count)
-                .collect();
-            for slot in obsolete {
-                match family::delete_service(&mut self.dp, key, slot) {
-                    Ok(()) => {
-                        s.out.wrote();
-                        s.touched.insert(*key);
-                        self.mirror_slot(key, slot, None);
-                    }
-                    Err(e) => s.out.unfinished(key, desired.frontends.get(key), e),
-                }
-            }
+            let beyond = entries.slots.keys().filter(|slot| **slot > target.count);
+            obsolete.extend(beyond.map(|slot| (*key, *slot)));
         }
+        self.in_batches(
+            s,
+            &obsolete,
+            family::delete_services,
+            |w, s, (key, slot)| {
+                s.touched.insert(*key);
+                w.mirror_slot(key, *slot, None);
+            },
+            |_, s, (key, _), e| s.out.unfinished(key, desired.frontends.get(key), e),
+        );
     }
 
     /// Deletes the source ranges a desired frontend no longer has.
