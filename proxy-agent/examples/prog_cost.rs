@@ -259,6 +259,20 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
             "no_service_ns": none, "baseline_ns": baseline, "runs": runs,
         }));
     }
+    // Every Service deleted at once (a namespace of them, or a stale
+    // agent's leftovers): the prune phases' deletes.
+    let t_remove = std::time::Instant::now();
+    let report = h.writer.sync(&DesiredState::default());
+    eprintln!(
+        "N={max}: the writer removed them all in {:.1} ms ({} map deletes)",
+        t_remove.elapsed().as_secs_f64() * 1e3,
+        report.writes
+    );
+    anyhow::ensure!(
+        report.errors.is_empty(),
+        "removing {max} services: {:?}",
+        report.errors.first()
+    );
     Ok(rows)
 }
 
