@@ -622,15 +622,13 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
     if !doc.trim_start().starts_with('{') {
         return false;
     }
-    // A JSON object with a key twice is the YAML path's to refuse
-    // (serde_json's Value would keep the last one silently).
-    if serde_json::from_str::<UniqueKeys>(doc).is_err() {
-        return false;
-    }
     // Through a `serde_json::Value`: its arrays know their length, so the
     // object's lists are allocated at their size (straight from the text,
-    // every list would keep room for four).
-    let Ok(value) = serde_json::from_str::<serde_json::Value>(doc) else {
+    // every list would keep room for four). A JSON object with a key twice
+    // is the YAML path's to refuse (serde_json's own `Value` would keep the
+    // last one silently): `UniqueValue` checks as it builds, in the same
+    // pass over the text.
+    let Ok(UniqueValue(value)) = serde_json::from_str::<UniqueValue>(doc) else {
         return false;
     };
     let field = |f: &str| value.get(f).and_then(serde_json::Value::as_str);
@@ -651,97 +649,76 @@ fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
     typed.is_ok_and(|t| push_typed(t, snapshot).is_ok())
 }
 
-/// A JSON value whose objects have each key once (deserializing fails
-/// otherwise).
-struct UniqueKeys;
+/// A JSON value whose objects have each key once: built as serde_json's
+/// `Value` is, and refused at a key its object already has.
+struct UniqueValue(serde_json::Value);
 
-impl<'de> serde::Deserialize<'de> for UniqueKeys {
+impl<'de> serde::Deserialize<'de> for UniqueValue {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde_json::Value;
         struct Visitor;
         impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = UniqueKeys;
+            type Value = UniqueValue;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON value")
             }
-            fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_bool<E>(self, b: bool) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::Bool(b)))
             }
-            fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_i64<E>(self, n: i64) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::Number(n.into())))
             }
-            fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_u64<E>(self, n: u64) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::Number(n.into())))
             }
-            fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_f64<E>(self, f: f64) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(
+                    serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number),
+                ))
             }
-            fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_str<E>(self, s: &str) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::String(s.to_owned())))
             }
-            fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
-                Ok(UniqueKeys)
+            fn visit_string<E>(self, s: String) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::String(s)))
+            }
+            fn visit_unit<E>(self) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::Null))
+            }
+            fn visit_none<E>(self) -> Result<UniqueValue, E> {
+                Ok(UniqueValue(Value::Null))
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<UniqueValue, D::Error> {
+                serde::Deserialize::deserialize(d)
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
                 self,
                 mut seq: A,
-            ) -> Result<UniqueKeys, A::Error> {
-                while seq.next_element::<UniqueKeys>()?.is_some() {}
-                Ok(UniqueKeys)
+            ) -> Result<UniqueValue, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(UniqueValue(v)) = seq.next_element()? {
+                    out.push(v);
+                }
+                Ok(UniqueValue(Value::Array(out)))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> Result<UniqueKeys, A::Error> {
-                // Most objects have a handful of keys: a linear search of
-                // keys borrowed from the text (where they need no
-                // unescaping), a hash set past that, so that a map of many
-                // keys costs no more than linear time.
-                const LINEAR: usize = 16;
-                let mut few: Vec<std::borrow::Cow<'de, str>> = Vec::new();
-                let mut many: std::collections::HashSet<std::borrow::Cow<'de, str>> =
-                    std::collections::HashSet::new();
-                while let Some(JsonKey(k)) = map.next_key::<JsonKey<'de>>()? {
-                    let seen = if few.len() < LINEAR {
-                        let seen = few.contains(&k);
-                        few.push(k);
-                        seen
-                    } else {
-                        if many.is_empty() {
-                            many.extend(few.iter().cloned());
-                        }
-                        !many.insert(k)
-                    };
-                    if seen {
+            ) -> Result<UniqueValue, A::Error> {
+                let mut out = serde_json::Map::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    let UniqueValue(v) = map.next_value()?;
+                    if out.insert(k, v).is_some() {
                         return Err(serde::de::Error::custom("duplicate key"));
                     }
-                    map.next_value::<UniqueKeys>()?;
                 }
-                Ok(UniqueKeys)
+                Ok(UniqueValue(Value::Object(out)))
             }
         }
         d.deserialize_any(Visitor)
-    }
-}
-
-/// A JSON object key, borrowed from the text unless it has escapes.
-struct JsonKey<'de>(std::borrow::Cow<'de, str>);
-
-impl<'de> serde::Deserialize<'de> for JsonKey<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = JsonKey<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<JsonKey<'de>, E> {
-                Ok(JsonKey(std::borrow::Cow::Borrowed(s)))
-            }
-            fn visit_str<E>(self, s: &str) -> Result<JsonKey<'de>, E> {
-                Ok(JsonKey(std::borrow::Cow::Owned(s.to_string())))
-            }
-        }
-        d.deserialize_str(Visitor)
     }
 }
 
