@@ -278,6 +278,48 @@ fn a_removed_frontend_whose_slot0_stays_is_kept_whole_and_the_others_go() {
     assert!(w.dataplane().violations().is_empty());
 }
 
+/// A removed frontend whose reverse-NAT entry cannot be deleted (its slots
+/// are gone) leaves that entry to the next sync, full or incremental, which
+/// deletes it: nothing is left in the maps for the agent's lifetime.
+#[test]
+fn a_reverse_nat_entry_that_fails_to_delete_is_deleted_by_the_next_sync() {
+    let a = key(1, 80, IPPROTO_TCP);
+    for incremental in [false, true] {
+        let mut w = Writer::adopt(InMemory::default()).unwrap();
+        assert!(w.sync(&desired(&[(a, &[1, 2])])).errors.is_empty());
+        // Slot 0, slot 1, slot 2 go; the reverse-NAT delete (op 3) fails,
+        // and so does the same sync's second try (an unowned entry's).
+        w.dataplane_mut().fail_after(3, 2);
+        let empty = DesiredState::default();
+        let report = w.sync(&empty);
+        assert_eq!(report.errors.len(), 2, "{:?}", report.errors);
+        assert_eq!(w.dataplane().programmed().rev_nat.len(), 1);
+        assert!(w.dataplane().programmed().services.is_empty());
+
+        let report = if incremental {
+            let none = std::collections::BTreeSet::new();
+            w.sync_changed(
+                &empty,
+                proxy_agent::dataplane::Changes {
+                    frontends: &none,
+                    local_endpoints: &std::collections::BTreeSet::new(),
+                },
+            )
+        } else {
+            w.sync(&empty)
+        };
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let left = w.dataplane().programmed();
+        assert!(
+            left.rev_nat.is_empty() && left.backends.is_empty(),
+            "incremental {incremental}: {:?} {:?}",
+            left.rev_nat,
+            left.backends
+        );
+        assert!(w.dataplane().violations().is_empty());
+    }
+}
+
 #[test]
 fn unchanged_state_writes_nothing_and_backends_are_shared() {
     let (a, b) = (key(1, 80, IPPROTO_TCP), key(1, 81, IPPROTO_TCP));

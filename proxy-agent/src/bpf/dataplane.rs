@@ -137,7 +137,8 @@ impl BpfDataplane {
 }
 
 fn op_err(map: &'static str, op: &'static str, capacity: u32, e: MapError) -> DataplaneError {
-    if let MapError::SyscallError(s) = &e {
+    // A write that finds no room; a delete never does.
+    if let (MapError::SyscallError(s), false) = (&e, op == "delete") {
         if s.io_error.raw_os_error() == Some(libc::E2BIG)
             || s.io_error.raw_os_error() == Some(libc::ENOMEM)
         {

@@ -31,6 +31,11 @@ impl<D: Dataplane> Writer<D> {
         let mut i = 0;
         while i < ops.len() {
             let (n, err) = batch(&mut self.dp, &ops[i..]);
+            // A dataplane that stops names an op it did not take.
+            debug_assert!(
+                err.is_none() || n < ops.len() - i,
+                "an error past the last op"
+            );
             let n = n.min(ops.len() - i);
             for op in &ops[i..i + n] {
                 s.out.wrote();
@@ -95,13 +100,23 @@ impl<D: Dataplane> Writer<D> {
                 unclean.insert(*key);
             },
         );
-        let rev_nats: Vec<(FrontendKey, u16, Option<RevNatEntry>)> = removed
+        // The frontends gone whole: their reverse-NAT ids are released
+        // whether or not the entry can go now. One a slot 0 still names
+        // (an adopted leftover's) or whose delete fails is then an unowned
+        // entry, which `delete_stale_rev_nat` deletes once nothing names it.
+        let mut rev_nats: Vec<(FrontendKey, u16, Option<RevNatEntry>)> = Vec::new();
+        for key in removed
             .iter()
             .filter(|k| !kept.contains(k) && !unclean.contains(k))
-            .filter_map(|k| Some((*k, self.rev_nat_ids.get(k)?)))
-            .filter(|(_, id)| self.slot0_refs(*id) == 0)
-            .map(|(k, id)| (k, id, self.rev_nat.get(&id).copied()))
-            .collect();
+        {
+            let Some(id) = self.rev_nat_ids.get(key) else {
+                continue;
+            };
+            if self.slot0_refs(id) == 0 {
+                rev_nats.push((*key, id, self.rev_nat.get(&id).copied()));
+            }
+            self.release_rev_nat(key);
+        }
         self.in_batches(
             s,
             &rev_nats,
@@ -110,11 +125,13 @@ impl<D: Dataplane> Writer<D> {
                     ops.iter().map(|(_, id, r)| (*id, *r)).collect();
                 family::delete_rev_nats(dp, &ids)
             },
-            |w, _, (key, id, _)| {
+            |w, _, (_, id, _)| {
                 w.rev_nat.remove(id);
-                w.release_rev_nat(key);
             },
-            |_, s, (key, ..), e| s.out.unfinished(key, None, e),
+            |_, s, (key, id, _), e| {
+                s.out.retry.rev_nat.insert(*id);
+                s.out.unfinished(key, None, e);
+            },
         );
         for key in &removed {
             self.forget_if_empty(key);
