@@ -598,3 +598,36 @@ fn the_file_cache_sees_restored_times_removed_bad_files_and_duplicate_json_keys(
         Some(40)
     );
 }
+
+/// A document of brackets nested thousands deep is refused with an error
+/// that says so, at the line where it goes too deep, before the YAML parser
+/// reads it (whose scanner takes time growing with the square of the depth
+/// to refuse it); the file's other documents load. Brackets in quoted
+/// strings and comments are not nesting.
+#[test]
+fn brackets_nested_thousands_deep_are_refused_and_the_other_documents_load() {
+    let deep = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: deep\nspec:\n  ports: {}{}\n",
+        "[".repeat(5_000),
+        "]".repeat(5_000)
+    );
+    let brackets = "[".repeat(3_000);
+    let quoted = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: quoted\n  annotations:\n    a: \"{brackets}\"\n    b: '{brackets}'\n# {brackets}\nspec:\n  clusterIP: 198.19.0.2\n  ports: [{{port: 80}}]\n"
+    );
+    let good = "apiVersion: v1\nkind: Service\nmetadata:\n  name: good\nspec:\n  clusterIP: 198.19.0.1\n  ports: [{port: 80}]\n";
+    let text = format!("{good}---\n{deep}---\n{quoted}");
+    let mut snap = Snapshot::default();
+    let mut errors = Vec::new();
+    load_str(Path::new("m.yaml"), &text, &mut snap, &mut errors);
+    assert_eq!(names(&snap.services), ["default/good", "default/quoted"]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].document, Some(2));
+    assert!(
+        errors[0]
+            .message
+            .contains("line 14: brackets nested more than 1000 levels deep"),
+        "{}",
+        errors[0].message
+    );
+}
