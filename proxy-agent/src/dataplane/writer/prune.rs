@@ -64,7 +64,7 @@ impl<D: Dataplane> Writer<D> {
             .filter(|k| self.frontends.contains_key(k) && !desired.frontends.contains_key(k))
             .copied()
             .collect();
-        // Frontends whose slot 0 or a slot could not be deleted.
+        // Frontends whose slot 0 could not be deleted: kept whole.
         let mut kept: BTreeSet<FrontendKey> = BTreeSet::new();
         let slot0s: Vec<(FrontendKey, u16)> = removed
             .iter()
@@ -89,6 +89,8 @@ impl<D: Dataplane> Writer<D> {
             .filter(|k| !kept.contains(k))
             .flat_map(|k| self.frontends[k].slots.keys().map(|slot| (*k, *slot)))
             .collect();
+        // Frontends a slot of which could not be deleted: their reverse-NAT
+        // entry stays for the next sync.
         let mut unclean: BTreeSet<FrontendKey> = BTreeSet::new();
         self.in_batches(
             s,
