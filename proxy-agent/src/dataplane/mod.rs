@@ -130,6 +130,38 @@ fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
 /// ones), and the error of the entry it stopped at, if it stopped.
 pub type BatchOutcome = (usize, Option<DataplaneError>);
 
+/// The most entries the writer hands one batch call (the BPF dataplane's
+/// batch: one syscall).
+pub const BATCH_MAX: usize = 4_096;
+
+/// The sizes of the batch calls the writer makes for a phase's entries:
+/// from 64 doubling to [`BATCH_MAX`], back to 64 after a call that stops
+/// at a failure. A call costs the writer its entries' preparation, whether
+/// the dataplane takes them or stops at the first; where every entry fails
+/// (a full map), each failure costs 64 entries' preparation, not that of
+/// all the entries left.
+#[derive(Clone, Copy)]
+pub struct BatchSizes(usize);
+
+impl Default for BatchSizes {
+    fn default() -> Self {
+        Self(64)
+    }
+}
+
+impl BatchSizes {
+    /// The size of the next call (and the one after it doubles).
+    pub fn take(&mut self) -> usize {
+        let n = self.0;
+        self.0 = (n * 2).min(BATCH_MAX);
+        n
+    }
+    /// After a call that stopped at a failure.
+    pub fn failed(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// `entries` taken one at a time with `op` (a put or a delete), stopping at
 /// the first error.
 pub fn each<T>(

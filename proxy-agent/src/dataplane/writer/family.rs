@@ -7,7 +7,9 @@ use std::net::IpAddr;
 
 use proxy_common::{Svc4Key, Svc4Value, Svc6Key};
 
-use super::super::{BackendEntry, BatchOutcome, Dataplane, DataplaneError, RevNatEntry};
+use super::super::{
+    BackendEntry, BatchOutcome, BatchSizes, Dataplane, DataplaneError, RevNatEntry,
+};
 use crate::model::FrontendKey;
 
 pub(super) fn delete_service<D: Dataplane>(
@@ -146,8 +148,8 @@ pub(super) fn delete_rev_nats<D: Dataplane>(
 
 /// `ops` (writes or deletes) in order, stopping at the first that fails:
 /// `entry` gives each one's IPv4 map entry or key (`Ok`) or IPv6 one
-/// (`Err`); each run of one family's goes to `batch4` or `batch6` in one
-/// call.
+/// (`Err`); each run of one family's goes to `batch4` or `batch6` in calls
+/// of [`BatchSizes`].
 fn runs<D: Dataplane, T, A, B>(
     dp: &mut D,
     ops: &[T],
@@ -156,10 +158,12 @@ fn runs<D: Dataplane, T, A, B>(
     batch6: impl Fn(&mut D, &[B]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
+    let mut sizes = BatchSizes::default();
     while let Some(first) = ops.get(done) {
         let v4 = entry(first).is_ok();
         let run: Vec<Result<A, B>> = ops[done..]
             .iter()
+            .take(sizes.take())
             .map(&entry)
             .take_while(|e| e.is_ok() == v4)
             .collect();

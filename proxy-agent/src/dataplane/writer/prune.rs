@@ -12,14 +12,14 @@ use super::{
     SyncState, Writer,
 };
 use crate::dataplane::ids::backend_addr;
-use crate::dataplane::BatchOutcome;
+use crate::dataplane::{BatchOutcome, BatchSizes};
 use crate::model::DesiredState;
 
 impl<D: Dataplane> Writer<D> {
-    /// Takes `ops` (deletes) in order in batch calls `batch`: `took`
-    /// accounts each one the dataplane took, `failed` the one a call stopped
-    /// at, and a new call goes on after it, so every op is tried once, as
-    /// single deletes one after the other would be.
+    /// Takes `ops` (deletes) in order in batch calls `batch` (of
+    /// [`BatchSizes`]): `took` accounts each one the dataplane took, `failed`
+    /// the one a call stopped at, and a new call goes on after it, so every
+    /// op is tried once, as single deletes one after the other would be.
     pub(super) fn in_batches<T>(
         &mut self,
         s: &mut SyncState,
@@ -29,23 +29,37 @@ impl<D: Dataplane> Writer<D> {
         mut failed: impl FnMut(&mut Self, &mut SyncState, &T, DataplaneError),
     ) {
         let mut i = 0;
+        let mut sizes = BatchSizes::default();
         while i < ops.len() {
-            let (n, err) = batch(&mut self.dp, &ops[i..]);
-            // A dataplane that stops names an op it did not take.
+            let call = &ops[i..ops.len().min(i + sizes.take())];
+            let (n, err) = batch(&mut self.dp, call);
+            // A dataplane takes them all, or stops at one it did not take.
             debug_assert!(
-                err.is_none() || n < ops.len() - i,
-                "an error past the last op"
+                if err.is_some() {
+                    n < call.len()
+                } else {
+                    n == call.len()
+                },
+                "a batch outcome that names no op: {n} of {}",
+                call.len()
             );
-            let n = n.min(ops.len() - i);
+            if n == 0 && err.is_none() {
+                break;
+            }
+            let n = n.min(call.len());
             for op in &ops[i..i + n] {
                 s.out.wrote();
                 took(self, s, op);
             }
             i += n;
-            let (Some(e), Some(op)) = (err, ops.get(i)) else {
+            let Some(e) = err else {
+                continue;
+            };
+            let Some(op) = ops.get(i) else {
                 break;
             };
             failed(self, s, op, e);
+            sizes.failed();
             i += 1;
         }
     }
