@@ -465,6 +465,18 @@ pub fn load_file(path: &Path, snapshot: &mut Snapshot, errors: &mut Vec<Manifest
 
 /// Loads the documents of `text` (read from `path`, used in errors) into `snapshot`.
 pub fn load_str(path: &Path, text: &str, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>) {
+    // A byte-order mark may start the file, or a line of it where files
+    // were joined (`cat a.yaml b.yaml`); the YAML parser takes neither.
+    let unmarked: String;
+    let text = if text.contains('\u{feff}') {
+        unmarked = text
+            .split_inclusive('\n')
+            .map(|l| l.strip_prefix('\u{feff}').unwrap_or(l))
+            .collect();
+        &unmarked
+    } else {
+        text
+    };
     for (index, (first_line, doc)) in split_documents(text).into_iter().enumerate() {
         let index = index + 1;
         let err = |object: Option<ObjectRef>, message: String| ManifestError {
@@ -550,46 +562,63 @@ pub fn load_str(path: &Path, text: &str, snapshot: &mut Snapshot, errors: &mut V
 const MAX_FLOW_DEPTH: usize = 1_000;
 
 /// The 1-based line (within `doc`) where its brackets open a level past
-/// [`MAX_FLOW_DEPTH`], if they do. Brackets in quoted strings and comments
-/// do not count; the count is otherwise rough (a bracket in a plain or
-/// block scalar counts too), so the limit is far above any real object's
-/// nesting.
+/// [`MAX_FLOW_DEPTH`], if they do. The count is rough, never a parse: it
+/// takes the deeper of two counts, one that skips brackets in quoted strings
+/// and comments (a quote counts as opening a string only where a quoted
+/// value can begin: at the start of a line or after whitespace, `[`, `{`,
+/// `,`, or a `:` closing a quoted key), and one that skips nothing, so that
+/// an odd quote in a plain value (`o'brien`) or a bracket in a quoted string
+/// hides no nesting from both. A bracket in a plain or block scalar counts
+/// too, so the limit is far above any real object's nesting.
 fn too_deep(doc: &str) -> Option<usize> {
-    let (mut depth, mut line) = (0usize, 1usize);
-    let (mut double, mut single, mut comment, mut escaped) = (false, false, false, false);
-    let mut previous = b'\n';
+    let (mut depth, mut raw, mut line) = (0usize, 0usize, 1usize);
+    let mut quote: Option<u8> = None;
+    let (mut comment, mut escaped) = (false, false);
+    // The byte before this one, and the one before that.
+    let (mut previous, mut before) = (b'\n', b'\n');
     for &b in doc.as_bytes() {
+        match b {
+            b'[' | b'{' => raw += 1,
+            b']' | b'}' => raw = raw.saturating_sub(1),
+            _ => {}
+        }
         if b == b'\n' {
             line += 1;
             comment = false;
         } else if comment {
-        } else if double {
+        } else if let Some(q) = quote {
             match b {
                 _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => double = false,
+                b'\\' if q == b'"' => escaped = true,
+                _ if b == q => quote = None,
                 _ => {}
             }
-        } else if single {
-            single = b != b'\'';
         } else {
             match b {
-                b'"' => double = true,
-                b'\'' => single = true,
+                b'"' | b'\'' if opens_quoted(previous, before) => quote = Some(b),
                 b'#' if previous.is_ascii_whitespace() => comment = true,
-                b'[' | b'{' => {
-                    depth += 1;
-                    if depth > MAX_FLOW_DEPTH {
-                        return Some(line);
-                    }
-                }
+                b'[' | b'{' => depth += 1,
                 b']' | b'}' => depth = depth.saturating_sub(1),
                 _ => {}
             }
         }
-        previous = b;
+        if depth.max(raw) > MAX_FLOW_DEPTH {
+            return Some(line);
+        }
+        (before, previous) = (previous, b);
     }
     None
+}
+
+/// Whether a quote after `previous` (after `before`) can open a quoted
+/// value: at the start of a line or after whitespace, a flow collection's
+/// `[`, `{` or `,`, or the `:` of a quoted key (`{"a":"b"}`).
+fn opens_quoted(previous: u8, before: u8) -> bool {
+    match previous {
+        b'[' | b'{' | b',' => true,
+        b':' => matches!(before, b'"' | b'\''),
+        _ => previous.is_ascii_whitespace(),
+    }
 }
 
 /// A syntax error's message with its line numbers (relative to the

@@ -602,32 +602,82 @@ fn the_file_cache_sees_restored_times_removed_bad_files_and_duplicate_json_keys(
 /// A document of brackets nested thousands deep is refused with an error
 /// that says so, at the line where it goes too deep, before the YAML parser
 /// reads it (whose scanner takes time growing with the square of the depth
-/// to refuse it); the file's other documents load. Brackets in quoted
-/// strings and comments are not nesting.
+/// to refuse it); the file's other documents load. Neither an odd quote in
+/// a plain value nor closing brackets in quoted strings hide the nesting.
 #[test]
 fn brackets_nested_thousands_deep_are_refused_and_the_other_documents_load() {
-    let deep = format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: deep\nspec:\n  ports: {}{}\n",
-        "[".repeat(5_000),
-        "]".repeat(5_000)
+    let svc = |name: &str, extra: &str, ports: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n{extra}spec:\n  clusterIP: 198.19.0.1\n  ports: {ports}\n")
+    };
+    let deep = svc(
+        "deep",
+        "",
+        &format!("{}{}", "[".repeat(5_000), "]".repeat(5_000)),
     );
-    let brackets = "[".repeat(3_000);
-    let quoted = format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: quoted\n  annotations:\n    a: \"{brackets}\"\n    b: '{brackets}'\n# {brackets}\nspec:\n  clusterIP: 198.19.0.2\n  ports: [{{port: 80}}]\n"
+    // An apostrophe in a plain value does not open a quoted string.
+    let apostrophe = svc(
+        "apostrophe",
+        "  annotations:\n    owner: o'brien\n",
+        &format!("{}{}", "[".repeat(2_000), "]".repeat(2_000)),
     );
-    let good = "apiVersion: v1\nkind: Service\nmetadata:\n  name: good\nspec:\n  clusterIP: 198.19.0.1\n  ports: [{port: 80}]\n";
-    let text = format!("{good}---\n{deep}---\n{quoted}");
+    // `"]"` is a string: it closes nothing.
+    let quoted_closers = svc("closers", "", &format!("{}]", "[ \"]\", ".repeat(1_500)));
+    // Brackets in quoted strings and comments, well under the limit.
+    let b = "[".repeat(300);
+    let quoted = svc(
+        "quoted",
+        &format!("  annotations:\n    a: \"{b}\"\n    b: '{b}'\n# {b}\n"),
+        "[{port: 80}]",
+    );
+    let good = svc("good", "", "[{port: 80}]");
+    let text = [good.as_str(), &deep, &apostrophe, &quoted_closers, &quoted].join("---\n");
     let mut snap = Snapshot::default();
     let mut errors = Vec::new();
     load_str(Path::new("m.yaml"), &text, &mut snap, &mut errors);
     assert_eq!(names(&snap.services), ["default/good", "default/quoted"]);
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert_eq!(errors[0].document, Some(2));
-    assert!(
-        errors[0]
-            .message
-            .contains("line 14: brackets nested more than 1000 levels deep"),
-        "{}",
-        errors[0].message
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    let at: Vec<(Option<usize>, &str)> = errors
+        .iter()
+        .map(|e| (e.document, e.message.as_str()))
+        .collect();
+    let too_deep = |line: usize| format!("line {line}: brackets nested more than 1000 levels deep");
+    assert_eq!(
+        at,
+        [
+            (Some(2), too_deep(15).as_str()),
+            (Some(3), too_deep(25).as_str()),
+            (Some(4), too_deep(33).as_str()),
+        ],
+        "{errors:?}"
     );
+}
+
+/// A byte-order mark at the start of a file, or of a line where two files
+/// were joined, is no content: every document loads.
+#[test]
+fn a_byte_order_mark_starting_a_file_or_a_joined_one_is_skipped() {
+    let svc = |name: &str, ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n  clusterIP: {ip}\n  ports:\n  - port: 80\n")
+    };
+    let bom = '\u{feff}';
+    for text in [
+        format!("{bom}{}", svc("a", "198.19.0.1")),
+        format!("{bom}---\n{}", svc("a", "198.19.0.1")),
+        format!(
+            "{bom}{}---\n{bom}{}",
+            svc("a", "198.19.0.1"),
+            svc("b", "198.19.0.2")
+        ),
+    ] {
+        let mut snap = Snapshot::default();
+        let mut errors = Vec::new();
+        load_str(Path::new("m.yaml"), &text, &mut snap, &mut errors);
+        assert!(errors.is_empty(), "{text:?}: {errors:?}");
+        let expected = if text.contains("name: b") {
+            vec!["default/a", "default/b"]
+        } else {
+            vec!["default/a"]
+        };
+        assert_eq!(names(&snap.services), expected, "{text:?}");
+    }
 }
