@@ -131,12 +131,11 @@ pub fn update_prefix<K: Pod, V: Pod>(
     fd: BorrowedFd<'_>,
     entries: &[(K, V)],
 ) -> (usize, Option<io::Error>) {
-    let mut done = 0;
-    for chunk in entries.chunks(BATCH as usize) {
+    in_chunks(entries, |chunk| {
         let keys: Vec<K> = chunk.iter().map(|(k, _)| *k).collect();
         let values: Vec<V> = chunk.iter().map(|(_, v)| *v).collect();
         // SAFETY: `count` keys and values, alive for the call.
-        let (n, err) = unsafe {
+        unsafe {
             prefix(
                 BPF_MAP_UPDATE_BATCH,
                 fd,
@@ -144,13 +143,8 @@ pub fn update_prefix<K: Pod, V: Pod>(
                 values.as_ptr() as u64,
                 chunk.len(),
             )
-        };
-        done += n;
-        if err.is_some() {
-            return (done, err);
         }
-    }
-    (done, None)
+    })
 }
 
 /// Deletes `keys` from hash map `fd`, in order, in batches of [`BATCH`], as
@@ -159,11 +153,10 @@ pub fn update_prefix<K: Pod, V: Pod>(
 /// stops the kernel too (`ENOENT`), though deleting it was a no-op: the
 /// caller tells that apart and goes on after it.
 pub fn delete_prefix<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> (usize, Option<io::Error>) {
-    let mut done = 0;
-    for chunk in keys.chunks(BATCH as usize) {
+    in_chunks(keys, |chunk| {
         // SAFETY: `count` keys, alive for the call (a delete reads no
         // values).
-        let (n, err) = unsafe {
+        unsafe {
             prefix(
                 BPF_MAP_DELETE_BATCH,
                 fd,
@@ -171,7 +164,19 @@ pub fn delete_prefix<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> (usize, Option<i
                 0,
                 chunk.len(),
             )
-        };
+        }
+    })
+}
+
+/// `batch` over `items` in chunks of [`BATCH`], in order, stopping at the
+/// first chunk the kernel stopped in: how many were taken, and its error.
+fn in_chunks<T>(
+    items: &[T],
+    mut batch: impl FnMut(&[T]) -> (usize, Option<io::Error>),
+) -> (usize, Option<io::Error>) {
+    let mut done = 0;
+    for chunk in items.chunks(BATCH as usize) {
+        let (n, err) = batch(chunk);
         done += n;
         if err.is_some() {
             return (done, err);
