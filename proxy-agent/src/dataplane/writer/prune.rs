@@ -177,13 +177,10 @@ impl<D: Dataplane> Writer<D> {
     /// previous agent). Invariant: an entry a slot 0 still names is kept,
     /// owned or not (replies of its flows are translated back with it).
     pub(super) fn delete_stale_rev_nat(&mut self, s: &mut SyncState) {
-        let stale: Vec<u16> = self
+        let ops: Vec<(u16, Option<RevNatEntry>)> = self
             .rev_nat_candidates(s, &self.rev_nat)
             .into_iter()
             .filter(|id| self.rev_nat_ids.owner(*id).is_none() && self.slot0_refs(*id) == 0)
-            .collect();
-        let ops: Vec<(u16, Option<RevNatEntry>)> = stale
-            .into_iter()
             .map(|id| (id, self.rev_nat.get(&id).copied()))
             .collect();
         self.in_batches(
@@ -257,7 +254,7 @@ impl<D: Dataplane> Writer<D> {
                 .filter(|id| self.backends.contains_key(id))
                 .collect()
         };
-        let unused: Vec<u32> = candidates
+        let ops: Vec<(u32, Option<BackendEntry>)> = candidates
             .into_iter()
             .filter(|id| {
                 let addr = backend_addr(&self.backends[id]);
@@ -265,9 +262,6 @@ impl<D: Dataplane> Writer<D> {
                     self.backend_ids.get(&addr) == Some(*id) && self.users.is_retained(&addr);
                 !self.slot_refs.contains_key(id) && !retained
             })
-            .collect();
-        let ops: Vec<(u32, Option<BackendEntry>)> = unused
-            .into_iter()
             .map(|id| (id, self.backends.get(&id).copied()))
             .collect();
         self.in_batches(
