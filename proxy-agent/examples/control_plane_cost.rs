@@ -12,6 +12,7 @@
 //! youngest Services are reported, not programmed (said on stderr).
 //!
 //! `cargo run --release -p proxy-agent --example control_plane_cost -- [N...]`
+use proxy_common::RevNatId;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -46,19 +47,19 @@ impl Dataplane for Counting {
         self.0 += 1;
         Ok(())
     }
-    fn put_rev_nat(&mut self, _: u16, _: RevNat4) -> Result<(), DataplaneError> {
+    fn put_rev_nat(&mut self, _: RevNatId, _: RevNat4) -> Result<(), DataplaneError> {
         self.0 += 1;
         Ok(())
     }
-    fn delete_rev_nat(&mut self, _: u16) -> Result<(), DataplaneError> {
+    fn delete_rev_nat(&mut self, _: RevNatId) -> Result<(), DataplaneError> {
         self.0 += 1;
         Ok(())
     }
-    fn put_source_range(&mut self, _: u16, _: SourceRange) -> Result<(), DataplaneError> {
+    fn put_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
         self.0 += 1;
         Ok(())
     }
-    fn delete_source_range(&mut self, _: u16, _: SourceRange) -> Result<(), DataplaneError> {
+    fn delete_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
         self.0 += 1;
         Ok(())
     }

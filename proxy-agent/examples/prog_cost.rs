@@ -23,6 +23,7 @@
 //! and times the writer's read of it when it prunes: in batches
 //! (`BPF_MAP_LOOKUP_BATCH`) and with aya's iterator (two syscalls an entry).
 //! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external] [--algorithms] [--affinity]`
+use proxy_common::RevNatId;
 use std::net::Ipv4Addr;
 
 use proxy_agent::{
@@ -403,8 +404,7 @@ fn measure_affinity_read() -> anyhow::Result<()> {
     for i in 0..capacity::AFFINITY {
         let key = Affinity4Key {
             client_be: (0xc612_0000 + i).to_be(),
-            rev_nat_id: 1 + (i % 1000) as u16,
-            _pad: 0,
+            rev_nat_id: 1 + (i % 1000) as RevNatId,
         };
         let value = Affinity4Value {
             backend_id: 1 + i % 7,

@@ -227,6 +227,48 @@ pub struct Conntrack {
     pub tcp_be_liberal: Option<bool>,
 }
 
+/// `mapSizes`: entries of the load-balancing maps. The defaults hold 65,535
+/// frontends, 131,071 backends and 262,144 frontend and backend slots;
+/// larger clusters raise them (the maps are allocated at these sizes).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MapSizesFile {
+    /// Frontends and their backend slots: one entry per frontend plus one
+    /// per backend of it (both families).
+    pub services: Option<u32>,
+    /// Backends: one per distinct backend address, port and protocol (both
+    /// families); backend ids stay below it.
+    pub backends: Option<u32>,
+    /// Frontends (one reverse-NAT id each, both families); at most
+    /// 16,777,216.
+    pub reverse_nat: Option<u32>,
+}
+
+/// The largest `mapSizes` value: 2^24 entries.
+pub const MAP_SIZE_MAX: u32 = 1 << 24;
+
+/// `mapSizes` checked onto `sizes`.
+fn checked_map_sizes(file: Option<&MapSizesFile>, sizes: &mut MapSizes) -> Result<(), ConfigError> {
+    let Some(file) = file else {
+        return Ok(());
+    };
+    for (field, value, size) in [
+        ("mapSizes.services", file.services, &mut sizes.services),
+        ("mapSizes.backends", file.backends, &mut sizes.backends),
+        ("mapSizes.reverseNat", file.reverse_nat, &mut sizes.rev_nat),
+    ] {
+        let Some(n) = value else { continue };
+        if !(16..=MAP_SIZE_MAX).contains(&n) {
+            return Err(invalid(
+                field,
+                format!("{n} must be between 16 and {MAP_SIZE_MAX}"),
+            ));
+        }
+        *size = n;
+    }
+    Ok(())
+}
+
 /// `loadBalancing`: the node's default algorithm and Maglev's table.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -370,6 +412,7 @@ pub struct ConfigFile {
     pub localhost_node_ports: Option<bool>,
     pub load_balancing: Option<LoadBalancingFile>,
     pub frontend_policy: Option<FrontendPolicyFile>,
+    pub map_sizes: Option<MapSizesFile>,
 }
 
 impl ConfigFile {
@@ -702,6 +745,7 @@ impl Settings {
         if let Some(n) = flags.conntrack_max {
             map_sizes.conntrack = n;
         }
+        checked_map_sizes(file.map_sizes.as_ref(), &mut map_sizes)?;
         if map_sizes.conntrack == 0 {
             return Err(invalid("conntrack", "the conntrack map cannot be empty"));
         }

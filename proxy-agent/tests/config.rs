@@ -484,3 +484,45 @@ fn snat_ports_stay_out_of_the_hosts_ephemeral_ports() {
         "touching is overlapping"
     );
 }
+
+/// `mapSizes` sizes the maps of frontends and backends (a node with more
+/// than 65,535 frontends raises them); out-of-range values are errors that
+/// name the field, and what is not given keeps its default.
+#[test]
+fn map_sizes_raise_the_frontend_and_backend_maps() {
+    use proxy_agent::bpf::MapSizes;
+    let resolve = |text: &str| {
+        let file = parse(&format!("source: kubernetes\n{text}"))?;
+        Settings::resolve(&file, &run_args(&["--node-name", "n"]))
+            .map(|s| s.map_sizes)
+            .map_err(|e| e.to_string())
+    };
+    let s =
+        resolve("mapSizes: {services: 524288, backends: 262144, reverseNat: 131072}\n").unwrap();
+    assert_eq!(
+        (s.services, s.backends, s.rev_nat),
+        (524_288, 262_144, 131_072)
+    );
+    assert_eq!(s.conntrack, MapSizes::default().conntrack);
+    let s = resolve("mapSizes: {reverseNat: 200000}\n").unwrap();
+    assert_eq!(
+        s,
+        MapSizes {
+            rev_nat: 200_000,
+            ..MapSizes::default()
+        }
+    );
+    for (text, field) in [
+        ("mapSizes: {reverseNat: 16777217}\n", "mapSizes.reverseNat"),
+        ("mapSizes: {services: 0}\n", "mapSizes.services"),
+        ("mapSizes: {backends: 15}\n", "mapSizes.backends"),
+    ] {
+        let e = resolve(text).unwrap_err();
+        assert!(
+            e.contains(field) && e.contains("between 16 and 16777216"),
+            "{text}: {e}"
+        );
+    }
+    let e = resolve("mapSizes: {revNat: 1000}\n").unwrap_err();
+    assert!(e.contains("revNat"), "{e}");
+}

@@ -34,6 +34,8 @@ mod lifecycle;
 mod sctp;
 #[path = "datapath/sockdiag.rs"]
 mod sockdiag;
+#[path = "datapath/upgrade.rs"]
+mod upgrade;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
@@ -807,12 +809,11 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
     // pinned to backend 1, 2 or 3.
     let mut expected_left = BTreeSet::new();
     for i in 0..12_000u32 {
-        let rev_nat_id = 7 + (i % 2) as u16;
+        let rev_nat_id = 7 + i % 2;
         let backend_id = 1 + i % 3;
         let key = Affinity4Key {
             client_be: (0xc612_0000 + i).to_be(),
             rev_nat_id,
-            _pad: 0,
         };
         let value = Affinity4Value {
             backend_id,
@@ -825,7 +826,7 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
             expected_left.insert((key.client_be, rev_nat_id, backend_id));
         }
     }
-    let as_set = |entries: Vec<(Affinity4Key, Affinity4Value)>| -> BTreeSet<(u32, u16, u32)> {
+    let as_set = |entries: Vec<(Affinity4Key, Affinity4Value)>| -> BTreeSet<(u32, u32, u32)> {
         entries
             .into_iter()
             .map(|(k, v)| (k.client_be, k.rev_nat_id, v.backend_id))
@@ -838,7 +839,7 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
     let iterated: Vec<_> = map.iter().map(|r| r.expect("entry")).collect();
     assert_eq!(as_set(batched), as_set(iterated));
 
-    let keep = BTreeMap::from([(7u16, BTreeSet::from([1u32, 3]))]);
+    let keep = BTreeMap::from([(7u32, BTreeSet::from([1u32, 3]))]);
     let removed = h
         .writer
         .dataplane_mut()
@@ -1100,7 +1101,6 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
     let key = Affinity4Key {
         client_be: u32::from_ne_bytes(CLIENT.octets()),
         rev_nat_id: 7,
-        _pad: 0,
     };
     pin_old(
         "AFFINITY4_V0",

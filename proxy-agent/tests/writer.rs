@@ -1741,16 +1741,16 @@ fn a_full_map_costs_each_failed_write_a_bounded_batch() {
         fn delete_service(&mut self, k: Svc4Key) -> Result<(), DataplaneError> {
             self.0.delete_service(k)
         }
-        fn put_rev_nat(&mut self, id: u16, v: RevNat4) -> Result<(), DataplaneError> {
+        fn put_rev_nat(&mut self, id: u32, v: RevNat4) -> Result<(), DataplaneError> {
             self.0.put_rev_nat(id, v)
         }
-        fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+        fn delete_rev_nat(&mut self, id: u32) -> Result<(), DataplaneError> {
             self.0.delete_rev_nat(id)
         }
-        fn put_source_range(&mut self, id: u16, r: SourceRange) -> Result<(), DataplaneError> {
+        fn put_source_range(&mut self, id: u32, r: SourceRange) -> Result<(), DataplaneError> {
             self.0.put_source_range(id, r)
         }
-        fn delete_source_range(&mut self, id: u16, r: SourceRange) -> Result<(), DataplaneError> {
+        fn delete_source_range(&mut self, id: u32, r: SourceRange) -> Result<(), DataplaneError> {
             self.0.delete_source_range(id, r)
         }
         fn put_maglev_chunk(
@@ -1799,4 +1799,55 @@ fn a_full_map_costs_each_failed_write_a_bounded_batch() {
     // be 1,900 × 950 on average, about 1.8 million.
     let offered = w.dataplane().1;
     assert!(offered <= 2_000 + 1_900 * 64, "{offered} entries offered");
+}
+
+/// More than 65,535 frontends (a node of 70,000 ClusterIP Services): each
+/// gets a reverse-NAT id of its own, past 65,535 and below the reverse-NAT
+/// map's size (the per-frontend arrays are indexed by it); with a map of
+/// 65,536 entries, the frontends beyond its 65,535 ids are refused, each
+/// with an error naming the map and its capacity, and the others served.
+#[test]
+fn more_than_65535_frontends_get_ids_of_their_own_below_the_map_size() {
+    const N: u32 = 70_000;
+    let base = u32::from(Ipv4Addr::new(198, 18, 0, 0));
+    let mut d = DesiredState::default();
+    for i in 0..N {
+        let k = FrontendKey {
+            addr: Ipv4Addr::from(base + i).into(),
+            port: 80,
+            proto: IPPROTO_TCP,
+            scope: SCOPE_INTERNAL,
+        };
+        let mut fe = frontend(&key(1, 80, IPPROTO_TCP), &[1]);
+        fe.service = format!("default/svc-{i}");
+        d.frontends.insert(k, fe);
+    }
+
+    let dp = InMemory::with_capacity(4 * N, 16, 80_000).without_checks();
+    let mut w = Writer::adopt(dp).unwrap();
+    let r = w.sync(&d);
+    assert!(r.errors.is_empty(), "{:?}", r.errors.first());
+    assert_eq!(r.frontends_added, N as usize);
+    let ids: std::collections::BTreeSet<u32> = w.rev_nat_ids().values().copied().collect();
+    assert_eq!(ids.len(), N as usize, "one id per frontend");
+    assert_eq!(*ids.first().unwrap(), 1);
+    assert_eq!(*ids.last().unwrap(), N, "ids past 65,535");
+    let rev_nat = &w.dataplane().programmed().rev_nat;
+    assert_eq!(rev_nat.len(), N as usize);
+    assert!(w
+        .dataplane()
+        .programmed()
+        .services
+        .iter()
+        .filter(|(k, _)| k.slot == 0)
+        .all(|(_, v)| rev_nat.contains_key(&v.rev_nat_id)));
+
+    let dp = InMemory::with_capacity(4 * N, 16, 65_536).without_checks();
+    let mut w = Writer::adopt(dp).unwrap();
+    let r = w.sync(&d);
+    assert_eq!(r.frontends_added, 65_535);
+    assert_eq!(r.errors.len(), (N - 65_535) as usize);
+    let e = r.errors[0].1.to_string();
+    assert!(e.contains("REVNAT4") && e.contains("65535"), "{e}");
+    assert!(w.rev_nat_ids().values().all(|id| (1..=65_535).contains(id)));
 }

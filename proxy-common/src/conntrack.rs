@@ -96,7 +96,7 @@ pub fn timeout_ns(cfg: &Config, proto: u8, flags: u16) -> u64 {
 pub trait CtEntry {
     fn flags(&self) -> u16;
     fn last_seen_ns(&self) -> u64;
-    fn rev_nat_id(&self) -> u16;
+    fn rev_nat_id(&self) -> crate::RevNatId;
     fn backend_id(&self) -> u32;
 }
 
@@ -110,7 +110,7 @@ impl CtEntry for Ct4Value {
         self.last_seen_ns
     }
     #[inline(always)]
-    fn rev_nat_id(&self) -> u16 {
+    fn rev_nat_id(&self) -> crate::RevNatId {
         self.rev_nat_id
     }
     #[inline(always)]
@@ -250,7 +250,7 @@ impl Ct4Value {
     #[inline(always)]
     pub const fn reply_of(
         backend_id: u32,
-        rev_nat_id: u16,
+        rev_nat_id: crate::RevNatId,
         flags: u16,
         client_addr_be: u32,
         client_port_be: u16,
@@ -268,7 +268,6 @@ impl Ct4Value {
                     | ct_flags::VIA_STACK
                     | ct_flags::UNREPLIED),
             nat_port_be: if snat_port { client_port_be } else { 0 },
-            _pad: 0,
             last_seen_ns: now_ns,
         }
     }
@@ -482,7 +481,6 @@ mod tests {
                 } else {
                     0
                 },
-                _pad: 0,
                 last_seen_ns: 5,
             };
             let rkey = Ct4Key::reply(IPPROTO_TCP, BACKEND, bport, seen_addr, seen_port);

@@ -237,11 +237,10 @@ impl Ct6Key {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Ct6Value {
     pub backend_id: u32,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: crate::RevNatId,
     /// [`crate::ct_flags`].
     pub flags: u16,
     pub nat_port_be: u16,
-    pub _pad: u16,
     pub nat_addr_be: Addr6,
     pub _pad2: u32,
     /// `bpf_ktime_get_ns()` of the last packet seen (refreshed at most once
@@ -249,8 +248,9 @@ pub struct Ct6Value {
     pub last_seen_ns: u64,
 }
 const _: () = assert!(size_of::<Ct6Value>() == 40);
-const _: () = assert!(offset_of!(Ct6Value, flags) == 6);
-const _: () = assert!(offset_of!(Ct6Value, nat_port_be) == 8);
+const _: () = assert!(offset_of!(Ct6Value, rev_nat_id) == 4);
+const _: () = assert!(offset_of!(Ct6Value, flags) == 8);
+const _: () = assert!(offset_of!(Ct6Value, nat_port_be) == 10);
 const _: () = assert!(offset_of!(Ct6Value, nat_addr_be) == 12);
 const _: () = assert!(offset_of!(Ct6Value, last_seen_ns) == 32);
 
@@ -259,7 +259,7 @@ impl Ct6Value {
     #[inline(always)]
     pub const fn reply_of(
         backend_id: u32,
-        rev_nat_id: u16,
+        rev_nat_id: crate::RevNatId,
         flags: u16,
         client_addr_be: Addr6,
         client_port_be: u16,
@@ -276,7 +276,6 @@ impl Ct6Value {
                     | ct_flags::VIA_STACK
                     | ct_flags::UNREPLIED),
             nat_port_be: if snat_port { client_port_be } else { 0 },
-            _pad: 0,
             nat_addr_be: if snat_addr { client_addr_be } else { [0; 4] },
             _pad2: 0,
             last_seen_ns: now_ns,
@@ -294,7 +293,7 @@ impl CtEntry for Ct6Value {
         self.last_seen_ns
     }
     #[inline(always)]
-    fn rev_nat_id(&self) -> u16 {
+    fn rev_nat_id(&self) -> crate::RevNatId {
         self.rev_nat_id
     }
     #[inline(always)]
@@ -310,8 +309,7 @@ impl CtEntry for Ct6Value {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct SourceRange6 {
     /// Big-endian, so that the LPM trie compares it bytewise.
-    pub rev_nat_id_be: u16,
-    pub _pad: u16,
+    pub rev_nat_id_be: u32,
     pub addr_be: Addr6,
 }
 const _: () = assert!(size_of::<SourceRange6>() == 20);
@@ -336,9 +334,11 @@ const _: () = assert!(offset_of!(SockRevNat6Key, addr_be) == 8);
 pub struct SockRevNat6Value {
     pub addr_be: Addr6,
     pub port_be: u16,
-    pub rev_nat_id: u16,
+    pub _pad: u16,
+    pub rev_nat_id: crate::RevNatId,
 }
-const _: () = assert!(size_of::<SockRevNat6Value>() == 20);
+const _: () = assert!(size_of::<SockRevNat6Value>() == 24);
+const _: () = assert!(offset_of!(SockRevNat6Value, rev_nat_id) == 20);
 
 /// IPv6 fragment key: one datagram being fragmented, as its fragments carry
 /// it (before translation); its value is a [`crate::Frag4Ports`].
@@ -361,8 +361,7 @@ const _: () = assert!(offset_of!(Frag6Key, id_be) == 32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Affinity6Key {
     pub client_be: Addr6,
-    pub rev_nat_id: u16,
-    pub _pad: u16,
+    pub rev_nat_id: crate::RevNatId,
 }
 const _: () = assert!(size_of::<Affinity6Key>() == 20);
 const _: () = assert!(offset_of!(Affinity6Key, rev_nat_id) == 16);

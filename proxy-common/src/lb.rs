@@ -42,29 +42,27 @@ pub const fn maglev_chunks(size: u16) -> u32 {
 /// | offset | field | meaning |
 /// |---|---|---|
 /// | 0 | `rev_nat_id` | the frontend (host order) |
-/// | 2 | `generation` | 0 or 1 |
-/// | 4 | `chunk` | entries `chunk * 256 ..` (host order) |
+/// | 4 | `generation` | 0 or 1 |
+/// | 6 | `chunk` | entries `chunk * 256 ..` (host order) |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct MaglevKey {
-    pub rev_nat_id: u16,
+    pub rev_nat_id: crate::RevNatId,
     pub generation: u8,
     pub _pad: u8,
     pub chunk: u16,
-    pub _pad2: u16,
 }
 const _: () = assert!(size_of::<MaglevKey>() == 8);
-const _: () = assert!(offset_of!(MaglevKey, generation) == 2);
-const _: () = assert!(offset_of!(MaglevKey, chunk) == 4);
+const _: () = assert!(offset_of!(MaglevKey, generation) == 4);
+const _: () = assert!(offset_of!(MaglevKey, chunk) == 6);
 
 impl MaglevKey {
-    pub const fn new(rev_nat_id: u16, generation: u8, chunk: u16) -> Self {
+    pub const fn new(rev_nat_id: crate::RevNatId, generation: u8, chunk: u16) -> Self {
         Self {
             rev_nat_id,
             generation,
             _pad: 0,
             chunk,
-            _pad2: 0,
         }
     }
 }

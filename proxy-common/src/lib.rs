@@ -26,19 +26,32 @@ pub use ipv6::{
     SockRevNat6Value, SourceRange6, Svc6Key,
 };
 
-/// Layout version of every map below. Bump it when any key or value changes.
+/// Layout version of [`Config`]: the datapath passes everything until an
+/// agent wrote a config of this version. Each map's own layout is versioned in
+/// its name (`SVC4_V2`): a map whose key or value changes gets a new name
+/// and the agent a migration from the old one.
 pub const MAP_LAYOUT_VERSION: u32 = 1;
+
+/// A frontend's reverse-NAT id (host order, never 0). It indexes the
+/// per-frontend arrays (traffic, round-robin cursors), so ids stay below the
+/// reverse-NAT map's configured size. 32 bits (layout `_V2`; `u16` in `_V1`):
+/// a node may have more than 65,535 frontends.
+pub type RevNatId = u32;
+
+/// The highest reverse-NAT id (2^24 - 1): the reverse-NAT map holds at most
+/// 2^24 entries (the datapath carries an id with flag bits in one `u32`).
+pub const REV_NAT_ID_MAX: RevNatId = (1 << 24) - 1;
 
 /// Map names as they appear in the object file and under the pin directory.
 pub mod map_names {
     /// Frontends and their backend slots: [`super::Svc4Key`] → [`super::Svc4Value`].
-    pub const SERVICES: &str = "SVC4_V1";
+    pub const SERVICES: &str = "SVC4_V2";
     /// Backends: backend id (`u32`, host order) → [`super::Backend4`].
     pub const BACKENDS: &str = "BACKEND4_V1";
-    /// Reverse NAT: reverse-NAT id (`u16`, host order) → [`super::RevNat4`].
-    pub const REV_NAT: &str = "REVNAT4_V1";
+    /// Reverse NAT: [`super::RevNatId`] → [`super::RevNat4`].
+    pub const REV_NAT: &str = "REVNAT4_V2";
     /// Connection tracking (LRU): [`super::Ct4Key`] → [`super::Ct4Value`].
-    pub const CONNTRACK: &str = "CT4_V1";
+    pub const CONNTRACK: &str = "CT4_V2";
     /// Per-CPU packet counters indexed by [`super::stat`] codes (`u64` each).
     pub const STATS: &str = "STATS_V1";
     /// One [`super::Config`] at index 0.
@@ -47,11 +60,11 @@ pub mod map_names {
     /// delivers to these with `bpf_redirect_peer`.
     pub const IFACES: &str = "IFACE_V1";
     /// Session affinity (LRU): [`super::Affinity4Key`] → [`super::Affinity4Value`].
-    pub const AFFINITY: &str = "AFFINITY4_V1";
+    pub const AFFINITY: &str = "AFFINITY4_V2";
     /// IPv4 fragments (LRU): [`super::Frag4Key`] → [`super::Frag4Ports`].
     pub const FRAGMENTS: &str = "FRAG4_V1";
     /// `loadBalancerSourceRanges` (LPM trie): `{prefix_len, SourceRange4}` → `u8` (1).
-    pub const SOURCE_RANGES: &str = "SRCRANGE4_V1";
+    pub const SOURCE_RANGES: &str = "SRCRANGE4_V2";
     /// Per-CPU traffic of each frontend, indexed by reverse-NAT id → [`super::Traffic`].
     pub const FRONTEND_TRAFFIC: &str = "FE_TRAFFIC_V1";
     /// Per-CPU traffic of each backend, indexed by backend id → [`super::Traffic`].
@@ -59,10 +72,10 @@ pub mod map_names {
     /// Socket-level reverse NAT (LRU): [`super::SockRevNat4Key`] →
     /// [`super::SockRevNat4Value`], written by the cgroup hooks for host
     /// clients' sockets.
-    pub const SOCK_REVNAT: &str = "SOCK_REVNAT4_V1";
+    pub const SOCK_REVNAT: &str = "SOCK_REVNAT4_V2";
     /// Maglev lookup tables: [`super::lb::MaglevKey`] →
     /// [`super::lb::MaglevChunk`] (not preallocated: memory follows use).
-    pub const MAGLEV: &str = "MAGLEV4_V1";
+    pub const MAGLEV: &str = "MAGLEV4_V2";
     /// Round-robin cursors, per CPU, indexed by reverse-NAT id (`u32`).
     pub const ROUND_ROBIN: &str = "RR4_V1";
     /// The ICMP reject's rate limit, per CPU: index 0 → the bucket's
@@ -74,18 +87,18 @@ pub mod map_names {
     pub const SNAT_FULL: &str = "SNAT_FULL4_V1";
     /// IPv6 frontends and their backend slots: [`super::Svc6Key`] →
     /// [`super::Svc4Value`].
-    pub const SERVICES6: &str = "SVC6_V1";
+    pub const SERVICES6: &str = "SVC6_V2";
     /// IPv6 backends: backend id (`u32`, the IPv4 map's id space) →
     /// [`super::Backend6`].
     pub const BACKENDS6: &str = "BACKEND6_V1";
-    /// IPv6 reverse NAT: reverse-NAT id (`u16`, the IPv4 map's id space) →
+    /// IPv6 reverse NAT: [`super::RevNatId`] (the IPv4 map's id space) →
     /// [`super::RevNat6`].
-    pub const REV_NAT6: &str = "REVNAT6_V1";
+    pub const REV_NAT6: &str = "REVNAT6_V2";
     /// IPv6 connection tracking (LRU): [`super::Ct6Key`] → [`super::Ct6Value`].
-    pub const CONNTRACK6: &str = "CT6_V1";
+    pub const CONNTRACK6: &str = "CT6_V2";
     /// IPv6 session affinity (LRU): [`super::Affinity6Key`] →
     /// [`super::Affinity4Value`].
-    pub const AFFINITY6: &str = "AFFINITY6_V1";
+    pub const AFFINITY6: &str = "AFFINITY6_V2";
     /// The IPv6 tc programs the IPv4 ones tail-call (a program array, index
     /// → program). Pinned so that it outlives the agent (the kernel empties
     /// a program array whose last user-space reference goes): a restarted
@@ -93,10 +106,10 @@ pub mod map_names {
     pub const TAIL6: &str = "TAIL6_V1";
     /// IPv6 `loadBalancerSourceRanges` (LPM trie): `{prefix_len,
     /// SourceRange6}` → `u8` (1).
-    pub const SOURCE_RANGES6: &str = "SRCRANGE6_V1";
+    pub const SOURCE_RANGES6: &str = "SRCRANGE6_V2";
     /// Socket-level reverse NAT of IPv6 sockets (LRU):
     /// [`super::SockRevNat6Key`] → [`super::SockRevNat6Value`].
-    pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V1";
+    pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V2";
     /// IPv6 fragments (LRU): [`super::Frag6Key`] → [`super::Frag4Ports`].
     pub const FRAGMENTS6: &str = "FRAG6_V1";
     /// The XDP program for IPv6 that `ext_xdp` tail-calls (a program array
@@ -145,8 +158,9 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     pub const FRAGMENTS: u32 = 8_192;
     pub const SOURCE_RANGES: u32 = 16_384;
-    /// Reverse-NAT ids are `u16`: one traffic slot each.
-    pub const FRONTEND_TRAFFIC: u32 = 65_536;
+    /// One traffic slot per reverse-NAT id (the agent sizes it as the
+    /// reverse-NAT map).
+    pub const FRONTEND_TRAFFIC: u32 = REV_NAT;
     /// Number of counters in the stats array; every [`super::stat`] code is below it.
     pub const STATS: u32 = 64;
     /// Host clients' translated sockets (one entry per socket and backend).
@@ -275,25 +289,26 @@ pub mod svc_flags {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Svc4Value {
     pub backend_id: u32,
+    pub rev_nat_id: RevNatId,
     pub count: u16,
-    pub rev_nat_id: u16,
     pub flags: u16,
     /// Slot 0 of a Maglev frontend: the size of its table (a prime); else 0.
     pub maglev_size: u16,
+    pub _pad: u16,
     /// Session-affinity timeout in seconds; 0 = no affinity.
     pub affinity_timeout_s: u32,
 }
-const _: () = assert!(size_of::<Svc4Value>() == 16);
-const _: () = assert!(offset_of!(Svc4Value, count) == 4);
-const _: () = assert!(offset_of!(Svc4Value, rev_nat_id) == 6);
-const _: () = assert!(offset_of!(Svc4Value, flags) == 8);
-const _: () = assert!(offset_of!(Svc4Value, maglev_size) == 10);
-const _: () = assert!(offset_of!(Svc4Value, affinity_timeout_s) == 12);
+const _: () = assert!(size_of::<Svc4Value>() == 20);
+const _: () = assert!(offset_of!(Svc4Value, rev_nat_id) == 4);
+const _: () = assert!(offset_of!(Svc4Value, count) == 8);
+const _: () = assert!(offset_of!(Svc4Value, flags) == 10);
+const _: () = assert!(offset_of!(Svc4Value, maglev_size) == 12);
+const _: () = assert!(offset_of!(Svc4Value, affinity_timeout_s) == 16);
 
 impl Svc4Value {
     pub const fn frontend(
         count: u16,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         flags: u16,
         affinity_timeout_s: u32,
     ) -> Self {
@@ -303,6 +318,7 @@ impl Svc4Value {
             rev_nat_id,
             flags,
             maglev_size: 0,
+            _pad: 0,
             affinity_timeout_s,
         }
     }
@@ -318,6 +334,7 @@ impl Svc4Value {
             rev_nat_id: 0,
             flags: 0,
             maglev_size: 0,
+            _pad: 0,
             affinity_timeout_s: 0,
         }
     }
@@ -368,7 +385,7 @@ impl Backend4 {
     }
 }
 
-/// Value of the reverse-NAT map (key: reverse-NAT id, `u16`, host order, never 0):
+/// Value of the reverse-NAT map (key: [`RevNatId`], host order, never 0):
 /// the frontend that replies must appear to come from.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -498,18 +515,17 @@ pub mod config_flags {
 pub struct Ct4Value {
     pub backend_id: u32,
     pub nat_addr_be: u32,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: RevNatId,
     pub flags: u16,
     pub nat_port_be: u16,
-    pub _pad: u16,
     /// `bpf_ktime_get_ns()` of the last packet seen (refreshed at most once a second).
     pub last_seen_ns: u64,
 }
 const _: () = assert!(size_of::<Ct4Value>() == 24);
 const _: () = assert!(offset_of!(Ct4Value, nat_addr_be) == 4);
 const _: () = assert!(offset_of!(Ct4Value, rev_nat_id) == 8);
-const _: () = assert!(offset_of!(Ct4Value, flags) == 10);
-const _: () = assert!(offset_of!(Ct4Value, nat_port_be) == 12);
+const _: () = assert!(offset_of!(Ct4Value, flags) == 12);
+const _: () = assert!(offset_of!(Ct4Value, nat_port_be) == 14);
 const _: () = assert!(offset_of!(Ct4Value, last_seen_ns) == 16);
 
 /// Session-affinity key: one client of one frontend (kube-proxy's
@@ -520,8 +536,7 @@ pub struct Affinity4Key {
     /// Client address, network byte order.
     pub client_be: u32,
     /// The frontend's reverse-NAT id (host order).
-    pub rev_nat_id: u16,
-    pub _pad: u16,
+    pub rev_nat_id: RevNatId,
 }
 const _: () = assert!(size_of::<Affinity4Key>() == 8);
 const _: () = assert!(offset_of!(Affinity4Key, rev_nat_id) == 4);
@@ -564,10 +579,12 @@ pub struct SockRevNat4Value {
     pub addr_be: u32,
     /// Frontend port, network byte order.
     pub port_be: u16,
+    pub _pad: u16,
     /// The frontend's reverse-NAT id (host order).
-    pub rev_nat_id: u16,
+    pub rev_nat_id: RevNatId,
 }
-const _: () = assert!(size_of::<SockRevNat4Value>() == 8);
+const _: () = assert!(size_of::<SockRevNat4Value>() == 12);
+const _: () = assert!(offset_of!(SockRevNat4Value, rev_nat_id) == 8);
 
 /// Fragment key: one IPv4 datagram being fragmented, as its fragments carry it
 /// (before any translation). Addresses and id in network byte order.
@@ -595,14 +612,13 @@ pub struct Frag4Ports {
 const _: () = assert!(size_of::<Frag4Ports>() == 4);
 
 /// Data of a source-range LPM key: the frontend's reverse-NAT id, then the
-/// client prefix. The LPM prefix length counts 32 bits for `rev_nat_id` and
-/// `_pad`, plus the CIDR's length.
+/// client prefix. The LPM prefix length counts the 32 bits of `rev_nat_id_be`,
+/// plus the CIDR's length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct SourceRange4 {
     /// Big-endian, so that the LPM trie compares it bytewise like an address.
-    pub rev_nat_id_be: u16,
-    pub _pad: u16,
+    pub rev_nat_id_be: u32,
     pub addr_be: u32,
 }
 const _: () = assert!(size_of::<SourceRange4>() == 8);

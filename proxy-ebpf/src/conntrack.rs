@@ -12,7 +12,7 @@ use proxy_common::{
 
 use crate::{
     lb::{backend, rev_nat},
-    maps::{count, CT4_V1},
+    maps::{count, CT4_V2},
     parse::Packet,
 };
 
@@ -80,7 +80,7 @@ impl Flow {
 /// of a `None` speculatively, which the verifier refuses.)
 #[inline(always)]
 pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Flow) -> bool {
-    let Some(ct) = CT4_V1.get_ptr_mut(*skey) else {
+    let Some(ct) = CT4_V2.get_ptr_mut(*skey) else {
         return false;
     };
     // SAFETY: LRU value pointer; fields are read and written individually.
@@ -121,7 +121,7 @@ fn reopens(pkt: &Packet, c: &Ct4Value) -> bool {
 /// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
 #[inline(always)]
 pub fn lookup_reply(pkt: &Packet) -> Option<(*mut Ct4Value, Ct4Value)> {
-    let ct = CT4_V1.get_ptr_mut(pkt.ct_key(ct_dir::REPLY))?;
+    let ct = CT4_V2.get_ptr_mut(pkt.ct_key(ct_dir::REPLY))?;
     // SAFETY: a map value pointer, read once into a copy.
     Some((ct, unsafe { *ct }))
 }
@@ -146,7 +146,7 @@ pub fn reply_seen(pkt: &Packet, rptr: *mut Ct4Value, r: &Ct4Value, rev: &RevNat4
         (*rptr).last_seen_ns = now;
     }
     let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(r, rev);
-    let Some(s) = CT4_V1.get_ptr_mut(skey) else {
+    let Some(s) = CT4_V2.get_ptr_mut(skey) else {
         return;
     };
     // SAFETY: LRU value pointer; fields read and written individually.
@@ -161,8 +161,13 @@ pub fn reply_seen(pkt: &Packet, rptr: *mut Ct4Value, r: &Ct4Value, rev: &RevNat4
 /// Whether the backend-side tuple `rkey` belongs to another live flow: one of
 /// another frontend (two frontends sharing a backend, hit from the same client
 /// address and port — field bug C6) whose SERVICE entry is still alive.
-pub fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64) -> bool {
-    let Some(e) = CT4_V1.get_ptr(*rkey) else {
+pub fn reply_tuple_taken(
+    cfg: &Config,
+    rkey: &Ct4Key,
+    rev_nat_id: proxy_common::RevNatId,
+    now: u64,
+) -> bool {
+    let Some(e) = CT4_V2.get_ptr(*rkey) else {
         return false;
     };
     // SAFETY: map value pointer, copied.
@@ -179,7 +184,7 @@ pub fn reply_tuple_taken(cfg: &Config, rkey: &Ct4Key, rev_nat_id: u16, now: u64)
 #[inline(always)]
 pub fn live_service_of(cfg: &Config, rkey: &Ct4Key, e: &Ct4Value, now: u64) -> Option<Ct4Value> {
     let rev = rev_nat(e.rev_nat_id)?;
-    let o = CT4_V1.get_ptr(rkey.service_of_reply(e, &rev))?;
+    let o = CT4_V2.get_ptr(rkey.service_of_reply(e, &rev))?;
     // SAFETY: map value pointer, copied.
     let o = unsafe { *o };
     alive(cfg, rkey.proto, &o, now).then_some(o)
@@ -200,10 +205,10 @@ pub fn create(
     flow: &mut Flow,
 ) {
     *flow = *mine;
-    if CT4_V1.insert(*skey, *sval, BPF_NOEXIST as u64).is_ok() {
+    if CT4_V2.insert(*skey, *sval, BPF_NOEXIST as u64).is_ok() {
         return;
     }
-    if let Some(w) = CT4_V1.get_ptr(*skey) {
+    if let Some(w) = CT4_V2.get_ptr(*skey) {
         // SAFETY: map value pointer, copied.
         let w = unsafe { *w };
         // A racing first packet's entry is followed; a closed flow's, whose
@@ -215,7 +220,7 @@ pub fn create(
             }
         }
     }
-    if CT4_V1.insert(*skey, *sval, BPF_ANY as u64).is_err() {
+    if CT4_V2.insert(*skey, *sval, BPF_ANY as u64).is_err() {
         count(stat::CT_INSERT_FAILED);
     }
 }
@@ -224,9 +229,15 @@ pub fn create(
 /// tracked flow whose reply entry the LRU evicted, so replies are always
 /// translated.
 #[inline(always)]
-pub fn ensure_reply(pkt: &Packet, flow: &Flow, rev_nat_id: u16, established: bool, now: u64) {
+pub fn ensure_reply(
+    pkt: &Packet,
+    flow: &Flow,
+    rev_nat_id: proxy_common::RevNatId,
+    established: bool,
+    now: u64,
+) {
     let rkey = flow.reply_key(pkt);
-    let restore = established && CT4_V1.get_ptr(rkey).is_none();
+    let restore = established && CT4_V2.get_ptr(rkey).is_none();
     if restore {
         count(stat::CT_REPLY_RESTORED);
     }
@@ -239,7 +250,7 @@ pub fn ensure_reply(pkt: &Packet, flow: &Flow, rev_nat_id: u16, established: boo
             pkt.sport_be,
             now,
         );
-        if CT4_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+        if CT4_V2.insert(rkey, rval, BPF_ANY as u64).is_err() {
             count(stat::CT_INSERT_FAILED);
         }
     }

@@ -212,7 +212,6 @@ fn commit(
         rev_nat_id: fe.rev_nat_id,
         flags: mine.flags,
         nat_port_be: mine.nat_port_be,
-        _pad: 0,
         last_seen_ns: now,
     };
     conntrack::create(cfg, pkt, skey, &sval, mine, now, flow);

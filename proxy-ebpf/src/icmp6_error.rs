@@ -43,7 +43,7 @@ use proxy_common::{
 use crate::{
     icmp_error::inner_l4_check,
     ipv6::{self, Ipv6Hdr, Packet6},
-    maps::{BACKEND6_V1, CT6_V1, REVNAT6_V1},
+    maps::{BACKEND6_V1, CT6_V2, REVNAT6_V2},
     parse::ETH_HLEN,
     verdict::Verdict,
 };
@@ -184,14 +184,14 @@ fn planned(ctx: &TcContext, last_hook: bool) -> Verdict {
     key.proto = m.inner.nexthdr;
     key.dir = ct_dir::REPLY;
     key._pad = [0; 2];
-    let (code, via_stack) = if let Some(r) = CT6_V1.get_ptr(&*key) {
+    let (code, via_stack) = if let Some(r) = CT6_V2.get_ptr(&*key) {
         // SAFETY: map value pointer, its fields read where used.
         let r: &Ct6Value = unsafe { &*r };
         let via_stack = r.flags & ct_flags::VIA_STACK != 0;
         if via_stack && !last_hook {
             return Verdict::Pass(stat::PASS_REPLY_VIA_STACK);
         }
-        let Some(rev) = REVNAT6_V1.get_ptr(r.rev_nat_id) else {
+        let Some(rev) = REVNAT6_V2.get_ptr(r.rev_nat_id) else {
             return pass;
         };
         // SAFETY: map value pointer, read in place.
@@ -222,7 +222,7 @@ fn planned(ctx: &TcContext, last_hook: bool) -> Verdict {
             return pass;
         }
         key.dir = ct_dir::SERVICE;
-        let Some(s) = CT6_V1.get_ptr(&*key) else {
+        let Some(s) = CT6_V2.get_ptr(&*key) else {
             return pass;
         };
         // SAFETY: map value pointer, its fields read where used.

@@ -33,7 +33,7 @@ use proxy_common::{
 use crate::{
     fib,
     lb::{backend, rev_nat},
-    maps::CT4_V1,
+    maps::CT4_V2,
     parse::{Ipv4Hdr, Packet, ETH_HLEN},
     verdict::Verdict,
 };
@@ -130,7 +130,7 @@ fn rewritten(ctx: &TcContext, last_hook: bool, pkt: &mut Packet) -> Verdict {
         dir: ct_dir::REPLY,
         _pad: [0; 2],
     };
-    let (to, code, via_stack) = if let Some(r) = CT4_V1.get_ptr(key) {
+    let (to, code, via_stack) = if let Some(r) = CT4_V2.get_ptr(key) {
         // SAFETY: map value pointer, its fields read where used.
         let r = unsafe { &*r };
         let via_stack = r.flags & ct_flags::VIA_STACK != 0;
@@ -159,7 +159,7 @@ fn rewritten(ctx: &TcContext, last_hook: bool, pkt: &mut Packet) -> Verdict {
             return pass;
         }
         key.dir = ct_dir::SERVICE;
-        let Some(s) = CT4_V1.get_ptr(key) else {
+        let Some(s) = CT4_V2.get_ptr(key) else {
             return pass;
         };
         // SAFETY: map value pointer, its fields read where used.

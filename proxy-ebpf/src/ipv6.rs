@@ -4,9 +4,9 @@
 //! its own 512-byte stack.
 //!
 //! What it does is the IPv4 tc path's, with the IPv6 maps
-//! ([`proxy_common::ipv6`]): frontend lookup (`SVC6_V1`), conntrack first
-//! (`CT6_V1`), else a new flow — `loadBalancerSourceRanges`
-//! (`SRCRANGE6_V1`), a backend chosen as IPv4 chooses (session affinity,
+//! ([`proxy_common::ipv6`]): frontend lookup (`SVC6_V2`), conntrack first
+//! (`CT6_V2`), else a new flow — `loadBalancerSourceRanges`
+//! (`SRCRANGE6_V2`), a backend chosen as IPv4 chooses (session affinity,
 //! then the frontend's algorithm: random, round robin, source hash, Maglev
 //! with its handoff — tables and cursors are IPv4's, by reverse-NAT id),
 //! the SNAT it needs (the hairpin address for a pod reaching itself; the
@@ -67,8 +67,8 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        account, count, AFFINITY6_V1, BACKEND6_V1, CONFIG_V3, CT6_V1, FRAG6_V1, MAGLEV4_V1,
-        REVNAT6_V1, RR4_V1, SRCRANGE6_V1, SVC6_V1,
+        account, count, AFFINITY6_V2, BACKEND6_V1, CONFIG_V3, CT6_V2, FRAG6_V1, MAGLEV4_V2,
+        REVNAT6_V2, RR4_V1, SRCRANGE6_V2, SVC6_V2,
     },
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
@@ -379,7 +379,7 @@ fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
         scope,
         _pad: [0; 2],
     };
-    let verdict = match SVC6_V1.get_ptr(&key) {
+    let verdict = match SVC6_V2.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
         Some(fe) => translate(ctx, pkt, &key, &unsafe { *fe }),
         None => reply(ctx, pkt, false),
@@ -592,24 +592,23 @@ fn backend(id: u32) -> Option<Backend6> {
 }
 
 #[inline(always)]
-fn rev_nat(id: u16) -> Option<RevNat6> {
+fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
     // SAFETY: map value pointer, copied.
-    REVNAT6_V1.get_ptr(id).map(|r| unsafe { *r })
+    REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })
 }
 
 /// Whether a client in `addr_be` may open flows to the frontend with
 /// `rev_nat_id` (its `loadBalancerSourceRanges`).
 #[inline(always)]
-fn source_allowed(rev_nat_id: u16, addr_be: &Addr6) -> bool {
+fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: &Addr6) -> bool {
     let key = LpmKey {
         prefix_len: SOURCE_RANGE_ID_BITS + 128,
         data: SourceRange6 {
             rev_nat_id_be: rev_nat_id.to_be(),
-            _pad: 0,
             addr_be: *addr_be,
         },
     };
-    SRCRANGE6_V1.get(&key).is_some()
+    SRCRANGE6_V2.get(&key).is_some()
 }
 
 /// A packet to frontend `fe` (at `key`): conntrack first ([`established`]),
@@ -646,7 +645,7 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) 
             Err(v) => return v,
         }
     }
-    let mut meta = fe.rev_nat_id as u32;
+    let mut meta = fe.rev_nat_id & META_ID_MASK;
     if est == ESTABLISHED {
         meta |= META_ESTABLISHED;
     }
@@ -660,9 +659,11 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) 
 /// entry's `flow`). Anything above is the counter to pass under.
 pub const NOT_ESTABLISHED: u32 = 0;
 pub const ESTABLISHED: u32 = 1;
-/// [`finish`]'s `meta`: the reverse-NAT id in the low 16 bits, and these.
-const META_ESTABLISHED: u32 = 1 << 16;
-const META_EXTERNAL: u32 = 1 << 17;
+/// [`finish`]'s `meta`: the reverse-NAT id in the low 24 bits
+/// ([`proxy_common::REV_NAT_ID_MAX`]), and these.
+const META_ID_MASK: u32 = proxy_common::REV_NAT_ID_MAX;
+const META_ESTABLISHED: u32 = 1 << 24;
+const META_EXTERNAL: u32 = 1 << 25;
 
 /// The tracked flow of the packet's SERVICE key, in the scratch entry's
 /// `flow` ([`lookup`]).
@@ -697,7 +698,7 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
     };
     // SAFETY: this CPU's scratch entry; `flow` and `to` are the flow's.
     let (flow, to) = unsafe { (&(*sc).flow, &mut (*sc).to) };
-    let rev_nat_id = meta as u16;
+    let rev_nat_id = meta & META_ID_MASK;
     let established = meta & META_ESTABLISHED != 0;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -734,7 +735,7 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
 /// IPv4's `conntrack::lookup`).
 #[inline(always)]
 fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6) -> bool {
-    let Some(ct) = CT6_V1.get_ptr_mut(skey) else {
+    let Some(ct) = CT6_V2.get_ptr_mut(skey) else {
         return false;
     };
     // SAFETY: LRU value pointer; fields read and written individually.
@@ -848,18 +849,17 @@ pub fn new_flow(
         rev_nat_id: fe.rev_nat_id,
         flags: flow.flags,
         nat_port_be: flow.nat_port_be,
-        _pad: 0,
         nat_addr_be: flow.nat_addr_be,
         _pad2: 0,
         last_seen_ns: now,
     };
-    if CT6_V1.insert(skey, &*sval, BPF_NOEXIST as u64).is_ok() {
+    if CT6_V2.insert(skey, &*sval, BPF_NOEXIST as u64).is_ok() {
         return Ok(());
     }
     // A racing first packet of the same flow won: its choice is followed
     // (field bug K8); a closed flow's entry whose tuple this SYN reuses is
     // replaced.
-    if let Some(w) = CT6_V1.get_ptr(skey) {
+    if let Some(w) = CT6_V2.get_ptr(skey) {
         // SAFETY: map value pointer, read in place.
         let w = unsafe { &*w };
         if alive(cfg, pkt.proto, w, now) && !reopens(pkt, w) {
@@ -869,7 +869,7 @@ pub fn new_flow(
             }
         }
     }
-    if CT6_V1.insert(skey, &*sval, BPF_ANY as u64).is_err() {
+    if CT6_V2.insert(skey, &*sval, BPF_ANY as u64).is_err() {
         count(stat::CT_INSERT_FAILED);
     }
     Ok(())
@@ -893,11 +893,10 @@ pub fn select(
     let akey = Affinity6Key {
         client_be: pkt.saddr_be,
         rev_nat_id: fe.rev_nat_id,
-        _pad: 0,
     };
     let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
     if timeout_ns != 0 {
-        if let Some(a) = AFFINITY6_V1.get_ptr_mut(akey) {
+        if let Some(a) = AFFINITY6_V2.get_ptr_mut(akey) {
             // SAFETY: LRU value pointer; fields read and written individually.
             let a = unsafe { &mut *a };
             if now.saturating_sub(a.last_used_ns) <= timeout_ns {
@@ -919,7 +918,7 @@ pub fn select(
             _pad: 0,
             last_used_ns: now,
         };
-        let _ = AFFINITY6_V1.insert(akey, av, BPF_ANY as u64);
+        let _ = AFFINITY6_V2.insert(akey, av, BPF_ANY as u64);
     }
     Ok((id, b))
 }
@@ -946,14 +945,14 @@ fn choose(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value) -> Result<u32, Verdict> 
             generation,
             (index / MAGLEV_CHUNK as u32) as u16,
         );
-        let chunk = MAGLEV4_V1.get_ptr(mkey).ok_or(miss)?;
+        let chunk = MAGLEV4_V2.get_ptr(mkey).ok_or(miss)?;
         let entry = (index as usize) & (MAGLEV_CHUNK - 1);
         // SAFETY: map value pointer; `entry` is below the chunk's length.
         let id = unsafe { (*chunk).backend_ids[entry] };
         return if id == 0 { Err(miss) } else { Ok(id) };
     }
     let r = if algorithm == alg::ROUND_ROBIN {
-        match RR4_V1.get_ptr_mut(fe.rev_nat_id as u32) {
+        match RR4_V1.get_ptr_mut(fe.rev_nat_id) {
             // SAFETY: this CPU's cursor; no other writer while we run.
             Some(c) => unsafe {
                 let r = *c;
@@ -969,15 +968,20 @@ fn choose(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value) -> Result<u32, Verdict> 
         unsafe { bpf_get_prandom_u32() }
     };
     let slot = (r % fe.count as u32) as u16 + 1;
-    let sv = SVC6_V1.get_ptr(key.with_slot(slot)).ok_or(miss)?;
+    let sv = SVC6_V2.get_ptr(key.with_slot(slot)).ok_or(miss)?;
     // SAFETY: map value pointer, copied.
     Ok(unsafe { (*sv).backend_id })
 }
 
 /// Whether backend-side tuple `rkey` belongs to another frontend's live flow.
 #[inline(always)]
-fn reply_tuple_taken(cfg: &Config, rkey: &Ct6Key, rev_nat_id: u16, now: u64) -> bool {
-    let Some(e) = CT6_V1.get_ptr(rkey) else {
+fn reply_tuple_taken(
+    cfg: &Config,
+    rkey: &Ct6Key,
+    rev_nat_id: proxy_common::RevNatId,
+    now: u64,
+) -> bool {
+    let Some(e) = CT6_V2.get_ptr(rkey) else {
         return false;
     };
     // SAFETY: map value pointer, read in place.
@@ -991,10 +995,10 @@ fn reply_tuple_taken(cfg: &Config, rkey: &Ct6Key, rev_nat_id: u16, now: u64) -> 
 /// The backend of the live flow whose REPLY entry `e` is at `rkey`.
 #[inline(always)]
 fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct6Value, now: u64) -> Option<u32> {
-    let rev = REVNAT6_V1.get_ptr(e.rev_nat_id)?;
+    let rev = REVNAT6_V2.get_ptr(e.rev_nat_id)?;
     // SAFETY: map value pointer, read in place.
     let skey = rkey.service_of_reply(e, unsafe { &*rev });
-    let o = CT6_V1.get_ptr(&skey)?;
+    let o = CT6_V2.get_ptr(&skey)?;
     // SAFETY: map value pointer, read in place.
     let o = unsafe { &*o };
     alive(cfg, rkey.proto, o, now).then_some(o.backend_id)
@@ -1016,7 +1020,7 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
         let r = unsafe { bpf_get_prandom_u32() };
         let port_be = ((min + r % size) as u16).to_be();
         rkey.dport_be = port_be;
-        let in_use = match CT6_V1.get_ptr(&*rkey) {
+        let in_use = match CT6_V2.get_ptr(&*rkey) {
             Some(e) => {
                 // SAFETY: map value pointer, read in place.
                 let e = unsafe { &*e };
@@ -1038,7 +1042,7 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
 pub fn ensure_reply(
     pkt: &Packet6,
     flow: &Flow6,
-    rev_nat_id: u16,
+    rev_nat_id: proxy_common::RevNatId,
     established: bool,
     now: u64,
 ) -> Result<(), Verdict> {
@@ -1046,7 +1050,7 @@ pub fn ensure_reply(
     // SAFETY: this CPU's scratch entry; `new_flow` is done with these.
     let (rkey, rval) = unsafe { (&mut (*sc).rkey, &mut (*sc).entry) };
     *rkey = flow.reply_key(pkt);
-    let restore = established && CT6_V1.get_ptr(&*rkey).is_none();
+    let restore = established && CT6_V2.get_ptr(&*rkey).is_none();
     if restore {
         count(stat::CT_REPLY_RESTORED);
     }
@@ -1059,7 +1063,7 @@ pub fn ensure_reply(
             pkt.sport_be,
             now,
         );
-        if CT6_V1.insert(&*rkey, &*rval, BPF_ANY as u64).is_err() {
+        if CT6_V2.insert(&*rkey, &*rval, BPF_ANY as u64).is_err() {
             count(stat::CT_INSERT_FAILED);
         }
     }
@@ -1094,8 +1098,12 @@ fn reply(ctx: &TcContext, pkt: &mut Packet6, last_hook: bool) -> Verdict {
 /// is no such reply, or is to be reverse-translated later (at the last
 /// hook, for flows delivered through the stack). Shared by tc and XDP.
 #[inline(always)]
-pub fn reply_plan(pkt: &Packet6, last_hook: bool, to: &mut Tuple6) -> Result<(u16, u32), Verdict> {
-    let Some(rptr) = CT6_V1.get_ptr_mut(pkt.ct_key(ct_dir::REPLY)) else {
+pub fn reply_plan(
+    pkt: &Packet6,
+    last_hook: bool,
+    to: &mut Tuple6,
+) -> Result<(proxy_common::RevNatId, u32), Verdict> {
+    let Some(rptr) = CT6_V2.get_ptr_mut(pkt.ct_key(ct_dir::REPLY)) else {
         return Err(Verdict::Pass(stat::PASS_NO_SERVICE));
     };
     // SAFETY: a map value pointer, read once into a copy.
@@ -1116,7 +1124,7 @@ pub fn reply_plan(pkt: &Packet6, last_hook: bool, to: &mut Tuple6) -> Result<(u1
             (*rptr).last_seen_ns = now;
         }
         let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(&ct, &rev);
-        if let Some(s) = CT6_V1.get_ptr_mut(skey) {
+        if let Some(s) = CT6_V2.get_ptr_mut(skey) {
             // SAFETY: LRU value pointer; fields read and written individually.
             unsafe {
                 if (*s).backend_id == ct.backend_id {

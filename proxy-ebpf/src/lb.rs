@@ -16,7 +16,7 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        count, AFFINITY4_V1, BACKEND4_V1, MAGLEV4_V1, REVNAT4_V1, RR4_V1, SRCRANGE4_V1, SVC4_V1,
+        count, AFFINITY4_V2, BACKEND4_V1, MAGLEV4_V2, REVNAT4_V2, RR4_V1, SRCRANGE4_V2, SVC4_V2,
     },
     parse::Packet,
     verdict::Verdict,
@@ -44,23 +44,22 @@ pub fn backend(id: u32) -> Option<Backend4> {
 
 /// The frontend that replies of reverse-NAT id `id` come from.
 #[inline(always)]
-pub fn rev_nat(id: u16) -> Option<RevNat4> {
+pub fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat4> {
     // SAFETY: map value pointer, copied.
-    REVNAT4_V1.get_ptr(id).map(|r| unsafe { *r })
+    REVNAT4_V2.get_ptr(id).map(|r| unsafe { *r })
 }
 
 /// Whether a client in `addr_be` may open flows to the frontend with
 /// `rev_nat_id` (its `loadBalancerSourceRanges`).
-pub fn source_allowed(rev_nat_id: u16, addr_be: u32) -> bool {
+pub fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: u32) -> bool {
     let key = LpmKey {
         prefix_len: SOURCE_RANGE_ID_BITS + 32,
         data: SourceRange4 {
             rev_nat_id_be: rev_nat_id.to_be(),
-            _pad: 0,
             addr_be,
         },
     };
-    SRCRANGE4_V1.get(&key).is_some()
+    SRCRANGE4_V2.get(&key).is_some()
 }
 
 /// Picks a backend for a new flow to frontend `fe` (at `fe_key`): the
@@ -90,11 +89,10 @@ pub fn select(
     let akey = Affinity4Key {
         client_be: pkt.saddr_be,
         rev_nat_id: fe.rev_nat_id,
-        _pad: 0,
     };
     let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
     if timeout_ns != 0 {
-        if let Some(a) = AFFINITY4_V1.get_ptr_mut(akey) {
+        if let Some(a) = AFFINITY4_V2.get_ptr_mut(akey) {
             // SAFETY: LRU value pointer; fields read and written individually.
             let a = unsafe { &mut *a };
             if now.saturating_sub(a.last_used_ns) <= timeout_ns {
@@ -118,7 +116,7 @@ pub fn select(
             _pad: 0,
             last_used_ns: now,
         };
-        let _ = AFFINITY4_V1.insert(akey, av, BPF_ANY as u64);
+        let _ = AFFINITY4_V2.insert(akey, av, BPF_ANY as u64);
     }
     Ok((id, b))
 }
@@ -132,7 +130,7 @@ fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict
         return maglev(pkt, fe);
     }
     let r = if algorithm == alg::ROUND_ROBIN {
-        match RR4_V1.get_ptr_mut(fe.rev_nat_id as u32) {
+        match RR4_V1.get_ptr_mut(fe.rev_nat_id) {
             // SAFETY: this CPU's cursor; no other writer while we run.
             Some(c) => unsafe {
                 let r = *c;
@@ -148,7 +146,7 @@ fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict
         unsafe { bpf_get_prandom_u32() }
     };
     let slot = (r % fe.count as u32) as u16 + 1;
-    let Some(sv) = SVC4_V1.get_ptr(fe_key.with_slot(slot)) else {
+    let Some(sv) = SVC4_V2.get_ptr(fe_key.with_slot(slot)) else {
         return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
     };
     // SAFETY: map value pointer, copied.
@@ -177,7 +175,7 @@ fn maglev(pkt: &Packet, fe: &Svc4Value) -> Result<u32, Verdict> {
         generation,
         (index / MAGLEV_CHUNK as u32) as u16,
     );
-    let chunk = MAGLEV4_V1.get_ptr(key).ok_or(miss)?;
+    let chunk = MAGLEV4_V2.get_ptr(key).ok_or(miss)?;
     let entry = (index as usize) & (MAGLEV_CHUNK - 1);
     // SAFETY: map value pointer; `entry` is below the chunk's length.
     let id = unsafe { (*chunk).backend_ids[entry] };

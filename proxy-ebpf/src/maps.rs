@@ -1,6 +1,6 @@
 //! Every map of the datapath, and the per-CPU counters written on the way.
 //!
-//! Names carry the layout version (`_V1`) and match
+//! Names carry the map's layout version (`_V1`, `_V2`) and match
 //! [`proxy_common::map_names`]; keys and values are the `#[repr(C)]` types of
 //! `proxy-common`, so `bpftool map dump` prints their fields by name.
 
@@ -13,23 +13,23 @@ use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
     Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
-    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Frag6Key, Iface, RevNat4, RevNat6, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key,
-    Svc4Value, Svc6Key, Traffic,
+    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Frag6Key, Iface, RevNat4, RevNat6, RevNatId,
+    SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
+    Svc4Key, Svc4Value, Svc6Key, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
 #[btf_map]
-pub static SVC4_V1: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> = HashMap::new();
+pub static SVC4_V2: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> = HashMap::new();
 /// Backend id → backend.
 #[btf_map]
 pub static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> = HashMap::new();
 /// Reverse-NAT id → the frontend replies come from.
 #[btf_map]
-pub static REVNAT4_V1: HashMap<u16, RevNat4, { capacity::REV_NAT as usize }> = HashMap::new();
+pub static REVNAT4_V2: HashMap<RevNatId, RevNat4, { capacity::REV_NAT as usize }> = HashMap::new();
 /// Both directions of every translated flow.
 #[btf_map]
-pub static CT4_V1: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> =
+pub static CT4_V2: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> =
     LruHashMap::new();
 /// Verdict and event counters, indexed by [`proxy_common::stat`] codes.
 #[btf_map]
@@ -46,7 +46,7 @@ pub static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as u
     LruHashMap::new();
 /// `loadBalancerSourceRanges`: (reverse-NAT id, client prefix) → allowed.
 #[btf_map]
-pub static SRCRANGE4_V1: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
+pub static SRCRANGE4_V2: LpmTrie<SourceRange4, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
 /// Traffic of each frontend, by reverse-NAT id.
 #[btf_map]
@@ -58,11 +58,11 @@ pub static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> 
     PerCpuArray::new();
 /// Session affinity: (client, reverse-NAT id) → backend, last use.
 #[btf_map]
-pub static AFFINITY4_V1: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
+pub static AFFINITY4_V2: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
 /// Socket-level reverse NAT: (host client's socket, backend) → frontend.
 #[btf_map]
-pub static SOCK_REVNAT4_V1: LruHashMap<
+pub static SOCK_REVNAT4_V2: LruHashMap<
     SockRevNat4Key,
     SockRevNat4Value,
     { capacity::SOCK_REVNAT as usize },
@@ -71,7 +71,7 @@ pub static SOCK_REVNAT4_V1: LruHashMap<
 /// Maglev lookup tables, in chunks; not preallocated, so memory follows the
 /// tables programmed (the agent caps them).
 #[btf_map]
-pub static MAGLEV4_V1: HashMap<
+pub static MAGLEV4_V2: HashMap<
     MaglevKey,
     MaglevChunk,
     { capacity::MAGLEV_CHUNKS as usize },
@@ -93,10 +93,10 @@ pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
 pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize }> =
     LruHashMap::new();
 
-/// IPv6 frontends and their backend slots (as `SVC4_V1`); not preallocated:
+/// IPv6 frontends and their backend slots (as `SVC4_V2`); not preallocated:
 /// memory follows the IPv6 Services a cluster has.
 #[btf_map]
-pub static SVC6_V1: HashMap<
+pub static SVC6_V2: HashMap<
     Svc6Key,
     Svc4Value,
     { capacity::SERVICES6 as usize },
@@ -112,19 +112,19 @@ pub static BACKEND6_V1: HashMap<
 > = HashMap::new();
 /// Reverse-NAT id → the IPv6 frontend replies come from.
 #[btf_map]
-pub static REVNAT6_V1: HashMap<
-    u16,
+pub static REVNAT6_V2: HashMap<
+    RevNatId,
     RevNat6,
     { capacity::REV_NAT as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 /// Both directions of every translated IPv6 flow.
 #[btf_map]
-pub static CT6_V1: LruHashMap<Ct6Key, Ct6Value, { capacity::CONNTRACK6 as usize }> =
+pub static CT6_V2: LruHashMap<Ct6Key, Ct6Value, { capacity::CONNTRACK6 as usize }> =
     LruHashMap::new();
 /// IPv6 `loadBalancerSourceRanges`: (reverse-NAT id, client prefix) → allowed.
 #[btf_map]
-pub static SRCRANGE6_V1: LpmTrie<SourceRange6, u8, { capacity::SOURCE_RANGES as usize }> =
+pub static SRCRANGE6_V2: LpmTrie<SourceRange6, u8, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
 /// Ports of IPv6 datagrams being fragmented, from their first fragment.
 #[btf_map]
@@ -133,14 +133,14 @@ pub static FRAG6_V1: LruHashMap<Frag6Key, Frag4Ports, { capacity::FRAGMENTS as u
 /// Socket-level reverse NAT of IPv6 sockets: (host client's socket,
 /// backend) → frontend.
 #[btf_map]
-pub static SOCK_REVNAT6_V1: LruHashMap<
+pub static SOCK_REVNAT6_V2: LruHashMap<
     SockRevNat6Key,
     SockRevNat6Value,
     { capacity::SOCK_REVNAT as usize },
 > = LruHashMap::new();
 /// IPv6 session affinity: (client, reverse-NAT id) → backend, last use.
 #[btf_map]
-pub static AFFINITY6_V1: LruHashMap<
+pub static AFFINITY6_V2: LruHashMap<
     Affinity6Key,
     Affinity4Value,
     { capacity::AFFINITY6 as usize },
@@ -161,8 +161,8 @@ pub fn count(code: u32) {
 /// of a loop over both lookups into one `or` of the two pointers, which the
 /// verifier refuses ("pointer |= pointer prohibited").
 #[inline(always)]
-pub fn account(len: u64, rev_nat_id: u16, backend_id: u32) {
-    if let Some(p) = FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id as u32) {
+pub fn account(len: u64, rev_nat_id: RevNatId, backend_id: u32) {
+    if let Some(p) = FE_TRAFFIC_V1.get_ptr_mut(rev_nat_id) {
         add_traffic(p, len);
     }
     if let Some(p) = BE_TRAFFIC_V1.get_ptr_mut(backend_id) {

@@ -19,7 +19,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Flow},
-    maps::{count, CONFIG_V3, CT4_V1, SNAT_FULL4_V1},
+    maps::{count, CONFIG_V3, CT4_V2, SNAT_FULL4_V1},
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_FRAG_OFF, IP_MF},
     verdict::Verdict,
 };
@@ -240,7 +240,7 @@ extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
 /// being created: a REPLY entry younger than a second).
 #[inline(always)]
 fn port_in_use(cfg: &Config, rkey: &Ct4Key, now: u64) -> bool {
-    let Some(e) = CT4_V1.get_ptr(*rkey) else {
+    let Some(e) = CT4_V2.get_ptr(*rkey) else {
         return false;
     };
     // SAFETY: map value pointer, copied.

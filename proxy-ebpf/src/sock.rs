@@ -49,7 +49,7 @@ use proxy_common::{
 use crate::{
     ipv6, lb,
     maps::{
-        account, count, CONFIG_V3, SOCK_REVNAT4_V1, SOCK_REVNAT6_V1, SRCRANGE6_V1, SVC4_V1, SVC6_V1,
+        account, count, CONFIG_V3, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SRCRANGE6_V2, SVC4_V2, SVC6_V2,
     },
     parse::Packet,
     verdict::Verdict,
@@ -235,7 +235,7 @@ fn forward_ipv6(
         scope: SCOPE_INTERNAL,
         _pad: [0; 2],
     };
-    let Some(fe) = SVC6_V1.get_ptr(&key) else {
+    let Some(fe) = SVC6_V2.get_ptr(&key) else {
         return Ok(None);
     };
     // SAFETY: map value pointer, copied.
@@ -247,11 +247,10 @@ fn forward_ipv6(
             prefix_len: SOURCE_RANGE_ID_BITS + 128,
             data: SourceRange6 {
                 rev_nat_id_be: fe.rev_nat_id.to_be(),
-                _pad: 0,
                 addr_be: node,
             },
         };
-        if node == [0; 4] || SRCRANGE6_V1.get(&key).is_none() {
+        if node == [0; 4] || SRCRANGE6_V2.get(&key).is_none() {
             count(stat::SOCK_SOURCE_RANGE);
             return Err(EPERM);
         }
@@ -285,9 +284,10 @@ fn forward_ipv6(
     let rval = SockRevNat6Value {
         addr_be: *daddr_be,
         port_be: dport_be,
+        _pad: 0,
         rev_nat_id: fe.rev_nat_id,
     };
-    if SOCK_REVNAT6_V1
+    if SOCK_REVNAT6_V2
         .insert(&rkey, &rval, BPF_ANY as u64)
         .is_err()
     {
@@ -316,7 +316,7 @@ fn forward4(
         scope: SCOPE_INTERNAL,
         _pad: [0; 2],
     };
-    let Some(fe) = SVC4_V1.get_ptr(key) else {
+    let Some(fe) = SVC4_V2.get_ptr(key) else {
         return Forward::Proceed;
     };
     // SAFETY: map value pointer, copied.
@@ -376,9 +376,10 @@ fn forward4(
     let rval = SockRevNat4Value {
         addr_be: daddr_be,
         port_be: dport_be,
+        _pad: 0,
         rev_nat_id: fe.rev_nat_id,
     };
-    if SOCK_REVNAT4_V1.insert(rkey, rval, BPF_ANY as u64).is_err() {
+    if SOCK_REVNAT4_V2.insert(rkey, rval, BPF_ANY as u64).is_err() {
         count(stat::SOCK_REVNAT_INSERT_FAILED);
     }
     count(translated);
@@ -405,7 +406,7 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
         port_be,
         _pad: 0,
     };
-    if let Some(v) = SOCK_REVNAT4_V1.get_ptr(key) {
+    if let Some(v) = SOCK_REVNAT4_V2.get_ptr(key) {
         // SAFETY: LRU value pointer, copied; context fields as above.
         unsafe {
             let v = *v;
@@ -446,7 +447,7 @@ pub fn reverse6(ctx: &SockAddrContext) -> i32 {
             port_be,
             _pad: 0,
         };
-        if let Some(v) = SOCK_REVNAT4_V1.get_ptr(&key) {
+        if let Some(v) = SOCK_REVNAT4_V2.get_ptr(&key) {
             // SAFETY: LRU value pointer, copied; context fields as above.
             unsafe {
                 let v = *v;
@@ -463,7 +464,7 @@ pub fn reverse6(ctx: &SockAddrContext) -> i32 {
         port_be,
         _pad: [0; 6],
     };
-    if let Some(v) = SOCK_REVNAT6_V1.get_ptr(&key) {
+    if let Some(v) = SOCK_REVNAT6_V2.get_ptr(&key) {
         // SAFETY: LRU value pointer, copied; context fields as above.
         unsafe {
             let v = *v;

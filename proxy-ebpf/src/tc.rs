@@ -17,7 +17,7 @@ use crate::{
     conntrack::{self, Flow},
     fib, forward, icmp, icmp_error,
     lb::{self, rev_nat},
-    maps::{account, count, SVC4_V1},
+    maps::{account, count, SVC4_V2},
     nat,
     parse::{self, Ipv4Hdr, Packet},
     verdict::Verdict,
@@ -87,7 +87,7 @@ fn steps<const SEARCH: bool>(
     l4_end: usize,
     scope: u8,
 ) -> Verdict {
-    let frontend = SVC4_V1.get_ptr(lb::frontend_key(pkt, scope));
+    let frontend = SVC4_V2.get_ptr(lb::frontend_key(pkt, scope));
     let l4_complete = ctx.len() as usize >= l4_end;
     let Some(frontend) = frontend else {
         // Not for a frontend: perhaps a reply of a tracked flow.

@@ -15,7 +15,7 @@ use crate::{
     fib,
     forward::{self, FROM_XDP},
     lb::{self, rev_nat},
-    maps::{account, count, SVC4_V1},
+    maps::{account, count, SVC4_V2},
     nat::{self, Tuple},
     parse::{self, Packet},
     verdict::Verdict,
@@ -40,8 +40,8 @@ pub fn run(ctx: &XdpContext) -> (u32, u32) {
 fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     let mut pkt = parse::parse_xdp(ctx)?;
     let len = (ctx.data_end() - ctx.data()) as u64;
-    let (to, code, rev_nat_id, backend_id): (Tuple, u32, u16, u32) =
-        if let Some(fe) = SVC4_V1.get_ptr(lb::frontend_key(&pkt, SCOPE_EXTERNAL)) {
+    let (to, code, rev_nat_id, backend_id): (Tuple, u32, proxy_common::RevNatId, u32) =
+        if let Some(fe) = SVC4_V2.get_ptr(lb::frontend_key(&pkt, SCOPE_EXTERNAL)) {
             // SAFETY: map value pointer, copied.
             let fe = unsafe { *fe };
             let mut flow = Flow::default();

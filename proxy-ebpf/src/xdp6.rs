@@ -33,7 +33,7 @@ use crate::{
     ipv6::{
         self, Ipv6Hdr, Packet6, Tuple6, ESTABLISHED, ETH_P_IPV6, FRAGMENT_NONE, NOT_ESTABLISHED,
     },
-    maps::{account, count, IFACE_V1, SVC6_V1},
+    maps::{account, count, IFACE_V1, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
     verdict::Verdict,
 };
@@ -152,7 +152,7 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
         scope: SCOPE_EXTERNAL,
         _pad: [0; 2],
     };
-    let (code, rev_nat_id, backend_id) = match SVC6_V1.get_ptr(&key) {
+    let (code, rev_nat_id, backend_id) = match SVC6_V2.get_ptr(&key) {
         Some(fe) => {
             // SAFETY: map value pointer, copied.
             let fe = unsafe { *fe };
@@ -163,7 +163,11 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
             if ids == 0 {
                 return Err(DEFER);
             }
-            (stat::FWD_REPLY, (ids >> 32) as u16, ids as u32)
+            (
+                stat::FWD_REPLY,
+                (ids >> 32) as proxy_common::RevNatId,
+                ids as u32,
+            )
         }
     };
     let sent = transmit(ctx, pkt, to, code)?;
@@ -192,7 +196,7 @@ fn forward(
     key: &Svc6Key,
     fe: &proxy_common::Svc4Value,
     to: &mut Tuple6,
-) -> Result<(u32, u16, u32), Verdict> {
+) -> Result<(u32, proxy_common::RevNatId, u32), Verdict> {
     let est = ipv6::established(pkt);
     if est > ESTABLISHED {
         return Err(DEFER);
@@ -231,7 +235,12 @@ fn forward(
 /// delivers with `bpf_redirect_peer`, following the flow written down
 /// here). A BPF call of its own (a sibling of [`ipv6::new_flow`]'s).
 #[inline(never)]
-fn chosen(pkt: &Packet6, rev_nat_id: u16, established: bool, to: &mut Tuple6) -> u32 {
+fn chosen(
+    pkt: &Packet6,
+    rev_nat_id: proxy_common::RevNatId,
+    established: bool,
+    to: &mut Tuple6,
+) -> u32 {
     let Ok(sc) = ipv6::scratch() else {
         return 0;
     };

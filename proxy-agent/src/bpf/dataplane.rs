@@ -1,6 +1,7 @@
 //! [`BpfDataplane`]: the maps the writer programs (conntrack garbage
 //! collection is `gc.rs`'s, over the pinned maps).
 
+use proxy_common::RevNatId;
 use std::net::IpAddr;
 
 use super::*;
@@ -9,14 +10,14 @@ use super::*;
 pub struct BpfDataplane {
     services: HashMap<MapData, Svc4Key, Svc4Value>,
     backends: HashMap<MapData, u32, Backend4>,
-    rev_nat: HashMap<MapData, u16, RevNat4>,
+    rev_nat: HashMap<MapData, RevNatId, RevNat4>,
     config: Array<MapData, Config>,
     affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     services6: HashMap<MapData, Svc6Key, Svc4Value>,
     backends6: HashMap<MapData, u32, Backend6>,
-    rev_nat6: HashMap<MapData, u16, RevNat6>,
+    rev_nat6: HashMap<MapData, RevNatId, RevNat6>,
     affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
     source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     sizes: MapSizes,
@@ -37,23 +38,29 @@ pub fn ktime_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn source_range_key(rev_nat_id: u16, addr: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange4> {
+fn source_range_key(
+    rev_nat_id: RevNatId,
+    addr: std::net::Ipv4Addr,
+    len: u8,
+) -> LpmKey<SourceRange4> {
     LpmKey::new(
         SOURCE_RANGE_ID_BITS + u32::from(len.min(32)),
         SourceRange4 {
             rev_nat_id_be: rev_nat_id.to_be(),
-            _pad: 0,
             addr_be: u32::from_ne_bytes(addr.octets()),
         },
     )
 }
 
-fn source_range_key6(rev_nat_id: u16, addr: std::net::Ipv6Addr, len: u8) -> LpmKey<SourceRange6> {
+fn source_range_key6(
+    rev_nat_id: RevNatId,
+    addr: std::net::Ipv6Addr,
+    len: u8,
+) -> LpmKey<SourceRange6> {
     LpmKey::new(
         SOURCE_RANGE_ID_BITS + u32::from(len.min(128)),
         SourceRange6 {
             rev_nat_id_be: rev_nat_id.to_be(),
-            _pad: 0,
             addr_be: proxy_common::ipv6::addr6(addr),
         },
     )
@@ -263,29 +270,29 @@ impl Dataplane for BpfDataplane {
             .map_err(|e| op_err(map_names::MAGLEV, "delete", cap, e))
     }
     fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
-        let cap = capacity::SERVICES6;
+        let cap = self.sizes.services;
         self.services6
             .insert(key, value, 0)
             .map_err(|e| op_err(map_names::SERVICES6, "insert", cap, e))
     }
     fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
-        let cap = capacity::SERVICES6;
+        let cap = self.sizes.services;
         ignore_missing(self.services6.remove(&key))
             .map_err(|e| op_err(map_names::SERVICES6, "delete", cap, e))
     }
     fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
-        let cap = capacity::BACKENDS;
+        let cap = self.sizes.backends;
         self.backends6
             .insert(id, backend, 0)
             .map_err(|e| op_err(map_names::BACKENDS6, "insert", cap, e))
     }
     fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let cap = capacity::BACKENDS;
+        let cap = self.sizes.backends;
         ignore_missing(self.backends6.remove(&id))
             .map_err(|e| op_err(map_names::BACKENDS6, "delete", cap, e))
     }
     fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
-        let cap = capacity::SERVICES6;
+        let cap = self.sizes.services;
         put_all(
             &mut self.batch_writes,
             &mut self.services6,
@@ -295,7 +302,7 @@ impl Dataplane for BpfDataplane {
         )
     }
     fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
-        let cap = capacity::BACKENDS;
+        let cap = self.sizes.backends;
         put_all(
             &mut self.batch_writes,
             &mut self.backends6,
@@ -304,8 +311,8 @@ impl Dataplane for BpfDataplane {
             entries,
         )
     }
-    fn put_rev_nats6(&mut self, entries: &[(u16, RevNat6)]) -> BatchOutcome {
-        let cap = capacity::REV_NAT;
+    fn put_rev_nats6(&mut self, entries: &[(RevNatId, RevNat6)]) -> BatchOutcome {
+        let cap = self.sizes.rev_nat;
         put_all(
             &mut self.batch_writes,
             &mut self.rev_nat6,
@@ -315,7 +322,7 @@ impl Dataplane for BpfDataplane {
         )
     }
     fn delete_services6(&mut self, keys: &[Svc6Key]) -> BatchOutcome {
-        let cap = capacity::SERVICES6;
+        let cap = self.sizes.services;
         delete_all(
             &mut self.batch_writes,
             &mut self.services6,
@@ -325,7 +332,7 @@ impl Dataplane for BpfDataplane {
         )
     }
     fn delete_backends6(&mut self, ids: &[u32]) -> BatchOutcome {
-        let cap = capacity::BACKENDS;
+        let cap = self.sizes.backends;
         delete_all(
             &mut self.batch_writes,
             &mut self.backends6,
@@ -334,8 +341,8 @@ impl Dataplane for BpfDataplane {
             ids,
         )
     }
-    fn delete_rev_nats6(&mut self, ids: &[u16]) -> BatchOutcome {
-        let cap = capacity::REV_NAT;
+    fn delete_rev_nats6(&mut self, ids: &[RevNatId]) -> BatchOutcome {
+        let cap = self.sizes.rev_nat;
         delete_all(
             &mut self.batch_writes,
             &mut self.rev_nat6,
@@ -344,14 +351,14 @@ impl Dataplane for BpfDataplane {
             ids,
         )
     }
-    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
-        let cap = capacity::REV_NAT;
+    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
         self.rev_nat6
             .insert(id, value, 0)
             .map_err(|e| op_err(map_names::REV_NAT6, "insert", cap, e))
     }
-    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
-        let cap = capacity::REV_NAT;
+    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
+        let cap = self.sizes.rev_nat;
         ignore_missing(self.rev_nat6.remove(&id))
             .map_err(|e| op_err(map_names::REV_NAT6, "delete", cap, e))
     }
@@ -397,7 +404,7 @@ impl Dataplane for BpfDataplane {
             entries,
         )
     }
-    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> BatchOutcome {
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNat4)]) -> BatchOutcome {
         let cap = self.sizes.rev_nat;
         put_all(
             &mut self.batch_writes,
@@ -427,7 +434,7 @@ impl Dataplane for BpfDataplane {
             ids,
         )
     }
-    fn delete_rev_nats(&mut self, ids: &[u16]) -> BatchOutcome {
+    fn delete_rev_nats(&mut self, ids: &[RevNatId]) -> BatchOutcome {
         let cap = self.sizes.rev_nat;
         delete_all(
             &mut self.batch_writes,
@@ -437,22 +444,22 @@ impl Dataplane for BpfDataplane {
             ids,
         )
     }
-    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
         let cap = self.sizes.rev_nat;
         self.rev_nat
             .insert(id, value, 0)
             .map_err(|e| op_err(map_names::REV_NAT, "insert", cap, e))
     }
-    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
         let cap = self.sizes.rev_nat;
         ignore_missing(self.rev_nat.remove(&id))
             .map_err(|e| op_err(map_names::REV_NAT, "delete", cap, e))
     }
     fn prune_affinity(
         &mut self,
-        keep: &BTreeMap<u16, BTreeSet<u32>>,
+        keep: &BTreeMap<RevNatId, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
-        let stale = |rev_nat_id: u16, backend_id: u32| {
+        let stale = |rev_nat_id: RevNatId, backend_id: u32| {
             keep.get(&rev_nat_id)
                 .is_some_and(|set| !set.contains(&backend_id))
         };
@@ -481,7 +488,10 @@ impl Dataplane for BpfDataplane {
         }
         Ok(stale4.len() + stale6.len())
     }
-    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+    fn id_spaces(&self) -> (u32, u32) {
+        (self.sizes.backends, self.sizes.rev_nat)
+    }
+    fn affinity_ids(&self) -> Result<BTreeSet<RevNatId>, DataplaneError> {
         let mut ids = BTreeSet::new();
         let all4 = batch::entries(&self.affinity)
             .map_err(|e| op_err(map_names::AFFINITY, "dump", 0, e))?;
@@ -493,7 +503,7 @@ impl Dataplane for BpfDataplane {
     }
     fn put_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         (addr, len): SourceRange,
     ) -> Result<(), DataplaneError> {
         let cap = capacity::SOURCE_RANGES;
@@ -510,7 +520,7 @@ impl Dataplane for BpfDataplane {
     }
     fn delete_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         (addr, len): SourceRange,
     ) -> Result<(), DataplaneError> {
         let cap = capacity::SOURCE_RANGES;
@@ -570,7 +580,7 @@ impl Dataplane for BpfDataplane {
             let len = k.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
             let o = data.addr_be.to_ne_bytes();
             p.source_ranges
-                .entry(u16::from_be(data.rev_nat_id_be))
+                .entry(RevNatId::from_be(data.rev_nat_id_be))
                 .or_default()
                 .insert((
                     IpAddr::V4(std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3])),
@@ -582,7 +592,7 @@ impl Dataplane for BpfDataplane {
             let data = k.data();
             let len = k.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
             p.source_ranges
-                .entry(u16::from_be(data.rev_nat_id_be))
+                .entry(RevNatId::from_be(data.rev_nat_id_be))
                 .or_default()
                 .insert((IpAddr::V6(proxy_common::ipv6::ipv6(&data.addr_be)), len));
         }

@@ -3,6 +3,7 @@
 //! walks the pinned map in bounded rounds on a thread of its own, so that a
 //! large or churning conntrack map never stalls syncs, health or shutdown.
 
+use proxy_common::RevNatId;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
@@ -55,7 +56,7 @@ impl CtKey for Ct6Key {
 /// (its flow may be being created right now).
 fn entry_expired<K: CtKey>(
     conntrack: &HashMap<MapData, K, K::Value>,
-    rev_nat: &HashMap<MapData, u16, K::Rev>,
+    rev_nat: &HashMap<MapData, RevNatId, K::Rev>,
     cfg: &Config,
     k: &K,
     v: &K::Value,
@@ -116,7 +117,7 @@ struct FamilyGc<K: CtKey> {
     /// The conntrack map's descriptor (owned by `conntrack`), for
     /// `BPF_MAP_GET_NEXT_KEY` from a key of ours.
     conntrack_fd: i32,
-    rev_nat: HashMap<MapData, u16, K::Rev>,
+    rev_nat: HashMap<MapData, RevNatId, K::Rev>,
     config: Array<MapData, Config>,
     cfg: Option<Config>,
     /// The next key to look at; `None`: the next round starts a pass.

@@ -11,6 +11,7 @@
 //! | `gc.rs` | conntrack garbage collection: [`ConntrackGc`], bounded rounds on a thread of its own |
 //! | `pinned.rs` | [`PinnedMaps`]: read-only access to a running agent's maps (inspect, metrics) |
 //! | `pins.rs` | pinned maps checked against this build on adoption: resized, reset or refused |
+//! | `migrations.rs` | the `_V1` layouts (16-bit reverse-NAT ids) and their migration to `_V2` |
 //! | `links.rs` | [`Attacher`]: tc and XDP links, pinned and taken over on restart; `cleanup` |
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -228,6 +229,26 @@ pub struct MapSizes {
     pub maglev_chunks: u32,
 }
 
+impl MapSizes {
+    /// Every map whose size follows the configuration, with that size: the
+    /// maps of frontends and backends, and the arrays their ids index.
+    pub fn configured(&self) -> [(&'static str, u32); 11] {
+        [
+            (map_names::SERVICES, self.services),
+            (map_names::SERVICES6, self.services),
+            (map_names::BACKENDS, self.backends),
+            (map_names::BACKENDS6, self.backends),
+            (map_names::BACKEND_TRAFFIC, self.backends),
+            (map_names::REV_NAT, self.rev_nat),
+            (map_names::REV_NAT6, self.rev_nat),
+            (map_names::FRONTEND_TRAFFIC, self.rev_nat),
+            (map_names::ROUND_ROBIN, self.rev_nat),
+            (map_names::CONNTRACK, self.conntrack),
+            (map_names::MAGLEV, self.maglev_chunks),
+        ]
+    }
+}
+
 impl Default for MapSizes {
     fn default() -> Self {
         Self {
@@ -367,7 +388,7 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
 }
 
 /// A change of a map's layout, from the pinned map of an older agent to the
-/// current one. Map names carry their layout version (`CT4_V1`); an agent
+/// current one. Map names carry their layout version (`CT4_V2`); an agent
 /// that finds a pinned map of an older version copies its entries, converted,
 /// into the current map, then removes the old pin. Entries of an old map with
 /// no migration are dropped (with a warning).
@@ -381,9 +402,9 @@ pub struct Migration {
     pub run: fn(old: MapData, new: &mut aya::maps::Map) -> Result<usize, MapError>,
 }
 
-/// Migrations this agent knows. Every map is at its first layout (`_V1`), so
-/// there is none yet; the mechanism is tested with a layout changed on purpose.
-pub const MIGRATIONS: &[Migration] = &[];
+/// Migrations this agent knows: the `_V1` maps of 16-bit reverse-NAT ids
+/// into the `_V2` ones ([`migrations`]).
+pub const MIGRATIONS: &[Migration] = migrations::ALL;
 
 /// Whether `name` looks like a versioned map pin (`SOMETHING_V<digits>`).
 fn is_versioned_map_pin(name: &str) -> bool {
@@ -446,12 +467,9 @@ fn load_checked(
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
-    loader
-        .map_max_entries(map_names::SERVICES, sizes.services)
-        .map_max_entries(map_names::BACKENDS, sizes.backends)
-        .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
-        .map_max_entries(map_names::CONNTRACK, sizes.conntrack)
-        .map_max_entries(map_names::MAGLEV, sizes.maglev_chunks);
+    for (name, size) in sizes.configured() {
+        loader.map_max_entries(name, size);
+    }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     let mut port_search = PortSearch::of(&kernel);
     if let Err(e) = load_tc_programs(&mut ebpf, port_search) {
@@ -642,6 +660,7 @@ pub mod batch;
 mod dataplane;
 mod gc;
 mod links;
+pub mod migrations;
 mod pinned;
 mod pins;
 pub mod probe;

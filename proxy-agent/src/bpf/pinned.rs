@@ -1,6 +1,7 @@
 //! [`PinnedMaps`]: a running agent's pinned maps, read without loading the
 //! object (inspect, metrics).
 
+use proxy_common::RevNatId;
 use std::net::IpAddr;
 
 use super::*;
@@ -9,7 +10,7 @@ use super::*;
 /// and per backend (id → address, port, protocol, counters).
 #[derive(Clone, Debug, Default)]
 pub struct ProgrammedTraffic {
-    pub frontends: BTreeMap<u16, (IpAddr, u16, u8, Traffic)>,
+    pub frontends: BTreeMap<RevNatId, (IpAddr, u16, u8, Traffic)>,
     pub backends: BTreeMap<u32, (IpAddr, u16, u8, Traffic)>,
 }
 
@@ -85,7 +86,7 @@ impl PinnedMaps {
             )
         };
         let mut out = ProgrammedTraffic::default();
-        let protos: BTreeMap<u16, u8> = p
+        let protos: BTreeMap<RevNatId, u8> = p
             .services
             .iter()
             .filter(|(k, _)| k.slot == 0)
@@ -108,8 +109,7 @@ impl PinnedMaps {
             );
         for (id, addr, port) in revs {
             let proto = protos.get(&id).copied().unwrap_or(0);
-            out.frontends
-                .insert(id, (addr, port, proto, sum(&fe, u32::from(id))));
+            out.frontends.insert(id, (addr, port, proto, sum(&fe, id)));
         }
         for (id, b) in &p.backends {
             out.backends
@@ -150,7 +150,7 @@ impl PinnedMaps {
         let backends: HashMap<MapData, u32, Backend4> =
             HashMap::try_from(self.open(map_names::BACKENDS)?)
                 .map_err(map_err(map_names::BACKENDS))?;
-        let rev_nat: HashMap<MapData, u16, RevNat4> =
+        let rev_nat: HashMap<MapData, RevNatId, RevNat4> =
             HashMap::try_from(self.open(map_names::REV_NAT)?)
                 .map_err(map_err(map_names::REV_NAT))?;
         let mut p = Programmed::default();
@@ -193,7 +193,7 @@ impl PinnedMaps {
                 let (k, v) = kv.map_err(map_err(map_names::BACKENDS6))?;
                 p.backends6.insert(k, v);
             }
-            let r: HashMap<MapData, u16, RevNat6> =
+            let r: HashMap<MapData, RevNatId, RevNat6> =
                 HashMap::try_from(r).map_err(map_err(map_names::REV_NAT6))?;
             for kv in r.iter() {
                 let (k, v) = kv.map_err(map_err(map_names::REV_NAT6))?;

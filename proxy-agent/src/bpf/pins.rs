@@ -17,6 +17,7 @@
 //! its entries are copied once the new map exists, then its pin is removed.
 
 use aya::maps::{MapInfo, MapType};
+use proxy_common::RevNatId;
 
 use super::*;
 
@@ -51,13 +52,7 @@ pub const OLD_SUFFIX: &str = "_OLD";
 pub fn expected_maps(sizes: MapSizes) -> Result<BTreeMap<&'static str, MapDef>, BpfError> {
     let obj = aya_obj::Object::parse(EBPF_OBJECT)
         .map_err(|e| BpfError::Load(aya::EbpfError::ParseError(e)))?;
-    let configured = [
-        (map_names::SERVICES, sizes.services),
-        (map_names::BACKENDS, sizes.backends),
-        (map_names::REV_NAT, sizes.rev_nat),
-        (map_names::CONNTRACK, sizes.conntrack),
-        (map_names::MAGLEV, sizes.maglev_chunks),
-    ];
+    let configured = sizes.configured();
     let mut out = BTreeMap::new();
     for name in map_names::ALL {
         let m = obj.maps.get(name).ok_or(BpfError::MissingMap(name))?;
@@ -279,13 +274,21 @@ fn copy_entries(
     match name {
         n if n == map_names::SERVICES => copy::<Svc4Key, Svc4Value>(hash(old), new),
         n if n == map_names::BACKENDS => copy::<u32, Backend4>(hash(old), new),
-        n if n == map_names::REV_NAT => copy::<u16, RevNat4>(hash(old), new),
+        n if n == map_names::REV_NAT => copy::<RevNatId, RevNat4>(hash(old), new),
         n if n == map_names::CONNTRACK => copy::<Ct4Key, Ct4Value>(lru(old), new),
         n if n == map_names::MAGLEV => copy::<MaglevKey, MaglevChunk>(hash(old), new),
         n if n == map_names::IFACES => copy::<u32, Iface>(hash(old), new),
         n if n == map_names::AFFINITY => copy::<Affinity4Key, Affinity4Value>(lru(old), new),
         n if n == map_names::SOCK_REVNAT => {
             copy::<proxy_common::SockRevNat4Key, proxy_common::SockRevNat4Value>(lru(old), new)
+        }
+        n if n == map_names::SERVICES6 => copy::<Svc6Key, Svc4Value>(hash(old), new),
+        n if n == map_names::BACKENDS6 => copy::<u32, Backend6>(hash(old), new),
+        n if n == map_names::REV_NAT6 => copy::<RevNatId, RevNat6>(hash(old), new),
+        n if n == map_names::CONNTRACK6 => copy::<Ct6Key, Ct6Value>(lru(old), new),
+        n if n == map_names::AFFINITY6 => copy::<Affinity6Key, Affinity4Value>(lru(old), new),
+        n if n == map_names::SOCK_REVNAT6 => {
+            copy::<proxy_common::SockRevNat6Key, proxy_common::SockRevNat6Value>(lru(old), new)
         }
         _ => Ok((0, 0)),
     }

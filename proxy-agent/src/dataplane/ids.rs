@@ -10,6 +10,8 @@
 //! frontend or backend that needs an id does not scan the space again.
 use std::collections::{BTreeMap, BTreeSet};
 
+use proxy_common::RevNatId;
+
 use super::BackendEntry;
 
 use crate::model::{BackendAddr, FrontendKey};
@@ -68,8 +70,8 @@ fn after_u32(highest: Option<u32>) -> u32 {
 }
 
 /// One backend id per [`BackendAddr`], shared by every frontend using it,
-/// never 0, below `capacity::BACKENDS`: ids index the per-backend traffic
-/// counters.
+/// never 0, below the backends map's size: ids index the per-backend
+/// traffic counters, an array of that size.
 #[derive(Debug)]
 pub(super) struct BackendIds {
     by_addr: BTreeMap<BackendAddr, u32>,
@@ -80,11 +82,13 @@ impl BackendIds {
     /// Takes over the ids of programmed `backends`. Two ids for one address
     /// (leftovers): one in `live` (a slot packets may read names it) wins, then
     /// the lowest. `highest`: the highest backend id any entry names; new ids
-    /// start after it, so they do not collide with adopted ones.
+    /// start after it, so they do not collide with adopted ones. `size`: the
+    /// backends map's size (ids are below it).
     pub(super) fn adopt(
         backends: &BTreeMap<u32, BackendEntry>,
         live: &BTreeSet<u32>,
         highest: Option<u32>,
+        size: u32,
     ) -> Self {
         let mut by_addr = BTreeMap::new();
         let (used, unused): (Vec<_>, Vec<_>) =
@@ -94,7 +98,7 @@ impl BackendIds {
         }
         Self {
             by_addr,
-            space: IdSpace::new(proxy_common::capacity::BACKENDS - 1, after_u32(highest)),
+            space: IdSpace::new(size.saturating_sub(1).max(1), after_u32(highest)),
         }
     }
 
@@ -137,21 +141,25 @@ pub(super) fn backend_addr(b: &BackendEntry) -> BackendAddr {
     b.addr()
 }
 
-/// One reverse-NAT id per [`FrontendKey`] (its owner), never 0.
+/// One reverse-NAT id per [`FrontendKey`] (its owner), never 0, below the
+/// reverse-NAT map's size (ids index the per-frontend arrays of that size)
+/// and at most [`proxy_common::REV_NAT_ID_MAX`].
 #[derive(Debug)]
 pub(super) struct RevNatIds {
-    by_key: BTreeMap<FrontendKey, u16>,
-    owner: BTreeMap<u16, FrontendKey>,
+    by_key: BTreeMap<FrontendKey, RevNatId>,
+    owner: BTreeMap<RevNatId, FrontendKey>,
     space: IdSpace,
 }
 
 impl RevNatIds {
     /// Takes over the reverse-NAT ids that programmed slot 0 entries name, in
     /// the order given: the first frontend naming an id owns it; 0 is no id.
-    /// `highest`: the highest reverse-NAT id any entry names.
+    /// `highest`: the highest reverse-NAT id any entry names. `size`: the
+    /// reverse-NAT map's size.
     pub(super) fn adopt(
-        slot0s: impl IntoIterator<Item = (FrontendKey, u16)>,
-        highest: Option<u16>,
+        slot0s: impl IntoIterator<Item = (FrontendKey, RevNatId)>,
+        highest: Option<RevNatId>,
+        size: u32,
     ) -> Self {
         let mut by_key = BTreeMap::new();
         let mut owner = BTreeMap::new();
@@ -161,11 +169,13 @@ impl RevNatIds {
                 owner.insert(id, key);
             }
         }
-        let next = highest.map_or(1, |m| m.wrapping_add(1).max(1));
+        let max = size
+            .saturating_sub(1)
+            .clamp(1, proxy_common::REV_NAT_ID_MAX);
         Self {
             by_key,
             owner,
-            space: IdSpace::new(u16::MAX as u32, next as u32),
+            space: IdSpace::new(max, after_u32(highest)),
         }
     }
 
@@ -174,33 +184,34 @@ impl RevNatIds {
         self.space.exhausted = false;
     }
 
-    pub(super) fn get(&self, key: &FrontendKey) -> Option<u16> {
+    pub(super) fn get(&self, key: &FrontendKey) -> Option<RevNatId> {
         self.by_key.get(key).copied()
     }
 
+    /// How many ids there are.
+    pub(super) fn capacity(&self) -> u32 {
+        self.space.max
+    }
+
     /// The frontend that owns `id`.
-    pub(super) fn owner(&self, id: u16) -> Option<&FrontendKey> {
+    pub(super) fn owner(&self, id: RevNatId) -> Option<&FrontendKey> {
         self.owner.get(&id)
     }
 
-    pub(super) fn as_map(&self) -> &BTreeMap<FrontendKey, u16> {
+    pub(super) fn as_map(&self) -> &BTreeMap<FrontendKey, RevNatId> {
         &self.by_key
     }
 
     /// A free reverse-NAT id: owned by no frontend and not `taken` (in the
     /// reverse-NAT map). `None` when every id is.
-    pub(super) fn allocate(&mut self, taken: impl Fn(u16) -> bool) -> Option<u16> {
+    pub(super) fn allocate(&mut self, taken: impl Fn(RevNatId) -> bool) -> Option<RevNatId> {
         let owner = &self.owner;
         self.space
-            .allocate(|id| {
-                let id = id as u16;
-                taken(id) || owner.contains_key(&id)
-            })
-            .map(|id| id as u16)
+            .allocate(|id| taken(id) || owner.contains_key(&id))
     }
 
     /// Records `id` as owned by `key` (once its reverse-NAT entry is written).
-    pub(super) fn assign(&mut self, key: FrontendKey, id: u16) {
+    pub(super) fn assign(&mut self, key: FrontendKey, id: RevNatId) {
         self.by_key.insert(key, id);
         self.owner.insert(id, key);
     }
@@ -244,7 +255,7 @@ mod tests {
     }
 
     fn fresh_backend_ids() -> BackendIds {
-        BackendIds::adopt(&BTreeMap::new(), &BTreeSet::new(), None)
+        BackendIds::adopt(&BTreeMap::new(), &BTreeSet::new(), None, capacity::BACKENDS)
     }
 
     #[test]
@@ -256,7 +267,7 @@ mod tests {
             .collect();
         assert_eq!(got, [1, 4, 5]);
 
-        let mut rev = RevNatIds::adopt([], None);
+        let mut rev = RevNatIds::adopt([], None, capacity::REV_NAT);
         assert_eq!(rev.allocate(|_| false), Some(1));
         assert_eq!(rev.allocate(|_| false), Some(2));
     }
@@ -289,7 +300,7 @@ mod tests {
         assert_eq!(ids.get(&addr(1)), None);
         assert_eq!(ids.allocate(|_| false), Some(first + 1));
 
-        let mut rev = RevNatIds::adopt([], None);
+        let mut rev = RevNatIds::adopt([], None, capacity::REV_NAT);
         let id = rev.allocate(|_| false).unwrap();
         rev.assign(key(1), id);
         assert_eq!(rev.owner(id), Some(&key(1)));
@@ -310,29 +321,46 @@ mod tests {
 
     #[test]
     fn owned_reverse_nat_ids_are_never_handed_out() {
-        let mut rev = RevNatIds::adopt([(key(1), 1), (key(2), 3)], Some(3));
+        let mut rev = RevNatIds::adopt([(key(1), 1), (key(2), 3)], Some(3), capacity::REV_NAT);
         // The search starts after the highest adopted id and goes round.
-        let map = BTreeSet::from([4u16, 5]);
+        let map = BTreeSet::from([4, 5]);
         assert_eq!(rev.allocate(|id| map.contains(&id) || id > 6), Some(6));
         assert_eq!(rev.allocate(|id| map.contains(&id) || id > 6), Some(2));
     }
 
     #[test]
-    fn reverse_nat_ids_wrap_from_65535_to_1_never_0() {
-        let mut rev = RevNatIds::adopt([(key(1), u16::MAX - 1)], Some(u16::MAX - 1));
-        assert_eq!(rev.allocate(|_| false), Some(u16::MAX));
+    fn reverse_nat_ids_go_past_65535_and_wrap_below_the_map_size_never_0() {
+        // More than 65,535 frontends: ids are 32 bits (layout `_V2`).
+        let size = 200_000;
+        let mut rev = RevNatIds::adopt([(key(1), 65_535)], Some(65_535), size);
+        assert_eq!(rev.allocate(|_| false), Some(65_536));
+        let mut rev = RevNatIds::adopt([(key(1), size - 2)], Some(size - 2), size);
+        assert_eq!(
+            rev.allocate(|_| false),
+            Some(size - 1),
+            "the last index of the per-frontend arrays"
+        );
         assert_eq!(rev.allocate(|_| false), Some(1));
+        let mut huge = RevNatIds::adopt([], Some(u32::MAX - 1), u32::MAX);
+        assert_eq!(
+            huge.allocate(|_| false),
+            Some(proxy_common::REV_NAT_ID_MAX),
+            "never past the ids the datapath can carry"
+        );
     }
 
     #[test]
-    fn backend_ids_stay_below_the_capacity_of_the_traffic_counters() {
-        let mut ids = BackendIds::adopt(&BTreeMap::new(), &BTreeSet::new(), Some(u32::MAX - 1));
-        assert_eq!(
-            ids.allocate(|_| false),
-            Some(capacity::BACKENDS - 1),
-            "an adopted id beyond the space starts the search at its top"
-        );
-        assert_eq!(ids.allocate(|_| false), Some(1));
+    fn backend_ids_stay_below_the_size_of_the_traffic_counters() {
+        for size in [capacity::BACKENDS, 400_000] {
+            let mut ids =
+                BackendIds::adopt(&BTreeMap::new(), &BTreeSet::new(), Some(u32::MAX - 1), size);
+            assert_eq!(
+                ids.allocate(|_| false),
+                Some(size - 1),
+                "an adopted id beyond the space starts the search at its top"
+            );
+            assert_eq!(ids.allocate(|_| false), Some(1));
+        }
     }
 
     #[test]
@@ -354,7 +382,7 @@ mod tests {
         ids.begin_sync();
         assert_eq!(ids.allocate(|id| id != 7), Some(7));
 
-        let mut rev = RevNatIds::adopt([], None);
+        let mut rev = RevNatIds::adopt([], None, capacity::REV_NAT);
         assert_eq!(rev.allocate(|_| true), None);
         assert_eq!(rev.allocate(|_| false), None, "exhausted for this sync");
         rev.begin_sync();
@@ -364,15 +392,24 @@ mod tests {
     #[test]
     fn adopt_prefers_the_live_id_of_an_address_and_starts_after_the_highest() {
         let backends = BTreeMap::from([(3, backend(1)), (9, backend(1)), (4, backend(2))]);
-        let mut ids = BackendIds::adopt(&backends, &BTreeSet::from([9]), Some(12));
+        let mut ids = BackendIds::adopt(
+            &backends,
+            &BTreeSet::from([9]),
+            Some(12),
+            capacity::BACKENDS,
+        );
         assert_eq!(ids.get(&addr(1)), Some(9), "the id a slot uses wins");
         assert_eq!(ids.get(&addr(2)), Some(4));
         assert_eq!(ids.allocate(|_| false), Some(13));
 
-        let dead = BackendIds::adopt(&backends, &BTreeSet::new(), Some(9));
+        let dead = BackendIds::adopt(&backends, &BTreeSet::new(), Some(9), capacity::BACKENDS);
         assert_eq!(dead.get(&addr(1)), Some(3), "else the lowest");
 
-        let rev = RevNatIds::adopt([(key(1), 0), (key(2), 5), (key(3), 5)], Some(5));
+        let rev = RevNatIds::adopt(
+            [(key(1), 0), (key(2), 5), (key(3), 5)],
+            Some(5),
+            capacity::REV_NAT,
+        );
         assert_eq!(rev.get(&key(1)), None, "0 is no id");
         assert_eq!(
             rev.get(&key(2)),

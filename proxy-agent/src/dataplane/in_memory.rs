@@ -1,6 +1,7 @@
 //! The in-memory dataplane of the tests: the maps as BTreeMaps with their
 //! capacities, a log of the operations, injectable failures, and a check after
 //! every operation of the invariant a packet relies on.
+use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
@@ -17,18 +18,18 @@ pub enum Op {
     DeleteBackend(u32),
     PutService(Svc4Key, Svc4Value),
     DeleteService(Svc4Key),
-    PutRevNat(u16, RevNat4),
-    DeleteRevNat(u16),
-    PutSourceRange(u16, SourceRange),
-    DeleteSourceRange(u16, SourceRange),
+    PutRevNat(RevNatId, RevNat4),
+    DeleteRevNat(RevNatId),
+    PutSourceRange(RevNatId, SourceRange),
+    DeleteSourceRange(RevNatId, SourceRange),
     PutMaglevChunk(MaglevKey),
     DeleteMaglevChunk(MaglevKey),
     PutBackend6(u32, Backend6),
     DeleteBackend6(u32),
     PutService6(Svc6Key, Svc4Value),
     DeleteService6(Svc6Key),
-    PutRevNat6(u16, RevNat6),
-    DeleteRevNat6(u16),
+    PutRevNat6(RevNatId, RevNat6),
+    DeleteRevNat6(RevNatId),
 }
 
 /// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
@@ -48,13 +49,13 @@ pub struct InMemory {
     /// Affinity prunes to fail before they succeed again.
     fail_prunes: usize,
     /// Every affinity prune that took effect: (reverse-NAT id, kept backends).
-    prunes: Vec<(u16, BTreeSet<u32>)>,
+    prunes: Vec<(RevNatId, BTreeSet<u32>)>,
     /// Every walk of the affinity maps that took effect: how many map
     /// operations came before it.
     prune_walks: Vec<usize>,
     /// Reverse-NAT ids the affinity maps hold entries of, as
     /// [`Dataplane::affinity_ids`] reports them (set by tests).
-    affinity_ids: BTreeSet<u16>,
+    affinity_ids: BTreeSet<RevNatId>,
     /// Whether the invariant is checked after every operation.
     checking: bool,
 }
@@ -123,7 +124,7 @@ impl InMemory {
 
     /// Every affinity prune that took effect, in order: the frontend's
     /// reverse-NAT id and the backend ids whose entries were kept.
-    pub fn prunes(&self) -> &[(u16, BTreeSet<u32>)] {
+    pub fn prunes(&self) -> &[(RevNatId, BTreeSet<u32>)] {
         &self.prunes
     }
 
@@ -136,7 +137,7 @@ impl InMemory {
 
     /// Has the affinity maps hold entries under reverse-NAT ids `ids` (left
     /// by a previous agent), as [`Dataplane::affinity_ids`] reports them.
-    pub fn set_affinity_ids(&mut self, ids: impl IntoIterator<Item = u16>) {
+    pub fn set_affinity_ids(&mut self, ids: impl IntoIterator<Item = RevNatId>) {
         self.affinity_ids = ids.into_iter().collect();
     }
 
@@ -410,7 +411,7 @@ impl Dataplane for InMemory {
         let op = Op::DeleteService6(key);
         self.delete_entry(map_names::SERVICES6, |s| &mut s.services6, key, op)
     }
-    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
+    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::REV_NAT6,
             |s| &mut s.rev_nat6,
@@ -419,13 +420,13 @@ impl Dataplane for InMemory {
             Op::PutRevNat6(id, value),
         )
     }
-    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
+    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
         let op = Op::DeleteRevNat6(id);
         self.delete_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, id, op)
     }
     fn prune_affinity(
         &mut self,
-        keep: &BTreeMap<u16, BTreeSet<u32>>,
+        keep: &BTreeMap<RevNatId, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
         if self.fail_prunes > 0 {
             self.fail_prunes -= 1;
@@ -442,7 +443,10 @@ impl Dataplane for InMemory {
             .retain(|id| !keep.get(id).is_some_and(BTreeSet::is_empty));
         Ok(0)
     }
-    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+    fn id_spaces(&self) -> (u32, u32) {
+        (self.cap_backends, self.cap_rev_nat)
+    }
+    fn affinity_ids(&self) -> Result<BTreeSet<RevNatId>, DataplaneError> {
         Ok(self.affinity_ids.clone())
     }
     fn put_maglev_chunk(
@@ -466,7 +470,7 @@ impl Dataplane for InMemory {
     }
     fn put_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         range: SourceRange,
     ) -> Result<(), DataplaneError> {
         self.injected(map_names::SOURCE_RANGES, "put")?;
@@ -480,7 +484,7 @@ impl Dataplane for InMemory {
     }
     fn delete_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         range: SourceRange,
     ) -> Result<(), DataplaneError> {
         self.injected(map_names::SOURCE_RANGES, "delete")?;
@@ -519,7 +523,7 @@ impl Dataplane for InMemory {
         let op = Op::DeleteService(key);
         self.delete_entry(map_names::SERVICES, |s| &mut s.services, key, op)
     }
-    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError> {
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::REV_NAT,
             |s| &mut s.rev_nat,
@@ -528,7 +532,7 @@ impl Dataplane for InMemory {
             Op::PutRevNat(id, value),
         )
     }
-    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError> {
+    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
         let op = Op::DeleteRevNat(id);
         self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op)
     }

@@ -13,6 +13,7 @@
 //! | `writer/users.rs` | the desired frontends by backend address, for [`Writer::sync_changed`] |
 //! | `ids.rs` | backend and reverse-NAT id allocation |
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
+use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use std::net::IpAddr;
@@ -55,17 +56,17 @@ pub enum DataplaneError {
 pub struct Programmed {
     pub services: BTreeMap<Svc4Key, Svc4Value>,
     pub backends: BTreeMap<u32, Backend4>,
-    pub rev_nat: BTreeMap<u16, RevNat4>,
+    pub rev_nat: BTreeMap<RevNatId, RevNat4>,
     /// `loadBalancerSourceRanges`: reverse-NAT id → allowed client prefixes.
-    pub source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
+    pub source_ranges: BTreeMap<RevNatId, BTreeSet<SourceRange>>,
     /// Maglev tables, chunk by chunk.
     pub maglev: BTreeMap<MaglevKey, MaglevChunk>,
-    /// IPv6 frontends and their slots (`SVC6_V1`).
+    /// IPv6 frontends and their slots (`SVC6_V2`).
     pub services6: BTreeMap<Svc6Key, Svc4Value>,
     /// IPv6 backends (`BACKEND6_V1`; ids shared with `backends`).
     pub backends6: BTreeMap<u32, Backend6>,
-    /// IPv6 reverse NAT (`REVNAT6_V1`; ids shared with `rev_nat`).
-    pub rev_nat6: BTreeMap<u16, RevNat6>,
+    /// IPv6 reverse NAT (`REVNAT6_V2`; ids shared with `rev_nat`).
+    pub rev_nat6: BTreeMap<RevNatId, RevNat6>,
 }
 
 /// A backend entry, in the map of its address's family.
@@ -186,8 +187,8 @@ pub trait Dataplane {
     fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError>;
     fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError>;
     fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
-    fn put_rev_nat(&mut self, id: u16, value: RevNat4) -> Result<(), DataplaneError>;
-    fn delete_rev_nat(&mut self, id: u16) -> Result<(), DataplaneError>;
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError>;
+    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError>;
     /// Writes `entries` in order, as [`Dataplane::put_service`] one after
     /// the other would, stopping at the first that fails: returns how many
     /// were written (the first ones) and that one's error; it and those
@@ -203,7 +204,7 @@ pub trait Dataplane {
         each(entries, |(id, b)| self.put_backend(*id, *b))
     }
     /// As [`Dataplane::put_services`], for reverse-NAT entries.
-    fn put_rev_nats(&mut self, entries: &[(u16, RevNat4)]) -> BatchOutcome {
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNat4)]) -> BatchOutcome {
         each(entries, |(id, r)| self.put_rev_nat(*id, *r))
     }
     /// Deletes `keys` in order, as [`Dataplane::delete_service`] one after
@@ -219,7 +220,7 @@ pub trait Dataplane {
         each(ids, |id| self.delete_backend(*id))
     }
     /// As [`Dataplane::delete_services`], for reverse-NAT entries.
-    fn delete_rev_nats(&mut self, ids: &[u16]) -> BatchOutcome {
+    fn delete_rev_nats(&mut self, ids: &[RevNatId]) -> BatchOutcome {
         each(ids, |id| self.delete_rev_nat(*id))
     }
     /// Deletes, in one walk of the affinity maps, the session-affinity
@@ -229,26 +230,36 @@ pub trait Dataplane {
     /// affinity is switched off. Returns how many were deleted.
     fn prune_affinity(
         &mut self,
-        keep: &BTreeMap<u16, BTreeSet<u32>>,
+        keep: &BTreeMap<RevNatId, BTreeSet<u32>>,
     ) -> Result<usize, DataplaneError> {
         let _ = keep;
         Ok(0)
     }
+    /// The sizes of the maps the datapath indexes by id (the per-backend and
+    /// per-frontend arrays have as many entries): backend ids stay below
+    /// `.0` (the backends map's size), reverse-NAT ids below `.1` (the
+    /// reverse-NAT map's).
+    fn id_spaces(&self) -> (u32, u32) {
+        (
+            proxy_common::capacity::BACKENDS,
+            proxy_common::capacity::REV_NAT,
+        )
+    }
     /// The reverse-NAT ids the affinity maps hold entries of (read once, on
     /// adoption: a frontend whose id has none needs no prune).
-    fn affinity_ids(&self) -> Result<BTreeSet<u16>, DataplaneError> {
+    fn affinity_ids(&self) -> Result<BTreeSet<RevNatId>, DataplaneError> {
         Ok(BTreeSet::new())
     }
     /// Allows clients in `range` to open flows to the frontend `rev_nat_id`
     /// (meaningful when its slot 0 has `svc_flags::SOURCE_RANGES`).
     fn put_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         range: SourceRange,
     ) -> Result<(), DataplaneError>;
     fn delete_source_range(
         &mut self,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         range: SourceRange,
     ) -> Result<(), DataplaneError>;
     /// Writes one chunk of a Maglev table generation.
@@ -278,11 +289,11 @@ pub trait Dataplane {
         let _ = id;
         Err(no_ipv6(map_names::BACKENDS6, "delete"))
     }
-    fn put_rev_nat6(&mut self, id: u16, value: RevNat6) -> Result<(), DataplaneError> {
+    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
         let _ = (id, value);
         Err(no_ipv6(map_names::REV_NAT6, "put"))
     }
-    fn delete_rev_nat6(&mut self, id: u16) -> Result<(), DataplaneError> {
+    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
         let _ = id;
         Err(no_ipv6(map_names::REV_NAT6, "delete"))
     }
@@ -295,7 +306,7 @@ pub trait Dataplane {
         each(entries, |(id, b)| self.put_backend6(*id, *b))
     }
     /// [`Dataplane::put_services`] for the IPv6 reverse-NAT map.
-    fn put_rev_nats6(&mut self, entries: &[(u16, RevNat6)]) -> BatchOutcome {
+    fn put_rev_nats6(&mut self, entries: &[(RevNatId, RevNat6)]) -> BatchOutcome {
         each(entries, |(id, r)| self.put_rev_nat6(*id, *r))
     }
     /// [`Dataplane::delete_services`] for the IPv6 frontends' map.
@@ -307,7 +318,7 @@ pub trait Dataplane {
         each(ids, |id| self.delete_backend6(*id))
     }
     /// [`Dataplane::delete_services`] for the IPv6 reverse-NAT map.
-    fn delete_rev_nats6(&mut self, ids: &[u16]) -> BatchOutcome {
+    fn delete_rev_nats6(&mut self, ids: &[RevNatId]) -> BatchOutcome {
         each(ids, |id| self.delete_rev_nat6(*id))
     }
 }

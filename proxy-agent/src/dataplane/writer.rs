@@ -11,6 +11,7 @@
 //! writer keeps reference counts (slots per backend id, slot 0 entries per
 //! reverse-NAT id) and an index of the desired frontends by backend address
 //! (`users.rs`) so that neither needs a walk over the whole state.
+use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
@@ -257,7 +258,7 @@ struct Loose {
     /// Reverse-NAT ids a slot 0 stopped (or started) naming, ids released,
     /// ids of frontends looked at: their entry, source ranges and Maglev
     /// chunks may be stale.
-    rev_nat: BTreeSet<u16>,
+    rev_nat: BTreeSet<RevNatId>,
 }
 
 /// Keeps a [`Dataplane`] equal to a [`DesiredState`]: owns the dataplane, the
@@ -269,29 +270,29 @@ pub struct Writer<D: Dataplane> {
     dp: D,
     frontends: BTreeMap<FrontendKey, FrontendEntries>,
     backends: BTreeMap<u32, BackendEntry>,
-    rev_nat: BTreeMap<u16, RevNatEntry>,
+    rev_nat: BTreeMap<RevNatId, RevNatEntry>,
     backend_ids: BackendIds,
     rev_nat_ids: RevNatIds,
     /// Programmed `loadBalancerSourceRanges`, by reverse-NAT id.
-    source_ranges: BTreeMap<u16, BTreeSet<SourceRange>>,
+    source_ranges: BTreeMap<RevNatId, BTreeSet<SourceRange>>,
     maglev: MaglevSettings,
     /// Every chunk in the Maglev map.
     maglev_keys: BTreeSet<MaglevKey>,
     /// The table each Maglev frontend's slot 0 reads, by reverse-NAT id.
-    maglev_tables: BTreeMap<u16, MaglevTable>,
+    maglev_tables: BTreeMap<RevNatId, MaglevTable>,
     /// Frontends whose last affinity prune failed: retried at the next sync.
     affinity_pending: BTreeSet<FrontendKey>,
     /// Reverse-NAT ids the affinity maps may hold entries of: those a slot 0
     /// with session affinity named since their entries were last pruned
     /// away, and those found in the maps on adoption. A frontend whose id is
     /// not here has no entry to prune, so a sync skips its walk of the maps.
-    affinity_ids: BTreeSet<u16>,
+    affinity_ids: BTreeSet<RevNatId>,
     /// Backend id → how many programmed slots (live or not) name it; kept
     /// with `frontends` by [`Writer::mirror_slot`].
     slot_refs: BTreeMap<u32, usize>,
     /// Reverse-NAT id → the frontends whose programmed slot 0 names it; kept
     /// with `frontends` by [`Writer::mirror_slot0`].
-    slot0_by_rev: BTreeMap<u16, VecSet<FrontendKey>>,
+    slot0_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>>,
     /// The desired frontends by backend address, as of the last sync.
     users: Users,
     /// Frontends the last sync failed or did not finish (and those using a
@@ -347,7 +348,7 @@ impl<D: Dataplane> Writer<D> {
                     .map(|(id, b)| (*id, BackendEntry::V6(*b))),
             )
             .collect();
-        let rev_nat: BTreeMap<u16, RevNatEntry> = programmed
+        let rev_nat: BTreeMap<RevNatId, RevNatEntry> = programmed
             .rev_nat
             .iter()
             .map(|(id, r)| (*id, RevNatEntry::V4(*r)))
@@ -382,12 +383,14 @@ impl<D: Dataplane> Writer<D> {
                     .filter_map(|e| e.slot0.map(|v| v.rev_nat_id)),
             )
             .max();
-        let backend_ids = BackendIds::adopt(&backends, &live, max_backend);
+        let (backend_space, rev_nat_space) = dp.id_spaces();
+        let backend_ids = BackendIds::adopt(&backends, &live, max_backend, backend_space);
         let rev_nat_ids = RevNatIds::adopt(
             frontends
                 .iter()
                 .filter_map(|(key, e)| e.slot0.map(|v| (*key, v.rev_nat_id))),
             max_rev_nat,
+            rev_nat_space,
         );
         tracing::debug!(
             frontends = frontends.len(),
@@ -397,7 +400,7 @@ impl<D: Dataplane> Writer<D> {
         );
         let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
         let mut slot_refs: BTreeMap<u32, usize> = BTreeMap::new();
-        let mut slot0_by_rev: BTreeMap<u16, VecSet<FrontendKey>> = BTreeMap::new();
+        let mut slot0_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>> = BTreeMap::new();
         for (key, e) in &frontends {
             for id in e.slots.values() {
                 *slot_refs.entry(*id).or_default() += 1;
@@ -452,7 +455,7 @@ impl<D: Dataplane> Writer<D> {
     }
 
     /// The reverse-NAT id of every frontend that has one.
-    pub fn rev_nat_ids(&self) -> &BTreeMap<FrontendKey, u16> {
+    pub fn rev_nat_ids(&self) -> &BTreeMap<FrontendKey, RevNatId> {
         self.rev_nat_ids.as_map()
     }
 
@@ -681,7 +684,7 @@ impl<D: Dataplane> Writer<D> {
     }
 
     /// How many programmed slot 0 entries name reverse-NAT id `id`.
-    fn slot0_refs(&self, id: u16) -> usize {
+    fn slot0_refs(&self, id: RevNatId) -> usize {
         self.slot0_by_rev.get(&id).map_or(0, VecSet::len)
     }
 

@@ -227,6 +227,8 @@ pub struct Harness {
     loaded: Option<Loaded>,
     /// Of the default sizes: its object goes back to the pool on drop.
     reusable: bool,
+    sizes: MapSizes,
+    config: Config,
     pub netns: NetNs,
 }
 
@@ -301,8 +303,31 @@ impl Harness {
             writer,
             loaded: Some(loaded),
             reusable,
+            sizes,
+            config,
             netns,
         })
+    }
+
+    /// As an agent restarted (or upgraded) on the node: the object is loaded
+    /// again over the pins the previous one left (adopted, or migrated from
+    /// older layouts), and a new writer adopts what they hold. Nothing is
+    /// synced. The object is not pooled afterwards.
+    pub fn reload(&mut self) -> anyhow::Result<()> {
+        let Loaded { ebpf, pins, .. } = self.loaded.take().expect("a live harness");
+        // The previous agent's descriptors go; its pins stay.
+        drop(ebpf);
+        self.reusable = false;
+        let mut b = bpf::load(pins.path(), self.sizes).context("load datapath")?;
+        let mut dp = BpfDataplane::new(&mut b.ebpf, self.sizes).context("maps")?;
+        dp.set_config(self.config).context("config")?;
+        self.writer = Writer::adopt(dp).context("adopt")?;
+        self.loaded = Some(Loaded {
+            ebpf: b.ebpf,
+            pins,
+            port_search: b.port_search,
+        });
+        Ok(())
     }
 
     fn loaded(&self) -> &Loaded {

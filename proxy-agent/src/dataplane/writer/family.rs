@@ -3,6 +3,7 @@
 //! IPv4 or IPv6 map for each operation. Backend ids and reverse-NAT ids are
 //! one space for both families.
 
+use proxy_common::RevNatId;
 use std::net::IpAddr;
 
 use proxy_common::{Svc4Key, Svc4Value, Svc6Key};
@@ -27,7 +28,7 @@ pub(super) fn delete_service<D: Dataplane>(
 /// unknown).
 pub(super) fn delete_rev_nat<D: Dataplane>(
     dp: &mut D,
-    id: u16,
+    id: RevNatId,
     r: Option<&RevNatEntry>,
 ) -> Result<(), DataplaneError> {
     match r {
@@ -77,7 +78,7 @@ pub(super) fn put_backends<D: Dataplane>(
 /// As [`put_services`], for reverse-NAT entries `(id, entry)`.
 pub(super) fn put_rev_nats<D: Dataplane>(
     dp: &mut D,
-    writes: &[(u16, RevNatEntry)],
+    writes: &[(RevNatId, RevNatEntry)],
 ) -> BatchOutcome {
     runs(
         dp,
@@ -132,7 +133,7 @@ pub(super) fn delete_backends<D: Dataplane>(
 /// As [`delete_backends`], for reverse-NAT entries `(id, entry)`.
 pub(super) fn delete_rev_nats<D: Dataplane>(
     dp: &mut D,
-    ids: &[(u16, Option<RevNatEntry>)],
+    ids: &[(RevNatId, Option<RevNatEntry>)],
 ) -> BatchOutcome {
     runs(
         dp,

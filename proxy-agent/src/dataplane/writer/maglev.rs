@@ -2,6 +2,7 @@
 //! into the generation its slot 0 does not read, then slot 0 switches to it
 //! (`update_slot0`), then the old generation is deleted. A packet reads
 //! either the old table or the new one, never a half-written one.
+use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
@@ -47,7 +48,7 @@ pub(super) struct MaglevTable {
 pub(super) fn adopt_tables(
     frontends: &BTreeMap<FrontendKey, FrontendEntries>,
     chunks: &BTreeMap<MaglevKey, MaglevChunk>,
-) -> BTreeMap<u16, MaglevTable> {
+) -> BTreeMap<RevNatId, MaglevTable> {
     let mut tables = BTreeMap::new();
     for v in frontends.values().filter_map(|e| e.slot0) {
         if !reads_maglev(&v) {
@@ -198,7 +199,7 @@ impl<D: Dataplane> Writer<D> {
     pub(super) fn commit_maglev(
         &mut self,
         key: &FrontendKey,
-        rev: u16,
+        rev: RevNatId,
         pending: &mut BTreeMap<FrontendKey, MaglevTable>,
     ) {
         if let Some(t) = pending.remove(key) {
@@ -215,7 +216,7 @@ impl<D: Dataplane> Writer<D> {
     /// Invariant: runs after every slot 0 is written or deleted, so a chunk is
     /// deleted only once no slot 0 names its generation.
     pub(super) fn delete_unused_maglev(&mut self, s: &mut SyncState) {
-        let revs: BTreeSet<u16> = if s.full {
+        let revs: BTreeSet<RevNatId> = if s.full {
             self.maglev_keys
                 .iter()
                 .map(|k| k.rev_nat_id)
@@ -226,7 +227,7 @@ impl<D: Dataplane> Writer<D> {
         };
         // (reverse-NAT id, generation) → chunks, of every slot 0 reading a
         // table of `revs`.
-        let live: BTreeMap<(u16, u8), u32> = revs
+        let live: BTreeMap<(RevNatId, u8), u32> = revs
             .iter()
             .filter_map(|rev| self.slot0_by_rev.get(rev))
             .flatten()
@@ -263,7 +264,7 @@ impl<D: Dataplane> Writer<D> {
                 }
             }
         }
-        let live_revs: BTreeSet<u16> = live.keys().map(|(rev, _)| *rev).collect();
+        let live_revs: BTreeSet<RevNatId> = live.keys().map(|(rev, _)| *rev).collect();
         for rev in &revs {
             if !live_revs.contains(rev) {
                 self.maglev_tables.remove(rev);

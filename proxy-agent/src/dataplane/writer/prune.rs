@@ -5,6 +5,7 @@
 //! [`Writer::sync_changed`] at the frontends in scope and the ids that may
 //! have lost their last reference ([`super::Loose`]) only: an entry is
 //! deleted in both cases exactly when nothing names it any more.
+use proxy_common::RevNatId;
 use std::collections::BTreeSet;
 
 use super::{
@@ -120,7 +121,7 @@ impl<D: Dataplane> Writer<D> {
         // whether or not the entry can go now. One a slot 0 still names
         // (an adopted leftover's) or whose delete fails is then an unowned
         // entry, which `delete_stale_rev_nat` deletes once nothing names it.
-        let mut rev_nats: Vec<(FrontendKey, u16, Option<RevNatEntry>)> = Vec::new();
+        let mut rev_nats: Vec<(FrontendKey, RevNatId, Option<RevNatEntry>)> = Vec::new();
         for key in removed
             .iter()
             .filter(|k| !kept.contains(k) && !unclean.contains(k))
@@ -137,7 +138,7 @@ impl<D: Dataplane> Writer<D> {
             s,
             &rev_nats,
             |dp, ops| {
-                let ids: Vec<(u16, Option<RevNatEntry>)> =
+                let ids: Vec<(RevNatId, Option<RevNatEntry>)> =
                     ops.iter().map(|(_, id, r)| (*id, *r)).collect();
                 family::delete_rev_nats(dp, &ids)
             },
@@ -159,8 +160,8 @@ impl<D: Dataplane> Writer<D> {
     fn rev_nat_candidates<V>(
         &self,
         s: &SyncState,
-        present: &std::collections::BTreeMap<u16, V>,
-    ) -> Vec<u16> {
+        present: &std::collections::BTreeMap<RevNatId, V>,
+    ) -> Vec<RevNatId> {
         if s.full {
             present.keys().copied().collect()
         } else {
@@ -177,7 +178,7 @@ impl<D: Dataplane> Writer<D> {
     /// previous agent). Invariant: an entry a slot 0 still names is kept,
     /// owned or not (replies of its flows are translated back with it).
     pub(super) fn delete_stale_rev_nat(&mut self, s: &mut SyncState) {
-        let ops: Vec<(u16, Option<RevNatEntry>)> = self
+        let ops: Vec<(RevNatId, Option<RevNatEntry>)> = self
             .rev_nat_candidates(s, &self.rev_nat)
             .into_iter()
             .filter(|id| self.rev_nat_ids.owner(*id).is_none() && self.slot0_refs(*id) == 0)
@@ -203,7 +204,7 @@ impl<D: Dataplane> Writer<D> {
     /// deleted after); only those of frontends already removed, or of ids
     /// nobody owns, go here.
     pub(super) fn delete_stale_source_ranges(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let ids: Vec<u16> = self
+        let ids: Vec<RevNatId> = self
             .rev_nat_candidates(s, &self.source_ranges)
             .into_iter()
             .filter(|id| {

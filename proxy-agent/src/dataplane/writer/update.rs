@@ -9,6 +9,7 @@
 //! fails; the phase handles that failure as it would a single write's
 //! (a failed frontend is cleaned before the frontends after it are
 //! written) and goes on with a batch from the next write.
+use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{map_names, Svc4Value};
@@ -162,8 +163,8 @@ impl<D: Dataplane> Writer<D> {
     /// once its entry is written).
     pub(super) fn update_rev_nat(&mut self, desired: &DesiredState, s: &mut SyncState) {
         // (frontend, id, new id, entry), as in `update_backends`.
-        let mut writes: Vec<(FrontendKey, u16, bool, RevNatEntry)> = Vec::new();
-        let mut fresh: BTreeSet<u16> = BTreeSet::new();
+        let mut writes: Vec<(FrontendKey, RevNatId, bool, RevNatEntry)> = Vec::new();
+        let mut fresh: BTreeSet<RevNatId> = BTreeSet::new();
         for key in &s.order {
             let fe = &desired.frontends[key];
             if s.out.is_failed(key) {
@@ -182,7 +183,7 @@ impl<D: Dataplane> Writer<D> {
                     None => {
                         let e = DataplaneError::Full {
                             map: map_names::REV_NAT,
-                            capacity: u16::MAX as u32,
+                            capacity: self.rev_nat_ids.capacity(),
                         };
                         s.out.fail(*key, Some(fe), e);
                         continue;
@@ -195,7 +196,7 @@ impl<D: Dataplane> Writer<D> {
             }
             writes.push((*key, id, new, value));
         }
-        let entries: Vec<(u16, RevNatEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
+        let entries: Vec<(RevNatId, RevNatEntry)> = writes.iter().map(|w| (w.1, w.3)).collect();
         let mut i = 0;
         while i < writes.len() {
             let (n, err) = family::put_rev_nats(&mut self.dp, &entries[i..]);
@@ -313,7 +314,7 @@ impl<D: Dataplane> Writer<D> {
         let order = std::mem::take(&mut s.order);
         // (frontend, reverse-NAT id, value, previous value): planned (each
         // Maglev table written as it is), then one batch call.
-        let mut writes: Vec<(FrontendKey, u16, Svc4Value, Option<Svc4Value>)> = Vec::new();
+        let mut writes: Vec<(FrontendKey, RevNatId, Svc4Value, Option<Svc4Value>)> = Vec::new();
         for key in &order {
             let Some(target) = s.targets.get(key) else {
                 continue;
@@ -437,7 +438,7 @@ impl<D: Dataplane> Writer<D> {
     /// One walk of the affinity maps for all of them; none when no such id
     /// can have entries ([`Writer::affinity_ids`]).
     pub(super) fn prune_reused_affinity(&mut self, desired: &DesiredState, s: &mut SyncState) {
-        let mut keys: BTreeMap<u16, FrontendKey> = BTreeMap::new();
+        let mut keys: BTreeMap<RevNatId, FrontendKey> = BTreeMap::new();
         for key in &s.order {
             if s.out.is_failed(key) {
                 continue;
@@ -494,7 +495,7 @@ impl<D: Dataplane> Writer<D> {
             .chain(self.affinity_pending.iter())
             .copied()
             .collect();
-        let mut keep: BTreeMap<u16, BTreeSet<u32>> = BTreeMap::new();
+        let mut keep: BTreeMap<RevNatId, BTreeSet<u32>> = BTreeMap::new();
         let mut pruned: Vec<FrontendKey> = Vec::new();
         for key in &keys {
             let (Some(fe), Some(target), Some(id)) = (
@@ -546,7 +547,7 @@ impl<D: Dataplane> Writer<D> {
 
     /// Whether a programmed slot 0 naming reverse-NAT id `id` has session
     /// affinity.
-    fn names_affinity(&self, id: u16) -> bool {
+    fn names_affinity(&self, id: RevNatId) -> bool {
         self.slot0_by_rev.get(&id).is_some_and(|keys| {
             keys.iter().any(|k| {
                 self.frontends

@@ -1,0 +1,504 @@
+//! Upgrades across map layouts: an agent of layout `_V2` (32-bit reverse-NAT
+//! ids) started over the pins of a `_V1` agent (16-bit ids) migrates their
+//! entries before anything reads them, so established flows, session
+//! affinity, source ranges and the programmed Services carry over.
+
+use std::{mem::size_of, net::Ipv4Addr, os::fd::FromRawFd, path::Path};
+
+use aya::maps::{lpm_trie::Key as LpmKey, HashMap, LpmTrie, Map, MapData};
+use proxy_agent::{
+    bpf::migrations::v1,
+    model::{DesiredState, Frontend},
+};
+use proxy_common::{
+    lb::{MaglevChunk, MaglevKey},
+    map_names, stat, svc_flags, Affinity4Key, Affinity4Value, Affinity6Key, Ct4Key, Ct4Value,
+    Ct6Key, Ct6Value, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange4, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP,
+};
+
+use super::kit::{
+    check::parse_checked,
+    frame::{tcp4, ACK, PSH, SYN},
+    harness::{be, fe, Harness, TC_ACT_SHOT},
+};
+use super::{B1, B2, CLIENT, VIP};
+
+const BPF_MAP_TYPE_HASH: u32 = 1;
+const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// Creates a map as an older agent's object would have and pins it at `path`.
+fn pin_map(path: &Path, map_type: u32, key_size: u32, value_size: u32, flags: u32) -> MapData {
+    #[repr(C)]
+    struct Attr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        _rest: [u8; 108],
+    }
+    let attr = Attr {
+        map_type,
+        key_size,
+        value_size,
+        max_entries: 4096,
+        map_flags: flags,
+        _rest: [0; 108],
+    };
+    // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            &attr as *const Attr,
+            std::mem::size_of::<Attr>() as u32,
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a new descriptor we own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let data = MapData::from_fd(fd).expect("map data");
+    data.pin(path).expect("pin");
+    data
+}
+
+/// Pins a `_V1` hash (or LRU hash) map `name` in `dir` holding `entries`.
+fn pin_v1<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &str, lru: bool, entries: &[(K, V)]) {
+    let map_type = if lru {
+        BPF_MAP_TYPE_LRU_HASH
+    } else {
+        BPF_MAP_TYPE_HASH
+    };
+    let data = pin_map(
+        &dir.join(name),
+        map_type,
+        size_of::<K>() as u32,
+        size_of::<V>() as u32,
+        0,
+    );
+    let mut m: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(data)).unwrap();
+    for (k, v) in entries {
+        m.insert(k, v, 0).expect("insert into the old map");
+    }
+}
+
+/// The entries of the pinned hash map `name` of `dir`; the pin is removed
+/// (the map of the current layout goes, as it would not exist yet).
+fn take_v2<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &str) -> Vec<(K, V)> {
+    let data = MapData::from_pin(dir.join(name)).expect("current map pinned");
+    let m: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(data)).unwrap();
+    let out = m.iter().map(|kv| kv.expect("entry")).collect();
+    std::fs::remove_file(dir.join(name)).unwrap();
+    out
+}
+
+/// The entries of the pinned hash map `name` of `dir`.
+fn entries<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &str) -> Vec<(K, V)> {
+    let data = MapData::from_pin(dir.join(name)).expect("current map pinned");
+    let m: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(data)).unwrap();
+    m.iter().map(|kv| kv.expect("entry")).collect()
+}
+
+fn rev16(id: u32) -> u16 {
+    u16::try_from(id).expect("a _V1 agent's ids are below 65,536")
+}
+
+/// Turns the `_V2` maps of `dir` that hold reverse-NAT ids (IPv4) into the
+/// `_V1` pins an agent of the old layout would have left with the same
+/// entries.
+fn downgrade_ipv4(dir: &Path) {
+    let services = take_v2::<Svc4Key, Svc4Value>(dir, map_names::SERVICES);
+    let services: Vec<_> = services
+        .into_iter()
+        .map(|(k, v)| {
+            let old = v1::Svc4Value {
+                backend_id: v.backend_id,
+                count: v.count,
+                rev_nat_id: rev16(v.rev_nat_id),
+                flags: v.flags,
+                maglev_size: v.maglev_size,
+                affinity_timeout_s: v.affinity_timeout_s,
+            };
+            (k, old)
+        })
+        .collect();
+    pin_v1(dir, "SVC4_V1", false, &services);
+
+    let rev_nat = take_v2::<u32, RevNat4>(dir, map_names::REV_NAT);
+    let rev_nat: Vec<_> = rev_nat.into_iter().map(|(id, r)| (rev16(id), r)).collect();
+    pin_v1(dir, "REVNAT4_V1", false, &rev_nat);
+
+    let ct = take_v2::<Ct4Key, Ct4Value>(dir, map_names::CONNTRACK);
+    let ct: Vec<_> = ct
+        .into_iter()
+        .map(|(k, v)| {
+            let old = v1::Ct4Value {
+                backend_id: v.backend_id,
+                nat_addr_be: v.nat_addr_be,
+                rev_nat_id: rev16(v.rev_nat_id),
+                flags: v.flags,
+                nat_port_be: v.nat_port_be,
+                _pad: 0,
+                last_seen_ns: v.last_seen_ns,
+            };
+            (k, old)
+        })
+        .collect();
+    pin_v1(dir, "CT4_V1", true, &ct);
+
+    let affinity = take_v2::<Affinity4Key, Affinity4Value>(dir, map_names::AFFINITY);
+    let affinity: Vec<_> = affinity
+        .into_iter()
+        .map(|(k, v)| {
+            let old = v1::Affinity4Key {
+                client_be: k.client_be,
+                rev_nat_id: rev16(k.rev_nat_id),
+                _pad: 0,
+            };
+            (old, v)
+        })
+        .collect();
+    pin_v1(dir, "AFFINITY4_V1", true, &affinity);
+
+    let path = dir.join(map_names::SOURCE_RANGES);
+    let ranges: Vec<(LpmKey<SourceRange4>, u8)> = {
+        let data = MapData::from_pin(&path).unwrap();
+        let m: LpmTrie<MapData, SourceRange4, u8> = LpmTrie::try_from(Map::LpmTrie(data)).unwrap();
+        m.iter().map(|kv| kv.expect("entry")).collect()
+    };
+    std::fs::remove_file(&path).unwrap();
+    let data = pin_map(
+        &dir.join("SRCRANGE4_V1"),
+        BPF_MAP_TYPE_LPM_TRIE,
+        4 + 8,
+        1,
+        BPF_F_NO_PREALLOC,
+    );
+    let mut old: LpmTrie<MapData, v1::SourceRange4, u8> =
+        LpmTrie::try_from(Map::LpmTrie(data)).unwrap();
+    for (k, v) in ranges {
+        let d = k.data();
+        let data = v1::SourceRange4 {
+            rev_nat_id_be: rev16(u32::from_be(d.rev_nat_id_be)).to_be(),
+            _pad: 0,
+            addr_be: d.addr_be,
+        };
+        old.insert(&LpmKey::new(k.prefix_len(), data), v, 0)
+            .unwrap();
+    }
+}
+
+/// The pins of `dir` whose names end in `_V1` and hold reverse-NAT ids.
+fn v1_pins(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            n.ends_with("_V1")
+                && [
+                    "SVC",
+                    "REVNAT",
+                    "CT",
+                    "AFFINITY",
+                    "SRCRANGE",
+                    "SOCK_REVNAT",
+                    "MAGLEV",
+                ]
+                .iter()
+                .any(|p| n.starts_with(p))
+        })
+        .collect()
+}
+
+/// An agent of the `_V2` layout started over the pins of a `_V1` agent
+/// (16-bit reverse-NAT ids): before any sync, an established flow's next
+/// segment and its reply are translated as before, a client's session
+/// affinity holds, source ranges still filter, and the writer adopts every
+/// frontend with its reverse-NAT id (its first sync adds nothing).
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges() {
+    const LB: Ipv4Addr = Ipv4Addr::new(198, 18, 9, 1);
+    let allowed = Ipv4Addr::new(198, 18, 4, 7);
+    let mut d = DesiredState::default();
+    d.frontends.insert(
+        fe(VIP, 80, IPPROTO_TCP),
+        Frontend {
+            service: "default/sticky".into(),
+            backends: vec![be(B1, 8080, IPPROTO_TCP), be(B2, 8080, IPPROTO_TCP)],
+            affinity_timeout_s: 600,
+            ..Default::default()
+        },
+    );
+    d.frontends.insert(
+        fe(LB, 80, IPPROTO_TCP),
+        Frontend {
+            service: "default/lb".into(),
+            backends: vec![be(B1, 8080, IPPROTO_TCP)],
+            flags: svc_flags::SOURCE_RANGES,
+            source_ranges: vec![(Ipv4Addr::new(198, 18, 4, 0).into(), 24)],
+            ..Default::default()
+        },
+    );
+    let mut h = Harness::new();
+    h.sync_desired(&d);
+    let (_, out) = h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
+    let chosen = parse_checked(&out).dst;
+    assert!(chosen == B1 || chosen == B2, "translated to a backend");
+    let ids = h.writer.rev_nat_ids().clone();
+    assert_eq!(ids.len(), 2);
+
+    downgrade_ipv4(h.pin_dir());
+    assert_eq!(v1_pins(h.pin_dir()).len(), 5, "the old agent's pins");
+    h.reload().expect("the new agent loads over the old pins");
+
+    assert_eq!(
+        v1_pins(h.pin_dir()),
+        Vec::<String>::new(),
+        "old pins removed once migrated"
+    );
+    assert_eq!(
+        h.writer.rev_nat_ids(),
+        &ids,
+        "every frontend adopted with its id"
+    );
+    // The flow goes on: its next segment to the same backend, its reply
+    // from the frontend.
+    let (_, out) = h.run(&tcp4(CLIENT, 40000, VIP, 80, ACK | PSH, b"more"));
+    assert_eq!(parse_checked(&out).dst, chosen, "the flow kept its backend");
+    let (_, out) = h.run(&tcp4(chosen, 8080, CLIENT, 40000, ACK, b"answer"));
+    let reply = parse_checked(&out);
+    assert_eq!(
+        (reply.src, reply.sport),
+        (VIP, 80),
+        "reverse NAT of the reply"
+    );
+    // Session affinity: the client's new connections go to its backend
+    // (with two backends, 16 random picks agree by chance once in 32,768).
+    for sport in 41000..41016 {
+        let (_, out) = h.run(&tcp4(CLIENT, sport, VIP, 80, SYN, b""));
+        assert_eq!(
+            parse_checked(&out).dst,
+            chosen,
+            "affinity kept (port {sport})"
+        );
+    }
+    // Source ranges still filter.
+    let (rc, _) = h.run(&tcp4(CLIENT, 40005, LB, 80, SYN, b""));
+    assert_eq!(rc, TC_ACT_SHOT, "a client outside the ranges");
+    let (_, out) = h.run(&tcp4(allowed, 40006, LB, 80, SYN, b""));
+    assert_eq!(parse_checked(&out).dst, B1, "a client inside the ranges");
+    assert!(
+        h.stats()
+            .get(&stat::DROP_SOURCE_RANGE)
+            .copied()
+            .unwrap_or(0)
+            >= 1
+    );
+
+    // The first sync finds everything in place.
+    let r = h.writer.sync(&d);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(r.frontends_added, 0, "no frontend written anew");
+    assert_eq!(h.writer.rev_nat_ids(), &ids);
+}
+
+/// Every `_V1` map holding a reverse-NAT id is migrated, each field in its
+/// place: the IPv6 twins, socket reverse NAT and Maglev tables (the IPv4
+/// maps are checked through packets above).
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
+    let mut h = Harness::new();
+    let dir = h.pin_dir().to_path_buf();
+    let id: u16 = 0xfe01;
+    let addr6 = [0x2001_0002u32.to_be(), 0, 0xff, 10u32.to_be()];
+    let svc6 = Svc6Key {
+        addr_be: addr6,
+        port_be: 80u16.to_be(),
+        slot: 0,
+        proto: IPPROTO_TCP,
+        ..Default::default()
+    };
+    pin_v1(
+        &dir,
+        "SVC6_V1",
+        false,
+        &[(
+            svc6,
+            v1::Svc4Value {
+                backend_id: 0,
+                count: 2,
+                rev_nat_id: id,
+                flags: svc_flags::DROP_NO_BACKEND,
+                maglev_size: 251,
+                affinity_timeout_s: 86_400,
+            },
+        )],
+    );
+    pin_v1(&dir, "REVNAT6_V1", false, &[(id, RevNat6::default())]);
+    let ct6 = Ct6Key::default();
+    pin_v1(
+        &dir,
+        "CT6_V1",
+        true,
+        &[(
+            ct6,
+            v1::Ct6Value {
+                backend_id: 9,
+                rev_nat_id: id,
+                flags: 0x0123,
+                nat_port_be: 0x4567,
+                _pad: 0,
+                nat_addr_be: addr6,
+                _pad2: 0,
+                last_seen_ns: 0x0102_0304_0506,
+            },
+        )],
+    );
+    let aff6 = v1::Affinity6Key {
+        client_be: addr6,
+        rev_nat_id: id,
+        _pad: 0,
+    };
+    let aff_value = Affinity4Value {
+        backend_id: 9,
+        _pad: 0,
+        last_used_ns: 77,
+    };
+    pin_v1(&dir, "AFFINITY6_V1", true, &[(aff6, aff_value)]);
+    let sock4 = SockRevNat4Key {
+        cookie: 5,
+        addr_be: 1,
+        port_be: 2,
+        _pad: 0,
+    };
+    pin_v1(
+        &dir,
+        "SOCK_REVNAT4_V1",
+        true,
+        &[(
+            sock4,
+            v1::SockRevNat4Value {
+                addr_be: 0x0a0b_0c0d,
+                port_be: 0x5000,
+                rev_nat_id: id,
+            },
+        )],
+    );
+    let sock6 = SockRevNat6Key {
+        cookie: 6,
+        addr_be: addr6,
+        port_be: 3,
+        _pad: [0; 6],
+    };
+    pin_v1(
+        &dir,
+        "SOCK_REVNAT6_V1",
+        true,
+        &[(
+            sock6,
+            v1::SockRevNat6Value {
+                addr_be: addr6,
+                port_be: 0x5000,
+                rev_nat_id: id,
+            },
+        )],
+    );
+    let mut chunk = MaglevChunk::default();
+    chunk.backend_ids[0] = 9;
+    chunk.backend_ids[255] = 10;
+    pin_v1(
+        &dir,
+        "MAGLEV4_V1",
+        false,
+        &[(
+            v1::MaglevKey {
+                rev_nat_id: id,
+                generation: 1,
+                _pad: 0,
+                chunk: 3,
+                _pad2: 0,
+            },
+            chunk,
+        )],
+    );
+    h.reload().expect("load over the old pins");
+    assert_eq!(v1_pins(&dir), Vec::<String>::new(), "old pins removed");
+
+    let wide = u32::from(id);
+    let svc = entries::<Svc6Key, Svc4Value>(&dir, map_names::SERVICES6);
+    assert_eq!(
+        svc,
+        [(svc6, {
+            let mut v = Svc4Value::frontend(2, wide, svc_flags::DROP_NO_BACKEND, 86_400);
+            v.maglev_size = 251;
+            v
+        })]
+    );
+    assert_eq!(
+        entries::<u32, RevNat6>(&dir, map_names::REV_NAT6),
+        [(wide, RevNat6::default())]
+    );
+    assert_eq!(
+        entries::<Ct6Key, Ct6Value>(&dir, map_names::CONNTRACK6),
+        [(
+            ct6,
+            Ct6Value {
+                backend_id: 9,
+                rev_nat_id: wide,
+                flags: 0x0123,
+                nat_port_be: 0x4567,
+                nat_addr_be: addr6,
+                _pad2: 0,
+                last_seen_ns: 0x0102_0304_0506,
+            }
+        )]
+    );
+    assert_eq!(
+        entries::<Affinity6Key, Affinity4Value>(&dir, map_names::AFFINITY6),
+        [(
+            Affinity6Key {
+                client_be: addr6,
+                rev_nat_id: wide,
+            },
+            aff_value
+        )]
+    );
+    assert_eq!(
+        entries::<SockRevNat4Key, SockRevNat4Value>(&dir, map_names::SOCK_REVNAT),
+        [(
+            sock4,
+            SockRevNat4Value {
+                addr_be: 0x0a0b_0c0d,
+                port_be: 0x5000,
+                _pad: 0,
+                rev_nat_id: wide,
+            }
+        )]
+    );
+    assert_eq!(
+        entries::<SockRevNat6Key, SockRevNat6Value>(&dir, map_names::SOCK_REVNAT6),
+        [(
+            sock6,
+            SockRevNat6Value {
+                addr_be: addr6,
+                port_be: 0x5000,
+                _pad: 0,
+                rev_nat_id: wide,
+            }
+        )]
+    );
+    let maglev = entries::<MaglevKey, MaglevChunk>(&dir, map_names::MAGLEV);
+    assert_eq!(maglev.len(), 1);
+    assert_eq!(maglev[0].0, MaglevKey::new(wide, 1, 3));
+    assert_eq!(maglev[0].1, chunk);
+}
