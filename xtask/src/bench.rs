@@ -185,6 +185,14 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
             }
         }
     }
+    let most = cfg.ns.iter().copied().max().unwrap_or(0);
+    if most.saturating_add(cfg.changes) > layouts::MAX_SERVICES {
+        bail!(
+            "N={most} with {} changes: the layout has {} Services at most",
+            cfg.changes,
+            layouts::MAX_SERVICES
+        );
+    }
     let mut results = Results {
         machine: machine(),
         config: BTreeMap::new(),
@@ -234,6 +242,11 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
         ("quick", cfg.quick.to_string()),
     ] {
         results.config.insert(k.into(), v);
+    }
+    if agent.is_some() {
+        if let Some(m) = mode_lab::MapSizes::for_config(cfg) {
+            results.config.insert("agent_map_sizes".into(), m.summary());
+        }
     }
     let mut cfg = cfg.clone();
     cfg.agent_bin = agent;

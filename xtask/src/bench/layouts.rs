@@ -18,6 +18,15 @@
 //! EndpointSlices. Addresses: IPv4 from 198.18.0.0/15, IPv6 from
 //! 2001:2::/48 (VIPs in the lab's 2001:2:0:ff::/112, dummy endpoints
 //! 2001:2:0:c8::x, the twins of 198.18.200.x).
+//!
+//! Service `i` has its own (VIP, port): the Service CIDR holds
+//! [`VIPS`] VIPs, so Service `i` has VIP `i % VIPS` and port
+//! `PORT + i / VIPS` ([`vip_in`], [`svc_port`], [`svc_addr`]). Services
+//! 0..65,533 keep their VIP (host part `i + 1`) on port 80; beyond them
+//! the VIPs are reused on ports 81, 82, ... (a ClusterIP shared by
+//! Services of different ports, as kube-proxy and the agent allow: both
+//! key a frontend on address, port and protocol). Up to [`MAX_SERVICES`]
+//! Services.
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -35,24 +44,44 @@ pub const SVC_CIDR: &str = "198.19.0.0/16";
 pub const CLUSTER_CIDR6: &str = "2001:2::/56";
 /// IPv6: the Service CIDR the VIPs come from (the lab's).
 pub const SVC_CIDR6: &str = crate::manifests::SERVICE_CIDR6;
-/// Service port.
+/// The port of the first [`VIPS`] Services (Service `i`'s is [`svc_port`]).
 pub const PORT: u16 = 80;
 /// Target (container) port: the bench servers listen on it in the pods.
 pub const TPORT: u16 = 8080;
+/// VIPs of a family's Service CIDR the layout uses: host parts 1..=65,534
+/// of 198.19.0.0/16 (of 2001:2:0:ff::/112 in IPv6; the reference's `i + 1`
+/// avoids .0.0, and .255.255 is left out as well).
+pub const VIPS: usize = 65_534;
+/// Services the layout can name: one (VIP, port) each, ports
+/// [`PORT`]..=65,535.
+pub const MAX_SERVICES: usize = VIPS * (u16::MAX as usize - PORT as usize + 1);
 
-/// The VIP of service `i` (as the reference: `i + 1` avoids .0.0).
-pub fn vip(i: usize) -> Ipv4Addr {
-    let i = i + 1;
-    assert!(i < 65_535, "service index {i} out of the /16");
-    Ipv4Addr::new(198, 19, ((i >> 8) & 0xff) as u8, (i & 0xff) as u8)
+/// `i`, checked to name a Service of the layout.
+fn service_index(i: usize) -> usize {
+    assert!(
+        i < MAX_SERVICES,
+        "service index {i} beyond the layout's {MAX_SERVICES} Services"
+    );
+    i
 }
 
-/// The IPv6 VIP of service `i`: 2001:2:0:ff::(i + 1), in the lab's
-/// IPv6 Service CIDR.
+/// The host part (1..=[`VIPS`]) of Service `i`'s VIP.
+fn vip_host(i: usize) -> usize {
+    service_index(i) % VIPS + 1
+}
+
+/// The VIP of service `i`: 198.19.x.y, host part `i % VIPS + 1` (as the
+/// reference for `i` < [`VIPS`]: `i + 1` avoids .0.0). Shared with the
+/// Services `i ± VIPS`, which have other ports ([`svc_port`]).
+pub fn vip(i: usize) -> Ipv4Addr {
+    let h = vip_host(i);
+    Ipv4Addr::new(198, 19, ((h >> 8) & 0xff) as u8, (h & 0xff) as u8)
+}
+
+/// The IPv6 VIP of service `i`: 2001:2:0:ff::(i % VIPS + 1), in the lab's
+/// IPv6 Service CIDR (shared as [`vip`]'s).
 pub fn vip6(i: usize) -> Ipv6Addr {
-    let i = i + 1;
-    assert!(i < 65_535, "service index {i} out of the /112");
-    Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, i as u16)
+    Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, vip_host(i) as u16)
 }
 
 /// The VIP of service `i` in `family`.
@@ -61,6 +90,18 @@ pub fn vip_in(family: Family, i: usize) -> IpAddr {
         Family::Ipv4 => vip(i).into(),
         Family::Ipv6 => vip6(i).into(),
     }
+}
+
+/// The port of service `i`: [`PORT`] for the first [`VIPS`] Services,
+/// one more for each further round of the VIPs.
+pub fn svc_port(i: usize) -> u16 {
+    PORT + (service_index(i) / VIPS) as u16
+}
+
+/// Service `i`'s (VIP, port) in `family`: what a client dials. Unique per
+/// Service for `i` < [`MAX_SERVICES`].
+pub fn svc_addr(family: Family, i: usize) -> SocketAddr {
+    SocketAddr::new(vip_in(family, i), svc_port(i))
 }
 
 /// Dummy endpoint `e` (198.18.200.x: routed nowhere, never contacted).
@@ -138,11 +179,13 @@ pub struct Entry {
     pub index: usize,
     /// `ns<i>/svc<i>`.
     pub name: String,
-    /// Port name (`p80` for TCP, `u80` for UDP).
+    /// Port name (`p<port>` for TCP, `u<port>` for UDP: `p80`, `u80`).
     pub port_name: String,
     /// `tcp` or `udp`.
     pub proto: &'static str,
     pub vip: IpAddr,
+    /// The Service port ([`svc_port`]).
+    pub port: u16,
     /// Of the VIP's family.
     pub eps: Vec<IpAddr>,
 }
@@ -172,22 +215,25 @@ pub fn service_entries(i: usize, family: Family, eps: &[IpAddr], udp: bool) -> V
         family.label()
     );
     let vip = vip_in(family, i);
+    let port = svc_port(i);
     let name = format!("ns{i}/svc{i}");
     let mut v = vec![Entry {
         index: i,
         name: name.clone(),
-        port_name: "p80".into(),
+        port_name: format!("p{port}"),
         proto: "tcp",
         vip,
+        port,
         eps: eps.to_vec(),
     }];
     if udp {
         v.push(Entry {
             index: i,
             name,
-            port_name: "u80".into(),
+            port_name: format!("u{port}"),
             proto: "udp",
             vip,
+            port,
             eps: eps.to_vec(),
         });
     }
@@ -200,9 +246,10 @@ fn ipt_kube_services_rule(e: &Entry) -> String {
     let spn = e.spn();
     let svc_chain = format!("KUBE-SVC-{}", h16(&format!("{spn}{}", e.proto)));
     format!(
-        "-A KUBE-SERVICES -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} -j {svc_chain}",
+        "-A KUBE-SERVICES -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {port} -j {svc_chain}",
         p = e.proto,
-        v = e.vip
+        v = e.vip,
+        port = e.port
     )
 }
 
@@ -211,12 +258,13 @@ fn ipt_entry(e: &Entry) -> (String, Vec<String>, Vec<String>) {
     let spn = e.spn();
     let p = e.proto;
     let v = e.vip;
+    let port = e.port;
     let svc_chain = format!("KUBE-SVC-{}", h16(&format!("{spn}{p}")));
     let ks = ipt_kube_services_rule(e);
     let mut decls = vec![format!(":{svc_chain} - [0:0]")];
     let cidr = cluster_cidr(e.family());
     let mut rules = vec![format!(
-        "-A {svc_chain} -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {PORT} ! -s {cidr} -j KUBE-MARK-MASQ"
+        "-A {svc_chain} -m comment --comment \"{spn} cluster IP\" -m {p} -p {p} -d {v} --dport {port} ! -s {cidr} -j KUBE-MARK-MASQ"
     )];
     let n = e.eps.len();
     for (k, ep) in e.eps.iter().enumerate() {
@@ -442,6 +490,7 @@ pub fn nft_entry(e: &Entry, out: &mut String) {
     let spn = e.spn();
     let p = e.proto;
     let v = e.vip;
+    let port = e.port;
     let f = nft_fam(e.family());
     let cidr = cluster_cidr(e.family());
     let suffix = format!("{}/{p}/{}", e.name, e.port_name);
@@ -460,7 +509,7 @@ pub fn nft_entry(e: &Entry, out: &mut String) {
     }
     let _ = writeln!(
         out,
-        "add rule {f} kube-proxy {sc} {f} daddr {v} {p} dport {PORT} {f} saddr != {cidr} jump mark-for-masquerade"
+        "add rule {f} kube-proxy {sc} {f} daddr {v} {p} dport {port} {f} saddr != {cidr} jump mark-for-masquerade"
     );
     let vm: Vec<String> = eps
         .iter()
@@ -487,7 +536,7 @@ pub fn nft_entry(e: &Entry, out: &mut String) {
     let _ = writeln!(out, "add element {f} kube-proxy cluster-ips {{ {v} }}");
     let _ = writeln!(
         out,
-        "add element {f} kube-proxy service-ips {{ {v} . {p} . {PORT} : goto {sc} }}"
+        "add element {f} kube-proxy service-ips {{ {v} . {p} . {port} : goto {sc} }}"
     );
 }
 
@@ -554,8 +603,9 @@ pub fn manifests(entries: &[Entry], lb_algorithm: Option<&str>) -> String {
             .iter()
             .map(|e| {
                 format!(
-                    r#"{{"name":"{}","port":{PORT},"protocol":"{}","targetPort":{TPORT}}}"#,
+                    r#"{{"name":"{}","port":{},"protocol":"{}","targetPort":{TPORT}}}"#,
                     e.port_name,
+                    e.port,
                     proto(e.proto)
                 )
             })
@@ -632,6 +682,140 @@ mod tests {
         let chunks = nft_chunks(&entries, 2);
         assert_eq!(chunks.len(), 2);
         assert!(chunks[0].contains("numgen random mod 2 vmap"));
+    }
+
+    /// Service i's (VIP, port) is unique over 200,000 Services in both
+    /// families, stays in the Service CIDRs, and the first 65,534 keep
+    /// the one-VIP-per-Service layout on port 80.
+    #[test]
+    fn service_addresses_are_unique_beyond_one_vip_each() {
+        const N: usize = 200_000;
+        for family in Family::ALL {
+            let mut seen = std::collections::HashSet::with_capacity(N);
+            for i in 0..N {
+                let a = svc_addr(family, i);
+                assert!(seen.insert(a), "{a} twice (service {i})");
+                assert_eq!(a.ip(), vip_in(family, i));
+                assert_eq!(a.port(), svc_port(i));
+                match a.ip() {
+                    IpAddr::V4(v) => {
+                        let o = v.octets();
+                        assert_eq!(&o[..2], &[198, 19], "{v} outside 198.19.0.0/16");
+                        assert!(v != Ipv4Addr::new(198, 19, 0, 0));
+                        assert!(v != Ipv4Addr::new(198, 19, 255, 255));
+                    }
+                    IpAddr::V6(v) => {
+                        let s = v.segments();
+                        assert_eq!(&s[..7], &[0x2001, 2, 0, 0xff, 0, 0, 0], "{v}");
+                        assert!(s[7] != 0 && s[7] != 0xffff, "{v}");
+                    }
+                }
+            }
+        }
+        // Unchanged below 65,534: VIP i + 1, port 80 (today's figures).
+        for i in (0..VIPS).step_by(97).chain([VIPS - 1]) {
+            let h = i + 1;
+            assert_eq!(
+                vip(i),
+                Ipv4Addr::new(198, 19, (h >> 8) as u8, (h & 0xff) as u8)
+            );
+            assert_eq!(
+                vip6(i),
+                Ipv6Addr::new(0x2001, 2, 0, 0xff, 0, 0, 0, h as u16)
+            );
+            assert_eq!(svc_port(i), PORT);
+            let e = &service_entries(i, Family::Ipv4, &eps4(), true);
+            assert_eq!((e[0].port_name.as_str(), e[0].port), ("p80", 80));
+            assert_eq!((e[1].port_name.as_str(), e[1].port), ("u80", 80));
+        }
+        assert_eq!(vip(VIPS - 1), Ipv4Addr::new(198, 19, 255, 254));
+        // Then the VIPs again, one port up.
+        assert_eq!(
+            svc_addr(Family::Ipv4, VIPS),
+            "198.19.0.1:81".parse().unwrap()
+        );
+        assert_eq!(
+            svc_addr(Family::Ipv6, 2 * VIPS + 4),
+            "[2001:2:0:ff::5]:82".parse().unwrap()
+        );
+        assert_eq!(svc_port(N - 1), 83);
+        assert_eq!(
+            svc_addr(Family::Ipv4, MAX_SERVICES - 1),
+            "198.19.255.254:65535".parse().unwrap()
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond the layout")]
+    fn no_service_beyond_the_ports() {
+        vip(MAX_SERVICES);
+    }
+
+    /// Services sharing a VIP: every layout matches each on its own port.
+    #[test]
+    fn shared_vips_have_their_own_ports_in_every_layout() {
+        let eps = eps4();
+        let entries: Vec<Entry> = [0, VIPS, 2 * VIPS]
+            .into_iter()
+            .flat_map(|i| service_entries(i, Family::Ipv4, &eps, i == VIPS))
+            .collect();
+        assert!(entries.iter().all(|e| e.vip == vip_in(Family::Ipv4, 0)));
+        let ipt = ipt_full(&entries);
+        for (svc, pn, proto, port) in [
+            ("ns0/svc0", "p80", "tcp", 80),
+            ("ns65534/svc65534", "p81", "tcp", 81),
+            ("ns65534/svc65534", "u81", "udp", 81),
+            ("ns131068/svc131068", "p82", "tcp", 82),
+        ] {
+            let chain = h16(&format!("{svc}:{pn}{proto}"));
+            let want = format!(
+                "-A KUBE-SERVICES -m comment --comment \"{svc}:{pn} cluster IP\" -m {proto} -p {proto} -d 198.19.0.1 --dport {port} -j KUBE-SVC-{chain}"
+            );
+            assert!(ipt.contains(&want), "missing {want:?}");
+            assert!(ipt.contains(&format!(
+                "-A KUBE-SVC-{chain} -m comment --comment \"{svc}:{pn} cluster IP\" -m {proto} -p {proto} -d 198.19.0.1 --dport {port} ! -s"
+            )));
+        }
+        let part = ipt_partial_add(
+            &entries,
+            &service_entries(3 * VIPS, Family::Ipv4, &eps, false),
+        );
+        assert!(part.contains("-d 198.19.0.1 --dport 83 -j KUBE-SVC-"));
+        assert_eq!(
+            part.matches("-A KUBE-SERVICES -m comment --comment \"ns")
+                .count(),
+            5
+        );
+
+        let nft = nft_chunks(&entries, 0).remove(0);
+        for want in [
+            "ip daddr 198.19.0.1 tcp dport 80 ip saddr",
+            "ip daddr 198.19.0.1 tcp dport 81 ip saddr",
+            "ip daddr 198.19.0.1 udp dport 81 ip saddr",
+            "ip daddr 198.19.0.1 tcp dport 82 ip saddr",
+            "service-ips { 198.19.0.1 . tcp . 80 : goto service-",
+            "service-ips { 198.19.0.1 . tcp . 81 : goto service-",
+            "service-ips { 198.19.0.1 . udp . 81 : goto service-",
+            "service-ips { 198.19.0.1 . tcp . 82 : goto service-",
+            "-ns65534/svc65534/udp/u81",
+        ] {
+            assert!(nft.contains(want), "missing {want:?}");
+        }
+        assert!(
+            nft_add(&service_entries(VIPS + 7, Family::Ipv6, &eps6(), false))
+                .contains("ip6 kube-proxy service-ips { 2001:2:0:ff::8 . tcp . 81 : goto")
+        );
+
+        let m = manifests(&entries, None);
+        assert!(m.contains(r#""name":"svc65534","namespace":"ns65534"},"spec":{"type":"ClusterIP","clusterIP":"198.19.0.1","clusterIPs":["198.19.0.1"],"ports":[{"name":"p81","port":81,"protocol":"TCP","targetPort":8080},{"name":"u81","port":81,"protocol":"UDP","targetPort":8080}]"#));
+        assert!(
+            m.contains(r#""ports":[{"name":"p82","port":82,"protocol":"TCP","targetPort":8080}]"#)
+        );
+        assert!(
+            m.contains(r#""ports":[{"name":"p80","port":80,"protocol":"TCP","targetPort":8080}]"#)
+        );
+        // The slices' ports are the target port, named as the Service's.
+        assert!(m.contains(r#""ports":[{"name":"p81","port":8080,"protocol":"TCP"},{"name":"u81","port":8080,"protocol":"UDP"}]"#));
     }
 
     /// The port prints what the reference script prints (when the script

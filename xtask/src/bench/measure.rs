@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use anyhow::Result;
 
-use super::layouts::{vip_in, PORT, TPORT};
+use super::layouts::{svc_addr, TPORT};
 use super::mode_lab::ModeLab;
 use super::{check_interrupted, load, log, sys, Config, ConnStats, Mode, RrStats};
 
@@ -73,7 +73,7 @@ fn as_node_process<T>(ml: &ModeLab, f: impl FnOnce() -> Result<T>) -> Result<T> 
 }
 
 /// What the client dials: the pods themselves for the floor, else the
-/// VIP of service `index`; in the lab's family.
+/// (VIP, port) of service `index`; in the lab's family.
 fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddr> {
     if ml.mode == Mode::None {
         ml.pod_ips
@@ -81,7 +81,7 @@ fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddr> {
             .map(|ip| SocketAddr::new(*ip, TPORT))
             .collect()
     } else {
-        vec![SocketAddr::new(vip_in(ml.family, index), PORT)]
+        vec![svc_addr(ml.family, index)]
     }
 }
 

@@ -3,6 +3,10 @@
 //! measurements do to it (reset state between cells, follow the agent's
 //! syncs, add manifests). An IPv6 mode's lab is dual-stack, and its
 //! traffic is all IPv6.
+//!
+//! The agent runs with its default map capacities unless the run's largest
+//! N would not fit them with 25% headroom: then it gets a config file
+//! (`--config`) whose `mapSizes` fits that N ([`MapSizes::needed`]).
 use std::io::{Read, Seek, SeekFrom};
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -33,6 +37,142 @@ pub(super) struct ModeLab {
     /// Entries programmed now.
     pub(super) entries: Vec<Entry>,
     bench_files: Vec<PathBuf>,
+    /// The agent's config file, when the bench wrote one (removed with the lab).
+    _agent_config: Option<AgentConfigFile>,
+}
+
+/// The agent's config file the bench wrote: removed when dropped.
+struct AgentConfigFile(PathBuf);
+
+impl Drop for AgentConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The agent's default capacities of the maps `mapSizes` sets
+/// (`proxy_common::capacity::{SERVICES, BACKENDS, REV_NAT}`; the test
+/// `default_map_sizes_are_the_agents` checks them against that file).
+pub(super) const DEFAULT_MAP_SIZES: MapSizes = MapSizes {
+    services: 65_536 * 4,
+    backends: 65_536 * 2,
+    reverse_nat: 65_536,
+};
+
+/// Services counted beyond the bench's own when sizing the maps: the
+/// lab's own Services (none today), the target Services' UDP ports and
+/// slack.
+const EXTRA_SERVICES: u64 = 64;
+
+/// The largest value the agent takes in `mapSizes` (2^24 entries).
+const MAP_SIZE_MAX: u64 = 1 << 24;
+
+/// The agent's `mapSizes` (entries of its Service maps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct MapSizes {
+    /// One entry per frontend plus one per backend slot.
+    pub(super) services: u32,
+    /// One entry per backend.
+    pub(super) backends: u32,
+    /// One entry (reverse-NAT id) per frontend.
+    pub(super) reverse_nat: u32,
+}
+
+impl MapSizes {
+    /// The sizes `services` Services of `endpoints` endpoints each need
+    /// (plus [`EXTRA_SERVICES`]), with 25% headroom: `None` when the
+    /// defaults hold them; else every map at the larger of its default and
+    /// the need rounded up to a power of two (at most [`MAP_SIZE_MAX`]).
+    pub(super) fn needed(services: usize, endpoints: usize) -> Option<MapSizes> {
+        let s = services as u64 + EXTRA_SERVICES;
+        let e = endpoints.max(1) as u64;
+        // × 1.25, rounded up.
+        let headroom = |x: u64| x.saturating_mul(5).div_ceil(4);
+        let need = [
+            headroom(s.saturating_mul(1 + e)),
+            headroom(s.saturating_mul(e)),
+            headroom(s),
+        ];
+        let defaults = [
+            DEFAULT_MAP_SIZES.services,
+            DEFAULT_MAP_SIZES.backends,
+            DEFAULT_MAP_SIZES.reverse_nat,
+        ];
+        if need.iter().zip(defaults).all(|(n, d)| *n <= u64::from(d)) {
+            return None;
+        }
+        let size = |n: u64, d: u32| -> u32 {
+            let p = n
+                .checked_next_power_of_two()
+                .unwrap_or(MAP_SIZE_MAX)
+                .min(MAP_SIZE_MAX);
+            (p as u32).max(d)
+        };
+        Some(MapSizes {
+            services: size(need[0], defaults[0]),
+            backends: size(need[1], defaults[1]),
+            reverse_nat: size(need[2], defaults[2]),
+        })
+    }
+
+    /// The sizes the bench's labs need: the run's largest N, with its
+    /// changes, at its endpoints per Service.
+    pub(super) fn for_config(cfg: &Config) -> Option<MapSizes> {
+        let n = cfg.ns.iter().copied().max().unwrap_or(0);
+        MapSizes::needed(n.saturating_add(cfg.changes), cfg.endpoints)
+    }
+
+    /// The agent's config file setting them (KubeProxyConfiguration-style).
+    pub(super) fn config_yaml(&self) -> String {
+        format!(
+            "kind: ProxyAgentConfiguration\napiVersion: proxy-agent/v1alpha1\nmapSizes:\n  services: {}\n  backends: {}\n  reverseNat: {}\n",
+            self.services, self.backends, self.reverse_nat
+        )
+    }
+
+    /// `services=… backends=… reverseNat=…`, for the log and the results.
+    pub(super) fn summary(&self) -> String {
+        format!(
+            "services={} backends={} reverseNat={}",
+            self.services, self.backends, self.reverse_nat
+        )
+    }
+}
+
+/// Writes the agent's config file for `mode` in `family` when the run
+/// needs other map sizes than the defaults.
+fn write_agent_config(mode: Mode, family: Family, cfg: &Config) -> Result<Option<AgentConfigFile>> {
+    let Some(sizes) = MapSizes::for_config(cfg) else {
+        return Ok(None);
+    };
+    if crate::lab::AgentImage::from_env().is_some() {
+        bail!(
+            "N={:?} at {} endpoints needs the agent's maps at {} (beyond the defaults), \
+             which the bench passes as a config file to the agent's process; under runc \
+             (KPR_LAB_AGENT=runc) the agent reads deploy/'s ConfigMap instead: unset \
+             KPR_LAB_AGENT or run a smaller N",
+            cfg.ns,
+            cfg.endpoints,
+            sizes.summary()
+        );
+    }
+    let path = std::env::temp_dir().join(format!(
+        "kpr-bench-{}-agent-{}-{}.yaml",
+        std::process::id(),
+        mode.name(),
+        family.name()
+    ));
+    let file = AgentConfigFile(path.clone());
+    std::fs::write(&path, sizes.config_yaml())
+        .with_context(|| format!("writing {}", path.display()))?;
+    super::log(format!(
+        "{} ({}): agent map sizes {} ({})",
+        mode.name_in(family),
+        family.label(),
+        sizes.summary(),
+        path.display()
+    ));
+    Ok(Some(file))
 }
 
 fn pods_yaml(e: usize) -> String {
@@ -60,12 +200,19 @@ impl ModeLab {
             .manifests_yaml(&pods_yaml(cfg.endpoints))
             .ipv6(family == Family::Ipv6)
             .agent(with_agent);
+        let mut agent_config = None;
         if with_agent {
             b = b
                 .agent_bin(agent_bin(cfg)?)
                 .rust_log("info")
                 .agent_arg("--delivery-mode")
                 .agent_arg(mode.delivery_mode());
+            agent_config = write_agent_config(mode, family, cfg)?;
+            if let Some(f) = &agent_config {
+                b = b
+                    .agent_arg("--config")
+                    .agent_arg(f.0.to_string_lossy().into_owned());
+            }
         }
         let mut lab = b.start()?;
         if with_agent {
@@ -137,6 +284,7 @@ impl ModeLab {
             servers: Some(servers),
             entries: Vec::new(),
             bench_files: Vec::new(),
+            _agent_config: agent_config,
         })
     }
 
@@ -285,12 +433,112 @@ impl ModeLab {
 /// The agent's pinned conntrack map of `family`.
 fn proxy_ct_map(family: Family) -> &'static str {
     match family {
-        Family::Ipv4 => "CT4_V1",
-        Family::Ipv6 => "CT6_V1",
+        Family::Ipv4 => "CT4_V2",
+        Family::Ipv6 => "CT6_V2",
     }
 }
 
 fn tail_str(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Up to ~52,000 Services of 2 endpoints the defaults hold them with
+    /// 25% headroom: no config file, today's runs unchanged.
+    #[test]
+    fn no_map_sizes_while_the_defaults_fit() {
+        assert_eq!(MapSizes::needed(50_000, 2), None);
+        assert_eq!(MapSizes::needed(1, 1), None);
+        assert_eq!(MapSizes::needed(10_000, 8), None);
+        let cfg = Config::sanity();
+        assert_eq!(MapSizes::for_config(&cfg), None);
+        let cfg = Config {
+            ns: vec![1, 100, 1000, 10_000, 50_000],
+            changes: 5,
+            ..Config::sanity()
+        };
+        assert_eq!(MapSizes::for_config(&cfg), None);
+    }
+
+    /// Beyond, every map fits N × (1 + E), N × E and N frontends with 25%
+    /// headroom, at a power of two no smaller than its default.
+    #[test]
+    fn map_sizes_fit_large_runs() {
+        for (n, e) in [
+            (100_000, 2),
+            (200_000, 2),
+            (65_534, 2),
+            (100_000, 1),
+            (200_000, 8),
+        ] {
+            let m = MapSizes::needed(n, e).unwrap_or_else(|| panic!("N={n} E={e}"));
+            let fits = |size: u32, need: usize, default: u32| {
+                assert!(size.is_power_of_two(), "{size}");
+                assert!(size >= default, "{size} < {default}");
+                assert!(
+                    size as f64 >= need as f64 * 1.25,
+                    "N={n} E={e}: {size} < {need} × 1.25"
+                );
+            };
+            fits(m.services, n * (1 + e), DEFAULT_MAP_SIZES.services);
+            fits(m.backends, n * e, DEFAULT_MAP_SIZES.backends);
+            fits(m.reverse_nat, n, DEFAULT_MAP_SIZES.reverse_nat);
+        }
+        assert_eq!(
+            MapSizes::needed(100_000, 2),
+            Some(MapSizes {
+                services: 524_288,
+                backends: 262_144,
+                reverse_nat: 131_072,
+            })
+        );
+        // The run's largest N decides (the labs serve every N).
+        let cfg = Config {
+            ns: vec![1, 100_000, 1000],
+            ..Config::sanity()
+        };
+        assert_eq!(MapSizes::for_config(&cfg), MapSizes::needed(100_000, 2));
+        assert_eq!(
+            MapSizes::needed(100_000, 2).unwrap().config_yaml(),
+            "kind: ProxyAgentConfiguration\napiVersion: proxy-agent/v1alpha1\nmapSizes:\n  services: 524288\n  backends: 262144\n  reverseNat: 131072\n"
+        );
+    }
+
+    /// [`DEFAULT_MAP_SIZES`] are the agent's defaults (proxy-common's
+    /// `capacity` module, read as text: `a * b` products of literals).
+    #[test]
+    fn default_map_sizes_are_the_agents() {
+        let path = setup::workspace_root().join("proxy-common/src/lib.rs");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            eprintln!("skipped: {} missing", path.display());
+            return;
+        };
+        let Some(module) = text.split("pub mod capacity").nth(1) else {
+            eprintln!("skipped: no capacity module in {}", path.display());
+            return;
+        };
+        let value = |name: &str| -> Option<u64> {
+            let expr = module
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(&format!("pub const {name}: u32 = ")))?;
+            expr.trim_end_matches(';')
+                .split('*')
+                .map(|f| f.trim().replace('_', "").parse::<u64>().ok())
+                .product()
+        };
+        for (name, mine) in [
+            ("SERVICES", DEFAULT_MAP_SIZES.services),
+            ("BACKENDS", DEFAULT_MAP_SIZES.backends),
+            ("REV_NAT", DEFAULT_MAP_SIZES.reverse_nat),
+        ] {
+            match value(name) {
+                Some(v) => assert_eq!(v, u64::from(mine), "capacity::{name}"),
+                None => eprintln!("capacity::{name}: not a product of literals, not compared"),
+            }
+        }
+    }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::layouts::{self, service_entries, vip_in, Entry, PORT};
+use super::layouts::{self, service_entries, svc_addr, Entry};
 use super::mode_lab::ModeLab;
 use super::results::median;
 use super::sys::{self, Timed};
@@ -126,7 +126,7 @@ pub(super) fn program(
         check_interrupted()?;
         std::thread::sleep(Duration::from_millis(150));
         let new = service_entries(n + k, family, &ml.pod_ips, false);
-        let target = SocketAddr::new(vip_in(family, n + k), PORT);
+        let target = svc_addr(family, n + k);
         let (change, npl) = match ml.mode {
             Mode::IptablesLegacy | Mode::IptablesNft => {
                 let bin = ml.mode.restore_bin(family).expect("iptables mode");

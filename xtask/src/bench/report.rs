@@ -10,7 +10,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use super::{Family, ModeResult, NResult, Results};
+use super::{layouts, Family, ModeResult, NResult, Results};
 
 /// The mode ratios are taken against.
 pub const BASE: &str = "iptables-legacy";
@@ -81,11 +81,14 @@ pub fn markdown(r: &Results) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "Machine: {} CPUs, {}, kernel {}. Agent: {}. Command: `{}`.\n",
+        "Machine: {} CPUs, {}, kernel {}. Agent: {}{}. Command: `{}`.\n",
         r.machine.get("nproc").cloned().unwrap_or_default(),
         r.machine.get("cpu").cloned().unwrap_or_default(),
         r.machine.get("kernel").cloned().unwrap_or_default(),
         r.config.get("agent_bin").cloned().unwrap_or_default(),
+        r.config
+            .get("agent_map_sizes")
+            .map_or(String::new(), |m| format!(" (mapSizes: {m})")),
         r.config
             .get("command")
             .cloned()
@@ -105,6 +108,18 @@ pub fn markdown(r: &Results) -> String {
             n.n,
             r.config.get("endpoints").cloned().unwrap_or_default()
         );
+        if n.n > layouts::VIPS {
+            let _ = writeln!(
+                s,
+                "Beyond {} Services the VIPs are shared: Service i is VIP i mod {} on port {} + i / {} (ports {}..={}).\n",
+                layouts::VIPS,
+                layouts::VIPS,
+                layouts::PORT,
+                layouts::VIPS,
+                layouts::PORT,
+                layouts::svc_port(n.n - 1)
+            );
+        }
         for family in Family::ALL {
             if n.modes_of(family).is_empty() {
                 continue;
