@@ -12,7 +12,6 @@
 //! youngest Services are reported, not programmed (said on stderr).
 //!
 //! `cargo run --release -p proxy-agent --example control_plane_cost -- [N...]`
-use proxy_common::RevNatId;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -23,7 +22,7 @@ use proxy_agent::{
 };
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    Backend4, RevNat4, Svc4Key, Svc4Value,
+    Backend4, RevNat4, RevNatId, Svc4Key, Svc4Value,
 };
 
 /// Takes every operation, keeps nothing.

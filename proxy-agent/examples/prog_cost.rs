@@ -23,14 +23,13 @@
 //! and times the writer's read of it when it prunes: in batches
 //! (`BPF_MAP_LOOKUP_BATCH`) and with aya's iterator (two syscalls an entry).
 //! `cargo run --release -p proxy-agent --example prog_cost -- [N...] [--runs R] [--json] [--external] [--algorithms] [--affinity]`
-use proxy_common::RevNatId;
 use std::net::Ipv4Addr;
 
 use proxy_agent::{
     bpf::MapSizes,
     model::{BackendAddr, DesiredState, Frontend, FrontendKey, LbAlgorithm},
 };
-use proxy_common::{capacity, Config, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use proxy_common::{capacity, Config, RevNatId, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 #[path = "../tests/kit/mod.rs"]
 mod kit;

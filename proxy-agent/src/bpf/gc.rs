@@ -3,13 +3,12 @@
 //! walks the pinned map in bounded rounds on a thread of its own, so that a
 //! large or churning conntrack map never stalls syncs, health or shutdown.
 
-use proxy_common::RevNatId;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
 use super::*;
-use proxy_common::{conntrack::CtEntry, Ct6Key, Ct6Value};
+use proxy_common::{conntrack::CtEntry, Ct6Key, Ct6Value, RevNatId};
 
 /// A conntrack key of either family: what the collector needs of it.
 trait CtKey: aya::Pod + Default {

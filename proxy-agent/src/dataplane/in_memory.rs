@@ -1,12 +1,12 @@
 //! The in-memory dataplane of the tests: the maps as BTreeMaps with their
 //! capacities, a log of the operations, injectable failures, and a check after
 //! every operation of the invariant a packet relies on.
-use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
-    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key,
+    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value,
+    Svc6Key,
 };
 
 use super::{Dataplane, DataplaneError, Programmed, SourceRange};

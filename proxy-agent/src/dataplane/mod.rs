@@ -13,14 +13,13 @@
 //! | `writer/users.rs` | the desired frontends by backend address, for [`Writer::sync_changed`] |
 //! | `ids.rs` | backend and reverse-NAT id allocation |
 //! | `in_memory.rs` | [`InMemory`], the dataplane of the tests, with its invariant check |
-use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use std::net::IpAddr;
 
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    map_names, Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc4Value, Svc6Key,
+    map_names, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value, Svc6Key,
 };
 
 use crate::model::{BackendAddr, FrontendKey};

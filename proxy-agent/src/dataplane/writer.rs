@@ -11,12 +11,11 @@
 //! writer keeps reference counts (slots per backend id, slot 0 entries per
 //! reverse-NAT id) and an index of the desired frontends by backend address
 //! (`users.rs`) so that neither needs a walk over the whole state.
-use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use proxy_common::{lb::MaglevKey, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{lb::MaglevKey, RevNatId, Svc4Key, Svc4Value, Svc6Key};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};

@@ -3,10 +3,9 @@
 //! IPv4 or IPv6 map for each operation. Backend ids and reverse-NAT ids are
 //! one space for both families.
 
-use proxy_common::RevNatId;
 use std::net::IpAddr;
 
-use proxy_common::{Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{RevNatId, Svc4Key, Svc4Value, Svc6Key};
 
 use super::super::{
     BackendEntry, BatchOutcome, BatchSizes, Dataplane, DataplaneError, RevNatEntry,

@@ -2,13 +2,12 @@
 //! into the generation its slot 0 does not read, then slot 0 switches to it
 //! (`update_slot0`), then the old generation is deleted. A packet reads
 //! either the old table or the new one, never a half-written one.
-use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     capacity,
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK, MAGLEV_DEFAULT_SIZE},
-    svc_flags, Svc4Value,
+    svc_flags, RevNatId, Svc4Value,
 };
 
 use super::{Dataplane, DataplaneError, FrontendEntries, FrontendKey, SyncState, Writer};

@@ -9,10 +9,9 @@
 //! fails; the phase handles that failure as it would a single write's
 //! (a failed frontend is cleaned before the frontends after it are
 //! written) and goes on with a batch from the next write.
-use proxy_common::RevNatId;
 use std::collections::{BTreeMap, BTreeSet};
 
-use proxy_common::{map_names, Svc4Value};
+use proxy_common::{map_names, RevNatId, Svc4Value};
 
 use super::{
     family, source_ranges_of, BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange,
