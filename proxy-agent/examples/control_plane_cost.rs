@@ -8,8 +8,8 @@
 //! writer writes its frontend. The last column is the periodic full sync
 //! (`syncPeriod`) with nothing changed.
 //!
-//! Beyond 65,535 frontends the reverse-NAT ids (16 bits) run out: the
-//! youngest Services are reported, not programmed (said on stderr).
+//! The counting dataplane has room for 2^24 frontends and backends (as a
+//! node configured with `mapSizes` for them).
 //!
 //! `cargo run --release -p proxy-agent --example control_plane_cost -- [N...]`
 use std::fmt::Write as _;
@@ -30,6 +30,9 @@ use proxy_common::{
 struct Counting(usize);
 
 impl Dataplane for Counting {
+    fn id_spaces(&self) -> (u32, u32) {
+        (1 << 24, 1 << 24)
+    }
     fn put_backend(&mut self, _: u32, _: Backend4) -> Result<(), DataplaneError> {
         self.0 += 1;
         Ok(())
