@@ -40,7 +40,13 @@ use kit::{
 
 /// Service i: ClusterIP 198.19.x.y (i-th address), port 80, backends in 198.18.
 fn vip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 19, 0, 0)) + i)
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 19, 0, 0)) + i % 65_536)
+}
+
+/// The port of frontend `i`: beyond 65,536 frontends the VIPs of
+/// 198.19.0.0/16 are used again with another port.
+fn port(i: u32) -> u16 {
+    80 + (i / 65_536) as u16
 }
 
 fn median(mut v: Vec<u64>) -> u64 {
@@ -184,6 +190,7 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
     let sizes = MapSizes {
         services: (max * 3 + 16).max(capacity::SERVICES),
         backends: capacity::BACKENDS,
+        rev_nat: (max + 16).max(capacity::REV_NAT),
         ..MapSizes::default()
     };
     let mut h = Harness::try_new(
@@ -207,7 +214,7 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
             d.frontends.insert(
                 FrontendKey {
                     addr: vip(i).into(),
-                    port: 80,
+                    port: port(i),
                     proto: IPPROTO_TCP,
                     scope: SCOPE_INTERNAL,
                 },
@@ -230,7 +237,7 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
             "programming {n} services: {:?}",
             report.errors.first()
         );
-        let target = vip(n / 2);
+        let (target, tport) = (vip(n / 2), port(n / 2));
         let hr = &h;
         let (new_flow, established, none, baseline) =
             hr.enter(|| -> anyhow::Result<(u64, u64, u64, u64)> {
@@ -239,9 +246,9 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
                 for k in 0..runs {
                     let sport = 1024 + (k as u32 % 60_000) as u16;
                     let src = Ipv4Addr::from(u32::from(client) + (k as u32 / 60_000));
-                    new_flow.push(cost(hr, prog, &tcp4(src, sport, target, 80, SYN, b""))?);
+                    new_flow.push(cost(hr, prog, &tcp4(src, sport, target, tport, SYN, b""))?);
                 }
-                let est = tcp4(client, 1024, target, 80, ACK, b"");
+                let est = tcp4(client, 1024, target, tport, ACK, b"");
                 let established = costs(hr, prog, &est, runs)?;
                 let other = tcp4(client, 1024, Ipv4Addr::new(198, 18, 3, 3), 80, ACK, b"");
                 let none = costs(hr, prog, &other, runs)?;

@@ -391,6 +391,21 @@ impl<D: Dataplane> Writer<D> {
             max_rev_nat,
             rev_nat_space,
         );
+        // A map made smaller than the ids in use (`mapSizes`): the frontends
+        // keep their ids (their flows name them), but the per-frontend
+        // arrays the datapath indexes by id end below them.
+        let beyond = rev_nat_ids
+            .as_map()
+            .values()
+            .filter(|id| **id > rev_nat_ids.capacity())
+            .count();
+        if beyond > 0 {
+            tracing::warn!(
+                frontends = beyond,
+                ids = rev_nat_ids.capacity(),
+                "frontends keep reverse-NAT ids beyond mapSizes.reverseNat (made smaller): their traffic counters and round-robin cursors are off until they are made again"
+            );
+        }
         tracing::debug!(
             frontends = frontends.len(),
             backends = backends.len(),
