@@ -707,6 +707,9 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             name: "tc programs",
             reason,
         })?;
+    // Maps of an older layout: what its programs wrote since the load is
+    // copied again now that ours take over.
+    loaded.finish_migrations();
     info!(mode = %tc_mode, "attaching tc programs");
     let attacher = Arc::new(Mutex::new(Attacher::new(
         loaded.ebpf,

@@ -1060,7 +1060,7 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
     // SAFETY: a #[repr(C)] struct of integers without implicit padding.
     unsafe impl aya::Pod for AffinityV0 {}
 
-    fn run(old: MapData, new: &mut Map) -> Result<usize, aya::maps::MapError> {
+    fn run(old: MapData, new: &mut Map) -> Result<(usize, usize), aya::maps::MapError> {
         let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
             AyaHashMap::try_from(Map::HashMap(old))?;
         let mut new: AyaHashMap<&mut MapData, Affinity4Key, Affinity4Value> =
@@ -1076,12 +1076,13 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
             new.insert(k, value, 0)?;
             n += 1;
         }
-        Ok(n)
+        Ok((n, 0))
     }
     const MIGRATIONS: &[Migration] = &[Migration {
         from: "AFFINITY4_V0",
         to: map_names::AFFINITY,
         run,
+        again_before_attach: false,
     }];
 
     let pins = PinDir::new(&format!("kpr-pkt-{}-mig", std::process::id()));
@@ -1116,6 +1117,11 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
     pin_old("FOO4_V0", 8, &[]);
 
     let mut loaded = load_with_migrations(pin_dir, MapSizes::default(), MIGRATIONS).expect("load");
+    assert!(
+        pin_dir.join("AFFINITY4_V0").exists(),
+        "the old pin stays until the programs are attached"
+    );
+    loaded.finish_migrations();
     assert!(
         !pin_dir.join("AFFINITY4_V0").exists(),
         "old pin removed after migration"

@@ -137,7 +137,10 @@ fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict
                 *c = r.wrapping_add(1);
                 r
             },
-            None => 0,
+            // An id beyond the cursors (the reverse-NAT map made smaller
+            // than the ids in use): a random pick, not always slot 1.
+            // SAFETY: helper without arguments.
+            None => unsafe { bpf_get_prandom_u32() },
         }
     } else if algorithm == alg::SOURCE_HASH {
         source_hash(pkt.saddr_be)

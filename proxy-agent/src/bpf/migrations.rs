@@ -3,10 +3,13 @@
 //! Layout `_V2` widened the reverse-NAT id from 16 to 32 bits (a node may
 //! have more than 65,535 frontends). Every map whose key or value holds one
 //! got a new name; an agent that finds the `_V1` pins of an older agent
-//! copies their entries, converted, into the `_V2` maps before its programs
-//! are attached, so established flows (conntrack, socket reverse NAT),
-//! session affinity, Maglev tables and the programmed Services carry over an
-//! upgrade as they do over a restart.
+//! copies their entries, converted, into the `_V2` maps when it loads, and
+//! copies the flow state (conntrack, socket reverse NAT) again just before
+//! it attaches its programs, as the older programs keep writing it until
+//! then. So established flows, session affinity, Maglev tables and the
+//! programmed Services carry over an upgrade as they do over a restart;
+//! affinity a client gained in between is not copied again (the writer may
+//! have pruned the old entries of a backend that left), so it starts anew.
 //!
 //! The `_V1` types below are the old layouts, frozen: they must never change.
 //! Reverse-NAT ids of `_V1` maps are all below 65,536, so every entry converts.
@@ -27,66 +30,79 @@ pub const ALL: &[Migration] = &[
         from: "SVC4_V1",
         to: map_names::SERVICES,
         run: svc4,
+        again_before_attach: false,
     },
     Migration {
         from: "SVC6_V1",
         to: map_names::SERVICES6,
         run: svc6,
+        again_before_attach: false,
     },
     Migration {
         from: "REVNAT4_V1",
         to: map_names::REV_NAT,
         run: rev_nat4,
+        again_before_attach: false,
     },
     Migration {
         from: "REVNAT6_V1",
         to: map_names::REV_NAT6,
         run: rev_nat6,
+        again_before_attach: false,
     },
     Migration {
         from: "CT4_V1",
         to: map_names::CONNTRACK,
         run: ct4,
+        again_before_attach: true,
     },
     Migration {
         from: "CT6_V1",
         to: map_names::CONNTRACK6,
         run: ct6,
+        again_before_attach: true,
     },
     Migration {
         from: "AFFINITY4_V1",
         to: map_names::AFFINITY,
         run: affinity4,
+        again_before_attach: false,
     },
     Migration {
         from: "AFFINITY6_V1",
         to: map_names::AFFINITY6,
         run: affinity6,
+        again_before_attach: false,
     },
     Migration {
         from: "SOCK_REVNAT4_V1",
         to: map_names::SOCK_REVNAT,
         run: sock_rev_nat4,
+        again_before_attach: true,
     },
     Migration {
         from: "SOCK_REVNAT6_V1",
         to: map_names::SOCK_REVNAT6,
         run: sock_rev_nat6,
+        again_before_attach: true,
     },
     Migration {
         from: "SRCRANGE4_V1",
         to: map_names::SOURCE_RANGES,
         run: source_ranges4,
+        again_before_attach: false,
     },
     Migration {
         from: "SRCRANGE6_V1",
         to: map_names::SOURCE_RANGES6,
         run: source_ranges6,
+        again_before_attach: false,
     },
     Migration {
         from: "MAGLEV4_V1",
         to: map_names::MAGLEV,
         run: maglev,
+        again_before_attach: false,
     },
 ];
 
@@ -248,23 +264,26 @@ fn svc_value(v: v1::Svc4Value) -> Svc4Value {
 }
 
 /// Copies every entry of the hash (or LRU hash) map `old` into `new`,
-/// converted by `f`; returns how many were copied. An entry the new map
-/// refuses (full) ends the migration with that error.
+/// converted by `f`; returns how many were copied and how many the new map
+/// refused (a smaller map: they are dropped, as a resize drops them; the
+/// writer programs what the Services need at its first sync).
 fn hash<K1: aya::Pod, V1: aya::Pod, K2: aya::Pod, V2: aya::Pod>(
     old: MapData,
     new: &mut Map,
     f: fn(K1, V1) -> (K2, V2),
-) -> Result<usize, MapError> {
+) -> Result<(usize, usize), MapError> {
     let old: HashMap<MapData, K1, V1> = HashMap::try_from(Map::HashMap(old))?;
     let mut new: HashMap<&mut MapData, K2, V2> = HashMap::try_from(new)?;
-    let mut n = 0;
+    let (mut copied, mut dropped) = (0, 0);
     for kv in old.iter() {
         let (k, v) = kv?;
         let (k, v) = f(k, v);
-        new.insert(k, v, 0)?;
-        n += 1;
+        match new.insert(k, v, 0) {
+            Ok(()) => copied += 1,
+            Err(_) => dropped += 1,
+        }
     }
-    Ok(n)
+    Ok((copied, dropped))
 }
 
 /// [`hash`] for LPM tries (`loadBalancerSourceRanges`): the prefix length
@@ -273,35 +292,37 @@ fn lpm<K1: aya::Pod, K2: aya::Pod>(
     old: MapData,
     new: &mut Map,
     f: fn(K1) -> K2,
-) -> Result<usize, MapError> {
+) -> Result<(usize, usize), MapError> {
     let old: LpmTrie<MapData, K1, u8> = LpmTrie::try_from(Map::LpmTrie(old))?;
     let mut new: LpmTrie<&mut MapData, K2, u8> = LpmTrie::try_from(new)?;
-    let mut n = 0;
+    let (mut copied, mut dropped) = (0, 0);
     for kv in old.iter() {
         let (k, v) = kv?;
-        new.insert(&LpmKey::new(k.prefix_len(), f(k.data())), v, 0)?;
-        n += 1;
+        match new.insert(&LpmKey::new(k.prefix_len(), f(k.data())), v, 0) {
+            Ok(()) => copied += 1,
+            Err(_) => dropped += 1,
+        }
     }
-    Ok(n)
+    Ok((copied, dropped))
 }
 
-fn svc4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn svc4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: Svc4Key, v: v1::Svc4Value| (k, svc_value(v)))
 }
 
-fn svc6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn svc6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: Svc6Key, v: v1::Svc4Value| (k, svc_value(v)))
 }
 
-fn rev_nat4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn rev_nat4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |id: u16, v: RevNat4| (RevNatId::from(id), v))
 }
 
-fn rev_nat6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn rev_nat6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |id: u16, v: RevNat6| (RevNatId::from(id), v))
 }
 
-fn ct4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn ct4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: Ct4Key, v: v1::Ct4Value| {
         let v = Ct4Value {
             backend_id: v.backend_id,
@@ -315,7 +336,7 @@ fn ct4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn ct6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn ct6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: Ct6Key, v: v1::Ct6Value| {
         let v = Ct6Value {
             backend_id: v.backend_id,
@@ -330,7 +351,7 @@ fn ct6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn affinity4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn affinity4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: v1::Affinity4Key, v: Affinity4Value| {
         let k = Affinity4Key {
             client_be: k.client_be,
@@ -340,7 +361,7 @@ fn affinity4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn affinity6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn affinity6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: v1::Affinity6Key, v: Affinity4Value| {
         let k = Affinity6Key {
             client_be: k.client_be,
@@ -350,7 +371,7 @@ fn affinity6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn sock_rev_nat4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn sock_rev_nat4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: SockRevNat4Key, v: v1::SockRevNat4Value| {
         let v = SockRevNat4Value {
             addr_be: v.addr_be,
@@ -362,7 +383,7 @@ fn sock_rev_nat4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn sock_rev_nat6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn sock_rev_nat6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: SockRevNat6Key, v: v1::SockRevNat6Value| {
         let v = SockRevNat6Value {
             addr_be: v.addr_be,
@@ -374,21 +395,21 @@ fn sock_rev_nat6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
     })
 }
 
-fn source_ranges4(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn source_ranges4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     lpm(old, new, |k: v1::SourceRange4| SourceRange4 {
         rev_nat_id_be: RevNatId::from(u16::from_be(k.rev_nat_id_be)).to_be(),
         addr_be: k.addr_be,
     })
 }
 
-fn source_ranges6(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn source_ranges6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     lpm(old, new, |k: v1::SourceRange6| SourceRange6 {
         rev_nat_id_be: RevNatId::from(u16::from_be(k.rev_nat_id_be)).to_be(),
         addr_be: k.addr_be,
     })
 }
 
-fn maglev(old: MapData, new: &mut Map) -> Result<usize, MapError> {
+fn maglev(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
     hash(old, new, |k: v1::MaglevKey, v: MaglevChunk| {
         (
             MaglevKey::new(RevNatId::from(k.rev_nat_id), k.generation, k.chunk),

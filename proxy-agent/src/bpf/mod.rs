@@ -291,6 +291,16 @@ pub struct Loaded {
     /// Whether the IPv6 tc programs loaded (and are tail-called); `Err`
     /// says why not: IPv6 then passes untouched.
     pub ipv6: Result<(), String>,
+    /// Migrations begun at load, for [`Loaded::finish_migrations`].
+    pub pending_migrations: Vec<PendingMigration>,
+}
+
+impl Loaded {
+    /// Finishes the migrations [`load`] began; to be called just before the
+    /// programs are attached (see [`finish_migrations`]).
+    pub fn finish_migrations(&mut self) {
+        finish_migrations(&mut self.ebpf, std::mem::take(&mut self.pending_migrations));
+    }
 }
 
 /// This process's network namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14),
@@ -388,18 +398,37 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
 }
 
 /// A change of a map's layout, from the pinned map of an older agent to the
-/// current one. Map names carry their layout version (`CT4_V2`); an agent
+/// current one. Map names carry their layout version (`CT4_V1`); an agent
 /// that finds a pinned map of an older version copies its entries, converted,
-/// into the current map, then removes the old pin. Entries of an old map with
-/// no migration are dropped (with a warning).
+/// into the current map when it loads, then (see [`finish_migrations`])
+/// removes the old pin just before it attaches its programs. Entries of an
+/// old map with no migration are dropped (with a warning).
+#[derive(Clone, Copy)]
 pub struct Migration {
     /// Pinned name of the old layout, e.g. `CT4_V0`.
     pub from: &'static str,
     /// The current map it migrates into (one of `map_names::ALL`).
     pub to: &'static str,
     /// Copies the old map's entries, converted, into the new one; returns how
-    /// many were copied.
-    pub run: fn(old: MapData, new: &mut aya::maps::Map) -> Result<usize, MapError>,
+    /// many were copied and how many did not fit (a smaller map: dropped).
+    pub run: MigrationFn,
+    /// Flow state the programs of the older agent keep writing until the
+    /// new ones are attached (conntrack, socket reverse NAT): copied again
+    /// then, so the flows they opened meanwhile carry over too.
+    pub again_before_attach: bool,
+}
+
+/// [`Migration::run`]: (old map, new map) → (entries copied, entries dropped).
+pub type MigrationFn =
+    fn(old: MapData, new: &mut aya::maps::Map) -> Result<(usize, usize), MapError>;
+
+/// A migration whose old map was copied at load; its pin stays until
+/// [`finish_migrations`] (an agent that stops before it attaches, or a
+/// rollback to the older agent, still finds it).
+pub struct PendingMigration {
+    migration: Migration,
+    old: std::os::fd::OwnedFd,
+    pin: PathBuf,
 }
 
 /// Migrations this agent knows: the `_V1` maps of 16-bit reverse-NAT ids
@@ -471,6 +500,11 @@ fn load_checked(
         loader.map_max_entries(name, size);
     }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
+    // Before any program of this object can run (the IPv6 ones are
+    // tail-called by the older agent's programs as soon as they are in the
+    // pinned program array): maps of an older layout copied into this
+    // object's.
+    let pending_migrations = migrate(pin_dir, &mut ebpf, migrations)?;
     let mut port_search = PortSearch::of(&kernel);
     if let Err(e) = load_tc_programs(&mut ebpf, port_search) {
         // A kernel with `bpf_loop` whose verifier refuses the search build
@@ -489,6 +523,11 @@ fn load_checked(
     let ipv6 = load_ipv6_programs(&mut ebpf);
     if let Err(why) = &ipv6 {
         tracing::warn!("the IPv6 datapath off (IPv6 passes untouched): {why}");
+        clear_tail(
+            &mut ebpf,
+            map_names::TAIL6,
+            IPV6_PROGRAMS.iter().map(|(_, i)| *i),
+        );
     }
     let xdp: &mut Xdp = ebpf
         .program_mut(EXT_XDP_PROGRAM)
@@ -512,10 +551,13 @@ fn load_checked(
                 name: EXT_XDP_PROGRAM,
                 source,
             })?;
-            if ipv6.is_ok() {
-                if let Err(why) = load_xdp6(&mut ebpf) {
-                    tracing::warn!("XDP acceleration of IPv6 off (tc handles it): {why}");
-                }
+            let xdp6 = match &ipv6 {
+                Ok(()) => load_xdp6(&mut ebpf),
+                Err(_) => Err("the IPv6 tc programs are off".to_string()),
+            };
+            if let Err(why) = xdp6 {
+                tracing::warn!("XDP acceleration of IPv6 off (tc handles it): {why}");
+                clear_tail(&mut ebpf, map_names::TAIL6_XDP, [0]);
             }
             Ok(())
         }
@@ -528,7 +570,6 @@ fn load_checked(
         Some((_, why)) => Err(why.clone()),
         None => load_sock_programs(&mut ebpf),
     };
-    migrate(pin_dir, &mut ebpf, migrations)?;
     Ok(Loaded {
         ebpf,
         pin_dir: pin_dir.to_owned(),
@@ -536,6 +577,7 @@ fn load_checked(
         xdp: xdp_loaded,
         port_search,
         ipv6,
+        pending_migrations,
     })
 }
 
@@ -613,39 +655,126 @@ fn load_tc_programs(ebpf: &mut Ebpf, search: PortSearch) -> Result<(), BpfError>
     Ok(())
 }
 
-/// Runs the migrations whose old map is pinned in `pin_dir`, then removes
-/// pins of older layouts nothing migrates.
-fn migrate(pin_dir: &Path, ebpf: &mut Ebpf, migrations: &[Migration]) -> Result<(), BpfError> {
+/// Runs the migrations whose old map is pinned in `pin_dir` (their pins
+/// stay, for [`finish_migrations`]), then removes pins of older layouts
+/// nothing migrates.
+fn migrate(
+    pin_dir: &Path,
+    ebpf: &mut Ebpf,
+    migrations: &[Migration],
+) -> Result<Vec<PendingMigration>, BpfError> {
+    use std::os::fd::AsFd;
+    let mut pending = Vec::new();
     for m in migrations {
         let old_path = pin_dir.join(m.from);
         if !old_path.exists() {
             continue;
         }
         let old = MapData::from_pin(&old_path).map_err(map_err(m.to))?;
+        let fd = old
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| BpfError::PinDir {
+                path: old_path.clone(),
+                source,
+            })?;
         let new = ebpf.map_mut(m.to).ok_or(BpfError::MissingMap(m.to))?;
-        let n = (m.run)(old, new).map_err(map_err(m.to))?;
-        std::fs::remove_file(&old_path).map_err(|source| BpfError::PinDir {
-            path: old_path.clone(),
-            source,
-        })?;
-        tracing::info!(
-            from = m.from,
-            to = m.to,
-            entries = n,
-            "migrated a pinned map to its new layout"
-        );
+        let (copied, dropped) = (m.run)(old, new).map_err(map_err(m.to))?;
+        if dropped > 0 {
+            tracing::warn!(
+                from = m.from,
+                to = m.to,
+                copied,
+                dropped,
+                "migrated a pinned map to its new layout: entries that did not fit were dropped"
+            );
+        } else {
+            tracing::info!(
+                from = m.from,
+                to = m.to,
+                entries = copied,
+                "migrated a pinned map to its new layout"
+            );
+        }
+        pending.push(PendingMigration {
+            migration: *m,
+            old: fd,
+            pin: old_path,
+        });
     }
     let Ok(dir) = std::fs::read_dir(pin_dir) else {
-        return Ok(());
+        return Ok(pending);
     };
     for e in dir.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if is_versioned_map_pin(&name) && !map_names::ALL.contains(&name.as_str()) {
+        if is_versioned_map_pin(&name)
+            && !map_names::ALL.contains(&name.as_str())
+            && !migrations.iter().any(|m| m.from == name)
+        {
             tracing::warn!(pin = %e.path().display(), "a map of an older layout with no migration: its entries are dropped");
             let _ = std::fs::remove_file(e.path());
         }
     }
-    Ok(())
+    Ok(pending)
+}
+
+/// Finishes migrations begun at load, just before the programs are
+/// attached: the older agent's programs, attached until then, kept writing
+/// flow state into the old maps, so those are copied again
+/// ([`Migration::again_before_attach`]; what the first copy took is
+/// overwritten with the same or newer entries), and every old pin is
+/// removed. Failures are logged: the programs are attached all the same.
+pub fn finish_migrations(ebpf: &mut Ebpf, pending: Vec<PendingMigration>) {
+    for p in pending {
+        let m = p.migration;
+        if m.again_before_attach {
+            let copied = MapData::from_fd(p.old).and_then(|old| match ebpf.map_mut(m.to) {
+                Some(new) => (m.run)(old, new),
+                None => Err(MapError::InvalidName {
+                    name: m.to.to_string(),
+                }),
+            });
+            match copied {
+                Ok((copied, dropped)) => tracing::info!(
+                    from = m.from,
+                    to = m.to,
+                    copied,
+                    dropped,
+                    "copied again the entries the older programs wrote since the load"
+                ),
+                Err(e) => tracing::warn!(
+                    from = m.from,
+                    to = m.to,
+                    error = %e,
+                    "cannot copy again what the older programs wrote since the load: flows they opened meanwhile are tracked anew"
+                ),
+            }
+        }
+        if let Err(e) = std::fs::remove_file(&p.pin) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(pin = %p.pin.display(), error = %e, "cannot remove the pin of a migrated map");
+            }
+        }
+    }
+}
+
+/// Empties the program array `name` at `indices`: a program of the older
+/// agent left there would be tail-called with maps of an older layout.
+fn clear_tail(ebpf: &mut Ebpf, name: &'static str, indices: impl IntoIterator<Item = u32>) {
+    let Some(map) = ebpf.map_mut(name) else {
+        return;
+    };
+    let Ok(mut tail) = aya::maps::ProgramArray::<&mut MapData>::try_from(map) else {
+        return;
+    };
+    for i in indices {
+        if let Err(e) = tail.clear_index(&i) {
+            if !matches!(&e, MapError::KeyNotFound) {
+                tracing::warn!(map = name, index = i, error = %e, "cannot clear a tail-call slot");
+            }
+        }
+    }
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, BpfError> {

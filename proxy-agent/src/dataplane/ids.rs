@@ -115,6 +115,11 @@ impl BackendIds {
         &self.by_addr
     }
 
+    /// How many ids there are.
+    pub(super) fn capacity(&self) -> u32 {
+        self.space.max
+    }
+
     /// A free backend id: none that is `taken` (in the backends map or named
     /// by a slot). `None` when every id is taken.
     pub(super) fn allocate(&mut self, taken: impl Fn(u32) -> bool) -> Option<u32> {

@@ -403,7 +403,19 @@ impl<D: Dataplane> Writer<D> {
             tracing::warn!(
                 frontends = beyond,
                 ids = rev_nat_ids.capacity(),
-                "frontends keep reverse-NAT ids beyond mapSizes.reverseNat (made smaller): their traffic counters and round-robin cursors are off until they are made again"
+                "frontends keep reverse-NAT ids beyond mapSizes.reverseNat (made smaller): they have no traffic counters, and round robin picks at random for them, until their Services are made again"
+            );
+        }
+        let beyond = backend_ids
+            .as_map()
+            .values()
+            .filter(|id| **id > backend_ids.capacity())
+            .count();
+        if beyond > 0 {
+            tracing::warn!(
+                backends = beyond,
+                ids = backend_ids.capacity(),
+                "backends keep ids beyond mapSizes.backends (made smaller): they have no traffic counters while they are in use"
             );
         }
         tracing::debug!(

@@ -1,7 +1,8 @@
 //! Upgrades across map layouts: an agent of layout `_V2` (32-bit reverse-NAT
 //! ids) started over the pins of a `_V1` agent (16-bit ids) migrates their
-//! entries before anything reads them, so established flows, session
-//! affinity, source ranges and the programmed Services carry over.
+//! entries before its programs run, and the flow state again just before it
+//! attaches them, so established flows, session affinity, source ranges and
+//! the programmed Services carry over.
 
 use std::{mem::size_of, net::Ipv4Addr, os::fd::FromRawFd, path::Path};
 
@@ -12,9 +13,9 @@ use proxy_agent::{
 };
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    map_names, stat, svc_flags, Affinity4Key, Affinity4Value, Affinity6Key, Ct4Key, Ct4Value,
-    Ct6Key, Ct6Value, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP,
+    map_names, stat, svc_flags, Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Ct4Key,
+    Ct4Value, Ct6Key, Ct6Value, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP,
 };
 
 use super::kit::{
@@ -219,10 +220,12 @@ fn v1_pins(dir: &Path) -> Vec<String> {
 }
 
 /// An agent of the `_V2` layout started over the pins of a `_V1` agent
-/// (16-bit reverse-NAT ids): before any sync, an established flow's next
-/// segment and its reply are translated as before, a client's session
-/// affinity holds, source ranges still filter, and the writer adopts every
-/// frontend with its reverse-NAT id (its first sync adds nothing).
+/// (16-bit reverse-NAT ids): before any sync, established flows' next
+/// segments and replies are translated as before (none is tracked anew),
+/// also a flow the older programs opened between the load and the attach
+/// (copied again then), a client's session affinity holds, source ranges
+/// still filter, and the writer adopts every frontend with its reverse-NAT
+/// id (its first sync adds nothing). The old pins stay until the attach.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges() {
@@ -253,36 +256,83 @@ fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges
     let (_, out) = h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
     let chosen = parse_checked(&out).dst;
     assert!(chosen == B1 || chosen == B2, "translated to a backend");
+    // A second flow of the client (to the same backend: affinity).
+    let (_, out) = h.run(&tcp4(CLIENT, 40001, VIP, 80, SYN, b""));
+    assert_eq!(parse_checked(&out).dst, chosen);
     let ids = h.writer.rev_nat_ids().clone();
     assert_eq!(ids.len(), 2);
+    let chosen_id = entries::<u32, Backend4>(h.pin_dir(), map_names::BACKENDS)
+        .into_iter()
+        .find(|(_, b)| b.addr() == chosen)
+        .map(|(id, _)| id)
+        .expect("the chosen backend's entry");
 
     downgrade_ipv4(h.pin_dir());
     assert_eq!(v1_pins(h.pin_dir()).len(), 5, "the old agent's pins");
     h.reload().expect("the new agent loads over the old pins");
-
+    assert_eq!(
+        v1_pins(h.pin_dir()).len(),
+        5,
+        "the old pins stay until the programs are attached"
+    );
+    // The second flow as if the older programs had opened it after the
+    // load: in the old conntrack map only.
+    let ct_path = h.pin_dir().join(map_names::CONNTRACK);
+    let mut ct: HashMap<MapData, Ct4Key, Ct4Value> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(&ct_path).unwrap())).unwrap();
+    let second: Vec<Ct4Key> = ct
+        .keys()
+        .map(|k| k.unwrap())
+        .filter(|k| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be())
+        .collect();
+    assert_eq!(second.len(), 2, "its SERVICE and REPLY entries");
+    for k in &second {
+        ct.remove(k).unwrap();
+    }
+    h.finish_migrations();
     assert_eq!(
         v1_pins(h.pin_dir()),
         Vec::<String>::new(),
-        "old pins removed once migrated"
+        "old pins removed once the programs would be attached"
     );
     assert_eq!(
         h.writer.rev_nat_ids(),
         &ids,
         "every frontend adopted with its id"
     );
-    // The flow goes on: its next segment to the same backend, its reply
-    // from the frontend.
-    let (_, out) = h.run(&tcp4(CLIENT, 40000, VIP, 80, ACK | PSH, b"more"));
-    assert_eq!(parse_checked(&out).dst, chosen, "the flow kept its backend");
-    let (_, out) = h.run(&tcp4(chosen, 8080, CLIENT, 40000, ACK, b"answer"));
-    let reply = parse_checked(&out);
+    // The flows go on: their next segments to the same backend, their
+    // replies from the frontend, none tracked anew.
+    let midstream = |h: &Harness| h.stats().get(&stat::CT_NEW_MIDSTREAM).copied().unwrap_or(0);
+    let midstream_before = midstream(&h);
+    for sport in [40000, 40001] {
+        let (_, out) = h.run(&tcp4(CLIENT, sport, VIP, 80, ACK | PSH, b"more"));
+        assert_eq!(
+            parse_checked(&out).dst,
+            chosen,
+            "flow {sport} kept its backend"
+        );
+        let (_, out) = h.run(&tcp4(chosen, 8080, CLIENT, sport, ACK, b"answer"));
+        let reply = parse_checked(&out);
+        assert_eq!(
+            (reply.src, reply.sport),
+            (VIP, 80),
+            "reverse NAT of flow {sport}'s reply"
+        );
+    }
+    assert_eq!(midstream(&h), midstream_before, "no flow tracked anew");
+    // Session affinity: the client's entry carried over, naming its
+    // backend, and its new connections go there.
+    let affinity = entries::<Affinity4Key, Affinity4Value>(h.pin_dir(), map_names::AFFINITY);
+    let vip_id = ids[&fe(VIP, 80, IPPROTO_TCP)];
     assert_eq!(
-        (reply.src, reply.sport),
-        (VIP, 80),
-        "reverse NAT of the reply"
+        affinity
+            .iter()
+            .filter(|(k, _)| k.rev_nat_id == vip_id)
+            .map(|(k, v)| (k.client_be, v.backend_id))
+            .collect::<Vec<_>>(),
+        [(u32::from_ne_bytes(CLIENT.octets()), chosen_id)],
+        "the client's affinity, migrated"
     );
-    // Session affinity: the client's new connections go to its backend
-    // (with two backends, 16 random picks agree by chance once in 32,768).
     for sport in 41000..41016 {
         let (_, out) = h.run(&tcp4(CLIENT, sport, VIP, 80, SYN, b""));
         assert_eq!(
@@ -312,8 +362,8 @@ fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges
 }
 
 /// Every `_V1` map holding a reverse-NAT id is migrated, each field in its
-/// place: the IPv6 twins, socket reverse NAT and Maglev tables (the IPv4
-/// maps are checked through packets above).
+/// place: the IPv6 twins (source ranges too), socket reverse NAT and
+/// Maglev tables (the IPv4 maps are checked through packets above).
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
@@ -431,7 +481,24 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
             chunk,
         )],
     );
+    let range6 = v1::SourceRange6 {
+        rev_nat_id_be: id.to_be(),
+        _pad: 0,
+        addr_be: addr6,
+    };
+    let data = pin_map(
+        &dir.join("SRCRANGE6_V1"),
+        BPF_MAP_TYPE_LPM_TRIE,
+        4 + 20,
+        1,
+        BPF_F_NO_PREALLOC,
+    );
+    let mut old: LpmTrie<MapData, v1::SourceRange6, u8> =
+        LpmTrie::try_from(Map::LpmTrie(data)).unwrap();
+    old.insert(&LpmKey::new(32 + 64, range6), 1, 0).unwrap();
+    drop(old);
     h.reload().expect("load over the old pins");
+    h.finish_migrations();
     assert_eq!(v1_pins(&dir), Vec::<String>::new(), "old pins removed");
 
     let wide = u32::from(id);
@@ -496,6 +563,20 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
                 rev_nat_id: wide,
             }
         )]
+    );
+    let ranges: Vec<(LpmKey<SourceRange6>, u8)> = {
+        let data = MapData::from_pin(dir.join(map_names::SOURCE_RANGES6)).unwrap();
+        let m: LpmTrie<MapData, SourceRange6, u8> = LpmTrie::try_from(Map::LpmTrie(data)).unwrap();
+        m.iter().map(|kv| kv.expect("entry")).collect()
+    };
+    assert_eq!(ranges.len(), 1);
+    assert_eq!(ranges[0].0.prefix_len(), 32 + 64, "the prefix length kept");
+    assert_eq!(
+        ranges[0].0.data(),
+        SourceRange6 {
+            rev_nat_id_be: wide.to_be(),
+            addr_be: addr6,
+        }
     );
     let maglev = entries::<MaglevKey, MaglevChunk>(&dir, map_names::MAGLEV);
     assert_eq!(maglev.len(), 1);

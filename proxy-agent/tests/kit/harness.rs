@@ -229,6 +229,8 @@ pub struct Harness {
     reusable: bool,
     sizes: MapSizes,
     config: Config,
+    /// Migrations [`Harness::reload`] began ([`Harness::finish_migrations`]).
+    pending: Vec<bpf::PendingMigration>,
     pub netns: NetNs,
 }
 
@@ -285,6 +287,7 @@ impl Harness {
             None => {
                 let pins = PinDir::new(netns.name());
                 let mut b = bpf::load(pins.path(), sizes).context("load datapath")?;
+                b.finish_migrations();
                 let dp = BpfDataplane::new(&mut b.ebpf, sizes).context("maps")?;
                 let port_search = b.port_search;
                 (
@@ -305,6 +308,7 @@ impl Harness {
             reusable,
             sizes,
             config,
+            pending: Vec::new(),
             netns,
         })
     }
@@ -312,7 +316,9 @@ impl Harness {
     /// As an agent restarted (or upgraded) on the node: the object is loaded
     /// again over the pins the previous one left (adopted, or migrated from
     /// older layouts), and a new writer adopts what they hold. Nothing is
-    /// synced. The object is not pooled afterwards.
+    /// synced. Migrations from older layouts are left to finish as the
+    /// agent finishes them before attaching ([`Harness::finish_migrations`]).
+    /// The object is not pooled afterwards.
     pub fn reload(&mut self) -> anyhow::Result<()> {
         let Loaded { ebpf, pins, .. } = self.loaded.take().expect("a live harness");
         // The previous agent's descriptors go; its pins stay.
@@ -322,12 +328,22 @@ impl Harness {
         let mut dp = BpfDataplane::new(&mut b.ebpf, self.sizes).context("maps")?;
         dp.set_config(self.config).context("config")?;
         self.writer = Writer::adopt(dp).context("adopt")?;
+        self.pending = std::mem::take(&mut b.pending_migrations);
         self.loaded = Some(Loaded {
             ebpf: b.ebpf,
             pins,
             port_search: b.port_search,
         });
         Ok(())
+    }
+
+    /// What the agent does just before it attaches its programs: the
+    /// migrations [`Harness::reload`] began are finished (flow state copied
+    /// again, old pins removed).
+    pub fn finish_migrations(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        let loaded = self.loaded.as_mut().expect("a live harness");
+        bpf::finish_migrations(&mut loaded.ebpf, pending);
     }
 
     fn loaded(&self) -> &Loaded {

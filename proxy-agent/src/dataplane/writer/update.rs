@@ -75,7 +75,7 @@ impl<D: Dataplane> Writer<D> {
                     None => {
                         let e = DataplaneError::Full {
                             map: map_names::BACKENDS,
-                            capacity: u32::MAX,
+                            capacity: self.backend_ids.capacity(),
                         };
                         s.out.unwritten(addr, e);
                         continue;
