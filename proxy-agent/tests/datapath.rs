@@ -1274,8 +1274,20 @@ fn pinned_maps_are_checked_on_adoption_and_a_changed_size_takes_effect() {
     );
 }
 
-/// A plain BPF hash map (for the migration test's "old" maps).
+/// A plain BPF hash map (for the migration tests' "old" maps).
 fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os::fd::OwnedFd {
+    create_map(1, key_size, value_size, max_entries, 0)
+}
+
+/// A BPF map of `map_type` (`BPF_MAP_TYPE_*`) with `flags`, as an older
+/// agent's object would have made it.
+fn create_map(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
     #[repr(C)]
     struct Attr {
@@ -1287,11 +1299,11 @@ fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os:
         _rest: [u8; 108],
     }
     let attr = Attr {
-        map_type: 1,
+        map_type,
         key_size,
         value_size,
         max_entries,
-        map_flags: 0,
+        map_flags: flags,
         _rest: [0; 108],
     };
     // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.

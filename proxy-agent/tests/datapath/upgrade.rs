@@ -4,7 +4,7 @@
 //! attaches them, so established flows, session affinity, source ranges and
 //! the programmed Services carry over.
 
-use std::{mem::size_of, net::Ipv4Addr, os::fd::FromRawFd, path::Path};
+use std::{mem::size_of, net::Ipv4Addr, path::Path};
 
 use aya::maps::{lpm_trie::Key as LpmKey, HashMap, LpmTrie, Map, MapData};
 use proxy_agent::{
@@ -32,39 +32,7 @@ const BPF_F_NO_PREALLOC: u32 = 1;
 
 /// Creates a map as an older agent's object would have and pins it at `path`.
 fn pin_map(path: &Path, map_type: u32, key_size: u32, value_size: u32, flags: u32) -> MapData {
-    #[repr(C)]
-    struct Attr {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-        _rest: [u8; 108],
-    }
-    let attr = Attr {
-        map_type,
-        key_size,
-        value_size,
-        max_entries: 4096,
-        map_flags: flags,
-        _rest: [0; 108],
-    };
-    // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            0,
-            &attr as *const Attr,
-            std::mem::size_of::<Attr>() as u32,
-        )
-    };
-    assert!(
-        fd >= 0,
-        "BPF_MAP_CREATE: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: a new descriptor we own.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let fd = super::create_map(map_type, key_size, value_size, 4096, flags);
     let data = MapData::from_fd(fd).expect("map data");
     data.pin(path).expect("pin");
     data
