@@ -133,7 +133,11 @@ pub fn udp_request_here(
         SocketAddr::V4(_) => SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)),
         SocketAddr::V6(_) => SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, port, 0, 0)),
     };
-    let sock = UdpSocket::bind(local)?;
+    let sock = if bind_port.is_some() {
+        bind_fixed_port(local)?
+    } else {
+        UdpSocket::bind(local)?
+    };
     sock.connect(addr)?;
     sock.set_read_timeout(Some(timeout))?;
     sock.send(payload)?;
@@ -141,6 +145,23 @@ pub fn udp_request_here(
     let n = sock.recv(&mut buf).map_err(timed_out)?;
     buf.truncate(n);
     Ok(buf)
+}
+
+/// Binds `local`, a fixed port a socket of the previous request had. That
+/// socket is closed, but a child another thread of this process was
+/// spawning at that moment may still hold a copy of it until its `exec`
+/// closes it (fork copies the descriptor table): `EADDRINUSE` for a few
+/// milliseconds. Tries again for up to a second.
+fn bind_fixed_port(local: SocketAddr) -> io::Result<UdpSocket> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match UdpSocket::bind(local) {
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            r => return r,
+        }
+    }
 }
 
 /// SCTP request from the current thread's namespace: a new association
@@ -235,4 +256,40 @@ pub fn batch(
 /// The reply as a trimmed string (pod name for a `hostname` request).
 pub fn reply_text(reply: &[u8]) -> String {
     String::from_utf8_lossy(reply).trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fixed source port still held for a moment (by a copy of the
+    /// previous socket in a child being spawned) is bound once it is free,
+    /// not refused; one held for good is still refused once the tries end.
+    /// In a namespace of its own.
+    #[test]
+    #[ignore = "needs root: run with cargo xtask test"]
+    fn a_fixed_port_held_for_a_moment_is_bound_once_free() {
+        struct Ns(String);
+        impl Drop for Ns {
+            fn drop(&mut self) {
+                let _ = crate::netns::delete_netns(&self.0);
+            }
+        }
+        let ns = Ns(format!("kpr-{}-bindport", std::process::id()));
+        crate::netns::create_netns(&ns.0).expect("netns");
+        in_netns(&ns.0, || {
+            let held = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let local = held.local_addr().unwrap();
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                drop(held);
+            });
+            let sock = bind_fixed_port(local).expect("bound once the other socket is closed");
+            assert_eq!(sock.local_addr().unwrap(), local);
+            release.join().unwrap();
+            let e = bind_fixed_port(local).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::AddrInUse);
+        })
+        .expect("in the namespace");
+    }
 }
