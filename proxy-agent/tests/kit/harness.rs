@@ -243,6 +243,32 @@ struct Loaded {
     port_search: bpf::PortSearch,
 }
 
+impl Loaded {
+    /// The object loaded over `pins`, as an agent starting on the node
+    /// loads it: the object, the writer's maps, and the migrations from
+    /// older layouts it began.
+    fn load(
+        pins: PinDir,
+        sizes: MapSizes,
+    ) -> anyhow::Result<(Self, BpfDataplane, Vec<bpf::PendingMigration>)> {
+        let mut b = bpf::load(pins.path(), sizes).context("load datapath")?;
+        let dp = BpfDataplane::new(&mut b.ebpf, sizes).context("maps")?;
+        let pending = std::mem::take(&mut b.pending_migrations);
+        let loaded = Self {
+            ebpf: b.ebpf,
+            pins,
+            port_search: b.port_search,
+        };
+        Ok((loaded, dp, pending))
+    }
+}
+
+/// A writer adopting `dp`, configured with `config`.
+fn writer_over(mut dp: BpfDataplane, config: Config) -> anyhow::Result<Writer<BpfDataplane>> {
+    dp.set_config(config).context("config")?;
+    Writer::adopt(dp).context("adopt")
+}
+
 /// Objects of finished harnesses (default map sizes), maps emptied, with
 /// their pin directories; removed when the test process exits.
 static POOL: Mutex<Vec<Loaded>> = Mutex::new(Vec::new());
@@ -279,29 +305,18 @@ impl Harness {
         } else {
             None
         };
-        let (loaded, mut dp) = match pooled {
+        let (loaded, dp) = match pooled {
             Some(l) => {
                 let dp = BpfDataplane::from_pins(l.pins.path(), sizes).context("maps")?;
                 (l, dp)
             }
             None => {
-                let pins = PinDir::new(netns.name());
-                let mut b = bpf::load(pins.path(), sizes).context("load datapath")?;
-                b.finish_migrations();
-                let dp = BpfDataplane::new(&mut b.ebpf, sizes).context("maps")?;
-                let port_search = b.port_search;
-                (
-                    Loaded {
-                        ebpf: b.ebpf,
-                        pins,
-                        port_search,
-                    },
-                    dp,
-                )
+                let (mut l, dp, pending) = Loaded::load(PinDir::new(netns.name()), sizes)?;
+                bpf::finish_migrations(&mut l.ebpf, pending);
+                (l, dp)
             }
         };
-        dp.set_config(config).context("config")?;
-        let writer = Writer::adopt(dp).context("adopt")?;
+        let writer = writer_over(dp, config)?;
         Ok(Self {
             writer,
             loaded: Some(loaded),
@@ -324,16 +339,10 @@ impl Harness {
         // The previous agent's descriptors go; its pins stay.
         drop(ebpf);
         self.reusable = false;
-        let mut b = bpf::load(pins.path(), self.sizes).context("load datapath")?;
-        let mut dp = BpfDataplane::new(&mut b.ebpf, self.sizes).context("maps")?;
-        dp.set_config(self.config).context("config")?;
-        self.writer = Writer::adopt(dp).context("adopt")?;
-        self.pending = std::mem::take(&mut b.pending_migrations);
-        self.loaded = Some(Loaded {
-            ebpf: b.ebpf,
-            pins,
-            port_search: b.port_search,
-        });
+        let (loaded, dp, pending) = Loaded::load(pins, self.sizes)?;
+        self.writer = writer_over(dp, self.config)?;
+        self.pending = pending;
+        self.loaded = Some(loaded);
         Ok(())
     }
 
