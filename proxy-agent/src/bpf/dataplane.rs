@@ -1,7 +1,6 @@
 //! [`BpfDataplane`]: the maps the writer programs (conntrack garbage
 //! collection is `gc.rs`'s, over the pinned maps).
 
-use proxy_common::RevNatId;
 use std::net::IpAddr;
 
 use super::*;

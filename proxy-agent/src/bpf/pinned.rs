@@ -1,7 +1,6 @@
 //! [`PinnedMaps`]: a running agent's pinned maps, read without loading the
 //! object (inspect, metrics).
 
-use proxy_common::RevNatId;
 use std::net::IpAddr;
 
 use super::*;

@@ -17,7 +17,6 @@
 //! its entries are copied once the new map exists, then its pin is removed.
 
 use aya::maps::{MapInfo, MapType};
-use proxy_common::RevNatId;
 
 use super::*;
 

@@ -5,8 +5,9 @@
 //! [`Writer::sync_changed`] at the frontends in scope and the ids that may
 //! have lost their last reference ([`super::Loose`]) only: an entry is
 //! deleted in both cases exactly when nothing names it any more.
-use proxy_common::RevNatId;
 use std::collections::BTreeSet;
+
+use proxy_common::RevNatId;
 
 use super::{
     family, BackendEntry, Dataplane, DataplaneError, FrontendKey, RevNatEntry, SourceRange,
