@@ -8,75 +8,19 @@
 //! writer writes its frontend. The last column is the periodic full sync
 //! (`syncPeriod`) with nothing changed.
 //!
-//! The counting dataplane has room for 2^24 frontends and backends (as a
-//! node configured with `mapSizes` for them).
+//! The counting dataplane ([`proxy_agent::dataplane::Discard`]) has room for
+//! 2^24 frontends and backends (as a node configured with `mapSizes` for
+//! them).
 //!
 //! `cargo run --release -p proxy-agent --example control_plane_cost -- [N...]`
 use std::fmt::Write as _;
 use std::time::Instant;
 
 use proxy_agent::{
-    dataplane::{Changes, Dataplane, DataplaneError, Programmed, SourceRange, Writer},
+    dataplane::{Changes, Discard, Writer},
     model::{Incremental, ModelOptions},
     source::{ManifestsSource, Source, SourceChanges},
 };
-use proxy_common::{
-    lb::{MaglevChunk, MaglevKey},
-    Backend4, RevNat4, RevNatId, Svc4Key, Svc4Value,
-};
-
-/// Takes every operation, keeps nothing.
-#[derive(Default)]
-struct Counting(usize);
-
-impl Dataplane for Counting {
-    fn id_spaces(&self) -> (u32, u32) {
-        (1 << 24, 1 << 24)
-    }
-    fn put_backend(&mut self, _: u32, _: Backend4) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn delete_backend(&mut self, _: u32) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn put_service(&mut self, _: Svc4Key, _: Svc4Value) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn delete_service(&mut self, _: Svc4Key) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn put_rev_nat(&mut self, _: RevNatId, _: RevNat4) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn delete_rev_nat(&mut self, _: RevNatId) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn put_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn delete_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn put_maglev_chunk(&mut self, _: MaglevKey, _: &MaglevChunk) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn delete_maglev_chunk(&mut self, _: MaglevKey) -> Result<(), DataplaneError> {
-        self.0 += 1;
-        Ok(())
-    }
-    fn dump(&self) -> Result<Programmed, DataplaneError> {
-        Ok(Programmed::default())
-    }
-}
 
 fn service_yaml(i: usize) -> String {
     // ClusterIPs from 198.19.0.0 on (room for 65,536), then 198.18.0.0 on;
@@ -132,7 +76,7 @@ fn main() {
         std::fs::write(dir.path().join("a.yaml"), text).expect("write");
         let mut source = ManifestsSource::new(vec![dir.path().to_path_buf()]);
         let mut model = Incremental::new("node-a", ModelOptions::default());
-        let mut writer = Writer::adopt(Counting::default()).expect("adopt");
+        let mut writer = Writer::adopt(Discard::default()).expect("adopt");
 
         let changes = |source: &mut ManifestsSource| match source.changes() {
             (SourceChanges::Changes(c), 0) => c,
@@ -172,7 +116,7 @@ fn main() {
         let t = Instant::now();
         let update = model.apply(c);
         let model1 = ms(t);
-        let ops = writer.dataplane().0;
+        let ops = writer.dataplane().ops;
         let t = Instant::now();
         let report = writer.sync_changed(
             model.desired(),
@@ -184,7 +128,7 @@ fn main() {
         let write1 = ms(t);
         let total = ms(t0);
         assert!(report.frontends_added == 1 || refused > 0, "{report:?}");
-        let ops = writer.dataplane().0 - ops;
+        let ops = writer.dataplane().ops - ops;
         let t = Instant::now();
         let c = changes(&mut source);
         assert!(model.apply(c).is_empty());

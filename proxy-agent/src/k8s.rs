@@ -248,14 +248,14 @@ trait Watched: Trim + Sized {
 impl Watched for Service {
     const MODEL_KIND: Kind = Kind::Service;
     fn object(this: Arc<Self>) -> Object {
-        Object::Service(this)
+        Object::from(&*this)
     }
 }
 
 impl Watched for EndpointSlice {
     const MODEL_KIND: Kind = Kind::EndpointSlice;
     fn object(this: Arc<Self>) -> Object {
-        Object::EndpointSlice(this)
+        Object::from(&*this)
     }
 }
 
@@ -398,7 +398,8 @@ async fn drive<K, S>(
                     _ => "default".to_string(),
                 };
                 let name = o.meta().name.clone().unwrap_or_default();
-                dirty.lock().expect("dirty lock").keys.insert((ns, name));
+                let key = (crate::model::intern(&ns), name.into());
+                dirty.lock().expect("dirty lock").keys.insert(key);
                 let _ = changes.send(());
             }
             // The store is kept as it is; the watcher backs off and resumes

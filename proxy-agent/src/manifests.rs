@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use notify::{EventKind, RecursiveMode, Watcher};
+
+use crate::model::Object;
 use serde::de::DeserializeOwned;
 use yaml_serde::Value;
 
@@ -24,6 +26,47 @@ pub struct Snapshot {
     pub endpoint_slices: Vec<EndpointSlice>,
     pub pods: Vec<Pod>,
     pub nodes: Vec<Node>,
+}
+
+/// Where loading puts each object it read.
+pub trait Sink {
+    fn service(&mut self, svc: Service);
+    fn endpoint_slice(&mut self, slice: EndpointSlice);
+    fn pod(&mut self, pod: Pod);
+    fn node(&mut self, node: Node);
+}
+
+impl Sink for Snapshot {
+    fn service(&mut self, svc: Service) {
+        self.services.push(svc);
+    }
+    fn endpoint_slice(&mut self, slice: EndpointSlice) {
+        self.endpoint_slices.push(slice);
+    }
+    fn pod(&mut self, pod: Pod) {
+        self.pods.push(pod);
+    }
+    fn node(&mut self, node: Node) {
+        self.nodes.push(node);
+    }
+}
+
+/// Objects as the model takes them: a Service or an EndpointSlice is made
+/// compact as soon as it is read, so a file of many holds one full object
+/// at a time, not all of them.
+impl Sink for Vec<Object> {
+    fn service(&mut self, svc: Service) {
+        self.push(Object::from(&svc));
+    }
+    fn endpoint_slice(&mut self, slice: EndpointSlice) {
+        self.push(Object::from(&slice));
+    }
+    fn pod(&mut self, pod: Pod) {
+        self.push(Object::from(pod));
+    }
+    fn node(&mut self, node: Node) {
+        self.push(Object::from(node));
+    }
 }
 
 /// The object a bad document describes, as far as it could be read.
@@ -230,7 +273,7 @@ impl FileCache {
                 }
             }
             let read_at = std::time::SystemTime::now();
-            let mut one = Snapshot::default();
+            let mut one: Vec<Object> = Vec::new();
             let mut file_errors = Vec::new();
             let text = std::fs::read_to_string(&path);
             // A file that could not be read is read again at every refresh
@@ -256,31 +299,16 @@ impl FileCache {
                 Ok(text) => load_str(&path, &text, &mut one, &mut file_errors),
                 Err(e) => file_errors.push(file_error(&path, format!("cannot read file: {e}"))),
             }
-            let mut deduped = Snapshot::default();
-            Seen::default().merge(&path, one, &mut deduped, &mut file_errors);
-            let objects: std::collections::BTreeMap<FileKey, Object> = deduped
-                .services
+            // In the order `load_paths` dedupes in: by kind, then as read.
+            one.sort_by_key(Object::kind);
+            let mut seen = Seen::default();
+            let objects: std::collections::BTreeMap<FileKey, Object> = one
                 .into_iter()
-                .map(|o| Object::Service(std::sync::Arc::new(o)))
-                .chain(
-                    deduped
-                        .endpoint_slices
-                        .into_iter()
-                        .map(|o| Object::EndpointSlice(std::sync::Arc::new(o))),
-                )
-                .chain(
-                    deduped
-                        .pods
-                        .into_iter()
-                        .map(|o| Object::Pod(std::sync::Arc::new(o))),
-                )
-                .chain(
-                    deduped
-                        .nodes
-                        .into_iter()
-                        .map(|o| Object::Node(std::sync::Arc::new(o))),
-                )
-                .map(|o| ((o.kind(), o.key()), o))
+                .filter_map(|o| {
+                    let (kind, key) = (o.kind(), o.key());
+                    seen.first(kind.name(), &key.0, &key.1, &path, &mut file_errors)
+                        .then_some(((kind, key), o))
+                })
                 .collect();
             let named_in_errors: BTreeSet<FileKey> = file_errors
                 .iter()
@@ -292,7 +320,7 @@ impl FileCache {
                         Kind::Node => String::new(),
                         _ => o.namespace.clone().unwrap_or_else(|| "default".into()),
                     };
-                    Some((kind, (ns, o.name.clone()?)))
+                    Some((kind, (ns.into(), o.name.as_deref()?.into())))
                 })
                 .collect();
             affected.extend(objects.keys().cloned());
@@ -348,8 +376,8 @@ fn duplicate_error(key: &FileKey, first: &Path, other: &Path) -> ManifestError {
         document: None,
         object: Some(ObjectRef {
             kind: Some(kind.to_string()),
-            namespace: (!namespace.is_empty()).then_some(namespace),
-            name: Some(name),
+            namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
+            name: Some(name.to_string()),
         }),
         message: format!(
             "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
@@ -415,41 +443,57 @@ impl Seen {
         for object in objects {
             let meta = object.metadata();
             // Nodes have no namespace; the others were defaulted on load.
-            let namespace = meta.namespace.clone().unwrap_or_default();
-            let name = meta.name.clone().unwrap_or_default();
-            let key = (kind, namespace, name);
-            match self.0.get(&key) {
-                Some(first) => {
-                    let (_, namespace, name) = key;
-                    let same_file = first == file;
-                    let message = if same_file {
-                        format!(
-                            "duplicate {kind}: read twice from {}; the first one is used, this one is ignored",
-                            file.display()
-                        )
-                    } else {
-                        format!(
-                            "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
-                            first.display(),
-                            file.display()
-                        )
-                    };
-                    errors.push(ManifestError {
-                        file: file.to_path_buf(),
-                        document: None,
-                        object: Some(ObjectRef {
-                            kind: Some(kind.to_string()),
-                            namespace: (!namespace.is_empty()).then_some(namespace),
-                            name: Some(name),
-                        }),
-                        message,
-                        duplicate: true,
-                    });
-                }
-                None => {
-                    self.0.insert(key, file.to_path_buf());
-                    into.push(object);
-                }
+            let namespace = meta.namespace.as_deref().unwrap_or_default();
+            let name = meta.name.as_deref().unwrap_or_default();
+            if self.first(kind, namespace, name, file, errors) {
+                into.push(object);
+            }
+        }
+    }
+
+    /// Whether (`kind`, `namespace`, `name`) is read for the first time
+    /// (from `file`); if not, the duplicate is reported.
+    fn first(
+        &mut self,
+        kind: &'static str,
+        namespace: &str,
+        name: &str,
+        file: &Path,
+        errors: &mut Vec<ManifestError>,
+    ) -> bool {
+        let key = (kind, namespace.to_string(), name.to_string());
+        match self.0.get(&key) {
+            Some(first) => {
+                let (_, namespace, name) = key;
+                let same_file = first == file;
+                let message = if same_file {
+                    format!(
+                        "duplicate {kind}: read twice from {}; the first one is used, this one is ignored",
+                        file.display()
+                    )
+                } else {
+                    format!(
+                        "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
+                        first.display(),
+                        file.display()
+                    )
+                };
+                errors.push(ManifestError {
+                    file: file.to_path_buf(),
+                    document: None,
+                    object: Some(ObjectRef {
+                        kind: Some(kind.to_string()),
+                        namespace: (!namespace.is_empty()).then_some(namespace),
+                        name: Some(name),
+                    }),
+                    message,
+                    duplicate: true,
+                });
+                false
+            }
+            None => {
+                self.0.insert(key, file.to_path_buf());
+                true
             }
         }
     }
@@ -464,7 +508,12 @@ pub fn load_file(path: &Path, snapshot: &mut Snapshot, errors: &mut Vec<Manifest
 }
 
 /// Loads the documents of `text` (read from `path`, used in errors) into `snapshot`.
-pub fn load_str(path: &Path, text: &str, snapshot: &mut Snapshot, errors: &mut Vec<ManifestError>) {
+pub fn load_str(
+    path: &Path,
+    text: &str,
+    snapshot: &mut impl Sink,
+    errors: &mut Vec<ManifestError>,
+) {
     // A byte-order mark may start the file, or a line of it where files
     // were joined (`cat a.yaml b.yaml`); the YAML parser takes neither.
     let unmarked: String;
@@ -655,7 +704,7 @@ fn strip_location(e: &yaml_serde::Error) -> String {
 
 /// Routes one object to its list in `snapshot` by apiVersion/kind, after
 /// validation. Unknown kinds are skipped.
-fn dispatch(value: &Value, text: &str, snapshot: &mut Snapshot) -> Result<(), String> {
+fn dispatch(value: &Value, text: &str, snapshot: &mut impl Sink) -> Result<(), String> {
     let api_version = str_field(value, "apiVersion").unwrap_or_default();
     let kind = str_field(value, "kind").ok_or_else(|| "missing kind".to_string())?;
     if !matches!(
@@ -679,27 +728,27 @@ fn dispatch(value: &Value, text: &str, snapshot: &mut Snapshot) -> Result<(), St
 /// it names none, trimmed as the Kubernetes source trims ([`crate::k8s::trim`]:
 /// `managedFields` and annotations the agent does not read, often most of an
 /// object dumped with `kubectl get -o yaml`). A Service is validated first.
-fn push_typed(typed: Typed, snapshot: &mut Snapshot) -> Result<(), String> {
+fn push_typed(typed: Typed, snapshot: &mut impl Sink) -> Result<(), String> {
     match typed {
         Typed::Service(mut svc) => {
             default_namespace(&mut svc.metadata);
             validate_service(&svc)?;
             crate::k8s::trim(&mut *svc);
-            snapshot.services.push(*svc);
+            snapshot.service(*svc);
         }
         Typed::Pod(mut pod) => {
             default_namespace(&mut pod.metadata);
             crate::k8s::trim(&mut *pod);
-            snapshot.pods.push(*pod);
+            snapshot.pod(*pod);
         }
         Typed::Node(mut node) => {
             crate::k8s::trim(&mut *node);
-            snapshot.nodes.push(*node);
+            snapshot.node(*node);
         }
         Typed::EndpointSlice(mut slice) => {
             default_namespace(&mut slice.metadata);
             crate::k8s::trim(&mut *slice);
-            snapshot.endpoint_slices.push(*slice);
+            snapshot.endpoint_slice(*slice);
         }
     }
     Ok(())
@@ -707,7 +756,7 @@ fn push_typed(typed: Typed, snapshot: &mut Snapshot) -> Result<(), String> {
 
 /// Loads `doc` if it is one JSON object of a kind the proxy uses (or skips
 /// it if its kind is another) and valid; false leaves it to the YAML path.
-fn load_json(doc: &str, snapshot: &mut Snapshot) -> bool {
+fn load_json(doc: &str, snapshot: &mut impl Sink) -> bool {
     if !doc.trim_start().starts_with('{') {
         return false;
     }

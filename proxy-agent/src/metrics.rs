@@ -290,31 +290,29 @@ impl ProgrammingLatency {
     /// The trigger times of the slices in `snapshot` that changed since the
     /// last call; forgets deleted slices.
     pub fn pending(&mut self, snapshot: &Snapshot) -> Vec<SystemTime> {
-        self.pending_slices(snapshot.endpoint_slices.iter())
-    }
-
-    /// [`ProgrammingLatency::pending`] of every slice a source holds.
-    fn pending_slices<'a>(
-        &mut self,
-        slices: impl Iterator<Item = &'a k8s_openapi::api::discovery::v1::EndpointSlice>,
-    ) -> Vec<SystemTime> {
-        let mut current: BTreeMap<(String, String), String> = BTreeMap::new();
-        for s in slices {
+        self.pending_slices(snapshot.endpoint_slices.iter().filter_map(|s| {
             let m = &s.metadata;
-            if let Some(t) = m
+            let t = m
                 .annotations
                 .as_ref()
-                .and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME))
-            {
-                current.insert(
-                    (
-                        m.namespace.clone().unwrap_or_default(),
-                        m.name.clone().unwrap_or_default(),
-                    ),
-                    t.clone(),
-                );
-            }
-        }
+                .and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME))?;
+            let ns = m.namespace.as_deref().filter(|n| !n.is_empty());
+            let key = (
+                ns.unwrap_or("default").to_string(),
+                m.name.clone().unwrap_or_default(),
+            );
+            Some((key, t.as_str()))
+        }))
+    }
+
+    /// [`ProgrammingLatency::pending`] of every slice a source holds, as
+    /// its key and trigger time.
+    fn pending_slices<'a>(
+        &mut self,
+        slices: impl Iterator<Item = ((String, String), &'a str)>,
+    ) -> Vec<SystemTime> {
+        let current: BTreeMap<(String, String), String> =
+            slices.map(|(k, t)| (k, t.to_string())).collect();
         let mut out = Vec::new();
         for (key, t) in &current {
             if self.seen.get(key) == Some(t) {
@@ -334,7 +332,10 @@ impl ProgrammingLatency {
     /// [`ProgrammingLatency::pending`] of every object a source holds.
     pub fn pending_objects(&mut self, objects: &[crate::model::Object]) -> Vec<SystemTime> {
         self.pending_slices(objects.iter().filter_map(|o| match o {
-            crate::model::Object::EndpointSlice(s) => Some(&**s),
+            crate::model::Object::EndpointSlice(s) => Some((
+                (s.namespace.to_string(), s.name.to_string()),
+                s.trigger_time.as_deref()?,
+            )),
             _ => None,
         }))
     }
@@ -347,20 +348,12 @@ impl ProgrammingLatency {
         for c in changes {
             match c {
                 Change::Applied(Object::EndpointSlice(s)) => {
-                    let m = &s.metadata;
-                    let key = (
-                        m.namespace.clone().unwrap_or_default(),
-                        m.name.clone().unwrap_or_default(),
-                    );
-                    let Some(t) = m
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME))
-                    else {
+                    let key = (s.namespace.to_string(), s.name.to_string());
+                    let Some(t) = s.trigger_time.as_deref() else {
                         self.seen.remove(&key);
                         continue;
                     };
-                    if self.seen.get(&key) == Some(t) {
+                    if self.seen.get(&key).map(String::as_str) == Some(t) {
                         continue;
                     }
                     if let Ok(ts) = t.parse::<jiff::Timestamp>() {
@@ -369,10 +362,10 @@ impl ProgrammingLatency {
                             out.push(when);
                         }
                     }
-                    self.seen.insert(key, t.clone());
+                    self.seen.insert(key, t.to_string());
                 }
                 Change::Deleted(Kind::EndpointSlice, key) => {
-                    self.seen.remove(key);
+                    self.seen.remove(&(key.0.to_string(), key.1.to_string()));
                 }
                 _ => {}
             }

@@ -36,6 +36,7 @@
 //! | module | concern |
 //! |---|---|
 //! | `state` | the output types ([`DesiredState`], [`Frontend`], [`HealthCheck`]), [`ModelWarning`], [`ModelOptions`], [`Gates`] |
+//! | `compact` | [`CompactService`], [`CompactSlice`]: Services and EndpointSlices as the model keeps them, strings interned |
 //! | `services` | ignored Services (ExternalName, headless, another proxy's), object names, protocols |
 //! | `pods` | EndpointSlices synthesized from Pods |
 //! | `endpoints` | a service port's endpoints from its EndpointSlices |
@@ -53,6 +54,7 @@ use crate::manifests::Snapshot;
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod addresses;
+mod compact;
 mod endpoints;
 mod frontends;
 mod health_checks;
@@ -67,6 +69,10 @@ mod topology;
 
 pub(crate) use addresses::mask;
 pub use addresses::NodePortAddresses;
+pub use compact::{
+    intern, CompactEndpoint, CompactEndpointPort, CompactService, CompactServicePort,
+    CompactServiceSpec, CompactSlice,
+};
 pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};
 pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
 pub use pipeline::{desired_state, desired_state_with};

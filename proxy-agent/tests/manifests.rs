@@ -415,11 +415,7 @@ fn the_file_cache_names_only_what_changed() {
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].duplicate && errors[0].message.contains("a.yaml"));
     let web = changes.iter().find_map(|c| match c {
-        Change::Applied(proxy_agent::model::Object::Service(s))
-            if s.metadata.name.as_deref() == Some("web") =>
-        {
-            Some(s)
-        }
+        Change::Applied(proxy_agent::model::Object::Service(s)) if &*s.name == "web" => Some(s),
         _ => None,
     });
     assert_eq!(

@@ -321,3 +321,62 @@ pub trait Dataplane {
         each(ids, |id| self.delete_rev_nat6(*id))
     }
 }
+
+/// A dataplane that takes every operation and keeps nothing, only their
+/// count: the control plane's own cost, measured without the maps' (the
+/// `control_plane_cost` example, the memory test). Room for 2^24 frontends
+/// and backends, as a node configured with `mapSizes` for them.
+#[derive(Debug, Default)]
+pub struct Discard {
+    /// Operations taken.
+    pub ops: usize,
+}
+
+impl Dataplane for Discard {
+    fn id_spaces(&self) -> (u32, u32) {
+        (1 << 24, 1 << 24)
+    }
+    fn put_backend(&mut self, _: u32, _: Backend4) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn delete_backend(&mut self, _: u32) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn put_service(&mut self, _: Svc4Key, _: Svc4Value) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn delete_service(&mut self, _: Svc4Key) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn put_rev_nat(&mut self, _: RevNatId, _: RevNat4) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn delete_rev_nat(&mut self, _: RevNatId) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn put_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn delete_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn put_maglev_chunk(&mut self, _: MaglevKey, _: &MaglevChunk) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn delete_maglev_chunk(&mut self, _: MaglevKey) -> Result<(), DataplaneError> {
+        self.ops += 1;
+        Ok(())
+    }
+    fn dump(&self) -> Result<Programmed, DataplaneError> {
+        Ok(Programmed::default())
+    }
+}

@@ -6,7 +6,9 @@ use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::Node;
+
+use super::compact::CompactService;
 
 use super::{IpFamily, ModelWarning, NODE_ADDRESS_INTERNAL_IP};
 
@@ -226,7 +228,7 @@ impl ExternalAddresses {
 
 /// [`ExternalAddresses`] of `svc`; invalid entries yield warnings on `object`.
 pub(super) fn external_addresses(
-    svc: &Service,
+    svc: &CompactService,
     object: &str,
     warnings: &mut Vec<ModelWarning>,
 ) -> ExternalAddresses {
@@ -237,28 +239,19 @@ pub(super) fn external_addresses(
             message,
         });
     };
-    let spec = svc.spec.as_ref();
-    for s in spec
-        .and_then(|s| s.external_ips.as_ref())
-        .into_iter()
-        .flatten()
-    {
+    let spec = svc.spec.as_deref();
+    for s in spec.iter().flat_map(|s| s.external_ips.iter()) {
         match parse_ip(s) {
             Some(ip) => out.external_ips.push(ip),
             None if s.trim().is_empty() => {}
             None => warn(format!("invalid externalIP {s:?}; ignored")),
         }
     }
-    let ingress = svc
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref());
-    for i in ingress.into_iter().flatten() {
-        let Some(s) = i.ip.as_deref().filter(|s| !s.is_empty()) else {
+    for (ip, mode) in svc.lb_ingress.iter() {
+        let Some(s) = ip.as_deref().filter(|s| !s.is_empty()) else {
             continue;
         };
-        if i.ip_mode.as_deref().is_some_and(|m| m != "VIP") {
+        if mode.as_deref().is_some_and(|m| m != "VIP") {
             continue;
         }
         match parse_ip(s) {
@@ -266,8 +259,10 @@ pub(super) fn external_addresses(
             None => warn(format!("invalid load-balancer ingress IP {s:?}; ignored")),
         }
     }
-    let ranges = spec.and_then(|s| s.load_balancer_source_ranges.as_ref());
-    for s in ranges.into_iter().flatten().map(|s| s.trim()) {
+    let ranges = spec
+        .iter()
+        .flat_map(|s| s.load_balancer_source_ranges.iter());
+    for s in ranges.map(|s| s.trim()) {
         if s.is_empty() {
             continue;
         }

@@ -4,15 +4,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use k8s_openapi::api::core::v1::ServicePort;
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
-
-use super::services::{name, namespace, parse_proto};
+use super::compact::{CompactEndpoint, CompactEndpointPort, CompactServicePort, CompactSlice};
+use super::services::parse_proto;
 use super::{BackendAddr, EndpointInfo, IpFamily, ModelWarning};
 
 /// Whether an EndpointSlice port serves this service port: same name (empty
 /// and missing are equal) and same protocol.
-fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> bool {
+fn port_matches(slice_port: &CompactEndpointPort, port: &CompactServicePort, proto: u8) -> bool {
     let slice_name = slice_port.name.as_deref().unwrap_or("");
     let svc_name = port.name.as_deref().unwrap_or("");
     slice_name == svc_name && parse_proto(slice_port.protocol.as_deref()).ok() == Some(proto)
@@ -27,9 +25,9 @@ fn port_matches(slice_port: &EndpointPort, port: &ServicePort, proto: u8) -> boo
 /// address is its address; an endpoint without `nodeName` is never local.
 pub(super) fn port_endpoints(
     family: IpFamily,
-    port: &ServicePort,
+    port: &CompactServicePort,
     proto: u8,
-    slices: &[&EndpointSlice],
+    slices: &[&CompactSlice],
     node_name: &str,
     warnings: &mut Vec<ModelWarning>,
     reported: &mut BTreeSet<(String, String)>,
@@ -37,10 +35,10 @@ pub(super) fn port_endpoints(
     let mut found: BTreeMap<BackendAddr, EndpointInfo> = BTreeMap::new();
     for slice in slices {
         let slice_family = IpFamily::from_name(&slice.address_type);
-        if slice_family.is_none() && slice.address_type != "FQDN" {
+        if slice_family.is_none() && &*slice.address_type != "FQDN" {
             // Not a type the API has (FQDN slices are ignored, as
             // kube-proxy ignores them); say so, once per slice.
-            let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
+            let slice_id = format!("{}/{}", slice.namespace, slice.name);
             if reported.insert((slice_id.clone(), "addressType".to_string())) {
                 warnings.push(ModelWarning {
                     object: format!("EndpointSlice {slice_id}"),
@@ -54,15 +52,10 @@ pub(super) fn port_endpoints(
         if slice_family != Some(family) {
             continue;
         }
-        let Some(slice_port) = slice
-            .ports
-            .iter()
-            .flatten()
-            .find(|p| port_matches(p, port, proto))
-        else {
+        let Some(slice_port) = slice.ports.iter().find(|p| port_matches(p, port, proto)) else {
             continue;
         };
-        let slice_id = format!("{}/{}", namespace(&slice.metadata), name(&slice.metadata));
+        let slice_id = format!("{}/{}", slice.namespace, slice.name);
         let Some(backend_port) = slice_port
             .port
             .and_then(|p| u16::try_from(p).ok())
@@ -81,12 +74,12 @@ pub(super) fn port_endpoints(
             }
             continue;
         };
-        for endpoint in &slice.endpoints {
-            let Some(address) = endpoint.addresses.first() else {
+        for endpoint in slice.endpoints.iter() {
+            let Some(address) = endpoint.address.as_deref() else {
                 continue;
             };
             let Some(addr) = parse_endpoint_address(family, address) else {
-                if reported.insert((slice_id.clone(), address.clone())) {
+                if reported.insert((slice_id.clone(), address.to_string())) {
                     warnings.push(ModelWarning {
                         object: format!("EndpointSlice {slice_id}"),
                         message: format!("invalid {family} address {address:?}; endpoint skipped"),
@@ -119,27 +112,15 @@ pub(super) fn parse_endpoint_address(family: IpFamily, address: &str) -> Option<
     }
 }
 
-fn endpoint_info(endpoint: &Endpoint, addr: BackendAddr) -> EndpointInfo {
-    let c = endpoint.conditions.clone().unwrap_or_default();
-    let hints = endpoint.hints.as_ref();
+fn endpoint_info(endpoint: &CompactEndpoint, addr: BackendAddr) -> EndpointInfo {
     EndpointInfo {
         addr,
-        ready: c.ready.unwrap_or(true),
-        serving: c.serving.unwrap_or(true),
-        terminating: c.terminating.unwrap_or(false),
-        node_name: endpoint.node_name.clone(),
-        zone: endpoint.zone.clone(),
-        zone_hints: hints
-            .and_then(|h| h.for_zones.as_ref())
-            .into_iter()
-            .flatten()
-            .map(|z| z.name.clone())
-            .collect(),
-        node_hints: hints
-            .and_then(|h| h.for_nodes.as_ref())
-            .into_iter()
-            .flatten()
-            .map(|n| n.name.clone())
-            .collect(),
+        ready: endpoint.ready.unwrap_or(true),
+        serving: endpoint.serving.unwrap_or(true),
+        terminating: endpoint.terminating.unwrap_or(false),
+        node_name: endpoint.node_name.as_deref().map(String::from),
+        zone: endpoint.zone.as_deref().map(String::from),
+        zone_hints: endpoint.zone_hints.iter().map(|z| z.to_string()).collect(),
+        node_hints: endpoint.node_hints.iter().map(|n| n.to_string()).collect(),
     }
 }

@@ -1,6 +1,6 @@
 //! The `healthCheckNodePort`s this node serves (kube-proxy
 //! `pkg/proxy/healthcheck`'s service health servers).
-use k8s_openapi::api::core::v1::ServiceSpec;
+use super::compact::CompactServiceSpec;
 
 use super::TrafficPolicy;
 
@@ -10,7 +10,7 @@ use super::TrafficPolicy;
 /// two Services name one port, the first by namespace/name has it (see
 /// [`super::incremental`]).
 pub(super) fn needs_health_check(
-    spec: &ServiceSpec,
+    spec: &CompactServiceSpec,
     external_policy: TrafficPolicy,
 ) -> Option<u16> {
     let port = spec

@@ -25,6 +25,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+use super::compact::{CompactService, CompactSlice};
 use super::endpoints::parse_endpoint_address;
 use super::frontends::Owned;
 use super::pipeline::{service_output, NodeContext, ServiceOutput};
@@ -33,13 +34,14 @@ use super::policy::ClaimRank;
 use super::services::{ignored, name, namespace};
 use super::{
     proto_name, DesiredState, FrontendKey, HealthCheck, IpFamily, ModelOptions, ModelWarning,
-    ServiceAge, LABEL_SERVICE_NAME,
+    ServiceAge,
 };
 use crate::manifests::Snapshot;
 use crate::vec_set::VecSet;
 
-/// An object's namespace (`default` when unset; empty for Nodes) and name.
-pub type ObjectKey = (String, String);
+/// An object's namespace (`default` when unset; empty for Nodes) and name,
+/// shared with the object (a key costs no string of its own).
+pub type ObjectKey = (Arc<str>, Arc<str>);
 
 /// The kinds of object the model reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -69,15 +71,41 @@ impl Kind {
     }
 }
 
-/// An object as a source has it now.
+/// An object as a source has it now. Services and EndpointSlices, which
+/// grow with the cluster, in their compact forms ([`CompactService`],
+/// [`CompactSlice`]), made once by the source that read them.
+///
+/// Shared: the model keeps the object a source hands it without a copy.
 #[derive(Clone, Debug, PartialEq)]
-/// Shared: the model keeps the object a source hands it (a reflector's
-/// store entry, a parsed manifest) without a copy.
 pub enum Object {
-    Service(Arc<Service>),
-    EndpointSlice(Arc<EndpointSlice>),
+    Service(Arc<CompactService>),
+    EndpointSlice(Arc<CompactSlice>),
     Pod(Arc<Pod>),
     Node(Arc<Node>),
+}
+
+impl From<&Service> for Object {
+    fn from(o: &Service) -> Self {
+        Object::Service(Arc::new(o.into()))
+    }
+}
+
+impl From<&EndpointSlice> for Object {
+    fn from(o: &EndpointSlice) -> Self {
+        Object::EndpointSlice(Arc::new(o.into()))
+    }
+}
+
+impl From<Pod> for Object {
+    fn from(o: Pod) -> Self {
+        Object::Pod(Arc::new(o))
+    }
+}
+
+impl From<Node> for Object {
+    fn from(o: Node) -> Self {
+        Object::Node(Arc::new(o))
+    }
 }
 
 impl Object {
@@ -90,23 +118,14 @@ impl Object {
         }
     }
 
-    fn meta(&self) -> &ObjectMeta {
-        match self {
-            Object::Service(o) => &o.metadata,
-            Object::EndpointSlice(o) => &o.metadata,
-            Object::Pod(o) => &o.metadata,
-            Object::Node(o) => &o.metadata,
-        }
-    }
-
     /// Its key: namespace (defaulted; empty for a Node) and name.
     pub fn key(&self) -> ObjectKey {
-        let meta = self.meta();
-        let ns = match self {
-            Object::Node(_) => String::new(),
-            _ => namespace(meta).to_string(),
-        };
-        (ns, name(meta).to_string())
+        match self {
+            Object::Service(o) => (o.namespace.clone(), o.name.clone()),
+            Object::EndpointSlice(o) => (o.namespace.clone(), o.name.clone()),
+            Object::Pod(o) => meta_key(&o.metadata),
+            Object::Node(o) => ("".into(), name(&o.metadata).into()),
+        }
     }
 }
 
@@ -150,7 +169,7 @@ struct LocalSets {
 }
 
 impl LocalSets {
-    fn of<'a>(slices: impl Iterator<Item = &'a EndpointSlice>, node_name: &str) -> Self {
+    fn of<'a>(slices: impl Iterator<Item = &'a CompactSlice>, node_name: &str) -> Self {
         // Collected, then sorted once: inserted one by one, a sorted vector
         // would shift its tail each time (a Service's Pod-synthesized slices
         // come here all at once, in pod-name order, their addresses in none).
@@ -161,7 +180,7 @@ impl LocalSets {
         });
         for (family, e) in endpoints {
             let Some(addr) = family
-                .zip(e.addresses.first())
+                .zip(e.address.as_deref())
                 .and_then(|(f, a)| parse_endpoint_address(f, a))
             else {
                 continue;
@@ -220,10 +239,10 @@ impl LocalCounts {
 pub struct Incremental {
     opts: ModelOptions,
     ctx: NodeContext,
-    services: BTreeMap<ObjectKey, Arc<Service>>,
-    slices: BTreeMap<ObjectKey, Arc<EndpointSlice>>,
+    services: BTreeMap<ObjectKey, Arc<CompactService>>,
+    slices: BTreeMap<ObjectKey, Arc<CompactSlice>>,
     /// (namespace, Service name) → names of its IPv4 and IPv6 slices.
-    slices_by_service: BTreeMap<ObjectKey, VecSet<String>>,
+    slices_by_service: BTreeMap<ObjectKey, VecSet<Arc<str>>>,
     pods: BTreeMap<ObjectKey, Arc<Pod>>,
     nodes: BTreeMap<String, Arc<Node>>,
     /// Every Service's output (ignored Services have none).
@@ -277,14 +296,13 @@ impl Incremental {
         self.nodes.get(name).map(|n| &**n)
     }
 
-    /// The objects the model holds, as a snapshot.
-    pub fn snapshot(&self) -> Snapshot {
-        Snapshot {
-            services: self.services.values().map(|o| (**o).clone()).collect(),
-            endpoint_slices: self.slices.values().map(|o| (**o).clone()).collect(),
-            pods: self.pods.values().map(|o| (**o).clone()).collect(),
-            nodes: self.nodes.values().map(|o| (**o).clone()).collect(),
-        }
+    /// The objects the model holds (shared, not copied).
+    pub fn objects(&self) -> Vec<Object> {
+        let services = self.services.values().cloned().map(Object::Service);
+        let slices = self.slices.values().cloned().map(Object::EndpointSlice);
+        let pods = self.pods.values().cloned().map(Object::Pod);
+        let nodes = self.nodes.values().cloned().map(Object::Node);
+        services.chain(slices).chain(pods).chain(nodes).collect()
     }
 
     /// Every warning that holds now: Pods', the node's, each Service's
@@ -315,21 +333,11 @@ impl Incremental {
     pub fn replace(&mut self, snapshot: Snapshot) -> Update {
         let objects = snapshot
             .services
-            .into_iter()
-            .map(|o| Object::Service(Arc::new(o)))
-            .chain(
-                snapshot
-                    .endpoint_slices
-                    .into_iter()
-                    .map(|o| Object::EndpointSlice(Arc::new(o))),
-            )
-            .chain(snapshot.pods.into_iter().map(|o| Object::Pod(Arc::new(o))))
-            .chain(
-                snapshot
-                    .nodes
-                    .into_iter()
-                    .map(|o| Object::Node(Arc::new(o))),
-            );
+            .iter()
+            .map(Object::from)
+            .chain(snapshot.endpoint_slices.iter().map(Object::from))
+            .chain(snapshot.pods.into_iter().map(Object::from))
+            .chain(snapshot.nodes.into_iter().map(Object::from));
         self.replace_objects(objects)
     }
 
@@ -374,7 +382,7 @@ impl Incremental {
             take(Kind::Node),
             self.nodes
                 .keys()
-                .map(|n| (String::new(), n.clone()))
+                .map(|n| ("".into(), n.as_str().into()))
                 .collect(),
         );
         changes.extend(applied);
@@ -392,14 +400,12 @@ impl Incremental {
         for change in changes {
             match change {
                 Change::Applied(Object::Service(svc)) => {
-                    let key = meta_key(&svc.metadata);
+                    let key = (svc.namespace.clone(), svc.name.clone());
                     let old = self.services.get(&key);
                     if same(old, &svc) {
                         continue;
                     }
-                    if old.is_none_or(|o| {
-                        o.metadata.creation_timestamp != svc.metadata.creation_timestamp
-                    }) {
+                    if old.is_none_or(|o| o.creation_timestamp != svc.creation_timestamp) {
                         aged.insert(key.clone());
                     }
                     self.services.insert(key.clone(), svc);
@@ -412,7 +418,7 @@ impl Incremental {
                     }
                 }
                 Change::Applied(Object::EndpointSlice(slice)) => {
-                    let key = meta_key(&slice.metadata);
+                    let key = (slice.namespace.clone(), slice.name.clone());
                     if same(self.slices.get(&key), &slice) {
                         continue;
                     }
@@ -457,8 +463,8 @@ impl Incremental {
                     self.nodes.insert(n, node);
                 }
                 Change::Deleted(Kind::Node, (_, n)) => {
-                    if self.nodes.remove(&n).is_some() {
-                        node_changed |= n == self.ctx.name;
+                    if self.nodes.remove(&*n).is_some() {
+                        node_changed |= *n == *self.ctx.name;
                     }
                 }
             }
@@ -496,7 +502,7 @@ impl Incremental {
             let age = self
                 .services
                 .get(&key)
-                .map(|s| ServiceAge(s.metadata.creation_timestamp.as_ref().map(|t| t.0)));
+                .map(|s| ServiceAge(s.creation_timestamp));
             let before = match age {
                 Some(age) => self.desired.service_order.insert(id, age),
                 None => self.desired.service_order.remove(&id),
@@ -510,16 +516,17 @@ impl Incremental {
     fn services_selecting(&self, pod: &Pod, dirty: &mut BTreeSet<ObjectKey>) {
         let ns = namespace(&pod.metadata);
         let labels = pod.metadata.labels.as_ref();
-        let from = (ns.to_string(), String::new());
-        for (k, svc) in self.services.range(from..).take_while(|(k, _)| k.0 == ns) {
+        let from: ObjectKey = (ns.into(), "".into());
+        for (k, svc) in self.services.range(from..).take_while(|(k, _)| &*k.0 == ns) {
             let selects = svc
                 .spec
                 .as_ref()
-                .and_then(|s| s.selector.as_ref())
+                .map(|s| &s.selector)
                 .filter(|s| !s.is_empty())
                 .is_some_and(|sel| {
-                    sel.iter()
-                        .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+                    sel.iter().all(|(k, v)| {
+                        labels.and_then(|l| l.get(&**k)).map(String::as_str) == Some(&**v)
+                    })
                 });
             if selects {
                 dirty.insert(k.clone());
@@ -540,7 +547,7 @@ impl Incremental {
             self.local.count(&sets, false, touched);
         }
         if let Some(svc) = slice_service(&old) {
-            let group = (key.0.clone(), svc.to_string());
+            let group = (key.0.clone(), svc.clone());
             if let Some(names) = self.slices_by_service.get_mut(&group) {
                 names.remove(&key.1);
                 if names.is_empty() {
@@ -554,19 +561,19 @@ impl Incremental {
     fn insert_slice(
         &mut self,
         key: ObjectKey,
-        slice: Arc<EndpointSlice>,
+        slice: Arc<CompactSlice>,
         dirty: &mut BTreeSet<ObjectKey>,
         touched: &mut BTreeSet<IpAddr>,
     ) {
         // Slices of either family feed that family's frontends; FQDN ones
         // are ignored, as kube-proxy does. One of a type the API does not
         // have reaches its Service's step, which warns about it.
-        if slice.address_type != "FQDN" {
+        if &*slice.address_type != "FQDN" {
             let sets = LocalSets::of(std::iter::once(&*slice), &self.ctx.name);
             self.local.count(&sets, true, touched);
             self.slice_local.insert(key.clone(), sets);
             if let Some(svc) = slice_service(&slice) {
-                let group = (key.0.clone(), svc.to_string());
+                let group = (key.0.clone(), svc.clone());
                 self.slices_by_service
                     .entry(group.clone())
                     .or_default()
@@ -619,7 +626,7 @@ impl Incremental {
             };
             let mut synthesized = Vec::new();
             if !self.pods.is_empty() {
-                let from = (key.0.clone(), String::new());
+                let from: ObjectKey = (key.0.clone(), "".into());
                 let pods = self
                     .pods
                     .range(from..)
@@ -627,6 +634,8 @@ impl Incremental {
                     .map(|(_, p)| &**p);
                 service_slices_from_pods(svc, pods, &mut synthesized);
             }
+            let synthesized: Vec<CompactSlice> =
+                synthesized.iter().map(CompactSlice::from).collect();
             let sets = LocalSets::of(synthesized.iter(), &self.ctx.name);
             if !sets.here.is_empty() || !sets.elsewhere.is_empty() {
                 self.local.count(&sets, true, touched_local);
@@ -637,7 +646,7 @@ impl Incremental {
                 tracing::trace!(service = %format!("{}/{}", key.0, key.1), why, "model: service ignored");
                 continue;
             }
-            let mut slices: Vec<&EndpointSlice> = self
+            let mut slices: Vec<&CompactSlice> = self
                 .slices_by_service
                 .get(&key)
                 .into_iter()
@@ -646,7 +655,7 @@ impl Incremental {
                 .chain(synthesized.iter())
                 .collect();
             // Stable: a real slice before a synthesized one of the same name.
-            slices.sort_by(|a, b| name(&a.metadata).cmp(name(&b.metadata)));
+            slices.sort_by(|a, b| a.name.cmp(&b.name));
             let out = service_output(svc, &slices, &self.ctx, &self.opts);
             up.warnings.extend(out.warnings.iter().cloned());
             for (first, p) in first_node_port.iter_mut().zip(out.first_node_port) {
@@ -707,7 +716,7 @@ impl Incremental {
                 || self.opts.current_owners.get(&claims.first_key) == Some(&id);
             let rank = ClaimRank {
                 cluster_ip: claims.cluster_ip,
-                created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                created: svc.creation_timestamp,
                 current_owner,
                 service: id,
             };
@@ -808,17 +817,12 @@ fn same<T: PartialEq>(held: Option<&Arc<T>>, new: &Arc<T>) -> bool {
 
 /// A namespaced object's key.
 fn meta_key(meta: &ObjectMeta) -> ObjectKey {
-    (namespace(meta).to_string(), name(meta).to_string())
+    (super::compact::intern(namespace(meta)), name(meta).into())
 }
 
 /// The Service a slice belongs to (its `kubernetes.io/service-name` label).
-fn slice_service(slice: &EndpointSlice) -> Option<&str> {
-    slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        .map(String::as_str)
+fn slice_service(slice: &CompactSlice) -> Option<&Arc<str>> {
+    slice.service_name.as_ref()
 }
 
 /// Per family ([`IpFamily::index`]), the first Service with a nodePort of

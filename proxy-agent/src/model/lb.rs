@@ -3,12 +3,12 @@
 use std::fmt;
 use std::str::FromStr;
 
-use k8s_openapi::api::core::v1::Service;
 use proxy_common::{
     lb::{alg, maglev_offset_skip},
     svc_flags,
 };
 
+use super::compact::CompactService;
 use super::{BackendAddr, ModelWarning};
 
 /// The Service annotation choosing its algorithm.
@@ -97,7 +97,7 @@ impl FromStr for LbAlgorithm {
 /// ClusterIP traffic starts on the client's own node). An annotation naming
 /// no algorithm is reported and the default applies.
 pub(super) fn service_algorithms(
-    svc: &Service,
+    svc: &CompactService,
     object: &str,
     default: LbAlgorithm,
     warnings: &mut Vec<ModelWarning>,
@@ -106,12 +106,7 @@ pub(super) fn service_algorithms(
         LbAlgorithm::Maglev => LbAlgorithm::Random,
         other => other,
     };
-    let Some(value) = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM))
-    else {
+    let Some(value) = svc.lb_algorithm.as_deref() else {
         return (internal_default, default);
     };
     match value.parse::<LbAlgorithm>() {

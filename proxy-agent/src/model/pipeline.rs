@@ -6,17 +6,17 @@
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Node;
 use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use super::addresses::{external_addresses, in_cidr, node_internal_ips, node_port_addresses};
+use super::compact::{CompactService, CompactServiceSpec, CompactSlice};
 use super::endpoints::port_endpoints;
 use super::frontends::{frontend_key, with_backends, Owned};
 use super::health_checks::needs_health_check;
 use super::lb::{service_algorithms, LbAlgorithm};
 use super::policy::forbidden_address;
-use super::services::{parse_proto, service_id};
+use super::services::parse_proto;
 use super::{
     categorize, proto_name, DesiredState, Frontend, FrontendKey, IpFamily, ModelOptions,
     ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
@@ -163,22 +163,22 @@ pub(super) struct ServiceOutput {
 /// the Service is skipped; an invalid secondary is warned about and skipped
 /// alone.
 fn cluster_ips<'a>(
-    spec: &'a k8s_openapi::api::core::v1::ServiceSpec,
+    spec: &'a CompactServiceSpec,
     warn: &mut impl FnMut(String),
 ) -> Result<Vec<IpAddr>, &'a str> {
-    let ip_strings: Vec<&str> = match &spec.cluster_ips {
-        Some(ips) if !ips.is_empty() => {
-            if let Some(primary) = spec.cluster_ip.as_deref().filter(|s| !s.is_empty()) {
-                if primary != ips[0] {
-                    warn(format!(
-                        "clusterIP {primary:?} is not clusterIPs[0] {:?}; clusterIPs used",
-                        ips[0]
-                    ));
-                }
+    let ips = &spec.cluster_ips;
+    let ip_strings: Vec<&str> = if ips.is_empty() {
+        spec.cluster_ip.as_deref().into_iter().collect()
+    } else {
+        if let Some(primary) = spec.cluster_ip.as_deref().filter(|s| !s.is_empty()) {
+            if *primary != *ips[0] {
+                warn(format!(
+                    "clusterIP {primary:?} is not clusterIPs[0] {:?}; clusterIPs used",
+                    ips[0]
+                ));
             }
-            ips.iter().map(String::as_str).collect()
         }
-        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+        ips.iter().map(|s| &**s).collect()
     };
     let mut out: Vec<IpAddr> = Vec::new();
     for (i, s) in ip_strings.into_iter().enumerate() {
@@ -202,12 +202,11 @@ fn cluster_ips<'a>(
         out.push(ip);
     }
     let families: Vec<&str> = out.iter().map(|ip| IpFamily::of(*ip).name()).collect();
-    if let Some(listed) = spec.ip_families.as_ref().filter(|f| !f.is_empty()) {
-        if *listed != families {
-            warn(format!(
+    let listed: Vec<&str> = spec.ip_families.iter().map(|f| &**f).collect();
+    if !listed.is_empty() && listed != families {
+        warn(format!(
                 "ipFamilies {listed:?} do not match the clusterIPs' families {families:?}; the first clusterIP of each family is served (kube-proxy would pair ipFamilies[i] with clusterIPs[i])"
             ));
-        }
     }
     match spec.ip_family_policy.as_deref() {
         Some("SingleStack") if out.len() > 1 => {
@@ -235,8 +234,8 @@ fn cluster_ips<'a>(
 /// that family's endpoints, node addresses, externalIPs, load-balancer IPs
 /// and source ranges.
 pub(super) fn service_output(
-    svc: &Service,
-    svc_slices: &[&EndpointSlice],
+    svc: &CompactService,
+    svc_slices: &[&CompactSlice],
     ctx: &NodeContext,
     opts: &ModelOptions,
 ) -> ServiceOutput {
@@ -249,7 +248,7 @@ pub(super) fn service_output(
     };
     // Invalid addresses are reported once per slice and address.
     let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
-    let id = service_id(svc);
+    let id = svc.id();
     let object = format!("Service {id}");
     let Some(spec) = &svc.spec else { return out };
 
@@ -284,10 +283,7 @@ pub(super) fn service_output(
     let families: Vec<IpFamily> = cluster_ips.iter().map(|ip| IpFamily::of(*ip)).collect();
 
     let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
-        spec.session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
+        spec.affinity_timeout_seconds
             .and_then(|t| u32::try_from(t).ok())
             .unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S)
     } else {
@@ -362,8 +358,8 @@ pub(super) fn service_output(
     // that family reports its own family's endpoints).
     let mut local_ready: BTreeSet<IpAddr> = BTreeSet::new();
 
-    for port in spec.ports.iter().flatten() {
-        let port_name = port.name.clone().unwrap_or_default();
+    for port in spec.ports.iter() {
+        let port_name = port.name.as_deref().unwrap_or_default().to_string();
         let proto = match parse_proto(port.protocol.as_deref()) {
             Ok(p) => p,
             Err(e) => {

@@ -3,11 +3,12 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Pod, Service, ServicePort};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use super::compact::{CompactService, CompactServicePort};
 use super::endpoints::parse_endpoint_address;
 use super::services::{name, namespace};
 use super::{IpFamily, LABEL_SERVICE_NAME};
@@ -43,7 +44,7 @@ fn pod_ready(pod: &Pod) -> bool {
 }
 
 /// The port a service port's `targetPort` resolves to on `pod`, if any.
-fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Option<i32> {
+fn resolve_target_port(port: &CompactServicePort, proto_name: &str, pod: &Pod) -> Option<i32> {
     match &port.target_port {
         None => Some(port.port),
         Some(IntOrString::Int(n)) => Some(*n),
@@ -81,7 +82,8 @@ fn resolve_target_port(port: &ServicePort, proto_name: &str, pod: &Pod) -> Optio
 pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
     let mut out = Vec::new();
     for svc in &snapshot.services {
-        service_slices_from_pods(svc, snapshot.pods.iter(), &mut out);
+        let svc = CompactService::from(svc);
+        service_slices_from_pods(&svc, snapshot.pods.iter(), &mut out);
     }
     out
 }
@@ -89,17 +91,18 @@ pub fn endpoint_slices_from_pods(snapshot: &Snapshot) -> Vec<EndpointSlice> {
 /// The slices [`endpoint_slices_from_pods`] synthesizes for `svc` alone from
 /// `pods` (any namespace: those of another are skipped), appended to `out`.
 pub(super) fn service_slices_from_pods<'a>(
-    svc: &Service,
+    svc: &CompactService,
     pods: impl Iterator<Item = &'a Pod>,
     out: &mut Vec<EndpointSlice>,
 ) {
     {
         let Some(spec) = &svc.spec else { return };
-        let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) else {
+        let selector = &spec.selector;
+        if selector.is_empty() {
             return;
-        };
-        let ns = namespace(&svc.metadata);
-        let svc_name = name(&svc.metadata);
+        }
+        let ns = &*svc.namespace;
+        let svc_name = &*svc.name;
         let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
         for pod in pods {
             if namespace(&pod.metadata) != ns {
@@ -108,7 +111,7 @@ pub(super) fn service_slices_from_pods<'a>(
             let labels = pod.metadata.labels.as_ref();
             if !selector
                 .iter()
-                .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+                .all(|(k, v)| labels.and_then(|l| l.get(&**k)).map(String::as_str) == Some(&**v))
             {
                 continue;
             }
@@ -119,15 +122,14 @@ pub(super) fn service_slices_from_pods<'a>(
             let ports: Vec<EndpointPort> = spec
                 .ports
                 .iter()
-                .flatten()
                 .filter_map(|port| {
-                    let protocol = port.protocol.clone().unwrap_or_else(|| "TCP".to_string());
+                    let protocol = port.protocol.as_deref().unwrap_or("TCP").to_string();
                     let target = resolve_target_port(port, &protocol, pod)?;
                     Some(EndpointPort {
-                        name: port.name.clone(),
+                        name: port.name.as_deref().map(String::from),
                         port: Some(target),
                         protocol: Some(protocol),
-                        app_protocol: port.app_protocol.clone(),
+                        app_protocol: port.app_protocol.as_deref().map(String::from),
                     })
                 })
                 .collect();

@@ -4,6 +4,8 @@
 //! `CategorizeEndpoints`, and the service-port view it needs).
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 
+use super::compact::{CompactService, CompactServicePort};
+
 use super::addresses::parse_ip;
 use super::{BackendAddr, Gates, IpFamily, LABEL_TOPOLOGY_ZONE};
 use crate::manifests::Snapshot;
@@ -86,30 +88,28 @@ impl ServicePortInfo {
     /// the other family do not count; a load-balancer IP counts only in
     /// `VIP` mode (`ipMode` missing or `"VIP"`, `proxyutil.IsVIPMode`).
     pub fn from_service(svc: &Service, port: &ServicePort) -> Self {
-        Self::for_family(svc, port, IpFamily::V4)
+        Self::for_family(
+            &CompactService::from(svc),
+            &CompactServicePort::of(port),
+            IpFamily::V4,
+        )
     }
 
     /// The port of `svc` as kube-proxy's proxier of `family` sees it:
     /// `externalIPs` and load-balancer ingress IPs of the other family do
     /// not count.
-    pub fn for_family(svc: &Service, port: &ServicePort, family: IpFamily) -> Self {
-        let spec = svc.spec.as_ref();
+    pub(super) fn for_family(
+        svc: &CompactService,
+        port: &CompactServicePort,
+        family: IpFamily,
+    ) -> Self {
+        let spec = svc.spec.as_deref();
         let of_family = |ip: &str| parse_ip(ip).is_some_and(|a| IpFamily::of(a) == family);
         let node_port = port.node_port.is_some_and(|p| p != 0);
-        let external_ip = spec
-            .and_then(|s| s.external_ips.as_ref())
-            .is_some_and(|ips| ips.iter().any(|ip| of_family(ip)));
-        let lb_vip = svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|lb| lb.ingress.as_ref())
-            .is_some_and(|ingress| {
-                ingress.iter().any(|i| {
-                    i.ip.as_deref().is_some_and(of_family)
-                        && i.ip_mode.as_deref().is_none_or(|m| m == "VIP")
-                })
-            });
+        let external_ip = spec.is_some_and(|s| s.external_ips.iter().any(|ip| of_family(ip)));
+        let lb_vip = svc.lb_ingress.iter().any(|(ip, mode)| {
+            ip.as_deref().is_some_and(of_family) && mode.as_deref().is_none_or(|m| m == "VIP")
+        });
         Self {
             internal_traffic_policy: TrafficPolicy::parse(
                 spec.and_then(|s| s.internal_traffic_policy.as_deref()),

@@ -1,7 +1,7 @@
 //! The incremental model against a computation from scratch: a long seeded
 //! random sequence of Service, EndpointSlice, Pod and Node changes, each
 //! applied alone to one [`Incremental`]; after every change its desired state
-//! must equal [`desired_state_with`] of all its objects, and the change it
+//! must equal that of a model built from scratch from all its objects, and the change it
 //! reports must name every frontend and local endpoint that changed.
 //!
 //! The objects are drawn from small pools (a few addresses, ports, names,
@@ -16,8 +16,7 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use proxy_agent::model::{
-    desired_state_with, Change, DesiredState, FrontendPolicy, Incremental, Kind, ModelOptions,
-    Object,
+    Change, DesiredState, FrontendPolicy, Incremental, Kind, ModelOptions, Object,
 };
 use serde_json::json;
 
@@ -223,42 +222,22 @@ fn node(r: &mut Rng) -> Node {
 }
 
 fn change(r: &mut Rng, model: &Incremental) -> Change {
-    let snapshot = model.snapshot();
-    let key = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
-        (
-            meta.namespace.clone().unwrap_or_default(),
-            meta.name.clone().unwrap_or_default(),
-        )
-    };
     if r.chance(25) {
-        match r.below(4) {
-            0 if !snapshot.services.is_empty() => {
-                let s = r.pick(&snapshot.services);
-                return Change::Deleted(Kind::Service, key(&s.metadata));
-            }
-            1 if !snapshot.endpoint_slices.is_empty() => {
-                let s = r.pick(&snapshot.endpoint_slices);
-                return Change::Deleted(Kind::EndpointSlice, key(&s.metadata));
-            }
-            2 if !snapshot.pods.is_empty() => {
-                let p = r.pick(&snapshot.pods);
-                return Change::Deleted(Kind::Pod, key(&p.metadata));
-            }
-            3 if !snapshot.nodes.is_empty() => {
-                let n = r.pick(&snapshot.nodes);
-                return Change::Deleted(
-                    Kind::Node,
-                    (String::new(), n.metadata.name.clone().unwrap()),
-                );
-            }
-            _ => {}
+        let kind = [Kind::Service, Kind::EndpointSlice, Kind::Pod, Kind::Node][r.below(4)];
+        let held: Vec<Object> = model
+            .objects()
+            .into_iter()
+            .filter(|o| o.kind() == kind)
+            .collect();
+        if !held.is_empty() {
+            return Change::Deleted(kind, r.pick(&held).key());
         }
     }
     Change::Applied(match r.below(10) {
-        0..=3 => Object::Service(std::sync::Arc::new(service(r))),
-        4..=7 => Object::EndpointSlice(std::sync::Arc::new(slice(r))),
-        8 => Object::Pod(std::sync::Arc::new(pod(r))),
-        _ => Object::Node(std::sync::Arc::new(node(r))),
+        0..=3 => Object::from(&service(r)),
+        4..=7 => Object::from(&slice(r)),
+        8 => Object::from(pod(r)),
+        _ => Object::from(node(r)),
     })
 }
 
@@ -298,7 +277,9 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
             .iter()
             .map(|(k, f)| (*k, f.service.clone()))
             .collect();
-        let (full, _) = desired_state_with(&model.snapshot(), "node-a", &full_opts);
+        let mut scratch = Incremental::new("node-a", full_opts);
+        scratch.replace_objects(model.objects());
+        let full = scratch.desired().clone();
         let now = model.desired();
         assert_eq!(
             differences(now, &full),
@@ -400,7 +381,7 @@ fn a_change_recomputes_only_the_services_it_concerns() {
         let mut svc = service(&mut r);
         svc.metadata.name = Some(format!("svc-{i}"));
         svc.metadata.namespace = Some("default".into());
-        changes.push(Change::Applied(Object::Service(std::sync::Arc::new(svc))));
+        changes.push(Change::Applied(Object::from(&svc)));
     }
     let update = model.apply(changes);
     assert_eq!(update.services, 200);
@@ -414,18 +395,14 @@ fn a_change_recomputes_only_the_services_it_concerns() {
         )]
         .into(),
     );
-    let update = model.apply([Change::Applied(Object::EndpointSlice(std::sync::Arc::new(
-        s.clone(),
-    )))]);
+    let update = model.apply([Change::Applied(Object::from(&s))]);
     assert_eq!(update.services, 1, "{update:?}");
     // The same object again: nothing.
-    let update = model.apply([Change::Applied(Object::EndpointSlice(std::sync::Arc::new(
-        s,
-    )))]);
+    let update = model.apply([Change::Applied(Object::from(&s))]);
     assert!(update.is_empty() && update.services == 0, "{update:?}");
     // Another node's Node object: nothing.
     let mut n = node(&mut r);
     n.metadata.name = Some("node-b".into());
-    let update = model.apply([Change::Applied(Object::Node(std::sync::Arc::new(n)))]);
+    let update = model.apply([Change::Applied(Object::from(n))]);
     assert_eq!(update.services, 0, "{update:?}");
 }
