@@ -219,7 +219,7 @@ fn measure(ns_list: &[u32], runs: usize) -> anyhow::Result<Vec<serde_json::Value
                     scope: SCOPE_INTERNAL,
                 },
                 Frontend {
-                    service: format!("default/s{i}"),
+                    service: format!("default/s{i}").into(),
                     backends: vec![b(0), b(1)],
                     ..Default::default()
                 },
@@ -303,7 +303,7 @@ fn lb_frontend(d: &mut DesiredState, i: u32, n: u32, alg: LbAlgorithm, first_bac
             scope: SCOPE_INTERNAL,
         },
         Frontend {
-            service: format!("default/s{i}"),
+            service: format!("default/s{i}").into(),
             backends,
             flags: alg.flags(),
             ..Default::default()

@@ -120,6 +120,10 @@ impl<K: Ord, V> VecMap<K, V> {
         self.find(key).ok().map(|i| &self.0[i].1)
     }
 
+    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.find(key).ok().map(|i| &mut self.0[i].1)
+    }
+
     /// The value of `key`, made with `make` if it has none.
     pub fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> &mut V {
         let i = match self.find(&key) {
@@ -131,6 +135,28 @@ impl<K: Ord, V> VecMap<K, V> {
             }
         };
         &mut self.0[i].1
+    }
+
+    /// Sets `key` to `value`; returns its previous value.
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        match self.find(&key) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, value)),
+            Err(i) => {
+                grow_exact(&mut self.0);
+                self.0.insert(i, (key, value));
+                None
+            }
+        }
+    }
+
+    /// Removes `key`; returns its value.
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        self.find(key).ok().map(|i| self.0.remove(i).1)
+    }
+
+    /// The values, in key order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.0.iter().map(|(_, v)| v)
     }
 
     /// The keys, in order.
@@ -198,6 +224,10 @@ mod tests {
             let value = (next() % 40) as u32;
             if next() % 3 == 0 {
                 assert_eq!(set.remove(&value), reference.remove(&value));
+                assert_eq!(map.remove(&value), reference_map.remove(&value));
+            } else if next() % 4 == 0 {
+                let v = (next() % 7) as u32;
+                assert_eq!(map.insert(value, v), reference_map.insert(value, v));
             } else {
                 assert_eq!(set.insert(value), reference.insert(value));
                 let n = map.get_or_insert_with(value, || 0u32);
@@ -209,6 +239,7 @@ mod tests {
             assert_eq!(set.first(), reference.first());
             assert_eq!(set.contains(&value), reference.contains(&value));
             assert!(map.iter().eq(reference_map.iter()));
+            assert!(map.values().eq(reference_map.values()));
             assert_eq!(map.get(&value), reference_map.get(&value));
         }
         let collected: VecSet<u32> = [5, 1, 5, 3].into_iter().collect();

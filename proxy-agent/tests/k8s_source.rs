@@ -334,7 +334,7 @@ async fn the_lb_algorithm_annotation_survives_trimming() {
     let fe = state
         .frontends
         .values()
-        .find(|fe| fe.service == "default/web")
+        .find(|fe| &*fe.service == "default/web")
         .expect("web's ClusterIP frontend");
     assert_eq!(
         fe.flags & svc_flags::ALG_MASK,
@@ -378,7 +378,7 @@ async fn labelled_services_are_excluded_and_external_name_and_headless_passed_th
     let services: Vec<_> = desired
         .frontends
         .values()
-        .map(|f| f.service.clone())
+        .map(|f| f.service.to_string())
         .collect();
     assert_eq!(services, ["default/web"]);
 

@@ -39,8 +39,8 @@ fn frontend(k: &FrontendKey, backends: &[u8]) -> Frontend {
     backends.sort();
     backends.dedup();
     Frontend {
-        service: format!("default/svc-{}", v4(k.addr).octets()[3]),
-        port_name: String::new(),
+        service: format!("default/svc-{}", v4(k.addr).octets()[3]).into(),
+        port_name: "".into(),
         backends,
         flags: 0,
         affinity_timeout_s: 0,
@@ -1430,8 +1430,8 @@ mod scale {
             d.frontends.insert(
                 big_key(i),
                 Frontend {
-                    service: format!("default/svc-{i}"),
-                    port_name: String::new(),
+                    service: format!("default/svc-{i}").into(),
+                    port_name: "".into(),
                     backends,
                     retained: Vec::new(),
                     flags: 0,
@@ -1819,7 +1819,7 @@ fn more_than_65535_frontends_get_ids_of_their_own_below_the_map_size() {
             scope: SCOPE_INTERNAL,
         };
         let mut fe = frontend(&key(1, 80, IPPROTO_TCP), &[1]);
-        fe.service = format!("default/svc-{i}");
+        fe.service = format!("default/svc-{i}").into();
         d.frontends.insert(k, fe);
     }
 

@@ -20,7 +20,7 @@ use proxy_common::{lb::MaglevKey, RevNatId, Svc4Key, Svc4Value, Svc6Key};
 use super::ids::{BackendIds, RevNatIds};
 use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
-use crate::vec_set::VecSet;
+use crate::vec_set::{VecMap, VecSet};
 
 mod family;
 mod maglev;
@@ -87,8 +87,9 @@ impl fmt::Debug for SyncReport {
 struct FrontendEntries {
     /// Slot 0.
     slot0: Option<Svc4Value>,
-    /// Slots ≥ 1 → backend id.
-    slots: BTreeMap<u16, u32>,
+    /// Slots ≥ 1 → backend id (a sorted vector: most frontends have a few,
+    /// where a `BTreeMap` would allocate a node of eleven).
+    slots: VecMap<u16, u32>,
 }
 
 impl FrontendEntries {
@@ -235,11 +236,11 @@ fn capacity_order(desired: &DesiredState, scope: &BTreeSet<FrontendKey>) -> Vec<
         .iter()
         .filter_map(|key| desired.frontends.get(key).map(|fe| (key, fe)))
         .map(|(key, fe)| {
-            let age = desired.service_order.get(&fe.service);
+            let age = desired.service_order.get(&*fe.service);
             (
                 age.is_none(),
                 age.copied().unwrap_or_default(),
-                fe.service.as_str(),
+                &*fe.service,
                 *key,
             )
         })

@@ -33,8 +33,8 @@ use super::pods::service_slices_from_pods;
 use super::policy::ClaimRank;
 use super::services::{ignored, name, namespace};
 use super::{
-    proto_name, DesiredState, FrontendKey, HealthCheck, IpFamily, ModelOptions, ModelWarning,
-    ServiceAge,
+    proto_name, DesiredState, Frontend, FrontendKey, HealthCheck, IpFamily, ModelOptions,
+    ModelWarning, ServiceAge,
 };
 use crate::manifests::Snapshot;
 use crate::vec_set::VecSet;
@@ -252,9 +252,10 @@ pub struct Incremental {
     conflicts: HashMap<Owned, Vec<ModelWarning>>,
     health_claimants: BTreeMap<u16, VecSet<ObjectKey>>,
     health_conflicts: BTreeMap<u16, Vec<ModelWarning>>,
-    /// Local endpoints: each real slice's sets, each Service's synthesized
-    /// slices' sets, and how many of those name each address.
-    slice_local: BTreeMap<ObjectKey, LocalSets>,
+    /// Local endpoints: each Service's synthesized slices' sets, and how
+    /// many slices (real or synthesized) name each address. A real slice's
+    /// sets are computed again from it when it goes (the same slice and node
+    /// give the same sets): kept, they would cost more than the slice.
     synth_local: BTreeMap<ObjectKey, LocalSets>,
     local: LocalCounts,
     pod_warnings: BTreeMap<ObjectKey, Vec<ModelWarning>>,
@@ -278,7 +279,6 @@ impl Incremental {
             conflicts: HashMap::new(),
             health_claimants: BTreeMap::new(),
             health_conflicts: BTreeMap::new(),
-            slice_local: BTreeMap::new(),
             synth_local: BTreeMap::new(),
             local: LocalCounts::default(),
             pod_warnings: BTreeMap::new(),
@@ -543,7 +543,8 @@ impl Incremental {
         let Some(old) = self.slices.remove(key) else {
             return;
         };
-        if let Some(sets) = self.slice_local.remove(key) {
+        if &*old.address_type != "FQDN" {
+            let sets = LocalSets::of(std::iter::once(&*old), &self.ctx.name);
             self.local.count(&sets, false, touched);
         }
         if let Some(svc) = slice_service(&old) {
@@ -571,7 +572,6 @@ impl Incremental {
         if &*slice.address_type != "FQDN" {
             let sets = LocalSets::of(std::iter::once(&*slice), &self.ctx.name);
             self.local.count(&sets, true, touched);
-            self.slice_local.insert(key.clone(), sets);
             if let Some(svc) = slice_service(&slice) {
                 let group = (key.0.clone(), svc.clone());
                 self.slices_by_service
@@ -689,7 +689,8 @@ impl Incremental {
     }
 
     /// Decides who owns `owned` among the Services claiming it, and makes
-    /// its frontends the owner's.
+    /// its frontends the owner's: moved into the desired state, and those of
+    /// the claim that owned it before moved back to that claim.
     fn resolve(&mut self, owned: Owned, up: &mut Update) {
         let (addr, port, proto) = owned;
         let keys = [SCOPE_INTERNAL, SCOPE_EXTERNAL].map(|scope| FrontendKey {
@@ -700,6 +701,9 @@ impl Incremental {
         });
         let mut best: Option<(ClaimRank, &ObjectKey)> = None;
         let mut ranks = Vec::new();
+        // The claim whose frontends the desired state holds, if it is
+        // still there (a Service computed again has new claims).
+        let mut previous: Option<&ObjectKey> = None;
         for k in self.claimants.get(&owned).into_iter().flatten() {
             let (Some(out), Some(svc)) = (self.outputs.get(k), self.services.get(k)) else {
                 continue;
@@ -707,12 +711,15 @@ impl Incremental {
             let Some(claims) = out.claims.get(&owned) else {
                 continue;
             };
+            if claims.installed != 0 {
+                previous = Some(k);
+            }
             let id = format!("{}/{}", k.0, k.1);
             let current_owner = self
                 .desired
                 .frontends
                 .get(&claims.first_key)
-                .is_some_and(|f| f.service == id)
+                .is_some_and(|f| *f.service == *id)
                 || self.opts.current_owners.get(&claims.first_key) == Some(&id);
             let rank = ClaimRank {
                 cluster_ip: claims.cluster_ip,
@@ -729,8 +736,7 @@ impl Incremental {
             ranks.push(rank);
         }
         let mut warnings = Vec::new();
-        let mut wanted = BTreeMap::new();
-        if let Some((winner, k)) = &best {
+        if let Some((winner, _)) = &best {
             for loser in ranks.iter().filter(|r| r.service != winner.service) {
                 warnings.push(ModelWarning {
                     object: format!("Service {}", loser.service),
@@ -742,29 +748,67 @@ impl Incremental {
                     ),
                 });
             }
-            let claims = &self.outputs[*k].claims[&owned];
-            wanted.extend(claims.frontends.iter().map(|(key, fe)| (*key, fe)));
         }
-        for key in keys {
-            let now = self.desired.frontends.get(&key);
-            match (now, wanted.get(&key)) {
-                (Some(a), Some(b)) if a == *b => {}
-                (None, None) => {}
-                (_, Some(b)) => {
-                    self.desired.frontends.insert(key, (*b).clone());
-                    up.frontends.insert(key);
-                }
-                (Some(_), None) => {
-                    self.desired.frontends.remove(&key);
-                    up.frontends.insert(key);
-                }
-            }
+        let best = best.map(|(_, k)| k.clone());
+        let previous = previous.cloned();
+        // The owner stays and its claims are those installed: its frontends
+        // are the desired state's already.
+        if best.is_none() || best != previous {
+            self.install(owned, keys, previous, best, up);
         }
         if warnings.is_empty() {
             self.conflicts.remove(&owned);
         } else if self.conflicts.get(&owned) != Some(&warnings) {
             up.warnings.extend(warnings.iter().cloned());
             self.conflicts.insert(owned, warnings);
+        }
+    }
+
+    /// Makes the frontends at `keys` (one `owned` address, both scopes)
+    /// those of `winner`'s claim, moved out of it into the desired state;
+    /// those of `previous`'s claim, if it had them, go back to it. Names
+    /// every key whose frontend changed in `up`.
+    fn install(
+        &mut self,
+        owned: Owned,
+        keys: [FrontendKey; 2],
+        previous: Option<ObjectKey>,
+        winner: Option<ObjectKey>,
+        up: &mut Update,
+    ) {
+        let before = keys.map(|k| self.desired.frontends.remove(&k));
+        if let Some(c) = previous
+            .as_ref()
+            .and_then(|k| self.outputs.get_mut(k)?.claims.get_mut(&owned))
+        {
+            for (key, fe) in keys.iter().zip(&before) {
+                if c.installed & (1 << key.scope) != 0 {
+                    if let Some(fe) = fe {
+                        c.frontends.push((*key, fe.clone()));
+                    }
+                }
+            }
+            c.installed = 0;
+        }
+        let mut wanted: [Option<Frontend>; 2] = [None, None];
+        if let Some(c) = winner
+            .as_ref()
+            .and_then(|k| self.outputs.get_mut(k)?.claims.get_mut(&owned))
+        {
+            for (key, fe) in std::mem::take(&mut c.frontends) {
+                if let Some(i) = keys.iter().position(|k| *k == key) {
+                    c.installed |= 1 << key.scope;
+                    wanted[i] = Some(fe);
+                }
+            }
+        }
+        for ((key, before), wanted) in keys.into_iter().zip(before).zip(wanted) {
+            if before != wanted {
+                up.frontends.insert(key);
+            }
+            if let Some(fe) = wanted {
+                self.desired.frontends.insert(key, fe);
+            }
         }
     }
 

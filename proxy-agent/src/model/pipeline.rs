@@ -129,8 +129,12 @@ pub(super) struct OwnedClaims {
     pub(super) cluster_ip: bool,
     /// The key of its first claim there.
     pub(super) first_key: FrontendKey,
-    /// Every frontend it claims there, in claim order, keys distinct.
+    /// Every frontend it claims there, in claim order, keys distinct; none
+    /// while the claim owns the address: its frontends are then the desired
+    /// state's, moved there (one copy, not two), and `installed` holds their
+    /// scopes (bit `1 << scope`) to take them back when it loses the address.
     pub(super) frontends: Vec<(FrontendKey, Frontend)>,
+    pub(super) installed: u8,
 }
 
 /// What one Service asks for, from itself, its slices and the node alone.
@@ -249,6 +253,7 @@ pub(super) fn service_output(
     // Invalid addresses are reported once per slice and address.
     let mut reported: BTreeSet<(String, String)> = BTreeSet::new();
     let id = svc.id();
+    let service: std::sync::Arc<str> = id.as_str().into();
     let object = format!("Service {id}");
     let Some(spec) = &svc.spec else { return out };
 
@@ -359,7 +364,8 @@ pub(super) fn service_output(
     let mut local_ready: BTreeSet<IpAddr> = BTreeSet::new();
 
     for port in spec.ports.iter() {
-        let port_name = port.name.as_deref().unwrap_or_default().to_string();
+        let port_name_shared = port.name.clone().unwrap_or_default();
+        let port_name = port_name_shared.to_string();
         let proto = match parse_proto(port.protocol.as_deref()) {
             Ok(p) => p,
             Err(e) => {
@@ -439,6 +445,7 @@ pub(super) fn service_output(
                     cluster_ip,
                     first_key: key,
                     frontends: Vec::new(),
+                    installed: 0,
                 })
                 .frontends
                 .push((key, fe));
@@ -466,8 +473,8 @@ pub(super) fn service_output(
             let info = ServicePortInfo::for_family(svc, port, family);
             let categorized = categorize(&info, &endpoints, &node, &opts.gates);
             let base = Frontend {
-                service: id.clone(),
-                port_name: port_name.clone(),
+                service: service.clone(),
+                port_name: port_name_shared.clone(),
                 affinity_timeout_s,
                 ..Frontend::default()
             };

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 #[cfg(doc)]
 use proxy_common::svc_flags;
@@ -122,10 +123,10 @@ pub fn proto_name(proto: u8) -> String {
 /// What a frontend should do.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Frontend {
-    /// The Service, `namespace/name`.
-    pub service: String,
-    /// The service port's name (empty when unnamed).
-    pub port_name: String,
+    /// The Service, `namespace/name` (one copy shared by its frontends).
+    pub service: Arc<str>,
+    /// The service port's name (empty when unnamed; interned).
+    pub port_name: Arc<str>,
     /// The backends new flows are balanced over. Sorted, without duplicates.
     pub backends: Vec<BackendAddr>,
     /// Endpoints of this service port still listed but not in `backends`

@@ -579,7 +579,7 @@ pub fn desired(
             *k,
             Frontend {
                 service: "default/test".into(),
-                port_name: String::new(),
+                port_name: "".into(),
                 backends: b.clone(),
                 flags: *flags,
                 affinity_timeout_s,

@@ -79,7 +79,7 @@ fn dual_stack_service_has_a_frontend_per_family_fed_by_its_own_slices() {
     );
     let v6 = frontend(&state, "2001:2::19:1", 80, IPPROTO_TCP);
     assert_eq!(
-        (v6.service.as_str(), v6.port_name.as_str()),
+        (v6.service.as_ref(), v6.port_name.as_ref()),
         ("default/web", "http")
     );
     assert!(v6.backends.iter().all(|b| b.addr.is_ipv6()));

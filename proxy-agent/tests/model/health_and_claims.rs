@@ -162,7 +162,7 @@ fn external_address_colliding_with_another_service_warns() {
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert_eq!(warnings[0].object, "Service default/zz");
     assert_eq!(
-        fe_at(&state, "198.19.0.1", 80, IPPROTO_TCP, SCOPE_INTERNAL).service,
+        &*fe_at(&state, "198.19.0.1", 80, IPPROTO_TCP, SCOPE_INTERNAL).service,
         "default/web"
     );
     assert!(
@@ -189,7 +189,7 @@ fn colliding_cluster_ip_stays_with_its_current_owner() {
     };
     // Nobody owns it yet: the first by namespace/name.
     let (d, w) = proxy_agent::model::desired_state(&snap, "node-1");
-    assert_eq!(d.frontends[&key].service, "default/aaa-new");
+    assert_eq!(&*d.frontends[&key].service, "default/aaa-new");
     assert_eq!(w.len(), 1);
     // zzz-old owns it: it keeps it, and the warning names aaa-new.
     let opts = proxy_agent::model::ModelOptions {
@@ -197,7 +197,7 @@ fn colliding_cluster_ip_stays_with_its_current_owner() {
         ..Default::default()
     };
     let (d, w) = proxy_agent::model::desired_state_with(&snap, "node-1", &opts);
-    assert_eq!(d.frontends[&key].service, "default/zzz-old");
+    assert_eq!(&*d.frontends[&key].service, "default/zzz-old");
     assert_eq!(w.len(), 1);
     assert!(w[0].object.contains("aaa-new"), "{w:?}");
 }

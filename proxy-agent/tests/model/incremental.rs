@@ -275,7 +275,7 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
         full_opts.current_owners = before
             .frontends
             .iter()
-            .map(|(k, f)| (*k, f.service.clone()))
+            .map(|(k, f)| (*k, f.service.to_string()))
             .collect();
         let mut scratch = Incremental::new("node-a", full_opts);
         scratch.replace_objects(model.objects());

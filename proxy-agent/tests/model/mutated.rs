@@ -65,7 +65,7 @@ fn mutated_objects_never_panic_the_model_and_spare_a_valid_service() {
             .frontends
             .get(&key("198.19.100.1", 80, IPPROTO_TCP))
             .unwrap_or_else(|| panic!("seed {seed}: bystander lost: {warnings:?}\n{docs}"));
-        assert_eq!(fe.service, "keep/bystander", "seed {seed}");
+        assert_eq!(&*fe.service, "keep/bystander", "seed {seed}");
         assert_eq!(
             fe_at(&state, "198.19.100.1", 80, IPPROTO_TCP, SCOPE_INTERNAL)
                 .backends

@@ -34,7 +34,7 @@ fn node_port_frontends_on_each_node_address_use_the_cluster_list_s10() {
             assert_eq!(addrs(fe), ["198.18.1.1:8080", "198.18.1.2:8080"]);
             assert_eq!(fe.flags, 0, "{ip} scope {scope}");
             assert_eq!(
-                (fe.service.as_str(), fe.port_name.as_str()),
+                (fe.service.as_ref(), fe.port_name.as_ref()),
                 ("default/web", "http")
             );
             assert!(fe.source_ranges.is_empty());

@@ -53,7 +53,7 @@ fn cluster_ip_always_wins_over_external_ip_and_lb_ip() {
             + &svc("aaa-attacker", None, "198.19.0.99", &extra, &status);
         let (state, warnings) = run(&yaml, &ModelOptions::default());
         let fe = fe_at(&state, "198.19.0.10", 80, IPPROTO_TCP, SCOPE_INTERNAL);
-        assert_eq!(fe.service, "default/kube-dns", "{warnings:?}");
+        assert_eq!(&*fe.service, "default/kube-dns", "{warnings:?}");
         assert!(
             warnings
                 .iter()
@@ -93,7 +93,7 @@ fn older_service_wins_and_a_restart_changes_nothing() {
     };
     for opts in [after_restart, remembers_new] {
         let (state, warnings) = run(&yaml, &opts);
-        assert_eq!(state.frontends[&k].service, "default/zzz-old");
+        assert_eq!(&*state.frontends[&k].service, "default/zzz-old");
         assert!(
             warnings
                 .iter()
@@ -300,7 +300,7 @@ spec:
     let hog_count = state
         .frontends
         .values()
-        .filter(|f| f.service == "default/aaa-hog")
+        .filter(|f| &*f.service == "default/aaa-hog")
         .count();
     assert_eq!(hog_count, 1024);
     let limit: Vec<_> = warnings

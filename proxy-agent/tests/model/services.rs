@@ -24,7 +24,7 @@ fn example_service_with_two_pods_has_one_frontend_with_two_backends() {
         ["198.18.1.1:80", "198.18.1.2:80"]
     );
     let fe = &state.frontends[&key("198.19.0.10", 80, IPPROTO_TCP)];
-    assert_eq!(fe.service, "default/my-service");
+    assert_eq!(&*fe.service, "default/my-service");
     assert_eq!((fe.flags, fe.affinity_timeout_s), (0, 0));
 }
 
@@ -296,7 +296,7 @@ spec: {clusterIP: 198.19.0.15, ports: [{port: 80}]}
     let services: Vec<_> = state
         .frontends
         .values()
-        .map(|f| f.service.as_str())
+        .map(|f| f.service.as_ref())
         .collect();
     assert_eq!(services, ["default/kept"]);
 
@@ -309,7 +309,7 @@ spec: {clusterIP: 198.19.0.15, ports: [{port: 80}]}
     let services: Vec<_> = state
         .frontends
         .values()
-        .map(|f| f.service.as_str())
+        .map(|f| f.service.as_ref())
         .collect();
     assert_eq!(services, ["default/mine", "default/kept"]);
 }
