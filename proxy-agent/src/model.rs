@@ -70,7 +70,7 @@ mod topology;
 pub(crate) use addresses::mask;
 pub use addresses::NodePortAddresses;
 pub use compact::{
-    intern, CompactEndpoint, CompactEndpointPort, CompactService, CompactServicePort,
+    intern, CompactEndpoint, CompactEndpointPort, CompactHints, CompactService, CompactServicePort,
     CompactServiceSpec, CompactSlice,
 };
 pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};

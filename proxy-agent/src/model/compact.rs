@@ -240,10 +240,18 @@ pub struct CompactEndpoint {
     pub terminating: Option<bool>,
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
-    /// `hints.forZones[].name`.
-    pub zone_hints: Box<[Arc<str>]>,
-    /// `hints.forNodes[].name`.
-    pub node_hints: Box<[Arc<str>]>,
+    /// `hints`, when it names a zone or a node (most endpoints have none:
+    /// a pointer, not two lists, each).
+    pub hints: Option<Box<CompactHints>>,
+}
+
+/// An endpoint's `hints`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CompactHints {
+    /// `forZones[].name`.
+    pub zones: Box<[Arc<str>]>,
+    /// `forNodes[].name`.
+    pub nodes: Box<[Arc<str>]>,
 }
 
 /// One of an EndpointSlice's `ports`.
@@ -265,18 +273,23 @@ impl CompactEndpoint {
             terminating: c.and_then(|c| c.terminating),
             node_name: intern_opt(e.node_name.as_ref()),
             zone: intern_opt(e.zone.as_ref()),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .into_iter()
-                .flatten()
-                .map(|z| intern(&z.name))
-                .collect(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .into_iter()
-                .flatten()
-                .map(|n| intern(&n.name))
-                .collect(),
+            hints: hints
+                .map(|h| CompactHints {
+                    zones: h
+                        .for_zones
+                        .iter()
+                        .flatten()
+                        .map(|z| intern(&z.name))
+                        .collect(),
+                    nodes: h
+                        .for_nodes
+                        .iter()
+                        .flatten()
+                        .map(|n| intern(&n.name))
+                        .collect(),
+                })
+                .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                .map(Box::new),
         }
     }
 }

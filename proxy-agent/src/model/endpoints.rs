@@ -113,6 +113,7 @@ pub(super) fn parse_endpoint_address(family: IpFamily, address: &str) -> Option<
 }
 
 fn endpoint_info(endpoint: &CompactEndpoint, addr: BackendAddr) -> EndpointInfo {
+    let hints = endpoint.hints.as_deref();
     EndpointInfo {
         addr,
         ready: endpoint.ready.unwrap_or(true),
@@ -120,7 +121,15 @@ fn endpoint_info(endpoint: &CompactEndpoint, addr: BackendAddr) -> EndpointInfo 
         terminating: endpoint.terminating.unwrap_or(false),
         node_name: endpoint.node_name.as_deref().map(String::from),
         zone: endpoint.zone.as_deref().map(String::from),
-        zone_hints: endpoint.zone_hints.iter().map(|z| z.to_string()).collect(),
-        node_hints: endpoint.node_hints.iter().map(|n| n.to_string()).collect(),
+        zone_hints: hints
+            .iter()
+            .flat_map(|h| h.zones.iter())
+            .map(|z| z.to_string())
+            .collect(),
+        node_hints: hints
+            .iter()
+            .flat_map(|h| h.nodes.iter())
+            .map(|n| n.to_string())
+            .collect(),
     }
 }

@@ -12,13 +12,40 @@ use proxy_common::backend_state;
 use crate::model::{BackendAddr, DesiredState, Frontend, FrontendKey};
 use crate::vec_set::VecSet;
 
-/// The desired frontends naming one backend address.
-#[derive(Debug, Default)]
-struct AddrUsers {
-    /// Those that balance new flows over it (`Frontend::backends`).
-    active: VecSet<FrontendKey>,
-    /// Those that keep it for flows already using it (`Frontend::retained`).
-    retained: VecSet<FrontendKey>,
+/// The desired frontends naming one backend address, each with whether it
+/// balances new flows over it (`Frontend::backends`, true) or keeps it for
+/// flows already using it (`Frontend::retained`, false). A frontend has an
+/// address in one list or the other, never both.
+type AddrUsers = VecSet<(FrontendKey, bool)>;
+
+/// One desired frontend's `backends` then `retained`, in one allocation,
+/// and where `retained` starts.
+#[derive(Debug, PartialEq, Eq)]
+struct Lists {
+    addrs: Box<[BackendAddr]>,
+    retained_from: usize,
+}
+
+impl Lists {
+    fn of(fe: &Frontend) -> Self {
+        Self {
+            addrs: fe.backends.iter().chain(&fe.retained).copied().collect(),
+            retained_from: fe.backends.len(),
+        }
+    }
+
+    /// Each address, with whether it is active (not retained).
+    fn each(&self) -> impl Iterator<Item = (BackendAddr, bool)> + '_ {
+        self.addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (*a, i < self.retained_from))
+    }
+
+    fn is(&self, fe: &Frontend) -> bool {
+        self.addrs[..self.retained_from] == fe.backends[..]
+            && self.addrs[self.retained_from..] == fe.retained[..]
+    }
 }
 
 /// The backend lists of every desired frontend, indexed by backend address.
@@ -26,7 +53,7 @@ struct AddrUsers {
 pub(super) struct Users {
     by_addr: BTreeMap<BackendAddr, AddrUsers>,
     /// Every desired frontend's `backends` and `retained`, as indexed.
-    lists: BTreeMap<FrontendKey, (Vec<BackendAddr>, Vec<BackendAddr>)>,
+    lists: BTreeMap<FrontendKey, Lists>,
 }
 
 impl Users {
@@ -57,41 +84,32 @@ impl Users {
         fe: Option<&Frontend>,
         changed: &mut BTreeSet<BackendAddr>,
     ) {
-        let old = self.lists.get(key);
-        if old.map(|(b, r)| (b, r)) == fe.map(|fe| (&fe.backends, &fe.retained)) {
-            return;
+        match (self.lists.get(key), fe) {
+            (None, None) => return,
+            (Some(old), Some(fe)) if old.is(fe) => return,
+            _ => {}
         }
-        if let Some((backends, retained)) = self.lists.remove(key) {
-            for (addrs, active) in [(backends, true), (retained, false)] {
-                for addr in addrs {
-                    changed.insert(addr);
-                    let Some(u) = self.by_addr.get_mut(&addr) else {
-                        continue;
-                    };
-                    if active {
-                        u.active.remove(key);
-                    } else {
-                        u.retained.remove(key);
-                    }
-                    if u.active.is_empty() && u.retained.is_empty() {
-                        self.by_addr.remove(&addr);
-                    }
+        if let Some(old) = self.lists.remove(key) {
+            for (addr, active) in old.each() {
+                changed.insert(addr);
+                let Some(u) = self.by_addr.get_mut(&addr) else {
+                    continue;
+                };
+                u.remove(&(*key, active));
+                if u.is_empty() {
+                    self.by_addr.remove(&addr);
                 }
             }
         }
         let Some(fe) = fe else {
             return;
         };
-        for b in &fe.backends {
-            changed.insert(*b);
-            self.by_addr.entry(*b).or_default().active.insert(*key);
+        let lists = Lists::of(fe);
+        for (addr, active) in lists.each() {
+            changed.insert(addr);
+            self.by_addr.entry(addr).or_default().insert((*key, active));
         }
-        for b in &fe.retained {
-            changed.insert(*b);
-            self.by_addr.entry(*b).or_default().retained.insert(*key);
-        }
-        self.lists
-            .insert(*key, (fe.backends.clone(), fe.retained.clone()));
+        self.lists.insert(*key, lists);
     }
 
     /// The state bits a backend entry for `addr` gets from the frontends
@@ -99,7 +117,7 @@ impl Users {
     /// over it, else terminating if any retains it; `None` if none uses it.
     pub(super) fn state(&self, addr: &BackendAddr) -> Option<u8> {
         let u = self.by_addr.get(addr)?;
-        Some(if !u.active.is_empty() {
+        Some(if u.iter().any(|(_, active)| *active) {
             backend_state::ACTIVE
         } else {
             backend_state::TERMINATING
@@ -110,7 +128,7 @@ impl Users {
     pub(super) fn is_retained(&self, addr: &BackendAddr) -> bool {
         self.by_addr
             .get(addr)
-            .is_some_and(|u| !u.retained.is_empty())
+            .is_some_and(|u| u.iter().any(|(_, active)| !*active))
     }
 
     /// Every desired frontend naming `addr`.
@@ -118,7 +136,7 @@ impl Users {
         self.by_addr
             .get(addr)
             .into_iter()
-            .flat_map(|u| u.active.iter().chain(&u.retained))
+            .flat_map(|u| u.iter().map(|(k, _)| k))
     }
 
     /// Every address in use with IP `ip` (any port and protocol).
