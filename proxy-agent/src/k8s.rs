@@ -1,17 +1,19 @@
-//! The `kubernetes` source of desired state: kube-rs reflectors on Services,
+//! The `kubernetes` source of desired state: kube-rs watches on Services,
 //! EndpointSlices (`discovery.k8s.io/v1`) and this node's Node object.
 //!
 //! As kube-proxy does, Services and EndpointSlices are watched with a label
 //! selector that leaves out headless services and those meant for another
-//! proxy, so the API server never sends them. Cached objects are trimmed
-//! ([`trim`]: `managedFields`, and annotations and endpoint fields the agent
-//! does not read).
+//! proxy, so the API server never sends them. Each watch keeps its objects
+//! as the model takes them: a Service or an EndpointSlice made compact as
+//! its event arrives ([`crate::model::CompactService`]), one copy shared
+//! with the model; the Node trimmed ([`trim`]: `managedFields`, and
+//! annotations the agent does not read).
 //!
-//! Watch errors back off and relist; a relist replaces a store only once it has
-//! completed, and an error never clears it, so an API server outage never
-//! removes programmed state.
+//! Watch errors back off and relist; a relist replaces a watch's objects
+//! only once it has completed, and an error never clears them, so an API
+//! server outage never removes programmed state.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     path::{Path, PathBuf},
     sync::{
@@ -21,15 +23,11 @@ use std::{
 };
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::{
-    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
-    Metadata,
-};
+use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
     api::Api,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{
-        reflector::{self, Store},
         watcher::{self, Event},
         WatchStreamExt,
     },
@@ -230,10 +228,19 @@ pub struct KubernetesOptions {
     pub api_server: Option<ApiServer>,
 }
 
-/// The objects a reflector's watch changed since they were last taken.
+/// One watch's objects as the model takes them (Services and EndpointSlices
+/// compact, as they are converted when their event arrives: the full
+/// objects are never kept), and what its events named since they were last
+/// taken.
 #[derive(Default)]
-struct Dirty {
-    keys: BTreeSet<ObjectKey>,
+struct WatchState {
+    objects: BTreeMap<ObjectKey, Object>,
+    /// A list in progress: what it listed so far. `objects` stay as they
+    /// were until it is done (as kube's reflector keeps its store), so a
+    /// relist that fails half-way removes nothing.
+    listing: Option<BTreeMap<ObjectKey, Object>>,
+    /// Keys events named since [`Reflector::changes`] last ran.
+    dirty: BTreeSet<ObjectKey>,
     /// The watch listed again: what it no longer lists must be found by a
     /// comparison of everything.
     relisted: bool,
@@ -242,98 +249,92 @@ struct Dirty {
 /// A kind the model reads, as the model takes it.
 trait Watched: Trim + Sized {
     const MODEL_KIND: Kind;
-    fn object(this: Arc<Self>) -> Object;
+    fn object(this: Self) -> Object;
 }
 
 impl Watched for Service {
     const MODEL_KIND: Kind = Kind::Service;
-    fn object(this: Arc<Self>) -> Object {
-        Object::from(&*this)
+    fn object(this: Self) -> Object {
+        Object::from(&this)
     }
 }
 
 impl Watched for EndpointSlice {
     const MODEL_KIND: Kind = Kind::EndpointSlice;
-    fn object(this: Arc<Self>) -> Object {
-        Object::from(&*this)
+    fn object(this: Self) -> Object {
+        Object::from(&this)
     }
 }
 
 impl Watched for Node {
     const MODEL_KIND: Kind = Kind::Node;
-    fn object(this: Arc<Self>) -> Object {
-        Object::Node(this)
+    fn object(this: Self) -> Object {
+        Object::from(this)
     }
 }
 
-/// One reflector: its store, whether it has listed once, its task, and the
-/// objects its watch events named since [`Reflector::changes`] last ran.
-struct Reflector<K: Resource<DynamicType = ()> + Clone + 'static> {
-    store: Store<K>,
+/// One watch: its kind, its objects, whether it has listed once, its task.
+struct Reflector {
+    kind: Kind,
+    state: Arc<Mutex<WatchState>>,
     listed: Arc<AtomicBool>,
-    dirty: Arc<Mutex<Dirty>>,
     task: Option<JoinHandle<()>>,
 }
 
-impl<K> Reflector<K>
-where
-    K: Resource<DynamicType = ()>
-        + Watched
-        + Clone
-        + DeserializeOwned
-        + fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    fn new(
+impl Reflector {
+    fn new<K>(
         api: Api<K>,
         config: watcher::Config,
         kind: &'static str,
         changes: UnboundedSender<()>,
-    ) -> Self {
-        let (store, writer) = reflector::store();
+    ) -> Self
+    where
+        K: Resource<DynamicType = ()>
+            + Watched
+            + Clone
+            + DeserializeOwned
+            + fmt::Debug
+            + Send
+            + Sync
+            + 'static,
+    {
         let listed = Arc::new(AtomicBool::new(false));
-        let dirty = Arc::new(Mutex::new(Dirty {
+        let state = Arc::new(Mutex::new(WatchState {
             relisted: true,
-            ..Dirty::default()
+            ..WatchState::default()
         }));
         let stream = watcher::watcher(api, config)
             .default_backoff()
-            .modify(trim::<K>)
-            .reflect(writer);
-        let task = tokio::spawn(drive(stream, kind, listed.clone(), dirty.clone(), changes));
+            .modify(trim::<K>);
+        let task = tokio::spawn(drive(stream, kind, listed.clone(), state.clone(), changes));
         Self {
-            store,
+            kind: K::MODEL_KIND,
+            state,
             listed,
-            dirty,
             task: Some(task),
         }
     }
 
-    /// The changes since the last call, from the store: each object a watch
-    /// event named, as the store has it now (or gone). `None` after a relist
-    /// (and the first time): then only all objects will do.
-    fn changes(&self) -> Option<Vec<Change>>
-    where
-        K: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-    {
-        let dirty = std::mem::take(&mut *self.dirty.lock().expect("dirty lock"));
-        if dirty.relisted {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The changes since the last call: each object a watch event named, as
+    /// the watch has it now (or gone). `None` after a relist (and the first
+    /// time): then only all objects will do.
+    fn changes(&self) -> Option<Vec<Change>> {
+        let mut state = self.lock();
+        let dirty = std::mem::take(&mut state.dirty);
+        if std::mem::take(&mut state.relisted) {
             return None;
         }
         let changes = dirty
-            .keys
             .into_iter()
-            .map(|(ns, name)| {
-                let mut r = reflector::ObjectRef::<K>::new(&name);
-                if K::MODEL_KIND != Kind::Node {
-                    r = r.within(&ns);
-                }
-                match self.store.get(&r) {
-                    Some(o) => Change::Applied(K::object(o)),
-                    None => Change::Deleted(K::MODEL_KIND, (ns, name)),
-                }
+            .map(|key| match state.objects.get(&key) {
+                Some(o) => Change::Applied(o.clone()),
+                None => Change::Deleted(self.kind, key),
             })
             .collect();
         Some(changes)
@@ -343,22 +344,13 @@ where
         self.listed.load(Ordering::Acquire)
     }
 
-    /// The store's objects, sorted by namespace and name so that snapshots
-    /// are deterministic.
-    fn objects(&self) -> Vec<K>
-    where
-        K: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-    {
-        let mut objs: Vec<K> = self.store.state().iter().map(|o| (**o).clone()).collect();
-        objs.sort_by(|a, b| {
-            let (a, b) = (a.metadata(), b.metadata());
-            (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
-        });
-        objs
+    /// Every object (shared, not copied), by namespace and name.
+    fn objects(&self) -> Vec<Object> {
+        self.lock().objects.values().cloned().collect()
     }
 }
 
-impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Reflector<K> {
+impl Drop for Reflector {
     fn drop(&mut self) {
         if let Some(t) = self.task.take() {
             t.abort();
@@ -366,44 +358,66 @@ impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Reflector<K> {
     }
 }
 
-/// Polls a reflected watch stream forever: every event is already in the
-/// store when it comes out; each one that may change the store is signalled.
-/// Errors are logged; the backoff retries (relisting when the watch expired).
+/// Polls a watch stream forever, keeping `state` as the watch has it: each
+/// object converted as its event arrives, a list made the objects once it
+/// is complete; every event that may change them is signalled. Errors are
+/// logged; the backoff retries (relisting when the watch expired).
 async fn drive<K, S>(
     stream: S,
     kind: &'static str,
     listed: Arc<AtomicBool>,
-    dirty: Arc<Mutex<Dirty>>,
+    state: Arc<Mutex<WatchState>>,
     changes: UnboundedSender<()>,
 ) where
     K: Resource<DynamicType = ()> + Watched + fmt::Debug,
     S: Stream<Item = Result<Event<K>, watcher::Error>>,
 {
+    let lock = || {
+        state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
     let mut stream = std::pin::pin!(stream);
     while let Some(item) = stream.next().await {
         match item {
-            Ok(Event::Init) => debug!(kind, "listing"),
-            Ok(Event::InitApply(_)) => {}
+            Ok(Event::Init) => {
+                debug!(kind, "listing");
+                lock().listing = Some(BTreeMap::new());
+            }
+            Ok(Event::InitApply(o)) => {
+                let o = K::object(o);
+                let key = o.key();
+                lock().listing.get_or_insert_default().insert(key, o);
+            }
             Ok(Event::InitDone) => {
                 let first = !listed.swap(true, Ordering::AcqRel);
                 info!(kind, first, "listed");
-                dirty.lock().expect("dirty lock").relisted = true;
+                let mut s = lock();
+                s.objects = s.listing.take().unwrap_or_default();
+                s.relisted = true;
+                drop(s);
                 let _ = changes.send(());
             }
-            Ok(Event::Apply(o) | Event::Delete(o)) => {
-                // Namespaced kinds default to `default`, as the model keys them.
-                let ns = match o.meta().namespace.as_deref() {
-                    _ if K::MODEL_KIND == Kind::Node => String::new(),
-                    Some(ns) if !ns.is_empty() => ns.to_string(),
-                    _ => "default".to_string(),
-                };
-                let name = o.meta().name.clone().unwrap_or_default();
-                let key = (crate::model::intern(&ns), name.into());
-                dirty.lock().expect("dirty lock").keys.insert(key);
+            Ok(Event::Apply(o)) => {
+                let o = K::object(o);
+                let key = o.key();
+                let mut s = lock();
+                s.objects.insert(key.clone(), o);
+                s.dirty.insert(key);
+                drop(s);
                 let _ = changes.send(());
             }
-            // The store is kept as it is; the watcher backs off and resumes
-            // (or relists when the API server says the watch expired).
+            Ok(Event::Delete(o)) => {
+                let key = K::object(o).key();
+                let mut s = lock();
+                s.objects.remove(&key);
+                s.dirty.insert(key);
+                drop(s);
+                let _ = changes.send(());
+            }
+            // The objects are kept as they are; the watcher backs off and
+            // resumes (or relists when the API server says the watch
+            // expired).
             Err(e) => warn!(kind, error = %e, "watch error; retrying with backoff"),
         }
     }
@@ -413,9 +427,9 @@ async fn drive<K, S>(
 pub struct KubernetesSource {
     client: Client,
     opts: KubernetesOptions,
-    services: Option<Reflector<Service>>,
-    slices: Option<Reflector<EndpointSlice>>,
-    nodes: Option<Reflector<Node>>,
+    services: Option<Reflector>,
+    slices: Option<Reflector>,
+    nodes: Option<Reflector>,
 }
 
 impl KubernetesSource {
@@ -440,19 +454,19 @@ impl Source for KubernetesSource {
         }
         let labels = label_selector(self.opts.service_proxy_name.as_deref());
         let filtered = watcher::Config::default().labels(&labels);
-        self.services = Some(Reflector::new(
+        self.services = Some(Reflector::new::<Service>(
             Api::all(self.client.clone()),
             filtered.clone(),
             "Service",
             changes.clone(),
         ));
-        self.slices = Some(Reflector::new(
+        self.slices = Some(Reflector::new::<EndpointSlice>(
             Api::all(self.client.clone()),
             filtered,
             "EndpointSlice",
             changes.clone(),
         ));
-        self.nodes = Some(Reflector::new(
+        self.nodes = Some(Reflector::new::<Node>(
             Api::all(self.client.clone()),
             watcher::Config::default().fields(&node_field_selector(&self.opts.node_name)),
             "Node",
@@ -475,25 +489,22 @@ impl Source for KubernetesSource {
         Some(api.unreachable_hint(waited))
     }
 
+    /// The objects as API objects, with what the model reads of them
+    /// (Services and EndpointSlices are kept compact).
     fn snapshot(&mut self) -> (Snapshot, usize) {
-        let snapshot = Snapshot {
-            services: self
-                .services
-                .as_ref()
-                .map(Reflector::objects)
-                .unwrap_or_default(),
-            endpoint_slices: self
-                .slices
-                .as_ref()
-                .map(Reflector::objects)
-                .unwrap_or_default(),
-            pods: Vec::new(),
-            nodes: self
-                .nodes
-                .as_ref()
-                .map(Reflector::objects)
-                .unwrap_or_default(),
-        };
+        let mut snapshot = Snapshot::default();
+        for o in [&self.services, &self.slices, &self.nodes]
+            .into_iter()
+            .flatten()
+            .flat_map(Reflector::objects)
+        {
+            match o {
+                Object::Service(s) => snapshot.services.push((&*s).into()),
+                Object::EndpointSlice(s) => snapshot.endpoint_slices.push((&*s).into()),
+                Object::Pod(p) => snapshot.pods.push((*p).clone()),
+                Object::Node(n) => snapshot.nodes.push((*n).clone()),
+            }
+        }
         // Objects that do not decode fail the whole watch event in kube-rs and
         // are reported (and retried) by the watcher, not here.
         (snapshot, 0)
@@ -535,14 +546,11 @@ impl Source for KubernetesSource {
 impl KubernetesSource {
     fn all(&self) -> Vec<Object> {
         let mut out = Vec::new();
-        if let Some(r) = &self.services {
-            out.extend(r.store.state().into_iter().map(Service::object));
-        }
-        if let Some(r) = &self.slices {
-            out.extend(r.store.state().into_iter().map(EndpointSlice::object));
-        }
-        if let Some(r) = &self.nodes {
-            out.extend(r.store.state().into_iter().map(Node::object));
+        for r in [&self.services, &self.slices, &self.nodes]
+            .into_iter()
+            .flatten()
+        {
+            out.extend(r.objects());
         }
         out
     }

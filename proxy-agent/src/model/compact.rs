@@ -325,3 +325,230 @@ impl From<&EndpointSlice> for CompactSlice {
         }
     }
 }
+
+fn strings(list: &[Box<str>]) -> Option<Vec<String>> {
+    (!list.is_empty()).then(|| list.iter().map(|s| s.to_string()).collect())
+}
+
+fn owned(s: &Option<Arc<str>>) -> Option<String> {
+    s.as_deref().map(String::from)
+}
+
+/// The Service as an API object with what the model reads of it (a
+/// snapshot of a source that keeps only the compact form): converted back,
+/// it gives the same [`CompactService`].
+impl From<&CompactService> for Service {
+    fn from(c: &CompactService) -> Self {
+        use k8s_openapi::api::core::v1::{
+            ClientIPConfig, LoadBalancerIngress, LoadBalancerStatus, ServiceSpec, ServiceStatus,
+            SessionAffinityConfig,
+        };
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+        let mut labels = std::collections::BTreeMap::new();
+        if c.headless_label {
+            labels.insert(LABEL_HEADLESS.to_string(), String::new());
+        }
+        if let Some(p) = &c.service_proxy_name {
+            labels.insert(LABEL_SERVICE_PROXY_NAME.to_string(), p.to_string());
+        }
+        let annotations = c
+            .lb_algorithm
+            .as_ref()
+            .map(|a| [(ANNOTATION_LB_ALGORITHM.to_string(), a.to_string())].into());
+        let spec = c.spec.as_deref().map(|s| ServiceSpec {
+            type_: owned(&s.type_),
+            cluster_ip: s.cluster_ip.as_deref().map(String::from),
+            cluster_ips: strings(&s.cluster_ips),
+            ip_families: (!s.ip_families.is_empty())
+                .then(|| s.ip_families.iter().map(|f| f.to_string()).collect()),
+            ip_family_policy: owned(&s.ip_family_policy),
+            ports: (!s.ports.is_empty()).then(|| {
+                s.ports
+                    .iter()
+                    .map(|p| ServicePort {
+                        name: owned(&p.name),
+                        protocol: owned(&p.protocol),
+                        port: p.port,
+                        node_port: p.node_port,
+                        target_port: p.target_port.clone(),
+                        app_protocol: owned(&p.app_protocol),
+                    })
+                    .collect()
+            }),
+            selector: (!s.selector.is_empty()).then(|| {
+                s.selector
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            }),
+            publish_not_ready_addresses: s.publish_not_ready_addresses,
+            session_affinity: owned(&s.session_affinity),
+            session_affinity_config: s.affinity_timeout_seconds.map(|t| SessionAffinityConfig {
+                client_ip: Some(ClientIPConfig {
+                    timeout_seconds: Some(t),
+                }),
+            }),
+            external_ips: strings(&s.external_ips),
+            load_balancer_source_ranges: strings(&s.load_balancer_source_ranges),
+            external_traffic_policy: owned(&s.external_traffic_policy),
+            internal_traffic_policy: owned(&s.internal_traffic_policy),
+            health_check_node_port: s.health_check_node_port,
+            allocate_load_balancer_node_ports: s.allocate_load_balancer_node_ports,
+            ..ServiceSpec::default()
+        });
+        let status = (!c.lb_ingress.is_empty()).then(|| ServiceStatus {
+            load_balancer: Some(LoadBalancerStatus {
+                ingress: Some(
+                    c.lb_ingress
+                        .iter()
+                        .map(|(ip, mode)| LoadBalancerIngress {
+                            ip: ip.as_deref().map(String::from),
+                            ip_mode: owned(mode),
+                            ..LoadBalancerIngress::default()
+                        })
+                        .collect(),
+                ),
+            }),
+            ..ServiceStatus::default()
+        });
+        Service {
+            metadata: ObjectMeta {
+                namespace: Some(c.namespace.to_string()),
+                name: Some(c.name.to_string()),
+                creation_timestamp: c.creation_timestamp.map(Time),
+                labels: (!labels.is_empty()).then_some(labels),
+                annotations,
+                ..ObjectMeta::default()
+            },
+            spec,
+            status,
+        }
+    }
+}
+
+/// The EndpointSlice as an API object with what the model reads of it
+/// (see the Service's conversion).
+impl From<&CompactSlice> for EndpointSlice {
+    fn from(c: &CompactSlice) -> Self {
+        use k8s_openapi::api::discovery::v1::{
+            EndpointConditions, EndpointHints, EndpointPort, ForNode, ForZone,
+        };
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        EndpointSlice {
+            metadata: ObjectMeta {
+                namespace: Some(c.namespace.to_string()),
+                name: Some(c.name.to_string()),
+                labels: c
+                    .service_name
+                    .as_ref()
+                    .map(|s| [(LABEL_SERVICE_NAME.to_string(), s.to_string())].into()),
+                annotations: c.trigger_time.as_ref().map(|t| {
+                    [(
+                        ANNOTATION_LAST_CHANGE_TRIGGER_TIME.to_string(),
+                        t.to_string(),
+                    )]
+                    .into()
+                }),
+                ..ObjectMeta::default()
+            },
+            address_type: c.address_type.to_string(),
+            endpoints: c
+                .endpoints
+                .iter()
+                .map(|e| Endpoint {
+                    addresses: e.address.iter().map(|a| a.to_string()).collect(),
+                    conditions: Some(EndpointConditions {
+                        ready: e.ready,
+                        serving: e.serving,
+                        terminating: e.terminating,
+                    }),
+                    node_name: owned(&e.node_name),
+                    zone: owned(&e.zone),
+                    hints: e.hints.as_deref().map(|h| EndpointHints {
+                        for_zones: Some(
+                            h.zones
+                                .iter()
+                                .map(|z| ForZone {
+                                    name: z.to_string(),
+                                })
+                                .collect(),
+                        ),
+                        for_nodes: Some(
+                            h.nodes
+                                .iter()
+                                .map(|n| ForNode {
+                                    name: n.to_string(),
+                                })
+                                .collect(),
+                        ),
+                    }),
+                    ..Endpoint::default()
+                })
+                .collect(),
+            ports: (!c.ports.is_empty()).then(|| {
+                c.ports
+                    .iter()
+                    .map(|p| EndpointPort {
+                        name: owned(&p.name),
+                        protocol: owned(&p.protocol),
+                        port: p.port,
+                        app_protocol: None,
+                    })
+                    .collect()
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field the model reads survives compact → API object →
+    /// compact, so a snapshot of a compact store computes what the store
+    /// does.
+    #[test]
+    fn a_compact_object_converted_back_and_again_is_the_same() {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "shop",
+                "creationTimestamp": "2026-01-02T03:04:05Z",
+                "labels": {"service.kubernetes.io/headless": "",
+                           "service.kubernetes.io/service-proxy-name": "other", "app": "x"},
+                "annotations": {ANNOTATION_LB_ALGORITHM: "maglev", "other": "y"}},
+            "spec": {"type": "LoadBalancer", "clusterIP": "198.19.0.1",
+                "clusterIPs": ["198.19.0.1", "2001:2::1"], "ipFamilies": ["IPv4", "IPv6"],
+                "ipFamilyPolicy": "PreferDualStack",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": "web",
+                           "nodePort": 30080, "appProtocol": "http"},
+                          {"port": 53, "protocol": "UDP", "targetPort": 5353}],
+                "selector": {"app": "web", "tier": "front"}, "publishNotReadyAddresses": true,
+                "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}},
+                "externalIPs": ["198.18.9.9"], "loadBalancerSourceRanges": ["198.18.0.0/16"],
+                "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Cluster",
+                "healthCheckNodePort": 31000, "allocateLoadBalancerNodePorts": false},
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.18.7.7", "ipMode": "Proxy"}, {"hostname": "lb"}]}}
+        }))
+        .unwrap();
+        let c = CompactService::from(&svc);
+        assert_eq!(CompactService::from(&Service::from(&c)), c);
+        let bare = CompactService::from(&Service::default());
+        assert_eq!(CompactService::from(&Service::from(&bare)), bare);
+
+        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-abc", "namespace": "shop",
+                "labels": {LABEL_SERVICE_NAME: "web"},
+                "annotations": {ANNOTATION_LAST_CHANGE_TRIGGER_TIME: "2026-01-02T03:04:05Z"}},
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": ["198.18.0.1", "198.18.0.2"], "conditions": {"ready": false, "terminating": true},
+                 "nodeName": "n1", "zone": "z1",
+                 "hints": {"forZones": [{"name": "z1"}], "forNodes": [{"name": "n1"}]}},
+                {"addresses": []}
+            ],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}, {"port": null}]
+        }))
+        .unwrap();
+        let c = CompactSlice::from(&slice);
+        assert_eq!(CompactSlice::from(&EndpointSlice::from(&c)), c);
+    }
+}
