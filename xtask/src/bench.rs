@@ -344,6 +344,7 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
                     bulk: Vec::new(),
                     host_conn: Vec::new(),
                     host_rate: Vec::new(),
+                    http: Vec::new(),
                 });
             measure_round(ml, &positions, main_pos, cfg, d)?;
         }
@@ -364,6 +365,8 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
             bulk_bps: median(&mut d.bulk.clone()),
             host_conn: (!d.host_conn.is_empty()).then(|| merge_conn(&d.host_conn)),
             host_conn_rate: median(&mut d.host_rate.clone()),
+            http_rps: median(&mut d.http.iter().map(|h| h.0).collect::<Vec<_>>()),
+            http_failed: d.http.iter().map(|h| h.1).sum(),
             checks: Vec::new(),
         };
         mr.checks = checks(&mr, cfg.endpoints);

@@ -18,6 +18,8 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "netcat-openbsd",
     "ethtool",
     "procps",
+    // The bench's HTTP cell: wrk with short connections (issue 13).
+    "wrk",
     // The kernel matrix's VMs (`cargo xtask test --kernel`): qemu, the
     // guests' busybox, and the tools that unpack Debian's kernel modules.
     "qemu-system-x86",

@@ -8,7 +8,9 @@
 //!   request, one response);
 //! - `K`: ack with `k`, then echo every byte until EOF (request/response on
 //!   a kept connection);
-//! - `B`: count bytes until EOF, reply the count as a little-endian u64.
+//! - `B`: count bytes until EOF, reply the count as a little-endian u64;
+//! - `G`: an HTTP/1.1 `GET` (wrk's): read the request head, answer `200`
+//!   with a 2-byte body and `Connection: close`, close.
 //!
 //! UDP: every datagram is answered with one byte, the pod index.
 //!
@@ -89,6 +91,18 @@ fn serve_conn(mut s: TcpStream, peer: SocketAddr, idx: usize) -> io::Result<()> 
                 }
                 pending = m;
             }
+        }
+        b'G' => {
+            // The request head ends with an empty line; 8 kB at most.
+            let mut head = n;
+            while !buf[..head].windows(4).any(|w| w == b"\r\n\r\n") && head < 8192 {
+                let m = s.read(&mut buf[head..8192])?;
+                if m == 0 {
+                    return Ok(());
+                }
+                head += m;
+            }
+            s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")?;
         }
         b'B' => {
             let mut total = (n - 1) as u64;
@@ -337,6 +351,64 @@ pub fn conn_rate(
     Ok((ok as f64 / start.elapsed().as_secs_f64(), failed))
 }
 
+/// HTTP requests per second that `wrk` (one thread, 8 connections, each
+/// request on a connection of its own: `Connection: close`) gets from
+/// `target` in `duration`, from namespace `ns`, pinned to [`CLIENT_CPU`];
+/// and the requests that failed (socket errors, timeouts, non-2xx). `None`
+/// without `wrk` (installed by `cargo xtask setup`).
+pub fn http_rps(ns: &str, target: SocketAddr, duration: Duration) -> Result<Option<(f64, u64)>> {
+    let out = match std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            "taskset",
+            "-c",
+            &CLIENT_CPU.to_string(),
+            "wrk",
+        ])
+        .args(["-t1", "-c8", "--timeout", "3s"])
+        .arg(format!("-d{}s", duration.as_secs().max(1)))
+        .args(["-H", "Connection: close"])
+        .arg(format!("http://{target}/"))
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => return Err(anyhow!("running wrk: {e}")),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("wrk") && err.contains("No such file") {
+            return Ok(None);
+        }
+        return Err(anyhow!("wrk failed: {err}{text}"));
+    }
+    Ok(Some(parse_wrk(&text)?))
+}
+
+/// wrk's `Requests/sec` and its failed requests (the `Socket errors` line's
+/// counts and `Non-2xx or 3xx responses`).
+fn parse_wrk(text: &str) -> Result<(f64, u64)> {
+    let rps = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .ok_or_else(|| anyhow!("no Requests/sec in wrk's output: {text}"))?;
+    let mut failed = 0;
+    for line in text.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("Socket errors:") {
+            failed += rest
+                .split(',')
+                .filter_map(|kv| kv.split_whitespace().last()?.parse::<u64>().ok())
+                .sum::<u64>();
+        } else if let Some(rest) = line.strip_prefix("Non-2xx or 3xx responses:") {
+            failed += rest.trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    Ok((rps, failed))
+}
+
 /// Result of a request/response cell.
 #[derive(Debug, Clone)]
 pub struct RrCell {
@@ -512,4 +584,26 @@ pub fn first_success(
         };
     }
     Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrk_output_gives_its_rate_and_failures() {
+        let out = "Running 3s test @ http://198.19.0.1:8080/
+  1 threads and 8 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   402.10us  101.23us   3.01ms   80.12%
+    Req/Sec    19.51k     1.02k   21.03k    70.00%
+  58303 requests in 3.00s, 5.56MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 4
+Requests/sec:  19434.45
+Transfer/sec:      1.85MB
+";
+        assert_eq!(parse_wrk(out).unwrap(), (19434.45, 7));
+        assert!(parse_wrk("Running 3s test").is_err());
+    }
 }

@@ -1,6 +1,7 @@
 //! Traffic measurements: one round of a mode's cells (connection latency
 //! per target position, connection rate, TCP and UDP request/response,
-//! bulk throughput), each cell redone when the machine was noisy.
+//! bulk throughput, HTTP requests with wrk), each cell redone when the
+//! machine was noisy.
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
@@ -49,6 +50,7 @@ pub(super) struct RoundData {
     pub(super) bulk: Vec<f64>,
     pub(super) host_conn: Vec<ConnStats>,
     pub(super) host_rate: Vec<f64>,
+    pub(super) http: Vec<(f64, u64)>,
 }
 
 /// Runs `f` with this process in the node's cgroup (where the proxy's
@@ -149,6 +151,13 @@ pub(super) fn measure_round(
         load::bulk(&ml.client_ns, targets[0], cfg.bulk_duration)
     })?;
     data.bulk.push(b);
+    let (h, _, _) = cell(ml, cfg, || {
+        load::http_rps(&ml.client_ns, targets[0], cfg.rate_duration)
+    })?;
+    match h {
+        Some(h) => data.http.push(h),
+        None => log("wrk is not installed (cargo xtask setup installs it): no HTTP cell"),
+    }
     // Host clients: the same target from the node's own namespace.
     let (h, _, _) = cell(ml, cfg, || {
         as_node_process(ml, || {

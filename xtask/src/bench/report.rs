@@ -171,9 +171,9 @@ fn family_tables(s: &mut String, n: &NResult, family: Family) {
     {
         let _ = writeln!(
             s,
-            "| mode | conn p50 | conn p99 | conn p99.9 | conn/s | TCP RR p50 | UDP RR p50 | bulk Gbit/s |"
+            "| mode | conn p50 | conn p99 | conn p99.9 | conn/s | HTTP req/s (wrk, close) | TCP RR p50 | UDP RR p50 | bulk Gbit/s |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
         let metric = |m: &str, f: &dyn Fn(&ModeResult, &str) -> Option<f64>| -> Option<f64> {
             get(m).and_then(|mr| f(mr, m))
         };
@@ -192,6 +192,7 @@ fn family_tables(s: &mut String, n: &NResult, family: Family) {
                 1,
             ),
             (Box::new(|mr: &ModeResult, _: &str| mr.conn_rate), 0),
+            (Box::new(|mr: &ModeResult, _: &str| mr.http_rps), 0),
             (
                 Box::new(|mr: &ModeResult, _: &str| mr.tcp_rr.as_ref().map(|x| x.p50_us)),
                 1,
@@ -211,7 +212,7 @@ fn family_tables(s: &mut String, n: &NResult, family: Family) {
         ))) {
             let mut row = format!("| {mode} |");
             if mode == "proxy-xdp" {
-                row.push_str(" n/a (XDP only changes external traffic to backends on other nodes; none in this lab) | | | | | | |");
+                row.push_str(" n/a (XDP only changes external traffic to backends on other nodes; none in this lab) | | | | | | | |");
                 let _ = writeln!(s, "{row}");
                 continue;
             }

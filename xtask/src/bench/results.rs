@@ -75,6 +75,11 @@ pub struct ModeResult {
     pub host_conn: Option<ConnStats>,
     /// New connections per second from the node's own namespace.
     pub host_conn_rate: Option<f64>,
+    /// HTTP requests per second with wrk, a connection per request
+    /// (`Connection: close`), at the main target; and the requests that
+    /// failed over the rounds.
+    pub http_rps: Option<f64>,
+    pub http_failed: u64,
     /// The harness's own checks.
     pub checks: Vec<Check>,
 }
@@ -316,6 +321,7 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
     });
     let drops: usize = mr.conn.values().map(|c| c.failed).sum::<usize>()
         + mr.conn_rate_failed
+        + usize::try_from(mr.http_failed).unwrap_or(usize::MAX)
         + mr.tcp_rr.as_ref().map_or(0, |r| r.failed)
         + mr.udp_rr.as_ref().map_or(0, |r| r.failed);
     let first = mr
