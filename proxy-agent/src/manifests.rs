@@ -29,11 +29,13 @@ pub struct Snapshot {
 }
 
 /// Where loading puts each object it read.
-pub trait Sink {
+pub trait Sink: Default + Send {
     fn service(&mut self, svc: Service);
     fn endpoint_slice(&mut self, slice: EndpointSlice);
     fn pod(&mut self, pod: Pod);
     fn node(&mut self, node: Node);
+    /// Adds what `other` holds, after what this one holds.
+    fn append(&mut self, other: Self);
 }
 
 impl Sink for Snapshot {
@@ -48,6 +50,12 @@ impl Sink for Snapshot {
     }
     fn node(&mut self, node: Node) {
         self.nodes.push(node);
+    }
+    fn append(&mut self, other: Self) {
+        self.services.extend(other.services);
+        self.endpoint_slices.extend(other.endpoint_slices);
+        self.pods.extend(other.pods);
+        self.nodes.extend(other.nodes);
     }
 }
 
@@ -66,6 +74,9 @@ impl Sink for Vec<Object> {
     }
     fn node(&mut self, node: Node) {
         self.push(Object::from(node));
+    }
+    fn append(&mut self, mut other: Self) {
+        Vec::append(self, &mut other);
     }
 }
 
@@ -508,10 +519,10 @@ pub fn load_file(path: &Path, snapshot: &mut Snapshot, errors: &mut Vec<Manifest
 }
 
 /// Loads the documents of `text` (read from `path`, used in errors) into `snapshot`.
-pub fn load_str(
+pub fn load_str<S: Sink>(
     path: &Path,
     text: &str,
-    snapshot: &mut impl Sink,
+    snapshot: &mut S,
     errors: &mut Vec<ManifestError>,
 ) {
     // A byte-order mark may start the file, or a line of it where files
@@ -526,80 +537,129 @@ pub fn load_str(
     } else {
         text
     };
-    for (index, (first_line, doc)) in split_documents(text).into_iter().enumerate() {
-        let index = index + 1;
-        let err = |object: Option<ObjectRef>, message: String| ManifestError {
-            file: path.to_path_buf(),
-            document: Some(index),
-            object,
-            message,
-            duplicate: false,
-        };
-        // A JSON document (what generators write) is parsed as JSON, several
-        // times faster; anything it cannot take goes the YAML way, whose
-        // errors name the field.
-        if load_json(doc, snapshot) {
-            continue;
+    let docs = split_documents(text);
+    // Many documents (a generated file of thousands of Services) are read
+    // on every CPU, in chunks whose objects and errors are then put in
+    // document order: each document is read alone.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    if threads < 2 || docs.len() < PARALLEL_DOCUMENTS {
+        for (index, (first_line, doc)) in docs.into_iter().enumerate() {
+            load_document(path, index + 1, first_line, doc, snapshot, errors);
         }
-        if let Some(line) = too_deep(doc) {
-            errors.push(err(
-                None,
-                format!(
-                    "line {}: brackets nested more than {MAX_FLOW_DEPTH} levels deep",
-                    line + first_line
-                ),
-            ));
-            continue;
+        return;
+    }
+    let chunk = docs.len().div_ceil(threads);
+    let parts = std::thread::scope(|scope| {
+        let handles: Vec<_> = docs
+            .chunks(chunk)
+            .enumerate()
+            .map(|(c, part)| {
+                scope.spawn(move || {
+                    let mut sink = S::default();
+                    let mut errors = Vec::new();
+                    for (i, (first_line, doc)) in part.iter().enumerate() {
+                        let index = c * chunk + i + 1;
+                        load_document(path, index, *first_line, doc, &mut sink, &mut errors);
+                    }
+                    (sink, errors)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect::<Vec<_>>()
+    });
+    for (sink, errs) in parts {
+        snapshot.append(sink);
+        errors.extend(errs);
+    }
+}
+
+/// Files with at least this many documents are read on several threads.
+const PARALLEL_DOCUMENTS: usize = 2_048;
+
+/// Loads one document of `path` (1-based `index`, starting at line
+/// `first_line` of the file) into `snapshot`.
+fn load_document<S: Sink>(
+    path: &Path,
+    index: usize,
+    first_line: usize,
+    doc: &str,
+    snapshot: &mut S,
+    errors: &mut Vec<ManifestError>,
+) {
+    let err = |object: Option<ObjectRef>, message: String| ManifestError {
+        file: path.to_path_buf(),
+        document: Some(index),
+        object,
+        message,
+        duplicate: false,
+    };
+    // A JSON document (what generators write) is parsed as JSON, several
+    // times faster; anything it cannot take goes the YAML way, whose
+    // errors name the field.
+    if load_json(doc, snapshot) {
+        return;
+    }
+    if let Some(line) = too_deep(doc) {
+        errors.push(err(
+            None,
+            format!(
+                "line {}: brackets nested more than {MAX_FLOW_DEPTH} levels deep",
+                line + first_line
+            ),
+        ));
+        return;
+    }
+    let value: Value = match yaml_serde::from_str(doc) {
+        Ok(v) => v,
+        Err(e) => {
+            errors.push(err(None, yaml_message(&e, first_line)));
+            return;
         }
-        let value: Value = match yaml_serde::from_str(doc) {
-            Ok(v) => v,
-            Err(e) => {
-                errors.push(err(None, yaml_message(&e, first_line)));
-                continue;
+    };
+    if value.is_null() {
+        return;
+    }
+    let object = object_ref(&value);
+    if !value.is_mapping() {
+        errors.push(err(
+            None,
+            "not a mapping (an object needs apiVersion and kind)".into(),
+        ));
+        return;
+    }
+    let (Some(api_version), Some(kind)) =
+        (str_field(&value, "apiVersion"), str_field(&value, "kind"))
+    else {
+        errors.push(err(Some(object), "missing apiVersion or kind".into()));
+        return;
+    };
+    if (api_version, kind) == ("v1", "List") {
+        let items = match value.get("items") {
+            None | Some(Value::Null) => return,
+            Some(Value::Sequence(items)) => items,
+            Some(_) => {
+                errors.push(err(Some(object), "items: expected a sequence".into()));
+                return;
             }
         };
-        if value.is_null() {
-            continue;
-        }
-        let object = object_ref(&value);
-        if !value.is_mapping() {
-            errors.push(err(
-                None,
-                "not a mapping (an object needs apiVersion and kind)".into(),
-            ));
-            continue;
-        }
-        let (Some(api_version), Some(kind)) =
-            (str_field(&value, "apiVersion"), str_field(&value, "kind"))
-        else {
-            errors.push(err(Some(object), "missing apiVersion or kind".into()));
-            continue;
-        };
-        if (api_version, kind) == ("v1", "List") {
-            let items = match value.get("items") {
-                None | Some(Value::Null) => continue,
-                Some(Value::Sequence(items)) => items,
-                Some(_) => {
-                    errors.push(err(Some(object), "items: expected a sequence".into()));
-                    continue;
-                }
-            };
-            for (i, item) in items.iter().enumerate() {
-                let result = yaml_serde::to_string(item)
-                    .map_err(|e| e.to_string())
-                    .and_then(|text| dispatch(item, &text, snapshot));
-                if let Err(message) = result {
-                    errors.push(err(
-                        Some(object_ref(item)),
-                        format!("items[{i}]: {message}"),
-                    ));
-                }
+        for (i, item) in items.iter().enumerate() {
+            let result = yaml_serde::to_string(item)
+                .map_err(|e| e.to_string())
+                .and_then(|text| dispatch(item, &text, snapshot));
+            if let Err(message) = result {
+                errors.push(err(
+                    Some(object_ref(item)),
+                    format!("items[{i}]: {message}"),
+                ));
             }
-            continue;
         }
-        if let Err(message) = dispatch(&value, doc, snapshot) {
-            errors.push(err(Some(object), message));
-        }
+        return;
+    }
+    if let Err(message) = dispatch(&value, doc, snapshot) {
+        errors.push(err(Some(object), message));
     }
 }
 

@@ -677,3 +677,41 @@ fn a_byte_order_mark_starting_a_file_or_a_joined_one_is_skipped() {
         assert_eq!(names(&snap.services), expected, "{text:?}");
     }
 }
+
+/// A file of thousands of documents is read on several threads: the
+/// objects keep the file's order, and an error still names its document,
+/// whichever chunk read it.
+#[test]
+fn a_file_of_thousands_of_documents_keeps_their_order_and_numbers() {
+    let n = 5_000;
+    let bad = 3_777;
+    let mut text = String::new();
+    for i in 0..n {
+        let port = if i + 1 == bad { "eighty" } else { "80" };
+        text.push_str(&format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: svc-{i}}}\nspec: {{clusterIP: 198.19.{}.{}, ports: [{{port: {port}}}]}}\n",
+            i / 256,
+            i % 256
+        ));
+    }
+    let mut snap = Snapshot::default();
+    let mut errors = Vec::new();
+    load_str(Path::new("many.yaml"), &text, &mut snap, &mut errors);
+    let names: Vec<String> = snap
+        .services
+        .iter()
+        .map(|s| s.metadata.name.clone().unwrap())
+        .collect();
+    let expected: Vec<String> = (0..n)
+        .filter(|i| i + 1 != bad)
+        .map(|i| format!("svc-{i}"))
+        .collect();
+    assert_eq!(names, expected);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].document, Some(bad));
+    assert!(
+        errors[0].to_string().contains(&format!("svc-{}", bad - 1)),
+        "{}",
+        errors[0]
+    );
+}

@@ -406,3 +406,45 @@ fn a_change_recomputes_only_the_services_it_concerns() {
     let update = model.apply([Change::Applied(Object::from(n))]);
     assert_eq!(update.services, 0, "{update:?}");
 }
+
+/// Thousands of Services at once (a start, read from a file of thousands
+/// of documents) give what the same objects give applied one by one, each
+/// computed alone: contested frontends, slices, pods and the node included.
+/// Every Service has an age of its own, so that who owns a contested
+/// frontend does not depend on who came first.
+#[test]
+fn thousands_of_services_at_once_give_what_one_at_a_time_gives() {
+    let mut r = Rng::new(77);
+    let mut objects = vec![Object::from(node(&mut r))];
+    for i in 0..3_000 {
+        let mut svc = service(&mut r);
+        svc.metadata.name = Some(format!("svc-{i}"));
+        svc.metadata.creation_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                jiff::Timestamp::from_second(1_700_000_000 + i).unwrap(),
+            ));
+        let ns = svc.metadata.namespace.clone();
+        let mut s = slice(&mut r);
+        s.metadata.name = Some(format!("svc-{i}-a"));
+        s.metadata.namespace = ns;
+        s.metadata.labels =
+            Some([("kubernetes.io/service-name".to_string(), format!("svc-{i}"))].into());
+        objects.push(Object::from(&svc));
+        objects.push(Object::from(&s));
+        if i % 100 == 0 {
+            objects.push(Object::from(pod(&mut r)));
+        }
+    }
+    let mut at_once = Incremental::new("node-a", ModelOptions::default());
+    at_once.apply(objects.iter().cloned().map(Change::Applied));
+    let mut one_by_one = Incremental::new("node-a", ModelOptions::default());
+    for o in objects {
+        one_by_one.apply([Change::Applied(o)]);
+    }
+    let (a, b) = (at_once.desired(), one_by_one.desired());
+    assert!(a.frontends.len() >= 20, "{}", a.frontends.len());
+    assert_eq!(differences(a, b), Default::default());
+    assert_eq!(a.health_checks, b.health_checks);
+    assert_eq!(a.service_order, b.service_order);
+    assert_eq!(at_once.warnings(), one_by_one.warnings());
+}
