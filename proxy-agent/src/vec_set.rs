@@ -10,13 +10,18 @@
 //! pays a shift of its entries per insertion, a copy of a few kB.
 use std::borrow::Borrow;
 
-/// An ordered set in a sorted vector (see the module docs).
+use smallvec::SmallVec;
+
+/// An ordered set in a sorted vector (see the module docs). One entry is
+/// held in place, without an allocation: most of these sets have one (the
+/// Service claiming an address, a Service's slice, the frontend using a
+/// backend).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct VecSet<T>(Vec<T>);
+pub struct VecSet<T>(SmallVec<[T; 1]>);
 
 impl<T> Default for VecSet<T> {
     fn default() -> Self {
-        Self(Vec::new())
+        Self(SmallVec::new())
     }
 }
 
@@ -30,7 +35,7 @@ impl<T: Ord> VecSet<T> {
         match self.0.binary_search(&value) {
             Ok(_) => false,
             Err(i) => {
-                grow_exact(&mut self.0);
+                grow_exact_small(&mut self.0);
                 self.0.insert(i, value);
                 true
             }
@@ -93,7 +98,7 @@ impl<T: Ord> FromIterator<T> for VecSet<T> {
         v.sort();
         v.dedup();
         v.shrink_to_fit();
-        Self(v)
+        Self(SmallVec::from_vec(v))
     }
 }
 
@@ -199,6 +204,14 @@ fn grow_exact<T>(v: &mut Vec<T>) {
     }
 }
 
+/// [`grow_exact`] for a set's vector: past its one entry in place, room for
+/// one more at a time while it is small.
+fn grow_exact_small<T>(v: &mut SmallVec<[T; 1]>) {
+    if v.len() == v.capacity() && v.len() < 4 {
+        v.reserve_exact(1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,7 +263,9 @@ mod tests {
     fn a_single_entry_allocates_one_slot() {
         let mut set = VecSet::new();
         set.insert((String::from("default"), String::from("web")));
-        assert_eq!(set.0.capacity(), 1);
+        assert!(!set.0.spilled(), "one entry in place");
+        set.insert((String::from("default"), String::from("x")));
+        assert_eq!(set.0.capacity(), 2);
         let mut map = VecMap::new();
         map.get_or_insert_with(1u8, || 2u8);
         assert_eq!(map.0.capacity(), 1);

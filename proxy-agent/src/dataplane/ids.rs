@@ -79,6 +79,11 @@ pub(super) struct BackendIds {
 }
 
 impl BackendIds {
+    /// Rebuilds its map with full nodes ([`crate::model::repack`]).
+    pub(super) fn repack(&mut self) {
+        crate::model::repack(&mut self.by_addr);
+    }
+
     /// Takes over the ids of programmed `backends`. Two ids for one address
     /// (leftovers): one in `live` (a slot packets may read names it) wins, then
     /// the lowest. `highest`: the highest backend id any entry names; new ids
@@ -157,6 +162,12 @@ pub(super) struct RevNatIds {
 }
 
 impl RevNatIds {
+    /// Rebuilds its maps with full nodes ([`crate::model::repack`]).
+    pub(super) fn repack(&mut self) {
+        crate::model::repack(&mut self.by_key);
+        crate::model::repack(&mut self.owner);
+    }
+
     /// Takes over the reverse-NAT ids that programmed slot 0 entries name, in
     /// the order given: the first frontend naming an id owns it; 0 is no id.
     /// `highest`: the highest reverse-NAT id any entry names. `size`: the

@@ -82,6 +82,11 @@ impl fmt::Debug for SyncReport {
     }
 }
 
+/// The first full sync with at least this many frontends, or one that
+/// adds this many and at least a quarter of those held, repacks the
+/// writer's maps.
+const REPACK_AT: usize = 1_024;
+
 /// One frontend's entries in the services map, as programmed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct FrontendEntries {
@@ -520,8 +525,31 @@ impl<D: Dataplane> Writer<D> {
             .chain(self.users.keys())
             .copied()
             .collect();
+        let first = !self.synced;
         self.users.update(&scope, desired);
-        self.run(desired, scope, true)
+        let report = self.run(desired, scope, true);
+        let added = report.frontends_added;
+        if (first || added.saturating_mul(4) >= self.frontends.len())
+            && self.frontends.len().max(added) >= REPACK_AT
+        {
+            self.repack();
+        }
+        report
+    }
+
+    /// Rebuilds the mirror's maps with full nodes, after the first sync (a
+    /// start, or maps adopted from a previous agent) or one that added many
+    /// frontends: filled in key order, a `BTreeMap` keeps its nodes about
+    /// half full ([`crate::model::repack`]).
+    fn repack(&mut self) {
+        use crate::model::repack;
+        repack(&mut self.frontends);
+        repack(&mut self.backends);
+        repack(&mut self.rev_nat);
+        repack(&mut self.slot_refs);
+        self.backend_ids.repack();
+        self.rev_nat_ids.repack();
+        self.users.repack();
     }
 
     /// Makes the dataplane equal to `desired` as [`Writer::sync`] would, when

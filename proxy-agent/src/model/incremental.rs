@@ -201,8 +201,8 @@ impl LocalSets {
 /// How many slices place each address on this node and on others.
 #[derive(Default)]
 struct LocalCounts {
-    here: BTreeMap<IpAddr, usize>,
-    elsewhere: BTreeMap<IpAddr, usize>,
+    here: BTreeMap<IpAddr, u32>,
+    elsewhere: BTreeMap<IpAddr, u32>,
 }
 
 impl LocalCounts {
@@ -233,6 +233,15 @@ impl LocalCounts {
     fn is_local(&self, addr: &IpAddr) -> bool {
         self.here.contains_key(addr) && !self.elsewhere.contains_key(addr)
     }
+}
+
+/// A batch of at least this many changes, and at least a quarter of the
+/// Services held, repacks the model's maps ([`Incremental::repack`]).
+const REPACK_AT: usize = 1_024;
+
+/// `map`, rebuilt from its entries in order: with full nodes.
+pub(crate) fn repack<K: Ord, V>(map: &mut BTreeMap<K, V>) {
+    *map = std::mem::take(map).into_iter().collect();
 }
 
 /// The model of one node, fed object changes (see the module docs).
@@ -397,7 +406,9 @@ impl Incremental {
         let mut node_changed = false;
         // Services added, removed or whose creationTimestamp changed.
         let mut aged: BTreeSet<ObjectKey> = BTreeSet::new();
+        let mut count = 0usize;
         for change in changes {
+            count += 1;
             match change {
                 Change::Applied(Object::Service(svc)) => {
                     let key = (svc.namespace.clone(), svc.name.clone());
@@ -509,7 +520,25 @@ impl Incremental {
             };
             up.other |= before != age;
         }
+        if count >= REPACK_AT && count.saturating_mul(4) >= self.services.len() {
+            self.repack();
+        }
         up
+    }
+
+    /// Rebuilds the maps that grow with the cluster with full nodes. A
+    /// `BTreeMap` filled in key order (a start: every object at once) keeps
+    /// its nodes about half full; built from a sorted list it fills them.
+    /// After a batch this large, the rebuild costs less than the batch did.
+    fn repack(&mut self) {
+        repack(&mut self.services);
+        repack(&mut self.slices);
+        repack(&mut self.slices_by_service);
+        repack(&mut self.outputs);
+        repack(&mut self.local.here);
+        repack(&mut self.local.elsewhere);
+        repack(&mut self.desired.frontends);
+        repack(&mut self.desired.service_order);
     }
 
     /// Services selecting `pod` (their synthesized slices change with it).
@@ -818,6 +847,7 @@ impl Incremental {
         let winner = claimants.and_then(|c| c.iter().next());
         let now = winner.and_then(|k| {
             let (_, local) = self.outputs.get(k)?.health_check?;
+            let local = local as usize;
             Some(HealthCheck {
                 service: format!("{}/{}", k.0, k.1),
                 local_endpoints: local,

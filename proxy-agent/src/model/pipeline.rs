@@ -142,10 +142,10 @@ pub(super) struct OwnedClaims {
 pub(super) struct ServiceOutput {
     /// Its claims, by what is owned.
     pub(super) claims: VecMap<Owned, OwnedClaims>,
-    pub(super) warnings: Vec<ModelWarning>,
+    pub(super) warnings: Box<[ModelWarning]>,
     /// The `healthCheckNodePort` it needs, with its number of local ready
     /// endpoint addresses.
-    pub(super) health_check: Option<(u16, usize)>,
+    pub(super) health_check: Option<(u16, u32)>,
     /// Its first port's nodePort, if any, per family it has
     /// ([`IpFamily::index`]): named when the node cannot serve NodePorts of
     /// that family.
@@ -267,7 +267,7 @@ pub(super) fn service_output(
         Ok(ips) => ips,
         Err(s) => {
             warn(format!("invalid clusterIP {s:?}; service skipped"));
-            out.warnings = warnings;
+            out.warnings = warnings.into();
             return out;
         }
     };
@@ -282,7 +282,7 @@ pub(super) fn service_output(
         None => true,
     });
     if cluster_ips.is_empty() {
-        out.warnings = warnings;
+        out.warnings = warnings.into();
         return out;
     }
     let families: Vec<IpFamily> = cluster_ips.iter().map(|ip| IpFamily::of(*ip)).collect();
@@ -590,9 +590,12 @@ pub(super) fn service_output(
         });
     }
 
-    out.health_check =
-        needs_health_check(spec, external_policy).map(|port| (port, local_ready.len()));
-    out.warnings = warnings;
+    out.health_check = needs_health_check(spec, external_policy).map(|port| {
+        // Beyond 2^32 - 1 local endpoints, that many (a count no node
+        // reaches).
+        (port, u32::try_from(local_ready.len()).unwrap_or(u32::MAX))
+    });
+    out.warnings = warnings.into();
     // Kept until the Service changes: no spare room (a first push reserves
     // four frontends, where most addresses have one or two).
     for claims in out.claims.values_mut() {

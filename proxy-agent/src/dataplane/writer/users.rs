@@ -57,6 +57,12 @@ pub(super) struct Users {
 }
 
 impl Users {
+    /// Rebuilds its maps with full nodes ([`crate::model::repack`]).
+    pub(super) fn repack(&mut self) {
+        crate::model::repack(&mut self.by_addr);
+        crate::model::repack(&mut self.lists);
+    }
+
     /// Every frontend indexed (desired at the last sync).
     pub(super) fn keys(&self) -> impl Iterator<Item = &FrontendKey> {
         self.lists.keys()
