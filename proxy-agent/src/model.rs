@@ -73,7 +73,6 @@ pub use compact::{
     intern, CompactEndpoint, CompactEndpointPort, CompactHints, CompactService, CompactServicePort,
     CompactServiceSpec, CompactSlice,
 };
-pub(crate) use incremental::repack;
 pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};
 pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
 pub use pipeline::{desired_state, desired_state_with};

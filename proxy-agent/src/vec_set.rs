@@ -8,6 +8,9 @@
 //! and removals shift the tail: linear in the entries, which suits the small
 //! sizes these hold. A large one (a thousand Services claiming one address)
 //! pays a shift of its entries per insertion, a copy of a few kB.
+//!
+//! [`repack`] is for the large maps: it rebuilds a `BTreeMap` with full
+//! nodes after a start has filled it in key order.
 use std::borrow::Borrow;
 
 use smallvec::SmallVec;
@@ -193,6 +196,13 @@ impl<K: Ord, V> std::ops::Index<&K> for VecMap<K, V> {
     fn index(&self, key: &K) -> &V {
         self.get(key).expect("key in VecMap")
     }
+}
+
+/// `map`, rebuilt from its entries in order, with full nodes. A `BTreeMap`
+/// filled in key order (every object at once, at a start) keeps its nodes
+/// about half full; built from a sorted list, it fills them.
+pub fn repack<K: Ord, V>(map: &mut std::collections::BTreeMap<K, V>) {
+    *map = std::mem::take(map).into_iter().collect();
 }
 
 /// Room for one more entry, exactly, while a vector is small: `Vec`'s

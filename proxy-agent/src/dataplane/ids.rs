@@ -79,9 +79,9 @@ pub(super) struct BackendIds {
 }
 
 impl BackendIds {
-    /// Rebuilds its map with full nodes ([`crate::model::repack`]).
+    /// Rebuilds its map with full nodes ([`crate::vec_set::repack`]).
     pub(super) fn repack(&mut self) {
-        crate::model::repack(&mut self.by_addr);
+        crate::vec_set::repack(&mut self.by_addr);
     }
 
     /// Takes over the ids of programmed `backends`. Two ids for one address
@@ -162,10 +162,10 @@ pub(super) struct RevNatIds {
 }
 
 impl RevNatIds {
-    /// Rebuilds its maps with full nodes ([`crate::model::repack`]).
+    /// Rebuilds its maps with full nodes ([`crate::vec_set::repack`]).
     pub(super) fn repack(&mut self) {
-        crate::model::repack(&mut self.by_key);
-        crate::model::repack(&mut self.owner);
+        crate::vec_set::repack(&mut self.by_key);
+        crate::vec_set::repack(&mut self.owner);
     }
 
     /// Takes over the reverse-NAT ids that programmed slot 0 entries name, in

@@ -540,9 +540,9 @@ impl<D: Dataplane> Writer<D> {
     /// Rebuilds the mirror's maps with full nodes, after the first sync (a
     /// start, or maps adopted from a previous agent) or one that added many
     /// frontends: filled in key order, a `BTreeMap` keeps its nodes about
-    /// half full ([`crate::model::repack`]).
+    /// half full ([`crate::vec_set::repack`]).
     fn repack(&mut self) {
-        use crate::model::repack;
+        use crate::vec_set::repack;
         repack(&mut self.frontends);
         repack(&mut self.backends);
         repack(&mut self.rev_nat);

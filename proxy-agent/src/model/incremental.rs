@@ -37,7 +37,7 @@ use super::{
     ModelWarning, ServiceAge,
 };
 use crate::manifests::Snapshot;
-use crate::vec_set::VecSet;
+use crate::vec_set::{repack, VecSet};
 
 /// An object's namespace (`default` when unset; empty for Nodes) and name,
 /// shared with the object (a key costs no string of its own).
@@ -238,11 +238,6 @@ impl LocalCounts {
 /// A batch of at least this many changes, and at least a quarter of the
 /// Services held, repacks the model's maps ([`Incremental::repack`]).
 const REPACK_AT: usize = 1_024;
-
-/// `map`, rebuilt from its entries in order: with full nodes.
-pub(crate) fn repack<K: Ord, V>(map: &mut BTreeMap<K, V>) {
-    *map = std::mem::take(map).into_iter().collect();
-}
 
 /// The model of one node, fed object changes (see the module docs).
 pub struct Incremental {

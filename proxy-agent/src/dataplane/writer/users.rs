@@ -57,10 +57,10 @@ pub(super) struct Users {
 }
 
 impl Users {
-    /// Rebuilds its maps with full nodes ([`crate::model::repack`]).
+    /// Rebuilds its maps with full nodes ([`crate::vec_set::repack`]).
     pub(super) fn repack(&mut self) {
-        crate::model::repack(&mut self.by_addr);
-        crate::model::repack(&mut self.lists);
+        crate::vec_set::repack(&mut self.by_addr);
+        crate::vec_set::repack(&mut self.lists);
     }
 
     /// Every frontend indexed (desired at the last sync).
