@@ -183,7 +183,8 @@ pub const ANNOTATIONS_READ: [&str; 2] =
 /// Drops what the agent never reads: `managedFields`, every annotation but
 /// those it reads ([`ANNOTATIONS_READ`]: the EndpointSlice trigger time, a
 /// Service's load-balancing algorithm), and the kind's own fields it never
-/// reads ([`Trim`]). Both sources keep objects trimmed so.
+/// reads ([`Trim`]). Both sources keep Nodes and Pods trimmed so; a Service
+/// or an EndpointSlice is then made compact, which keeps less still.
 pub fn trim<K: Trim>(obj: &mut K) {
     obj.managed_fields_mut().clear();
     let annotations = obj.annotations_mut();

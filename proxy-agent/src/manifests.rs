@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use notify::{EventKind, RecursiveMode, Watcher};
-
-use crate::model::Object;
 use serde::de::DeserializeOwned;
 use yaml_serde::Value;
+
+use crate::model::Object;
 
 /// Every object the manifests source read, in file order.
 #[derive(Clone, Debug, Default)]

@@ -7,8 +7,8 @@
 //! its labels; the model holds one of each per Service for as long as the
 //! Service exists. These forms are a fifth of that (issue 13: about 3 kB per
 //! Service in all). A source converts an object once, when it reads it
-//! ([`super::Object::service`], [`super::Object::endpoint_slice`]), and
-//! keeps only the compact form too.
+//! (`Object::from(&service)`, see [`super::Object`]), and keeps only the
+//! compact form too.
 //!
 //! Each field keeps the API's meaning, including "missing" where the model
 //! tells it from a default (`Option`); a list the model reads the same

@@ -235,8 +235,8 @@ impl LocalCounts {
     }
 }
 
-/// A batch of at least this many changes, and at least a quarter of the
-/// Services held, repacks the model's maps ([`Incremental::repack`]).
+/// A batch that computes at least this many Services again, and at least a
+/// quarter of those held, repacks the model's maps ([`Incremental::repack`]).
 const REPACK_AT: usize = 1_024;
 
 /// The model of one node, fed object changes (see the module docs).
@@ -401,9 +401,7 @@ impl Incremental {
         let mut node_changed = false;
         // Services added, removed or whose creationTimestamp changed.
         let mut aged: BTreeSet<ObjectKey> = BTreeSet::new();
-        let mut count = 0usize;
         for change in changes {
-            count += 1;
             match change {
                 Change::Applied(Object::Service(svc)) => {
                     let key = (svc.namespace.clone(), svc.name.clone());
@@ -490,6 +488,11 @@ impl Incremental {
                 }
             }
         }
+        // Many Services computed again (a start, a Node change): the maps
+        // they filled are repacked below. A resync that changed nothing
+        // computes none.
+        let repack =
+            dirty.len() >= REPACK_AT && dirty.len().saturating_mul(4) >= self.services.len();
         let node_problem_named = self.recompute(dirty, &mut up, &mut touched_local);
         up.warnings.extend(self.node_problems(&node_problem_named));
         for addr in touched_local {
@@ -515,7 +518,7 @@ impl Incremental {
             };
             up.other |= before != age;
         }
-        if count >= REPACK_AT && count.saturating_mul(4) >= self.services.len() {
+        if repack {
             self.repack();
         }
         up
