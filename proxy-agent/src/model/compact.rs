@@ -22,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::lb::ANNOTATION_LB_ALGORITHM;
 use super::services::{name, namespace};
-use super::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
+use super::{ObjectKey, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
 use crate::k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME;
 
 /// Strings shared by every object that holds them. Entries no object holds
@@ -211,6 +211,11 @@ impl CompactService {
     pub fn id(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+
+    /// Its key: namespace and name, shared with it.
+    pub fn key(&self) -> ObjectKey {
+        (self.namespace.clone(), self.name.clone())
+    }
 }
 
 /// An EndpointSlice as the model reads it.
@@ -291,6 +296,13 @@ impl CompactEndpoint {
                 .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
                 .map(Box::new),
         }
+    }
+}
+
+impl CompactSlice {
+    /// Its key: namespace and name, shared with it.
+    pub fn key(&self) -> ObjectKey {
+        (self.namespace.clone(), self.name.clone())
     }
 }
 

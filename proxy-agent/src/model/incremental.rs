@@ -121,8 +121,8 @@ impl Object {
     /// Its key: namespace (defaulted; empty for a Node) and name.
     pub fn key(&self) -> ObjectKey {
         match self {
-            Object::Service(o) => (o.namespace.clone(), o.name.clone()),
-            Object::EndpointSlice(o) => (o.namespace.clone(), o.name.clone()),
+            Object::Service(o) => o.key(),
+            Object::EndpointSlice(o) => o.key(),
             Object::Pod(o) => meta_key(&o.metadata),
             Object::Node(o) => ("".into(), name(&o.metadata).into()),
         }
@@ -404,7 +404,7 @@ impl Incremental {
         for change in changes {
             match change {
                 Change::Applied(Object::Service(svc)) => {
-                    let key = (svc.namespace.clone(), svc.name.clone());
+                    let key = svc.key();
                     let old = self.services.get(&key);
                     if same(old, &svc) {
                         continue;
@@ -422,7 +422,7 @@ impl Incremental {
                     }
                 }
                 Change::Applied(Object::EndpointSlice(slice)) => {
-                    let key = (slice.namespace.clone(), slice.name.clone());
+                    let key = slice.key();
                     if same(self.slices.get(&key), &slice) {
                         continue;
                     }
