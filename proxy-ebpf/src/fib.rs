@@ -3,7 +3,7 @@
 //! into a local pod, `bpf_redirect` / `bpf_redirect_neigh` otherwise (tc), or
 //! XDP_TX / XDP_REDIRECT (XDP) — so neither direction walks netfilter.
 
-use core::mem::size_of;
+use core::mem::{size_of, MaybeUninit};
 
 use aya_ebpf::{
     bindings::{
@@ -19,6 +19,7 @@ use crate::{
     maps::{count, IFACE_V1},
     nat::Tuple,
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_TTL_OFF},
+    zeroed::zeroed,
 };
 
 const AF_INET: u8 = 2;
@@ -26,13 +27,19 @@ const AF_INET: u8 = 2;
 /// nibble).
 const TCP_DOFF_OFF: usize = 12;
 
-/// FIB lookup parameters for an IPv4 packet of `pkt`'s protocol, on tuple
-/// `to`, arriving on `ifindex`, whose MTU check is on IPv4 length `tot_len`
-/// (0: no length; see [`tc_tot_len`]).
+/// Fills `slot` with the FIB lookup parameters for an IPv4 packet of
+/// `pkt`'s protocol, on tuple `to`, arriving on `ifindex`, whose MTU check is
+/// on IPv4 length `tot_len` (0: no length; see [`tc_tot_len`]). In place:
+/// see [`zeroed`].
 #[inline(always)]
-fn fib_params(pkt: &Packet, to: &Tuple, ifindex: u32, tot_len: u16) -> FibParams {
-    // SAFETY: zeroed plain-old-data struct.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
+fn fib_params<'a>(
+    slot: &'a mut MaybeUninit<FibParams>,
+    pkt: &Packet,
+    to: &Tuple,
+    ifindex: u32,
+    tot_len: u16,
+) -> &'a mut FibParams {
+    let p = zeroed(slot);
     p.family = AF_INET;
     p.l4_protocol = pkt.proto;
     p.sport = to.sport_be;
@@ -86,8 +93,10 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
         sport_be: pkt.sport_be,
         dport_be: pkt.dport_be,
     };
+    let mut slot = MaybeUninit::uninit();
     // SAFETY: the context pointer is valid for this program run.
-    let mut p = fib_params(
+    let p = fib_params(
+        &mut slot,
         pkt,
         &to,
         unsafe { (*ctx.skb.skb).ifindex },
@@ -97,7 +106,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     let rc = unsafe {
         bpf_fib_lookup(
             ctx.skb.skb as *mut _,
-            &mut p,
+            p as *mut _,
             size_of::<FibParams>() as i32,
             0,
         )
@@ -123,7 +132,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     if ctx.store(IP_TTL_OFF, &[new, check], 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    redirect(ctx, &p, rc)
+    redirect(ctx, p, rc)
 }
 
 /// The send of a tc frame the FIB answered for with `p` (`rc`: success, or
@@ -171,15 +180,28 @@ pub fn redirect(ctx: &TcContext, p: &FibParams, rc: u32) -> (i32, u32) {
     (r as i32, stat::REDIRECT)
 }
 
-/// The FIB's answer for the translated tuple `to` of an XDP frame: the output
+/// The FIB's answer for the translated tuple `to` of an XDP frame, written
+/// in `slot` (the caller's frame: no copy of it is returned): the output
 /// device and MACs, when XDP can send there itself (a complete answer, not a
 /// pod).
-pub fn xdp_fib(ctx: &XdpContext, pkt: &Packet, to: &Tuple) -> Option<FibParams> {
+#[inline(always)]
+pub fn xdp_fib<'a>(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    to: &Tuple,
+    slot: &'a mut MaybeUninit<FibParams>,
+) -> Option<&'a FibParams> {
     // An XDP frame is one wire frame: its own length is the one to check.
-    let mut p = fib_params(pkt, to, ctx.ingress_ifindex() as u32, pkt.tot_len);
+    let p = fib_params(slot, pkt, to, ctx.ingress_ifindex() as u32, pkt.tot_len);
     // SAFETY: params points to a stack struct of the size given.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
-        as u32;
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.ctx as *mut _,
+            p as *mut _,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    } as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
         return None;
     }

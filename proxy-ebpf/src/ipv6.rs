@@ -1267,8 +1267,8 @@ fn rewrite(ctx: &TcContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdic
 pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     count(code);
     let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
-    // SAFETY: zeroed plain-old-data struct.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let p: &mut FibParams = crate::zeroed::zeroed(&mut slot);
     p.family = AF_INET6;
     p.l4_protocol = pkt.proto;
     p.sport = pkt.sport_be;
@@ -1283,7 +1283,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     let rc = unsafe {
         bpf_fib_lookup(
             ctx.skb.skb as *mut _,
-            &mut p,
+            p as *mut _,
             size_of::<FibParams>() as i32,
             0,
         )
@@ -1300,5 +1300,5 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     if ctx.store(IP6_HOP_OFF, &(hop - 1), 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    crate::fib::redirect(ctx, &p, rc)
+    crate::fib::redirect(ctx, p, rc)
 }

@@ -54,6 +54,7 @@ mod tc;
 mod verdict;
 mod xdp;
 mod xdp6;
+mod zeroed;
 
 use aya_ebpf::bindings::TC_ACT_OK;
 use aya_ebpf::{

@@ -113,12 +113,13 @@ fn translate<const SEARCH: bool>(
     fe: &Svc4Value,
     scope: u8,
 ) -> Verdict {
-    let mut flow = Flow::default();
-    let mut verdict = forward::decide(pkt, fe, scope, &mut flow);
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let flow: &mut Flow = crate::zeroed::zeroed(&mut slot);
+    let mut verdict = forward::decide(pkt, fe, scope, flow);
     if SEARCH && matches!(verdict, Verdict::Drop(stat::DROP_NO_FREE_PORT)) {
         // Random tries failed: the whole range, from this frame.
-        if let Some(port_be) = nat::search_nat_port(pkt, &flow) {
-            verdict = forward::commit_searched(pkt, fe, &mut flow, port_be);
+        if let Some(port_be) = nat::search_nat_port(pkt, flow) {
+            verdict = forward::commit_searched(pkt, fe, flow, port_be);
         }
     }
     if !matches!(verdict, Verdict::Deliver(_)) {
@@ -130,7 +131,7 @@ fn translate<const SEARCH: bool>(
         pkt.daddr_be = flow.backend.addr_be;
         return verdict;
     }
-    let to = nat::forward_tuple(pkt, &flow);
+    let to = nat::forward_tuple(pkt, flow);
     if let Err(v) = nat::rewrite(ctx, pkt, &to) {
         return v;
     }

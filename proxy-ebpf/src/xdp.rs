@@ -102,10 +102,11 @@ fn transmit(
     to: &Tuple,
     code: u32,
 ) -> Result<(u32, u32), Verdict> {
-    let fib = fib::xdp_fib(ctx, pkt, to).ok_or(DEFER)?;
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let fib = fib::xdp_fib(ctx, pkt, to, &mut slot).ok_or(DEFER)?;
     if code != stat::FWD_HANDOFF {
         nat::xdp_rewrite(ctx, pkt, to)?;
     }
     count(code);
-    Ok(fib::xdp_send(ctx, &fib))
+    Ok(fib::xdp_send(ctx, fib))
 }

@@ -277,8 +277,8 @@ fn transmit(
     to: &Tuple6,
     code: u32,
 ) -> Result<(u32, u32), Verdict> {
-    // SAFETY: zeroed plain-old-data struct.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let p: &mut FibParams = crate::zeroed::zeroed(&mut slot);
     p.family = AF_INET6;
     p.l4_protocol = pkt.proto;
     p.sport = to.sport_be;
@@ -288,8 +288,14 @@ fn transmit(
     p.__bindgen_anon_3.ipv6_src = to.saddr_be;
     p.__bindgen_anon_4.ipv6_dst = to.daddr_be;
     // SAFETY: params points to a stack struct of the size given.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) }
-        as u32;
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.ctx as *mut _,
+            p as *mut _,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    } as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
         return Err(DEFER);
     }
