@@ -114,26 +114,44 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
     }
-    // Forwarding decrements the TTL, as the stack would have: TTL,
-    // protocol and the header checksum (updated here) are one store.
-    let Ok(ttl_csum) = tc_load::<[u16; 2]>(ctx, IP_TTL_OFF) else {
+    // Forwarding decrements the TTL, as the stack would have. The frame's
+    // first 26 bytes (MACs, EtherType, the IPv4 header up to its checksum)
+    // are read and, TTL and checksum updated and the FIB's MACs in, written
+    // back in one store: two helper calls were one each.
+    let Ok(mut head) = tc_load::<[u8; HEAD_LEN]>(ctx, 0) else {
         return pass;
     };
-    let [ttl, proto] = ttl_csum[0].to_ne_bytes();
+    let (ttl, proto) = (head[IP_TTL_OFF], head[IP_TTL_OFF + 1]);
     if ttl <= 1 {
         return (TC_ACT_OK, stat::PASS_TTL);
     }
+    let old = u16::from_ne_bytes([ttl, proto]);
     let new = u16::from_ne_bytes([ttl - 1, proto]);
     let check = csum::update(
-        ttl_csum[1],
-        &[ttl_csum[0], 0, 0, 0, 0, 0],
+        u16::from_ne_bytes([head[IP_TTL_OFF + 2], head[IP_TTL_OFF + 3]]),
+        &[old, 0, 0, 0, 0, 0],
         &[new, 0, 0, 0, 0, 0],
     );
-    if ctx.store(IP_TTL_OFF, &[new, check], 0).is_err() {
+    if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        // `bpf_redirect_neigh` writes the MACs: TTL, protocol, checksum.
+        if ctx.store(IP_TTL_OFF, &[new, check], 0).is_err() {
+            return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
+        }
+        return redirect(ctx, p, rc);
+    }
+    head[..6].copy_from_slice(&p.dmac);
+    head[6..12].copy_from_slice(&p.smac);
+    head[IP_TTL_OFF] = ttl - 1;
+    head[IP_TTL_OFF + 2..].copy_from_slice(&check.to_ne_bytes());
+    if ctx.store(0, &head, 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    redirect(ctx, p, rc)
+    send(p)
 }
+
+/// The bytes of a frame [`deliver`] writes back: up to the end of the IPv4
+/// header checksum.
+const HEAD_LEN: usize = IP_TTL_OFF + 4;
 
 /// The send of a tc frame the FIB answered for with `p` (`rc`: success, or
 /// no neighbour entry yet), either family, its TTL or hop limit already
@@ -164,6 +182,13 @@ pub fn redirect(ctx: &TcContext, p: &FibParams, rc: u32) -> (i32, u32) {
     if ctx.store(0, &macs, 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
+    send(p)
+}
+
+/// The redirect of a tc frame whose MACs are the FIB's (`p`):
+/// `bpf_redirect_peer` into a pod, `bpf_redirect` otherwise.
+#[inline(always)]
+fn send(p: &FibParams) -> (i32, u32) {
     let pod = match IFACE_V1.get_ptr(p.ifindex) {
         // SAFETY: map value pointer, read once.
         Some(i) => (unsafe { (*i).flags } & iface_flags::POD) != 0,

@@ -333,8 +333,8 @@ fn sctp_ports(ctx: &TcContext, pkt: &Packet, to: &Tuple) -> Result<(), Verdict> 
 /// leaves the field to the device, and a port does not change it then;
 /// `CHECKSUM_COMPLETE` wants `skb->csum` updated with a pseudo-header
 /// address). The IPv4 header checksum is plain data: it is computed here and
-/// written with both addresses in one store, as both ports are in another
-/// (a field left as it was is written again: a branch per field here
+/// written with both addresses and, without IP options, both ports in one
+/// store (a field left as it was is written again: a branch per field here
 /// multiplies the paths the verifier walks, measured past its million
 /// instructions in `pod_ingress`).
 pub fn rewrite(ctx: &TcContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verdict> {
@@ -357,6 +357,12 @@ pub fn rewrite(ctx: &TcContext, pkt: &mut Packet, to: &Tuple) -> Result<(), Verd
         &[os[0], os[1], od[0], od[1], 0, 0],
         &[ns[0], ns[1], nd[0], nd[1], 0, 0],
     );
+    if pkt.l4_present && pkt.l4_off == IP_CSUM_OFF + 10 {
+        // No IP options: checksum, addresses and ports are 14 contiguous
+        // bytes, one store.
+        let tail = [check, ns[0], ns[1], nd[0], nd[1], to.sport_be, to.dport_be];
+        return ctx.store(IP_CSUM_OFF, &tail, 0).map_err(|_| REWRITE_FAILED);
+    }
     // Checksum, source, destination: bytes 10..20 of the IPv4 header.
     let tail = [check, ns[0], ns[1], nd[0], nd[1]];
     ctx.store(IP_CSUM_OFF, &tail, 0)
