@@ -369,8 +369,9 @@ enum SyncScope {
 
 /// One sync: read what changed in the source, compute the desired state of
 /// the Services it concerns, write the difference.
-/// A sync that computed at least this many Services gives the heap's free
-/// pages back ([`release_freed_memory`]).
+/// A sync that computed at least this many Services, or a full sync of at
+/// least this many frontends, gives the heap's free pages back
+/// ([`release_freed_memory`]).
 const RELEASE_AFTER: usize = 1_024;
 
 /// Gives the heap's free pages back to the system after a sync that built
@@ -463,7 +464,13 @@ fn sync_once(
             },
         ),
     };
-    if scope == SyncScope::Initial || update.services >= RELEASE_AFTER {
+    // A full sync of a large cluster builds and drops sets of every
+    // frontend (9 MiB at 50,000 in `control_plane_cost`): given back too,
+    // for 2 ms at 50,000, against the 200 ms the sync took.
+    if scope == SyncScope::Initial
+        || update.services >= RELEASE_AFTER
+        || (scope == SyncScope::Full && desired.frontends.len() >= RELEASE_AFTER)
+    {
         release_freed_memory();
     }
     // Over capacity, thousands of frontends fail the same way at every sync:
