@@ -55,20 +55,21 @@ fn rss_mib() -> f64 {
 }
 
 /// What the agent does after its first sync and after a full one
-/// (`release_freed_memory`): the heap's free pages given back.
+/// ([`proxy_agent::alloc::release_freed_memory`]).
 fn give_back() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: works on the allocator's own free lists, under its locks.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    proxy_agent::alloc::release_freed_memory();
 }
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// The agent's allocator, as its binary sets it.
+#[global_allocator]
+static ALLOCATOR: proxy_agent::alloc::Allocator = proxy_agent::alloc::Allocator;
+
 fn main() {
+    proxy_agent::alloc::configure();
     let ns: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())

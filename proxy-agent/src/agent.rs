@@ -367,27 +367,13 @@ enum SyncScope {
     Full,
 }
 
-/// One sync: read what changed in the source, compute the desired state of
-/// the Services it concerns, write the difference.
 /// A sync that computed at least this many Services, or a full sync of at
 /// least this many frontends, gives the heap's free pages back
-/// ([`release_freed_memory`]).
+/// ([`crate::alloc::release_freed_memory`]).
 const RELEASE_AFTER: usize = 1_024;
 
-/// Gives the heap's free pages back to the system after a sync that built
-/// much and dropped much (the first: every object read, the maps repacked),
-/// so that the agent's RSS is what it keeps. glibc keeps freed memory for
-/// later allocations otherwise (20 MiB of 161 at 50,000 Services in
-/// `control_plane_cost`); musl's allocator (the image's) returns it itself.
-fn release_freed_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: `malloc_trim` only works on the allocator's own free lists,
-    // under its own locks; any thread may call it at any time.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
+/// One sync: read what changed in the source, compute the desired state of
+/// the Services it concerns, write the difference.
 fn sync_once(
     cfg: &RunConfig,
     source: &mut dyn Source,
@@ -471,7 +457,7 @@ fn sync_once(
         || update.services >= RELEASE_AFTER
         || (scope == SyncScope::Full && desired.frontends.len() >= RELEASE_AFTER)
     {
-        release_freed_memory();
+        crate::alloc::release_freed_memory();
     }
     // Over capacity, thousands of frontends fail the same way at every sync:
     // the first few are named, the rest counted.

@@ -5,6 +5,7 @@
 //! writes, in make-before-break order, through a [`dataplane::Dataplane`]: the
 //! BPF maps ([`bpf`]) or an in-memory one for tests.
 pub mod agent;
+pub mod alloc;
 pub mod bpf;
 pub mod cli;
 pub mod config;

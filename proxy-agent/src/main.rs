@@ -11,6 +11,10 @@ use proxy_agent::{
 };
 use tracing::{info, warn};
 
+/// mimalloc (see [`proxy_agent::alloc`]).
+#[global_allocator]
+static ALLOCATOR: proxy_agent::alloc::Allocator = proxy_agent::alloc::Allocator;
+
 async fn run(a: RunArgs) -> anyhow::Result<()> {
     let settings = Settings::from_flags(&a).context("configuration")?;
     if let Some(cidr) = settings.cluster_cidr {
@@ -46,6 +50,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    proxy_agent::alloc::configure();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
