@@ -12,7 +12,11 @@
 //! - mimalloc, purging freed pages at once: 1.02–1.22 s and 146–148 MiB
 //!   (glibc build), 1.18–1.23 s and 145 MiB (musl build). With its default
 //!   10 ms purge delay it kept 183–222 MiB: a thread that goes idle never
-//!   purges.
+//!   purges, and the syncs run on whichever tokio worker is free, so
+//!   [`release_freed_memory`] (this thread's heap) cannot reach it. A
+//!   longer delay programs faster (`control_plane_cost 50000`, 1 s delay:
+//!   793–801 ms against 832–1,090) but peaks higher (194 MiB against 128
+//!   before the pages are given back), and a memory limit sees the peak.
 //!
 //! The binary sets it as the global allocator and calls [`configure`] first
 //! thing; the library's tests keep the system allocator (the memory test
