@@ -218,6 +218,14 @@ pub fn xdp_fib<'a>(
 ) -> Option<&'a FibParams> {
     // An XDP frame is one wire frame: its own length is the one to check.
     let p = fib_params(slot, pkt, to, ctx.ingress_ifindex() as u32, pkt.tot_len);
+    xdp_lookup(ctx, p).then_some(&*p)
+}
+
+/// The FIB lookup of an XDP frame of either family, on the parameters `p`
+/// holds (answered in `p`): whether XDP can send the frame there itself (a
+/// complete answer, not a pod, which tc delivers to).
+#[inline(always)]
+pub fn xdp_lookup(ctx: &XdpContext, p: &mut FibParams) -> bool {
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -227,10 +235,7 @@ pub fn xdp_fib<'a>(
             0,
         )
     } as u32;
-    if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
-        return None;
-    }
-    Some(p)
+    rc == BPF_FIB_LKUP_RET_SUCCESS && IFACE_V1.get_ptr(p.ifindex).is_none()
 }
 
 /// TTL, MACs, then XDP_TX (same device) or XDP_REDIRECT.

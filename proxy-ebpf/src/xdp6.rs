@@ -14,12 +14,10 @@
 // against its 512 bytes for the whole chain of calls.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
-use core::mem::size_of;
-
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup as FibParams, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
+    bindings::{bpf_fib_lookup as FibParams, xdp_action},
     btf_maps::ProgramArray,
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect},
+    helpers::{bpf_ktime_get_ns, bpf_redirect},
     macros::btf_map,
     programs::XdpContext,
 };
@@ -33,7 +31,7 @@ use crate::{
     ipv6::{
         self, Ipv6Hdr, Packet6, Tuple6, ESTABLISHED, ETH_P_IPV6, FRAGMENT_NONE, NOT_ESTABLISHED,
     },
-    maps::{account, count, IFACE_V1, SVC6_V2},
+    maps::{account, count, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
     verdict::Verdict,
 };
@@ -287,16 +285,7 @@ fn transmit(
     p.ifindex = ctx.ingress_ifindex() as u32;
     p.__bindgen_anon_3.ipv6_src = to.saddr_be;
     p.__bindgen_anon_4.ipv6_dst = to.daddr_be;
-    // SAFETY: params points to a stack struct of the size given.
-    let rc = unsafe {
-        bpf_fib_lookup(
-            ctx.ctx as *mut _,
-            p as *mut _,
-            size_of::<FibParams>() as i32,
-            0,
-        )
-    } as u32;
-    if rc != BPF_FIB_LKUP_RET_SUCCESS || IFACE_V1.get_ptr(p.ifindex).is_some() {
+    if !crate::fib::xdp_lookup(ctx, p) {
         return Err(DEFER);
     }
     if code != stat::FWD_HANDOFF {
