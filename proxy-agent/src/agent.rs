@@ -451,8 +451,8 @@ fn sync_once(
         ),
     };
     // A full sync of a large cluster builds and drops sets of every
-    // frontend (9 MiB at 50,000 in `control_plane_cost`): given back too,
-    // for 2 ms at 50,000, against the 200 ms the sync took.
+    // frontend (9 MiB at 50,000 that glibc's malloc kept): given back too,
+    // 0.2 ms at 50,000 with mimalloc, against the 130 ms the sync takes.
     if scope == SyncScope::Initial
         || update.services >= RELEASE_AFTER
         || (scope == SyncScope::Full && desired.frontends.len() >= RELEASE_AFTER)
