@@ -310,17 +310,24 @@ impl FileCache {
                 Ok(text) => load_str(&path, &text, &mut one, &mut file_errors),
                 Err(e) => file_errors.push(file_error(&path, format!("cannot read file: {e}"))),
             }
-            // In the order `load_paths` dedupes in: by kind, then as read.
-            one.sort_by_key(Object::kind);
-            let mut seen = Seen::default();
-            let objects: std::collections::BTreeMap<FileKey, Object> = one
-                .into_iter()
-                .filter_map(|o| {
-                    let (kind, key) = (o.kind(), o.key());
-                    seen.first(kind.name(), &key.0, &key.1, &path, &mut file_errors)
-                        .then_some(((kind, key), o))
-                })
-                .collect();
+            // As `load_paths` dedupes: of the objects of one key, the first
+            // read is kept, each later one reported. Sorted by key, stably
+            // (one sort, keys compared once, no set of names to build).
+            let mut keyed: Vec<(FileKey, Object)> =
+                one.into_iter().map(|o| ((o.kind(), o.key()), o)).collect();
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut unique: Vec<(FileKey, Object)> = Vec::with_capacity(keyed.len());
+            for (key, o) in keyed {
+                match unique.last() {
+                    Some((last, _)) if *last == key => {
+                        let (kind, (namespace, name)) = &key;
+                        file_errors.push(read_twice(kind.name(), namespace, name, &path));
+                    }
+                    _ => unique.push((key, o)),
+                }
+            }
+            // Already sorted: built without sorting again.
+            let objects: std::collections::BTreeMap<FileKey, Object> = unique.into_iter().collect();
             let named_in_errors: BTreeSet<FileKey> = file_errors
                 .iter()
                 .filter(|e| !e.duplicate)
@@ -475,31 +482,7 @@ impl Seen {
         let key = (kind, namespace.to_string(), name.to_string());
         match self.0.get(&key) {
             Some(first) => {
-                let (_, namespace, name) = key;
-                let same_file = first == file;
-                let message = if same_file {
-                    format!(
-                        "duplicate {kind}: read twice from {}; the first one is used, this one is ignored",
-                        file.display()
-                    )
-                } else {
-                    format!(
-                        "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
-                        first.display(),
-                        file.display()
-                    )
-                };
-                errors.push(ManifestError {
-                    file: file.to_path_buf(),
-                    document: None,
-                    object: Some(ObjectRef {
-                        kind: Some(kind.to_string()),
-                        namespace: (!namespace.is_empty()).then_some(namespace),
-                        name: Some(name),
-                    }),
-                    message,
-                    duplicate: true,
-                });
+                errors.push(duplicate_of(kind, namespace, name, file, first));
                 false
             }
             None => {
@@ -508,6 +491,45 @@ impl Seen {
             }
         }
     }
+}
+
+/// The warning for a duplicate (`kind`, `namespace`, `name`) read from
+/// `file`, the one used having been read from `first`.
+fn duplicate_of(
+    kind: &str,
+    namespace: &str,
+    name: &str,
+    file: &Path,
+    first: &Path,
+) -> ManifestError {
+    let message = if first == file {
+        format!(
+            "duplicate {kind}: read twice from {}; the first one is used, this one is ignored",
+            file.display()
+        )
+    } else {
+        format!(
+            "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
+            first.display(),
+            file.display()
+        )
+    };
+    ManifestError {
+        file: file.to_path_buf(),
+        document: None,
+        object: Some(ObjectRef {
+            kind: Some(kind.to_string()),
+            namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
+            name: Some(name.to_string()),
+        }),
+        message,
+        duplicate: true,
+    }
+}
+
+/// The warning for an object `file` holds twice (or more).
+fn read_twice(kind: &str, namespace: &str, name: &str, file: &Path) -> ManifestError {
+    duplicate_of(kind, namespace, name, file, file)
 }
 
 /// Loads one file into `snapshot`.

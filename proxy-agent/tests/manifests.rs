@@ -445,6 +445,68 @@ fn the_file_cache_names_only_what_changed() {
     assert!(matches!(changes[0], Change::Deleted(Kind::Service, _)));
 }
 
+/// The file cache dedupes within one file as `load_paths` does: of a
+/// Service written twice in one file the first copy is kept and the second
+/// reported ("read twice"); an object of another kind with the same name is
+/// no duplicate; later documents of the file are still read.
+#[test]
+fn the_file_cache_keeps_the_first_copy_of_an_object_a_file_holds_twice() {
+    use proxy_agent::model::{Change, Object};
+    let svc = |name: &str, ip: &str| {
+        format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+    };
+    let slice = "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [198.18.1.1]}]\nports: [{port: 8080}]\n";
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.yaml");
+    std::fs::write(
+        &a,
+        svc("web", "198.19.0.10")
+            + slice
+            + &svc("web", "198.19.0.11")
+            + &svc("web", "198.19.0.12")
+            + &svc("zz", "198.19.0.13"),
+    )
+    .unwrap();
+    let mut cache = manifests::FileCache::default();
+    let (changes, errors) = cache.refresh(&[dir.path().to_path_buf()]);
+    assert_eq!(errors.len(), 2, "two later copies: {errors:?}");
+    for e in &errors {
+        let text = e.to_string();
+        assert!(
+            e.duplicate
+                && text.contains("Service shop/web")
+                && text.contains(&format!("read twice from {}", a.display())),
+            "{text}"
+        );
+    }
+    let services: Vec<(String, Option<String>)> = changes
+        .iter()
+        .filter_map(|c| match c {
+            Change::Applied(Object::Service(s)) => Some((
+                s.name.to_string(),
+                s.spec
+                    .as_ref()
+                    .and_then(|p| p.cluster_ip.as_deref().map(String::from)),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        services,
+        [
+            ("web".to_string(), Some("198.19.0.10".to_string())),
+            ("zz".to_string(), Some("198.19.0.13".to_string()))
+        ],
+        "the first copy, and the Service after the duplicates"
+    );
+    assert!(
+        changes
+            .iter()
+            .any(|c| matches!(c, Change::Applied(Object::EndpointSlice(s)) if &*s.name == "web")),
+        "the EndpointSlice named as the Service is no duplicate: {changes:?}"
+    );
+}
+
 /// JSON documents take a faster parser: the same objects as the YAML path,
 /// and a bad one still gets the YAML path's error naming the field.
 #[test]
