@@ -284,19 +284,28 @@ impl FileCache {
                 }
             }
             let read_at = std::time::SystemTime::now();
+            // A file read before has its content compared first, through a
+            // small buffer: one that did not change (a large file read again
+            // because it was read within a second of being written) costs
+            // no copy of itself, 35 MB for 50,000 Services.
+            let cached = match cached {
+                Some(mut c) if file_hash(&path).is_ok_and(|h| h == c.hash) => {
+                    c.stamp = stamp;
+                    c.read_at = read_at;
+                    self.files.push((path, c));
+                    continue;
+                }
+                other => other,
+            };
             let mut one: Vec<Object> = Vec::new();
             let mut file_errors = Vec::new();
             let text = std::fs::read_to_string(&path);
             // A file that could not be read is read again at every refresh
             // (a chmod may fix it without its content changing).
             let stamp = if text.is_ok() { stamp } else { None };
-            let hash = text.as_ref().map_or(0, |t| {
-                use std::hash::{Hash, Hasher};
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                t.hash(&mut h);
-                h.finish()
-            });
+            let hash = text.as_ref().map_or(0, |t| content_hash(t.as_bytes()));
             if let Some(mut c) = cached {
+                // Changed back between the two reads.
                 if text.is_ok() && c.hash == hash {
                     c.stamp = stamp;
                     c.read_at = read_at;
@@ -382,6 +391,49 @@ impl FileCache {
             }
         }
         (changes, errors)
+    }
+}
+
+/// The pieces a file's content is hashed in: the same whether it is hashed
+/// from its text or read piece by piece ([`file_hash`]).
+const HASH_PIECE: usize = 64 * 1024;
+
+/// A hash of a file's content, `bytes`.
+fn content_hash(bytes: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for piece in bytes.chunks(HASH_PIECE) {
+        h.write(piece);
+    }
+    h.finish()
+}
+
+/// [`content_hash`] of the file at `path`, read through one buffer of
+/// [`HASH_PIECE`] bytes.
+fn file_hash(path: &Path) -> std::io::Result<u64> {
+    use std::hash::Hasher;
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut buf = vec![0u8; HASH_PIECE];
+    loop {
+        // Filled whole (a read may return less), as `chunks` cuts the text.
+        let mut len = 0;
+        while len < buf.len() {
+            match file.read(&mut buf[len..]) {
+                Ok(0) => break,
+                Ok(n) => len += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if len == 0 {
+            return Ok(h.finish());
+        }
+        h.write(&buf[..len]);
+        if len < buf.len() {
+            return Ok(h.finish());
+        }
     }
 }
 
@@ -1252,4 +1304,40 @@ pub fn keep_last_good(
         };
     }
     kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file's content hashes the same read piece by piece as from its
+    /// text, at sizes around the piece's, and differently once one byte
+    /// differs: the cache compares the two.
+    #[test]
+    fn a_file_hashes_as_its_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.yaml");
+        for len in [
+            0,
+            1,
+            HASH_PIECE - 1,
+            HASH_PIECE,
+            HASH_PIECE + 1,
+            3 * HASH_PIECE + 5,
+        ] {
+            let text: Vec<u8> = (0..len).map(|i| b"apiVersion: v1\n"[i % 15]).collect();
+            std::fs::write(&path, &text).unwrap();
+            assert_eq!(
+                file_hash(&path).unwrap(),
+                content_hash(&text),
+                "{len} bytes"
+            );
+            if len > 0 {
+                let mut other = text.clone();
+                other[len - 1] ^= 1;
+                assert_ne!(content_hash(&other), content_hash(&text), "{len} bytes");
+            }
+        }
+        assert!(file_hash(&dir.path().join("gone.yaml")).is_err());
+    }
 }
