@@ -2,7 +2,8 @@
 //! N Services (2 endpoints each, the bench's manifests) read by the manifests
 //! source, turned into the desired state by the incremental model and written
 //! by the writer to a dataplane that only counts operations (the map writes'
-//! own cost is the bench's to measure); then one change (a new Service in a
+//! own cost is the bench's to measure), as the agent takes them in the bench:
+//! after a first sync that found nothing, as changes; then one change (a new Service in a
 //! file of its own) through the same stages, as the agent runs them: the
 //! source reads only the new file, the model computes that Service, the
 //! writer writes its frontend. The last column is the periodic full sync
@@ -97,12 +98,21 @@ fn main() {
         let c = changes(&mut source);
         let read = ms(t);
         let rss_read = rss_mib();
+        // As the agent: its first sync (nothing yet), then the objects as
+        // changes.
+        writer.sync(model.desired());
         let t = Instant::now();
-        model.apply(c);
+        let update = model.apply(c);
         let model_ms = ms(t);
         let rss_model = rss_mib();
         let t = Instant::now();
-        let report = writer.sync(model.desired());
+        let report = writer.sync_changed(
+            model.desired(),
+            Changes {
+                frontends: &update.frontends,
+                local_endpoints: &update.local_endpoints,
+            },
+        );
         // Beyond 65,535 frontends the reverse-NAT ids (16 bits) run out:
         // the youngest Services are reported, not programmed.
         let refused = report.errors.len();
