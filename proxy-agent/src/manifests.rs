@@ -447,23 +447,8 @@ fn file_hash(path: &Path) -> std::io::Result<u64> {
 
 /// The warning for an object `other` holds too, `first` having it already.
 fn duplicate_error(key: &FileKey, first: &Path, other: &Path) -> ManifestError {
-    let kind = key.0.name();
-    let (namespace, name) = key.1.clone();
-    ManifestError {
-        file: other.to_path_buf(),
-        document: None,
-        object: Some(ObjectRef {
-            kind: Some(kind.to_string()),
-            namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
-            name: Some(name.to_string()),
-        }),
-        message: format!(
-            "duplicate {kind}: already read from {}; that one is used, this one (in {}) is ignored",
-            first.display(),
-            other.display()
-        ),
-        duplicate: true,
-    }
+    let (namespace, name) = &key.1;
+    duplicate_of(key.0.name(), namespace, name, other, first)
 }
 
 fn file_error(path: &Path, message: String) -> ManifestError {
