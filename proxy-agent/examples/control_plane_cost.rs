@@ -154,8 +154,13 @@ fn main() {
         let total = ms(t0);
         assert!(report.frontends_added == 1 || refused > 0, "{report:?}");
         let ops = writer.dataplane().ops - ops;
+        // The periodic resync: every file's content compared, the model
+        // fed what changed (nothing), the writer's full sync.
         let t = Instant::now();
-        let c = changes(&mut source);
+        let c = match source.resync() {
+            (SourceChanges::Changes(c), 0) => c,
+            other => panic!("{other:?}"),
+        };
         assert!(model.apply(c).is_empty());
         let report = writer.sync(model.desired());
         assert!(report.writes == 0 || refused > 0, "{report:?}");
