@@ -634,38 +634,40 @@ fn the_file_cache_sees_restored_times_removed_bad_files_and_duplicate_json_keys(
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].message.contains("duplicate"), "{}", errors[0]);
 
+    // A document with a key twice loads nothing and is reported as such.
+    let refused = |doc: &str, what: &str| {
+        std::fs::write(&j, doc).unwrap();
+        let (snap, errors) = load_paths(std::slice::from_ref(&j));
+        assert!(snap.services.is_empty(), "{what}: {:?}", snap.services);
+        assert!(
+            errors[0].message.contains("duplicate"),
+            "{what}: {}",
+            errors[0]
+        );
+    };
+
     // At the top level too, `kind` (read before the object is) included;
     // an escaped `apiVersion` is still `v1`.
     for doc in [
         r#"{"apiVersion":"v1","kind":"Pod","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","ports":[{"port":80}]}}"#,
         r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","ports":[{"port":80}]},"spec":{"clusterIP":"198.19.0.2","ports":[{"port":80}]}}"#,
     ] {
-        std::fs::write(&j, doc).unwrap();
-        let (snap, errors) = load_paths(std::slice::from_ref(&j));
-        assert!(snap.services.is_empty(), "{doc}: {:?}", snap.services);
-        assert!(
-            errors[0].message.contains("duplicate"),
-            "{doc}: {}",
-            errors[0]
-        );
+        refused(doc, doc);
     }
     std::fs::write(&j, r#"{"apiVersion":"v\u0031","kind":"Service","metadata":{"name":"web"},"spec":{"clusterIP":"198.19.0.1","ports":[{"port":80}]}}"#).unwrap();
     let (snap, errors) = load_paths(std::slice::from_ref(&j));
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(snap.services.len(), 1);
 
-    // In an object of many keys too (past the short linear search), and
+    // In an object of many keys too, and
     // with the second copy escaped: `\u006b0` is `k0`.
     let labels: Vec<String> = (0..40).map(|i| format!(r#""k{i}":"v""#)).collect();
     for dup in [r#""k0":"w""#, r#""\u006b0":"w""#, r#""k39":"w""#] {
-        std::fs::write(&j, format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"web","labels":{{{},{dup}}}}},"spec":{{"clusterIP":"198.19.0.1","ports":[{{"port":80}}]}}}}"#, labels.join(","))).unwrap();
-        let (snap, errors) = load_paths(std::slice::from_ref(&j));
-        assert!(snap.services.is_empty(), "{dup}: {:?}", snap.services);
-        assert!(
-            errors[0].message.contains("duplicate"),
-            "{dup}: {}",
-            errors[0]
+        let doc = format!(
+            r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"web","labels":{{{},{dup}}}}},"spec":{{"clusterIP":"198.19.0.1","ports":[{{"port":80}}]}}}}"#,
+            labels.join(",")
         );
+        refused(&doc, dup);
     }
     // Forty distinct keys load.
     std::fs::write(&j, format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"web","labels":{{{}}}}},"spec":{{"clusterIP":"198.19.0.1","ports":[{{"port":80}}]}}}}"#, labels.join(","))).unwrap();
