@@ -236,21 +236,49 @@ fn frontend_label(key: &FrontendKey, fe: Option<&Frontend>) -> String {
 /// Only the frontends of `scope` are ordered: among them, the order is the
 /// one all desired frontends have.
 fn capacity_order(desired: &DesiredState, scope: &BTreeSet<FrontendKey>) -> Vec<FrontendKey> {
-    // (missing from the order, age, Service, key)
-    let mut order: Vec<(bool, ServiceAge, &str, FrontendKey)> = scope
-        .iter()
-        .filter_map(|key| desired.frontends.get(key).map(|fe| (key, fe)))
+    let all = desired.frontends.len();
+    // A scope of a sixteenth of the frontends or more (a start, a full
+    // sync) is found by one walk of both sorted sets, not a search each.
+    let wide = scope.len().saturating_mul(16) >= all;
+    let in_scope: Vec<(&FrontendKey, &Frontend)> = if wide {
+        let mut wanted = scope.iter().peekable();
+        desired
+            .frontends
+            .iter()
+            .filter(|(key, _)| {
+                while wanted.next_if(|w| *w < *key).is_some() {}
+                wanted.next_if_eq(key).is_some()
+            })
+            .collect()
+    } else {
+        scope
+            .iter()
+            .filter_map(|key| desired.frontends.get_key_value(key))
+            .collect()
+    };
+    // The same for the ages: with many frontends to place, the Services'
+    // ages are read once into a hash map.
+    let ages: Option<foldhash::HashMap<&str, ServiceAge>> = wide.then(|| {
+        desired
+            .service_order
+            .iter()
+            .map(|(service, age)| (service.as_str(), *age))
+            .collect()
+    });
+    let age_of = |service: &str| match &ages {
+        Some(ages) => ages.get(service).copied(),
+        None => desired.service_order.get(service).copied(),
+    };
+    // (missing from the order, age, Service, key): keys are unique, so an
+    // unstable sort gives the one order.
+    let mut order: Vec<(bool, ServiceAge, &str, FrontendKey)> = in_scope
+        .into_iter()
         .map(|(key, fe)| {
-            let age = desired.service_order.get(&*fe.service);
-            (
-                age.is_none(),
-                age.copied().unwrap_or_default(),
-                &*fe.service,
-                *key,
-            )
+            let age = age_of(&fe.service);
+            (age.is_none(), age.unwrap_or_default(), &*fe.service, *key)
         })
         .collect();
-    order.sort();
+    order.sort_unstable();
     order.into_iter().map(|(_, _, _, key)| key).collect()
 }
 
@@ -632,8 +660,11 @@ impl<D: Dataplane> Writer<D> {
     ) -> SyncReport {
         self.backend_ids.begin_sync();
         self.rev_nat_ids.begin_sync();
+        let t0 = std::time::Instant::now();
+        let order = capacity_order(desired, &scope);
+        eprintln!("TMP capacity_order {} {:?}", scope.len(), t0.elapsed());
         let mut s = SyncState {
-            order: capacity_order(desired, &scope),
+            order,
             scope,
             full,
             ..SyncState::default()
@@ -819,5 +850,74 @@ impl SyncState {
             .filter(|k| !self.out.failed.contains(k))
             .count()
             .saturating_sub(report.frontends_added);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both ways of finding the scope's frontends and their Services' ages
+    /// (a walk for a wide scope, a search each for a narrow one) give the
+    /// order every desired frontend has, restricted to the scope.
+    #[test]
+    fn capacity_order_is_the_whole_order_restricted_to_the_scope() {
+        let mut desired = DesiredState::default();
+        let keys: Vec<FrontendKey> = (0..200u32)
+            .map(|i| FrontendKey {
+                addr: IpAddr::from([198, 18, (i / 7) as u8, (i * 37 % 251) as u8]),
+                port: 80 + (i % 3) as u16,
+                proto: 6,
+                scope: (i % 2) as u8,
+            })
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            // 40 Services of several frontends each; every seventh Service
+            // is missing from the order; ages repeat.
+            let service = format!("ns/svc-{}", (i * 13) % 40);
+            let fe = Frontend {
+                service: service.as_str().into(),
+                ..Frontend::default()
+            };
+            desired.frontends.insert(*key, fe);
+            if (i * 13) % 40 % 7 != 0 {
+                let age = ServiceAge::at_second(((i * 13) % 40 % 5) as i64);
+                desired.service_order.insert(service, age);
+            }
+        }
+        let whole = {
+            let mut all: Vec<(bool, ServiceAge, &str, FrontendKey)> = desired
+                .frontends
+                .iter()
+                .map(|(k, fe)| {
+                    let age = desired.service_order.get(&*fe.service);
+                    (
+                        age.is_none(),
+                        age.copied().unwrap_or_default(),
+                        &*fe.service,
+                        *k,
+                    )
+                })
+                .collect();
+            all.sort();
+            all.into_iter().map(|(_, _, _, k)| k).collect::<Vec<_>>()
+        };
+        let absent = FrontendKey {
+            addr: IpAddr::from([198, 19, 0, 1]),
+            port: 1,
+            proto: 6,
+            scope: 0,
+        };
+        for step in [1, 2, 5, 60, 199] {
+            // Every step-th key, and one not desired (a removed frontend).
+            let mut scope: BTreeSet<FrontendKey> = keys.iter().step_by(step).copied().collect();
+            scope.insert(absent);
+            let expected: Vec<FrontendKey> = whole
+                .iter()
+                .filter(|k| scope.contains(k))
+                .copied()
+                .collect();
+            assert_eq!(capacity_order(&desired, &scope), expected, "every {step}th");
+        }
     }
 }
