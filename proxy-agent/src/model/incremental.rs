@@ -239,6 +239,21 @@ impl LocalCounts {
 /// quarter of those held, repacks the model's maps ([`Incremental::repack`]).
 const REPACK_AT: usize = 1_024;
 
+/// A batch that computes at least this many Services computes them on
+/// every CPU ([`Incremental::compute`]); a smaller one is not worth a thread.
+const PARALLEL_AT: usize = 1_024;
+
+/// The most threads one batch computes on.
+const MAX_THREADS: usize = 4;
+
+/// What one Service asks for, computed from the objects alone: the local
+/// endpoints of its Pod-synthesized slices, and its output, or why it is
+/// ignored.
+struct Computed {
+    sets: LocalSets,
+    output: Result<ServiceOutput, &'static str>,
+}
+
 /// The model of one node, fed object changes (see the module docs).
 pub struct Incremental {
     opts: ModelOptions,
@@ -624,11 +639,13 @@ impl Incremental {
         let mut owned_touched: BTreeSet<Owned> = BTreeSet::new();
         let mut ports_touched: BTreeSet<u16> = BTreeSet::new();
         let mut first_node_port: FirstNodePorts = Default::default();
-        for key in dirty {
-            if let Some(old) = self.outputs.remove(&key) {
+        // What the dirty Services claimed and synthesized goes first (sets
+        // and counts: the order of removals and additions does not matter).
+        for key in &dirty {
+            if let Some(old) = self.outputs.remove(key) {
                 for owned in old.claims.keys() {
                     if let Some(c) = self.claimants.get_mut(owned) {
-                        c.remove(&key);
+                        c.remove(key);
                         if c.is_empty() {
                             self.claimants.remove(owned);
                         }
@@ -637,7 +654,7 @@ impl Incremental {
                 }
                 if let Some((port, _)) = old.health_check {
                     if let Some(c) = self.health_claimants.get_mut(&port) {
-                        c.remove(&key);
+                        c.remove(key);
                         if c.is_empty() {
                             self.health_claimants.remove(&port);
                         }
@@ -645,45 +662,30 @@ impl Incremental {
                     ports_touched.insert(port);
                 }
             }
-            if let Some(sets) = self.synth_local.remove(&key) {
+            if let Some(sets) = self.synth_local.remove(key) {
                 self.local.count(&sets, false, touched_local);
             }
-            let Some(svc) = self.services.get(&key) else {
+        }
+        // Then each one's output, computed from the objects alone, then
+        // recorded in key order.
+        let dirty: Vec<ObjectKey> = dirty.into_iter().collect();
+        let computed = self.compute(&dirty);
+        for (key, computed) in dirty.into_iter().zip(computed) {
+            let Some(Computed { sets, output }) = computed else {
                 continue;
             };
-            let mut synthesized = Vec::new();
-            if !self.pods.is_empty() {
-                let from: ObjectKey = (key.0.clone(), "".into());
-                let pods = self
-                    .pods
-                    .range(from..)
-                    .take_while(|(k, _)| k.0 == key.0)
-                    .map(|(_, p)| &**p);
-                service_slices_from_pods(svc, pods, &mut synthesized);
-            }
-            let synthesized: Vec<CompactSlice> =
-                synthesized.iter().map(CompactSlice::from).collect();
-            let sets = LocalSets::of(synthesized.iter(), &self.ctx.name);
             if !sets.here.is_empty() || !sets.elsewhere.is_empty() {
                 self.local.count(&sets, true, touched_local);
                 self.synth_local.insert(key.clone(), sets);
             }
             up.services += 1;
-            if let Some(why) = ignored(svc, &self.opts) {
-                tracing::trace!(service = %format!("{}/{}", key.0, key.1), why, "model: service ignored");
-                continue;
-            }
-            let mut slices: Vec<&CompactSlice> = self
-                .slices_by_service
-                .get(&key)
-                .into_iter()
-                .flatten()
-                .filter_map(|n| self.slices.get(&(key.0.clone(), n.clone())).map(|s| &**s))
-                .chain(synthesized.iter())
-                .collect();
-            // Stable: a real slice before a synthesized one of the same name.
-            slices.sort_by(|a, b| a.name.cmp(&b.name));
-            let out = service_output(svc, &slices, &self.ctx, &self.opts);
+            let out = match output {
+                Ok(out) => out,
+                Err(why) => {
+                    tracing::trace!(service = %format!("{}/{}", key.0, key.1), why, "model: service ignored");
+                    continue;
+                }
+            };
             up.warnings.extend(out.warnings.iter().cloned());
             for (first, p) in first_node_port.iter_mut().zip(out.first_node_port) {
                 if let (None, Some(p)) = (&first, p) {
@@ -713,6 +715,78 @@ impl Incremental {
             self.resolve_health_check(port, up);
         }
         first_node_port
+    }
+
+    /// What each Service of `keys` asks for now (`None`: the Service is
+    /// gone), from the objects the model holds alone, in the order of
+    /// `keys`. A batch of [`PARALLEL_AT`] Services or more (a start, a Node
+    /// change) is computed on every CPU, in contiguous parts.
+    fn compute(&self, keys: &[ObjectKey]) -> Vec<Option<Computed>> {
+        let threads = if keys.len() >= PARALLEL_AT {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS))
+        } else {
+            1
+        };
+        if threads == 1 {
+            return keys.iter().map(|k| self.compute_one(k)).collect();
+        }
+        let part = keys.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let mut parts = keys.chunks(part);
+            let first = parts.next().unwrap_or_default();
+            let others: Vec<_> = parts
+                .map(|keys| {
+                    scope
+                        .spawn(move || keys.iter().map(|k| self.compute_one(k)).collect::<Vec<_>>())
+                })
+                .collect();
+            let mut out: Vec<Option<Computed>> =
+                first.iter().map(|k| self.compute_one(k)).collect();
+            for t in others {
+                match t.join() {
+                    Ok(more) => out.extend(more),
+                    // A panic in a part is the model's own bug: raised here
+                    // as it would have been without the thread.
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            out
+        })
+    }
+
+    /// [`Incremental::compute`] for one Service.
+    fn compute_one(&self, key: &ObjectKey) -> Option<Computed> {
+        let svc = self.services.get(key)?;
+        let mut synthesized = Vec::new();
+        if !self.pods.is_empty() {
+            let from: ObjectKey = (key.0.clone(), "".into());
+            let pods = self
+                .pods
+                .range(from..)
+                .take_while(|(k, _)| k.0 == key.0)
+                .map(|(_, p)| &**p);
+            service_slices_from_pods(svc, pods, &mut synthesized);
+        }
+        let synthesized: Vec<CompactSlice> = synthesized.iter().map(CompactSlice::from).collect();
+        let sets = LocalSets::of(synthesized.iter(), &self.ctx.name);
+        if let Some(why) = ignored(svc, &self.opts) {
+            return Some(Computed {
+                sets,
+                output: Err(why),
+            });
+        }
+        let mut slices: Vec<&CompactSlice> = self
+            .slices_by_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.slices.get(&(key.0.clone(), n.clone())).map(|s| &**s))
+            .chain(synthesized.iter())
+            .collect();
+        // Stable: a real slice before a synthesized one of the same name.
+        slices.sort_by(|a, b| a.name.cmp(&b.name));
+        let output = Ok(service_output(svc, &slices, &self.ctx, &self.opts));
+        Some(Computed { sets, output })
     }
 
     /// Decides who owns `owned` among the Services claiming it, and makes
