@@ -579,15 +579,23 @@ impl<D: Dataplane> Writer<D> {
     /// start, or maps adopted from a previous agent) or one that added many
     /// frontends: filled in key order, a `BTreeMap` keeps its nodes about
     /// half full ([`crate::vec_set::repack`]).
+    /// The maps are independent: two CPUs rebuild them in two groups.
     fn repack(&mut self) {
         use crate::vec_set::repack;
-        repack(&mut self.frontends);
-        repack(&mut self.backends);
-        repack(&mut self.rev_nat);
-        repack(&mut self.slot_refs);
-        self.backend_ids.repack();
-        self.rev_nat_ids.repack();
-        self.users.repack();
+        let (frontends, users) = (&mut self.frontends, &mut self.users);
+        crate::vec_set::join(
+            || {
+                repack(frontends);
+                users.repack();
+            },
+            || {
+                repack(&mut self.backends);
+                repack(&mut self.rev_nat);
+                repack(&mut self.slot_refs);
+                self.backend_ids.repack();
+                self.rev_nat_ids.repack();
+            },
+        );
     }
 
     /// Makes the dataplane equal to `desired` as [`Writer::sync`] would, when
