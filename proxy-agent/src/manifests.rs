@@ -1207,7 +1207,16 @@ pub fn watch(
     let mut watcher =
         notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
             Ok(event) => {
-                if matches!(event.kind, EventKind::Access(_)) {
+                // A rename arrives as its names (`From`, `To`) and again as
+                // the pair (`Both`): the pair is no change of its own, and a
+                // second signal would make a second sync.
+                if matches!(
+                    event.kind,
+                    EventKind::Access(_)
+                        | EventKind::Modify(notify::event::ModifyKind::Name(
+                            notify::event::RenameMode::Both
+                        ))
+                ) {
                     return;
                 }
                 let relevant = event.need_rescan()
