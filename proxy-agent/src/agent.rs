@@ -770,6 +770,12 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
                 if source.ready() {
+                    // Signals already queued are for changes this sync
+                    // reads (a source updates what it holds, then
+                    // signals): left queued, they would make a second,
+                    // empty sync that moves the minSyncPeriod window, so
+                    // that a change a moment later waits for it.
+                    while changes.try_recv().is_ok() {}
                     // A change is written alone; a period without one
                     // compares everything (kube-proxy's syncPeriod).
                     let scope = if pending { SyncScope::Changes } else { SyncScope::Full };
