@@ -668,11 +668,8 @@ impl<D: Dataplane> Writer<D> {
     ) -> SyncReport {
         self.backend_ids.begin_sync();
         self.rev_nat_ids.begin_sync();
-        let t0 = std::time::Instant::now();
-        let order = capacity_order(desired, &scope);
-        eprintln!("TMP capacity_order {} {:?}", scope.len(), t0.elapsed());
         let mut s = SyncState {
-            order,
+            order: capacity_order(desired, &scope),
             scope,
             full,
             ..SyncState::default()
