@@ -18,6 +18,7 @@ pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod netfilter;
+pub mod parallel;
 pub mod privileges;
 pub mod servers;
 pub mod sockdiag;

@@ -610,7 +610,7 @@ pub fn load_str<S: Sink>(
     // Many documents (a generated file of thousands of Services) are read
     // on every CPU, in chunks whose objects and errors are then put in
     // document order: each document is read alone.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    let threads = crate::parallel::threads();
     if threads < 2 || docs.len() < PARALLEL_DOCUMENTS {
         for (index, (first_line, doc)) in docs.into_iter().enumerate() {
             load_document(path, index + 1, first_line, doc, snapshot, errors);
@@ -618,27 +618,22 @@ pub fn load_str<S: Sink>(
         return;
     }
     let chunk = docs.len().div_ceil(threads);
-    let parts = std::thread::scope(|scope| {
-        let handles: Vec<_> = docs
-            .chunks(chunk)
-            .enumerate()
-            .map(|(c, part)| {
-                scope.spawn(move || {
-                    let mut sink = S::default();
-                    let mut errors = Vec::new();
-                    for (i, (first_line, doc)) in part.iter().enumerate() {
-                        let index = c * chunk + i + 1;
-                        load_document(path, index, *first_line, doc, &mut sink, &mut errors);
-                    }
-                    (sink, errors)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect::<Vec<_>>()
-    });
+    let parts: Vec<_> = docs
+        .chunks(chunk)
+        .enumerate()
+        .map(|(c, part)| {
+            move || {
+                let mut sink = S::default();
+                let mut errors = Vec::new();
+                for (i, (first_line, doc)) in part.iter().enumerate() {
+                    let index = c * chunk + i + 1;
+                    load_document(path, index, *first_line, doc, &mut sink, &mut errors);
+                }
+                (sink, errors)
+            }
+        })
+        .collect();
+    let parts = crate::parallel::map_parts(parts);
     for (sink, errs) in parts {
         snapshot.append(sink);
         errors.extend(errs);

@@ -205,25 +205,6 @@ pub fn repack<K: Ord, V>(map: &mut std::collections::BTreeMap<K, V>) {
     *map = std::mem::take(map).into_iter().collect();
 }
 
-/// Runs `a` on a thread of its own while `b` runs on this one, where the
-/// machine has more than one CPU (else one after the other): for the
-/// repacks of independent maps after a large batch. A panic in `a` is
-/// raised here.
-pub fn join(a: impl FnOnce() + Send, b: impl FnOnce()) {
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
-        a();
-        b();
-        return;
-    }
-    std::thread::scope(|scope| {
-        let other = scope.spawn(a);
-        b();
-        if let Err(panic) = other.join() {
-            std::panic::resume_unwind(panic);
-        }
-    });
-}
-
 /// Room for one more entry, exactly, while a vector is small: `Vec`'s
 /// first push reserves four, which for most of these collections is three
 /// empty slots kept for good.

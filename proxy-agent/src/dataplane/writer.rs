@@ -583,7 +583,7 @@ impl<D: Dataplane> Writer<D> {
     fn repack(&mut self) {
         use crate::vec_set::repack;
         let (frontends, users) = (&mut self.frontends, &mut self.users);
-        crate::vec_set::join(
+        crate::parallel::join(
             || {
                 repack(frontends);
                 users.repack();

@@ -240,11 +240,9 @@ impl LocalCounts {
 const REPACK_AT: usize = 1_024;
 
 /// A batch that computes at least this many Services computes them on
-/// every CPU ([`Incremental::compute`]); a smaller one is not worth a thread.
+/// every CPU it may use, at most 4 ([`Incremental::compute`]); a smaller one
+/// is not worth a thread.
 const PARALLEL_AT: usize = 1_024;
-
-/// The most threads one batch computes on.
-const MAX_THREADS: usize = 4;
 
 /// What one Service asks for, computed from the objects alone: the local
 /// endpoints of its Pod-synthesized slices, and its output, or why it is
@@ -546,7 +544,7 @@ impl Incremental {
     /// The maps are independent: two CPUs rebuild them in two groups.
     fn repack(&mut self) {
         let (outputs, desired) = (&mut self.outputs, &mut self.desired);
-        crate::vec_set::join(
+        crate::parallel::join(
             || {
                 repack(outputs);
                 repack(&mut desired.frontends);
@@ -730,36 +728,18 @@ impl Incremental {
     /// `keys`. A batch of [`PARALLEL_AT`] Services or more (a start, a Node
     /// change) is computed on every CPU, in contiguous parts.
     fn compute(&self, keys: &[ObjectKey]) -> Vec<Option<Computed>> {
-        let threads = if keys.len() >= PARALLEL_AT {
-            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_THREADS))
-        } else {
-            1
-        };
-        if threads == 1 {
+        let threads = crate::parallel::threads();
+        if threads < 2 || keys.len() < PARALLEL_AT {
             return keys.iter().map(|k| self.compute_one(k)).collect();
         }
-        let part = keys.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let mut parts = keys.chunks(part);
-            let first = parts.next().unwrap_or_default();
-            let others: Vec<_> = parts
-                .map(|keys| {
-                    scope
-                        .spawn(move || keys.iter().map(|k| self.compute_one(k)).collect::<Vec<_>>())
-                })
-                .collect();
-            let mut out: Vec<Option<Computed>> =
-                first.iter().map(|k| self.compute_one(k)).collect();
-            for t in others {
-                match t.join() {
-                    Ok(more) => out.extend(more),
-                    // A panic in a part is the model's own bug: raised here
-                    // as it would have been without the thread.
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
-            }
-            out
-        })
+        let parts: Vec<_> = keys
+            .chunks(keys.len().div_ceil(threads))
+            .map(|part| move || part.iter().map(|k| self.compute_one(k)).collect::<Vec<_>>())
+            .collect();
+        crate::parallel::map_parts(parts)
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// [`Incremental::compute`] for one Service.
