@@ -7,7 +7,7 @@
 //! file still loads. Pods with a pod IP stand in for the EndpointSlice
 //! controller (see [`crate::model::endpoint_slices_from_pods`]).
 use std::collections::BTreeSet;
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -1164,6 +1164,10 @@ fn split_documents(text: &str) -> Vec<(usize, &str)> {
     docs
 }
 
+/// The symlink the kubelet's atomic writer swaps to update a ConfigMap,
+/// Secret or projected volume: the volume's files are symlinks through it.
+const ATOMIC_DATA: &str = "..data";
+
 /// Watches `paths` (directories non-recursively; for a file, its parent
 /// directory filtered by the file's name, because editors replace files) and
 /// sends `()` on every change that may alter what [`load_paths`] returns.
@@ -1218,7 +1222,11 @@ pub fn watch(
                     || event.paths.iter().any(|p| {
                         matcher.iter().any(|(dir, name)| {
                             let in_dir = p.parent() == Some(dir.as_path());
-                            match name {
+                            // A ConfigMap (or Secret, projected) volume
+                            // is updated by renaming a symlink over
+                            // `..data`, which its files point through.
+                            let swap = in_dir && p.file_name() == Some(OsStr::new(ATOMIC_DATA));
+                            swap || match name {
                                 Some(name) => in_dir && p.file_name() == Some(name.as_os_str()),
                                 None => (in_dir && has_manifest_extension(p)) || p == dir,
                             }

@@ -259,6 +259,75 @@ fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
     assert_eq!(source.snapshot().0.services.len(), 3);
 }
 
+/// Manifests mounted from a ConfigMap: the kubelet updates such a volume by
+/// writing the new files into a directory of their own and renaming a
+/// `..data_tmp` symlink to it over `..data`, which the files (symlinks
+/// `svc.yaml -> ..data/svc.yaml`) point through. No event names a manifest
+/// file; the swap is signalled all the same, and the new content is read
+/// (for the directory and for one file of it). Before, the update waited for
+/// the periodic full sync (`syncPeriod`).
+#[test]
+fn a_configmap_volume_update_is_signalled_and_read() {
+    use proxy_agent::source::{ManifestsSource, Source, SourceChanges};
+    use std::os::unix::fs::symlink;
+    let svc = |ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+    };
+    for watch_file in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        // What the kubelet's atomic writer leaves: a timestamped directory,
+        // `..data` pointing to it, each file pointing through `..data`.
+        std::fs::create_dir(dir.join("..2026_12_05_v1")).unwrap();
+        std::fs::write(dir.join("..2026_12_05_v1/svc.yaml"), svc("198.19.0.10")).unwrap();
+        symlink("..2026_12_05_v1", dir.join("..data")).unwrap();
+        symlink("..data/svc.yaml", dir.join("svc.yaml")).unwrap();
+        let path = if watch_file {
+            dir.join("svc.yaml")
+        } else {
+            dir.to_path_buf()
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut source = ManifestsSource::new(vec![path]);
+        source.start(tx).unwrap();
+        let cluster_ip = |changes: SourceChanges| -> Vec<String> {
+            let SourceChanges::Changes(changes) = changes else {
+                panic!("manifests changes come as changes");
+            };
+            changes
+                .iter()
+                .filter_map(|c| match c {
+                    proxy_agent::model::Change::Applied(proxy_agent::model::Object::Service(s)) => {
+                        s.spec.as_ref().map(|spec| format!("{:?}", spec.cluster_ip))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let first = cluster_ip(source.changes().0);
+        assert_eq!(first.len(), 1, "{first:?}");
+        assert!(first[0].contains("198.19.0.10"), "{first:?}");
+        // The update, as the kubelet makes it.
+        std::fs::create_dir(dir.join("..2026_12_05_v2")).unwrap();
+        std::fs::write(dir.join("..2026_12_05_v2/svc.yaml"), svc("198.19.0.11")).unwrap();
+        symlink("..2026_12_05_v2", dir.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut signalled = false;
+        while !signalled && std::time::Instant::now() < deadline {
+            signalled = rx.try_recv().is_ok();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(
+            signalled,
+            "watching the file: {watch_file}: the update was not signalled"
+        );
+        let now = cluster_ip(source.changes().0);
+        assert_eq!(now.len(), 1, "watching the file: {watch_file}: {now:?}");
+        assert!(now[0].contains("198.19.0.11"), "{now:?}");
+    }
+}
+
 #[path = "common/fuzz.rs"]
 mod fuzz;
 
