@@ -1175,6 +1175,19 @@ pub fn watch(
     paths: Vec<PathBuf>,
     tx: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> notify::Result<notify::RecommendedWatcher> {
+    watch_replaced(paths, tx, Default::default())
+}
+
+/// [`watch`], and `replaced` set when an event names a watched directory
+/// itself (created, or renamed into place): an inotify watch follows its
+/// inode, so a directory swapped in by a rename, or deleted and made again,
+/// must be watched again ([`crate::source::ManifestsSource`] does, before
+/// its next read).
+pub fn watch_replaced(
+    paths: Vec<PathBuf>,
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+    replaced: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> notify::Result<notify::RecommendedWatcher> {
     // (directory, file name or None for every manifest file in it)
     let mut rules: Vec<(PathBuf, Option<OsString>)> = Vec::new();
     for path in &paths {
@@ -1232,6 +1245,13 @@ pub fn watch(
                             }
                         })
                     });
+                let dir_itself = event
+                    .paths
+                    .iter()
+                    .any(|p| matcher.iter().any(|(dir, name)| name.is_none() && p == dir));
+                if dir_itself {
+                    replaced.store(true, std::sync::atomic::Ordering::Release);
+                }
                 if relevant {
                     let _ = tx.send(());
                 }

@@ -68,6 +68,9 @@ pub struct ManifestsSource {
     changes: Option<UnboundedSender<()>>,
     /// A path went missing: its watch must be made again once it is back.
     rewatch: bool,
+    /// Set by the watcher when a watched directory was replaced (see
+    /// [`manifests::watch_replaced`]): watched again before the next read.
+    replaced: std::sync::Arc<std::sync::atomic::AtomicBool>,
     last_good: Snapshot,
     /// The files as last read, for [`Source::changes`].
     cache: manifests::FileCache,
@@ -80,6 +83,7 @@ impl ManifestsSource {
             watcher: None,
             changes: None,
             rewatch: false,
+            replaced: Default::default(),
             last_good: Snapshot::default(),
             cache: manifests::FileCache::default(),
         }
@@ -88,12 +92,12 @@ impl ManifestsSource {
 
 impl Source for ManifestsSource {
     fn start(&mut self, changes: UnboundedSender<()>) -> Result<(), SourceError> {
-        let w = manifests::watch(self.paths.clone(), changes.clone()).map_err(|source| {
-            SourceError::Watch {
+        let w =
+            manifests::watch_replaced(self.paths.clone(), changes.clone(), self.replaced.clone())
+                .map_err(|source| SourceError::Watch {
                 paths: self.paths.clone(),
                 source,
-            }
-        })?;
+            })?;
         self.watcher = Some(w);
         self.changes = Some(changes);
         Ok(())
@@ -163,9 +167,15 @@ impl ManifestsSource {
             self.rewatch = true;
             return Some(missing.len());
         }
+        if self
+            .replaced
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.rewatch = true;
+        }
         if self.rewatch {
             if let Some(tx) = self.changes.clone() {
-                match manifests::watch(self.paths.clone(), tx) {
+                match manifests::watch_replaced(self.paths.clone(), tx, self.replaced.clone()) {
                     Ok(w) => {
                         self.watcher = Some(w);
                         self.rewatch = false;

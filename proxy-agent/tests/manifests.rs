@@ -259,6 +259,57 @@ fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
     assert_eq!(source.snapshot().0.services.len(), 3);
 }
 
+/// The manifests directory replaced by a rename (a new directory prepared
+/// beside it, then swapped in): the swap is read, and the new directory is
+/// watched from then on. Before, the watch stayed on the old directory (an
+/// inotify watch follows its inode), so later changes waited for the
+/// periodic full sync.
+#[test]
+fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
+    use proxy_agent::source::{ManifestsSource, Source};
+    let svc = |name: &str, ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut source = ManifestsSource::new(vec![dir.clone()]);
+    source.start(tx).unwrap();
+    assert_eq!(source.snapshot().0.services.len(), 1);
+    let wait_change = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if rx.try_recv().is_ok() {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                while rx.try_recv().is_ok() {}
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    };
+    let new = tmp.path().join("m.new");
+    std::fs::create_dir(&new).unwrap();
+    std::fs::write(new.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
+    std::fs::write(new.join("b.yaml"), svc("b", "198.19.0.11")).unwrap();
+    while rx.try_recv().is_ok() {}
+    std::fs::rename(&dir, tmp.path().join("m.old")).unwrap();
+    std::fs::rename(&new, &dir).unwrap();
+    assert!(wait_change(&mut rx), "the swap was not noticed");
+    let changes = source.changes();
+    assert_eq!(changes.1, 0, "no errors");
+    assert_eq!(source.snapshot().0.services.len(), 2);
+    // The new directory is the one watched: a file written there is a change.
+    std::fs::write(dir.join("c.yaml"), svc("c", "198.19.0.12")).unwrap();
+    assert!(
+        wait_change(&mut rx),
+        "a new file in the swapped-in directory was not noticed"
+    );
+    assert_eq!(source.snapshot().0.services.len(), 3);
+}
+
 /// Manifests mounted from a ConfigMap: the kubelet updates such a volume by
 /// writing the new files into a directory of their own and renaming a
 /// `..data_tmp` symlink to it over `..data`, which the files (symlinks
