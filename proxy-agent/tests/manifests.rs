@@ -207,56 +207,86 @@ fn a_document_turned_bad_keeps_the_last_good_object() {
     assert_eq!(port, 80, "the good version is kept");
 }
 
+/// A Service manifest named `name` with ClusterIP `ip`.
+fn service_manifest(name: &str, ip: &str) -> String {
+    format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+}
+
+/// Waits up to 5 s for a change signal, then takes the signals that follow
+/// it within 100 ms (one change may be several events).
+fn wait_change(rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if rx.try_recv().is_ok() {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            while rx.try_recv().is_ok() {}
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    false
+}
+
+/// A directory `m` (in the returned temporary directory) holding one
+/// Service, watched by a started manifests source.
+fn watched_dir_of_one_service() -> (
+    tempfile::TempDir,
+    PathBuf,
+    proxy_agent::source::ManifestsSource,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    use proxy_agent::source::{ManifestsSource, Source};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("a.yaml"), service_manifest("a", "198.19.0.10")).unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut source = ManifestsSource::new(vec![dir.clone()]);
+    source.start(tx).unwrap();
+    assert_eq!(source.snapshot().0.services.len(), 1);
+    (tmp, dir, source, rx)
+}
+
+/// A third Service's file written to `dir`, whose source holds two: a
+/// change is signalled and three are read.
+fn a_third_file_is_noticed(
+    dir: &Path,
+    source: &mut proxy_agent::source::ManifestsSource,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>,
+    which: &str,
+) {
+    use proxy_agent::source::Source;
+    std::fs::write(dir.join("c.yaml"), service_manifest("c", "198.19.0.12")).unwrap();
+    assert!(
+        wait_change(rx),
+        "a new file in the {which} directory was not noticed"
+    );
+    assert_eq!(source.snapshot().0.services.len(), 3);
+}
+
 /// The manifests directory deleted (an operator's mistake, or a directory
 /// swap): the last good state is kept rather than every Service withdrawn,
 /// and once the directory is back, changes are applied live again.
 #[test]
 fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
-    use proxy_agent::source::{ManifestsSource, Source};
-    let svc = |name: &str, ip: &str| {
-        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
-    };
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut source = ManifestsSource::new(vec![dir.clone()]);
-    source.start(tx).unwrap();
-    assert_eq!(source.snapshot().0.services.len(), 1);
+    use proxy_agent::source::Source;
+    let (_tmp, dir, mut source, mut rx) = watched_dir_of_one_service();
     // Gone: the last good state, and an error counted.
     std::fs::remove_dir_all(&dir).unwrap();
     let (snap, errors) = source.snapshot();
     assert_eq!((snap.services.len(), errors), (1, 1));
     // Back, with two Services: noticed (through the parent's watch).
-    let wait_change = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::time::Instant::now() < deadline {
-            if rx.try_recv().is_ok() {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-                while rx.try_recv().is_ok() {}
-                return true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        false
-    };
     while rx.try_recv().is_ok() {}
     std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
-    std::fs::write(dir.join("b.yaml"), svc("b", "198.19.0.11")).unwrap();
+    std::fs::write(dir.join("a.yaml"), service_manifest("a", "198.19.0.10")).unwrap();
+    std::fs::write(dir.join("b.yaml"), service_manifest("b", "198.19.0.11")).unwrap();
     assert!(
         wait_change(&mut rx),
         "the directory coming back was not noticed"
     );
     assert_eq!(source.snapshot().0.services.len(), 2);
     // And it is watched again: a third file is a change.
-    std::fs::write(dir.join("c.yaml"), svc("c", "198.19.0.12")).unwrap();
-    assert!(
-        wait_change(&mut rx),
-        "a new file in the recreated directory was not noticed"
-    );
-    assert_eq!(source.snapshot().0.services.len(), 3);
+    a_third_file_is_noticed(&dir, &mut source, &mut rx, "recreated");
 }
 
 /// The manifests directory replaced by a rename (a new directory prepared
@@ -266,34 +296,12 @@ fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
 /// periodic full sync.
 #[test]
 fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
-    use proxy_agent::source::{ManifestsSource, Source};
-    let svc = |name: &str, ip: &str| {
-        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
-    };
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("m");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut source = ManifestsSource::new(vec![dir.clone()]);
-    source.start(tx).unwrap();
-    assert_eq!(source.snapshot().0.services.len(), 1);
-    let wait_change = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::time::Instant::now() < deadline {
-            if rx.try_recv().is_ok() {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-                while rx.try_recv().is_ok() {}
-                return true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        false
-    };
+    use proxy_agent::source::Source;
+    let (tmp, dir, mut source, mut rx) = watched_dir_of_one_service();
     let new = tmp.path().join("m.new");
     std::fs::create_dir(&new).unwrap();
-    std::fs::write(new.join("a.yaml"), svc("a", "198.19.0.10")).unwrap();
-    std::fs::write(new.join("b.yaml"), svc("b", "198.19.0.11")).unwrap();
+    std::fs::write(new.join("a.yaml"), service_manifest("a", "198.19.0.10")).unwrap();
+    std::fs::write(new.join("b.yaml"), service_manifest("b", "198.19.0.11")).unwrap();
     while rx.try_recv().is_ok() {}
     std::fs::rename(&dir, tmp.path().join("m.old")).unwrap();
     std::fs::rename(&new, &dir).unwrap();
@@ -302,12 +310,7 @@ fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
     assert_eq!(changes.1, 0, "no errors");
     assert_eq!(source.snapshot().0.services.len(), 2);
     // The new directory is the one watched: a file written there is a change.
-    std::fs::write(dir.join("c.yaml"), svc("c", "198.19.0.12")).unwrap();
-    assert!(
-        wait_change(&mut rx),
-        "a new file in the swapped-in directory was not noticed"
-    );
-    assert_eq!(source.snapshot().0.services.len(), 3);
+    a_third_file_is_noticed(&dir, &mut source, &mut rx, "swapped-in");
 }
 
 /// Manifests mounted from a ConfigMap: the kubelet updates such a volume by
@@ -321,16 +324,17 @@ fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
 fn a_configmap_volume_update_is_signalled_and_read() {
     use proxy_agent::source::{ManifestsSource, Source, SourceChanges};
     use std::os::unix::fs::symlink;
-    let svc = |ip: &str| {
-        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
-    };
     for watch_file in [false, true] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         // What the kubelet's atomic writer leaves: a timestamped directory,
         // `..data` pointing to it, each file pointing through `..data`.
         std::fs::create_dir(dir.join("..2026_12_05_v1")).unwrap();
-        std::fs::write(dir.join("..2026_12_05_v1/svc.yaml"), svc("198.19.0.10")).unwrap();
+        std::fs::write(
+            dir.join("..2026_12_05_v1/svc.yaml"),
+            service_manifest("web", "198.19.0.10"),
+        )
+        .unwrap();
         symlink("..2026_12_05_v1", dir.join("..data")).unwrap();
         symlink("..data/svc.yaml", dir.join("svc.yaml")).unwrap();
         let path = if watch_file {
@@ -360,17 +364,15 @@ fn a_configmap_volume_update_is_signalled_and_read() {
         assert!(first[0].contains("198.19.0.10"), "{first:?}");
         // The update, as the kubelet makes it.
         std::fs::create_dir(dir.join("..2026_12_05_v2")).unwrap();
-        std::fs::write(dir.join("..2026_12_05_v2/svc.yaml"), svc("198.19.0.11")).unwrap();
+        std::fs::write(
+            dir.join("..2026_12_05_v2/svc.yaml"),
+            service_manifest("web", "198.19.0.11"),
+        )
+        .unwrap();
         symlink("..2026_12_05_v2", dir.join("..data_tmp")).unwrap();
         std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut signalled = false;
-        while !signalled && std::time::Instant::now() < deadline {
-            signalled = rx.try_recv().is_ok();
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
         assert!(
-            signalled,
+            wait_change(&mut rx),
             "watching the file: {watch_file}: the update was not signalled"
         );
         let now = cluster_ip(source.changes().0);
