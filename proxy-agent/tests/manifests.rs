@@ -313,6 +313,16 @@ fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
     a_third_file_is_noticed(&dir, &mut source, &mut rx, "swapped-in");
 }
 
+/// Writes `svc.yaml` holding `content` into a ConfigMap volume at `dir` as
+/// the kubelet's atomic writer does: into a directory `version` of its own,
+/// then a `..data_tmp` symlink to it renamed over `..data`.
+fn kubelet_write(dir: &Path, version: &str, content: &str) {
+    std::fs::create_dir(dir.join(version)).unwrap();
+    std::fs::write(dir.join(version).join("svc.yaml"), content).unwrap();
+    std::os::unix::fs::symlink(version, dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+}
+
 /// Manifests mounted from a ConfigMap: the kubelet updates such a volume by
 /// writing the new files into a directory of their own and renaming a
 /// `..data_tmp` symlink to it over `..data`, which the files (symlinks
@@ -329,13 +339,11 @@ fn a_configmap_volume_update_is_signalled_and_read() {
         let dir = tmp.path();
         // What the kubelet's atomic writer leaves: a timestamped directory,
         // `..data` pointing to it, each file pointing through `..data`.
-        std::fs::create_dir(dir.join("..2026_12_05_v1")).unwrap();
-        std::fs::write(
-            dir.join("..2026_12_05_v1/svc.yaml"),
-            service_manifest("web", "198.19.0.10"),
-        )
-        .unwrap();
-        symlink("..2026_12_05_v1", dir.join("..data")).unwrap();
+        kubelet_write(
+            dir,
+            "..2026_12_05_v1",
+            &service_manifest("web", "198.19.0.10"),
+        );
         symlink("..data/svc.yaml", dir.join("svc.yaml")).unwrap();
         let path = if watch_file {
             dir.join("svc.yaml")
@@ -363,14 +371,11 @@ fn a_configmap_volume_update_is_signalled_and_read() {
         assert_eq!(first.len(), 1, "{first:?}");
         assert!(first[0].contains("198.19.0.10"), "{first:?}");
         // The update, as the kubelet makes it.
-        std::fs::create_dir(dir.join("..2026_12_05_v2")).unwrap();
-        std::fs::write(
-            dir.join("..2026_12_05_v2/svc.yaml"),
-            service_manifest("web", "198.19.0.11"),
-        )
-        .unwrap();
-        symlink("..2026_12_05_v2", dir.join("..data_tmp")).unwrap();
-        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        kubelet_write(
+            dir,
+            "..2026_12_05_v2",
+            &service_manifest("web", "198.19.0.11"),
+        );
         assert!(
             wait_change(&mut rx),
             "watching the file: {watch_file}: the update was not signalled"
