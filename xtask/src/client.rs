@@ -107,14 +107,38 @@ pub fn tcp_request_here(
     request: &[u8],
     timeout: Duration,
 ) -> io::Result<Vec<u8>> {
-    let mut stream = TcpStream::connect_timeout(&addr.into(), timeout)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.write_all(request)?;
-    stream.shutdown(Shutdown::Write)?;
-    let mut reply = Vec::new();
-    stream.read_to_end(&mut reply).map_err(timed_out)?;
-    Ok(reply)
+    tcp_exchange_here(addr, request, timeout).map_err(|f| f.error)
+}
+
+/// A TCP request that failed, and the connection's local address when the
+/// connect had succeeded (the error came later: a reset, a timeout).
+#[derive(Debug)]
+pub struct TcpFailure {
+    pub error: io::Error,
+    pub local: Option<SocketAddr>,
+}
+
+/// [`tcp_request_here`] that also tells, on an error after the connect,
+/// which local address the connection had: the key to find what the
+/// datapath did with it (its conntrack entries).
+pub fn tcp_exchange_here(
+    addr: impl Into<SocketAddr>,
+    request: &[u8],
+    timeout: Duration,
+) -> Result<Vec<u8>, TcpFailure> {
+    let mut stream = TcpStream::connect_timeout(&addr.into(), timeout)
+        .map_err(|error| TcpFailure { error, local: None })?;
+    let local = stream.local_addr().ok();
+    let exchange = |stream: &mut TcpStream| -> io::Result<Vec<u8>> {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        stream.write_all(request)?;
+        stream.shutdown(Shutdown::Write)?;
+        let mut reply = Vec::new();
+        stream.read_to_end(&mut reply).map_err(timed_out)?;
+        Ok(reply)
+    };
+    exchange(&mut stream).map_err(|error| TcpFailure { error, local })
 }
 
 /// UDP request from the current thread's namespace. The socket (bound to
