@@ -460,7 +460,9 @@ fn updates_under_load_lose_nothing() {
                 f.backends.contains(ip) && f.at >= *from && f.at <= *to + Duration::from_secs(1)
             })
         };
-        let (mut failed, mut at_removal): (Vec<(i64, String)>, Vec<(i64, String)>) = <_>::default();
+        // (ms since the origin, what failed)
+        let mut failed: Vec<(i64, String)> = Vec::new();
+        let mut at_removal: Vec<(i64, String)> = Vec::new();
         for c in &churns {
             for (p, n) in &c.per_pod {
                 *per_pod.entry(p.clone()).or_insert(0) += n;
