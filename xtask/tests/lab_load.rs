@@ -173,10 +173,12 @@ fn run_churn(
                     let gap = Duration::from_secs_f64(1.0 / per_thread);
                     let mut next = begin;
                     while !stop.load(Ordering::Relaxed) && begin.elapsed() < MAX_RUN {
-                        match client::tcp_exchange_here(vip, b"hostname\n", T) {
-                            Ok(r) if !reply_text(&r).is_empty() => {
+                        match client::tcp_exchange_here(vip, b"hostname\n", T)
+                            .map(|r| reply_text(&r))
+                        {
+                            Ok(p) if !p.is_empty() => {
                                 c.ok += 1;
-                                *c.per_pod.entry(reply_text(&r)).or_insert(0) += 1;
+                                *c.per_pod.entry(p).or_insert(0) += 1;
                             }
                             Ok(_) => c.failed.push(ChurnFailure {
                                 at: Instant::now(),
@@ -226,9 +228,9 @@ fn run_churn(
 /// break by design (issue 6: "TCP connections to it fail fast with a reset")
 /// and are counted apart; so is a new connection caught by a removal (sent
 /// to the backend before the sync, its next packet after it), told by its
-/// conntrack REPLY entry from the removed backend. New backends are added the way a pod becomes an
-/// endpoint in a cluster: the pod (its veth) exists first, and only then does
-/// it get the service's label.
+/// conntrack REPLY entry from the removed backend. New backends are added
+/// the way a pod becomes an endpoint in a cluster: the pod (its veth)
+/// exists first, and only then does it get the service's label.
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn updates_under_load_lose_nothing() {
