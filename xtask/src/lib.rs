@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod client;
 pub mod image;
+pub mod kube;
 pub mod lab;
 pub mod lint;
 pub mod manifests;

@@ -34,6 +34,8 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "umoci",
     // deploy/'s validation: a venv for PyPI's kubernetes-validate.
     "python3-venv",
+    // The lab's control plane: its certificates and keys.
+    "openssl",
 ];
 /// The Rust target of the image's static agent.
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
@@ -427,6 +429,7 @@ pub fn setup() -> Result<()> {
     ensure_debian_packages()?;
     ensure_kubectl()?;
     ensure_kubernetes_validate()?;
+    crate::kube::ensure_built()?;
     ensure_bpffs(true)?;
     println!("setup complete");
     Ok(())
