@@ -387,6 +387,7 @@ fn sync_once(
         SyncScope::Changes => source.changes(),
         SyncScope::Initial | SyncScope::Full => source.resync(),
     };
+    let source_revision = source.revision();
     let (update, triggers) = match changes {
         SourceChanges::Full(snapshot) => {
             let triggers = obs.latency.pending(&snapshot);
@@ -515,6 +516,7 @@ fn sync_once(
         model_warnings = update.warnings.len(),
         program_errors = report.errors.len(),
         elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+        source_revision = source_revision.unwrap_or(0),
         "{what}: {report:?}"
     );
 }

@@ -245,6 +245,10 @@ struct WatchState {
     /// The watch listed again: what it no longer lists must be found by a
     /// comparison of everything.
     relisted: bool,
+    /// The newest `resourceVersion` of an object the watch delivered (a
+    /// listed one once the list is done): every event before it in the
+    /// watch's order has been delivered too.
+    revision: u64,
 }
 
 /// A kind the model reads, as the model takes it.
@@ -345,6 +349,11 @@ impl Reflector {
         self.listed.load(Ordering::Acquire)
     }
 
+    /// [`WatchState::revision`].
+    fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
     /// Every object (shared, not copied), by namespace and name.
     fn objects(&self) -> Vec<Object> {
         self.lock().objects.values().cloned().collect()
@@ -357,6 +366,17 @@ impl Drop for Reflector {
             t.abort();
         }
     }
+}
+
+/// An object's `resourceVersion` as a number (0 if it has none or it is
+/// not one: the API server's are etcd revisions, but clients must not
+/// rely on that, so an opaque one only leaves the revision behind).
+fn revision_of<K: Resource>(o: &K) -> u64 {
+    o.meta()
+        .resource_version
+        .as_deref()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Polls a watch stream forever, keeping `state` as the watch has it: each
@@ -379,13 +399,16 @@ async fn drive<K, S>(
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     };
     let mut stream = std::pin::pin!(stream);
+    let mut listing_revision = 0;
     while let Some(item) = stream.next().await {
         match item {
             Ok(Event::Init) => {
                 debug!(kind, "listing");
                 lock().listing = Some(BTreeMap::new());
+                listing_revision = 0;
             }
             Ok(Event::InitApply(o)) => {
+                listing_revision = listing_revision.max(revision_of(&o));
                 let o = K::object(o);
                 let key = o.key();
                 lock().listing.get_or_insert_default().insert(key, o);
@@ -396,21 +419,26 @@ async fn drive<K, S>(
                 let mut s = lock();
                 s.objects = s.listing.take().unwrap_or_default();
                 s.relisted = true;
+                s.revision = s.revision.max(listing_revision);
                 drop(s);
                 let _ = changes.send(());
             }
             Ok(Event::Apply(o)) => {
+                let revision = revision_of(&o);
                 let o = K::object(o);
                 let key = o.key();
                 let mut s = lock();
+                s.revision = s.revision.max(revision);
                 s.objects.insert(key.clone(), o);
                 s.dirty.insert(key);
                 drop(s);
                 let _ = changes.send(());
             }
             Ok(Event::Delete(o)) => {
+                let revision = revision_of(&o);
                 let key = K::object(o).key();
                 let mut s = lock();
+                s.revision = s.revision.max(revision);
                 s.objects.remove(&key);
                 s.dirty.insert(key);
                 drop(s);
@@ -431,6 +459,8 @@ pub struct KubernetesSource {
     services: Option<Reflector>,
     slices: Option<Reflector>,
     nodes: Option<Reflector>,
+    /// [`Source::revision`] of what was last taken.
+    taken_revision: Option<u64>,
 }
 
 impl KubernetesSource {
@@ -441,7 +471,19 @@ impl KubernetesSource {
             services: None,
             slices: None,
             nodes: None,
+            taken_revision: None,
         }
+    }
+
+    /// The revision every watch of Services and EndpointSlices has reached,
+    /// read before their changes are taken (so it never claims an event
+    /// the taking missed). The Node watch, of one object, is left out: it
+    /// would hold the revision back to the Node's last change.
+    fn note_revision(&mut self) {
+        self.taken_revision = match (&self.services, &self.slices) {
+            (Some(s), Some(e)) => Some(s.revision().min(e.revision())),
+            _ => None,
+        };
     }
 }
 
@@ -493,6 +535,7 @@ impl Source for KubernetesSource {
     /// The objects as API objects, with what the model reads of them
     /// (Services and EndpointSlices are kept compact).
     fn snapshot(&mut self) -> (Snapshot, usize) {
+        self.note_revision();
         let mut snapshot = Snapshot::default();
         for o in [&self.services, &self.slices, &self.nodes]
             .into_iter()
@@ -515,6 +558,7 @@ impl Source for KubernetesSource {
     /// a relist of any kind (a relist may have dropped objects no event
     /// named).
     fn changes(&mut self) -> (SourceChanges, usize) {
+        self.note_revision();
         let (Some(services), Some(slices), Some(nodes)) =
             (&self.services, &self.slices, &self.nodes)
         else {
@@ -536,11 +580,16 @@ impl Source for KubernetesSource {
     /// Every object of the stores (shared, not copied): the model compares
     /// them with what it holds, a pointer comparison for each unchanged one.
     fn resync(&mut self) -> (SourceChanges, usize) {
+        self.note_revision();
         if let (Some(s), Some(e), Some(n)) = (&self.services, &self.slices, &self.nodes) {
             // What the watches named since is in the stores already.
             let _ = (s.changes(), e.changes(), n.changes());
         }
         (SourceChanges::All(self.all()), 0)
+    }
+
+    fn revision(&self) -> Option<u64> {
+        self.taken_revision
     }
 }
 

@@ -48,6 +48,16 @@ pub trait Source: Send {
     fn resync(&mut self) -> (SourceChanges, usize) {
         self.changes()
     }
+    /// For a source with versions (the Kubernetes API's `resourceVersion`):
+    /// a lower bound of what the last [`changes`](Source::changes),
+    /// [`resync`](Source::resync) or [`snapshot`](Source::snapshot) took,
+    /// the newest version that every watch of Services and EndpointSlices
+    /// had delivered by then. Every sync logs it (`source_revision`), so
+    /// whoever wrote to the API can tell when the agent has programmed what
+    /// it wrote. `None` for a source without versions.
+    fn revision(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
