@@ -81,6 +81,12 @@ enum LabCmd {
         /// both, Services the families they ask for.
         #[arg(long)]
         dual_stack: bool,
+        /// Run a real control plane (etcd, kube-apiserver,
+        /// kube-controller-manager, built by setup) and the agents with
+        /// `--source kubernetes` against it; the lab plays the kubelet.
+        /// Prints how to run kubectl against it.
+        #[arg(long, env = "KPR_LAB_CONTROL_PLANE")]
+        control_plane: bool,
         /// Do not wait for the agent's first sync.
         #[arg(long)]
         no_wait: bool,
@@ -192,6 +198,7 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             nodes,
             zones,
             dual_stack,
+            control_plane,
             no_wait,
             timeout,
             agent_bin,
@@ -206,7 +213,8 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
                 .agent(!no_agent)
                 .nodes(nodes)
                 .zones(&zones)
-                .ipv6(dual_stack);
+                .ipv6(dual_stack)
+                .control_plane(control_plane);
             if let Some(p) = agent_bin {
                 b = b.agent_bin(p);
             }
@@ -216,6 +224,15 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             let mut lab = b.start()?;
             if !no_agent && !no_wait {
                 lab.wait_ready(Duration::from_secs(timeout))?;
+            }
+            if let Some(cp) = lab.control_plane() {
+                eprintln!(
+                    "kubectl against the lab's API server ({}): ip netns exec {} {} --kubeconfig {}",
+                    cp.server(),
+                    cp.netns,
+                    xtask::kube::bin("kubectl").display(),
+                    cp.admin_kubeconfig.display()
+                );
             }
             println!("{}", lab.detach()?.display());
             Ok(())

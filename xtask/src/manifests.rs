@@ -260,6 +260,10 @@ pub struct Allocator {
     used_node_ports: BTreeSet<i32>,
     /// IPv6 too: ClusterIPs of both families, pods with `podIPs` of both.
     dual_stack: bool,
+    /// A real API server allocates ClusterIPs and NodePorts
+    /// ([`Allocator::set_services_by_api_server`]): Services are left as
+    /// they are.
+    services_by_api_server: bool,
 }
 
 impl Allocator {
@@ -279,6 +283,7 @@ impl Allocator {
                 ip6: None,
             }],
             next_node: 0,
+            services_by_api_server: false,
             used_ips: BTreeSet::new(),
             used_node_ports: BTreeSet::new(),
             dual_stack: false,
@@ -395,7 +400,17 @@ impl Allocator {
         }
     }
 
+    /// Leaves ClusterIPs and NodePorts to a real API server: Services pass
+    /// through [`complete`](Allocator::complete) untouched (Pods still get
+    /// their IPs and status, the kubelet's and the network plugin's part).
+    pub fn set_services_by_api_server(&mut self, on: bool) {
+        self.services_by_api_server = on;
+    }
+
     fn complete_service(&mut self, svc: &mut Service, previous: Option<&Object>) -> Result<()> {
+        if self.services_by_api_server {
+            return Ok(());
+        }
         let name = svc.metadata.name.clone().unwrap_or_default();
         let prev = match previous {
             Some(Object::Service(p)) => Some(p.as_ref()),

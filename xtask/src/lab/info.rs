@@ -191,6 +191,9 @@ pub struct LabInfo {
     pub servers: Vec<ServerInfo>,
     /// Every network namespace the lab created (torn down in reverse order).
     pub namespaces: Vec<String>,
+    /// The real control plane, if the lab runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane: Option<super::ControlPlaneInfo>,
 }
 
 impl LabInfo {

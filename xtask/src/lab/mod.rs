@@ -56,11 +56,25 @@
 //! | `container.rs` | runc mode: the agent from the image, configured from `deploy/` |
 //! | `reconcile.rs` | manifests: apply, replace, delete; pods and frontends from objects |
 //! | `wait.rs` | waiting for the agents' syncs and attachments |
+//! | `control_plane.rs` | the real control plane: etcd, kube-apiserver, kube-controller-manager |
+//! | `api.rs` | the lab as the kubelet of that control plane: Nodes, Pods, their status |
+//!
+//! With a real control plane ([`LabBuilder::control_plane`], or
+//! `KPR_LAB_CONTROL_PLANE=1`), the lab has a switch (the control plane sits
+//! on it beside the nodes), the agents run `--source kubernetes` as
+//! deploy/'s ServiceAccount, ClusterIPs and NodePorts come from the API
+//! server and EndpointSlices from the EndpointSlice controller; the lab
+//! only plays the kubelet. Everything else, the address plan included, is
+//! the same.
 
+mod api;
 mod cgroup;
 pub use cgroup::cgroup2_mount;
 pub mod container;
+pub mod control_plane;
+pub use api::{expected_endpoints, ExpectedEndpoint};
 pub use container::AgentImage;
+pub use control_plane::ControlPlaneInfo;
 mod host_client;
 mod info;
 mod process;
@@ -195,9 +209,24 @@ pub struct LabBuilder {
     agent_image: Option<AgentImage>,
     without_caps: Vec<String>,
     ipv6: bool,
+    control_plane: Option<bool>,
+}
+
+/// Whether `KPR_LAB_CONTROL_PLANE` asks for a real control plane.
+pub fn control_plane_from_env() -> bool {
+    std::env::var("KPR_LAB_CONTROL_PLANE").is_ok_and(|v| v == "1" || v == "true")
 }
 
 impl LabBuilder {
+    /// Runs a real control plane (etcd, kube-apiserver,
+    /// kube-controller-manager; see [`control_plane`]) and the agents with
+    /// `--source kubernetes` against it; the lab plays the kubelet. Default:
+    /// `KPR_LAB_CONTROL_PLANE=1`, else the manifests source.
+    pub fn control_plane(mut self, on: bool) -> Self {
+        self.control_plane = Some(on);
+        self
+    }
+
     /// Dual-stack: IPv6 beside IPv4 everywhere (see the module's address
     /// plan); Services get the families they ask for. Default: IPv4 only.
     pub fn dual_stack(self) -> Self {
@@ -340,6 +369,8 @@ pub struct Lab {
     container_seq: usize,
     without_caps: Vec<String>,
     keep: bool,
+    /// With a real control plane: what the lab wrote to the API server.
+    api: Option<api::ApiState>,
 }
 
 fn new_allocator(nodes: &[NodeInfo], dual_stack: bool) -> Allocator {
@@ -419,7 +450,12 @@ impl Lab {
         if !(1..=MAX_NODES).contains(&n_nodes) {
             bail!("a lab has 1 to {MAX_NODES} nodes, not {n_nodes}");
         }
-        let with_switch = b.external.unwrap_or(n_nodes > 1);
+        let with_control_plane = b.control_plane.unwrap_or_else(control_plane_from_env);
+        if with_control_plane && b.external == Some(false) {
+            bail!("a lab with a control plane has a switch (the control plane sits on it)");
+        }
+        // The control plane is a machine on the node network.
+        let with_switch = with_control_plane || b.external.unwrap_or(n_nodes > 1);
 
         std::fs::create_dir_all(LAB_ROOT)?;
         let (id, dir) = loop {
@@ -499,11 +535,14 @@ impl Lab {
             agent: None,
             servers: Vec::new(),
             namespaces: Vec::new(),
+            control_plane: None,
         };
+        let mut alloc = new_allocator(&nodes, b.ipv6);
+        alloc.set_services_by_api_server(with_control_plane);
         let mut lab = Lab {
             info,
             objects: Vec::new(),
-            alloc: new_allocator(&nodes, b.ipv6),
+            alloc,
             children: HashMap::new(),
             agent_bin,
             agent_args: b.agent_args,
@@ -519,6 +558,7 @@ impl Lab {
             container_seq: 0,
             without_caps: b.without_caps,
             keep: false,
+            api: with_control_plane.then(api::ApiState::default),
         };
         // From here on, dropping `lab` on error cleans up.
         std::fs::create_dir_all(&manifests_dir)?;
@@ -536,6 +576,9 @@ impl Lab {
         let client_ip6 = lab.info.client.ip6;
         lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP, client_ip6)?;
         lab.save()?;
+        if with_control_plane {
+            lab.create_control_plane()?;
+        }
 
         lab.add_missing_nodes(&mut objects);
         for o in &mut objects {
@@ -606,6 +649,7 @@ impl Lab {
             info.nodes.push(n);
         }
         let mut alloc = new_allocator(&info.nodes, info.dual_stack);
+        alloc.set_services_by_api_server(info.control_plane.is_some());
         let cluster = info.manifests_dir.join("cluster.yaml");
         let mut objects = if cluster.is_file() {
             manifests::load_path(&cluster)?
@@ -622,6 +666,7 @@ impl Lab {
             let prev = o.clone();
             alloc.complete(o, Some(&prev))?;
         }
+        let info_has_control_plane = info.control_plane.is_some();
         let marks: Vec<usize> = info
             .nodes
             .iter()
@@ -646,6 +691,7 @@ impl Lab {
             container_seq: 0,
             without_caps: Vec::new(),
             keep: true,
+            api: info_has_control_plane.then(api::ApiState::default),
         })
     }
 
@@ -698,6 +744,9 @@ impl Lab {
             }
         }
         self.info.agent = None;
+        if let Err(e) = self.stop_control_plane() {
+            errors.push(format!("{e:#}"));
+        }
         for s in std::mem::take(&mut self.info.servers) {
             if let Err(e) = self.kill(s.pid, Duration::ZERO) {
                 errors.push(format!("server of {}: {e:#}", s.pod));

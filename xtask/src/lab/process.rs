@@ -53,7 +53,7 @@ pub(super) fn cmdline(pid: u32) -> Option<String> {
         .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
 }
 
-pub(super) fn process_gone(pid: u32) -> bool {
+pub(crate) fn process_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         // Field 3 is the state; Z is a zombie waiting for its parent.
@@ -269,9 +269,13 @@ impl Lab {
         let hairpin = HAIRPIN_SNAT_IP.to_string();
         let mut cmd = Command::new(&bin);
         cmd.arg("run");
-        match &self.agent_source_args {
-            Some(args) => cmd.args(args),
-            None => cmd
+        match (&self.agent_source_args, &self.info.control_plane) {
+            (Some(args), _) => cmd.args(args),
+            // As the DaemonSet runs it: deploy/'s ServiceAccount.
+            (None, Some(cp)) => cmd
+                .args(["--source", "kubernetes", "--kubeconfig"])
+                .arg(&cp.agent_kubeconfig),
+            (None, None) => cmd
                 .args(["--source", "manifests", "--manifests"])
                 .arg(&self.info.manifests_dir),
         };

@@ -287,6 +287,14 @@ impl Lab {
             .filter(|o| !new.iter().any(|n| n.key() == o.key()))
             .flat_map(object_ips)
             .collect();
+        // With a real control plane, the objects go to the API server (which
+        // allocates the Services' addresses, read back into `new`).
+        let mut new = new;
+        let gracefully_deleted = if self.api.is_some() {
+            self.push_to_api(&mut new)?
+        } else {
+            Vec::new()
+        };
         self.objects = new;
         let node_ips: Vec<IpAddr> = self
             .info
@@ -297,6 +305,10 @@ impl Lab {
         self.info.frontends = frontends_of(&self.objects, &node_ips);
         self.write_manifests()?;
         self.save()?;
+        if self.api.is_some() {
+            self.wait_slices_settled()?;
+            self.write_barrier()?;
+        }
 
         let remaining = pods_of(&self.objects)
             .keys()
@@ -318,6 +330,13 @@ impl Lab {
                     self.remove_namespace(&p.netns)?;
                 }
                 self.info.pods.retain(|x| x != p);
+            }
+            // The kubelet confirms the deletions once the containers stopped:
+            // the endpoints go from terminating to gone.
+            if self.api.is_some() {
+                self.confirm_pod_deletions(&gracefully_deleted)?;
+                self.wait_slices_settled()?;
+                self.write_barrier()?;
             }
         }
         for ip in gone {

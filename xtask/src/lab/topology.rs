@@ -21,7 +21,7 @@ use crate::netns::{
 /// Dual-stack: IPv6 on in a lab namespace, without duplicate address
 /// detection (for its interfaces to come: set before they are created), so
 /// an address is usable as soon as it is added.
-const IPV6_SYSCTLS: [(&str, &str); 6] = [
+pub(super) const IPV6_SYSCTLS: [(&str, &str); 6] = [
     ("net.ipv6.conf.all.disable_ipv6", "0"),
     ("net.ipv6.conf.default.disable_ipv6", "0"),
     ("net.ipv6.conf.all.accept_dad", "0"),

@@ -14,6 +14,23 @@ pub(super) fn count_markers(log: &Path) -> usize {
         .unwrap_or(0)
 }
 
+/// The highest `source_revision` of a `sync complete` line of an agent's log.
+pub(super) fn synced_revision(log: &Path) -> u64 {
+    std::fs::read_to_string(log)
+        .map(|t| {
+            t.lines()
+                .filter(|l| l.contains(SYNC_MARKER))
+                .filter_map(|l| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix("source_revision="))
+                        .and_then(|v| v.parse::<u64>().ok())
+                })
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
 pub(super) fn tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
@@ -101,11 +118,51 @@ impl Lab {
 
     /// Waits for every running agent's next `sync complete` after the last
     /// manifest write (`apply`, `delete_*`, `replace_manifests`). Returns at
-    /// once without an agent.
+    /// once without an agent. With a real control plane: until every
+    /// running agent logged a sync whose `source_revision` reached the
+    /// lab's last barrier (everything the lab wrote before it).
     pub fn wait_synced(&mut self, timeout: Duration) -> Result<()> {
+        if let Some(target) = self.api.as_ref().map(|a| a.target) {
+            return self.wait_revision(target, timeout);
+        }
         let which = self.nodes_with_agent();
         let marks = self.write_marks.clone();
         self.wait_markers(&which, &marks, timeout, "a sync after the manifest change")
+    }
+
+    /// Waits until every running agent logged a sync with a
+    /// `source_revision` of at least `target`.
+    pub fn wait_revision(&mut self, target: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut pending = self.nodes_with_agent();
+        loop {
+            pending.retain(|&i| synced_revision(&self.info.nodes[i].agent_log) < target);
+            if pending.is_empty() {
+                return Ok(());
+            }
+            for &i in &pending {
+                if !self.agent_running_idx(i) {
+                    let n = &self.info.nodes[i];
+                    bail!(
+                        "agent of {} is not running while waiting for revision {target}; log \
+                         tail:\n{}",
+                        n.name,
+                        tail(&n.agent_log, 30)
+                    );
+                }
+            }
+            if Instant::now() >= deadline {
+                let n = &self.info.nodes[pending[0]];
+                bail!(
+                    "timed out after {timeout:?} waiting for a sync at revision {target} of {} \
+                     (it reached {}); log tail:\n{}",
+                    n.name,
+                    synced_revision(&n.agent_log),
+                    tail(&n.agent_log, 30)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
     }
 
     /// Waits for a sync of node-1's agent after marker count `mark` (see

@@ -1,0 +1,912 @@
+//! The lab as the kubelet of its real control plane
+//! ([`LabBuilder::control_plane`](super::LabBuilder::control_plane)): the
+//! lab's objects go to kube-apiserver instead of the agents' manifests.
+//!
+//! - Nodes: created, then their status written (InternalIPs, Ready,
+//!   allocatable CPU for topology hints), as a kubelet registers its node.
+//! - Services and EndpointSlices of the manifests: applied as written
+//!   (server-side apply, field manager `kpr-lab`); ClusterIPs and NodePorts
+//!   come from the API server's allocators and are read back into the lab's
+//!   objects. A load balancer's ingress (`status.loadBalancer`) is written
+//!   to the status, as a cloud controller would.
+//! - Pods: created on their node, then their status written as a kubelet
+//!   would (phase, podIPs, hostIP, the Ready condition); a readiness change
+//!   is a status write. A pod removed from the manifests is deleted
+//!   gracefully (its endpoint turns terminating), and once the agents synced
+//!   and its server stopped, deleted for good, as a kubelet confirms.
+//!
+//! EndpointSlices of selected pods come from the real EndpointSlice
+//! controller. Before a change counts as made, the lab waits until the
+//! controller's slices hold exactly the endpoints the lab's pods make
+//! ([`expected_endpoints`]), then writes a barrier (an annotation of a
+//! Service and of an EndpointSlice of its own, [`BARRIER`]): an agent whose
+//! sync logged a `source_revision` at or past the barrier's has programmed
+//! everything written before it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use serde_json::{json, Value};
+
+use super::Lab;
+use crate::manifests::Object;
+
+/// The field manager of the lab's applies.
+pub const FIELD_MANAGER: &str = "kpr-lab";
+/// Name (in namespace `default`) of the barrier Service and EndpointSlice.
+pub const BARRIER: &str = "kpr-lab-barrier";
+/// How long the EndpointSlice controller may take to catch up with a change.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+type Key = (String, String, String);
+
+/// What the lab last wrote to the API server.
+#[derive(Debug, Default)]
+pub(super) struct ApiState {
+    /// Per object: the object as applied (without status).
+    applied: BTreeMap<Key, Value>,
+    /// Per object: the status written.
+    status: BTreeMap<Key, Value>,
+    /// Namespaces created.
+    namespaces: BTreeSet<String>,
+    /// Per Service: what the API server allocated ([`allocation_of`]).
+    allocated: BTreeMap<Key, Value>,
+    /// Pods deleted gracefully whose deletion the lab has still to confirm.
+    terminating: BTreeMap<Key, Object>,
+    /// The revision every agent's sync must reach ([`Lab::wait_synced`]).
+    pub(super) target: u64,
+    barriers: u64,
+}
+
+/// An endpoint as the EndpointSlice controller publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ExpectedEndpoint {
+    pub ip: String,
+    pub ready: bool,
+    pub terminating: bool,
+    /// `(port, protocol)` of every Service port the pod resolves.
+    pub ports: Vec<(i32, String)>,
+}
+
+fn key_of(kind: &str, ns: &str, name: &str) -> Key {
+    (kind.to_string(), ns.to_string(), name.to_string())
+}
+
+fn api_version(kind: &str) -> &'static str {
+    match kind {
+        "EndpointSlice" => "discovery.k8s.io/v1",
+        _ => "v1",
+    }
+}
+
+/// An object as the lab applies it: its JSON without `status` (and, for a
+/// Pod, with a container where the manifest has none, as the API requires).
+fn applied_view(o: &Object, allocated: Option<&Value>) -> Result<Value> {
+    let mut v = match o {
+        Object::Service(s) => serde_json::to_value(s.as_ref())?,
+        Object::Pod(p) => serde_json::to_value(p.as_ref())?,
+        Object::EndpointSlice(e) => serde_json::to_value(e.as_ref())?,
+        Object::Node(n) => serde_json::to_value(n.as_ref())?,
+        Object::Other(y) => serde_json::to_value(y)?,
+    };
+    if let Some(m) = v.as_object_mut() {
+        m.remove("status");
+        let (kind, _, _) = o.key();
+        m.entry("apiVersion")
+            .or_insert_with(|| Value::from(api_version(&kind)));
+        m.entry("kind").or_insert_with(|| Value::from(kind));
+    }
+    if let Object::Pod(_) = o {
+        let spec = &mut v["spec"];
+        let containers = spec["containers"].as_array().cloned().unwrap_or_default();
+        let containers: Vec<Value> = if containers.is_empty() {
+            vec![json!({"name": "server", "image": "kpr-lab/lab-server"})]
+        } else {
+            containers
+                .into_iter()
+                .enumerate()
+                .map(|(i, mut c)| {
+                    if c["name"].as_str().unwrap_or("").is_empty() {
+                        c["name"] = Value::from(format!("c{i}"));
+                    }
+                    if c["image"].as_str().unwrap_or("").is_empty() {
+                        c["image"] = Value::from("kpr-lab/lab-server");
+                    }
+                    c
+                })
+                .collect()
+        };
+        spec["containers"] = Value::Array(containers);
+    }
+    if let (Object::Service(_), Some(alloc)) = (o, allocated) {
+        // What the API server's allocators filled in and the lab read back
+        // is theirs, not the manifest's: a field equal to it is left out (a
+        // ClusterIP or NodePort the manifest asks for is sent).
+        if let Some(spec) = v["spec"].as_object_mut() {
+            for f in [
+                "clusterIP",
+                "clusterIPs",
+                "ipFamilies",
+                "ipFamilyPolicy",
+                "healthCheckNodePort",
+            ] {
+                if spec.get(f).is_some() && spec.get(f) == alloc.get(f) {
+                    spec.remove(f);
+                }
+            }
+            if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+                for p in ports {
+                    let id = port_id(p);
+                    if let Some(p) = p.as_object_mut() {
+                        if p.get("nodePort").is_some()
+                            && p.get("nodePort") == alloc["nodePorts"].get(&id)
+                        {
+                            p.remove("nodePort");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// A Service port's identity in [`ApiState::allocated`]: `80/TCP`.
+fn port_id(p: &Value) -> String {
+    format!(
+        "{}/{}",
+        p["port"].as_i64().unwrap_or(0),
+        p["protocol"].as_str().unwrap_or("TCP")
+    )
+}
+
+/// What the API server allocated to a Service, as [`applied_view`] compares it.
+fn allocation_of(spec: &Value) -> Value {
+    let mut a = json!({});
+    for f in [
+        "clusterIP",
+        "clusterIPs",
+        "ipFamilies",
+        "ipFamilyPolicy",
+        "healthCheckNodePort",
+    ] {
+        if let Some(x) = spec.get(f) {
+            a[f] = x.clone();
+        }
+    }
+    let mut ports = json!({});
+    for p in spec["ports"].as_array().into_iter().flatten() {
+        if let Some(n) = p.get("nodePort") {
+            ports[port_id(p)] = n.clone();
+        }
+    }
+    a["nodePorts"] = ports;
+    a
+}
+
+/// The status the lab writes for an object (Pods, Nodes, and Services with
+/// a load balancer's ingress), if any.
+fn status_view(o: &Object) -> Result<Option<Value>> {
+    Ok(match o {
+        Object::Pod(p) => {
+            let Some(s) = &p.status else { return Ok(None) };
+            let ready = s
+                .conditions
+                .iter()
+                .flatten()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let mut s = serde_json::to_value(s)?;
+            let now = "2026-01-01T00:00:00Z";
+            // The containers' states, as a kubelet reports them (what
+            // `kubectl get pods` counts as READY).
+            if s.get("containerStatuses").is_none() {
+                let containers = applied_view(o, None)?["spec"]["containers"].clone();
+                let statuses: Vec<Value> = containers
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| {
+                        json!({
+                            "name": c["name"], "image": c["image"], "imageID": "",
+                            "ready": ready, "started": true, "restartCount": 0,
+                            "state": {"running": {"startedAt": now}},
+                        })
+                    })
+                    .collect();
+                s["containerStatuses"] = Value::Array(statuses);
+            }
+            if let Some(conds) = s["conditions"].as_array_mut() {
+                for c in conds {
+                    c.as_object_mut()
+                        .expect("a condition is an object")
+                        .entry("lastTransitionTime")
+                        .or_insert_with(|| Value::from(now));
+                }
+            }
+            Some(s)
+        }
+        Object::Node(n) => {
+            let addresses = n
+                .status
+                .as_ref()
+                .and_then(|s| s.addresses.clone())
+                .unwrap_or_default();
+            Some(json!({
+                "addresses": addresses,
+                "conditions": [{
+                    "type": "Ready", "status": "True", "reason": "KubeletReady",
+                    "message": "the lab plays this node's kubelet",
+                    "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }],
+                "capacity": {"cpu": "2", "memory": "4Gi", "pods": "250"},
+                "allocatable": {"cpu": "2", "memory": "4Gi", "pods": "250"},
+            }))
+        }
+        Object::Service(s) => {
+            let lb = s
+                .status
+                .as_ref()
+                .and_then(|st| st.load_balancer.as_ref())
+                .filter(|lb| lb.ingress.as_ref().is_some_and(|i| !i.is_empty()));
+            match lb {
+                Some(lb) => Some(json!({ "loadBalancer": serde_json::to_value(lb)? })),
+                None => None,
+            }
+        }
+        _ => None,
+    })
+}
+
+/// A pod's label selector match.
+fn selects(selector: &BTreeMap<String, String>, pod: &Pod) -> bool {
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// The target port of a Service port on `pod`, as the EndpointSlice
+/// controller resolves it (`podutil.FindPort`): a number as it is, a name
+/// by the pod's container ports of that name and protocol; `None` when
+/// the name is not found (the controller leaves that port out).
+fn resolve_port(port: &k8s_openapi::api::core::v1::ServicePort, pod: &Pod) -> Option<i32> {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let protocol = port.protocol.clone().unwrap_or_else(|| "TCP".into());
+    match &port.target_port {
+        None => Some(port.port),
+        Some(IntOrString::Int(n)) => Some(*n),
+        Some(IntOrString::String(name)) => {
+            if let Ok(n) = name.parse::<i32>() {
+                return Some(n);
+            }
+            pod.spec
+                .iter()
+                .flat_map(|s| s.containers.iter())
+                .flat_map(|c| c.ports.iter().flatten())
+                .find(|cp| {
+                    cp.name.as_deref() == Some(name.as_str())
+                        && cp.protocol.clone().unwrap_or_else(|| "TCP".into()) == protocol
+                })
+                .map(|cp| cp.container_port)
+        }
+    }
+}
+
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let mut v: Vec<IpAddr> = pod
+        .status
+        .iter()
+        .flat_map(|s| {
+            s.pod_ips
+                .iter()
+                .flatten()
+                .map(|p| p.ip.clone())
+                .chain(s.pod_ip.clone())
+        })
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// The endpoints the EndpointSlice controller publishes for each Service
+/// with a selector (by namespace and name): every selected pod with an IP
+/// of a family of the Service and not in a terminal phase, `terminating`
+/// when it is being deleted (then never `ready`), `ready` from its Ready
+/// condition (always, with `publishNotReadyAddresses`).
+pub fn expected_endpoints(
+    objects: &[Object],
+    terminating: &[&Pod],
+) -> BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>> {
+    let mut out = BTreeMap::new();
+    let pods: Vec<(&Pod, bool)> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Pod(p) => Some((p.as_ref(), false)),
+            _ => None,
+        })
+        .chain(terminating.iter().map(|p| (*p, true)))
+        .collect();
+    for o in objects {
+        let Object::Service(svc) = o else { continue };
+        let Some(spec) = &svc.spec else { continue };
+        if spec.type_.as_deref() == Some("ExternalName") {
+            continue;
+        }
+        let Some(selector) = spec.selector.clone().filter(|s| !s.is_empty()) else {
+            continue;
+        };
+        let ns = svc.metadata.namespace.clone().unwrap_or_default();
+        let families: Vec<String> = spec.ip_families.clone().unwrap_or_default();
+        let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
+        let mut eps = BTreeSet::new();
+        for (pod, is_terminating) in &pods {
+            if pod.metadata.namespace.as_deref().unwrap_or("default") != ns
+                || !selects(&selector, pod)
+            {
+                continue;
+            }
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            if matches!(phase, Some("Succeeded") | Some("Failed")) {
+                continue;
+            }
+            let mut ports: Vec<(i32, String)> = spec
+                .ports
+                .iter()
+                .flatten()
+                .filter_map(|p| {
+                    resolve_port(p, pod)
+                        .map(|n| (n, p.protocol.clone().unwrap_or_else(|| "TCP".into())))
+                })
+                .collect();
+            ports.sort();
+            for ip in pod_ips(pod) {
+                let family = if ip.is_ipv6() { "IPv6" } else { "IPv4" };
+                if !families.iter().any(|f| f == family) {
+                    continue;
+                }
+                eps.insert(ExpectedEndpoint {
+                    ip: ip.to_string(),
+                    ready: !is_terminating && (publish_not_ready || pod_ready(pod)),
+                    terminating: *is_terminating,
+                    ports: ports.clone(),
+                });
+            }
+        }
+        out.insert((ns, svc.metadata.name.clone().unwrap_or_default()), eps);
+    }
+    out
+}
+
+/// The endpoints of the controller's slices, by Service, from a
+/// `kubectl get endpointslices -A -o json` list.
+fn published_endpoints(list: &Value) -> BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>> {
+    let mut out: BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>> = BTreeMap::new();
+    for s in list["items"].as_array().into_iter().flatten() {
+        let labels = &s["metadata"]["labels"];
+        if labels["endpointslice.kubernetes.io/managed-by"] != "endpointslice-controller.k8s.io" {
+            continue;
+        }
+        let Some(svc) = labels["kubernetes.io/service-name"].as_str() else {
+            continue;
+        };
+        let ns = s["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let mut ports: Vec<(i32, String)> = s["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| {
+                Some((
+                    i32::try_from(p["port"].as_i64()?).ok()?,
+                    p["protocol"].as_str().unwrap_or("TCP").to_string(),
+                ))
+            })
+            .collect();
+        ports.sort();
+        let entry = out.entry((ns, svc.to_string())).or_default();
+        for e in s["endpoints"].as_array().into_iter().flatten() {
+            for a in e["addresses"].as_array().into_iter().flatten() {
+                let Some(ip) = a.as_str().and_then(|a| a.parse::<IpAddr>().ok()) else {
+                    continue;
+                };
+                entry.insert(ExpectedEndpoint {
+                    ip: ip.to_string(),
+                    ready: e["conditions"]["ready"].as_bool() == Some(true),
+                    terminating: e["conditions"]["terminating"].as_bool() == Some(true),
+                    ports: ports.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// A `List` of objects for one kubectl call.
+fn list(items: Vec<Value>) -> String {
+    json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
+}
+
+impl Lab {
+    fn api_state(&mut self) -> &mut ApiState {
+        self.api.get_or_insert_with(ApiState::default)
+    }
+
+    /// Makes the API server's objects `new` (which [`reconcile`] then makes
+    /// the lab's): namespaces, applies, status writes, graceful deletions
+    /// of pods that are gone; reads the Services' allocations back into
+    /// `new`. Returns the pods deleted gracefully.
+    pub(super) fn push_to_api(&mut self, new: &mut [Object]) -> Result<Vec<Object>> {
+        // Namespaces first.
+        let wanted: BTreeSet<String> = new
+            .iter()
+            .map(|o| o.key().1)
+            .filter(|ns| !ns.is_empty())
+            .collect();
+        let missing: Vec<Value> = wanted
+            .iter()
+            .filter(|ns| !self.api_state().namespaces.contains(*ns))
+            .map(|ns| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+            .collect();
+        if !missing.is_empty() {
+            self.kubectl_apply(&list(missing), false)?;
+            self.api_state().namespaces.extend(wanted);
+        }
+
+        // Objects whose applied view changed, in dependency order.
+        let order = |k: &str| match k {
+            "Node" => 0,
+            "Service" => 1,
+            "Pod" => 3,
+            _ => 2,
+        };
+        let mut changed: Vec<(usize, Key, Value)> = Vec::new();
+        let mut recreate: Vec<Key> = Vec::new();
+        for o in new.iter() {
+            let key = o.key();
+            let view = applied_view(o, self.api_state().allocated.get(&key))?;
+            let prev = self.api_state().applied.get(&key).cloned();
+            if prev.as_ref() == Some(&view) {
+                continue;
+            }
+            // A pod's spec is immutable: a changed one is a new pod.
+            if let (Object::Pod(_), Some(prev)) = (o, &prev) {
+                if prev["spec"] != view["spec"] {
+                    recreate.push(key.clone());
+                }
+            }
+            changed.push((order(&key.0), key, view));
+        }
+        changed.sort_by_key(|(o, _, _)| *o);
+        for (_, ns, name) in &recreate {
+            self.kubectl(
+                &[
+                    "delete",
+                    "pod",
+                    "-n",
+                    ns,
+                    name,
+                    "--grace-period=0",
+                    "--force",
+                    "--ignore-not-found",
+                ],
+                None,
+            )?;
+            self.api_state().status.remove(&key_of("Pod", ns, name));
+        }
+        if !changed.is_empty() {
+            let items = changed.iter().map(|(_, _, v)| v.clone()).collect();
+            self.kubectl_apply(&list(items), false)?;
+            for (_, key, view) in changed {
+                self.api_state().applied.insert(key, view);
+            }
+        }
+
+        // Status, as the kubelet (Pods, Nodes) and a load balancer's
+        // controller (Services) write it.
+        let mut statuses = Vec::new();
+        for o in new.iter() {
+            let key = o.key();
+            let Some(status) = status_view(o)? else {
+                continue;
+            };
+            if self.api_state().status.get(&key) == Some(&status) {
+                continue;
+            }
+            let (kind, ns, name) = &key;
+            let mut meta = json!({ "name": name });
+            if !ns.is_empty() {
+                meta["namespace"] = Value::from(ns.as_str());
+            }
+            statuses.push((
+                key.clone(),
+                status.clone(),
+                json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": status}),
+            ));
+        }
+        if !statuses.is_empty() {
+            let items = statuses.iter().map(|(_, _, v)| v.clone()).collect();
+            self.kubectl_apply(&list(items), true)?;
+            for (key, status, _) in statuses {
+                self.api_state().status.insert(key, status);
+            }
+        }
+
+        // Deletions: what the lab applied before and no longer has.
+        let now: BTreeSet<Key> = new.iter().map(Object::key).collect();
+        let gone: Vec<Key> = self
+            .api_state()
+            .applied
+            .keys()
+            .filter(|k| !now.contains(*k))
+            .cloned()
+            .collect();
+        let mut deleted_pods = Vec::new();
+        for key in gone {
+            let (kind, ns, name) = &key;
+            let mut args = vec!["delete", kind.as_str(), name.as_str(), "--wait=false"];
+            if !ns.is_empty() {
+                args.extend(["-n", ns.as_str()]);
+            }
+            args.push("--ignore-not-found");
+            self.kubectl(&args, None)?;
+            let st = self.api_state();
+            st.applied.remove(&key);
+            st.status.remove(&key);
+            st.allocated.remove(&key);
+            if kind == "Pod" {
+                if let Some(o) = self.objects.iter().find(|o| o.key() == key).cloned() {
+                    self.api_state().terminating.insert(key.clone(), o.clone());
+                    deleted_pods.push(o);
+                }
+            }
+        }
+
+        self.read_back_services(new)?;
+        Ok(deleted_pods)
+    }
+
+    /// `kubectl apply --server-side` of a List (of statuses with `status`).
+    fn kubectl_apply(&self, list: &str, status: bool) -> Result<()> {
+        let manager = format!("--field-manager={FIELD_MANAGER}");
+        let mut args = vec![
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            manager.as_str(),
+            "-f",
+            "-",
+        ];
+        if status {
+            args.push("--subresource=status");
+        }
+        self.kubectl(&args, Some(list)).map(|_| ())
+    }
+
+    /// Copies what the API server allocated (ClusterIPs, families, NodePorts)
+    /// into the lab's Services.
+    fn read_back_services(&mut self, objects: &mut [Object]) -> Result<()> {
+        if !objects.iter().any(|o| matches!(o, Object::Service(_))) {
+            return Ok(());
+        }
+        let text = self.kubectl(&["get", "services", "-A", "-o", "json"], None)?;
+        let list: Value = serde_json::from_str(&text).context("kubectl get services")?;
+        let mut by_key: BTreeMap<(String, String), Service> = BTreeMap::new();
+        for item in list["items"].as_array().into_iter().flatten() {
+            let svc: Service = serde_json::from_value(item.clone())?;
+            by_key.insert(
+                (
+                    svc.metadata.namespace.clone().unwrap_or_default(),
+                    svc.metadata.name.clone().unwrap_or_default(),
+                ),
+                svc,
+            );
+        }
+        for o in objects.iter_mut() {
+            let Object::Service(svc) = o else { continue };
+            let k = (
+                svc.metadata.namespace.clone().unwrap_or_default(),
+                svc.metadata.name.clone().unwrap_or_default(),
+            );
+            let Some(server) = by_key.get(&k) else {
+                bail!("Service {}/{} is not on the API server", k.0, k.1);
+            };
+            let (Some(mine), Some(theirs)) = (svc.spec.as_mut(), server.spec.as_ref()) else {
+                continue;
+            };
+            let alloc = allocation_of(&serde_json::to_value(theirs)?);
+            self.api_state()
+                .allocated
+                .insert(key_of("Service", &k.0, &k.1), alloc);
+            mine.cluster_ip = theirs.cluster_ip.clone();
+            mine.cluster_ips = theirs.cluster_ips.clone();
+            mine.ip_families = theirs.ip_families.clone();
+            mine.ip_family_policy = theirs.ip_family_policy.clone();
+            mine.health_check_node_port = theirs.health_check_node_port;
+            if let (Some(mp), Some(tp)) = (mine.ports.as_mut(), theirs.ports.as_ref()) {
+                for p in mp.iter_mut() {
+                    if let Some(t) = tp.iter().find(|t| {
+                        t.port == p.port
+                            && t.protocol.as_deref().unwrap_or("TCP")
+                                == p.protocol.as_deref().unwrap_or("TCP")
+                    }) {
+                        p.node_port = t.node_port;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the EndpointSlice controller's slices hold exactly the
+    /// endpoints of the lab's pods ([`expected_endpoints`]).
+    pub(super) fn wait_slices_settled(&mut self) -> Result<()> {
+        let terminating: Vec<Pod> = self
+            .api_state()
+            .terminating
+            .values()
+            .filter_map(|o| match o {
+                Object::Pod(p) => Some((**p).clone()),
+                _ => None,
+            })
+            .collect();
+        let refs: Vec<&Pod> = terminating.iter().collect();
+        let expected = expected_endpoints(&self.objects, &refs);
+        if expected.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let text = self.kubectl(&["get", "endpointslices", "-A", "-o", "json"], None)?;
+            let list: Value = serde_json::from_str(&text).context("kubectl get endpointslices")?;
+            let published = published_endpoints(&list);
+            let differing: Vec<String> = expected
+                .iter()
+                .filter(|(k, eps)| {
+                    let have = published.get(*k).cloned().unwrap_or_default();
+                    have != **eps
+                })
+                .map(|(k, eps)| {
+                    format!(
+                        "{}/{}: want {:?}, have {:?}",
+                        k.0,
+                        k.1,
+                        eps,
+                        published.get(k).cloned().unwrap_or_default()
+                    )
+                })
+                .collect();
+            if differing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the EndpointSlice controller did not publish the lab's endpoints within \
+                     {SETTLE_TIMEOUT:?}: {}",
+                    differing.join("; ")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Confirms the deletion of pods deleted gracefully (the kubelet's
+    /// final delete once the containers stopped).
+    pub(super) fn confirm_pod_deletions(&mut self, pods: &[Object]) -> Result<()> {
+        for p in pods {
+            let key = p.key();
+            self.kubectl(
+                &[
+                    "delete",
+                    "pod",
+                    "-n",
+                    &key.1,
+                    &key.2,
+                    "--grace-period=0",
+                    "--force",
+                    "--ignore-not-found",
+                ],
+                None,
+            )?;
+            self.api_state().terminating.remove(&key);
+        }
+        Ok(())
+    }
+
+    /// Writes the barrier (see the module's doc) and makes its revision the
+    /// one [`wait_synced`](Lab::wait_synced) waits for.
+    pub(super) fn write_barrier(&mut self) -> Result<()> {
+        let n = {
+            let st = self.api_state();
+            st.barriers += 1;
+            st.barriers
+        };
+        let svc = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": BARRIER, "namespace": "default",
+                         "annotations": {"kpr-lab/barrier": n.to_string()}},
+            "spec": {"clusterIP": "None", "ports": [{"port": 1, "protocol": "TCP"}]},
+        });
+        let slice = json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": BARRIER, "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": BARRIER},
+                         "annotations": {"kpr-lab/barrier": n.to_string()}},
+            "addressType": "IPv4", "endpoints": [],
+        });
+        let manager = format!("--field-manager={FIELD_MANAGER}");
+        let mut first = None;
+        for obj in [svc, slice] {
+            let out = self.kubectl(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    &manager,
+                    "-o",
+                    "jsonpath={.metadata.resourceVersion}",
+                    "-f",
+                    "-",
+                ],
+                Some(&obj.to_string()),
+            )?;
+            let rv: u64 = out
+                .trim()
+                .parse()
+                .with_context(|| format!("the barrier's resourceVersion {out:?}"))?;
+            first.get_or_insert(rv);
+        }
+        self.api_state().target = first.expect("two barrier objects");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn objects(yaml: &str) -> Vec<Object> {
+        crate::manifests::parse_yaml(yaml, "test").unwrap()
+    }
+
+    const SVC: &str = "
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec:
+  selector: {app: web}
+  ipFamilies: [IPv4]
+  ports:
+  - {name: http, port: 80, targetPort: http}
+  - {name: dns, port: 53, protocol: UDP}
+";
+
+    fn pod(name: &str, ip: &str, ready: bool) -> String {
+        format!(
+            "
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default, labels: {{app: web}}}}
+spec:
+  containers:
+  - name: s
+    ports: [{{name: http, containerPort: 8080}}]
+status:
+  podIPs: [{{ip: {ip}}}]
+  conditions: [{{type: Ready, status: '{}'}}]
+",
+            if ready { "True" } else { "False" }
+        )
+    }
+
+    #[test]
+    fn expected_endpoints_follow_the_controllers_rules() {
+        let yaml = format!(
+            "{SVC}{}{}",
+            pod("a", "198.18.1.10", true),
+            pod("b", "198.18.1.11", false)
+        );
+        let mut objs = objects(&yaml);
+        let term = objects(&pod("c", "198.18.1.12", true));
+        let Object::Pod(c) = &term[0] else { panic!() };
+        let e = expected_endpoints(&objs, &[c.as_ref()]);
+        let eps: Vec<_> = e[&("default".to_string(), "web".to_string())]
+            .iter()
+            .cloned()
+            .collect();
+        let ports = vec![(53, "UDP".to_string()), (8080, "TCP".to_string())];
+        assert_eq!(
+            eps,
+            vec![
+                ExpectedEndpoint {
+                    ip: "198.18.1.10".into(),
+                    ready: true,
+                    terminating: false,
+                    ports: ports.clone()
+                },
+                ExpectedEndpoint {
+                    ip: "198.18.1.11".into(),
+                    ready: false,
+                    terminating: false,
+                    ports: ports.clone()
+                },
+                ExpectedEndpoint {
+                    ip: "198.18.1.12".into(),
+                    ready: false,
+                    terminating: true,
+                    ports
+                },
+            ]
+        );
+        // An IPv4-only Service publishes no IPv6 endpoint; a pod of another
+        // namespace is not selected.
+        objs.extend(objects(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: x, namespace: other, labels: {app: web}}\n\
+             status: {podIPs: [{ip: '2001:2:0:1::a'}, {ip: 198.18.1.20}]}",
+        ));
+        let e = expected_endpoints(&objs, &[]);
+        assert_eq!(e[&("default".to_string(), "web".to_string())].len(), 2);
+    }
+
+    #[test]
+    fn published_endpoints_read_only_the_controllers_slices() {
+        let list = json!({"items": [
+            {"metadata": {"namespace": "default", "labels": {
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                "kubernetes.io/service-name": "web"}},
+             "ports": [{"port": 8080, "protocol": "TCP"}],
+             "endpoints": [{"addresses": ["198.18.1.10"], "conditions": {"ready": true}}]},
+            {"metadata": {"namespace": "default", "labels": {
+                "kubernetes.io/service-name": "web"}},
+             "endpoints": [{"addresses": ["198.18.1.99"], "conditions": {"ready": true}}]},
+        ]});
+        let p = published_endpoints(&list);
+        let eps = &p[&("default".to_string(), "web".to_string())];
+        assert_eq!(eps.len(), 1);
+        assert_eq!(eps.iter().next().unwrap().ip, "198.18.1.10");
+    }
+
+    #[test]
+    fn the_applied_view_leaves_allocations_and_status_to_the_server() {
+        let objs = objects(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: s, namespace: default}\n\
+             spec: {clusterIP: 198.19.0.10, ports: [{port: 80, nodePort: 30001}]}\n\
+             status: {loadBalancer: {ingress: [{ip: 198.18.5.1}]}}\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: default}\n",
+        );
+        // Asked for by the manifest: sent.
+        let svc = applied_view(&objs[0], None).unwrap();
+        assert_eq!(svc["apiVersion"], "v1");
+        assert!(svc.get("status").is_none());
+        assert_eq!(svc["spec"]["clusterIP"], "198.19.0.10");
+        // Allocated by the API server and read back: left to it.
+        let Object::Service(s) = &objs[0] else {
+            panic!()
+        };
+        let alloc = allocation_of(&serde_json::to_value(s.spec.as_ref().unwrap()).unwrap());
+        let svc = applied_view(&objs[0], Some(&alloc)).unwrap();
+        assert!(svc["spec"].get("clusterIP").is_none());
+        assert!(svc["spec"]["ports"][0].get("nodePort").is_none());
+        assert_eq!(
+            status_view(&objs[0]).unwrap().unwrap()["loadBalancer"]["ingress"][0]["ip"],
+            "198.18.5.1"
+        );
+        let pod = applied_view(&objs[1], None).unwrap();
+        assert_eq!(pod["spec"]["containers"][0]["image"], "kpr-lab/lab-server");
+    }
+}
