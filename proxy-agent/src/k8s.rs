@@ -35,7 +35,7 @@ use kube::{
 };
 use serde::de::DeserializeOwned;
 use tokio::{sync::mpsc::UnboundedSender, task::JoinHandle};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::{
     manifests::Snapshot,
@@ -368,6 +368,20 @@ impl Drop for Reflector {
     }
 }
 
+/// The API server's message when it refused a list or watch for want of
+/// a permission (403 Forbidden): it names the user, the verb, the resource
+/// and its group.
+fn forbidden(e: &watcher::Error) -> Option<&str> {
+    let status = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s,
+        watcher::Error::WatchError(s) => s,
+        _ => return None,
+    };
+    (status.code == 403).then_some(status.message.as_str())
+}
+
 /// An object's `resourceVersion` as a number (0 if it has none or it is
 /// not one: the API server's are etcd revisions, but clients must not
 /// rely on that, so an opaque one only leaves the revision behind).
@@ -447,7 +461,15 @@ async fn drive<K, S>(
             // The objects are kept as they are; the watcher backs off and
             // resumes (or relists when the API server says the watch
             // expired).
-            Err(e) => warn!(kind, error = %e, "watch error; retrying with backoff"),
+            Err(e) => match forbidden(&e) {
+                Some(message) => error!(
+                    kind,
+                    "the API server refuses the agent: {message}; its ServiceAccount needs get, \
+                     list and watch on Services, EndpointSlices (discovery.k8s.io) and Nodes, as \
+                     the ClusterRole of deploy/clusterrole.yaml grants (retrying with backoff)"
+                ),
+                None => warn!(kind, error = %e, "watch error; retrying with backoff"),
+            },
         }
     }
 }

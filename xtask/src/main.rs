@@ -624,13 +624,108 @@ fn test(mut args: Vec<String>) -> Result<()> {
     if !status.success() {
         bail!("cargo test failed ({status})");
     }
-    // Only a full run (no test filter) goes on to the runc pass and the
-    // kernel matrix.
+    // Only a full run (no test filter) goes on to the control plane and
+    // runc passes and the kernel matrix.
     if args.is_empty() {
+        control_plane_pass(&agent, &target)?;
         runc_pass(&agent, &target, &image.layout)?;
         if std::env::var_os("KPR_SKIP_VMS").is_none() {
             xtask::vm::test_matrix()?;
         }
+    }
+    Ok(())
+}
+
+/// Lab tests run a second time against a real control plane
+/// (`KPR_LAB_CONTROL_PLANE=1`: etcd, kube-apiserver and
+/// kube-controller-manager; the agents on `--source kubernetes` as deploy/'s
+/// ServiceAccount): at least one row of every family of
+/// `shared/conformance/` the lab reproduces. `KPR_CONTROL_PLANE_ALL=1` runs
+/// every lab test binary against it instead.
+const CONTROL_PLANE_TESTS: &[(&str, &str)] = &[
+    ("lab", "s1_basic_endpoint_added_and_removed"),
+    ("lab", "s2_multiport_named_target_ports"),
+    ("lab", "s29_k4_no_endpoints_rejected_from_pod"),
+    ("lab", "k1_udp_flow_leaves_deleted_endpoint"),
+    (
+        "lab_semantics",
+        "c5_last_endpoint_terminating_keeps_established_flows",
+    ),
+    (
+        "lab_semantics",
+        "s35_s36_ready_first_then_terminating_fallback",
+    ),
+    ("lab_semantics", "s18_s19_publish_not_ready_addresses"),
+    ("lab_semantics", "n18_session_affinity_client_ip_udp"),
+    (
+        "lab_northsouth",
+        "s10_nodeport_reachable_from_external_on_every_node",
+    ),
+    (
+        "lab_northsouth",
+        "e2_source_ip_local_preserved_cluster_snat",
+    ),
+    ("lab_host", "l1_l2_localhost_node_ports"),
+    ("lab_multinode", "t1_prefer_close_same_zone"),
+    (
+        "lab_multinode",
+        "p2_itp_local_cluster_ip_dropped_without_local_endpoint",
+    ),
+    (
+        "lab_ipv6",
+        "d_lab_3_dual_stack_service_answers_on_both_cluster_ips",
+    ),
+    ("lab_sctp", "n4_pod_to_service_sctp"),
+];
+
+/// Every lab test binary, for `KPR_CONTROL_PLANE_ALL=1`.
+const LAB_TEST_BINARIES: &[&str] = &[
+    "lab",
+    "lab_host",
+    "lab_ipv6",
+    "lab_lb",
+    "lab_lifecycle",
+    "lab_load",
+    "lab_mtu",
+    "lab_multinode",
+    "lab_northsouth",
+    "lab_policy",
+    "lab_scale",
+    "lab_sctp",
+    "lab_semantics",
+];
+
+fn control_plane_pass(agent: &std::path::Path, target: &std::path::Path) -> Result<()> {
+    let all = std::env::var("KPR_CONTROL_PLANE_ALL").is_ok_and(|v| v == "1");
+    let mut cmd = setup::cargo();
+    cmd.args(["test", "--workspace", "--exclude", "proxy-ebpf"]);
+    if all {
+        println!("every lab test again, against a real control plane");
+        for b in LAB_TEST_BINARIES {
+            cmd.args(["--test", b]);
+        }
+        cmd.args(["--", "--include-ignored", "--test-threads=2"]);
+    } else {
+        println!(
+            "lab tests again, against a real control plane (KPR_CONTROL_PLANE_ALL=1 for all): \
+             {CONTROL_PLANE_TESTS:?}"
+        );
+        let mut bins: Vec<&str> = CONTROL_PLANE_TESTS.iter().map(|(b, _)| *b).collect();
+        bins.sort();
+        bins.dedup();
+        for b in bins {
+            cmd.args(["--test", b]);
+        }
+        cmd.args(["--", "--include-ignored", "--test-threads=2", "--exact"])
+            .args(CONTROL_PLANE_TESTS.iter().map(|(_, t)| *t));
+    }
+    cmd.env("KPR_AGENT_BIN", agent)
+        .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
+        .env("KPR_LAB_CONTROL_PLANE", "1")
+        .env("KPR_REQUIRE_ROOT_TESTS", "1");
+    let status = cmd.status().context("cannot run cargo test")?;
+    if !status.success() {
+        bail!("lab tests against the real control plane failed ({status})");
     }
     Ok(())
 }
@@ -670,6 +765,7 @@ fn runc_pass(
         .env("KPR_AGENT_BIN", agent)
         .env("KPR_LAB_SERVER_BIN", target.join("lab-server"))
         .env("KPR_LAB_AGENT", "runc")
+        .env_remove("KPR_LAB_CONTROL_PLANE")
         .env("KPR_LAB_IMAGE", image)
         .env("KPR_REQUIRE_ROOT_TESTS", "1");
     let status = cmd.status().context("cannot run cargo test")?;

@@ -34,8 +34,9 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "umoci",
     // deploy/'s validation: a venv for PyPI's kubernetes-validate.
     "python3-venv",
-    // The lab's control plane: its certificates and keys.
+    // The lab's control plane: its certificates and keys, etcd's gateway.
     "openssl",
+    "curl",
 ];
 /// The Rust target of the image's static agent.
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";

@@ -538,12 +538,33 @@ impl Lab {
                 json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": status}),
             ));
         }
-        if !statuses.is_empty() {
-            let items = statuses.iter().map(|(_, _, v)| v.clone()).collect();
+        // A Node's addresses are a list keyed by type, which a dual-stack
+        // node's two InternalIPs break for server-side apply (kubelets
+        // patch): Nodes get a merge patch of their status each.
+        let (nodes, others): (Vec<_>, Vec<_>) = statuses
+            .into_iter()
+            .partition(|(key, _, _)| key.0 == "Node");
+        for (key, status, _) in &nodes {
+            let patch = json!({ "status": status }).to_string();
+            self.kubectl(
+                &[
+                    "patch",
+                    "node",
+                    &key.2,
+                    "--subresource=status",
+                    "--type=merge",
+                    "-p",
+                    &patch,
+                ],
+                None,
+            )?;
+        }
+        if !others.is_empty() {
+            let items = others.iter().map(|(_, _, v)| v.clone()).collect();
             self.kubectl_apply(&list(items), true)?;
-            for (key, status, _) in statuses {
-                self.api_state().status.insert(key, status);
-            }
+        }
+        for (key, status, _) in nodes.into_iter().chain(others) {
+            self.api_state().status.insert(key, status);
         }
 
         // Deletions: what the lab applied before and no longer has.

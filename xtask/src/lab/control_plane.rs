@@ -88,6 +88,12 @@ impl ControlPlaneInfo {
         self.dir.join("agent.token")
     }
 
+    /// The API server's audit log: every request of deploy/'s ServiceAccount
+    /// (the agents), at the Metadata level, one JSON object a line.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("audit.log")
+    }
+
     /// A component's log (`etcd`, `kube-apiserver`, `kube-controller-manager`).
     pub fn log(&self, component: &str) -> PathBuf {
         self.dir.join(format!("{component}.log"))
@@ -492,7 +498,12 @@ impl Lab {
             cidrs.push(',');
             cidrs.push_str(SERVICE_CIDR6);
         }
+        let policy = cp.dir.join("audit-policy.yaml");
+        write_atomic(&policy, AUDIT_POLICY.as_bytes())?;
         let args: Vec<String> = vec![
+            format!("--audit-policy-file={}", policy.display()),
+            format!("--audit-log-path={}", cp.audit_log().display()),
+            "--audit-log-format=json".into(),
             "--etcd-servers=http://127.0.0.1:2379".into(),
             format!("--advertise-address={}", cp.ip),
             "--bind-address=::".into(),
@@ -689,6 +700,57 @@ impl Lab {
             &cp.agent_kubeconfig,
             kubeconfig(&cp.server(), &cp.ca(), &user).as_bytes(),
         )
+    }
+}
+
+/// What the API server audits: the agents' requests (deploy/'s
+/// ServiceAccount), so tests can see how they list and watch.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  users: [\"system:serviceaccount:kube-system:proxy-agent\"]
+- level: None
+";
+
+impl Lab {
+    /// etcd's current revision, through its HTTP gateway on the control
+    /// plane's loopback.
+    fn etcd_post(&self, path: &str, body: &str) -> Result<serde_json::Value> {
+        let cp = self.control_plane_info()?;
+        let mut cmd = Command::new("curl");
+        cmd.args(["-sS", "-m", "10", "-X", "POST", "-d", body])
+            .arg(format!("http://127.0.0.1:2379{path}"));
+        netns::enter_netns_on_spawn(&mut cmd, &cp.netns)?;
+        let out = cmd
+            .output()
+            .context("curl (setup installs Debian's curl)")?;
+        if !out.status.success() {
+            bail!(
+                "etcd {path}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        serde_json::from_slice(&out.stdout).with_context(|| format!("etcd {path}: not JSON"))
+    }
+
+    /// Compacts etcd's history up to its current revision (physically, as
+    /// the API server's periodic compaction does), so a watch from an older
+    /// resourceVersion can only be answered with 410 Gone. Returns the
+    /// revision.
+    pub fn compact_etcd(&self) -> Result<u64> {
+        // The range of key "\0" answers with the store's revision.
+        let range = self.etcd_post("/v3/kv/range", r#"{"key":"AA=="}"#)?;
+        let rev: u64 = range["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .with_context(|| format!("etcd's revision in {range}"))?;
+        self.etcd_post(
+            "/v3/kv/compaction",
+            &format!(r#"{{"revision":"{rev}","physical":true}}"#),
+        )?;
+        Ok(rev)
     }
 }
 

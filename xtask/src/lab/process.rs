@@ -321,6 +321,23 @@ impl Lab {
         self.save()
     }
 
+    /// `program` run as one of node `node`'s own processes (a host process,
+    /// or a hostNetwork pod): in its network namespace and its cgroup, so
+    /// the agent's socket hooks translate its connections.
+    pub fn node_command(
+        &self,
+        node: &str,
+        program: impl AsRef<std::ffi::OsStr>,
+    ) -> Result<Command> {
+        let n = self.node_info(node)?;
+        let mut cmd = Command::new(program);
+        netns::enter_netns_on_spawn(&mut cmd, &n.netns)?;
+        if let Some(cg) = &n.cgroup {
+            super::cgroup::join_on_spawn(&mut cmd, cg)?;
+        }
+        Ok(cmd)
+    }
+
     /// Stops every agent: SIGTERM, up to 3 s, then SIGKILL. Pinned maps stay.
     pub fn stop_agent(&mut self) -> Result<()> {
         for i in 0..self.info.nodes.len() {
