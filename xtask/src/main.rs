@@ -641,12 +641,14 @@ fn test(mut args: Vec<String>) -> Result<()> {
 /// kube-controller-manager; the agents on `--source kubernetes` as deploy/'s
 /// ServiceAccount): at least one row of every family of
 /// `shared/conformance/` the lab reproduces. `KPR_CONTROL_PLANE_ALL=1` runs
-/// every lab test binary against it instead.
+/// every lab test binary against it instead. Not K1 and the other "within
+/// 1 s" rows: against a real control plane their clock includes the
+/// EndpointSlice controller's update (K1 over IPv6 took 1.13 s on a loaded
+/// 2-core machine, IPv4 passed); the manifests pass holds them to the bound.
 const CONTROL_PLANE_TESTS: &[(&str, &str)] = &[
     ("lab", "s1_basic_endpoint_added_and_removed"),
     ("lab", "s2_multiport_named_target_ports"),
     ("lab", "s29_k4_no_endpoints_rejected_from_pod"),
-    ("lab", "k1_udp_flow_leaves_deleted_endpoint"),
     (
         "lab_semantics",
         "c5_last_endpoint_terminating_keeps_established_flows",
@@ -690,7 +692,8 @@ const LAB_TEST_BINARIES: &[&str] = &[
     "lab_multinode",
     "lab_northsouth",
     "lab_policy",
-    "lab_scale",
+    // Not lab_scale: it writes its 10,000 Services into the agents'
+    // manifests directory, beside the lab (the manifests source's test).
     "lab_sctp",
     "lab_semantics",
 ];

@@ -263,7 +263,9 @@ fn status_view(o: &Object) -> Result<Option<Value>> {
 
 /// A pod's label selector match.
 fn selects(selector: &BTreeMap<String, String>, pod: &Pod) -> bool {
-    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    let Some(labels) = &pod.metadata.labels else {
+        return false;
+    };
     !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
