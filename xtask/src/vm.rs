@@ -400,8 +400,15 @@ fi
 mount -t proc proc /root/proc
 mount -t sysfs sys /root/sys
 mount -t devtmpfs dev /root/dev
+# A checkout (or target directory) under /tmp or /run stays visible through
+# the fresh tmpfs mounted there: kpr.keep= names it, moved aside and back.
+keep=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^kpr.keep=//p' | tr ',' ' ')
+i=0
+for k in $keep; do mkdir -p /keep$i; mount --bind "/root$k" /keep$i || echo "KPR-VM keep $k failed"; i=$((i+1)); done
 mount -t tmpfs tmpfs /root/tmp
 mount -t tmpfs tmpfs /root/run
+i=0
+for k in $keep; do mkdir -p "/root$k"; mount --move /keep$i "/root$k" || echo "KPR-VM keep $k failed"; i=$((i+1)); done
 mount -t bpf bpf /root/sys/fs/bpf
 mount -t cgroup2 cgroup2 /root/sys/fs/cgroup
 mount -t debugfs debugfs /root/sys/kernel/debug 2>/dev/null
@@ -411,6 +418,39 @@ chroot /root /bin/sh "$script"
 echo "KPR-VM-DONE rc=$?"
 poweroff -f
 "#;
+
+/// The guest mounts fresh tmpfs on `/tmp` and `/run`: the checkout and the
+/// target directory, when they live there, are kept visible (`kpr.keep=`).
+fn kept_paths(paths: &[PathBuf]) -> Result<Vec<String>> {
+    let mut kept: Vec<String> = Vec::new();
+    for p in paths {
+        let p = p.canonicalize().unwrap_or_else(|_| p.clone());
+        if !(p.starts_with("/tmp") || p.starts_with("/run")) {
+            continue;
+        }
+        let text = p.to_string_lossy().into_owned();
+        if text.contains(|c: char| c.is_whitespace() || c == ',') {
+            bail!(
+                "the kernel matrix cannot keep {text} visible in its VMs (a space or comma \
+                 in the path of a checkout under /tmp or /run): clone elsewhere"
+            );
+        }
+        if !kept.iter().any(|k| p.starts_with(k)) {
+            kept.retain(|k| !Path::new(k).starts_with(&p));
+            kept.push(text);
+        }
+    }
+    Ok(kept)
+}
+
+fn kept_paths_arg() -> Result<String> {
+    let kept = kept_paths(&[crate::setup::workspace_root(), crate::setup::target_dir()])?;
+    Ok(if kept.is_empty() {
+        String::new()
+    } else {
+        format!(" kpr.keep={}", kept.join(","))
+    })
+}
 
 /// The machine's busybox: the guest's initramfs gets a copy, and the
 /// guest's scripts (chrooted into this machine's root) run it for `insmod`.
@@ -585,8 +625,9 @@ pub fn run_script(spec: &KernelSpec, script: &Path, timeout: Duration) -> Result
         .arg(&initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 panic=-1 loglevel=4 mitigations=off kpr.script={}",
-            script.display()
+            "console=ttyS0 panic=-1 loglevel=4 mitigations=off kpr.script={}{}",
+            script.display(),
+            kept_paths_arg()?
         ))
         .args([
             "-virtfs",
@@ -1013,6 +1054,22 @@ pub fn fetch_matrix() -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_checkout_under_tmp_is_kept_visible_in_the_guest() {
+        let kept = kept_paths(&[
+            PathBuf::from("/tmp/kpr-clone"),
+            PathBuf::from("/tmp/kpr-clone/target"),
+            PathBuf::from("/work/elsewhere"),
+        ])
+        .unwrap();
+        assert_eq!(kept, vec!["/tmp/kpr-clone".to_string()]);
+        assert!(kept_paths(&[PathBuf::from("/work/main")])
+            .unwrap()
+            .is_empty());
+        assert!(kept_paths(&[PathBuf::from("/tmp/a b")]).is_err());
+    }
+
     use super::*;
 
     #[test]
