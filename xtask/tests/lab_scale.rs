@@ -8,6 +8,12 @@
 //! one JSON manifests file of their own beside the lab's `cluster.yaml`,
 //! which the change rewrites: the agent reads only the file that changed.
 //!
+//! The second test makes its Services through a real API server instead
+//! (the lab's control plane): the time to the agent's first complete sync,
+//! the memory of the agent, kube-apiserver and etcd, and the network
+//! programming latency from a pod's Ready condition to the first connection
+//! through its Service, the real EndpointSlice controller in between.
+//!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_scale -- --include-ignored`.
 
@@ -170,4 +176,171 @@ fn one_endpoint_change_among_10000_services_moves_traffic_while_the_others_answe
             moved.as_millis()
         );
     });
+}
+
+/// The agent's `/metrics` (on the node's loopback, as kube-proxy's).
+fn metrics_text(node_ns: &str) -> String {
+    use std::io::{Read, Write};
+    in_netns(node_ns, || -> std::io::Result<String> {
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
+        let mut s = std::net::TcpStream::connect_timeout(&addr.into(), Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        Ok(out)
+    })
+    .expect("node namespace")
+    .unwrap_or_default()
+}
+
+/// Services created through the real API server in the API test below
+/// (`KPR_API_SCALE_SERVICES` overrides it; the full bench's 100,000 too).
+const API_SCALE: usize = 10_000;
+/// Rounds of the programming-latency measurement.
+const LATENCY_ROUNDS: usize = 20;
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// `API_SCALE` Services, each selecting a hostNetwork pod of its own, made
+/// through the real API server (ClusterIPs from its allocator, slices from
+/// the real EndpointSlice controller) before the agent starts: the agent's
+/// first complete sync takes them all; its memory and the API server's and
+/// etcd's are reported. Then the network programming latency as a user
+/// sees it, `LATENCY_ROUNDS` times: a new pod's Ready condition is written
+/// (as its kubelet would) and the clock stops at the first connection
+/// through its Service that it answers, the EndpointSlice controller in
+/// between; the agent's own `network_programming_duration_seconds` beside it.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn services_through_the_real_api_server_first_sync_memory_and_programming_latency() {
+    let n: usize = std::env::var("KPR_API_SCALE_SERVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(API_SCALE);
+    let mut lab = xtask::Lab::builder()
+        .agent_bin(support::agent_bin())
+        .control_plane(true)
+        .agent(false)
+        .start()
+        .expect("lab");
+    let mut yaml = String::with_capacity(n * 600);
+    for i in 0..n {
+        let _ = writeln!(
+            yaml,
+            r#"---
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"api-{i}","namespace":"default"}},"spec":{{"selector":{{"app":"api-{i}"}},"ports":[{{"name":"http","port":80,"protocol":"TCP","targetPort":8080}}]}}}}
+---
+{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"api-{i}","namespace":"default","labels":{{"app":"api-{i}"}}}},"spec":{{"nodeName":"{NODE_NAME}","hostNetwork":true,"containers":[{{"name":"c","image":"kpr-lab/lab-server","ports":[{{"containerPort":8080,"protocol":"TCP"}}]}}]}}}}"#
+        );
+    }
+    let t = Instant::now();
+    lab.apply(&yaml)
+        .expect("the Services and Pods through the API");
+    let created = t.elapsed();
+    println!(
+        "{n} Services and {n} Pods created through the API server, their slices published, in {:.1} s",
+        created.as_secs_f64()
+    );
+
+    let t = Instant::now();
+    lab.start_agent().expect("agent");
+    lab.wait_ready(SYNC_TIMEOUT.max(Duration::from_secs(300)))
+        .expect("the agent's first complete sync");
+    let first_sync = t.elapsed();
+    let initial = lab
+        .agent_log()
+        .lines()
+        .find(|l| l.contains("initial sync"))
+        .map(str::to_string)
+        .unwrap_or_default();
+    assert!(
+        initial.contains(&format!("frontends={}", n + 1)),
+        "every Service (and `kubernetes`) programmed at the first sync: {initial}"
+    );
+    let agent_pid = lab.node().agent.as_ref().expect("agent").pid;
+    let cp = lab.control_plane().expect("control plane").clone();
+    println!(
+        "first complete sync of {n} Services {:.2} s after the agent started; RSS: agent {} MiB, \
+         kube-apiserver {} MiB, etcd {} MiB",
+        first_sync.as_secs_f64(),
+        rss_kib(agent_pid) / 1024,
+        rss_kib(cp.apiserver.unwrap_or(0)) / 1024,
+        rss_kib(cp.etcd.unwrap_or(0)) / 1024
+    );
+
+    // Network programming latency, pod Ready written → first connection.
+    let ns = lab.client().netns.clone();
+    let mut latencies = Vec::new();
+    for k in 0..LATENCY_ROUNDS {
+        let name = format!("lat-{k}");
+        let not_ready = format!(
+            r#"---
+{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"default"}},"spec":{{"selector":{{"app":"{name}"}},"ports":[{{"port":80,"protocol":"TCP","targetPort":80}}]}}}}
+---
+{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"{name}","namespace":"default","labels":{{"app":"{name}"}}}},"spec":{{"nodeName":"{NODE_NAME}","containers":[{{"name":"c","image":"kpr-lab/lab-server","ports":[{{"containerPort":80,"protocol":"TCP"}}]}}]}},"status":{{"conditions":[{{"type":"Ready","status":"False"}}]}}}}"#
+        );
+        lab.apply(&not_ready).expect("the pod, not ready");
+        lab.wait_synced(SYNC_TIMEOUT).expect("synced");
+        let vip = frontend(&lab, &name, 80, "TCP");
+        let ready = not_ready.replace(r#""status":"False""#, r#""status":"True""#);
+        let who: &'static str = Box::leak(name.clone().into_boxed_str());
+        let ns2 = ns.clone();
+        let probe =
+            std::thread::spawn(move || until_answered_by(&ns2, vip, who, Duration::from_secs(30)));
+        // The Ready condition as the pod's kubelet writes it (a status
+        // patch), then the lab's own view of the pod brought in line.
+        let patch = format!(
+            r#"{{"status":{{"conditions":[{{"type":"Ready","status":"True","lastTransitionTime":"{}"}}]}}}}"#,
+            jiff::Timestamp::now()
+        );
+        lab.kubectl(
+            &[
+                "patch",
+                "pod",
+                &name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &patch,
+            ],
+            None,
+        )
+        .expect("Ready written");
+        let took = probe
+            .join()
+            .expect("probe")
+            .unwrap_or_else(|| panic!("{name} never answered through {vip}"));
+        // The probe's clock started just before the write: an upper bound.
+        latencies.push(took);
+        lab.apply(&ready).expect("the lab's view of the pod");
+    }
+    latencies.sort();
+    let metrics = metrics_text(&lab.node().netns);
+    let programming: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.contains("network_programming_duration_seconds"))
+        .collect();
+    println!(
+        "network programming latency (Ready written -> first connection), {LATENCY_ROUNDS} rounds \
+         among {n} Services: p50 {} ms, p99 {} ms, max {} ms",
+        percentile(&latencies, 0.50).as_millis(),
+        percentile(&latencies, 0.99).as_millis(),
+        latencies.last().expect("rounds").as_millis()
+    );
+    println!("the agent's own histogram:\n{}", programming.join("\n"));
 }

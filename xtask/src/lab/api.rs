@@ -54,8 +54,14 @@ pub(super) struct ApiState {
     namespaces: BTreeSet<String>,
     /// Per Service: what the API server allocated ([`allocation_of`]).
     allocated: BTreeMap<Key, Value>,
+    /// Per Service with a selector: the endpoints its slices were last
+    /// seen to hold ([`Lab::wait_slices_settled`] checks only the others).
+    settled: BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>>,
     /// Pods deleted gracefully whose deletion the lab has still to confirm.
     terminating: BTreeMap<Key, Object>,
+    /// Per object and condition type: the status last written and when it
+    /// became so (a kubelet's lastTransitionTime).
+    transitions: BTreeMap<(Key, String), (String, String)>,
     /// The revision every agent's sync must reach ([`Lab::wait_synced`]).
     pub(super) target: u64,
     barriers: u64,
@@ -187,6 +193,31 @@ fn allocation_of(spec: &Value) -> Value {
     a
 }
 
+/// Writes an allocation ([`allocation_of`]) into a Service's spec.
+fn fill_allocation(
+    spec: &mut k8s_openapi::api::core::v1::ServiceSpec,
+    alloc: &Value,
+) -> Result<()> {
+    let get = |f: &str| alloc.get(f).cloned();
+    spec.cluster_ip = get("clusterIP").map(serde_json::from_value).transpose()?;
+    spec.cluster_ips = get("clusterIPs").map(serde_json::from_value).transpose()?;
+    spec.ip_families = get("ipFamilies").map(serde_json::from_value).transpose()?;
+    spec.ip_family_policy = get("ipFamilyPolicy")
+        .map(serde_json::from_value)
+        .transpose()?;
+    spec.health_check_node_port = get("healthCheckNodePort")
+        .map(serde_json::from_value)
+        .transpose()?;
+    for p in spec.ports.iter_mut().flatten() {
+        let id = format!("{}/{}", p.port, p.protocol.as_deref().unwrap_or("TCP"));
+        p.node_port = alloc["nodePorts"]
+            .get(&id)
+            .map(|n| serde_json::from_value(n.clone()))
+            .transpose()?;
+    }
+    Ok(())
+}
+
 /// The status the lab writes for an object (Pods, Nodes, and Services with
 /// a load balancer's ingress), if any.
 fn status_view(o: &Object) -> Result<Option<Value>> {
@@ -218,14 +249,8 @@ fn status_view(o: &Object) -> Result<Option<Value>> {
                     .collect();
                 s["containerStatuses"] = Value::Array(statuses);
             }
-            if let Some(conds) = s["conditions"].as_array_mut() {
-                for c in conds {
-                    c.as_object_mut()
-                        .expect("a condition is an object")
-                        .entry("lastTransitionTime")
-                        .or_insert_with(|| Value::from(now));
-                }
-            }
+            // Conditions get their lastTransitionTime when written
+            // ([`Lab::stamp_transitions`]): a view to compare has none.
             Some(s)
         }
         Object::Node(n) => {
@@ -341,6 +366,16 @@ pub fn expected_endpoints(
         })
         .chain(terminating.iter().map(|p| (*p, true)))
         .collect();
+    // Pods by namespace and label, so a Service looks at the pods that
+    // carry the first label of its selector only (10,000 Services of a pod
+    // each are 10,000 lookups, not 10^8 comparisons).
+    let mut by_label: BTreeMap<(&str, &str, &str), Vec<usize>> = BTreeMap::new();
+    for (i, (pod, _)) in pods.iter().enumerate() {
+        let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
+        for (k, v) in pod.metadata.labels.iter().flatten() {
+            by_label.entry((ns, k, v)).or_default().push(i);
+        }
+    }
     for o in objects {
         let Object::Service(svc) = o else { continue };
         let Some(spec) = &svc.spec else { continue };
@@ -354,10 +389,13 @@ pub fn expected_endpoints(
         let families: Vec<String> = spec.ip_families.clone().unwrap_or_default();
         let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
         let mut eps = BTreeSet::new();
-        for (pod, is_terminating) in &pods {
-            if pod.metadata.namespace.as_deref().unwrap_or("default") != ns
-                || !selects(&selector, pod)
-            {
+        let (k0, v0) = selector.iter().next().expect("a selector is not empty");
+        let candidates = by_label
+            .get(&(ns.as_str(), k0.as_str(), v0.as_str()))
+            .cloned()
+            .unwrap_or_default();
+        for (pod, is_terminating) in candidates.iter().map(|&i| &pods[i]) {
+            if !selects(&selector, pod) {
                 continue;
             }
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -448,6 +486,32 @@ impl Lab {
         self.api.get_or_insert_with(ApiState::default)
     }
 
+    /// `status` with each condition's `lastTransitionTime` as a kubelet
+    /// keeps it: the time of the write that changed the condition's status
+    /// (the EndpointSlice controller's trigger time, from which the agent
+    /// measures its network programming latency).
+    fn stamp_transitions(&mut self, key: &Key, status: &Value) -> Value {
+        let mut stamped = status.clone();
+        let now = jiff::Timestamp::now().to_string();
+        let st = self.api_state();
+        for c in stamped["conditions"].as_array_mut().into_iter().flatten() {
+            if c.get("lastTransitionTime").is_some() {
+                continue;
+            }
+            let type_ = c["type"].as_str().unwrap_or("").to_string();
+            let value = c["status"].as_str().unwrap_or("").to_string();
+            let entry = st
+                .transitions
+                .entry((key.clone(), type_))
+                .or_insert_with(|| (value.clone(), now.clone()));
+            if entry.0 != value {
+                *entry = (value, now.clone());
+            }
+            c["lastTransitionTime"] = Value::from(entry.1.clone());
+        }
+        stamped
+    }
+
     /// Makes the API server's objects `new` (which [`reconcile`] then makes
     /// the lab's): namespaces, applies, status writes, graceful deletions
     /// of pods that are gone; reads the Services' allocations back into
@@ -510,6 +574,11 @@ impl Lab {
             )?;
             self.api_state().status.remove(&key_of("Pod", ns, name));
         }
+        let changed_services: BTreeSet<Key> = changed
+            .iter()
+            .filter(|(_, k, _)| k.0 == "Service")
+            .map(|(_, k, _)| k.clone())
+            .collect();
         if !changed.is_empty() {
             let items = changed.iter().map(|(_, _, v)| v.clone()).collect();
             self.kubectl_apply(&list(items), false)?;
@@ -534,10 +603,11 @@ impl Lab {
             if !ns.is_empty() {
                 meta["namespace"] = Value::from(ns.as_str());
             }
+            let stamped = self.stamp_transitions(&key, &status);
             statuses.push((
                 key.clone(),
                 status.clone(),
-                json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": status}),
+                json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": stamped}),
             ));
         }
         // A Node's addresses are a list keyed by type, which a dual-stack
@@ -599,7 +669,7 @@ impl Lab {
             }
         }
 
-        self.read_back_services(new)?;
+        self.read_back_services(new, &changed_services)?;
         Ok(deleted_pods)
     }
 
@@ -621,56 +691,64 @@ impl Lab {
     }
 
     /// Copies what the API server allocated (ClusterIPs, families, NodePorts)
-    /// into the lab's Services.
-    fn read_back_services(&mut self, objects: &mut [Object]) -> Result<()> {
-        if !objects.iter().any(|o| matches!(o, Object::Service(_))) {
-            return Ok(());
-        }
-        let text = self.kubectl(&["get", "services", "-A", "-o", "json"], None)?;
-        let list: Value = serde_json::from_str(&text).context("kubectl get services")?;
+    /// into the lab's Services: read from the API server for the Services
+    /// applied now (`changed`), from what was read before for the others.
+    fn read_back_services(
+        &mut self,
+        objects: &mut [Object],
+        changed: &BTreeSet<Key>,
+    ) -> Result<()> {
         let mut by_key: BTreeMap<(String, String), Service> = BTreeMap::new();
-        for item in list["items"].as_array().into_iter().flatten() {
-            let svc: Service = serde_json::from_value(item.clone())?;
-            by_key.insert(
-                (
+        let mut namespaces: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (_, ns, name) in changed {
+            namespaces.entry(ns).or_default().push(name);
+        }
+        let lists: Vec<Value> = if changed.len() > 200 {
+            let text = self.kubectl(&["get", "services", "-A", "-o", "json"], None)?;
+            vec![serde_json::from_str(&text).context("kubectl get services")?]
+        } else {
+            let mut v = Vec::new();
+            for (ns, names) in &namespaces {
+                let mut args = vec!["get", "services", "-n", ns, "-o", "json"];
+                args.extend(names.iter().copied());
+                let text = self.kubectl(&args, None)?;
+                let got: Value = serde_json::from_str(&text).context("kubectl get services")?;
+                // One name answers with the object, several with a List.
+                v.push(if got["kind"] == "List" {
+                    got
+                } else {
+                    json!({"items": [got]})
+                });
+            }
+            v
+        };
+        for list in &lists {
+            for item in list["items"].as_array().into_iter().flatten() {
+                let svc: Service = serde_json::from_value(item.clone())?;
+                let k = (
                     svc.metadata.namespace.clone().unwrap_or_default(),
                     svc.metadata.name.clone().unwrap_or_default(),
-                ),
-                svc,
-            );
+                );
+                let alloc = allocation_of(&serde_json::to_value(svc.spec.as_ref())?);
+                self.api_state()
+                    .allocated
+                    .insert(key_of("Service", &k.0, &k.1), alloc);
+                by_key.insert(k, svc);
+            }
         }
         for o in objects.iter_mut() {
-            let Object::Service(svc) = o else { continue };
-            let k = (
-                svc.metadata.namespace.clone().unwrap_or_default(),
-                svc.metadata.name.clone().unwrap_or_default(),
-            );
-            let Some(server) = by_key.get(&k) else {
-                bail!("Service {}/{} is not on the API server", k.0, k.1);
+            if !matches!(o, Object::Service(_)) {
+                continue;
+            }
+            let key = o.key();
+            let Some(alloc) = self.api_state().allocated.get(&key).cloned() else {
+                bail!("Service {}/{} is not on the API server", key.1, key.2);
             };
-            let (Some(mine), Some(theirs)) = (svc.spec.as_mut(), server.spec.as_ref()) else {
+            let Object::Service(svc) = o else { continue };
+            let Some(mine) = svc.spec.as_mut() else {
                 continue;
             };
-            let alloc = allocation_of(&serde_json::to_value(theirs)?);
-            self.api_state()
-                .allocated
-                .insert(key_of("Service", &k.0, &k.1), alloc);
-            mine.cluster_ip = theirs.cluster_ip.clone();
-            mine.cluster_ips = theirs.cluster_ips.clone();
-            mine.ip_families = theirs.ip_families.clone();
-            mine.ip_family_policy = theirs.ip_family_policy.clone();
-            mine.health_check_node_port = theirs.health_check_node_port;
-            if let (Some(mp), Some(tp)) = (mine.ports.as_mut(), theirs.ports.as_ref()) {
-                for p in mp.iter_mut() {
-                    if let Some(t) = tp.iter().find(|t| {
-                        t.port == p.port
-                            && t.protocol.as_deref().unwrap_or("TCP")
-                                == p.protocol.as_deref().unwrap_or("TCP")
-                    }) {
-                        p.node_port = t.node_port;
-                    }
-                }
-            }
+            fill_allocation(mine, &alloc)?;
         }
         Ok(())
     }
@@ -689,20 +767,21 @@ impl Lab {
             .collect();
         let refs: Vec<&Pod> = terminating.iter().collect();
         let expected = expected_endpoints(&self.objects, &refs);
-        if expected.is_empty() {
+        let st = self.api_state();
+        st.settled.retain(|k, _| expected.contains_key(k));
+        let todo: BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>> = expected
+            .into_iter()
+            .filter(|(k, eps)| st.settled.get(k) != Some(eps))
+            .collect();
+        if todo.is_empty() {
             return Ok(());
         }
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         loop {
-            let text = self.kubectl(&["get", "endpointslices", "-A", "-o", "json"], None)?;
-            let list: Value = serde_json::from_str(&text).context("kubectl get endpointslices")?;
-            let published = published_endpoints(&list);
-            let differing: Vec<String> = expected
+            let published = self.published_for(&todo)?;
+            let differing: Vec<String> = todo
                 .iter()
-                .filter(|(k, eps)| {
-                    let have = published.get(*k).cloned().unwrap_or_default();
-                    have != **eps
-                })
+                .filter(|(k, eps)| published.get(*k) != Some(*eps))
                 .map(|(k, eps)| {
                     format!(
                         "{}/{}: want {:?}, have {:?}",
@@ -714,6 +793,7 @@ impl Lab {
                 })
                 .collect();
             if differing.is_empty() {
+                self.api_state().settled.extend(todo);
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -725,6 +805,43 @@ impl Lab {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The published endpoints of `services`: their slices only (by label,
+    /// per namespace), or every slice when they are many.
+    fn published_for(
+        &self,
+        services: &BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>>,
+    ) -> Result<BTreeMap<(String, String), BTreeSet<ExpectedEndpoint>>> {
+        if services.len() > 50 {
+            let text = self.kubectl(&["get", "endpointslices", "-A", "-o", "json"], None)?;
+            let list: Value = serde_json::from_str(&text).context("kubectl get endpointslices")?;
+            return Ok(published_endpoints(&list));
+        }
+        let mut by_ns: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (ns, name) in services.keys() {
+            by_ns.entry(ns).or_default().push(name);
+        }
+        let mut out = BTreeMap::new();
+        for (ns, names) in by_ns {
+            let selector = format!("kubernetes.io/service-name in ({})", names.join(","));
+            let text = self.kubectl(
+                &[
+                    "get",
+                    "endpointslices",
+                    "-n",
+                    ns,
+                    "-l",
+                    &selector,
+                    "-o",
+                    "json",
+                ],
+                None,
+            )?;
+            let list: Value = serde_json::from_str(&text).context("kubectl get endpointslices")?;
+            out.extend(published_endpoints(&list));
+        }
+        Ok(out)
     }
 
     /// Confirms the deletion of pods deleted gracefully (the kubelet's

@@ -552,6 +552,11 @@ impl Lab {
              service-cidr-controller"
                 .into(),
             "--leader-elect=false".into(),
+            // The default 20 requests/s would take the EndpointSlice
+            // controller minutes for a lab of 10,000 Services (large
+            // clusters raise it too).
+            "--kube-api-qps=1000".into(),
+            "--kube-api-burst=2000".into(),
             "--bind-address=127.0.0.1".into(),
             "--v=1".into(),
         ];
