@@ -328,6 +328,15 @@ fn assert_down(lab: &Lab, addr: SocketAddrV4, n: usize, what: &str) {
     }
 }
 
+/// The agent's log lines after the first `skip`.
+fn log_since(lab: &Lab, skip: usize) -> Vec<String> {
+    lab.agent_log()
+        .lines()
+        .skip(skip)
+        .map(str::to_string)
+        .collect()
+}
+
 fn log_tail(lab: &Lab) -> String {
     let log = lab.agent_log();
     let lines: Vec<&str> = log.lines().collect();
@@ -642,13 +651,7 @@ fn s9_restart_under_traffic(what: Restarted) {
         "S9 during the outage what was programmed keeps working: {mid:?}"
     );
     let (ok_out, fail_out) = prober.snapshot();
-    let log_mid: Vec<String> = d
-        .lab
-        .agent_log()
-        .lines()
-        .skip(log_before)
-        .map(str::to_string)
-        .collect();
+    let log_mid = log_since(&d.lab, log_before);
     let watch_errors = log_mid.iter().filter(|l| l.contains("watch error")).count();
 
     // Back.
@@ -1156,13 +1159,7 @@ fn a_watch_expired_by_compaction_relists_and_removes_nothing_meanwhile() {
     let caught_up = resumed.elapsed();
     std::thread::sleep(Duration::from_secs(1));
     let (ok, failures) = prober.finish();
-    let log_after: Vec<String> = d
-        .lab
-        .agent_log()
-        .lines()
-        .skip(log_before)
-        .map(str::to_string)
-        .collect();
+    let log_after = log_since(&d.lab, log_before);
     let expired: Vec<&String> = log_after
         .iter()
         .filter(|l| l.contains("410") || l.contains("too old") || l.contains("Expired"))

@@ -132,13 +132,7 @@ fn applied_view(o: &Object, allocated: Option<&Value>) -> Result<Value> {
         // is theirs, not the manifest's: a field equal to it is left out (a
         // ClusterIP or NodePort the manifest asks for is sent).
         if let Some(spec) = v["spec"].as_object_mut() {
-            for f in [
-                "clusterIP",
-                "clusterIPs",
-                "ipFamilies",
-                "ipFamilyPolicy",
-                "healthCheckNodePort",
-            ] {
+            for f in ALLOCATED_FIELDS {
                 if spec.get(f).is_some() && spec.get(f) == alloc.get(f) {
                     spec.remove(f);
                 }
@@ -160,6 +154,16 @@ fn applied_view(o: &Object, allocated: Option<&Value>) -> Result<Value> {
     Ok(v)
 }
 
+/// The fields of a Service's spec the API server fills in (beside each
+/// port's `nodePort`).
+const ALLOCATED_FIELDS: [&str; 5] = [
+    "clusterIP",
+    "clusterIPs",
+    "ipFamilies",
+    "ipFamilyPolicy",
+    "healthCheckNodePort",
+];
+
 /// A Service port's identity in [`ApiState::allocated`]: `80/TCP`.
 fn port_id(p: &Value) -> String {
     format!(
@@ -172,13 +176,7 @@ fn port_id(p: &Value) -> String {
 /// What the API server allocated to a Service, as [`applied_view`] compares it.
 fn allocation_of(spec: &Value) -> Value {
     let mut a = json!({});
-    for f in [
-        "clusterIP",
-        "clusterIPs",
-        "ipFamilies",
-        "ipFamilyPolicy",
-        "healthCheckNodePort",
-    ] {
+    for f in ALLOCATED_FIELDS {
         if let Some(x) = spec.get(f) {
             a[f] = x.clone();
         }

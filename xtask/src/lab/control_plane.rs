@@ -337,20 +337,7 @@ impl Lab {
         }
         ip_in(&ns, &["link", "set", "lo", "up"])?;
         self.plug_into_switch(&ns, "cp", CONTROL_PLANE_IP, ip6)?;
-        for n in self.info.nodes.clone() {
-            let via = n.ip.to_string();
-            ip_in(
-                &ns,
-                &["route", "add", &n.pod_cidr, "via", &via, "dev", "eth0"],
-            )?;
-            if let (Some(cidr6), Some(via6), true) = (&n.pod_cidr6, n.ip6, ip6.is_some()) {
-                let via6 = via6.to_string();
-                ip_in(
-                    &ns,
-                    &["-6", "route", "add", cidr6, "via", &via6, "dev", "eth0"],
-                )?;
-            }
-        }
+        self.route_pod_cidrs_via_nodes(&ns, ip6.is_some())?;
         let dir = self.info.dir.join("control-plane");
         let mut sans = vec![
             CONTROL_PLANE_IP.to_string(),
@@ -427,7 +414,7 @@ impl Lab {
         Ok(())
     }
 
-    fn spawn_component(&mut self, component: &str, args: &[String]) -> Result<u32> {
+    fn spawn(&mut self, component: &str, args: &[String]) -> Result<u32> {
         let cp = self.control_plane_info()?.clone();
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -448,121 +435,33 @@ impl Lab {
     /// Starts etcd on the control plane's loopback (its data kept across
     /// restarts in `<dir>/etcd`).
     pub fn start_etcd(&mut self) -> Result<()> {
-        let cp = self.control_plane_info()?.clone();
-        if cp.etcd.is_some() {
-            bail!("etcd is already running");
-        }
-        let data = cp.dir.join("etcd");
-        let args: Vec<String> = [
-            "--name",
-            "lab",
-            "--data-dir",
-            &data.to_string_lossy(),
-            "--listen-client-urls",
-            "http://127.0.0.1:2379",
-            "--advertise-client-urls",
-            "http://127.0.0.1:2379",
-            "--listen-peer-urls",
-            "http://127.0.0.1:2380",
-            "--initial-advertise-peer-urls",
-            "http://127.0.0.1:2380",
-            "--initial-cluster",
-            "lab=http://127.0.0.1:2380",
-            "--listen-metrics-urls",
-            "http://127.0.0.1:2381",
-            "--quota-backend-bytes",
-            "8589934592",
-            "--log-level",
-            "warn",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let pid = self.spawn_component("etcd", &args)?;
-        if let Some(cp) = self.info.control_plane.as_mut() {
-            cp.etcd = Some(pid);
-        }
-        self.save()
+        self.start_component(Component::Etcd)
     }
 
     /// Starts kube-apiserver (see the module's doc for its settings).
     pub fn start_apiserver(&mut self) -> Result<()> {
-        let cp = self.control_plane_info()?.clone();
-        if cp.apiserver.is_some() {
-            bail!("kube-apiserver is already running");
-        }
-        let pki = cp.dir.join("pki");
-        let p = |f: &str| pki.join(f).to_string_lossy().into_owned();
-        let mut cidrs = SERVICE_CIDR.to_string();
-        if cp.ip6.is_some() {
-            cidrs.push(',');
-            cidrs.push_str(SERVICE_CIDR6);
-        }
-        let policy = cp.dir.join("audit-policy.yaml");
-        write_atomic(&policy, AUDIT_POLICY.as_bytes())?;
-        let args: Vec<String> = vec![
-            format!("--audit-policy-file={}", policy.display()),
-            format!("--audit-log-path={}", cp.audit_log().display()),
-            "--audit-log-format=json".into(),
-            "--etcd-servers=http://127.0.0.1:2379".into(),
-            format!("--advertise-address={}", cp.ip),
-            "--bind-address=::".into(),
-            format!("--secure-port={API_SERVER_PORT}"),
-            format!("--service-cluster-ip-range={cidrs}"),
-            format!("--tls-cert-file={}", p("apiserver.crt")),
-            format!("--tls-private-key-file={}", p("apiserver.key")),
-            format!("--client-ca-file={}", p("ca.crt")),
-            format!("--service-account-key-file={}", p("sa.pub")),
-            format!("--service-account-signing-key-file={}", p("sa.key")),
-            "--service-account-issuer=https://kubernetes.default.svc".into(),
-            "--authorization-mode=Node,RBAC".into(),
-            "--allow-privileged=true".into(),
-            "--profiling=false".into(),
-            "--endpoint-reconciler-type=lease".into(),
-            "--v=1".into(),
-        ];
-        let pid = self.spawn_component("kube-apiserver", &args)?;
-        if let Some(cp) = self.info.control_plane.as_mut() {
-            cp.apiserver = Some(pid);
-        }
-        self.save()
+        self.start_component(Component::ApiServer)
     }
 
     /// Starts kube-controller-manager with the controllers kube-proxy's
     /// inputs come from.
     pub fn start_controller_manager(&mut self) -> Result<()> {
-        let cp = self.control_plane_info()?.clone();
-        if cp.controller_manager.is_some() {
-            bail!("kube-controller-manager is already running");
+        self.start_component(Component::ControllerManager)
+    }
+
+    fn start_component(&mut self, c: Component) -> Result<()> {
+        let mut cp = self.control_plane_info()?.clone();
+        if c.pid(&mut cp).is_some() {
+            bail!("{} is already running", c.binary());
         }
-        let kubeconfig = cp.dir.join("controller-manager.kubeconfig");
-        let k = kubeconfig.to_string_lossy().into_owned();
-        let args: Vec<String> = vec![
-            format!("--kubeconfig={k}"),
-            format!("--authentication-kubeconfig={k}"),
-            format!("--authorization-kubeconfig={k}"),
-            "--use-service-account-credentials=true".into(),
-            format!(
-                "--service-account-private-key-file={}",
-                cp.dir.join("pki/sa.key").display()
-            ),
-            format!("--root-ca-file={}", cp.ca().display()),
-            "--controllers=endpointslice-controller,endpointslice-mirroring-controller,\
-             garbage-collector-controller,serviceaccount-controller,namespace-controller,\
-             service-cidr-controller"
-                .into(),
-            "--leader-elect=false".into(),
-            // The default 20 requests/s would take the EndpointSlice
-            // controller minutes for a lab of 10,000 Services (large
-            // clusters raise it too).
-            "--kube-api-qps=1000".into(),
-            "--kube-api-burst=2000".into(),
-            "--bind-address=127.0.0.1".into(),
-            "--v=1".into(),
-        ];
-        let pid = self.spawn_component("kube-controller-manager", &args)?;
+        let args = match c {
+            Component::Etcd => etcd_args(&cp),
+            Component::ApiServer => apiserver_args(&cp)?,
+            Component::ControllerManager => controller_manager_args(&cp),
+        };
+        let pid = self.spawn(c.binary(), &args)?;
         if let Some(cp) = self.info.control_plane.as_mut() {
-            cp.controller_manager = Some(pid);
+            *c.pid(cp) = Some(pid);
         }
         self.save()
     }
@@ -576,26 +475,21 @@ impl Lab {
 
     /// Stops kube-apiserver (SIGTERM, then SIGKILL after 5 s).
     pub fn stop_apiserver(&mut self) -> Result<()> {
-        let pid = self
-            .info
-            .control_plane
-            .as_mut()
-            .context("no control plane")?
-            .apiserver
-            .take();
-        self.stop_component(pid, Duration::from_secs(5))?;
-        self.save()
+        self.stop(Component::ApiServer)
     }
 
     /// Stops etcd (SIGTERM, then SIGKILL after 5 s).
     pub fn stop_etcd(&mut self) -> Result<()> {
-        let pid = self
+        self.stop(Component::Etcd)
+    }
+
+    fn stop(&mut self, c: Component) -> Result<()> {
+        let cp = self
             .info
             .control_plane
             .as_mut()
-            .context("no control plane")?
-            .etcd
-            .take();
+            .context("no control plane")?;
+        let pid = c.pid(cp).take();
         self.stop_component(pid, Duration::from_secs(5))?;
         self.save()
     }
@@ -706,6 +600,124 @@ impl Lab {
             kubeconfig(&cp.server(), &cp.ca(), &user).as_bytes(),
         )
     }
+}
+
+/// A component of the control plane.
+#[derive(Clone, Copy, Debug)]
+enum Component {
+    Etcd,
+    ApiServer,
+    ControllerManager,
+}
+
+impl Component {
+    fn binary(self) -> &'static str {
+        match self {
+            Component::Etcd => "etcd",
+            Component::ApiServer => "kube-apiserver",
+            Component::ControllerManager => "kube-controller-manager",
+        }
+    }
+
+    fn pid(self, cp: &mut ControlPlaneInfo) -> &mut Option<u32> {
+        match self {
+            Component::Etcd => &mut cp.etcd,
+            Component::ApiServer => &mut cp.apiserver,
+            Component::ControllerManager => &mut cp.controller_manager,
+        }
+    }
+}
+
+fn etcd_args(cp: &ControlPlaneInfo) -> Vec<String> {
+    let data = cp.dir.join("etcd");
+    [
+        "--name",
+        "lab",
+        "--data-dir",
+        &data.to_string_lossy(),
+        "--listen-client-urls",
+        "http://127.0.0.1:2379",
+        "--advertise-client-urls",
+        "http://127.0.0.1:2379",
+        "--listen-peer-urls",
+        "http://127.0.0.1:2380",
+        "--initial-advertise-peer-urls",
+        "http://127.0.0.1:2380",
+        "--initial-cluster",
+        "lab=http://127.0.0.1:2380",
+        "--listen-metrics-urls",
+        "http://127.0.0.1:2381",
+        "--quota-backend-bytes",
+        "8589934592",
+        "--log-level",
+        "warn",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn apiserver_args(cp: &ControlPlaneInfo) -> Result<Vec<String>> {
+    let pki = cp.dir.join("pki");
+    let p = |f: &str| pki.join(f).to_string_lossy().into_owned();
+    let mut cidrs = SERVICE_CIDR.to_string();
+    if cp.ip6.is_some() {
+        cidrs.push(',');
+        cidrs.push_str(SERVICE_CIDR6);
+    }
+    let policy = cp.dir.join("audit-policy.yaml");
+    write_atomic(&policy, AUDIT_POLICY.as_bytes())?;
+    let args = vec![
+        format!("--audit-policy-file={}", policy.display()),
+        format!("--audit-log-path={}", cp.audit_log().display()),
+        "--audit-log-format=json".into(),
+        "--etcd-servers=http://127.0.0.1:2379".into(),
+        format!("--advertise-address={}", cp.ip),
+        "--bind-address=::".into(),
+        format!("--secure-port={API_SERVER_PORT}"),
+        format!("--service-cluster-ip-range={cidrs}"),
+        format!("--tls-cert-file={}", p("apiserver.crt")),
+        format!("--tls-private-key-file={}", p("apiserver.key")),
+        format!("--client-ca-file={}", p("ca.crt")),
+        format!("--service-account-key-file={}", p("sa.pub")),
+        format!("--service-account-signing-key-file={}", p("sa.key")),
+        "--service-account-issuer=https://kubernetes.default.svc".into(),
+        "--authorization-mode=Node,RBAC".into(),
+        "--allow-privileged=true".into(),
+        "--profiling=false".into(),
+        "--endpoint-reconciler-type=lease".into(),
+        "--v=1".into(),
+    ];
+    Ok(args)
+}
+
+fn controller_manager_args(cp: &ControlPlaneInfo) -> Vec<String> {
+    let kubeconfig = cp.dir.join("controller-manager.kubeconfig");
+    let k = kubeconfig.to_string_lossy().into_owned();
+    let args = vec![
+        format!("--kubeconfig={k}"),
+        format!("--authentication-kubeconfig={k}"),
+        format!("--authorization-kubeconfig={k}"),
+        "--use-service-account-credentials=true".into(),
+        format!(
+            "--service-account-private-key-file={}",
+            cp.dir.join("pki/sa.key").display()
+        ),
+        format!("--root-ca-file={}", cp.ca().display()),
+        "--controllers=endpointslice-controller,endpointslice-mirroring-controller,\
+         garbage-collector-controller,serviceaccount-controller,namespace-controller,\
+         service-cidr-controller"
+            .into(),
+        "--leader-elect=false".into(),
+        // The default 20 requests/s would take the EndpointSlice
+        // controller minutes for a lab of 10,000 Services (large
+        // clusters raise it too).
+        "--kube-api-qps=1000".into(),
+        "--kube-api-burst=2000".into(),
+        "--bind-address=127.0.0.1".into(),
+        "--v=1".into(),
+    ];
+    args
 }
 
 /// What the API server audits: the agents' requests (deploy/'s

@@ -271,20 +271,7 @@ impl Lab {
             sysctls_in(&ns, &IPV6_SYSCTLS)?;
         }
         self.plug_into_switch(&ns, "ext", EXTERNAL_IP, ip6)?;
-        for n in self.info.nodes.clone() {
-            let via = n.ip.to_string();
-            ip_in(
-                &ns,
-                &["route", "add", &n.pod_cidr, "via", &via, "dev", "eth0"],
-            )?;
-            if let (Some(cidr6), Some(via6), true) = (&n.pod_cidr6, n.ip6, ip6.is_some()) {
-                let via6 = via6.to_string();
-                ip_in(
-                    &ns,
-                    &["-6", "route", "add", cidr6, "via", &via6, "dev", "eth0"],
-                )?;
-            }
-        }
+        self.route_pod_cidrs_via_nodes(&ns, ip6.is_some())?;
         self.info.external = Some(Endpoint {
             name: "external".to_string(),
             netns: ns,
@@ -294,6 +281,26 @@ impl Lab {
             node: String::new(),
         });
         self.save()
+    }
+
+    /// Routes, in `ns` (a machine on the switch), to every node's pod CIDR
+    /// via that node's address (and the IPv6 ones with `ipv6`).
+    pub(super) fn route_pod_cidrs_via_nodes(&self, ns: &str, ipv6: bool) -> Result<()> {
+        for n in &self.info.nodes {
+            let via = n.ip.to_string();
+            ip_in(
+                ns,
+                &["route", "add", &n.pod_cidr, "via", &via, "dev", "eth0"],
+            )?;
+            if let (Some(cidr6), Some(via6), true) = (&n.pod_cidr6, n.ip6, ipv6) {
+                let via6 = via6.to_string();
+                ip_in(
+                    ns,
+                    &["-6", "route", "add", cidr6, "via", &via6, "dev", "eth0"],
+                )?;
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn unique_netns(&self, name: &str) -> String {
