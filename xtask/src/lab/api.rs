@@ -38,6 +38,11 @@ use crate::manifests::Object;
 pub const FIELD_MANAGER: &str = "kpr-lab";
 /// Name (in namespace `default`) of the barrier Service and EndpointSlice.
 pub const BARRIER: &str = "kpr-lab-barrier";
+/// From this many objects, an apply is split over [`APPLY_PROCESSES`]
+/// kubectl processes.
+const APPLY_IN_PARALLEL_FROM: usize = 400;
+const APPLY_PROCESSES: usize = 4;
+
 /// How long the EndpointSlice controller may take to catch up with a change:
 /// this, and [`SETTLE_PER_SERVICE`] for every Service whose endpoints changed
 /// (10,000 new Services take it minutes on a loaded 2-core machine).
@@ -483,6 +488,11 @@ fn list(items: Vec<Value>) -> String {
 }
 
 impl Lab {
+    fn control_plane_info_for_api(&self) -> Result<&super::ControlPlaneInfo> {
+        self.control_plane()
+            .context("the lab runs no control plane (LabBuilder::control_plane)")
+    }
+
     fn api_state(&mut self) -> &mut ApiState {
         self.api.get_or_insert_with(ApiState::default)
     }
@@ -530,7 +540,7 @@ impl Lab {
             .map(|ns| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
             .collect();
         if !missing.is_empty() {
-            self.kubectl_apply(&list(missing), false)?;
+            self.kubectl_apply(missing, false)?;
             self.api_state().namespaces.extend(wanted);
         }
 
@@ -582,7 +592,7 @@ impl Lab {
             .collect();
         if !changed.is_empty() {
             let items = changed.iter().map(|(_, _, v)| v.clone()).collect();
-            self.kubectl_apply(&list(items), false)?;
+            self.kubectl_apply(items, false)?;
             for (_, key, view) in changed {
                 self.api_state().applied.insert(key, view);
             }
@@ -634,7 +644,7 @@ impl Lab {
         }
         if !others.is_empty() {
             let items = others.iter().map(|(_, _, v)| v.clone()).collect();
-            self.kubectl_apply(&list(items), true)?;
+            self.kubectl_apply(items, true)?;
         }
         for (key, status, _) in nodes.into_iter().chain(others) {
             self.api_state().status.insert(key, status);
@@ -674,8 +684,10 @@ impl Lab {
         Ok(deleted_pods)
     }
 
-    /// `kubectl apply --server-side` of a List (of statuses with `status`).
-    fn kubectl_apply(&self, list: &str, status: bool) -> Result<()> {
+    /// `kubectl apply --server-side` of `items` (of statuses with `status`):
+    /// one List, or [`APPLY_PROCESSES`] Lists side by side when there are
+    /// many (kubectl sends one request per object, one after another).
+    fn kubectl_apply(&self, items: Vec<Value>, status: bool) -> Result<()> {
         let manager = format!("--field-manager={FIELD_MANAGER}");
         let mut args = vec![
             "apply",
@@ -688,7 +700,23 @@ impl Lab {
         if status {
             args.push("--subresource=status");
         }
-        self.kubectl(&args, Some(list)).map(|_| ())
+        let cp = self.control_plane_info_for_api()?;
+        if items.len() < APPLY_IN_PARALLEL_FROM {
+            return cp.kubectl_run(&args, Some(&list(items))).map(|_| ());
+        }
+        let per = items.len().div_ceil(APPLY_PROCESSES);
+        let chunks: Vec<String> = items.chunks(per).map(|c| list(c.to_vec())).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = chunks
+                .iter()
+                .map(|text| scope.spawn(|| cp.kubectl_run(&args, Some(text))))
+                .collect();
+            for h in handles {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a kubectl apply thread panicked"))??;
+            }
+            Ok(())
+        })
     }
 
     /// Copies what the API server allocated (ClusterIPs, families, NodePorts)
