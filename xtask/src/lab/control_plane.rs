@@ -221,8 +221,9 @@ impl Pki {
             "/CN=system:kube-controller-manager",
             "extendedKeyUsage=clientAuth\n",
         )?;
-        // The API server's client certificate towards... nothing here needs
-        // one (no kubelet); service-account tokens are signed with sa.key.
+        // No kubelet serves here, so the API server needs no client
+        // certificate of its own; service-account tokens are signed with
+        // sa.key.
         pki.openssl(&[
             "genpkey",
             "-algorithm",
@@ -732,7 +733,7 @@ rules:
 ";
 
 impl Lab {
-    /// etcd's current revision, through its HTTP gateway on the control
+    /// A POST to etcd's HTTP gateway on the control
     /// plane's loopback.
     fn etcd_post(&self, path: &str, body: &str) -> Result<serde_json::Value> {
         let cp = self.control_plane_info()?;
