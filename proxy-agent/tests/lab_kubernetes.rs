@@ -604,6 +604,30 @@ impl Prober {
     }
 }
 
+/// A lab with a real control plane and two Services answering, `stable`
+/// (two pods) and `doomed` (one), and a pod for an `added` Service to come:
+/// the outage tests' fixture. Returns the two ClusterIPs.
+fn stable_and_doomed(test: &str) -> (Driver, SocketAddrV4, SocketAddrV4) {
+    let apps = &[("stable", 2), ("doomed", 1), ("added", 1)];
+    let stable = Svc::new("stable", "ClusterIP", "stable");
+    let doomed = Svc::new("doomed", "ClusterIP", "doomed");
+    let (d, addrs) = kube_lab(apps, &[stable, doomed]);
+    let (stable_vip, doomed_vip) = (addrs[0].vip.unwrap(), addrs[1].vip.unwrap());
+    wait_up(
+        &d.lab,
+        stable_vip,
+        "stable",
+        &format!("{test} before: stable"),
+    );
+    wait_up(
+        &d.lab,
+        doomed_vip,
+        "doomed",
+        &format!("{test} before: doomed"),
+    );
+    (d, stable_vip, doomed_vip)
+}
+
 /// What S9 restarts.
 #[derive(Clone, Copy, Debug)]
 enum Restarted {
@@ -617,13 +641,7 @@ enum Restarted {
 /// programmed. Once it is back, a Service added and another deleted are
 /// applied within the watcher's backoff (at most 30 s between retries).
 fn s9_restart_under_traffic(what: Restarted) {
-    let apps = &[("stable", 2), ("doomed", 1), ("added", 1)];
-    let stable = Svc::new("stable", "ClusterIP", "stable");
-    let doomed = Svc::new("doomed", "ClusterIP", "doomed");
-    let (mut d, addrs) = kube_lab(apps, &[stable.clone(), doomed.clone()]);
-    let (stable_vip, doomed_vip) = (addrs[0].vip.unwrap(), addrs[1].vip.unwrap());
-    wait_up(&d.lab, stable_vip, "stable", "S9 before: stable");
-    wait_up(&d.lab, doomed_vip, "doomed", "S9 before: doomed");
+    let (mut d, stable_vip, doomed_vip) = stable_and_doomed("S9");
 
     let origin = Instant::now();
     let prober = Prober::start(
@@ -1121,13 +1139,7 @@ fn signal_agent(lab: &Lab, sig: nix::sys::signal::Signal) {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn a_watch_expired_by_compaction_relists_and_removes_nothing_meanwhile() {
-    let apps = &[("stable", 2), ("doomed", 1), ("added", 1)];
-    let stable = Svc::new("stable", "ClusterIP", "stable");
-    let doomed = Svc::new("doomed", "ClusterIP", "doomed");
-    let (mut d, addrs) = kube_lab(apps, &[stable, doomed]);
-    let (stable_vip, doomed_vip) = (addrs[0].vip.unwrap(), addrs[1].vip.unwrap());
-    wait_up(&d.lab, stable_vip, "stable", "before: stable");
-    wait_up(&d.lab, doomed_vip, "doomed", "before: doomed");
+    let (mut d, stable_vip, doomed_vip) = stable_and_doomed("expired watch");
     let origin = Instant::now();
     let prober = Prober::start(
         &client_ns(&d.lab),

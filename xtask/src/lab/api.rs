@@ -28,7 +28,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::{json, Value};
 
 use super::Lab;
@@ -727,7 +727,6 @@ impl Lab {
         objects: &mut [Object],
         changed: &BTreeSet<Key>,
     ) -> Result<()> {
-        let mut by_key: BTreeMap<(String, String), Service> = BTreeMap::new();
         let mut namespaces: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for (_, ns, name) in changed {
             namespaces.entry(ns).or_default().push(name);
@@ -753,16 +752,14 @@ impl Lab {
         };
         for list in &lists {
             for item in list["items"].as_array().into_iter().flatten() {
-                let svc: Service = serde_json::from_value(item.clone())?;
-                let k = (
-                    svc.metadata.namespace.clone().unwrap_or_default(),
-                    svc.metadata.name.clone().unwrap_or_default(),
+                let meta = &item["metadata"];
+                let key = key_of(
+                    "Service",
+                    meta["namespace"].as_str().unwrap_or_default(),
+                    meta["name"].as_str().unwrap_or_default(),
                 );
-                let alloc = allocation_of(&serde_json::to_value(svc.spec.as_ref())?);
-                self.api_state()
-                    .allocated
-                    .insert(key_of("Service", &k.0, &k.1), alloc);
-                by_key.insert(k, svc);
+                let alloc = allocation_of(&item["spec"]);
+                self.api_state().allocated.insert(key, alloc);
             }
         }
         for o in objects.iter_mut() {

@@ -57,10 +57,22 @@ impl Lab {
         timeout: Duration,
         what: &str,
     ) -> Result<()> {
+        self.wait_logs(which, |i, log| count_markers(log) > above[i], timeout, what)
+    }
+
+    /// Waits until `done(i, log)` holds for the agent log of every node
+    /// index in `which`; fails at once if one of those agents stops.
+    fn wait_logs(
+        &mut self,
+        which: &[usize],
+        done: impl Fn(usize, &Path) -> bool,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut pending: Vec<usize> = which.to_vec();
         loop {
-            pending.retain(|&i| count_markers(&self.info.nodes[i].agent_log) <= above[i]);
+            pending.retain(|&i| !done(i, &self.info.nodes[i].agent_log));
             if pending.is_empty() {
                 return Ok(());
             }
@@ -133,36 +145,13 @@ impl Lab {
     /// Waits until every running agent logged a sync with a
     /// `source_revision` of at least `target`.
     pub fn wait_revision(&mut self, target: u64, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let mut pending = self.nodes_with_agent();
-        loop {
-            pending.retain(|&i| synced_revision(&self.info.nodes[i].agent_log) < target);
-            if pending.is_empty() {
-                return Ok(());
-            }
-            for &i in &pending {
-                if !self.agent_running_idx(i) {
-                    let n = &self.info.nodes[i];
-                    bail!(
-                        "agent of {} is not running while waiting for revision {target}; log \
-                         tail:\n{}",
-                        n.name,
-                        tail(&n.agent_log, 30)
-                    );
-                }
-            }
-            if Instant::now() >= deadline {
-                let n = &self.info.nodes[pending[0]];
-                bail!(
-                    "timed out after {timeout:?} waiting for a sync at revision {target} of {} \
-                     (it reached {}); log tail:\n{}",
-                    n.name,
-                    synced_revision(&n.agent_log),
-                    tail(&n.agent_log, 30)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        let which = self.nodes_with_agent();
+        self.wait_logs(
+            &which,
+            |_, log| synced_revision(log) >= target,
+            timeout,
+            &format!("a sync at source_revision {target}"),
+        )
     }
 
     /// Waits for a sync of node-1's agent after marker count `mark` (see
