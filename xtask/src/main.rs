@@ -47,7 +47,14 @@ enum Cmd {
     /// arguments, then the lab tests of RUNC_TESTS again with the agent inside
     /// the image under runc. Arguments go to `cargo test`; those after a
     /// second `--` go to the test binaries.
+    #[command(after_help = TEST_HELP)]
     Test {
+        /// Only the kernel tier, in a VM: 5.10, 6.1, 6.12 (Debian's), host
+        /// (the machine's), or matrix (every kernel, as a full run ends).
+        #[arg(long, value_name = "KERNEL")]
+        kernel: Option<String>,
+        /// Arguments of `cargo test` (a test binary, a filter); those after a
+        /// second `--` go to the test binaries.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -62,6 +69,41 @@ enum Cmd {
     /// Benchmarks side by side with kube-proxy's iptables and nftables layouts.
     Bench(xtask::bench::BenchArgs),
 }
+
+/// What `cargo xtask test --help` adds below the options: the environment
+/// variables of docs/testing.md and docs/kernels.md a user sets
+/// (`xtask/tests/cli.rs` checks that every documented one is here).
+const TEST_HELP: &str = "\
+Environment:
+  KPR_SKIP_VMS=1             A full run leaves out the kernel matrix (VMs).
+  KPR_LAB_CONTROL_PLANE=1    Lab tests against a real control plane (etcd,
+                             kube-apiserver, kube-controller-manager) instead
+                             of the lab playing the API server.
+  KPR_CONTROL_PLANE_ALL=1    The full run's control-plane pass runs every lab
+                             test binary, not one row per conformance family.
+  KPR_API_SCALE_SERVICES=N   Services of lab_scale's real-API-server test
+                             (default 10,000).
+  KPR_LAB_AGENT=runc         Lab agents from the image under runc
+  KPR_LAB_IMAGE=<dir>        (the image: default target/image/proxy-agent).
+  KPR_LAB_START_TIMEOUT=<s>  Seconds a lab waits for its agents' first sync.
+  KPR_LAB_DIAG=1             lab_load prints the agent's log and maps after
+                             every test, not only on failure.
+  KPR_REQUIRE_SCTP=1         SCTP tests fail, not skip, without the sctp module.
+  KPR_FUZZ_FRAMES=N          Frames per program of the datapath fuzz test
+  KPR_FUZZ_SEED=<seed>       (default 1,500), and the seed to replay.
+  KPR_VM_ACCEL=kvm           VMs with KVM (default: TCG software emulation).
+  KPR_VM_PACKET_KERNELS=l    Kernels (a list: 6.1,5.10) of the VMs' packet tests,
+  KPR_VM_LAB_KERNELS=l       of their lab smoke,
+  KPR_VM_SCTP_KERNELS=l      and of their SCTP tests (also `all` or `none`).
+  KPR_VM_PACKET_FILTER=f     Packet tests of the VMs by name.
+
+Examples:
+  cargo xtask test                              everything (as CI)
+  cargo xtask test --test lab                   one test binary
+  cargo xtask test --test lab -- s1_            and a filter of its tests
+  cargo xtask test --kernel 6.1                 one kernel in a VM
+
+See docs/testing.md.";
 
 #[derive(Subcommand)]
 enum LabCmd {
@@ -157,7 +199,12 @@ fn main() -> Result<()> {
             setup::ensure_setup()?;
             xtask::lint::lint()
         }
-        Cmd::Test { args } => test(args),
+        Cmd::Test { kernel, mut args } => {
+            if let Some(k) = kernel {
+                args.splice(0..0, ["--kernel".to_string(), k]);
+            }
+            test(args)
+        }
         Cmd::Image { tag } => image(tag),
         Cmd::Bench(args) => {
             // The iptables/nftables layouts and the lab need setup's packages.
@@ -204,6 +251,14 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
             agent_bin,
             server_bin,
         } => {
+            // A Service asking for IPv6 fails an IPv4-only lab: say so before
+            // anything is installed or created, naming the flag.
+            if !dual_stack {
+                let objects = xtask::manifests::load_path(&manifests)?;
+                if let Some(what) = xtask::manifests::first_ipv6_request(&objects) {
+                    bail!("{what}, but the lab is IPv4 only (start it with `cargo xtask lab up --dual-stack`)");
+                }
+            }
             // With --agent-bin and --server-bin nothing is built, but the lab
             // still needs setup's packages (iproute2, bpffs mounted).
             setup::ensure_setup()?;

@@ -735,6 +735,20 @@ fn pod_ip6(status: &PodStatus) -> Option<Ipv6Addr> {
 
 /// Why a Service's spec needs IPv6, if it does: `ipFamilies` naming IPv6,
 /// `ipFamilyPolicy: RequireDualStack`, or an IPv6 clusterIP.
+/// The first Service of `objects` that an IPv4-only lab refuses (it asks
+/// for IPv6), as "service <name>: <why>"; `cargo xtask lab up` checks this
+/// before it creates anything, to name its `--dual-stack` flag.
+pub fn first_ipv6_request(objects: &[Object]) -> Option<String> {
+    objects.iter().find_map(|o| match o {
+        Object::Service(svc) if !wants_no_cluster_ip(svc) => {
+            let why = asks_for_ipv6(svc.spec.as_ref()?)?;
+            let name = svc.metadata.name.as_deref().unwrap_or_default();
+            Some(format!("service {name}: {why}"))
+        }
+        _ => None,
+    })
+}
+
 fn asks_for_ipv6(spec: &ServiceSpec) -> Option<String> {
     if spec.ip_families.iter().flatten().any(|f| f == "IPv6") {
         return Some(format!(
@@ -1137,5 +1151,41 @@ spec:
             "198.18.1.254".parse().unwrap(),
         );
         assert!(a.complete(&mut objs[0], None).is_err());
+    }
+
+    /// An IPv4-only lab refuses a Service asking for IPv6: the library's
+    /// error names the builder method (the CLI's check names its flag, see
+    /// `xtask/tests/cli.rs`), and the check the CLI runs first finds it.
+    #[test]
+    fn ipv6_service_in_ipv4_lab_names_the_builder_method() {
+        let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: v4}
+spec: {ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: both}
+spec:
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  ports: [{port: 80}]
+"#;
+        let mut objs = parse_yaml(yaml, "test").unwrap();
+        assert_eq!(
+            first_ipv6_request(&objs).as_deref(),
+            Some(r#"service both: ipFamilies ["IPv4", "IPv6"]"#)
+        );
+        assert_eq!(first_ipv6_request(&objs[..1]), None);
+        let mut a = Allocator::new(
+            "node-1",
+            "198.18.0.10".parse().unwrap(),
+            "198.18.1.10".parse().unwrap(),
+            "198.18.1.254".parse().unwrap(),
+        );
+        a.complete(&mut objs[0], None).unwrap();
+        let err = a.complete(&mut objs[1], None).unwrap_err().to_string();
+        assert!(err.contains("LabBuilder::dual_stack"), "{err}");
     }
 }
