@@ -57,7 +57,7 @@ fn invalid(field: &str, message: impl fmt::Display) -> ConfigError {
 }
 
 /// Where desired state comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum SourceKind {
     /// Kubernetes YAML files (Services, EndpointSlices, Pods, Nodes), watched.
@@ -67,7 +67,9 @@ pub enum SourceKind {
 }
 
 /// Acceleration of external traffic (NodePort, load-balancer IPs, externalIPs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Acceleration {
     /// tc only.
@@ -80,7 +82,9 @@ pub enum Acceleration {
 }
 
 /// How translated packets reach their backend (`deliveryMode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DeliveryMode {
     /// `stack` when a NetworkPolicy engine's chains are in the host's
@@ -101,7 +105,9 @@ pub enum DeliveryMode {
 }
 
 /// What the agent does with the datapath when it exits (SIGTERM / SIGINT).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum OnExit {
     /// Detach every program and remove the link pins: a clean shutdown
@@ -116,8 +122,25 @@ pub enum OnExit {
 }
 
 /// A Go duration (`time.ParseDuration`): `300ms`, `1.5h`, `2h45m`, `0`.
+/// A Go duration in the file (`1s`, `250ms`, `1m30s`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GoDuration(pub Duration);
+
+impl schemars::JsonSchema for GoDuration {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "GoDuration".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "format": "go-duration",
+            "description": "A Go duration: 1s, 250ms, 1m30s.",
+        })
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+}
 
 impl<'de> Deserialize<'de> for GoDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -180,7 +203,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// `clientConnection`: how to reach the API server.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClientConnection {
     /// Path of a kubeconfig file; empty or missing means in-cluster (or the
@@ -190,7 +213,7 @@ pub struct ClientConnection {
 
 /// `hostSocketLB`: socket-level load balancing for the node's own clients
 /// (host processes, hostNetwork pods) on cgroup v2 hooks.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HostSocketLbFile {
     /// On by default; off for nodes whose host traffic must not be
@@ -205,7 +228,7 @@ pub struct HostSocketLbFile {
 
 /// `conntrack`: the datapath's own connection tracking, with kube-proxy's
 /// field names. Sizes the conntrack map and sets its timeouts.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Conntrack {
     /// Entries per CPU; the map holds `maxPerCore × CPUs` (at least `min`).
@@ -230,7 +253,7 @@ pub struct Conntrack {
 /// `mapSizes`: entries of the load-balancing maps. The defaults hold 65,535
 /// frontends, 131,071 backends and 262,144 frontend and backend slots;
 /// larger clusters raise them (the maps are allocated at these sizes).
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MapSizesFile {
     /// Frontends and their backend slots: one entry per frontend plus one
@@ -270,18 +293,19 @@ fn checked_map_sizes(file: Option<&MapSizesFile>, sizes: &mut MapSizes) -> Resul
 }
 
 /// `loadBalancing`: the node's default algorithm and Maglev's table.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadBalancingFile {
     /// `random` (default), `round-robin`, `source-hash` or `maglev`. A
     /// `maglev` default applies to external frontends only; the Service
     /// annotation `proxy-agent.io/lb-algorithm` overrides it.
     pub algorithm: Option<crate::model::LbAlgorithm>,
+    /// Maglev's lookup tables.
     pub maglev: Option<MaglevFile>,
 }
 
 /// `loadBalancing.maglev`.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MaglevFile {
     /// Entries of each table: a prime, at most 65521 (default 16381). Each
@@ -293,8 +317,8 @@ pub struct MaglevFile {
 }
 
 /// `frontendPolicy`: which addresses may be frontends and how many one
-/// Service may have (see the README, "Frontend ownership and address policy").
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+/// Service may have (docs/agent.md, "Frontend ownership and address policy").
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FrontendPolicyFile {
     /// Serve `spec.externalIPs` (default true, as kube-proxy; externalIPs are
@@ -362,36 +386,74 @@ fn frontend_policy(
 }
 
 /// The configuration file. Every field is optional.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ConfigFile {
     /// Free-form version of the file format.
     pub api_version: Option<String>,
     /// Must be `ProxyAgentConfiguration` when present.
     pub kind: Option<String>,
+    /// Address of `/healthz`, `/livez` and `/proxyMode`; empty disables them
+    /// (default `0.0.0.0:10256`, as kube-proxy). Flag `--healthz-bind-address`.
     pub healthz_bind_address: Option<String>,
+    /// Address of `/metrics` (Prometheus); empty disables it (default
+    /// `127.0.0.1:10249`, as kube-proxy). Flag `--metrics-bind-address`.
     pub metrics_bind_address: Option<String>,
+    /// The node addresses NodePorts are served on: CIDRs (IPv4 or IPv6, host
+    /// bits cleared as kube-proxy does) or `primary`, per family (default:
+    /// the Node's InternalIPs).
     pub node_port_addresses: Option<Vec<String>>,
+    /// Accepted and checked for kube-proxy compatibility; the datapath does
+    /// not use it (a warning says so).
     #[serde(rename = "clusterCIDR")]
     pub cluster_cidr: Option<String>,
+    /// Minimum time between two syncs (kube-proxy's `minSyncPeriod`;
+    /// default `1s`). Flag `--min-sync-period`.
     pub min_sync_period: Option<GoDuration>,
+    /// Full resync period: without a change, the writer compares everything
+    /// with what is programmed this often (default `30s`). Flag
+    /// `--sync-period`.
     pub sync_period: Option<GoDuration>,
+    /// This node's name when `--node-name` is not given (default: the host
+    /// name).
     pub hostname_override: Option<String>,
+    /// How to reach the API server (`--source kubernetes`).
     pub client_connection: Option<ClientConnection>,
+    /// The conntrack map's size and the flows' idle timeouts.
     pub conntrack: Option<Conntrack>,
+    /// Where desired state comes from (default `manifests`). Flag `--source`.
     pub source: Option<SourceKind>,
+    /// Manifest files or directories (`source: manifests`). Flag
+    /// `--manifests`.
     pub manifests: Option<Vec<PathBuf>>,
+    /// Directory on a bpffs mount where maps and links are pinned and adopted
+    /// on restart (default `/sys/fs/bpf/proxy-agent`). Flag `--bpffs`.
     pub bpffs: Option<PathBuf>,
+    /// Glob patterns of pod interfaces, the host side of pod veths (default
+    /// `lxc*`). Flag `--pod-interfaces`.
     pub pod_interfaces: Option<Vec<String>>,
+    /// Glob patterns of the node's external devices (towards other nodes and
+    /// external clients): they get the NodePort, load-balancer and
+    /// externalIP program and the reverse NAT of replies from other nodes
+    /// (default `eth0`). Flag `--external-interfaces`.
     pub external_interfaces: Option<Vec<String>>,
+    /// What becomes of the datapath when the agent exits (default
+    /// `detach`). Flag `--on-exit`.
     pub on_exit: Option<OnExit>,
+    /// Acceleration of external traffic (default `none`). Flag
+    /// `--acceleration`.
     pub acceleration: Option<Acceleration>,
+    /// How translated packets reach their backend (default `auto`). Flag
+    /// `--delivery-mode`.
     pub delivery_mode: Option<DeliveryMode>,
     /// Source ports for SNATed flows, `min-max` (default: the largest span
     /// of 1024–65535 outside the host's `ip_local_port_range`).
     pub snat_port_range: Option<String>,
     /// `auto` (tcx where the kernel has it, else legacy tc), `tcx`, `legacy`.
     pub tc_attach_mode: Option<crate::bpf::TcAttachMode>,
+    /// Source address given to hairpin traffic, a pod reaching itself
+    /// through a Service (default `169.254.42.1`, Cilium's service loopback
+    /// address). Flag `--hairpin-snat-ip`.
     #[serde(rename = "hairpinSnatIP")]
     pub hairpin_snat_ip: Option<Ipv4Addr>,
     /// Source address of IPv6 hairpin traffic (default: the node's IPv6
@@ -405,13 +467,19 @@ pub struct ConfigFile {
     /// `KUBERNETES_SERVICE_HOST`, the `kubernetes` Service's ClusterIP that
     /// nothing translates before this agent has programmed the node.
     pub master: Option<String>,
+    /// Socket-level load balancing for the node's own clients (host
+    /// processes, hostNetwork pods) on cgroup v2 hooks.
     #[serde(rename = "hostSocketLB")]
     pub host_socket_lb: Option<HostSocketLbFile>,
     /// NodePorts on 127.0.0.1 for the node's own clients (kube-proxy's
     /// `iptables.localhostNodePorts`, default true).
     pub localhost_node_ports: Option<bool>,
+    /// The node's default load-balancing algorithm and Maglev's tables.
     pub load_balancing: Option<LoadBalancingFile>,
+    /// Which addresses may be frontends, and how many per Service.
     pub frontend_policy: Option<FrontendPolicyFile>,
+    /// Sizes of the service, backend and reverse-NAT maps (each between 16
+    /// and 2^24); a changed size takes effect at the next start.
     pub map_sizes: Option<MapSizesFile>,
 }
 

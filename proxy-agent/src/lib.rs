@@ -9,6 +9,7 @@ pub mod alloc;
 pub mod bpf;
 pub mod cli;
 pub mod config;
+pub mod config_reference;
 pub mod dataplane;
 pub mod health;
 pub mod healthcheck;

@@ -68,6 +68,9 @@ enum Cmd {
     },
     /// Benchmarks side by side with kube-proxy's iptables and nftables layouts.
     Bench(xtask::bench::BenchArgs),
+    /// Regenerate the pages generated from the code: docs/configuration.md
+    /// from the agent's config types (a test fails when it is stale).
+    Docs,
 }
 
 /// What `cargo xtask test --help` adds below the options: the environment
@@ -206,6 +209,24 @@ fn main() -> Result<()> {
             test(args)
         }
         Cmd::Image { tag } => image(tag),
+        Cmd::Docs => {
+            let page = setup::workspace_root().join("docs/configuration.md");
+            setup::run_visible(
+                setup::cargo()
+                    .args([
+                        "run",
+                        "-q",
+                        "-p",
+                        "proxy-agent",
+                        "--example",
+                        "config_reference",
+                        "--",
+                    ])
+                    .arg(&page),
+            )?;
+            println!("wrote {}", page.display());
+            Ok(())
+        }
         Cmd::Bench(args) => {
             // The iptables/nftables layouts and the lab need setup's packages.
             setup::ensure_setup()?;

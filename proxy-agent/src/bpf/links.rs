@@ -24,7 +24,17 @@ enum HeldLink {
 }
 
 /// How tc programs are attached (`--tc-attach-mode`, `tcAttachMode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Deserialize,
+    schemars::JsonSchema,
+    clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum TcAttachMode {
     /// tcx links where the kernel has them (probed, never by version), else legacy.

@@ -17,7 +17,19 @@ pub const ANNOTATION_LB_ALGORITHM: &str = "proxy-agent.io/lb-algorithm";
 /// How new flows to a frontend pick their backend. Conntrack comes first
 /// (a tracked flow keeps its backend), then session affinity; the algorithm
 /// picks among the endpoints the traffic policies and topology leave.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum LbAlgorithm {
     /// A random backend per new flow (kube-proxy's iptables and nftables modes).
