@@ -317,7 +317,7 @@ pub struct MaglevFile {
 }
 
 /// `frontendPolicy`: which addresses may be frontends and how many one
-/// Service may have (docs/agent.md, "Frontend ownership and address policy").
+/// Service may have (docs/security.md, "Frontend ownership and address policy").
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FrontendPolicyFile {

@@ -17,6 +17,8 @@ const HEADER: &str = "\
      comments of its types): edit those, not this page. -->
 # Configuration file reference
 
+[← the README](../README.md) · [the docs map](../README.md#documentation)
+
 `proxy-agent run --config <file>` reads a YAML (or JSON) file. Field names
 follow kube-proxy's `KubeProxyConfiguration` where the meaning is the same
 (`healthzBindAddress`, `metricsBindAddress`, `minSyncPeriod`, `syncPeriod`,
@@ -28,7 +30,7 @@ defaults (`proxy-agent run --help` lists the flags). `deploy/configmap.yaml`
 holds the DaemonSet's file.
 
 See also [the agent](agent.md) for what the settings do, and
-[frontend ownership and address policy](agent.md#frontend-ownership-and-address-policy)
+[frontend ownership and address policy](security.md#frontend-ownership-and-address-policy)
 for `frontendPolicy`.
 ";
 

@@ -1,8 +1,8 @@
 //! deploy/ validated as a cluster would take it: `kubectl kustomize deploy/`
 //! renders, and every manifest (each file and the rendered whole) passes
 //! PyPI's kubernetes-validate, strict, against the OpenAPI schemas of every
-//! Kubernetes version the README supports; a misspelt field fails for every
-//! version. (The ConfigMap's embedded config is parsed by the agent's own
+//! Kubernetes version supported (docs/testing.md); a misspelt field fails
+//! for every version. (The ConfigMap's embedded config is parsed by the agent's own
 //! parser in `proxy-agent/tests/deploy.rs`.)
 //!
 //! Needs `cargo xtask setup` (kubectl, the venv with kubernetes-validate);
@@ -13,7 +13,7 @@ use std::process::Command;
 
 use xtask::setup;
 
-/// The Kubernetes minor versions the README supports.
+/// The Kubernetes minor versions supported (docs/testing.md).
 const VERSIONS: &[&str] = &[
     "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0",
 ];

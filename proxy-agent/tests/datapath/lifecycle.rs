@@ -344,7 +344,7 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
     let range = MIN..MIN + N;
     let h = snat_setup((MIN, MIN + N - 1));
     if h.port_search() == PortSearch::RandomTries {
-        eprintln!("this kernel lacks bpf_loop: random tries only (see the README)");
+        eprintln!("this kernel lacks bpf_loop: random tries only (see docs/kernels.md)");
         return;
     }
     let syn = |sport: u16| tcp4(EXT_CLIENT, sport, NODE, 30080, SYN, b"");

@@ -15,7 +15,7 @@
 //! What the agent needs of it: `bpf` (CAP_BPF rule) and `perf_event_open`
 //! (CAP_PERFMON rule), both in the profile since moby and containerd added the
 //! CAP_BPF/CAP_PERFMON rules; older runtimes allow them only with CAP_SYS_ADMIN
-//! (README: "The DaemonSet's seccomp profile").
+//! (docs/security.md: "The DaemonSet's seccomp profile").
 
 use serde_json::{json, Value};
 
