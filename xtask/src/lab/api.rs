@@ -38,6 +38,18 @@ use crate::manifests::Object;
 pub const FIELD_MANAGER: &str = "kpr-lab";
 /// Name (in namespace `default`) of the barrier Service and EndpointSlice.
 pub const BARRIER: &str = "kpr-lab-barrier";
+/// Name (in namespace `default`) of the barrier Service and EndpointSlice
+/// of the nodes that run kube-proxy ([`Lab::write_kube_proxy_barrier`]).
+pub const KUBE_PROXY_BARRIER: &str = "kpr-lab-kube-proxy-barrier";
+/// The kube-proxy barrier's endpoint: an address of no pod; only its rules
+/// name it.
+pub const KUBE_PROXY_BARRIER_BACKEND: std::net::Ipv4Addr =
+    std::net::Ipv4Addr::new(198, 18, 255, 254);
+
+/// The kube-proxy barrier's port for barrier `n`: a new one each time.
+pub fn kube_proxy_barrier_port(n: u64) -> u16 {
+    20000 + (n % 40000) as u16
+}
 /// From this many objects, an apply is split over [`APPLY_PROCESSES`]
 /// kubectl processes.
 const APPLY_IN_PARALLEL_FROM: usize = 400;
@@ -73,6 +85,8 @@ pub(super) struct ApiState {
     /// The revision every agent's sync must reach ([`Lab::wait_synced`]).
     pub(super) target: u64,
     barriers: u64,
+    /// The kube-proxy barrier last written: its ClusterIP and port.
+    kube_proxy_target: Option<(std::net::Ipv4Addr, u16)>,
 }
 
 /// An endpoint as the EndpointSlice controller publishes it.
@@ -910,6 +924,16 @@ impl Lab {
             st.barriers += 1;
             st.barriers
         };
+    /// Writes a barrier now (with a real control plane; a no-op without):
+    /// [`wait_synced`](Lab::wait_synced) then waits for everything the lab
+    /// wrote before, for example after a proxy was started.
+    pub fn write_sync_barrier(&mut self) -> Result<()> {
+        if self.info.control_plane.is_some() {
+            self.write_barrier()?;
+        }
+        Ok(())
+    }
+
         let svc = json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": BARRIER, "namespace": "default",
@@ -954,8 +978,66 @@ impl Lab {
 mod tests {
     use super::*;
 
+        if !self.nodes_with_kube_proxy().is_empty() {
+            self.write_kube_proxy_barrier(n)?;
+        }
     fn objects(yaml: &str) -> Vec<Object> {
         crate::manifests::parse_yaml(yaml, "test").unwrap()
+
+    /// The barrier kube-proxy can be seen to have programmed: a Service
+    /// with a ClusterIP and a slice of the lab's own with one endpoint
+    /// ([`KUBE_PROXY_BARRIER_BACKEND`], to which nothing is sent), both on
+    /// port [`kube_proxy_barrier_port`]`(n)`. The Service's port in its
+    /// rules says its Service watch delivered the barrier, the endpoint's
+    /// its EndpointSlice watch; the lab wrote everything else before.
+    fn write_kube_proxy_barrier(&mut self, n: u64) -> Result<()> {
+        let port = kube_proxy_barrier_port(n);
+        let svc = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": KUBE_PROXY_BARRIER, "namespace": "default"},
+            "spec": {"ports": [{"name": "b", "port": port, "targetPort": port, "protocol": "TCP"}]},
+        });
+        let slice = json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": KUBE_PROXY_BARRIER, "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": KUBE_PROXY_BARRIER,
+                                    "endpointslice.kubernetes.io/managed-by": "kpr-lab"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [KUBE_PROXY_BARRIER_BACKEND.to_string()],
+                           "conditions": {"ready": true}}],
+            "ports": [{"name": "b", "port": port, "protocol": "TCP"}],
+        });
+        let manager = format!("--field-manager={FIELD_MANAGER}");
+        let mut ip = String::new();
+        for (obj, path) in [(svc, "{.spec.clusterIP}"), (slice, "{.metadata.name}")] {
+            let out = self.kubectl(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    &manager,
+                    "-o",
+                    &format!("jsonpath={path}"),
+                    "-f",
+                    "-",
+                ],
+                Some(&obj.to_string()),
+            )?;
+            if ip.is_empty() {
+                ip = out.trim().to_string();
+            }
+        }
+        let ip: std::net::Ipv4Addr = ip
+            .parse()
+            .with_context(|| format!("the kube-proxy barrier's ClusterIP {ip:?}"))?;
+        self.api_state().kube_proxy_target = Some((ip, port));
+        Ok(())
+    }
+
+    /// The kube-proxy barrier the lab last wrote: its ClusterIP and port.
+    pub(super) fn kube_proxy_target(&self) -> Option<(std::net::Ipv4Addr, u16)> {
+        self.api.as_ref().and_then(|a| a.kube_proxy_target)
+    }
     }
 
     const SVC: &str = "

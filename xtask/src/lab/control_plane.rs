@@ -151,8 +151,8 @@ fn kubectl_result(args: &[&str], out: std::process::Output) -> Result<String> {
 }
 
 /// The lab's certificates and keys, made with `openssl`.
-struct Pki {
-    dir: PathBuf,
+pub(super) struct Pki {
+    pub(super) dir: PathBuf,
 }
 
 impl Pki {
@@ -237,7 +237,7 @@ impl Pki {
         Ok(pki)
     }
 
-    fn leaf(&self, name: &str, subject: &str, ext: &str) -> Result<()> {
+    pub(super) fn leaf(&self, name: &str, subject: &str, ext: &str) -> Result<()> {
         let ext_file = format!("{name}.ext");
         std::fs::write(self.dir.join(&ext_file), ext)?;
         let key = format!("{name}.key");
@@ -277,14 +277,14 @@ impl Pki {
         ])
     }
 
-    fn path(&self, file: &str) -> PathBuf {
+    pub(super) fn path(&self, file: &str) -> PathBuf {
         self.dir.join(file)
     }
 }
 
 /// A kubeconfig for `server` with the CA and either a client certificate or
 /// a token file.
-fn kubeconfig(server: &str, ca: &Path, user: &str) -> String {
+pub(super) fn kubeconfig(server: &str, ca: &Path, user: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster:\n    server: {server}\n    \
          certificate-authority: {}\ncontexts:\n- name: lab\n  context:\n    cluster: lab\n    \
@@ -293,7 +293,7 @@ fn kubeconfig(server: &str, ca: &Path, user: &str) -> String {
     )
 }
 
-fn cert_user(crt: &Path, key: &Path) -> String {
+pub(super) fn cert_user(crt: &Path, key: &Path) -> String {
     format!(
         "    client-certificate: {}\n    client-key: {}\n",
         crt.display(),

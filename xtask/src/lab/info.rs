@@ -50,6 +50,10 @@ pub struct NodeInfo {
     /// machine has no cgroup2 hierarchy (host socket LB off).
     #[serde(default)]
     pub cgroup: Option<PathBuf>,
+    /// The real kube-proxy running on the node in the agent's place
+    /// ([`super::kube_proxy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kube_proxy: Option<super::kube_proxy::KubeProxyInfo>,
 }
 
 /// A pod-like namespace attached to the node by a veth pair.

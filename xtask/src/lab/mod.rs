@@ -58,6 +58,7 @@
 //! | `wait.rs` | waiting for the agents' syncs and attachments |
 //! | `control_plane.rs` | the real control plane: etcd, kube-apiserver, kube-controller-manager |
 //! | `api.rs` | the lab as the kubelet of that control plane: Nodes, Pods, their status |
+//! | `kube_proxy.rs` | the real kube-proxy on a node in the agent's place (iptables, nftables) |
 //!
 //! With a real control plane ([`LabBuilder::control_plane`], or
 //! `KPR_LAB_CONTROL_PLANE=1`), the lab has a switch (the control plane sits
@@ -77,6 +78,7 @@ pub use container::AgentImage;
 pub use control_plane::ControlPlaneInfo;
 mod host_client;
 mod info;
+pub mod kube_proxy;
 mod process;
 mod reconcile;
 pub mod seccomp;
@@ -508,6 +510,7 @@ impl Lab {
                         String::new()
                     },
                     cgroup: cgroup::lab_root(&id).map(|r| r.join(format!("node-{i}"))),
+                    kube_proxy: None,
                 }
             })
             .collect();
@@ -574,6 +577,7 @@ impl Lab {
         }
         let client_ns = lab.info.client.netns.clone();
         let client_ip6 = lab.info.client.ip6;
+            nodes_made.tick();
         lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP, client_ip6)?;
         lab.save()?;
         if with_control_plane {
@@ -737,6 +741,12 @@ impl Lab {
                 }
             }
         }
+            // Its rules go with the node's namespace.
+            if let Some(kp) = self.info.nodes[i].kube_proxy.take() {
+                if let Err(e) = self.kill(kp.pid, Duration::from_secs(3)) {
+                    errors.push(format!("kube-proxy of {}: {e:#}", self.info.nodes[i].name));
+                }
+            }
         // Containers of this lab that lab.json lost track of.
         for id in container::list(&format!("kpr-{}-", self.info.id)) {
             if let Err(e) = self.delete_container(&id) {

@@ -135,11 +135,47 @@ impl Lab {
     /// lab's last barrier (everything the lab wrote before it).
     pub fn wait_synced(&mut self, timeout: Duration) -> Result<()> {
         if let Some(target) = self.api.as_ref().map(|a| a.target) {
-            return self.wait_revision(target, timeout);
+            let t = Instant::now();
+            self.wait_revision(target, timeout)?;
+            return self.wait_kube_proxy_synced(timeout.saturating_sub(t.elapsed()));
         }
         let which = self.nodes_with_agent();
         let marks = self.write_marks.clone();
         self.wait_markers(&which, &marks, timeout, "a sync after the manifest change")
+    }
+
+    /// Waits until every node running kube-proxy has the lab's last
+    /// kube-proxy barrier in its rules (see `write_kube_proxy_barrier`):
+    /// its Service's port with its ClusterIP, and its endpoint.
+    pub fn wait_kube_proxy_synced(&mut self, timeout: Duration) -> Result<()> {
+        let Some((ip, port)) = self.kube_proxy_target() else {
+            return Ok(());
+        };
+        let nodes = self.nodes_with_kube_proxy();
+        let deadline = Instant::now() + timeout;
+        let service = ip.to_string();
+        let backend = format!("{}:{port}", super::api::KUBE_PROXY_BARRIER_BACKEND);
+        let port = port.to_string();
+        for node in nodes {
+            loop {
+                let rules = self.kube_proxy_rules(&node)?;
+                let has_service = rules.lines().any(|l| {
+                    l.contains(&service)
+                        && l.split(|c: char| !c.is_ascii_digit()).any(|w| w == port)
+                });
+                let has_backend = rules.lines().any(|l| l.contains(&backend));
+                if has_service && has_backend {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "kube-proxy on {node} did not program the lab's barrier ({service}:{port} → {backend}) within {timeout:?}"
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
     }
 
     /// Waits until every running agent logged a sync with a

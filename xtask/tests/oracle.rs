@@ -1,0 +1,563 @@
+//! Real kube-proxy as the conformance oracle (issue 39): one lab with a
+//! real control plane, the same Services and Pods, the same client actions,
+//! run under kube-proxy v1.37.2 in iptables mode, then in nftables mode,
+//! then under the agent. What each client observes is recorded as text
+//! (which backends answer; answered, refused or no answer; the source
+//! address the backend sees; affinity) and compared, key by key, with
+//! kube-proxy's.
+//!
+//! Every difference is either a failure or listed in [`KEPT`] with its
+//! reason, the README's divergence table; an entry of [`KEPT`] that no
+//! longer differs fails too, so the table stays true.
+//!
+//! Between the phases kube-proxy is stopped and `kube-proxy --cleanup`
+//! run; the test fails if any of its rules remain in a node, and checks
+//! that the machine's own namespace gained no rule. IPVS mode runs where
+//! the kernel has it ([`KubeProxyMode::available`]); the machines' 6.18
+//! kernel is built without it.
+//!
+//! Run with `cargo xtask test` (`#[ignore]`d under a plain `cargo test`).
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use support::fixtures::{manifests, Pod, Port, Svc};
+use xtask::client::{self, reply_text};
+use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
+use xtask::lab::HostReply;
+use xtask::Lab;
+
+/// Timeout of one request: an answer within it, else "no answer".
+const T: Duration = Duration::from_secs(2);
+/// How long a proxy may take to come up or to sync.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections per check of which backends answer.
+const N: usize = 12;
+/// An address added to node-1's eth0 after the proxy started (a keepalived
+/// or kube-vip VIP).
+const ADDED_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 61);
+/// `web`'s externalIP, routed to node-1 by the external client.
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 201);
+/// An address of the ServiceCIDR no Service holds.
+const UNALLOCATED_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 254);
+
+/// A difference from kube-proxy kept on purpose: the observation `key`,
+/// the mode it differs from, and why. The README's divergence table.
+struct Kept {
+    key: &'static str,
+    mode: KubeProxyMode,
+    reason: &'static str,
+}
+
+const KEPT: &[Kept] = &[
+    Kept {
+        key: "external → NodePort node-1 (Cluster): source seen",
+        mode: KubeProxyMode::Iptables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
+        key: "external → NodePort node-1 (Cluster): source seen",
+        mode: KubeProxyMode::Nftables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
+        key: "external → NodePort node-2 (Cluster): source seen",
+        mode: KubeProxyMode::Iptables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
+        key: "external → NodePort node-2 (Cluster): source seen",
+        mode: KubeProxyMode::Nftables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
+        key: "host → NodePort on 127.0.0.1",
+        mode: KubeProxyMode::Nftables,
+        reason: "kube-proxy's nftables mode does not serve NodePorts on 127.0.0.1 on \
+                 purpose (they need route_localnet, CVE-2020-8558); its iptables mode, the \
+                 default, does, and so does the agent, through its socket hooks, without \
+                 route_localnet (rows L1/L2)",
+    },
+    Kept {
+        key: "pod → undeclared port of a ClusterIP",
+        mode: KubeProxyMode::Nftables,
+        reason: "kube-proxy's nftables mode rejects a packet to a port a ClusterIP does \
+                 not declare; its iptables mode, the default, lets it go on unanswered, \
+                 as the agent does",
+    },
+    Kept {
+        key: "external → NodePort on an address added later",
+        mode: KubeProxyMode::Iptables,
+        reason: "the agent serves NodePorts on the Node's InternalIPs (as kube-proxy's \
+                 nftables mode serves its primary IP); kube-proxy's iptables mode serves \
+                 every local address, also one added later (a VIP)",
+    },
+];
+
+/// Why a backend on the receiving node sees the external client.
+const SNAT_LOCAL: &str = "externalTrafficPolicy: Cluster: a backend on the node the \
+    packet arrived at sees the client's address (the reply passes this node's reverse \
+    NAT anyway, so no SNAT is needed; Cilium does the same); kube-proxy masquerades \
+    every such packet, to the address of the interface towards the backend. A backend \
+    on another node sees the node's address under both";
+
+/// The proxies in the order they run: kube-proxy's modes first (the
+/// agent's programs stay attached to the node's interfaces after it stops,
+/// so it goes last).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Proxy {
+    KubeProxy(KubeProxyMode),
+    Agent,
+}
+
+impl std::fmt::Display for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Proxy::KubeProxy(m) => write!(f, "{m}"),
+            Proxy::Agent => write!(f, "agent"),
+        }
+    }
+}
+
+fn svc(name: &str, type_: &str) -> Svc {
+    Svc::new(name).service_type(type_).no_affinity()
+}
+
+fn objects() -> String {
+    manifests(&[
+        &Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
+        &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
+        &Pod::new("loc-2", "loc").node("node-2").port(80, "TCP"),
+        &Pod::new("aff-1", "aff").node("node-1").port(80, "TCP"),
+        &Pod::new("aff-2", "aff").node("node-2").port(80, "TCP"),
+        &svc("web", "NodePort")
+            .selector("web")
+            .ports([Port::tcp("tcp", 80), Port::udp("udp", 80)])
+            .external_ips(&[EXTERNAL_IP]),
+        &svc("empty", "ClusterIP")
+            .selector("nothing")
+            .port(Port::tcp("tcp", 80)),
+        &svc("loc", "NodePort")
+            .selector("loc")
+            .port(Port::tcp("tcp", 80))
+            .external_traffic_policy("Local"),
+        &svc("aff", "ClusterIP")
+            .selector("aff")
+            .port(Port::tcp("tcp", 80))
+            .client_ip_affinity(None),
+    ])
+}
+
+/// Names the addresses a backend may see: the lab's clients and nodes.
+struct Names(BTreeMap<Ipv4Addr, String>);
+
+impl Names {
+    fn of(lab: &Lab) -> Names {
+        let mut m = BTreeMap::new();
+        for n in lab.nodes() {
+            m.insert(n.ip, n.name.clone());
+        }
+        m.insert(lab.client().ip, "client pod".to_string());
+        if let Some(x) = lab.external() {
+            m.insert(x.ip, "external client".to_string());
+        }
+        m.insert(ADDED_NODE_IP, "node-1 (added address)".to_string());
+        m.insert(
+            xtask::lab::GATEWAY_IP,
+            "node (pods' gateway address)".to_string(),
+        );
+        Names(m)
+    }
+
+    fn name(&self, seen: &str) -> String {
+        let ip = seen
+            .parse::<SocketAddrV4>()
+            .map(|a| *a.ip())
+            .or_else(|_| seen.parse::<Ipv4Addr>());
+        match ip {
+            Ok(ip) => self.0.get(&ip).cloned().unwrap_or_else(|| ip.to_string()),
+            Err(_) => format!("? {seen}"),
+        }
+    }
+}
+
+/// One TCP request's outcome as a client sees it: the reply, `refused`
+/// (RST or ICMP unreachable at once), `no answer` (nothing within [`T`]),
+/// or the error's kind.
+fn outcome(r: std::io::Result<Vec<u8>>) -> String {
+    match r {
+        Ok(reply) => reply_text(&reply),
+        Err(e) => error_class(e.kind()),
+    }
+}
+
+fn error_class(kind: std::io::ErrorKind) -> String {
+    use std::io::ErrorKind::*;
+    match kind {
+        ConnectionRefused => "refused".to_string(),
+        TimedOut | WouldBlock => "no answer".to_string(),
+        HostUnreachable | NetworkUnreachable => "unreachable".to_string(),
+        k => format!("{k:?}"),
+    }
+}
+
+/// What `n` new connections got, as a set: `{web-1, web-2}`, `{refused}`.
+fn set_of(outcomes: impl IntoIterator<Item = String>) -> String {
+    let s: BTreeSet<String> = outcomes.into_iter().collect();
+    format!("{{{}}}", s.into_iter().collect::<Vec<_>>().join(", "))
+}
+
+fn tcp(ns: &str, addr: SocketAddrV4, req: &str, n: usize) -> String {
+    set_of((0..n).map(|_| outcome(client::tcp_request(ns, addr, req.as_bytes(), T))))
+}
+
+/// Whether `n` new connections were answered (by any backend), as a set:
+/// `{answered}`, `{refused}`, `{answered, no answer}`.
+fn reach(ns: &str, addr: SocketAddrV4, n: usize) -> String {
+    set_of(
+        (0..n).map(|_| match client::tcp_request(ns, addr, b"hostname\n", T) {
+            Ok(_) => "answered".to_string(),
+            Err(e) => error_class(e.kind()),
+        }),
+    )
+}
+
+fn udp(ns: &str, addr: SocketAddrV4, n: usize) -> String {
+    set_of((0..n).map(|_| outcome(client::udp_request(ns, addr, b"hostname", T, None))))
+}
+
+/// The sources backends saw over `n` connections, named.
+fn sources(ns: &str, addr: SocketAddrV4, n: usize, names: &Names) -> String {
+    set_of(
+        (0..n).map(|_| match client::tcp_request(ns, addr, b"clientip\n", T) {
+            Ok(r) => names.name(&reply_text(&r)),
+            Err(e) => error_class(e.kind()),
+        }),
+    )
+}
+
+fn host_outcome(r: HostReply) -> String {
+    match r {
+        HostReply::Ok { text, .. } => text,
+        HostReply::Err { kind, .. } => match kind.as_str() {
+            "timeout" => "no answer".to_string(),
+            k => k.to_string(),
+        },
+    }
+}
+
+fn cluster_ip(lab: &Lab, service: &str) -> Ipv4Addr {
+    lab.service_ip(service)
+        .unwrap_or_else(|| panic!("no ClusterIP of {service}"))
+}
+
+fn node_port(lab: &Lab, service: &str, proto: &str) -> u16 {
+    let ip = lab.nodes()[0].ip;
+    lab.info()
+        .frontends_of(service)
+        .into_iter()
+        .find(|f| f.kind == "NodePort" && f.ip == ip && f.protocol.eq_ignore_ascii_case(proto))
+        .unwrap_or_else(|| panic!("no {proto} NodePort of {service}"))
+        .port
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Everything the clients observe, by key.
+fn observe(lab: &mut Lab) -> BTreeMap<&'static str, String> {
+    let names = Names::of(lab);
+    let client = lab.client().netns.clone();
+    let ext = lab.external().expect("external client").netns.clone();
+    let n1 = lab.nodes()[0].clone();
+    let n2 = lab.nodes()[1].clone();
+    let web = cluster_ip(lab, "web");
+    let web_np = node_port(lab, "web", "TCP");
+    let loc_np = node_port(lab, "loc", "TCP");
+    let mut o = BTreeMap::new();
+    let at = |ip: Ipv4Addr, port: u16| SocketAddrV4::new(ip, port);
+
+    // Pod to Service.
+    o.insert(
+        "pod → ClusterIP TCP: backends",
+        tcp(&client, at(web, 80), "hostname\n", N),
+    );
+    o.insert(
+        "pod → ClusterIP UDP: backends",
+        udp(&client, at(web, 80), N),
+    );
+    o.insert(
+        "pod → ClusterIP: source seen",
+        sources(&client, at(web, 80), N, &names),
+    );
+    o.insert(
+        "pod → ClusterIP without endpoints",
+        reach(&client, at(cluster_ip(lab, "empty"), 80), 2),
+    );
+    o.insert(
+        "pod → undeclared port of a ClusterIP",
+        reach(&client, at(web, 81), 2),
+    );
+    o.insert(
+        "pod → unallocated ServiceCIDR address",
+        reach(&client, at(UNALLOCATED_SERVICE_IP, 80), 2),
+    );
+    // Which of the two backends is chance; how many answer is not.
+    let aff = at(cluster_ip(lab, "aff"), 80);
+    let answered: BTreeSet<String> = (0..N)
+        .map(|_| outcome(client::tcp_request(&client, aff, b"hostname\n", T)))
+        .collect();
+    o.insert(
+        "pod → ClientIP affinity: distinct answers of 12",
+        format!(
+            "{} ({})",
+            answered.len(),
+            if answered.iter().all(|a| a.starts_with("aff-")) {
+                "backends"
+            } else {
+                "errors"
+            }
+        ),
+    );
+    o.insert(
+        "pod → NodePort on its own node",
+        tcp(&client, at(n1.ip, web_np), "hostname\n", N),
+    );
+
+    // From outside the cluster.
+    o.insert(
+        "external → NodePort node-1: backends",
+        tcp(&ext, at(n1.ip, web_np), "hostname\n", N),
+    );
+    o.insert(
+        "external → NodePort node-1 (Cluster): source seen",
+        sources(&ext, at(n1.ip, web_np), N, &names),
+    );
+    o.insert(
+        "external → NodePort node-2 (Cluster): source seen",
+        sources(&ext, at(n2.ip, web_np), N, &names),
+    );
+    o.insert(
+        "external → NodePort node-2 (Local, endpoint here): source seen",
+        sources(&ext, at(n2.ip, loc_np), 4, &names),
+    );
+    o.insert(
+        "external → NodePort node-1 (Local, no endpoint here)",
+        reach(&ext, at(n1.ip, loc_np), 2),
+    );
+    o.insert(
+        "external → externalIP: backends",
+        tcp(&ext, at(EXTERNAL_IP, 80), "hostname\n", N),
+    );
+    // An address added to node-1 after the proxy started.
+    ip(&[
+        "-n",
+        &n1.netns,
+        "addr",
+        "add",
+        &format!("{ADDED_NODE_IP}/24"),
+        "dev",
+        &n1.eth,
+    ]);
+    std::thread::sleep(Duration::from_millis(500));
+    o.insert(
+        "external → NodePort on an address added later",
+        reach(&ext, at(ADDED_NODE_IP, web_np), 2),
+    );
+    ip(&[
+        "-n",
+        &n1.netns,
+        "addr",
+        "del",
+        &format!("{ADDED_NODE_IP}/24"),
+        "dev",
+        &n1.eth,
+    ]);
+
+    // Host clients of node-1.
+    let mut host = lab.host_client("node-1").expect("host client");
+    let mut host_set = |addr: SocketAddrV4, n: usize, names: bool| {
+        set_of((0..n).map(|_| {
+            match host
+                .tcp(SocketAddr::V4(addr), "hostname")
+                .expect("host client")
+            {
+                HostReply::Ok { .. } if !names => "answered".to_string(),
+                r => host_outcome(r),
+            }
+        }))
+    };
+    o.insert("host → ClusterIP: backends", host_set(at(web, 80), N, true));
+    o.insert(
+        "host → NodePort on 127.0.0.1",
+        host_set(at(Ipv4Addr::LOCALHOST, web_np), 2, false),
+    );
+    o.insert(
+        "host → NodePort on its node address",
+        host_set(at(n1.ip, web_np), N, true),
+    );
+    o.insert(
+        "host → NodePort on node-2 (Local, endpoint there)",
+        host_set(at(n2.ip, loc_np), 2, false),
+    );
+    o
+}
+
+fn start(lab: &mut Lab, p: Proxy) {
+    let nodes: Vec<String> = lab.nodes().iter().map(|n| n.name.clone()).collect();
+    match p {
+        Proxy::KubeProxy(mode) => {
+            let opts = KubeProxyOptions {
+                min_sync_period: Some(Duration::from_millis(100)),
+            };
+            for n in &nodes {
+                lab.start_kube_proxy_on(n, mode, &opts)
+                    .unwrap_or_else(|e| panic!("start {mode} on {n}: {e:#}"));
+            }
+        }
+        Proxy::Agent => {
+            lab.start_agent().expect("start agent");
+            lab.wait_ready(SYNC_TIMEOUT).expect("agents ready");
+            lab.wait_attached(SYNC_TIMEOUT).expect("agents attached");
+        }
+    }
+    // Everything the lab wrote is programmed.
+    lab.write_sync_barrier().expect("barrier");
+    lab.wait_synced(SYNC_TIMEOUT).expect("synced");
+}
+
+fn stop(lab: &mut Lab, p: Proxy) {
+    let nodes: Vec<String> = lab.nodes().iter().map(|n| n.name.clone()).collect();
+    if let Proxy::KubeProxy(mode) = p {
+        for n in &nodes {
+            lab.stop_kube_proxy_on(n)
+                .unwrap_or_else(|e| panic!("stop {mode} on {n}: {e:#}"));
+        }
+    }
+}
+
+/// The machine's own namespace's rules, to check nothing leaked there.
+fn root_rules() -> String {
+    let mut s = String::new();
+    for (cmd, args) in [
+        ("iptables-save", &[][..]),
+        ("ip6tables-save", &[][..]),
+        ("nft", &["list", "tables"][..]),
+    ] {
+        if let Ok(out) = Command::new(cmd).args(args).output() {
+            s.push_str(
+                &String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    // Packet counters move on their own.
+                    .map(|l| l.split(" [").next().unwrap_or(l).to_string())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            );
+        }
+    }
+    s
+}
+
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
+    let before = root_rules();
+    let mut proxies: Vec<Proxy> = KubeProxyMode::available()
+        .into_iter()
+        .map(Proxy::KubeProxy)
+        .collect();
+    proxies.push(Proxy::Agent);
+    let mut seen: BTreeMap<Proxy, BTreeMap<&'static str, String>> = BTreeMap::new();
+    support::run_lab(
+        "oracle",
+        Lab::builder()
+            .manifests_yaml(&objects())
+            .agent_bin(support::agent_bin())
+            .control_plane(true)
+            .external(true)
+            .nodes(2)
+            .agent(false),
+        " with 2 nodes, a real control plane, no proxy yet",
+        |_| {},
+        support::diagnostics_nodes,
+        |lab| {
+            // externalIPs are owned by no interface: the router sends them
+            // to node-1.
+            let x = lab.external().unwrap().netns.clone();
+            let via = lab.nodes()[0].ip.to_string();
+            ip(&[
+                "-n",
+                &x,
+                "route",
+                "replace",
+                &format!("{EXTERNAL_IP}/32"),
+                "via",
+                &via,
+                "dev",
+                "eth0",
+            ]);
+            for p in &proxies {
+                let t = Instant::now();
+                start(lab, *p);
+                let o = observe(lab);
+                println!("[oracle] {p}: observed in {} ms", t.elapsed().as_millis());
+                stop(lab, *p);
+                seen.insert(*p, o);
+            }
+        },
+    );
+    assert_eq!(
+        before,
+        root_rules(),
+        "the machine's own namespace's rules changed while kube-proxy ran in the lab"
+    );
+    let agent = &seen[&Proxy::Agent];
+    let mut table = String::from("| observation | ");
+    for p in seen.keys() {
+        table.push_str(&format!("{p} | "));
+    }
+    table.push('\n');
+    for key in agent.keys() {
+        table.push_str(&format!("| {key} | "));
+        for o in seen.values() {
+            table.push_str(&format!("{} | ", o.get(key).map_or("-", |s| s.as_str())));
+        }
+        table.push('\n');
+    }
+    println!("{table}");
+    let mut failures = Vec::new();
+    for (p, o) in &seen {
+        let Proxy::KubeProxy(mode) = p else { continue };
+        for (key, theirs) in o {
+            let ours = &agent[key];
+            let kept = KEPT.iter().find(|k| k.key == *key && k.mode == *mode);
+            match (ours == theirs, kept) {
+                (true, None) => {}
+                (false, Some(k)) => println!("kept ({mode}) {key}: {}", k.reason),
+                (false, None) => failures.push(format!(
+                    "{key}: {mode} {theirs}, the agent {ours} (not in KEPT)"
+                )),
+                (true, Some(_)) => failures.push(format!(
+                    "{key}: KEPT lists a difference from {mode} that is gone: remove the entry (and its README row)"
+                )),
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "differences from kube-proxy:\n{}",
+        failures.join("\n")
+    );
+}
