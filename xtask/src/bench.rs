@@ -95,8 +95,12 @@ fn check_interrupted() -> Result<()> {
     Ok(())
 }
 
+/// When the bench started: every line says how long it has run.
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
 fn log(msg: impl AsRef<str>) {
-    eprintln!("[bench] {}", msg.as_ref());
+    let t = STARTED.get_or_init(std::time::Instant::now).elapsed();
+    eprintln!("[bench {}] {}", crate::progress::elapsed(t), msg.as_ref());
 }
 
 // ---------------------------------------------------------------------- run
@@ -252,17 +256,23 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
     cfg.agent_bin = agent;
 
     let mut labs: Vec<ModeLab> = Vec::new();
+    let n_labs = cfg.families.len() * cfg.modes.len();
     let outcome = (|| -> Result<()> {
         for f in &cfg.families {
             for m in &cfg.modes {
                 check_interrupted()?;
-                log(format!("starting the lab of {}", m.name_in(*f)));
+                log(format!(
+                    "starting the lab of {} ({} of {n_labs})",
+                    m.name_in(*f),
+                    labs.len() + 1
+                ));
                 let ml = ModeLab::start(*m, *f, &cfg)
                     .with_context(|| format!("the lab of {} ({})", m.name_in(*f), f.label()))?;
                 labs.push(ml);
             }
         }
-        for &n in &cfg.ns {
+        for (i, &n) in cfg.ns.iter().enumerate() {
+            log(format!("N={n} ({} of {} sizes)", i + 1, cfg.ns.len()));
             let n_res = run_n(&mut labs, n, &cfg)?;
             results.results.push(n_res);
             if let Some(out) = &cfg.out {
@@ -307,11 +317,22 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         family_target: None,
     };
     let mut progs = BTreeMap::new();
-    for ml in labs.iter_mut() {
+    let n_labs = labs.len();
+    for (i, ml) in labs.iter_mut().enumerate() {
         check_interrupted()?;
-        log(format!("N={n}: programming {}", ml.label()));
+        log(format!(
+            "N={n}: programming {} ({} of {n_labs})",
+            ml.label(),
+            i + 1
+        ));
+        // Programming 50,000 Services into iptables takes minutes.
+        let beat = crate::progress::Heartbeat::start(
+            format!("[bench] N={n}: programming {}", ml.label()),
+            std::time::Duration::from_secs(30),
+        );
         let p = program(ml, n, &targets, cfg)
             .with_context(|| format!("programming {} at N={n}", ml.label()))?;
+        drop(beat);
         log(format!(
             "N={n} {}: from empty {:?} s, single tx {:?}{}, change {:?} ms, npl {:?} ms",
             ml.label(),
@@ -329,10 +350,11 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         for j in 0..k {
             let ml = &labs[(j + r) % k];
             log(format!(
-                "N={n} round {}/{}: {}",
+                "N={n} round {}/{}: {} ({} of {k})",
                 r + 1,
                 cfg.rounds,
-                ml.label()
+                ml.label(),
+                j + 1
             ));
             let d = data
                 .entry((ml.family, ml.mode))
@@ -404,6 +426,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&out)?;
     cfg.out = Some(out.clone());
     let cmdline: Vec<String> = std::env::args().skip(1).collect();
+    STARTED.get_or_init(std::time::Instant::now);
     log(format!("writing to {}", out.display()));
     let mut results = run_config(&cfg)?;
     results.config.insert(

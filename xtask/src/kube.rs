@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
+use crate::progress::Heartbeat;
 use crate::setup::{target_dir, workspace_root};
 
 /// The Kubernetes release of every component built here.
@@ -125,6 +126,9 @@ fn stamp(go: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
+/// How often a long `go build` says it is still going.
+const BEAT: std::time::Duration = std::time::Duration::from_secs(30);
+
 fn all_built() -> bool {
     KUBERNETES_COMMANDS
         .iter()
@@ -149,12 +153,15 @@ pub fn ensure_built() -> Result<()> {
     std::fs::create_dir_all(bin_dir())?;
     let _ = std::fs::remove_file(&stamp_file);
     let started = Instant::now();
+    // `go build` says nothing for minutes: a line every 30 s says it goes on.
+    let total = KUBERNETES_COMMANDS.len() + 1;
     println!(
-        "building etcd {ETCD_VERSION} from go.etcd.io/etcd/server/v3 into {} \
+        "building etcd {ETCD_VERSION} (1 of {total}) from go.etcd.io/etcd/server/v3 into {} \
          (the first build on a machine downloads its modules and takes minutes)",
         bin_dir().display()
     );
     let t = Instant::now();
+    let beat = Heartbeat::start(format!("building etcd (1 of {total})"), BEAT);
     crate::setup::run_visible(
         go_in(&go, &go_dir("etcd"))
             .args(["build", "-trimpath", "-ldflags", "-s -w", "-o"])
@@ -162,10 +169,13 @@ pub fn ensure_built() -> Result<()> {
             .arg("."),
     )
     .context("cannot build etcd")?;
+    drop(beat);
     println!("built etcd in {:.0} s", t.elapsed().as_secs_f64());
-    for cmd in KUBERNETES_COMMANDS {
+    for (i, cmd) in KUBERNETES_COMMANDS.iter().enumerate() {
         let t = Instant::now();
-        println!("building {cmd} {KUBERNETES_VERSION} from k8s.io/kubernetes/cmd/{cmd}");
+        let step = format!("{} of {total}", i + 2);
+        println!("building {cmd} {KUBERNETES_VERSION} ({step}) from k8s.io/kubernetes/cmd/{cmd}");
+        let beat = Heartbeat::start(format!("building {cmd} ({step})"), BEAT);
         crate::setup::run_visible(
             go_in(&go, &go_dir("kubernetes"))
                 .args(["build", "-trimpath", "-ldflags"])
@@ -175,7 +185,12 @@ pub fn ensure_built() -> Result<()> {
                 .arg(format!("k8s.io/kubernetes/cmd/{cmd}")),
         )
         .with_context(|| format!("cannot build {cmd}"))?;
-        println!("built {cmd} in {:.0} s", t.elapsed().as_secs_f64());
+        drop(beat);
+        println!(
+            "built {cmd} in {:.0} s ({} so far)",
+            t.elapsed().as_secs_f64(),
+            crate::progress::elapsed(started.elapsed())
+        );
     }
     std::fs::write(&stamp_file, format!("{want}\n"))?;
     println!(

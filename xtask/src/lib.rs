@@ -9,6 +9,7 @@ pub mod lab;
 pub mod lint;
 pub mod manifests;
 pub mod netns;
+pub mod progress;
 pub mod sctp;
 pub mod setup;
 pub mod vm;

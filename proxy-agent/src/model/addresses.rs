@@ -14,28 +14,37 @@ use super::{IpFamily, ModelWarning, NODE_ADDRESS_INTERNAL_IP};
 
 /// One entry of kube-proxy's `--nodeport-addresses` / `nodePortAddresses`.
 ///
-/// The candidate addresses are this node's `InternalIP` addresses of one
-/// family from its Node object's `status.addresses` (kube-proxy matches the
-/// addresses of the host's interfaces instead); each family is selected on
-/// its own, as kube-proxy's per-family proxiers do. A list:
+/// The candidate addresses of a family are this node's `InternalIP`
+/// addresses of that family from its Node object's `status.addresses`,
+/// followed by the global-scope addresses configured now on the node's
+/// external interfaces (`externalInterfaces`; not on pod interfaces, not
+/// link-local or loopback ones), which the agent follows live: an address
+/// added later, a keepalived or kube-vip VIP, serves NodePorts from the
+/// next sync on, and stops when it is removed (kube-proxy's iptables mode
+/// matches every local address, `--dst-type LOCAL`; Cilium serves the
+/// addresses of its devices). A family without an `InternalIP` has no
+/// candidates (no NodePort is served in it: its SNAT address would be
+/// missing). Each family is selected on its own, as kube-proxy's
+/// per-family proxiers do. A list:
 ///
-/// - empty (the default): every candidate. kube-proxy's default is every
-///   local address (`0.0.0.0/0` and `::/0`; `primary` in nftables mode),
-///   which amounts to the same on a cluster whose nodes have one
-///   `InternalIP` per family (NodePorts on other interface addresses, e.g. a
-///   second NIC or a bridge, are not served here);
+/// - empty (the default): every candidate, as kube-proxy's iptables mode
+///   (`0.0.0.0/0` and `::/0`), on the external interfaces only (kube-proxy
+///   also matches addresses of other interfaces, e.g. a bridge; kube-proxy's
+///   nftables mode defaults to `primary`);
 /// - otherwise, per family, the union of what the entries select; a list
 ///   holding no CIDR of a family selects every candidate of that family, as
 ///   kube-proxy's proxier of that family falls back to `0.0.0.0/0` (`::/0`)
 ///   when no CIDR of its family is given (`proxyutil.NewNodePortAddresses`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum NodePortAddresses {
-    /// An IPv4 CIDR (network address, prefix length): the candidates in it.
+    /// An IPv4 CIDR (network address, prefix length): the candidates in it
+    /// (`InternalIP`s and interface addresses alike).
     Cidr(Ipv4Addr, u8),
     /// An IPv6 CIDR (network address, prefix length): the candidates in it.
     Cidr6(Ipv6Addr, u8),
     /// `primary`: the node's first `InternalIP` of each family (kube-proxy:
-    /// the node's primary IP of the family, as `/32` or `/128`).
+    /// the node's primary IP of the family, as `/32` or `/128`); never an
+    /// interface address the Node object does not name.
     Primary,
 }
 
@@ -64,20 +73,20 @@ impl NodePortAddresses {
         }
     }
 
-    /// The addresses of `internal_ips` (the node's `InternalIP`s of one
-    /// family, in order) this entry selects.
-    fn select(&self, internal_ips: &[IpAddr]) -> Vec<IpAddr> {
+    /// The addresses of `candidates` (of one family: the node's
+    /// `InternalIP`s in order, then its interface addresses) this entry
+    /// selects; `primary` is the first `InternalIP`, `internal_ips[0]`.
+    fn select(&self, internal_ips: &[IpAddr], candidates: &[IpAddr]) -> Vec<IpAddr> {
+        let inside = |net: IpAddr, prefix: u8| -> Vec<IpAddr> {
+            candidates
+                .iter()
+                .copied()
+                .filter(|ip| in_cidr(*ip, (net, prefix)))
+                .collect()
+        };
         match *self {
-            Self::Cidr(net, prefix) => internal_ips
-                .iter()
-                .copied()
-                .filter(|ip| in_cidr(*ip, (IpAddr::V4(net), prefix)))
-                .collect(),
-            Self::Cidr6(net, prefix) => internal_ips
-                .iter()
-                .copied()
-                .filter(|ip| in_cidr(*ip, (IpAddr::V6(net), prefix)))
-                .collect(),
+            Self::Cidr(net, prefix) => inside(IpAddr::V4(net), prefix),
+            Self::Cidr6(net, prefix) => inside(IpAddr::V6(net), prefix),
             Self::Primary => internal_ips.first().copied().into_iter().collect(),
         }
     }
@@ -100,23 +109,37 @@ impl fmt::Display for NodePortAddresses {
     }
 }
 
-/// The addresses NodePorts are served on: `internal_ips` (the node's
-/// `InternalIP`s of `family`, in order) filtered by `entries` (see
-/// [`NodePortAddresses`]). Sorted, without duplicates.
+/// The addresses NodePorts are served on in `family`: the candidates
+/// (`internal_ips`, the node's `InternalIP`s of `family` in order, then the
+/// addresses of `iface_addrs` of `family`, the node's external interfaces'
+/// usable addresses; none without an `InternalIP`) filtered by `entries`
+/// (see [`NodePortAddresses`]). Sorted, without duplicates.
 pub(super) fn node_port_addresses(
     family: IpFamily,
     internal_ips: &[IpAddr],
+    iface_addrs: &[IpAddr],
     entries: &[NodePortAddresses],
 ) -> Vec<IpAddr> {
+    let candidates: Vec<IpAddr> = if internal_ips.is_empty() {
+        Vec::new()
+    } else {
+        let extra = iface_addrs
+            .iter()
+            .copied()
+            .filter(|ip| IpFamily::of(*ip) == family && !internal_ips.contains(ip));
+        internal_ips.iter().copied().chain(extra).collect()
+    };
     // The entries for this family: `primary` and its CIDRs.
     let mine: Vec<&NodePortAddresses> = entries
         .iter()
         .filter(|e| e.family().is_none_or(|f| f == family))
         .collect();
     let mut out: Vec<IpAddr> = if mine.is_empty() {
-        internal_ips.to_vec()
+        candidates
     } else {
-        mine.iter().flat_map(|e| e.select(internal_ips)).collect()
+        mine.iter()
+            .flat_map(|e| e.select(internal_ips, &candidates))
+            .collect()
     };
     out.sort();
     out.dedup();

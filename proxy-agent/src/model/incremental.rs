@@ -262,6 +262,12 @@ pub struct Incremental {
     slices_by_service: BTreeMap<ObjectKey, VecSet<Arc<str>>>,
     pods: BTreeMap<ObjectKey, Arc<Pod>>,
     nodes: BTreeMap<String, Arc<Node>>,
+    /// The usable addresses on this node's external interfaces, sorted
+    /// ([`Incremental::set_interface_addresses`]).
+    iface_addrs: Vec<IpAddr>,
+    /// Whether they changed since the node's context was computed: the next
+    /// [`Incremental::apply`] computes it again.
+    iface_addrs_changed: bool,
     /// Every Service's output (ignored Services have none).
     outputs: BTreeMap<ObjectKey, ServiceOutput>,
     claimants: HashMap<Owned, VecSet<ObjectKey>>,
@@ -282,7 +288,7 @@ pub struct Incremental {
 impl Incremental {
     /// An empty model for `node_name`: no objects, nothing desired.
     pub fn new(node_name: &str, opts: ModelOptions) -> Self {
-        let ctx = NodeContext::new(node_name, None, &opts);
+        let ctx = NodeContext::new(node_name, None, &[], &opts);
         Self {
             opts,
             ctx,
@@ -291,6 +297,8 @@ impl Incremental {
             slices_by_service: BTreeMap::new(),
             pods: BTreeMap::new(),
             nodes: BTreeMap::new(),
+            iface_addrs: Vec::new(),
+            iface_addrs_changed: false,
             outputs: BTreeMap::new(),
             claimants: HashMap::new(),
             conflicts: HashMap::new(),
@@ -311,6 +319,29 @@ impl Incremental {
     /// The Node object named `name`, if the model holds it.
     pub fn node(&self, name: &str) -> Option<&Node> {
         self.nodes.get(name).map(|n| &**n)
+    }
+
+    /// Sets the addresses configured on this node's external interfaces
+    /// now: with its `InternalIP`s, the candidates of its NodePort
+    /// addresses (see [`super::NodePortAddresses`]), and own addresses
+    /// refused as externalIPs. Addresses that can never be frontends
+    /// (loopback, link-local: [`super::forbidden_address`]) are left out.
+    /// The next [`Incremental::apply`] (or `replace`) computes every
+    /// Service again if the set changed, as after a change of the Node;
+    /// returns whether it changed.
+    pub fn set_interface_addresses(&mut self, addrs: impl IntoIterator<Item = IpAddr>) -> bool {
+        let mut addrs: Vec<IpAddr> = addrs
+            .into_iter()
+            .filter(|a| super::forbidden_address(*a).is_none())
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        if addrs == self.iface_addrs {
+            return false;
+        }
+        self.iface_addrs = addrs;
+        self.iface_addrs_changed = true;
+        true
     }
 
     /// The objects the model holds (shared, not copied).
@@ -411,7 +442,7 @@ impl Incremental {
         let mut up = Update::default();
         let mut dirty: BTreeSet<ObjectKey> = BTreeSet::new();
         let mut touched_local: BTreeSet<IpAddr> = BTreeSet::new();
-        let mut node_changed = false;
+        let mut node_changed = std::mem::take(&mut self.iface_addrs_changed);
         // Services added, removed or whose creationTimestamp changed.
         let mut aged: BTreeSet<ObjectKey> = BTreeSet::new();
         for change in changes {
@@ -487,7 +518,12 @@ impl Incremental {
             }
         }
         if node_changed {
-            let ctx = NodeContext::new(&self.ctx.name, self.node(&self.ctx.name), &self.opts);
+            let ctx = NodeContext::new(
+                &self.ctx.name,
+                self.node(&self.ctx.name),
+                &self.iface_addrs,
+                &self.opts,
+            );
             if ctx != self.ctx {
                 self.ctx = ctx;
                 dirty.extend(self.services.keys().cloned());

@@ -68,9 +68,15 @@ pub(super) struct NodeContext {
     /// The addresses its NodePorts are served on, per family
     /// ([`IpFamily::index`]).
     pub(super) node_port_addrs: [Vec<IpAddr>; 2],
-    /// Every address of the Node object: refused as externalIP or
-    /// load-balancer IP unless the policy allows it.
+    /// Every address of the Node object and of the node's external
+    /// interfaces (the NodePort candidates and more): refused as externalIP
+    /// unless the policy allows it.
     pub(super) own_addrs: BTreeSet<IpAddr>,
+    /// Every address of the Node object: refused as load-balancer IP unless
+    /// the policy allows it. An address only on an interface is not: a
+    /// load-balancer controller that announces its IPs from the node
+    /// (kube-vip's ARP mode, keepalived) puts them there itself.
+    pub(super) node_object_addrs: BTreeSet<IpAddr>,
     /// Why no NodePort of a family can be served, if so, per family.
     pub(super) problems: [Option<&'static str>; 2],
     /// Whether there is no Node object at all (one reason for both
@@ -79,14 +85,26 @@ pub(super) struct NodeContext {
 }
 
 impl NodeContext {
-    pub(super) fn new(name: &str, node: Option<&Node>, opts: &ModelOptions) -> Self {
+    /// The context of node `name` from its Node object and `iface_addrs`,
+    /// the usable addresses on its external interfaces now (sorted).
+    pub(super) fn new(
+        name: &str,
+        node: Option<&Node>,
+        iface_addrs: &[IpAddr],
+        opts: &ModelOptions,
+    ) -> Self {
         let internal_ips = node.map(node_internal_ips).unwrap_or_default();
-        let own_addrs = node
+        let node_object_addrs: BTreeSet<IpAddr> = node
             .and_then(|n| n.status.as_ref())
             .and_then(|s| s.addresses.as_ref())
             .into_iter()
             .flatten()
             .filter_map(|a| super::addresses::parse_ip(&a.address))
+            .collect();
+        let own_addrs = node_object_addrs
+            .iter()
+            .chain(iface_addrs)
+            .copied()
             .collect();
         let problems = IpFamily::ALL.map(|f| match node {
             None => Some("no Node object for this node"),
@@ -112,9 +130,15 @@ impl NodeContext {
                 IpAddr::V4(_) => None,
             }),
             node_port_addrs: IpFamily::ALL.map(|f| {
-                node_port_addresses(f, &internal_ips[f.index()], &opts.node_port_addresses)
+                node_port_addresses(
+                    f,
+                    &internal_ips[f.index()],
+                    iface_addrs,
+                    &opts.node_port_addresses,
+                )
             }),
             own_addrs,
+            node_object_addrs,
             problems,
             no_node: node.is_none(),
         }
@@ -322,7 +346,13 @@ pub(super) fn service_output(
     let refuse = |what: &str, ip: &IpAddr, warnings: &mut Vec<ModelWarning>| {
         let why = if let Some(why) = forbidden_address(*ip) {
             format!("is {why}; never a frontend")
-        } else if ctx.own_addrs.contains(ip) && !policy.allow_node_addresses {
+        } else if !policy.allow_node_addresses
+            && if what == "externalIP" {
+                ctx.own_addrs.contains(ip)
+            } else {
+                ctx.node_object_addrs.contains(ip)
+            }
+        {
             "is this node's own address (frontendPolicy.allowNodeAddresses: false)".into()
         } else if what == "externalIP"
             && (policy.external_ip_deny.iter().any(|c| in_cidr(*ip, *c))

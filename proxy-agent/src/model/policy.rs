@@ -15,7 +15,10 @@ pub struct FrontendPolicy {
     /// externalIPs in one of these CIDRs are refused (over `external_ip_allow`).
     pub external_ip_deny: Vec<(IpAddr, u8)>,
     /// Whether an externalIP or load-balancer IP may be one of this node's
-    /// own addresses (default: no).
+    /// own addresses (default: no): for an externalIP, the Node object's
+    /// addresses and those on its external interfaces (a VIP included); for
+    /// a load-balancer IP, the Node object's (a load-balancer controller
+    /// such as kube-vip puts its IPs on the interface itself).
     pub allow_node_addresses: bool,
     /// Frontends one Service may have (default 1024); the rest are refused
     /// with a warning, so that one Service cannot fill the maps.

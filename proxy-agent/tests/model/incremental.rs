@@ -258,15 +258,45 @@ fn differences(a: &DesiredState, b: &DesiredState) -> (BTreeSet<String>, BTreeSe
     (frontends, local)
 }
 
+/// Addresses on the node's external interfaces: an InternalIP, VIPs of
+/// both families (one of them an externalIP of the pool), a link-local one
+/// (never used).
+const IFACE_ADDRS: [&str; 5] = [
+    "198.18.9.1",
+    "198.18.9.61",
+    "198.19.1.1",
+    "2001:2::9:61",
+    "169.254.9.9",
+];
+
+/// Now and then (its own sequence, so that the objects' stay as they were)
+/// a new set of interface addresses: a random subset of [`IFACE_ADDRS`].
+fn iface_change(r: &mut Rng) -> Option<Vec<std::net::IpAddr>> {
+    r.chance(10).then(|| {
+        IFACE_ADDRS
+            .iter()
+            .filter(|_| r.chance(50))
+            .map(|a| a.parse().unwrap())
+            .collect()
+    })
+}
+
 fn run(seed: u64, steps: usize, opts: ModelOptions) {
     let mut r = Rng::new(seed);
+    let mut r_iface = Rng::new(seed ^ 0x1fac_e5);
     let mut model = Incremental::new("node-a", opts.clone());
+    let mut iface: Vec<std::net::IpAddr> = Vec::new();
     let mut frontends_seen = 0;
     let mut families_seen = [false; 2];
     for step in 0..steps {
         let before = model.desired().clone();
         let c = change(&mut r, &model);
-        let what = format!("{c:?}");
+        let mut what = format!("{c:?}");
+        if let Some(addrs) = iface_change(&mut r_iface) {
+            what += &format!(" with interface addresses {addrs:?}");
+            model.set_interface_addresses(addrs.iter().copied());
+            iface = addrs;
+        }
         let update = model.apply([c]);
         // From scratch, with the owners the incremental model had before
         // the change (the one input of history: among Services without a
@@ -278,6 +308,7 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
             .map(|(k, f)| (*k, f.service.to_string()))
             .collect();
         let mut scratch = Incremental::new("node-a", full_opts);
+        scratch.set_interface_addresses(iface.iter().copied());
         scratch.replace_objects(model.objects());
         let full = scratch.desired().clone();
         let now = model.desired();

@@ -719,6 +719,14 @@ impl Lab {
             return cp.kubectl_run(&args, Some(&list(items))).map(|_| ());
         }
         let per = items.len().div_ceil(APPLY_PROCESSES);
+        let what = format!(
+            "lab {}: applying {} {} through the API server",
+            self.info.id,
+            items.len(),
+            if status { "statuses" } else { "objects" }
+        );
+        eprintln!("{what} ({APPLY_PROCESSES} kubectl processes)");
+        let _beat = crate::progress::Heartbeat::start(what, std::time::Duration::from_secs(15));
         let chunks: Vec<String> = items.chunks(per).map(|c| list(c.to_vec())).collect();
         std::thread::scope(|scope| {
             let handles: Vec<_> = chunks

@@ -569,8 +569,15 @@ impl Lab {
         if with_switch {
             lab.create_switch()?;
         }
+        let mut nodes_made = crate::progress::Counter::new(
+            format!("lab {id}: nodes created"),
+            n_nodes,
+            3,
+            Duration::ZERO,
+        );
         for i in 0..n_nodes {
             lab.create_node(i)?;
+            nodes_made.tick();
         }
         if with_switch {
             lab.create_external()?;
@@ -581,6 +588,11 @@ impl Lab {
         lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP, client_ip6)?;
         lab.save()?;
         if with_control_plane {
+            eprintln!("lab {id}: starting the control plane (etcd, kube-apiserver, kube-controller-manager)");
+            let _beat = crate::progress::Heartbeat::start(
+                format!("lab {id}: starting the control plane"),
+                Duration::from_secs(15),
+            );
             lab.create_control_plane()?;
         }
 

@@ -237,6 +237,18 @@ impl Lab {
             })
             .collect::<Result<_>>()?;
 
+        // Each new pod is a namespace, a veth and a server: thousands take
+        // minutes, so say how far it got.
+        let to_start = new_pods
+            .iter()
+            .filter(|(key, _, host_network)| !host_network && !old_pods.contains_key(key))
+            .count();
+        let mut started = crate::progress::Counter::new(
+            format!("lab {}: pods started", self.info.id),
+            to_start,
+            100,
+            std::time::Duration::from_secs(5),
+        );
         for (key, mut pod, host_network) in new_pods {
             match old_pods.get(&key) {
                 Some(old) if old.ip == pod.ip => {
@@ -275,6 +287,7 @@ impl Lab {
                     self.info.pods.push(pod.clone());
                     self.save()?;
                     self.spawn_server(&pod)?;
+                    started.tick();
                 }
             }
         }
