@@ -16,11 +16,21 @@ fn configuration_page_is_generated_and_current() {
         .join("..")
         .join(proxy_agent::config_reference::PAGE);
     let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        on_disk == page,
-        "{} is not what the config types render: run `cargo xtask docs` and commit it",
-        proxy_agent::config_reference::PAGE
-    );
+    if on_disk != page {
+        let first = on_disk
+            .lines()
+            .zip(page.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| on_disk.lines().count().min(page.lines().count()));
+        panic!(
+            "{} is not what the config types render (first difference at line {}: {:?}, \
+             rendered {:?}): run `cargo xtask docs` and commit it",
+            proxy_agent::config_reference::PAGE,
+            first + 1,
+            on_disk.lines().nth(first).unwrap_or(""),
+            page.lines().nth(first).unwrap_or(""),
+        );
+    }
 }
 
 /// Every field of the file is on the page (the schema follows serde's
