@@ -25,6 +25,14 @@
 //! `ip6tables-legacy`, and per N the agent's ratios to the floor are
 //! compared across families (the target: IPv6's no costlier than IPv4's).
 //!
+//! The API modes (`kube-proxy-iptables`, `kube-proxy-nftables`,
+//! `proxy-tc-k8s`; IPv4) run the real kube-proxy v1.37.2 and the agent
+//! (`--source kubernetes`) on labs with a real control plane, their
+//! Services made through the API server, up to `--api-max-n`; the `api`
+//! module says how they are programmed and what they report beyond the
+//! cells (the proxies' own sync and programming histograms, CPU, peak RSS,
+//! endpoint churn).
+//!
 //! `results.json` keeps its IPv4 shape: per N, `modes` holds the IPv4
 //! modes as before; `modes_ipv6` the IPv6 ones (keyed by their IPv6 names)
 //! and `family_target` the comparison, both left out when not measured.
@@ -36,6 +44,7 @@
 //! | `config` | [`BenchArgs`], [`Mode`], [`Config`] |
 //! | `mode_lab` | the lab of one mode |
 //! | `program` | programming from empty and one change (timed, with its latency) |
+//! | `api` | the API modes: the real kube-proxy and the agent on a real control plane |
 //! | `measure` | the traffic cells of one round |
 //! | `results` | [`Results`] and the harness's checks |
 //! | `layouts` | kube-proxy's rule layouts and the agent's manifests for N services |
@@ -43,6 +52,7 @@
 //! | `report` | `results.json` and `results.md` |
 //! | `sys` | commands in namespaces, CPU pinning and noise, kernel memory, conntrack and BPF map resets |
 
+mod api;
 mod config;
 pub mod layouts;
 pub mod load;
@@ -66,7 +76,8 @@ use mode_lab::{agent_bin, ModeLab};
 use program::program;
 use results::{checks, median, merge_conn, merge_rr};
 pub use results::{
-    Check, ConnStats, FamilyMetric, FamilyTarget, ModeResult, NResult, ProgStats, Results, RrStats,
+    ApiStats, Check, ConnStats, FamilyMetric, FamilyTarget, HistSummary, ModeResult, NResult,
+    ProgStats, Results, RrStats,
 };
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -261,6 +272,14 @@ pub fn run_config(cfg: &Config) -> Result<Results> {
         for f in &cfg.families {
             for m in &cfg.modes {
                 check_interrupted()?;
+                if m.is_api() && *f != Family::Ipv4 {
+                    log(format!(
+                        "{}: IPv4 only (the control-plane lab is single-stack): not run in {}",
+                        m.name(),
+                        f.label()
+                    ));
+                    continue;
+                }
                 log(format!(
                     "starting the lab of {} ({} of {n_labs})",
                     m.name_in(*f),
@@ -315,11 +334,27 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         modes: BTreeMap::new(),
         modes_ipv6: BTreeMap::new(),
         family_target: None,
+        not_run: BTreeMap::new(),
     };
+    // The API modes stop at --api-max-n: their Services go through the
+    // API server, which bounds N.
+    let runs = |ml: &ModeLab| !ml.mode.is_api() || n <= cfg.api_max_n;
+    for ml in labs.iter().filter(|ml| !runs(ml)) {
+        out.not_run.insert(
+            ml.name().to_string(),
+            format!(
+                "N above --api-max-n={}: its Services are made through the API server (minutes per 10,000 here)",
+                cfg.api_max_n
+            ),
+        );
+    }
     let mut progs = BTreeMap::new();
     let n_labs = labs.len();
     for (i, ml) in labs.iter_mut().enumerate() {
         check_interrupted()?;
+        if !runs(ml) {
+            continue;
+        }
         log(format!(
             "N={n}: programming {} ({} of {n_labs})",
             ml.label(),
@@ -345,10 +380,11 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         progs.insert((ml.family, ml.mode), p);
     }
     let mut data: BTreeMap<(Family, Mode), RoundData> = BTreeMap::new();
+    let active: Vec<usize> = (0..labs.len()).filter(|&i| runs(&labs[i])).collect();
     for r in 0..cfg.rounds {
-        let k = labs.len();
+        let k = active.len();
         for j in 0..k {
-            let ml = &labs[(j + r) % k];
+            let ml = &labs[active[(j + r) % k]];
             log(format!(
                 "N={n} round {}/{}: {} ({} of {k})",
                 r + 1,
@@ -371,7 +407,17 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
             measure_round(ml, &positions, main_pos, cfg, d)?;
         }
     }
-    for ml in labs.iter() {
+    let mut api_stats = BTreeMap::new();
+    for &i in &active {
+        let ml = &mut labs[i];
+        if ml.mode.is_api() {
+            check_interrupted()?;
+            let s = api::finish(ml, cfg)
+                .with_context(|| format!("{} at N={n}: churn and cost", ml.label()))?;
+            api_stats.insert(ml.mode, s);
+        }
+    }
+    for ml in active.iter().map(|&i| &labs[i]) {
         let d = &data[&(ml.family, ml.mode)];
         let mut mr = ModeResult {
             prog: progs.remove(&(ml.family, ml.mode)).unwrap_or_default(),
@@ -389,6 +435,7 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
             host_conn_rate: median(&mut d.host_rate.clone()),
             http_rps: median(&mut d.http.iter().map(|h| h.0).collect::<Vec<_>>()),
             http_failed: d.http.iter().map(|h| h.1).sum(),
+            api: api_stats.remove(&ml.mode),
             checks: Vec::new(),
         };
         mr.checks = checks(&mr, cfg.endpoints);

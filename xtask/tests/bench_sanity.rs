@@ -3,7 +3,10 @@
 //! the harness's own checks hold (spread over the backends, replies from
 //! the dialled VIP, client address kept, no failed exchange) at N = 1 and
 //! N = 100, with few samples; and in IPv6 (a dual-stack lab, all traffic
-//! IPv6) the floor, ip6tables-legacy, nftables `ip6` and proxy-tc at N = 1.
+//! IPv6) the floor, ip6tables-legacy, nftables `ip6` and proxy-tc at N = 1;
+//! and the API modes (the real kube-proxy in iptables and nftables mode,
+//! the agent with `--source kubernetes`, each on a lab with a real control
+//! plane) at N = 10, with every figure of theirs measured.
 //! Asserts no timing; prints each run's elapsed time (CI's time is tight:
 //! the IPv6 run is kept well under a minute).
 //!
@@ -130,4 +133,47 @@ fn ipv6_modes_deliver_and_the_checks_hold() {
     let r = &results.results[0];
     assert!(r.modes.is_empty(), "an IPv6-only run measured IPv4 modes");
     assert!(r.family_target.is_none(), "a comparison without IPv4");
+}
+
+/// The API modes at N = 10 beside the floor: every cell, and every figure
+/// of theirs (from empty, change to first connection, the proxies' own
+/// sync and programming histograms, CPU, peak RSS, churn CPU), so a broken
+/// mode fails here rather than in a long run.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn api_modes_deliver_and_report_their_figures() {
+    if !as_root() {
+        return;
+    }
+    let cfg = Config::sanity_api();
+    let results = run(&cfg, "sanity run (API modes)");
+    assert_sane(&cfg, &results);
+    let r = &results.results[0];
+    for m in cfg.modes.iter().filter(|m| m.is_api()) {
+        let mr = &r.modes[m.name()];
+        let a = mr
+            .api
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: no API figures", m.name()));
+        assert!(a.sync_rules_all.count > 0.0, "{}: {a:?}", m.name());
+        assert!(a.npl_changes.count > 0.0, "{}: {a:?}", m.name());
+        assert!(
+            a.cpu_s.is_some_and(|c| c > 0.0) && a.peak_rss.is_some_and(|x| x > 0),
+            "{}: {a:?}",
+            m.name()
+        );
+        assert!(a.churn_cpu_per_1000_s.is_some(), "{}: {a:?}", m.name());
+        for cell in ["conn/s", "TCP RR", "UDP RR", "bulk", "host conn"] {
+            let there = match cell {
+                "conn/s" => mr.conn_rate.is_some(),
+                "TCP RR" => mr.tcp_rr.as_ref().is_some_and(|x| x.ok > 0),
+                "UDP RR" => mr.udp_rr.as_ref().is_some_and(|x| x.ok > 0),
+                "bulk" => mr.bulk_bps.is_some(),
+                _ => mr.host_conn.as_ref().is_some_and(|x| x.ok > 0),
+            };
+            assert!(there, "{}: no {cell} cell", m.name());
+        }
+    }
+    let md = xtask::bench::report::markdown(&results);
+    assert!(md.contains("Against the real kube-proxy"), "{md}");
 }

@@ -24,7 +24,9 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
     /// Modes to run (default all): none, iptables-legacy, iptables-nft, nftables, proxy-tc,
     /// proxy-tc-maglev, proxy-tc-stack (ip6tables-legacy and ip6tables-nft name the
-    /// iptables modes too: in the IPv6 run they are those).
+    /// iptables modes too: in the IPv6 run they are those); and, on a lab with a real
+    /// control plane (IPv4), kube-proxy-iptables and kube-proxy-nftables (the real
+    /// kube-proxy v1.37.2) and proxy-tc-k8s (the agent, `--source kubernetes`).
     #[arg(long, value_delimiter = ',')]
     pub modes: Vec<String>,
     /// Address families to run every mode in (default both): ipv4, ipv6.
@@ -39,6 +41,11 @@ pub struct BenchArgs {
     /// Cap of one single nft transaction loading all N services, seconds.
     #[arg(long)]
     pub nft_cap: Option<u64>,
+    /// The largest N the API modes (kube-proxy-*, proxy-tc-k8s) run at: their
+    /// Services are created through the API server, ~50 s per 1,000 on a loaded
+    /// 2-core machine at 10,000; larger N are reported as not run.
+    #[arg(long, default_value_t = 10_000)]
+    pub api_max_n: usize,
     /// The proxy-agent binary (default: target/release/proxy-agent if built, else debug).
     #[arg(long, env = "KPR_BENCH_AGENT_BIN")]
     pub agent_bin: Option<PathBuf>,
@@ -98,10 +105,17 @@ pub enum Mode {
     /// through the host's stack and its FORWARD hook (NetworkPolicy-safe),
     /// against `proxy-tc`'s redirect.
     ProxyStack,
+    /// The real kube-proxy, iptables mode, on a lab with a real control
+    /// plane: Services made through the API server.
+    KubeProxyIptables,
+    /// The real kube-proxy, nftables mode, likewise.
+    KubeProxyNftables,
+    /// The agent with `--source kubernetes` against the same kind of lab.
+    ProxyK8s,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 7] = [
+    pub const ALL: [Mode; 10] = [
         Mode::None,
         Mode::IptablesLegacy,
         Mode::IptablesNft,
@@ -109,6 +123,28 @@ impl Mode {
         Mode::ProxyTc,
         Mode::ProxyMaglev,
         Mode::ProxyStack,
+        Mode::KubeProxyIptables,
+        Mode::KubeProxyNftables,
+        Mode::ProxyK8s,
+    ];
+
+    /// The modes programmed without an API server (rule layouts, the
+    /// agent's manifests) and the floor.
+    pub const LOCAL: [Mode; 7] = [
+        Mode::None,
+        Mode::IptablesLegacy,
+        Mode::IptablesNft,
+        Mode::Nftables,
+        Mode::ProxyTc,
+        Mode::ProxyMaglev,
+        Mode::ProxyStack,
+    ];
+
+    /// The modes on a lab with a real control plane.
+    pub const API: [Mode; 3] = [
+        Mode::KubeProxyIptables,
+        Mode::KubeProxyNftables,
+        Mode::ProxyK8s,
     ];
 
     /// The mode's name in IPv4 (and the name it is asked for by).
@@ -121,6 +157,9 @@ impl Mode {
             Mode::ProxyTc => "proxy-tc",
             Mode::ProxyMaglev => "proxy-tc-maglev",
             Mode::ProxyStack => "proxy-tc-stack",
+            Mode::KubeProxyIptables => "kube-proxy-iptables",
+            Mode::KubeProxyNftables => "kube-proxy-nftables",
+            Mode::ProxyK8s => "proxy-tc-k8s",
         }
     }
 
@@ -136,7 +175,26 @@ impl Mode {
 
     /// Whether this project's agent programs the lab.
     pub fn is_proxy(self) -> bool {
-        matches!(self, Mode::ProxyTc | Mode::ProxyMaglev | Mode::ProxyStack)
+        matches!(
+            self,
+            Mode::ProxyTc | Mode::ProxyMaglev | Mode::ProxyStack | Mode::ProxyK8s
+        )
+    }
+
+    /// Whether the mode runs on a lab with a real control plane, its
+    /// Services made through the API server.
+    pub fn is_api(self) -> bool {
+        Mode::API.contains(&self)
+    }
+
+    /// The real kube-proxy's mode, for the modes that run it.
+    pub fn real_kube_proxy(self) -> Option<crate::lab::kube_proxy::KubeProxyMode> {
+        use crate::lab::kube_proxy::KubeProxyMode;
+        match self {
+            Mode::KubeProxyIptables => Some(KubeProxyMode::Iptables),
+            Mode::KubeProxyNftables => Some(KubeProxyMode::Nftables),
+            _ => None,
+        }
     }
 
     /// The agent's `--delivery-mode` (explicit, so that no machine's
@@ -199,6 +257,12 @@ pub struct Config {
     pub nft_chunk: usize,
     /// Cap of the single nft transaction; None: not measured.
     pub nft_cap: Option<Duration>,
+    /// The API modes run at N up to this; above, they are reported as not run.
+    pub api_max_n: usize,
+    /// The API modes' endpoint churn: Services selecting the churn pod, and
+    /// readiness flips of that pod (endpoint changes = their product).
+    pub churn_services: usize,
+    pub churn_flips: usize,
     /// Redo a cell whose steal time exceeds this (percent), up to twice.
     pub max_steal_pct: f64,
     /// Redo a cell when other processes used more than this share of the CPUs.
@@ -253,6 +317,9 @@ impl Config {
             } else {
                 20
             }))),
+            api_max_n: a.api_max_n,
+            churn_services: 50,
+            churn_flips: 20,
             max_steal_pct: 2.0,
             max_other_pct: 10.0,
             agent_bin: a.agent_bin.clone(),
@@ -261,13 +328,13 @@ impl Config {
         })
     }
 
-    /// The sanity test's configuration: every mode in IPv4, N = 1 and 100,
-    /// few samples, one round.
+    /// The sanity test's configuration: every mode but the API ones in
+    /// IPv4, N = 1 and 100, few samples, one round.
     pub fn sanity() -> Config {
         Config {
             ns: vec![1, 100],
             endpoints: 2,
-            modes: Mode::ALL.to_vec(),
+            modes: Mode::LOCAL.to_vec(),
             families: vec![Family::Ipv4],
             samples: 400,
             rr_samples: 200,
@@ -278,6 +345,9 @@ impl Config {
             changes: 1,
             nft_chunk: 1000,
             nft_cap: None,
+            api_max_n: 10_000,
+            churn_services: 10,
+            churn_flips: 2,
             max_steal_pct: 100.0,
             max_other_pct: 100.0,
             agent_bin: std::env::var_os("KPR_AGENT_BIN").map(PathBuf::from),
@@ -299,6 +369,24 @@ impl Config {
                 Mode::ProxyTc,
             ],
             families: vec![Family::Ipv6],
+            ..Config::sanity()
+        }
+    }
+
+    /// The sanity test of the API modes: the floor and the real kube-proxy
+    /// in both modes and the agent on labs with a real control plane, at
+    /// N = 10, one round, few samples.
+    pub fn sanity_api() -> Config {
+        Config {
+            ns: vec![10],
+            modes: vec![
+                Mode::None,
+                Mode::KubeProxyIptables,
+                Mode::KubeProxyNftables,
+                Mode::ProxyK8s,
+            ],
+            samples: 200,
+            rr_samples: 100,
             ..Config::sanity()
         }
     }

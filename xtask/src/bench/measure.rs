@@ -24,7 +24,7 @@ fn cell<T>(
     mut f: impl FnMut() -> Result<T>,
 ) -> Result<(T, (f64, f64), usize)> {
     let mut redone = 0;
-    let pids: Vec<u32> = ml.lab.info().node.agent.iter().map(|a| a.pid).collect();
+    let pids: Vec<u32> = ml.own_pids();
     loop {
         check_interrupted()?;
         ml.reset_state()?;
@@ -82,6 +82,8 @@ fn targets_for(ml: &ModeLab, index: usize) -> Vec<SocketAddr> {
             .iter()
             .map(|ip| SocketAddr::new(*ip, TPORT))
             .collect()
+    } else if let Some(vip) = ml.vips.get(&index) {
+        vec![*vip]
     } else {
         vec![svc_addr(ml.family, index)]
     }

@@ -7,8 +7,9 @@
 //! The agent runs with its default map capacities unless the run's largest
 //! N would not fit them with 25% headroom: then it gets a config file
 //! (`--config`) whose `mapSizes` fits that N ([`MapSizes::needed`]).
+use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,11 @@ pub(super) struct ModeLab {
     pub(super) pod_ns: Vec<String>,
     /// Entries programmed now.
     pub(super) entries: Vec<Entry>,
+    /// API modes: the targets' (ClusterIP, port), by Service index (the
+    /// allocator's, where the other modes' follow the layout).
+    pub(super) vips: BTreeMap<usize, SocketAddr>,
+    /// API modes: what the lab holds between N.
+    pub(super) api: Option<super::api::ApiLab>,
     bench_files: Vec<PathBuf>,
     /// The agent's config file, when the bench wrote one (removed with the lab).
     _agent_config: Option<AgentConfigFile>,
@@ -195,13 +201,24 @@ pub(super) fn agent_bin(cfg: &Config) -> Result<PathBuf> {
 
 impl ModeLab {
     pub(super) fn start(mode: Mode, family: Family, cfg: &Config) -> Result<ModeLab> {
-        let with_agent = mode.is_proxy();
+        if mode.is_api() && family != Family::Ipv4 {
+            bail!("{} runs in IPv4 only", mode.name());
+        }
+        // API modes: no proxy until the first N is programmed.
+        let with_agent = mode.is_proxy() && !mode.is_api();
+        let mut manifests = pods_yaml(cfg.endpoints);
+        if mode.is_api() {
+            manifests.push_str(&super::api::churn_objects(cfg));
+        }
         let mut b = Lab::builder()
-            .manifests_yaml(&pods_yaml(cfg.endpoints))
+            .manifests_yaml(&manifests)
             .ipv6(family == Family::Ipv6)
             .agent(with_agent);
+        if mode.is_api() {
+            b = b.control_plane(true);
+        }
         let mut agent_config = None;
-        if with_agent {
+        if mode.is_proxy() {
             b = b
                 .agent_bin(agent_bin(cfg)?)
                 .rust_log("info")
@@ -220,7 +237,11 @@ impl ModeLab {
             lab.wait_attached(Duration::from_secs(30))?;
         }
         let mut pods: Vec<(String, IpAddr, String)> = Vec::new();
-        for p in lab.pods().iter().filter(|p| !p.host_if.is_empty()) {
+        for p in lab
+            .pods()
+            .iter()
+            .filter(|p| !p.host_if.is_empty() && p.name.starts_with("bench-"))
+        {
             let ip = match family {
                 Family::Ipv4 => p.ip.into(),
                 Family::Ipv6 => p
@@ -283,6 +304,8 @@ impl ModeLab {
             lab,
             servers: Some(servers),
             entries: Vec::new(),
+            vips: BTreeMap::new(),
+            api: None,
             bench_files: Vec::new(),
             _agent_config: agent_config,
         })
@@ -315,7 +338,7 @@ impl ModeLab {
         let r = in_netns(&self.node_ns, move || sys::flush_conntrack_here(family))?;
         if let Err(e) = r {
             // No conntrack in this namespace (no rules loaded): nothing to flush.
-            if self.mode.is_kube_proxy() {
+            if self.mode.is_kube_proxy() || self.mode.real_kube_proxy().is_some() {
                 bail!("conntrack flush in {}: {e}", self.node_ns);
             }
         }
@@ -352,6 +375,22 @@ impl ModeLab {
             .with_context(|| format!("closing the TIME_WAIT sockets of {ns}"))?;
         }
         Ok(())
+    }
+
+    /// The lab's own processes: the agent or kube-proxy, and the control
+    /// plane's (not counted as other processes' noise).
+    pub(super) fn own_pids(&self) -> Vec<u32> {
+        let n = self.lab.info().node.clone();
+        let mut v: Vec<u32> = n.agent.iter().map(|a| a.pid).collect();
+        v.extend(n.kube_proxy.iter().map(|k| k.pid));
+        if let Some(cp) = self.lab.control_plane() {
+            v.extend(
+                [cp.etcd, cp.apiserver, cp.controller_manager]
+                    .into_iter()
+                    .flatten(),
+            );
+        }
+        v
     }
 
     pub(super) fn agent_log_len(&self) -> u64 {

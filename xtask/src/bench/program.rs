@@ -42,6 +42,9 @@ pub(super) fn program(
     if ml.mode == Mode::None {
         return Ok(p);
     }
+    if ml.mode.is_api() {
+        return super::api::program(ml, n, targets, cfg);
+    }
     let family = ml.family;
     let entries = entries_for(n, targets, family, &ml.pod_ips, cfg.endpoints);
     let node = ml.node_ns.clone();
@@ -118,6 +121,7 @@ pub(super) fn program(
                 .and_then(|a| sys::rss_bytes(a.pid));
         }
         Mode::None => {}
+        Mode::KubeProxyIptables | Mode::KubeProxyNftables | Mode::ProxyK8s => unreachable!(),
     }
     ml.entries = entries;
 
@@ -157,7 +161,9 @@ pub(super) fn program(
                 )?;
                 (d, join_npl(poll))
             }
-            Mode::None => unreachable!(),
+            Mode::None | Mode::KubeProxyIptables | Mode::KubeProxyNftables | Mode::ProxyK8s => {
+                unreachable!()
+            }
         };
         ml.entries.extend(new);
         p.change_all_ms.push(change.as_secs_f64() * 1e3);

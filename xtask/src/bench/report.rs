@@ -12,8 +12,11 @@ use anyhow::Result;
 
 use super::{layouts, Family, ModeResult, NResult, Results};
 
-/// The mode ratios are taken against.
+/// The mode ratios are taken against (IPv4), unless the real kube-proxy ran.
 pub const BASE: &str = "iptables-legacy";
+/// The mode ratios are taken against when it ran: the real kube-proxy in
+/// its default mode.
+pub const REAL_BASE: &str = "kube-proxy-iptables";
 /// The mode IPv6 ratios are taken against.
 pub const BASE6: &str = "ip6tables-legacy";
 /// The floor (in both families).
@@ -96,7 +99,7 @@ pub fn markdown(r: &Results) -> String {
     );
     let _ = writeln!(
         s,
-        "Cells: `abs (×{BASE} / ×floor)` (IPv6: ×{BASE6} / ×the IPv6 floor); for times, lower is better; for rates, higher. Latencies in µs, medians over {} rounds of {} connections / {} round trips each. Connection latency at the `middle` target (one service, at N = 1); every position below.\n",
+        "Cells: `abs (×{BASE} / ×floor)`, or `×{REAL_BASE}` at the N where the real kube-proxy ran (IPv6: ×{BASE6} / ×the IPv6 floor); for times, lower is better; for rates, higher. Latencies in µs, medians over {} rounds of {} connections / {} round trips each. Connection latency at the `middle` target (one service, at N = 1); every position below.\n",
         r.config.get("rounds").cloned().unwrap_or_default(),
         r.config.get("samples").cloned().unwrap_or_default(),
         r.config.get("rr_samples").cloned().unwrap_or_default(),
@@ -129,6 +132,7 @@ pub fn markdown(r: &Results) -> String {
             }
             family_tables(&mut s, n, family);
         }
+        api_table(&mut s, n);
         if let Some(t) = &n.family_target {
             let _ = writeln!(
                 s,
@@ -159,14 +163,85 @@ pub fn markdown(r: &Results) -> String {
     s
 }
 
+/// The API modes' own figures at one N (the real kube-proxy and the agent
+/// on a real control plane), and the modes not run there.
+fn api_table(s: &mut String, n: &NResult) {
+    let api: Vec<(&String, &ModeResult, &super::results::ApiStats)> = n
+        .modes
+        .iter()
+        .filter_map(|(m, mr)| mr.api.as_ref().map(|a| (m, mr, a)))
+        .collect();
+    if !api.is_empty() {
+        let _ = writeln!(
+            s,
+            "Against the real kube-proxy (Services through the API server; from empty: the proxy's start to the first connection through the last target; one change: a Service applied through the API to its first connection; the proxies' own histograms from their /metrics, p50 from buckets; CPU and peak RSS of the proxy's process from its start at this N; churn: CPU per 1,000 endpoint changes, idle CPU subtracted):\n"
+        );
+        let _ = writeln!(
+            s,
+            "| mode | minSyncPeriod | N through the API | from empty | change → first connection | sync_proxy_rules (changes) p50 / mean | sync_proxy_rules (all) count / sum | network_programming (changes) p50 / mean | CPU s | peak RSS | churn CPU / 1,000 changes |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+        let base = api.iter().find(|(m, _, _)| m.as_str() == REAL_BASE);
+        let opt = |x: Option<f64>| x.map_or("-".into(), fmt_dur_s);
+        for (m, mr, a) in &api {
+            let b = base.map(|(_, bm, ba)| (bm, ba));
+            let rat = |x: Option<f64>, y: Option<f64>| match (x, y) {
+                (Some(x), Some(y)) if y > 0.0 && base.is_some() && m.as_str() != REAL_BASE => {
+                    format!(" (×{:.2})", x / y)
+                }
+                _ => String::new(),
+            };
+            let from_empty = mr.prog.from_empty_s;
+            let npl = mr.prog.npl_ms.map(|x| x / 1e3);
+            let _ = writeln!(
+                s,
+                "| {m} | {} | {} | {}{} | {}{} | {} / {} | {:.0} / {} | {} / {} | {}{} | {}{} | {}{} |",
+                a.min_sync_period,
+                opt(a.api_create_s),
+                opt(from_empty),
+                rat(from_empty, b.and_then(|b| b.0.prog.from_empty_s)),
+                opt(npl),
+                rat(npl, b.and_then(|b| b.0.prog.npl_ms.map(|x| x / 1e3))),
+                opt(a.sync_rules_changes.p50_s),
+                opt(a.sync_rules_changes.mean_s()),
+                a.sync_rules_all.count,
+                fmt_dur_s(a.sync_rules_all.sum_s),
+                opt(a.npl_changes.p50_s),
+                opt(a.npl_changes.mean_s()),
+                a.cpu_s.map_or("-".into(), |c| format!("{c:.2}")),
+                rat(a.cpu_s, b.and_then(|b| b.1.cpu_s)),
+                a.peak_rss.map_or("-".into(), |x| fmt_bytes(x as f64)),
+                rat(
+                    a.peak_rss.map(|x| x as f64),
+                    b.and_then(|b| b.1.peak_rss.map(|x| x as f64))
+                ),
+                a.churn_cpu_per_1000_s
+                    .map_or("-".into(), |c| format!("{c:.3} s")),
+                rat(a.churn_cpu_per_1000_s, b.and_then(|b| b.1.churn_cpu_per_1000_s)),
+            );
+        }
+        let _ = writeln!(s);
+    }
+    for (m, why) in &n.not_run {
+        let _ = writeln!(s, "Not run at N = {}: {m}: {why}.\n", n.n);
+    }
+}
+
 /// The tables of one family at one N: traffic, host clients, programming,
 /// positions, the harness's checks.
 fn family_tables(s: &mut String, n: &NResult, family: Family) {
     let modes = n.modes_of(family);
     let base = match family {
+        Family::Ipv4 if modes.contains_key(REAL_BASE) => REAL_BASE,
         Family::Ipv4 => BASE,
         Family::Ipv6 => BASE6,
     };
+    if base == REAL_BASE {
+        let _ = writeln!(
+            s,
+            "Ratios against the real kube-proxy (iptables mode, its default).\n"
+        );
+    }
     let get = |m: &str| modes.get(m);
     {
         let _ = writeln!(

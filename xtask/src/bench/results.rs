@@ -80,8 +80,58 @@ pub struct ModeResult {
     /// failed over the rounds.
     pub http_rps: Option<f64>,
     pub http_failed: u64,
+    /// The API modes' own figures (the real kube-proxy, the agent with
+    /// `--source kubernetes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api: Option<ApiStats>,
     /// The harness's own checks.
     pub checks: Vec<Check>,
+}
+
+/// A Prometheus histogram read from a proxy's /metrics (or the difference
+/// of two readings): observations, their sum, and the median estimated
+/// from the buckets as `histogram_quantile` does.
+#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+pub struct HistSummary {
+    pub count: f64,
+    pub sum_s: f64,
+    pub p50_s: Option<f64>,
+}
+
+impl HistSummary {
+    pub fn mean_s(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.sum_s / self.count)
+    }
+}
+
+/// What an API mode's proxy reported and cost at one N.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct ApiStats {
+    /// The proxy's `minSyncPeriod` (kube-proxy: its default; the agent: as
+    /// the lab runs it).
+    pub min_sync_period: String,
+    /// Creating this N's Services through the API server (the proxy
+    /// stopped), seconds: what bounds N here.
+    pub api_create_s: Option<f64>,
+    /// `kubeproxy_sync_proxy_rules_duration_seconds` from the proxy's start
+    /// at this N to the end of its rounds (the first full sync included).
+    pub sync_rules_all: HistSummary,
+    /// The same over the one-change syncs only.
+    pub sync_rules_changes: HistSummary,
+    /// `kubeproxy_network_programming_duration_seconds` over the changes.
+    pub npl_changes: HistSummary,
+    /// CPU seconds (user + system) of the proxy's process from its start at
+    /// this N to the end of the churn.
+    pub cpu_s: Option<f64>,
+    /// Peak RSS (VmHWM) of the proxy's process over this N, bytes.
+    pub peak_rss: Option<u64>,
+    /// Endpoint changes made by the churn (readiness flips × Services).
+    pub churn_changes: usize,
+    /// CPU seconds of the proxy over the churn, and over as long idle.
+    pub churn_cpu_s: Option<f64>,
+    pub idle_cpu_s: Option<f64>,
+    /// (churn − idle) CPU seconds per 1,000 endpoint changes.
+    pub churn_cpu_per_1000_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -105,6 +155,9 @@ pub struct NResult {
     /// The agent's ratios to the floor, IPv4 against IPv6 (when both ran).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub family_target: Option<FamilyTarget>,
+    /// Modes not run at this N, and why.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub not_run: BTreeMap<String, String>,
 }
 
 impl NResult {
@@ -360,6 +413,39 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
         ok: spread_ok,
         detail: detail.join("; "),
     });
+    if let Some(a) = &mr.api {
+        let p = &mr.prog;
+        let mut missing = Vec::new();
+        for (what, there) in [
+            ("from empty", p.from_empty_s.is_some()),
+            ("change → first connection", p.npl_ms.is_some()),
+            ("one change's sync", p.change_ms.is_some()),
+            (
+                "sync_proxy_rules_duration_seconds",
+                a.sync_rules_all.count > 0.0,
+            ),
+            (
+                "network_programming_duration_seconds",
+                a.npl_changes.count > 0.0,
+            ),
+            ("CPU seconds", a.cpu_s.is_some()),
+            ("peak RSS", a.peak_rss.is_some()),
+            ("churn CPU", a.churn_cpu_per_1000_s.is_some()),
+        ] {
+            if !there {
+                missing.push(what);
+            }
+        }
+        v.push(Check {
+            name: "API mode figures".into(),
+            ok: missing.is_empty(),
+            detail: if missing.is_empty() {
+                "every figure measured".into()
+            } else {
+                format!("not measured: {}", missing.join(", "))
+            },
+        });
+    }
     if let Some(h) = &mr.host_conn {
         v.push(Check {
             name: "host clients".into(),
