@@ -7,12 +7,16 @@
 //! | --- | --- |
 //! | `xtask/go/kubernetes` | `k8s.io/kubernetes` [`KUBERNETES_VERSION`]'s commands, its staging modules replaced by their published v0.x twins |
 //! | `xtask/go/etcd` | a few-line main around `etcdmain.Main` of `go.etcd.io/etcd/server/v3` [`ETCD_VERSION`] |
+//! | `xtask/go/helm` | `helm` of `helm.sh/helm/v4` [`HELM_VERSION`] (deploy/helm's checks) |
+//! | `xtask/go/prometheus` | `promtool` of `github.com/prometheus/prometheus` [`PROMETHEUS_VERSION`] (deploy/monitoring's checks) |
 //!
 //! The binaries go to `<target>/kube/bin`. A stamp there holds a hash of
 //! everything the build depends on (the module files, the flags, the Go
-//! version): setup rebuilds only when it changed. The Go build cache and
-//! module cache are the machine's (`go env GOCACHE GOMODCACHE`), so a fresh
-//! clone on a machine that built them once only links.
+//! version): setup rebuilds only when it changed. helm and promtool have a
+//! stamp each ([`GO_TOOLS`]), so a change to one module rebuilds only its
+//! tool. The Go build cache and module cache are the machine's (`go env
+//! GOCACHE GOMODCACHE`), so a fresh clone on a machine that built them once
+//! only links.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -36,6 +40,51 @@ pub const KUBERNETES_COMMANDS: &[&str] = &[
     "kube-controller-manager",
     "kubectl",
     "kube-proxy",
+];
+
+/// A tool built from a Go module of its own under `xtask/go/<module>`,
+/// with a stamp of its own (`.stamp-<bin>`).
+#[derive(Clone, Copy, Debug)]
+pub struct GoTool {
+    /// The directory under `xtask/go/`.
+    pub module: &'static str,
+    /// The pinned module, as its go.mod requires it.
+    pub requires: &'static str,
+    /// The version its go.mod pins.
+    pub version: &'static str,
+    /// The command's package (a `tool` directive of the go.mod).
+    pub package: &'static str,
+    /// The binary's name in [`bin_dir`].
+    pub bin: &'static str,
+    /// `-X` flags that stamp the version the binary reports.
+    pub version_ldflags: &'static str,
+}
+
+/// The Helm release deploy/helm is checked with.
+pub const HELM_VERSION: &str = "v4.3.2";
+/// The Prometheus module (release 3.16.0) whose promtool checks
+/// deploy/monitoring's rules.
+pub const PROMETHEUS_VERSION: &str = "v0.316.0";
+
+/// helm and promtool.
+pub const GO_TOOLS: &[GoTool] = &[
+    GoTool {
+        module: "helm",
+        requires: "helm.sh/helm/v4",
+        version: HELM_VERSION,
+        package: "helm.sh/helm/v4/cmd/helm",
+        bin: "helm",
+        // Else `helm version` says only "v4.3".
+        version_ldflags: "-X helm.sh/helm/v4/internal/version.version=v4.3.2",
+    },
+    GoTool {
+        module: "prometheus",
+        requires: "github.com/prometheus/prometheus",
+        version: PROMETHEUS_VERSION,
+        package: "github.com/prometheus/prometheus/cmd/promtool",
+        bin: "promtool",
+        version_ldflags: "",
+    },
 ];
 
 /// Where the built binaries live.
@@ -200,6 +249,74 @@ pub fn ensure_built() -> Result<()> {
     Ok(())
 }
 
+fn tool_ldflags(tool: &GoTool) -> String {
+    format!("-s -w {}", tool.version_ldflags).trim().to_string()
+}
+
+/// The hash of everything one tool's build depends on.
+fn tool_stamp(go: &Path, tool: &GoTool) -> Result<String> {
+    let mut h = Sha256::new();
+    let dir = go_dir(tool.module);
+    for file in ["go.mod", "go.sum"] {
+        let p = dir.join(file);
+        h.update(file.as_bytes());
+        h.update(std::fs::read(&p).with_context(|| format!("read {}", p.display()))?);
+    }
+    h.update(tool.package.as_bytes());
+    h.update(tool_ldflags(tool).as_bytes());
+    let version = Command::new(go)
+        .arg("version")
+        .env("GOTOOLCHAIN", "local")
+        .output()
+        .context("go version")?;
+    h.update(&version.stdout);
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// Builds helm and promtool ([`GO_TOOLS`]), each unless its own stamp says
+/// it is current.
+pub fn ensure_tools_built() -> Result<()> {
+    let go = go_command()?;
+    std::fs::create_dir_all(bin_dir())?;
+    for tool in GO_TOOLS {
+        let want = tool_stamp(&go, tool)?;
+        let stamp_file = bin_dir().join(format!(".stamp-{}", tool.bin));
+        let have = std::fs::read_to_string(&stamp_file).unwrap_or_default();
+        if have.trim() == want && bin(tool.bin).is_file() {
+            println!(
+                "ok: {} ({} {}) already built in {}",
+                tool.bin,
+                tool.requires,
+                tool.version,
+                bin_dir().display()
+            );
+            continue;
+        }
+        let _ = std::fs::remove_file(&stamp_file);
+        println!(
+            "building {} from {} {} into {} (the first build on a machine downloads its \
+             modules and takes minutes)",
+            tool.bin,
+            tool.package,
+            tool.version,
+            bin_dir().display()
+        );
+        let t = Instant::now();
+        crate::setup::run_visible(
+            go_in(&go, &go_dir(tool.module))
+                .args(["build", "-trimpath", "-ldflags"])
+                .arg(tool_ldflags(tool))
+                .arg("-o")
+                .arg(bin(tool.bin))
+                .arg(tool.package),
+        )
+        .with_context(|| format!("cannot build {}", tool.bin))?;
+        std::fs::write(&stamp_file, format!("{want}\n"))?;
+        println!("built {} in {:.0} s", tool.bin, t.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +349,32 @@ mod tests {
             etcd.contains(&format!("go.etcd.io/etcd/server/v3 {ETCD_VERSION}")),
             "{etcd}"
         );
+    }
+
+    /// helm and promtool: the versions named here are their go.mod files'
+    /// own, and each command is a tool of its module.
+    #[test]
+    fn the_tools_are_their_go_mod_files_own() {
+        for tool in GO_TOOLS {
+            let m = std::fs::read_to_string(go_dir(tool.module).join("go.mod")).unwrap();
+            assert!(
+                m.contains(&format!("{} {}", tool.requires, tool.version)),
+                "{}: {m}",
+                tool.module
+            );
+            assert!(
+                m.contains(&format!("tool {}\n", tool.package)),
+                "{} is not a tool of xtask/go/{}/go.mod",
+                tool.package,
+                tool.module
+            );
+            let v = tool.version.trim_start_matches('v');
+            assert!(
+                tool.version_ldflags.is_empty() || tool.version_ldflags.ends_with(v),
+                "{}",
+                tool.version_ldflags
+            );
+        }
     }
 
     #[test]

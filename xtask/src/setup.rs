@@ -431,6 +431,7 @@ pub fn setup() -> Result<()> {
     ensure_kubectl()?;
     ensure_kubernetes_validate()?;
     crate::kube::ensure_built()?;
+    crate::kube::ensure_tools_built()?;
     ensure_bpffs(true)?;
     println!("setup complete");
     Ok(())
