@@ -25,7 +25,7 @@
 //! services|stats|conntrack` of every node are printed before the lab is torn
 //! down; `KPR_LAB_DIAG=1` prints them after every test.
 //!
-//! The file is long (15 scenarios and their north-south-only helpers: NodePort
+//! The file is long (16 scenarios and their north-south-only helpers: NodePort
 //! lookup, routes from the external client, HTTP health checks); what other
 //! lab tests share lives in `support/`.
 
@@ -1378,5 +1378,94 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
             &["ranged-1", "ranged-2"],
             "source ranges: inside again",
         );
+    });
+}
+
+/// Waits (up to [`SYNC_TIMEOUT`]) until `node`'s agent logged a line with
+/// `change` and, after it, a `sync complete`: the sync that programmed the
+/// change. Returns how long that took.
+fn wait_change_synced(lab: &Lab, node: &str, change: &str) -> Duration {
+    let t = Instant::now();
+    loop {
+        let log = lab.agent_log_on(node).expect("agent log");
+        if let Some(at) = log.find(change) {
+            if log[at..].contains(xtask::lab::SYNC_MARKER) {
+                return t.elapsed();
+            }
+        }
+        assert!(
+            t.elapsed() < SYNC_TIMEOUT,
+            "{node}'s agent did not log {change:?} and a sync after it within {SYNC_TIMEOUT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An address added to a node's interface after the agents started (a
+/// keepalived or kube-vip VIP, 198.18.0.61/24 on node-1's `eth0`) serves
+/// the NodePorts from the next sync on, as under kube-proxy's iptables mode
+/// (`--dst-type LOCAL`): the external client reaches both pods through it
+/// (the local one, and the remote one SNATed to node-1's address). Once
+/// removed, it is not served: node-1 no longer owns the address, and the
+/// client's connections time out (no refusal: no stack owns the address).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn node_port_on_an_address_added_to_the_node_later_and_removed() {
+    let vip = Ipv4Addr::new(198, 18, 0, 61);
+    let yaml = manifests(&[
+        &Pod::new("vip-1", "vip").node("node-1").port(80, "TCP"),
+        &Pod::new("vip-2", "vip").node("node-2").port(80, "TCP"),
+        &svc("vip", "NodePort").selector("vip").ports([tcp(80)]),
+    ]);
+    with_lab("vip", 2, &yaml, |lab| {
+        let x = ext(lab);
+        let np = node_port(lab, "vip", 80, "TCP", "node-1");
+        let at_vip = SocketAddrV4::new(vip, np.port());
+        assert_answered_by(
+            &x,
+            np,
+            "TCP",
+            N,
+            &["vip-1", "vip-2"],
+            "VIP: node-1's own address",
+        );
+        let node1 = lab.node_named("node-1").expect("node-1").clone();
+        let cidr = format!("{vip}/24");
+        xtask::netns::ip_in(&node1.netns, &["addr", "add", &cidr, "dev", &node1.eth])
+            .unwrap_or_else(|e| panic!("ip addr add {cidr}: {e:#}"));
+        let took = wait_change_synced(lab, "node-1", &format!("node addresses changed: +{vip}"));
+        println!("VIP: added, synced in {} ms", took.as_millis());
+        assert_answered_by(
+            &x,
+            at_vip,
+            "TCP",
+            N,
+            &["vip-1", "vip-2"],
+            "VIP: added to eth0",
+        );
+
+        xtask::netns::ip_in(&node1.netns, &["addr", "del", &cidr, "dev", &node1.eth])
+            .unwrap_or_else(|e| panic!("ip addr del {cidr}: {e:#}"));
+        let took = wait_change_synced(lab, "node-1", &format!("node addresses changed: -{vip}"));
+        println!("VIP: removed, synced in {} ms", took.as_millis());
+        // No answer, not even a refusal: the client's neighbour entry
+        // still sends to node-1, which no longer owns the address and
+        // forwards it to a neighbour nobody answers for (its host
+        // unreachable comes after the client's 2 s).
+        for i in 0..5 {
+            match client::tcp_request(&x, at_vip, b"hostname\n", T) {
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
+                other => panic!(
+                    "VIP: removed, try {}: expected a timeout, got {other:?}",
+                    i + 1
+                ),
+            }
+        }
+        println!(
+            "VIP: removed from eth0: 5 tries to {at_vip} timed out; the client's neighbour entry: {:?}",
+            xtask::netns::ip_in(&x, &["neigh", "show", &vip.to_string()]).unwrap_or_default()
+        );
+        // node-1's own address still serves it.
+        assert_answered_by(&x, np, "TCP", N, &["vip-1", "vip-2"], "VIP: node-1 after");
     });
 }
