@@ -653,6 +653,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             Err(e) => warn!(error = %e, "cannot open the socket-level reverse-NAT map"),
         }
     }
+    obs.metrics.set_map_capacity(&cfg.map_sizes);
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
         let router = servers::health_router(obs.health.clone());
@@ -685,6 +686,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             }
         }
     }
+    obs.metrics.set_source_ready(true);
     // Program the maps before attaching, so the first packets find them.
     let mut model = model::Incremental::new(
         &cfg.node_name,
@@ -771,6 +773,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         };
         tokio::select! {
             _ = tokio::time::sleep_until(wake.into()) => {
+                obs.metrics.set_source_ready(source.ready());
                 if source.ready() {
                     // Signals already queued are for changes this sync
                     // reads (a source updates what it holds, then

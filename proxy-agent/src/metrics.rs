@@ -10,6 +10,11 @@
 //! - `proxy_agent_programmed_frontends`, `proxy_agent_programmed_backends`:
 //!   what the maps hold after the last sync;
 //! - `proxy_agent_sync_program_errors`: what the last sync could not program;
+//! - `proxy_agent_source_ready`: 1 once the source holds a complete view
+//!   (the API server's lists done, the manifests read), 0 while it does not;
+//! - `proxy_agent_map_capacity_entries{map}`: the entries each BPF map was
+//!   created with (`mapSizes`, `conntrack`), beside which the programmed
+//!   counts are the maps' fill;
 //! - `proxy_agent_datapath_packets_total{reason}`: the datapath's verdict
 //!   counters, read from the pinned stats map at scrape time.
 use std::{
@@ -24,6 +29,7 @@ use prometheus_client::{
     encoding::{DescriptorEncoder, EncodeMetric},
     metrics::{
         counter::ConstCounter,
+        family::Family,
         gauge::Gauge,
         histogram::{exponential_buckets, linear_buckets, Histogram},
     },
@@ -142,6 +148,8 @@ pub struct Metrics {
     maglev_tables: Gauge,
     maglev_table_bytes: Gauge,
     maglev_refused: Gauge,
+    source_ready: Gauge,
+    map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
 }
 
 impl Metrics {
@@ -158,6 +166,8 @@ impl Metrics {
         let maglev_tables = Gauge::default();
         let maglev_table_bytes = Gauge::default();
         let maglev_refused = Gauge::default();
+        let source_ready = Gauge::default();
+        let map_capacity = Family::<[(&'static str, &'static str); 1], Gauge>::default();
         registry.register(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
@@ -203,6 +213,16 @@ impl Metrics {
             "Frontends the last sync refused a Maglev table (loadBalancing.maglev.maxTables reached)",
             maglev_refused.clone(),
         );
+        registry.register(
+            "proxy_agent_source_ready",
+            "1 once the source holds a complete view of the cluster (lists done), 0 while it does not",
+            source_ready.clone(),
+        );
+        registry.register(
+            "proxy_agent_map_capacity_entries",
+            "Entries each BPF map was created with (mapSizes, conntrack): programmed_frontends over reverse_nat and programmed_backends over backends are the maps' fill",
+            map_capacity.clone(),
+        );
         if let Some(pin_dir) = pin_dir {
             registry.register_collector(Box::new(DatapathStats { pin_dir }));
         }
@@ -217,6 +237,27 @@ impl Metrics {
             maglev_tables,
             maglev_table_bytes,
             maglev_refused,
+            source_ready,
+            map_capacity,
+        }
+    }
+
+    /// Whether the source holds a complete view (its lists done).
+    pub fn set_source_ready(&self, ready: bool) {
+        self.source_ready.set(i64::from(ready));
+    }
+
+    /// The entries the BPF maps were created with.
+    pub fn set_map_capacity(&self, sizes: &crate::bpf::MapSizes) {
+        for (map, n) in [
+            ("services", sizes.services),
+            ("backends", sizes.backends),
+            ("reverse_nat", sizes.rev_nat),
+            ("conntrack", sizes.conntrack),
+        ] {
+            self.map_capacity
+                .get_or_create(&[("map", map)])
+                .set(i64::from(n));
         }
     }
 
@@ -440,6 +481,34 @@ mod tests {
             "proxy_agent_programmed_backends 0",
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+    }
+
+    /// The source's state and the maps' capacities, which the alerts
+    /// (deploy/monitoring) divide the programmed counts by.
+    #[test]
+    fn source_state_and_map_capacity_are_exported() {
+        let m = Metrics::new(None);
+        assert!(m.encode().contains("proxy_agent_source_ready 0"));
+        m.set_source_ready(true);
+        let sizes = crate::bpf::MapSizes {
+            backends: 4096,
+            ..crate::bpf::MapSizes::default()
+        };
+        m.set_map_capacity(&sizes);
+        let text = m.encode();
+        assert!(text.contains("proxy_agent_source_ready 1"), "{text}");
+        assert!(
+            text.contains("proxy_agent_map_capacity_entries{map=\"backends\"} 4096"),
+            "{text}"
+        );
+        for map in ["services", "reverse_nat", "conntrack"] {
+            assert!(
+                text.contains(&format!(
+                    "proxy_agent_map_capacity_entries{{map=\"{map}\"}}"
+                )),
+                "{map}: {text}"
+            );
         }
     }
 }
