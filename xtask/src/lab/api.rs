@@ -924,14 +924,6 @@ impl Lab {
         Ok(())
     }
 
-    /// Writes the barrier (see the module's doc) and makes its revision the
-    /// one [`wait_synced`](Lab::wait_synced) waits for.
-    pub(super) fn write_barrier(&mut self) -> Result<()> {
-        let n = {
-            let st = self.api_state();
-            st.barriers += 1;
-            st.barriers
-        };
     /// Writes a barrier now (with a real control plane; a no-op without):
     /// [`wait_synced`](Lab::wait_synced) then waits for everything the lab
     /// wrote before, for example after a proxy was started.
@@ -942,6 +934,14 @@ impl Lab {
         Ok(())
     }
 
+    /// Writes the barrier (see the module's doc) and makes its revision the
+    /// one [`wait_synced`](Lab::wait_synced) waits for.
+    pub(super) fn write_barrier(&mut self) -> Result<()> {
+        let n = {
+            let st = self.api_state();
+            st.barriers += 1;
+            st.barriers
+        };
         let svc = json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": BARRIER, "namespace": "default",
@@ -978,19 +978,11 @@ impl Lab {
             first.get_or_insert(rv);
         }
         self.api_state().target = first.expect("two barrier objects");
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
         if !self.nodes_with_kube_proxy().is_empty() {
             self.write_kube_proxy_barrier(n)?;
         }
-    fn objects(yaml: &str) -> Vec<Object> {
-        crate::manifests::parse_yaml(yaml, "test").unwrap()
+        Ok(())
+    }
 
     /// The barrier kube-proxy can be seen to have programmed: a Service
     /// with a ClusterIP and a slice of the lab's own with one endpoint
@@ -1046,6 +1038,14 @@ mod tests {
     pub(super) fn kube_proxy_target(&self) -> Option<(std::net::Ipv4Addr, u16)> {
         self.api.as_ref().and_then(|a| a.kube_proxy_target)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn objects(yaml: &str) -> Vec<Object> {
+        crate::manifests::parse_yaml(yaml, "test").unwrap()
     }
 
     const SVC: &str = "

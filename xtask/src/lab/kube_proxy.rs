@@ -174,8 +174,10 @@ impl Lab {
         Ok(path)
     }
 
-    /// Starts the real kube-proxy in `mode` on node `node` (whose agent must
-    /// not run), and waits until its /healthz reports its first sync.
+    /// Starts the real kube-proxy in `mode` on node `node`, and waits until
+    /// its /healthz reports its first sync. The node's agent may run too:
+    /// that is a migration's middle step (its programs see packets before
+    /// kube-proxy's rules do).
     pub fn start_kube_proxy_on(
         &mut self,
         node: &str,
@@ -184,9 +186,6 @@ impl Lab {
     ) -> Result<()> {
         let i = self.node_index(node)?;
         let n = self.info.nodes[i].clone();
-        if n.agent.is_some() {
-            bail!("{node} runs the agent: stop it before starting kube-proxy there");
-        }
         if n.kube_proxy.is_some() {
             bail!("{node} already runs kube-proxy");
         }

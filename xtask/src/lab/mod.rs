@@ -584,7 +584,6 @@ impl Lab {
         }
         let client_ns = lab.info.client.netns.clone();
         let client_ip6 = lab.info.client.ip6;
-            nodes_made.tick();
         lab.info.client.host_if = lab.create_endpoint(0, &client_ns, CLIENT_IP, client_ip6)?;
         lab.save()?;
         if with_control_plane {
@@ -742,6 +741,12 @@ impl Lab {
     fn teardown(&mut self) -> Result<()> {
         let mut errors = Vec::new();
         for i in 0..self.info.nodes.len() {
+            // Its rules go with the node's namespace.
+            if let Some(kp) = self.info.nodes[i].kube_proxy.take() {
+                if let Err(e) = self.kill(kp.pid, Duration::from_secs(3)) {
+                    errors.push(format!("kube-proxy of {}: {e:#}", self.info.nodes[i].name));
+                }
+            }
             if let Some(a) = self.info.nodes[i].agent.take() {
                 if let Err(e) = self.kill(a.pid, Duration::from_secs(3)) {
                     errors.push(format!("agent of {}: {e:#}", self.info.nodes[i].name));
@@ -753,12 +758,6 @@ impl Lab {
                 }
             }
         }
-            // Its rules go with the node's namespace.
-            if let Some(kp) = self.info.nodes[i].kube_proxy.take() {
-                if let Err(e) = self.kill(kp.pid, Duration::from_secs(3)) {
-                    errors.push(format!("kube-proxy of {}: {e:#}", self.info.nodes[i].name));
-                }
-            }
         // Containers of this lab that lab.json lost track of.
         for id in container::list(&format!("kpr-{}-", self.info.id)) {
             if let Err(e) = self.delete_container(&id) {
