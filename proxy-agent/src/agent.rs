@@ -3,7 +3,7 @@
 //! the source, with kube-proxy's minimum sync period.
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -12,12 +12,13 @@ use std::{
 use futures::StreamExt;
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::{
+    address::AddressMessage,
     link::{LinkAttribute, LinkMessage},
     RouteNetlinkMessage,
 };
 use proxy_common::{Config, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 use rtnetlink::{new_multicast_connection, MulticastGroup};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
 use crate::{
@@ -25,6 +26,7 @@ use crate::{
     config::{ConntrackTimeouts, Settings},
     dataplane::Writer,
     health::Health,
+    ifaddrs::InterfaceAddresses,
     metrics::{Metrics, ProgrammingLatency},
     model::{self, ModelOptions},
     servers,
@@ -223,7 +225,9 @@ pub enum AgentError {
     Netlink(std::io::Error),
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
-    #[error("the interface watcher stopped; new pod interfaces would be missed")]
+    #[error(
+        "the interface watcher stopped; new pod interfaces and address changes would be missed"
+    )]
     LinkWatcherStopped,
     #[error("{0}")]
     Setting(String),
@@ -253,6 +257,12 @@ struct Patterns {
 }
 
 impl Patterns {
+    /// Whether `name` is an external device (a pod interface is not, even
+    /// if the external patterns match it too).
+    fn is_external(&self, name: &str) -> bool {
+        !matches(&self.pod, name) && matches(&self.external, name)
+    }
+
     fn kinds(&self, name: &str) -> &'static [IfaceKind] {
         if matches(&self.pod, name) {
             // Egress first: the ingress line is what waiters look for.
@@ -315,42 +325,135 @@ type LinkEvents = futures::channel::mpsc::UnboundedReceiver<(
     netlink_sys::SocketAddr,
 )>;
 
-/// Attaches to every interface that exists now and matches the patterns; the
-/// returned events (subscribed before listing, so that no interface falls
-/// between the two) feed [`follow_links`].
-async fn attach_existing(
-    attacher: &Mutex<Attacher>,
-    patterns: &Patterns,
-) -> Result<LinkEvents, AgentError> {
-    let (conn, handle, events) =
-        new_multicast_connection(&[MulticastGroup::Link]).map_err(AgentError::Netlink)?;
+/// A netlink connection subscribed to link and address changes: its
+/// handle lists what exists, its events (subscribed before listing, so that
+/// nothing falls between the two) feed [`follow_links`].
+fn subscribe() -> Result<(rtnetlink::Handle, LinkEvents), AgentError> {
+    let (conn, handle, events) = new_multicast_connection(&[
+        MulticastGroup::Link,
+        MulticastGroup::Ipv4Ifaddr,
+        MulticastGroup::Ipv6Ifaddr,
+    ])
+    .map_err(AgentError::Netlink)?;
     tokio::spawn(conn);
+    Ok((handle, events))
+}
+
+/// Every interface now.
+async fn list_links(handle: &rtnetlink::Handle) -> Vec<LinkMessage> {
+    let mut out = Vec::new();
     let mut links = handle.link().get().execute();
     while let Some(msg) = links.next().await {
         match msg {
-            Ok(msg) => on_new_link(attacher, patterns, &msg),
+            Ok(msg) => out.push(msg),
             Err(e) => warn!(error = %e, "listing links"),
         }
     }
-    Ok(events)
+    out
+}
+
+/// Every address of every interface now.
+async fn list_addresses(
+    handle: &rtnetlink::Handle,
+) -> Result<Vec<AddressMessage>, rtnetlink::Error> {
+    let mut out = Vec::new();
+    let mut addrs = handle.address().get().execute();
+    while let Some(msg) = addrs.next().await {
+        out.push(msg?);
+    }
+    Ok(out)
+}
+
+/// The interfaces' addresses now, external interfaces told by `links`'
+/// names. A listing that fails leaves the InternalIPs alone as NodePort
+/// addresses until the next one ([`follow_links`] lists again every
+/// `syncPeriod`).
+async fn interface_addresses(
+    handle: &rtnetlink::Handle,
+    patterns: &Patterns,
+    links: &[LinkMessage],
+) -> InterfaceAddresses {
+    let mut table = InterfaceAddresses::default();
+    for l in links {
+        let external = link_name(l).is_some_and(|n| patterns.is_external(n));
+        table.link(l.header.index, external);
+    }
+    match list_addresses(handle).await {
+        Ok(msgs) => table.replace_addresses(&msgs),
+        Err(e) => {
+            warn!(error = %e, "cannot list the interfaces' addresses: NodePorts on the Node's InternalIPs only until the next listing")
+        }
+    }
+    table
+}
+
+/// Publishes the external interfaces' addresses of `table` when they
+/// changed, and says so.
+fn publish_addresses(tx: &watch::Sender<BTreeSet<IpAddr>>, table: &InterfaceAddresses) {
+    let now = table.external();
+    tx.send_if_modified(|held| {
+        if *held == now {
+            return false;
+        }
+        info!(
+            "node addresses changed: {}",
+            crate::ifaddrs::describe_change(held, &now)
+        );
+        *held = now;
+        true
+    });
 }
 
 /// Attaches to interfaces as they appear; forgets them as they disappear.
-async fn follow_links(attacher: Arc<Mutex<Attacher>>, patterns: Patterns, mut events: LinkEvents) {
-    while let Some((msg, _)) = events.next().await {
-        match msg.payload {
-            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
-                on_new_link(&attacher, &patterns, &m)
-            }
-            NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
-                let mut a = attacher.lock().expect("attacher lock");
-                if a.has_links(m.header.index) {
-                    a.detach(m.header.index);
-                    info!(ifindex = m.header.index, "interface gone, link released");
+/// Keeps `table`, the interfaces' addresses, from the same events, and
+/// publishes the external interfaces' addresses on `addrs` when they
+/// change; lists every address again each `relist` (messages a full socket
+/// buffer lost are found then; a listing that fails waits for the next).
+async fn follow_links(
+    attacher: Arc<Mutex<Attacher>>,
+    patterns: Patterns,
+    mut events: LinkEvents,
+    handle: rtnetlink::Handle,
+    mut table: InterfaceAddresses,
+    addrs: watch::Sender<BTreeSet<IpAddr>>,
+    relist: Duration,
+) {
+    let mut relist = tokio::time::interval_at((Instant::now() + relist).into(), relist);
+    relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            event = events.next() => {
+                let Some((msg, _)) = event else { return };
+                match msg.payload {
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
+                        on_new_link(&attacher, &patterns, &m);
+                        if let Some(name) = link_name(&m) {
+                            table.link(m.header.index, patterns.is_external(name));
+                        }
+                    }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
+                        table.link_gone(m.header.index);
+                        let mut a = attacher.lock().expect("attacher lock");
+                        if a.has_links(m.header.index) {
+                            a.detach(m.header.index);
+                            info!(ifindex = m.header.index, "interface gone, link released");
+                        }
+                    }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(m)) => {
+                        table.address(&m, true)
+                    }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelAddress(m)) => {
+                        table.address(&m, false)
+                    }
+                    _ => continue,
                 }
             }
-            _ => {}
+            _ = relist.tick() => match list_addresses(&handle).await {
+                Ok(msgs) => table.replace_addresses(&msgs),
+                Err(e) => warn!(error = %e, "cannot list the interfaces' addresses; tried again in a syncPeriod"),
+            },
         }
+        publish_addresses(&addrs, &table);
     }
 }
 
@@ -686,6 +789,38 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             }
         }
     }
+    let xdp_loaded = match &loaded.xdp {
+        Ok(()) => true,
+        Err(why) => {
+            if cfg.acceleration == crate::config::Acceleration::Xdp {
+                warn!(
+                    "--acceleration xdp: XDP acceleration off: {why}; external traffic stays on tc"
+                );
+            }
+            false
+        }
+    };
+    let patterns = Patterns {
+        pod: cfg.pod_interfaces.clone(),
+        external: cfg.external_interfaces.clone(),
+        xdp: cfg.acceleration == crate::config::Acceleration::Xdp && xdp_loaded,
+        ext_egress: cfg.delivery_mode != crate::config::DeliveryMode::Redirect,
+    };
+    // The interfaces, and the external ones' addresses (NodePort
+    // candidates), subscribed to before they are listed.
+    let (netlink, events) = subscribe()?;
+    let links_now = list_links(&netlink).await;
+    let ifaces = interface_addresses(&netlink, &patterns, &links_now).await;
+    let (addrs_tx, mut addrs) = watch::channel(ifaces.external());
+    info!(
+        "node addresses on the external interfaces: {}",
+        addrs
+            .borrow()
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     obs.metrics.set_source_ready(true);
     // Program the maps before attaching, so the first packets find them.
     let mut model = model::Incremental::new(
@@ -699,6 +834,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             ..ModelOptions::default()
         },
     );
+    model.set_interface_addresses(addrs.borrow_and_update().iter().copied());
     sync_once(
         &cfg,
         source.as_mut(),
@@ -709,17 +845,6 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     );
     let mut last_sync = Instant::now();
 
-    let xdp_loaded = match &loaded.xdp {
-        Ok(()) => true,
-        Err(why) => {
-            if cfg.acceleration == crate::config::Acceleration::Xdp {
-                warn!(
-                    "--acceleration xdp: XDP acceleration off: {why}; external traffic stays on tc"
-                );
-            }
-            false
-        }
-    };
     let tc_mode = crate::bpf::resolve_tc_mode(cfg.tc_attach_mode, crate::bpf::kernel_has_tcx())
         .map_err(|reason| crate::bpf::BpfError::Link {
             name: "tc programs",
@@ -735,16 +860,20 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         tc_mode,
         loaded.port_search,
     )?));
-    let patterns = Patterns {
-        pod: cfg.pod_interfaces.clone(),
-        external: cfg.external_interfaces.clone(),
-        xdp: cfg.acceleration == crate::config::Acceleration::Xdp && xdp_loaded,
-        ext_egress: cfg.delivery_mode != crate::config::DeliveryMode::Redirect,
-    };
-    let events = attach_existing(&attacher, &patterns).await?;
+    for l in &links_now {
+        on_new_link(&attacher, &patterns, l);
+    }
     attach_socket_hooks(&cfg, &sock_lb, &attacher);
     attacher.lock().expect("attacher lock").prune_pins();
-    let links = tokio::spawn(follow_links(attacher.clone(), patterns, events));
+    let links = tokio::spawn(follow_links(
+        attacher.clone(),
+        patterns,
+        events,
+        netlink,
+        ifaces,
+        addrs_tx,
+        cfg.sync_period,
+    ));
     // Ready: maps programmed and every existing interface attached.
     info!("{SYNC_COMPLETE}: initial state programmed, programs attached");
     obs.health.set_ready();
@@ -781,6 +910,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
                     // empty sync that moves the minSyncPeriod window, so
                     // that a change a moment later waits for it.
                     while changes.try_recv().is_ok() {}
+                    model.set_interface_addresses(addrs.borrow_and_update().iter().copied());
                     // A change is written alone; a period without one
                     // compares everything (kube-proxy's syncPeriod).
                     let scope = if pending { SyncScope::Changes } else { SyncScope::Full };
@@ -791,6 +921,12 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
             }
             Some(()) = changes.recv() => {
                 debug!("source changed");
+                obs.health.queued_update();
+                pending = true;
+            }
+            // The external interfaces' addresses changed (logged where
+            // seen): the next sync computes the NodePorts again.
+            Ok(()) = addrs.changed() => {
                 obs.health.queued_update();
                 pending = true;
             }

@@ -333,7 +333,10 @@ pub struct FrontendPolicyFile {
     #[serde(rename = "externalIPDenyCIDRs")]
     pub external_ip_deny_cidrs: Option<Vec<String>>,
     /// Allow this node's own addresses as externalIP or load-balancer IP
-    /// (default false).
+    /// (default false). Own addresses of an externalIP: the Node object's
+    /// and those on the external interfaces now (a keepalived VIP
+    /// included); of a load-balancer IP: the Node object's only (kube-vip
+    /// puts its load-balancer IPs on the interface).
     pub allow_node_addresses: Option<bool>,
     /// Frontends one Service may have (default 1024, at least 1).
     pub max_frontends_per_service: Option<u32>,
@@ -400,8 +403,15 @@ pub struct ConfigFile {
     /// `127.0.0.1:10249`, as kube-proxy). Flag `--metrics-bind-address`.
     pub metrics_bind_address: Option<String>,
     /// The node addresses NodePorts are served on: CIDRs (IPv4 or IPv6, host
-    /// bits cleared as kube-proxy does) or `primary`, per family (default:
-    /// the Node's InternalIPs).
+    /// bits cleared as kube-proxy does) or `primary`, per family. The
+    /// candidates are the Node's InternalIPs and the global-scope addresses
+    /// on the external interfaces (`externalInterfaces`; not pod
+    /// interfaces, not link-local), followed live: an address added later
+    /// (a keepalived or kube-vip VIP) serves NodePorts from the next sync,
+    /// and stops when removed. Default: every candidate (kube-proxy's
+    /// iptables mode; its nftables mode defaults to `primary`); a CIDR
+    /// selects the candidates inside it; `primary` the first InternalIP of
+    /// each family. A family without an InternalIP serves no NodePort.
     pub node_port_addresses: Option<Vec<String>>,
     /// Accepted and checked for kube-proxy compatibility; the datapath does
     /// not use it (a warning says so).
@@ -622,8 +632,9 @@ pub struct Settings {
     pub metrics_bind_address: Option<SocketAddr>,
     pub map_sizes: MapSizes,
     pub conntrack_timeouts: ConntrackTimeouts,
-    /// Accepted and checked; not used by the datapath yet.
-    /// `nodePortAddresses`: IPv4 CIDRs or `primary` (kube-proxy's values).
+    /// `nodePortAddresses`: CIDRs or `primary` (kube-proxy's values),
+    /// selecting among the InternalIPs and the external interfaces'
+    /// addresses ([`crate::model::NodePortAddresses`]).
     pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
     /// Accepted and checked; not used by the datapath yet.
     pub cluster_cidr: Option<Cidr>,

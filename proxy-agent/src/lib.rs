@@ -13,6 +13,7 @@ pub mod config_reference;
 pub mod dataplane;
 pub mod health;
 pub mod healthcheck;
+pub mod ifaddrs;
 pub mod inspect;
 pub mod k8s;
 pub mod manifests;

@@ -283,7 +283,7 @@ fn iface_change(r: &mut Rng) -> Option<Vec<std::net::IpAddr>> {
 
 fn run(seed: u64, steps: usize, opts: ModelOptions) {
     let mut r = Rng::new(seed);
-    let mut r_iface = Rng::new(seed ^ 0x1fac_e5);
+    let mut r_iface = Rng::new(seed ^ 0x5eed_1fac);
     let mut model = Incremental::new("node-a", opts.clone());
     let mut iface: Vec<std::net::IpAddr> = Vec::new();
     let mut frontends_seen = 0;
