@@ -8,7 +8,8 @@
 //!   their types, carry each value where it belongs, and whose config file
 //!   the agent loads and resolves with the DaemonSet's own flags;
 //! - values.schema.json refuses misspelt and ill-typed values, naming the
-//!   value, and holds `additionalProperties: false` on every object;
+//!   value, holds `additionalProperties: false` on every object, and names
+//!   every field of the agent's config file (the config types' schema);
 //! - `helm install` against the lab's real control plane creates the
 //!   DaemonSet, ServiceAccount, ClusterRole and binding, and the
 //!   ServiceAccount may then list what the agent watches (root: a lab).
@@ -808,4 +809,85 @@ fn helm_install_creates_the_daemonset_and_rbac_on_a_real_control_plane() {
         .kubectl(&["get", "-n", "kube-system", "daemonset/proxy-agent"], None)
         .expect_err("uninstalled");
     assert!(format!("{after:#}").contains("NotFound"), "{after:#}");
+}
+
+/// The property names of every object in a JSON schema, by path
+/// (`config.conntrack`), following `$ref`s into `$defs`.
+fn object_properties(root: &Value) -> BTreeMap<String, Vec<String>> {
+    fn resolve<'a>(root: &'a Value, s: &'a Value) -> &'a Value {
+        if let Some(r) = s["$ref"].as_str() {
+            let name = r.rsplit('/').next().unwrap();
+            return resolve(root, &root["$defs"][name]);
+        }
+        for key in ["anyOf", "oneOf", "allOf"] {
+            for alt in s[key].as_array().into_iter().flatten() {
+                let alt = resolve(root, alt);
+                if alt.get("properties").is_some() {
+                    return alt;
+                }
+            }
+        }
+        s
+    }
+    fn walk(root: &Value, path: &str, s: &Value, out: &mut BTreeMap<String, Vec<String>>) {
+        let s = resolve(root, s);
+        let Some(props) = s["properties"].as_object() else {
+            return;
+        };
+        out.insert(path.to_string(), props.keys().cloned().collect());
+        for (k, v) in props {
+            walk(root, &format!("{path}.{k}"), v, out);
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, "config", root, &mut out);
+    out
+}
+
+/// Every field of the agent's config file can be set through the chart
+/// (its schema refuses what it does not name): `config` names each, but
+/// for the four with values of their own, which name theirs. A field added
+/// to the config types without the chart fails here.
+#[test]
+fn the_chart_schema_names_every_config_field() {
+    let agent = schemars::schema_for!(ConfigFile).to_value();
+    let want = object_properties(&agent);
+    assert!(
+        want["config"].len() >= 30
+            && want.contains_key("config.conntrack")
+            && want.contains_key("config.loadBalancing.maglev"),
+        "the agent's schema as read: {want:?}"
+    );
+    let chart: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart_dir().join("values.schema.json")).unwrap(),
+    )
+    .unwrap();
+    // The chart's config, with the values of their own put back in.
+    let mut config = chart["properties"]["config"].clone();
+    for (value, field) in [
+        ("deliveryMode", "deliveryMode"),
+        ("acceleration", "acceleration"),
+        ("hostSocketLB", "hostSocketLB"),
+        ("loadBalancing", "loadBalancing"),
+    ] {
+        assert!(
+            config["properties"].get(field).is_none(),
+            "{field} is set in one place only"
+        );
+        config["properties"][field] = chart["properties"][value].clone();
+    }
+    let got = object_properties(&config);
+    let sorted = |m: BTreeMap<String, Vec<String>>| -> BTreeMap<String, Vec<String>> {
+        m.into_iter()
+            .map(|(k, mut v)| {
+                v.sort();
+                (k, v)
+            })
+            .collect()
+    };
+    assert_eq!(
+        sorted(got),
+        sorted(want),
+        "values.schema.json (left) and the agent's ConfigFile (right) name different fields"
+    );
 }
