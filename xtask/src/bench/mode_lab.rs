@@ -204,8 +204,9 @@ impl ModeLab {
         if mode.is_api() && family != Family::Ipv4 {
             bail!("{} runs in IPv4 only", mode.name());
         }
-        // API modes: no proxy until the first N is programmed.
-        let with_agent = mode.is_proxy() && !mode.is_api();
+        // API modes: the agent's lab starts with it (so the lab keeps its
+        // binary), and the first N stops it before programming from empty.
+        let with_agent = mode.is_proxy();
         let mut manifests = pods_yaml(cfg.endpoints);
         if mode.is_api() {
             manifests.push_str(&super::api::churn_objects(cfg));
@@ -232,7 +233,7 @@ impl ModeLab {
             }
         }
         let mut lab = b.start()?;
-        if with_agent {
+        if with_agent && !mode.is_api() {
             lab.wait_ready(Duration::from_secs(60))?;
             lab.wait_attached(Duration::from_secs(30))?;
         }
