@@ -709,6 +709,24 @@ fn delivery_via_stack(mode: crate::config::DeliveryMode) -> bool {
     }
 }
 
+/// Lists the kernel's destination-NATed flows in the handover maps
+/// ([`crate::handover`]); a failure costs those flows their backend, so it
+/// is logged, and the agent goes on.
+fn hand_over(pin_dir: &std::path::Path, when: &str) {
+    match crate::handover::hand_over(pin_dir) {
+        Ok((0, 0)) => debug!(when, "no flow of the kernel's conntrack to hand over"),
+        Ok((v4, v6)) => info!(
+            when,
+            ipv4 = v4,
+            ipv6 = v6,
+            "flows the kernel's conntrack translated (kube-proxy's) left to it"
+        ),
+        Err(e) => {
+            warn!(when, error = %e, "cannot hand over the kernel's translated flows: a connection kube-proxy translated may be reset")
+        }
+    }
+}
+
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
@@ -853,6 +871,10 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     // Maps of an older layout: what its programs wrote since the load is
     // copied again now that ours take over.
     loaded.finish_migrations();
+    // Flows the kernel translated (kube-proxy's) stay the kernel's: listed
+    // before the programs see their packets, and again once attached (flows
+    // kube-proxy opened meanwhile).
+    hand_over(&loaded.pin_dir, "before attaching");
     info!(mode = %tc_mode, "attaching tc programs");
     let attacher = Arc::new(Mutex::new(Attacher::new(
         loaded.ebpf,
@@ -865,6 +887,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
     }
     attach_socket_hooks(&cfg, &sock_lb, &attacher);
     attacher.lock().expect("attacher lock").prune_pins();
+    hand_over(&loaded.pin_dir, "after attaching");
     let links = tokio::spawn(follow_links(
         attacher.clone(),
         patterns,
@@ -959,6 +982,19 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
                 cfg.bpffs.display()
             );
         }
+        crate::config::OnExit::Drain => match crate::handover::set_draining(&loaded.pin_dir) {
+            Ok(()) => {
+                attacher.lock().expect("attacher lock").release_all();
+                info!(
+                    "exiting with the datapath draining (--on-exit drain): tracked flows stay translated, new ones go to the host's stack; run `proxy-agent cleanup --bpffs {}` once they have ended",
+                    cfg.bpffs.display()
+                );
+            }
+            Err(e) => {
+                attacher.lock().expect("attacher lock").detach_all();
+                error!(error = %e, "cannot set the datapath draining: detached instead");
+            }
+        },
     }
     result
 }

@@ -89,9 +89,11 @@ pub struct RunArgs {
     /// other nodes [default: eth0].
     #[arg(long, value_delimiter = ',')]
     pub external_interfaces: Option<Vec<String>>,
-    /// What to do with the datapath on exit: `detach` (clean shutdown) or
+    /// What to do with the datapath on exit: `detach` (clean shutdown),
     /// `keep` (Services keep working until the next agent takes over; for
-    /// restarts and rolling updates) [default: detach].
+    /// restarts and rolling updates) or `drain` (handing the node back to
+    /// kube-proxy: tracked flows stay translated, new ones go to its rules)
+    /// [default: detach].
     #[arg(long, value_enum)]
     pub on_exit: Option<crate::config::OnExit>,
     /// Acceleration of external traffic: `none` (tc) or `xdp` (XDP on the

@@ -119,6 +119,12 @@ pub enum OnExit {
     /// update) takes them over without losing a flow. `proxy-agent cleanup`
     /// removes what is left.
     Keep,
+    /// Hand the node back to kube-proxy without breaking its connections:
+    /// the programs stay attached and keep translating the flows they
+    /// track, while every new flow (and host client's new connection) goes
+    /// to the host's stack, for kube-proxy's rules. Start kube-proxy first;
+    /// run `proxy-agent cleanup` once the old flows have ended.
+    Drain,
 }
 
 /// A Go duration (`time.ParseDuration`): `300ms`, `1.5h`, `2h45m`, `0`.

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod config_reference;
 pub mod dataplane;
+pub mod handover;
 pub mod health;
 pub mod healthcheck;
 pub mod ifaddrs;

@@ -19,6 +19,8 @@
 //! the others it interacts with; the scaffolding lives in `kit/`.
 #[path = "datapath/fuzz.rs"]
 mod fuzz;
+#[path = "datapath/handover.rs"]
+mod handover;
 #[path = "datapath/hardening.rs"]
 mod hardening;
 #[path = "datapath/icmp_errors.rs"]

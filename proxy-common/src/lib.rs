@@ -115,9 +115,16 @@ pub mod map_names {
     /// The XDP program for IPv6 that `ext_xdp` tail-calls (a program array
     /// of one; pinned as [`TAIL6`]).
     pub const TAIL6_XDP: &str = "TAIL6_XDP_V1";
+    /// Flows the kernel's conntrack translated before the agent took over
+    /// (LRU): a [`super::Ct4Key`] (the client's direction, `dir` SERVICE)
+    /// → until when it is left to the kernel (`u64`, ns of
+    /// `bpf_ktime_get_ns`). See [`super::stat::PASS_HANDOVER`].
+    pub const HANDOVER: &str = "HANDOVER4_V1";
+    /// IPv6 [`HANDOVER`]: a [`super::Ct6Key`] → until when (`u64`, ns).
+    pub const HANDOVER6: &str = "HANDOVER6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 27] = [
+    pub const ALL: [&str; 29] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -145,6 +152,8 @@ pub mod map_names {
         SOCK_REVNAT6,
         FRAGMENTS6,
         TAIL6_XDP,
+        HANDOVER,
+        HANDOVER6,
     ];
 }
 
@@ -173,6 +182,8 @@ pub mod capacity {
     /// SNAT port spaces remembered as full (one per backend and source
     /// address whose whole range a search found taken).
     pub const SNAT_FULL: u32 = 1_024;
+    /// Flows handed over from the kernel's conntrack, per family.
+    pub const HANDOVER: u32 = 65_536;
     /// IPv6 frontend slots (not preallocated: memory follows use).
     pub const SERVICES6: u32 = SERVICES;
     /// IPv6 conntrack (preallocated, as every LRU map): half of IPv4's
@@ -187,6 +198,13 @@ pub mod capacity {
 /// fail), so a flood of first packets to a saturated backend costs each
 /// packet a few lookups, not one per port of the range.
 pub const SNAT_SEARCH_BACKOFF_NS: u64 = 100_000_000;
+
+/// How long a handed-over UDP or SCTP flow stays the kernel's after its
+/// last packet ([`map_names::HANDOVER`]): each packet the datapath passes
+/// moves its deadline this far ahead, as the kernel's conntrack refreshes
+/// its own entry (`nf_conntrack_udp_timeout_stream`, 120 s). TCP entries
+/// keep the deadline the agent wrote (the kernel entry's own timeout).
+pub const HANDOVER_REFRESH_NS: u64 = 120_000_000_000;
 
 /// IP protocol numbers used in keys.
 pub const IPPROTO_ICMP: u8 = 1;
@@ -502,6 +520,11 @@ pub mod config_flags {
     /// rewrite are handed to the host's stack instead of redirected, so
     /// netfilter's forward filtering sees the backend tuple.
     pub const DELIVER_VIA_STACK: u32 = 1 << 0;
+    /// Draining (`--on-exit drain`, the agent handing the node back to
+    /// kube-proxy): flows already tracked are still translated, new ones
+    /// pass untouched to the host's stack (kube-proxy's rules), and the
+    /// socket hooks leave new connections to it too.
+    pub const DRAINING: u32 = 1 << 1;
 }
 
 /// Conntrack value.
@@ -909,9 +932,18 @@ pub mod stat {
     /// not walk past (AH, ESP, ...), or more extension headers than it
     /// walks: passed untouched.
     pub const PASS_IPV6_EXT_HEADER: u32 = 49;
+    /// A packet of a flow the kernel's conntrack had translated before this
+    /// datapath took over (kube-proxy's DNAT, listed in the handover maps
+    /// by the agent at start): passed untouched, so the kernel's NAT entry
+    /// keeps it on its backend. Never a TCP SYN: a new connection is the
+    /// datapath's.
+    pub const PASS_HANDOVER: u32 = 50;
+    /// Draining (`config_flags::DRAINING`): a new flow passed untouched to
+    /// the host's stack, for the proxy taking the node back.
+    pub const PASS_DRAINING: u32 = 51;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 50] = [
+    pub const NAMES: [&str; 52] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -962,6 +994,8 @@ pub mod stat {
         "sock_source_range",
         "drop_sctp_fragment",
         "pass_ipv6_ext_header",
+        "pass_handover",
+        "pass_draining",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

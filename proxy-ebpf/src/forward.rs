@@ -14,7 +14,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, Flow},
     lb,
-    maps::{count, CONFIG_V3},
+    maps::{count, CONFIG_V3, HANDOVER4_V1},
     nat,
     parse::Packet,
     verdict::Verdict,
@@ -72,6 +72,18 @@ fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Resu
             // A later fragment of a flow that is not tracked: nothing to follow.
             return Err(Verdict::Pass(stat::PASS_FRAGMENT));
         }
+        if handed_over(
+            HANDOVER4_V1.get_ptr_mut(&skey),
+            pkt.proto,
+            pkt.tcp_flags,
+            now,
+        ) {
+            return Err(Verdict::Pass(stat::PASS_HANDOVER));
+        }
+        if cfg.flags & config_flags::DRAINING != 0 {
+            // Handing the node back: new flows are the next proxy's.
+            return Err(Verdict::Pass(stat::PASS_DRAINING));
+        }
         new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
     }
     conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, established, now);
@@ -87,6 +99,35 @@ fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Resu
     } else {
         stat::FWD_NEW
     })
+}
+
+/// Whether an untracked packet belongs to a flow the kernel's conntrack
+/// translated before this datapath took over (`entry`: its handover entry,
+/// written by the agent from the kernel's table at start): it is passed to
+/// the stack untouched, whose conntrack entry keeps translating it to the
+/// backend it had, even once kube-proxy's rules are gone. A TCP SYN is a
+/// new connection (the client reused the port), as an SCTP INIT: the
+/// datapath's. A UDP flow's deadline moves on with each packet, as the
+/// kernel's entry.
+#[inline(always)]
+pub fn handed_over(entry: Option<*mut u64>, proto: u8, tcp_flags: u8, now: u64) -> bool {
+    let Some(until) = entry else {
+        return false;
+    };
+    if connection_oriented(proto) && tcp_flags & tcp::SYN != 0 {
+        // (An SCTP INIT parses as SYN.)
+        return false;
+    }
+    // SAFETY: a value of the handover map; a racing writer writes a u64 too.
+    unsafe {
+        if *until < now {
+            return false;
+        }
+        if !connection_oriented(proto) {
+            *until = now + proxy_common::HANDOVER_REFRESH_NS;
+        }
+    }
+    true
 }
 
 /// A new flow to frontend `fe`: source ranges checked, a backend selected,

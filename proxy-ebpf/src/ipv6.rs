@@ -67,8 +67,8 @@ use proxy_common::{
 
 use crate::{
     maps::{
-        account, count, AFFINITY6_V2, BACKEND6_V1, CONFIG_V3, CT6_V2, FRAG6_V1, MAGLEV4_V2,
-        REVNAT6_V2, RR4_V1, SRCRANGE6_V2, SVC6_V2,
+        account, count, AFFINITY6_V2, BACKEND6_V1, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1,
+        MAGLEV4_V2, REVNAT6_V2, RR4_V1, SRCRANGE6_V2, SVC6_V2,
     },
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
@@ -684,6 +684,15 @@ pub fn established(pkt: &Packet6) -> u32 {
     *skey = pkt.ct_key(ct_dir::SERVICE);
     if lookup(cfg, pkt, skey, now, flow) {
         ESTABLISHED
+    } else if crate::forward::handed_over(
+        HANDOVER6_V1.get_ptr_mut(&*skey),
+        pkt.proto,
+        pkt.tcp_flags,
+        now,
+    ) {
+        stat::PASS_HANDOVER
+    } else if cfg.flags & config_flags::DRAINING != 0 {
+        stat::PASS_DRAINING
     } else {
         NOT_ESTABLISHED
     }

@@ -93,6 +93,17 @@ pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
 pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize }> =
     LruHashMap::new();
 
+/// Flows the kernel's conntrack translated before this datapath took over
+/// (kube-proxy's DNAT): the client's tuple → until when they stay the
+/// kernel's ([`crate::forward::handed_over`]).
+#[btf_map]
+pub static HANDOVER4_V1: LruHashMap<Ct4Key, u64, { capacity::HANDOVER as usize }> =
+    LruHashMap::new();
+/// IPv6 `HANDOVER4_V1`.
+#[btf_map]
+pub static HANDOVER6_V1: LruHashMap<Ct6Key, u64, { capacity::HANDOVER as usize }> =
+    LruHashMap::new();
+
 /// IPv6 frontends and their backend slots (as `SVC4_V2`); not preallocated:
 /// memory follows the IPv6 Services a cluster has.
 #[btf_map]

@@ -91,6 +91,15 @@ fn served(ctx: &SockAddrContext) -> bool {
     want == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == want
 }
 
+/// Whether the datapath is draining (`config_flags::DRAINING`): new
+/// connections are left to the proxy taking the node back.
+#[inline(always)]
+fn draining() -> bool {
+    CONFIG_V3
+        .get(0)
+        .is_some_and(|c| c.flags & proxy_common::config_flags::DRAINING != 0)
+}
+
 /// The protocol of a stream or datagram socket we translate, if it is one.
 #[inline(always)]
 fn protocol(sa: *mut bpf_sock_addr) -> Option<u8> {
@@ -122,7 +131,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     let Some(proto) = protocol(sa) else {
         return PROCEED;
     };
-    if !served(ctx) {
+    if !served(ctx) || draining() {
         return PROCEED;
     }
     // SAFETY: context fields writable by connect4 and sendmsg4.
@@ -164,7 +173,7 @@ pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
     let Some(proto) = protocol(sa) else {
         return PROCEED;
     };
-    if !served(ctx) {
+    if !served(ctx) || draining() {
         return PROCEED;
     }
     // SAFETY: context fields readable by connect6 and sendmsg6.

@@ -1127,3 +1127,38 @@ fn ipv6_fuzzed_frames_are_translated_or_left_alone_never_broken() {
         );
     }
 }
+
+/// Issue 39: an IPv6 flow the kernel's conntrack translated (kube-proxy's,
+/// listed by the agent in the handover map) passes untouched; a SYN on its
+/// tuple is a new connection, translated.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_handed_over_flows_pass_untouched_a_syn_does_not() {
+    let h = harness6(&[(
+        fe6(VIP6, 80, IPPROTO_TCP),
+        vec![be6(B6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let flow = |sport: u16| proxy_agent::handover::KernelFlow {
+        proto: IPPROTO_TCP,
+        src: std::net::SocketAddr::from((CLIENT6, sport)),
+        dst: std::net::SocketAddr::from((VIP6, 80)),
+        timeout_s: 60,
+    };
+    let mut m: aya::maps::HashMap<aya::maps::MapData, proxy_common::Ct6Key, u64> =
+        h.lru_map(map_names::HANDOVER6);
+    let now = proxy_agent::bpf::ktime_ns();
+    for sport in [47000, 47001] {
+        let f = flow(sport);
+        let k = proxy_agent::handover::key6(&f).expect("an IPv6 flow");
+        m.insert(k, proxy_agent::handover::deadline(&f, now), 0)
+            .unwrap();
+    }
+    let before = h.stats();
+    let frame = tcp6(CLIENT6, 47000, VIP6, 80, ACK);
+    let (rc, out) = h.run(&frame);
+    assert_eq!((rc, out), (TC_ACT_OK, frame), "passed untouched");
+    assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 1);
+    let (_, out) = h.run(&tcp6(CLIENT6, 47001, VIP6, 80, SYN));
+    assert_eq!(tuple6_checked(&out, L4_OFF6), (CLIENT6, 47001, B6, 8080));
+}

@@ -1,0 +1,137 @@
+//! Taking a node over from kube-proxy, and handing it back (issue 39):
+//! flows the kernel's conntrack translated are listed in the handover map
+//! and pass untouched (the kernel's entry keeps their backend), but a new
+//! connection on the same tuple is the datapath's; `DRAINING` leaves new
+//! flows to the stack while tracked ones stay translated.
+use aya::maps::{HashMap as AyaHashMap, MapData};
+use proxy_common::{config_flags, ct_dir, Ct4Key, HANDOVER_REFRESH_NS};
+
+use super::kit::harness::TC_ACT_OK;
+use super::*;
+
+const S: u64 = 1_000_000_000;
+
+fn service(h: &mut Harness) {
+    h.sync(&[
+        (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
+        (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
+    ]);
+}
+
+fn handover_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, u64> {
+    h.lru_map(map_names::HANDOVER)
+}
+
+/// The key the agent writes for a kernel flow `CLIENT:sport → VIP:dport`.
+fn key(sport: u16, dport: u16, proto: u8) -> Ct4Key {
+    proxy_agent::handover::key4(&proxy_agent::handover::KernelFlow {
+        proto,
+        src: std::net::SocketAddr::from((CLIENT, sport)),
+        dst: std::net::SocketAddr::from((VIP, dport)),
+        timeout_s: 0,
+    })
+    .expect("an IPv4 flow")
+}
+
+fn delta(h: &Harness, before: &std::collections::BTreeMap<u32, u64>, code: u32) -> u64 {
+    h.stats().get(&code).copied().unwrap_or(0) - before.get(&code).copied().unwrap_or(0)
+}
+
+fn has_service_entry(h: &Harness, sport: u16) -> bool {
+    h.maps()
+        .conntrack()
+        .unwrap()
+        .into_iter()
+        .any(|(k, _)| k.dir == ct_dir::SERVICE && k.sport_be == sport.to_be())
+}
+
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn a_handed_over_tcp_flow_passes_untouched_until_a_syn_or_its_deadline() {
+    let mut h = Harness::new();
+    service(&mut h);
+    let now = proxy_agent::bpf::ktime_ns();
+    let mut m = handover_map(&h);
+    m.insert(key(44000, 80, IPPROTO_TCP), now + 60 * S, 0)
+        .unwrap();
+    m.insert(key(44001, 80, IPPROTO_TCP), now + 60 * S, 0)
+        .unwrap();
+    m.insert(key(44002, 80, IPPROTO_TCP), now.saturating_sub(S), 0)
+        .unwrap();
+    let before = h.stats();
+
+    // Mid-stream packets of kube-proxy's connection: the kernel's.
+    for flags in [ACK, ACK | PSH, FIN | ACK] {
+        let frame = tcp4(CLIENT, 44000, VIP, 80, flags, b"x");
+        let (rc, out) = h.run(&frame);
+        assert_eq!(rc, TC_ACT_OK);
+        assert_eq!(out, frame, "passed untouched");
+    }
+    assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 3);
+    assert!(!has_service_entry(&h, 44000), "no conntrack entry of ours");
+
+    // The client reuses a listed port for a new connection: ours.
+    let r = parse_checked(&h.run(&tcp4(CLIENT, 44001, VIP, 80, SYN, b"")).1);
+    assert_eq!((r.dst, r.dport), (B1, 8080), "a SYN is translated");
+    assert!(has_service_entry(&h, 44001));
+
+    // Past its deadline the entry is ignored (mid-stream, translated).
+    let r = parse_checked(&h.run(&tcp4(CLIENT, 44002, VIP, 80, ACK, b"x")).1);
+    assert_eq!((r.dst, r.dport), (B1, 8080));
+    assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 3);
+    assert_eq!(delta(&h, &before, stat::CT_NEW_MIDSTREAM), 1);
+}
+
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn a_handed_over_udp_flow_is_renewed_by_its_packets() {
+    let mut h = Harness::new();
+    service(&mut h);
+    let now = proxy_agent::bpf::ktime_ns();
+    let mut m = handover_map(&h);
+    let k = key(45000, 53, IPPROTO_UDP);
+    m.insert(k, now + S, 0).unwrap();
+    let frame = udp4(CLIENT, 45000, VIP, 53, b"q");
+    let (rc, out) = h.run(&frame);
+    assert_eq!((rc, out), (TC_ACT_OK, frame), "passed untouched");
+    let until = m.get(&k, 0).unwrap();
+    assert!(
+        until >= now + HANDOVER_REFRESH_NS,
+        "the deadline moved on by the refresh: {} s left",
+        until.saturating_sub(now) / S
+    );
+    // Another flow of the same client is ours.
+    let r = parse_checked(&h.run(&udp4(CLIENT, 45001, VIP, 53, b"q")).1);
+    assert_eq!((r.dst, r.dport), (B1, 5353));
+}
+
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn draining_leaves_new_flows_to_the_stack_and_keeps_tracked_ones() {
+    let mut h = Harness::new();
+    service(&mut h);
+    // A connection of ours, before the drain.
+    let r = parse_checked(&h.run(&tcp4(CLIENT, 46000, VIP, 80, SYN, b"")).1);
+    assert_eq!((r.dst, r.dport), (B1, 8080));
+    let mut c = Config::default().with_hairpin_addr(HAIRPIN);
+    c.flags |= config_flags::DRAINING;
+    h.set_config(c);
+    let before = h.stats();
+    let r = parse_checked(&h.run(&tcp4(CLIENT, 46000, VIP, 80, ACK, b"x")).1);
+    assert_eq!(
+        (r.dst, r.dport),
+        (B1, 8080),
+        "a tracked flow stays translated"
+    );
+    let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 46000, ACK, b"y")).1);
+    assert_eq!((r.src, r.sport), (VIP, 80), "and its replies");
+    for frame in [
+        tcp4(CLIENT, 46001, VIP, 80, SYN, b""),
+        udp4(CLIENT, 46002, VIP, 53, b"q"),
+    ] {
+        let (rc, out) = h.run(&frame);
+        assert_eq!((rc, out), (TC_ACT_OK, frame), "a new flow passes untouched");
+    }
+    assert_eq!(delta(&h, &before, stat::PASS_DRAINING), 2);
+    assert!(!has_service_entry(&h, 46001));
+}
