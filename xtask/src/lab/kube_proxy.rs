@@ -143,6 +143,22 @@ pub fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> Result<(u16, Str
     Ok((code, body))
 }
 
+/// Whether kube-proxy in namespace `ns` has synced its rules once
+/// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` set).
+fn first_sync_done(ns: &str) -> bool {
+    http_get_in(ns, METRICS_ADDR, "/metrics").is_ok_and(|(code, body)| {
+        code == 200
+            && body.lines().any(|l| {
+                // With or without labels (`{ip_family="IPv4"}`).
+                l.strip_prefix("kubeproxy_sync_proxy_rules_last_timestamp_seconds")
+                    .filter(|rest| rest.starts_with([' ', '{']))
+                    .and_then(|rest| rest.split_whitespace().last())
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .is_some_and(|v| v > 0.0)
+            })
+    })
+}
+
 impl Lab {
     /// kube-proxy's kubeconfig: a client certificate of `system:kube-proxy`
     /// signed by the lab's CA (made once).
@@ -175,7 +191,7 @@ impl Lab {
     }
 
     /// Starts the real kube-proxy in `mode` on node `node`, and waits until
-    /// its /healthz reports its first sync. The node's agent may run too:
+    /// it has synced its rules once (/healthz and its metrics). The node's agent may run too:
     /// that is a migration's middle step (its programs see packets before
     /// kube-proxy's rules do).
     pub fn start_kube_proxy_on(
@@ -275,8 +291,8 @@ impl Lab {
         Ok(())
     }
 
-    /// Waits until kube-proxy on `node` answers 200 on /healthz (it has
-    /// synced since it started, and recently).
+    /// Waits until kube-proxy on `node` answers 200 on /healthz and its
+    /// metrics show a first sync of its rules.
     pub fn wait_kube_proxy_healthy(&mut self, node: &str, timeout: Duration) -> Result<()> {
         let n = self.node_info(node)?.clone();
         let kp = n
@@ -294,8 +310,11 @@ impl Lab {
                     super::wait::tail(&kp.log, 30)
                 );
             }
+            // /healthz answers 200 before the first sync too (no update
+            // queued yet): the first sync is its metrics' last-sync time.
             match http_get_in(&n.netns, addr, "/healthz") {
-                Ok((200, _)) => return Ok(()),
+                Ok((200, _)) if first_sync_done(&n.netns) => return Ok(()),
+                Ok((200, _)) => last = "healthy, not synced yet".to_string(),
                 Ok((code, body)) => last = format!("{code} {body}"),
                 Err(e) => last = format!("{e:#}"),
             }
