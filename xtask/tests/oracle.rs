@@ -7,7 +7,7 @@
 //! kube-proxy's.
 //!
 //! Every difference is either a failure or listed in [`KEPT`] with its
-//! reason, the README's divergence table; an entry of [`KEPT`] that no
+//! reason, the table of docs/kube-proxy-differences.md; an entry of [`KEPT`] that no
 //! longer differs fails too, so the table stays true.
 //!
 //! Between the phases kube-proxy is stopped and `kube-proxy --cleanup`
@@ -46,7 +46,7 @@ const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 201);
 const UNALLOCATED_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 254);
 
 /// A difference from kube-proxy kept on purpose: the observation `key`,
-/// the mode it differs from, and why. The README's divergence table.
+/// the mode it differs from, and why: docs/kube-proxy-differences.md.
 struct Kept {
     key: &'static str,
     mode: KubeProxyMode,
@@ -91,10 +91,11 @@ const KEPT: &[Kept] = &[
     },
     Kept {
         key: "external → NodePort on an address added later",
-        mode: KubeProxyMode::Iptables,
-        reason: "the agent serves NodePorts on the Node's InternalIPs (as kube-proxy's \
-                 nftables mode serves its primary IP); kube-proxy's iptables mode serves \
-                 every local address, also one added later (a VIP)",
+        mode: KubeProxyMode::Nftables,
+        reason: "kube-proxy's nftables mode serves NodePorts on the node's primary IPs \
+                 by default; its iptables mode, the default, serves every local address, \
+                 and the agent every address of its external interfaces, also one added \
+                 later (a keepalived or kube-vip VIP)",
     },
 ];
 
@@ -550,7 +551,7 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
                     "{key}: {mode} {theirs}, the agent {ours} (not in KEPT)"
                 )),
                 (true, Some(_)) => failures.push(format!(
-                    "{key}: KEPT lists a difference from {mode} that is gone: remove the entry (and its README row)"
+                    "{key}: KEPT lists a difference from {mode} that is gone: remove the entry (and its row in docs/kube-proxy-differences.md)"
                 )),
             }
         }
