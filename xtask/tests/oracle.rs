@@ -4,7 +4,13 @@
 //! then under the agent. What each client observes is recorded as text
 //! (which backends answer; answered, refused or no answer; the source
 //! address the backend sees; affinity) and compared, key by key, with
-//! kube-proxy's.
+//! kube-proxy's. The families of `shared/conformance/service-behaviours.md`
+//! it covers: Services from pods over TCP and UDP (S), without endpoints
+//! (S29/K4), terminating and not-ready endpoints (S35/S36), session affinity
+//! (S24), NodePorts from outside and on an address added later (S10, N),
+//! both traffic policies (E, P), externalIPs and loadBalancerSourceRanges
+//! (L), host clients and 127.0.0.1 NodePorts (L1/L2), an unallocated
+//! ServiceCIDR address and an undeclared port.
 //!
 //! Every difference is either a failure or listed in [`KEPT`] with its
 //! reason, the table of docs/kube-proxy-differences.md; an entry of [`KEPT`] that no
@@ -25,7 +31,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::fixtures::{manifests, Pod, Port, Svc};
+use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 use xtask::client::{self, reply_text};
 use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
 use xtask::lab::HostReply;
@@ -42,6 +48,8 @@ const N: usize = 12;
 const ADDED_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 61);
 /// `web`'s externalIP, routed to node-1 by the external client.
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 201);
+/// `lbr`'s load-balancer IP, routed to node-1 by the external client.
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 202);
 /// An address of the ServiceCIDR no Service holds.
 const UNALLOCATED_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 254);
 
@@ -150,7 +158,28 @@ fn objects() -> String {
             .selector("aff")
             .port(Port::tcp("tcp", 80))
             .client_ip_affinity(None),
+        &svc("itp", "ClusterIP")
+            .selector("loc")
+            .port(Port::tcp("tcp", 80))
+            .internal_traffic_policy("Local"),
+        // Its endpoints are the test's own slice (no selector).
+        &svc("term", "ClusterIP").port(Port::tcp("tcp", 80)),
+        &svc("lbr", "LoadBalancer")
+            .selector("web")
+            .port(Port::tcp("tcp", 80))
+            .lb_ips(&[LB_IP])
+            .source_ranges(&["198.18.1.0/24"]),
     ])
+}
+
+/// `term`'s slice: web-1 terminating but serving, web-2 neither ready nor
+/// serving (S35/S36: the terminating one is used when none is ready).
+fn term_slice(lab: &Lab) -> String {
+    Slice::new("term-1", "term")
+        .port("tcp", 80, "TCP")
+        .endpoint(Ep::of(lab, "web-1").terminating_serving())
+        .endpoint(Ep::of(lab, "web-2").cond(false, false, false))
+        .yaml()
 }
 
 /// Names the addresses a backend may see: the lab's clients and nodes.
@@ -336,6 +365,23 @@ fn observe(lab: &mut Lab) -> BTreeMap<&'static str, String> {
         tcp(&client, at(n1.ip, web_np), "hostname\n", N),
     );
 
+    o.insert(
+        "pod → ClusterIP, internalTrafficPolicy Local, no endpoint on its node",
+        reach(&client, at(cluster_ip(lab, "itp"), 80), 2),
+    );
+    o.insert(
+        "pod → ClusterIP whose only serving endpoint is terminating",
+        tcp(&client, at(cluster_ip(lab, "term"), 80), "hostname\n", N),
+    );
+    o.insert(
+        "pod → LB IP inside loadBalancerSourceRanges",
+        reach(&client, at(LB_IP, 80), 2),
+    );
+    o.insert(
+        "external → LB IP outside loadBalancerSourceRanges",
+        reach(&ext, at(LB_IP, 80), 2),
+    );
+
     // From outside the cluster.
     o.insert(
         "external → NodePort node-1: backends",
@@ -496,8 +542,20 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         |lab| {
             // externalIPs are owned by no interface: the router sends them
             // to node-1.
+            lab.apply(&term_slice(lab)).expect("term's slice");
             let x = lab.external().unwrap().netns.clone();
             let via = lab.nodes()[0].ip.to_string();
+            ip(&[
+                "-n",
+                &x,
+                "route",
+                "replace",
+                &format!("{LB_IP}/32"),
+                "via",
+                &via,
+                "dev",
+                "eth0",
+            ]);
             ip(&[
                 "-n",
                 &x,
