@@ -567,3 +567,62 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
         },
     );
 }
+
+/// Issue 38: the DaemonSet as a kubelet would run it against a real
+/// control plane: the image under runc with deploy/'s args, env and mounts,
+/// `--source kubernetes` in-cluster from the ServiceAccount's files (token,
+/// ca.crt, namespace where a kubelet mounts them) and deploy/api-server.yaml's
+/// KUBERNETES_SERVICE_HOST/PORT, which name the lab's API server. It syncs
+/// as deploy/'s ServiceAccount (the API server's audit log says so) and
+/// serves a Service whose ClusterIP and EndpointSlices the real allocator
+/// and controller made.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn daemonset_under_runc_syncs_in_cluster_from_the_real_api_server() {
+    run_lab(
+        "in-cluster",
+        Lab::builder()
+            .manifests_yaml(&web())
+            .control_plane(true)
+            .agent_image(shared().clone()),
+        " (runc, real control plane)",
+        ready,
+        |lab| support::diagnostics(lab, Some(20)),
+        |lab| {
+            let cfg = container_config(lab);
+            let mounts = cfg["mounts"].as_array().unwrap();
+            assert!(
+                mounts
+                    .iter()
+                    .any(|m| m["destination"] == "/var/run/secrets/kubernetes.io/serviceaccount"),
+                "the ServiceAccount's files are mounted: {mounts:?}"
+            );
+            let args = cfg["process"]["args"].to_string();
+            assert!(
+                args.contains("\"--source\",\"kubernetes\"")
+                    && !args.contains("--kubeconfig")
+                    && !args.contains("--manifests"),
+                "in-cluster, no kubeconfig: {args}"
+            );
+            let vip = support::frontend(lab, "web", 80, "TCP");
+            let (answers, errors) = support::tcp_hostnames(&lab.client().netns, vip, 20);
+            println!("in-cluster: {vip}: {answers:?} {errors:?}");
+            assert!(errors.is_empty(), "{errors:?}");
+            assert_eq!(
+                answers.keys().map(String::as_str).collect::<Vec<_>>(),
+                ["web-1", "web-2"],
+                "both pods answer through the real ClusterIP"
+            );
+            let audit = std::fs::read_to_string(lab.control_plane().unwrap().audit_log())
+                .expect("the API server's audit log");
+            assert!(
+                audit.lines().any(
+                    |l| l.contains("system:serviceaccount:kube-system:proxy-agent")
+                        && l.contains("endpointslices")
+                        && l.contains("\"verb\":\"watch\"")
+                ),
+                "the agent watches EndpointSlices as deploy/'s ServiceAccount"
+            );
+        },
+    );
+}

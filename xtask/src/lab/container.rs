@@ -137,6 +137,9 @@ pub struct NodeContainer<'a> {
     /// Capabilities to leave out of the DaemonSet's list (least-privilege
     /// tests), as `NET_ADMIN`.
     pub without_caps: &'a [String],
+    /// With a real control plane: the ServiceAccount's files (token,
+    /// ca.crt, namespace), bound read-only where a kubelet mounts them.
+    pub service_account: Option<&'a Path>,
 }
 
 fn quantity_bytes(q: &str) -> Result<u64> {
@@ -321,6 +324,16 @@ pub fn runc_config(dep: &Deployment, node: &NodeContainer) -> Result<Value> {
     }
     let manifests = node.manifests_dir.to_string_lossy().into_owned();
     mounts.push(bind(&manifests, node.manifests_dir, true, Some("rprivate")));
+    if let Some(sa) = node.service_account {
+        // What the kubelet mounts for the pod's ServiceAccount
+        // (automountServiceAccountToken).
+        mounts.push(bind(
+            "/var/run/secrets/kubernetes.io/serviceaccount",
+            sa,
+            true,
+            Some("rprivate"),
+        ));
+    }
 
     let mut args = Vec::new();
     if let Some(cmd) = &c.command {
@@ -493,6 +506,7 @@ mod tests {
             lab_args: vec!["--source".into(), "manifests".into()],
             rust_log: None,
             without_caps: &["NET_ADMIN".to_string()],
+            service_account: None,
         };
         let v = runc_config(&dep, &node).unwrap();
         let _ = std::fs::remove_dir_all(&tmp);

@@ -338,6 +338,24 @@ impl Lab {
         Ok(cmd)
     }
 
+    /// The files a kubelet mounts at
+    /// `/var/run/secrets/kubernetes.io/serviceaccount` for deploy/'s
+    /// ServiceAccount: its token (a TokenRequest's), the cluster's CA and
+    /// the namespace.
+    fn write_service_account_dir(&mut self) -> Result<PathBuf> {
+        let cp = self
+            .info
+            .control_plane
+            .clone()
+            .context("no control plane")?;
+        let dir = cp.dir.join("serviceaccount");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::copy(cp.agent_token(), dir.join("token")).context("copy the agent's token")?;
+        std::fs::copy(cp.ca(), dir.join("ca.crt")).context("copy the CA")?;
+        std::fs::write(dir.join("namespace"), super::control_plane::AGENT_NAMESPACE)?;
+        Ok(dir)
+    }
+
     /// Stops every agent: SIGTERM, up to 3 s, then SIGKILL. Pinned maps stay.
     pub fn stop_agent(&mut self) -> Result<()> {
         for i in 0..self.info.nodes.len() {
@@ -412,11 +430,22 @@ impl Lab {
         );
         let manifests = self.info.manifests_dir.to_string_lossy().into_owned();
         let hairpin = HAIRPIN_SNAT_IP.to_string();
-        let mut lab_args: Vec<String> = [
-            "--source",
-            "manifests",
-            "--manifests",
-            &manifests,
+        // With a real control plane the container runs as the DaemonSet
+        // does: in-cluster, from the ServiceAccount's files and the
+        // proxy-agent-api-server ConfigMap's KUBERNETES_SERVICE_HOST/PORT
+        // (deploy/api-server.yaml names the lab's API server).
+        let service_account = match &self.info.control_plane {
+            Some(_) => Some(self.write_service_account_dir()?),
+            None => None,
+        };
+        let source: [&str; 4] = match service_account {
+            Some(_) => ["--source", "kubernetes", "", ""],
+            None => ["--source", "manifests", "--manifests", &manifests],
+        };
+        let mut lab_args: Vec<String> = source
+            .iter()
+            .filter(|s| !s.is_empty())
+            .chain([
             "--bpffs",
             "/sys/fs/bpf",
             "--hairpin-snat-ip",
@@ -424,7 +453,7 @@ impl Lab {
             "--min-sync-period",
             "100ms",
         ]
-        .iter()
+        .iter())
         .map(|s| s.to_string())
         .collect();
         if !node.eth.is_empty() {
@@ -450,6 +479,7 @@ impl Lab {
                 lab_args,
                 rust_log,
                 without_caps: &self.without_caps,
+                service_account: service_account.as_deref(),
             },
         )?;
         std::fs::write(
