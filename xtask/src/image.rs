@@ -421,7 +421,7 @@ fn write_out(a: &Assembled, layout: &Path, tarball: &Path, epoch: u64) -> Result
 
 /// Builds the image (setup first); see the module's documentation.
 pub fn build(opts: &ImageOptions) -> Result<Image> {
-    setup::ensure_setup()?;
+    setup::ensure_datapath_setup()?;
     let commit = git(&["rev-parse", "HEAD"])?;
     if !git(&["status", "--porcelain", "--untracked-files=no"])?.is_empty() {
         eprintln!("warning: the work tree has uncommitted changes; the image is built from HEAD ({commit}) without them");

@@ -281,8 +281,9 @@ fn lab_cmd(cmd: LabCmd) -> Result<()> {
                 }
             }
             // With --agent-bin and --server-bin nothing is built, but the lab
-            // still needs setup's packages (iproute2, bpffs mounted).
-            setup::ensure_setup()?;
+            // still needs setup's packages (iproute2, bpffs mounted); with
+            // --control-plane it builds the Kubernetes components itself.
+            setup::ensure_datapath_setup()?;
             let zones: Vec<&str> = zones.iter().map(String::as_str).collect();
             let mut b = Lab::builder()
                 .manifests_path(manifests)

@@ -89,30 +89,47 @@ pub fn cargo_build(package: &str, extra: &[&str]) -> Result<()> {
     run_visible(cargo().args(["build", "-p", package]).args(extra))
 }
 
-/// Runs [`setup`] once per process before anything is built: every command
-/// that builds the agent or its eBPF object (demo, lab, bench, test) needs the
-/// `rust-src` component and bpf-linker, and a fresh machine has neither.
+static SETUP_DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+static DATAPATH_SETUP_DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
+/// Runs [`setup`] once per process: the tests, the bench and `lint` need all
+/// of it (the Kubernetes components and Go tools included).
 pub fn ensure_setup() -> Result<()> {
-    static DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    if DONE.get().is_some() {
+    if SETUP_DONE.get().is_some() {
         return Ok(());
     }
     setup()?;
-    let _ = DONE.set(());
+    let _ = SETUP_DONE.set(());
+    let _ = DATAPATH_SETUP_DONE.set(());
+    Ok(())
+}
+
+/// Runs [`setup_datapath`] once per process before anything is built: every
+/// command that builds the agent or its eBPF object (demo, lab, build-ebpf)
+/// needs the `rust-src` component and bpf-linker, and a fresh machine has
+/// neither. Not the Kubernetes components: they take minutes to build on a
+/// fresh machine and only a lab with a control plane needs them (it builds
+/// them when it starts one).
+pub fn ensure_datapath_setup() -> Result<()> {
+    if DATAPATH_SETUP_DONE.get().is_some() {
+        return Ok(());
+    }
+    setup_datapath()?;
+    let _ = DATAPATH_SETUP_DONE.set(());
     Ok(())
 }
 
 /// Builds proxy-agent in release (whose build.rs builds the eBPF object) and
 /// returns the agent binary.
 pub fn build_agent() -> Result<PathBuf> {
-    ensure_setup()?;
+    ensure_datapath_setup()?;
     cargo_build("proxy-agent", &["--release", "--bins"])?;
     Ok(target_dir().join("release/proxy-agent"))
 }
 
 /// Builds the lab's pod server and returns its path.
 pub fn build_lab_server() -> Result<PathBuf> {
-    ensure_setup()?;
+    ensure_datapath_setup()?;
     cargo_build(
         "xtask",
         &["--bin", "lab-server", "--bin", "lab-host-client"],
@@ -159,7 +176,7 @@ pub fn find_ebpf_object() -> Result<PathBuf> {
 
 /// `cargo xtask build-ebpf`: builds proxy-agent and returns the object path.
 pub fn build_ebpf() -> Result<PathBuf> {
-    ensure_setup()?;
+    ensure_datapath_setup()?;
     cargo_build("proxy-agent", &[])?;
     find_ebpf_object()
 }
@@ -423,6 +440,16 @@ fn ensure_ebpf_toolchain() -> Result<()> {
 
 /// `cargo xtask setup`: installs what building and testing need; idempotent.
 pub fn setup() -> Result<()> {
+    setup_datapath()?;
+    crate::kube::ensure_built()?;
+    crate::kube::ensure_tools_built()?;
+    println!("setup complete");
+    Ok(())
+}
+
+/// What building the agent and running a lab without a control plane need
+/// (the demo): the eBPF toolchain, Debian's packages, bpffs.
+pub fn setup_datapath() -> Result<()> {
     ensure_rust_src("stable")?;
     ensure_ebpf_toolchain()?;
     ensure_bpf_linker()?;
@@ -430,10 +457,7 @@ pub fn setup() -> Result<()> {
     ensure_debian_packages()?;
     ensure_kubectl()?;
     ensure_kubernetes_validate()?;
-    crate::kube::ensure_built()?;
-    crate::kube::ensure_tools_built()?;
     ensure_bpffs(true)?;
-    println!("setup complete");
     Ok(())
 }
 
