@@ -445,17 +445,19 @@ impl Lab {
         let mut lab_args: Vec<String> = source
             .iter()
             .filter(|s| !s.is_empty())
-            .chain([
-            "--bpffs",
-            "/sys/fs/bpf",
-            "--hairpin-snat-ip",
-            &hairpin,
-            "--min-sync-period",
-            "100ms",
-        ]
-        .iter())
-        .map(|s| s.to_string())
-        .collect();
+            .chain(
+                [
+                    "--bpffs",
+                    "/sys/fs/bpf",
+                    "--hairpin-snat-ip",
+                    &hairpin,
+                    "--min-sync-period",
+                    "100ms",
+                ]
+                .iter(),
+            )
+            .map(|s| s.to_string())
+            .collect();
         if !node.eth.is_empty() {
             lab_args.extend(["--external-interfaces".to_string(), node.eth.clone()]);
         }
