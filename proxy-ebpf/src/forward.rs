@@ -73,7 +73,7 @@ fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Resu
             return Err(Verdict::Pass(stat::PASS_FRAGMENT));
         }
         if handed_over(
-            HANDOVER4_V1.get_ptr_mut(&skey),
+            HANDOVER4_V1.get_ptr_mut(skey),
             pkt.proto,
             pkt.tcp_flags,
             now,
