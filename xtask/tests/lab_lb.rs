@@ -15,7 +15,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::process::Command;
 use std::time::Duration;
 
 use xtask::Lab;
@@ -53,27 +52,8 @@ fn three_backends(alg: &str, service_type: &str) -> String {
 /// `ip route replace LB_IP/32 via <node>` in the external client's
 /// namespace: the router moving the flow.
 fn route_lb_via(lab: &Lab, node: &str) {
-    let via = lab.node_named(node).expect("node").ip.to_string();
-    let ns = lab.external().expect("external client").netns.clone();
-    let out = Command::new("ip")
-        .args([
-            "-n",
-            &ns,
-            "route",
-            "replace",
-            &format!("{LB_IP}/32"),
-            "via",
-            &via,
-            "dev",
-            "eth0",
-        ])
-        .output()
-        .expect("run ip");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    lab.route_from_external(LB_IP, node)
+        .unwrap_or_else(|e| panic!("route {LB_IP} via {node}: {e:#}"));
 }
 
 /// Opens `n` streams from the external client to the LB IP through node-1,

@@ -140,27 +140,8 @@ fn client_on(lab: &mut Lab, node: &str) -> (String, Ipv4Addr) {
 /// (LB IPs and externalIPs are owned by no interface; something must send
 /// them to a node, as a cloud LB or a router would).
 fn ext_route(lab: &Lab, ip: Ipv4Addr, node: &str) {
-    let via = lab.node_named(node).expect("node").ip.to_string();
-    let ns = ext(lab);
-    let out = Command::new("ip")
-        .args([
-            "-n",
-            &ns,
-            "route",
-            "replace",
-            &format!("{ip}/32"),
-            "via",
-            &via,
-            "dev",
-            "eth0",
-        ])
-        .output()
-        .expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip -n {ns} route replace {ip}/32 via {via}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    lab.route_from_external(ip, node)
+        .unwrap_or_else(|e| panic!("route {ip} via {node}: {e:#}"));
 }
 
 /// The address of `node`.

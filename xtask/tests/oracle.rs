@@ -540,33 +540,13 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         |_| {},
         support::diagnostics_nodes,
         |lab| {
-            // externalIPs are owned by no interface: the router sends them
-            // to node-1.
             lab.apply(&term_slice(lab)).expect("term's slice");
-            let x = lab.external().unwrap().netns.clone();
-            let via = lab.nodes()[0].ip.to_string();
-            ip(&[
-                "-n",
-                &x,
-                "route",
-                "replace",
-                &format!("{LB_IP}/32"),
-                "via",
-                &via,
-                "dev",
-                "eth0",
-            ]);
-            ip(&[
-                "-n",
-                &x,
-                "route",
-                "replace",
-                &format!("{EXTERNAL_IP}/32"),
-                "via",
-                &via,
-                "dev",
-                "eth0",
-            ]);
+            // The LB IP and the externalIP are owned by no interface: the
+            // router sends them to node-1.
+            for ip in [LB_IP, EXTERNAL_IP] {
+                lab.route_from_external(ip, "node-1")
+                    .unwrap_or_else(|e| panic!("route {ip} via node-1: {e:#}"));
+            }
             for p in &proxies {
                 let t = Instant::now();
                 start(lab, *p);

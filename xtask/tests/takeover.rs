@@ -27,7 +27,6 @@
 mod support;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -366,27 +365,8 @@ fn cleanup(lab: &mut Lab) {
 }
 
 fn route_external_ip(lab: &Lab) {
-    let x = lab.external().unwrap().netns.clone();
-    let via = lab.nodes()[0].ip.to_string();
-    let out = Command::new("ip")
-        .args([
-            "-n",
-            &x,
-            "route",
-            "replace",
-            &format!("{EXTERNAL_IP}/32"),
-            "via",
-            &via,
-            "dev",
-            "eth0",
-        ])
-        .output()
-        .expect("ip");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    lab.route_from_external(EXTERNAL_IP, "node-1")
+        .expect("route the externalIP to node-1");
 }
 
 #[test]

@@ -31,6 +31,30 @@ pub(super) const IPV6_SYSCTLS: [(&str, &str); 6] = [
 ];
 
 impl Lab {
+    /// A route in the external client's namespace: `ip`/32 via `node`'s
+    /// address (`ip route replace`). LB IPs and externalIPs are owned by no
+    /// interface; something must send them to a node, as a cloud load
+    /// balancer or a router would, and moving the route moves the flow.
+    pub fn route_from_external(&self, ip: Ipv4Addr, node: &str) -> Result<()> {
+        let via = self.node_info(node)?.ip.to_string();
+        let ext = self
+            .external()
+            .context("the lab has no external client (LabBuilder::external)")?;
+        ip_in(
+            &ext.netns,
+            &[
+                "route",
+                "replace",
+                &format!("{ip}/32"),
+                "via",
+                &via,
+                "dev",
+                "eth0",
+            ],
+        )?;
+        Ok(())
+    }
+
     pub(super) fn create_switch(&mut self) -> Result<()> {
         let Some(sw) = self.info.switch_netns.clone() else {
             return Ok(());
