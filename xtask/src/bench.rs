@@ -50,9 +50,11 @@
 //! | `layouts` | kube-proxy's rule layouts and the agent's manifests for N services |
 //! | `load` | the traffic generators and the pods' servers |
 //! | `report` | `results.json` and `results.md` |
+//! | `charts` | the SVG charts beside them (latency, programming, memory against N) |
 //! | `sys` | commands in namespaces, CPU pinning and noise, kernel memory, conntrack and BPF map resets |
 
 mod api;
+pub mod charts;
 mod config;
 pub mod layouts;
 pub mod load;
@@ -459,8 +461,25 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
     Ok(out)
 }
 
+/// `cargo xtask bench --replot DIR`: `results.md` and the charts again from
+/// the `results.json` of an earlier run (after a change to the report or
+/// the charts; the measurements are not touched).
+fn replot(dir: &Path) -> Result<()> {
+    let path = dir.join("results.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let results: Results = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench run's results", path.display()))?;
+    report::write(dir, &results)?;
+    println!("redrawn from {}: results.md and the charts", path.display());
+    Ok(())
+}
+
 /// `cargo xtask bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(dir) = &args.replot {
+        return replot(dir);
+    }
     catch_interrupts();
     let mut cfg = Config::from_args(&args)?;
     let out = cfg.out.clone().unwrap_or_else(|| {

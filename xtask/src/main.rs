@@ -228,8 +228,11 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => {
-            // The iptables/nftables layouts and the lab need setup's packages.
-            setup::ensure_setup()?;
+            // The iptables/nftables layouts and the lab need setup's packages;
+            // redrawing an earlier run's report needs nothing.
+            if args.replot.is_none() {
+                setup::ensure_setup()?;
+            }
             xtask::bench::run(args)
         }
     }

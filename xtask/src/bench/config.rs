@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// `cargo xtask bench` arguments.
 #[derive(clap::Args, Debug, Clone)]
@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// The proxy-agent binary (default: target/release/proxy-agent if built, else debug).
     #[arg(long, env = "KPR_BENCH_AGENT_BIN")]
     pub agent_bin: Option<PathBuf>,
+    /// Run nothing: redraw `results.md` and the charts of an earlier run
+    /// from the `results.json` in this directory.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["quick", "n", "modes", "family", "out"])]
+    pub replot: Option<PathBuf>,
 }
 
 /// The address family a mode's lab carries traffic in.
@@ -57,7 +61,7 @@ pub struct BenchArgs {
 /// dual-stack lab ([`crate::lab::LabBuilder::dual_stack`]): the client
 /// dials the pods' and the Services' IPv6 addresses (2001:2::/48), and
 /// kube-proxy's layouts are its IPv6 ones (ip6tables, nftables `ip6`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Family {
     Ipv4,
     Ipv6,

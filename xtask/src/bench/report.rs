@@ -1,4 +1,5 @@
-//! The benchmark's outputs: `results.json` and `results.md`.
+//! The benchmark's outputs: `results.json`, `results.md` and the charts
+//! ([`super::charts`]), which `results.md` shows first.
 //!
 //! Per N, the IPv4 tables as they always were, then (when IPv6 ran) the
 //! same tables for IPv6 under `#### IPv6`, with ratios to the IPv6 floor
@@ -22,11 +23,19 @@ pub const BASE6: &str = "ip6tables-legacy";
 /// The floor (in both families).
 pub const FLOOR: &str = super::results::FLOOR;
 
-/// Writes `results.json` and `results.md` into `dir`.
+/// Writes `results.json`, the charts and `results.md` into `dir`.
 pub fn write(dir: &Path, r: &Results) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(r)?)?;
-    std::fs::write(dir.join("results.md"), markdown(r))?;
+    super::charts::write(dir, r)?;
+    let md = markdown(r);
+    let images = super::charts::markdown_images(r)?;
+    // The charts after the first heading and the run's description.
+    let md = match md.find("\n### ") {
+        Some(i) if !images.is_empty() => format!("{}\n{images}{}", &md[..i], &md[i + 1..]),
+        _ => md,
+    };
+    std::fs::write(dir.join("results.md"), md)?;
     Ok(())
 }
 

@@ -3,12 +3,12 @@
 //! and per N the agent's cost over the floor compared across families.
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Family;
 
 /// One measured cell (medians over rounds where it says so).
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct ConnStats {
     pub p50_us: f64,
     pub p99_us: f64,
@@ -25,7 +25,7 @@ pub struct ConnStats {
     pub first_error: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct RrStats {
     pub p50_us: f64,
     pub p99_us: f64,
@@ -35,7 +35,7 @@ pub struct RrStats {
 }
 
 /// Programming measurements of one mode at one N.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct ProgStats {
     /// Time to program N services from empty (nftables: in chunks).
     pub from_empty_s: Option<f64>,
@@ -59,7 +59,7 @@ pub struct ProgStats {
 }
 
 /// Everything measured for one mode at one N.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct ModeResult {
     pub prog: ProgStats,
     /// Connection latency per target position (medians over rounds).
@@ -82,7 +82,7 @@ pub struct ModeResult {
     pub http_failed: u64,
     /// The API modes' own figures (the real kube-proxy, the agent with
     /// `--source kubernetes`).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<ApiStats>,
     /// The harness's own checks.
     pub checks: Vec<Check>,
@@ -91,7 +91,7 @@ pub struct ModeResult {
 /// A Prometheus histogram read from a proxy's /metrics (or the difference
 /// of two readings): observations, their sum, and the median estimated
 /// from the buckets as `histogram_quantile` does.
-#[derive(Debug, Clone, Serialize, Default, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
 pub struct HistSummary {
     pub count: f64,
     pub sum_s: f64,
@@ -105,7 +105,7 @@ impl HistSummary {
 }
 
 /// What an API mode's proxy reported and cost at one N.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct ApiStats {
     /// The proxy's `minSyncPeriod` (kube-proxy: its default; the agent: as
     /// the lab runs it).
@@ -134,7 +134,7 @@ pub struct ApiStats {
     pub churn_cpu_per_1000_s: Option<f64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Check {
     pub name: String,
     pub ok: bool,
@@ -142,7 +142,7 @@ pub struct Check {
 }
 
 /// One N.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NResult {
     pub n: usize,
     /// Target service indices per position (the same in both families).
@@ -150,13 +150,13 @@ pub struct NResult {
     /// The IPv4 modes, by name.
     pub modes: BTreeMap<String, ModeResult>,
     /// The IPv6 modes, by their IPv6 names (`ip6tables-legacy`, ...).
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub modes_ipv6: BTreeMap<String, ModeResult>,
     /// The agent's ratios to the floor, IPv4 against IPv6 (when both ran).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub family_target: Option<FamilyTarget>,
     /// Modes not run at this N, and why.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub not_run: BTreeMap<String, String>,
 }
 
@@ -188,7 +188,7 @@ pub const TARGET_MODE: &str = "proxy-tc";
 
 /// One metric of [`FamilyTarget`]: the agent's figure over the floor's in
 /// each family (as the tables' `×floor`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FamilyMetric {
     pub metric: String,
     pub ipv4_ratio: f64,
@@ -202,7 +202,7 @@ pub struct FamilyMetric {
 /// The target at one N: IPv6 costs no more than IPv4 relative to
 /// its floor, for the agent (`proxy-tc`): met when it holds for every
 /// metric. Reported, never asserted.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FamilyTarget {
     pub mode: String,
     pub metrics: Vec<FamilyMetric>,
@@ -275,7 +275,7 @@ pub(super) fn family_target(n: &NResult) -> Option<FamilyTarget> {
 }
 
 /// A whole run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Results {
     pub machine: BTreeMap<String, String>,
     pub config: BTreeMap<String, String>,
