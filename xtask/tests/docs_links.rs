@@ -1,4 +1,4 @@
-//! Every relative link of README.md and docs/*.md points to a file that
+//! Every relative link of README.md, BENCHMARKS.md and docs/*.md points to a file that
 //! exists, and a `#fragment` to a heading of that page (GitHub's anchors),
 //! so moving a section cannot leave a dead link behind. No root.
 
@@ -97,7 +97,7 @@ fn anchors(text: &str) -> Vec<String> {
 #[test]
 fn relative_links_of_the_docs_resolve() {
     let root = repo_root();
-    let mut pages = vec![root.join("README.md")];
+    let mut pages = vec![root.join("README.md"), root.join("BENCHMARKS.md")];
     let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
         .expect("docs/")
         .map(|e| e.unwrap().path())
