@@ -12,8 +12,8 @@
 //! family it has a ClusterIP of (`spec.clusterIPs`, `clusterIP` the primary;
 //! [`IpFamily`]), and each family's frontends get only that family's
 //! endpoints (EndpointSlices of that `addressType`), node addresses,
-//! externalIPs, load-balancer IPs and source ranges. (The writer programs
-//! IPv4 frontends only, until the datapath has IPv6 maps.)
+//! externalIPs, load-balancer IPs and source ranges. The writer programs
+//! each family's frontends into that family's maps.
 //!
 //! Frontends built, per service port and family:
 //!

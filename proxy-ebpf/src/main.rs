@@ -32,8 +32,8 @@
 //!   tail-called by the programs above for IPv6 frames ([`ipv6`]);
 //!   `ext_xdp6`, the XDP path for IPv6, tail-called by `ext_xdp` ([`xdp6`]).
 //!
-//! Limits (each counted when it happens): a later IPv4 fragment whose first
-//! was not seen passes untouched; IPv6 fragments pass untouched; see
+//! Limits (each counted when it happens): a later fragment whose first was
+//! not seen passes untouched, in both families (`pass_fragment`); see
 //! [`ipv6`] for what the IPv6 path does not do yet.
 #![no_std]
 #![no_main]
