@@ -30,6 +30,7 @@ use xtask::Lab;
 mod support;
 // `T` (2 s): also the timeout of a stream's connect, and of each read and write.
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Slice, Svc};
+use support::flows::connect_from;
 use support::{
     agent_bin, all_answered, assert_answered_by, assert_tcp_refused, tcp_hostname, Stream, T,
 };
@@ -484,77 +485,6 @@ fn s18_s19_publish_not_ready_addresses() {
     });
 }
 
-/// A `sockaddr_in` for `a`.
-fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: a.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*a.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
-/// A TCP socket with SO_REUSEADDR and SO_REUSEPORT bound to `src`, connected
-/// to `dst` (connect bounded by SO_SNDTIMEO = `T`), in the current thread's
-/// namespace.
-fn connect_from(src: SocketAddrV4, dst: SocketAddrV4) -> io::Result<TcpStream> {
-    use std::os::fd::FromRawFd;
-    let check = |r: libc::c_int| {
-        if r < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(r)
-        }
-    };
-    // SAFETY: plain socket syscalls on a descriptor owned by `stream` from
-    // its creation on (closed on every error path by its drop).
-    unsafe {
-        let fd = check(libc::socket(
-            libc::AF_INET,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-            0,
-        ))?;
-        let stream = TcpStream::from_raw_fd(fd);
-        let one: libc::c_int = 1;
-        for opt in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
-            check(libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                opt,
-                &one as *const libc::c_int as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            ))?;
-        }
-        let tv = libc::timeval {
-            tv_sec: T.as_secs() as libc::time_t,
-            tv_usec: 0,
-        };
-        check(libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
-            &tv as *const libc::timeval as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        ))?;
-        let s = sockaddr_in(src);
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        check(libc::bind(
-            fd,
-            &s as *const libc::sockaddr_in as *const libc::sockaddr,
-            len,
-        ))?;
-        let d = sockaddr_in(dst);
-        check(libc::connect(
-            fd,
-            &d as *const libc::sockaddr_in as *const libc::sockaddr,
-            len,
-        ))?;
-        Ok(stream)
-    }
-}
-
 /// C6 — "Services S1 (VIP1:80) and S2 (VIP2:80), both with the single
 /// endpoint A; client C opens two sockets with SO_REUSEADDR, both bound to
 /// source port 40000, one connecting to VIP1:80 and one to VIP2:80, both kept
@@ -577,8 +507,8 @@ fn c6_two_vips_one_backend_same_client_port() {
         let (s1, s2) = in_netns(
             &client.netns,
             move || -> io::Result<(TcpStream, TcpStream)> {
-                let s1 = connect_from(src, vip1)?;
-                let s2 = connect_from(src, vip2)?;
+                let s1 = connect_from(src, vip1, T)?;
+                let s2 = connect_from(src, vip2, T)?;
                 Ok((s1, s2))
             },
         )

@@ -1,10 +1,11 @@
 //! The UDP flow scenarios field-bugs K1 and K2, run by `tests/lab.rs` on one
 //! node and by `tests/lab_multinode.rs` across nodes: one client socket with
 //! a fixed source port sends a datagram every 100 ms ([`UdpProbe`]) while
-//! the endpoints change under it.
+//! the endpoints change under it; and [`connect_from`], a TCP connection
+//! from a fixed source port (field bug C6).
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, SocketAddrV4, TcpStream};
 use std::time::{Duration, Instant};
 
 use xtask::Lab;
@@ -249,4 +250,79 @@ pub fn k2_udp_zero_to_one_endpoint(lab: &mut Lab, at: &Placement) {
             .all(|s| s.result.as_deref() == Ok("dns-1")),
         "{what}: after reaching dns-1 the flow did not stay there"
     );
+}
+
+/// A `sockaddr_in` for `a`.
+pub fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*a.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A TCP socket with SO_REUSEADDR and SO_REUSEPORT bound to `src`, connected
+/// to `dst` (connect bounded by SO_SNDTIMEO = `timeout`), in the current thread's
+/// namespace.
+pub fn connect_from(
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let check = |r: libc::c_int| {
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r)
+        }
+    };
+    // SAFETY: plain socket syscalls on a descriptor owned by `stream` from
+    // its creation on (closed on every error path by its drop).
+    unsafe {
+        let fd = check(libc::socket(
+            libc::AF_INET,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+        ))?;
+        let stream = TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        for opt in [libc::SO_REUSEADDR, libc::SO_REUSEPORT] {
+            check(libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &one as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            ))?;
+        }
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        check(libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            &tv as *const libc::timeval as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        ))?;
+        let s = sockaddr_in(src);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        check(libc::bind(
+            fd,
+            &s as *const libc::sockaddr_in as *const libc::sockaddr,
+            len,
+        ))?;
+        let d = sockaddr_in(dst);
+        check(libc::connect(
+            fd,
+            &d as *const libc::sockaddr_in as *const libc::sockaddr,
+            len,
+        ))?;
+        Ok(stream)
+    }
 }
