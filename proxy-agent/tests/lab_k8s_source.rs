@@ -9,13 +9,15 @@
 //! the real one adds what a scripted server took on trust: the server's own
 //! managedFields and kubectl's annotations to trim, the EndpointSlice
 //! controller copying a Service's labels onto its slices (so kube-proxy's
-//! selector drops those too), `DELETED` for an object that leaves a label
+//! selector drops those too; all but the headless label, which it reserves),
+//! `DELETED` for an object that leaves a label
 //! selector, a watch expired by a restart and etcd's compaction (410 Gone),
 //! and the API server's defaults in the table run through both sources.
 //!
-//! One lab for all of them (its control plane takes most of the time), so
-//! one test: the cases run in order, each in a Kubernetes namespace of its
-//! own, the one that restarts the API server last.
+//! One lab for all of them, so one test (about 20 s here: 5 s for the lab
+//! to start, 9 s for the API server's restart): the cases run in order, each
+//! in a Kubernetes namespace of its own, the one that restarts the API
+//! server last.
 //!
 //! Run with `cargo xtask test` (`#[ignore]`d under a plain `cargo test`).
 
