@@ -21,7 +21,7 @@ use std::{
 
 use serde::Deserialize;
 use serde_json::Value;
-use xtask::{kube, netns::in_netns, setup, Lab};
+use xtask::{client::http_get_in, kube, setup, Lab};
 
 fn dir() -> PathBuf {
     setup::workspace_root().join("deploy/monitoring")
@@ -359,22 +359,6 @@ fn series_names(text: &str) -> BTreeSet<String> {
     out
 }
 
-fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> String {
-    use std::io::{Read, Write};
-    let p = path.to_string();
-    in_netns(ns, move || -> std::io::Result<String> {
-        let t = Duration::from_secs(5);
-        let mut s = std::net::TcpStream::connect_timeout(&addr.into(), t)?;
-        s.set_read_timeout(Some(t))?;
-        write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-        let mut body = String::new();
-        s.read_to_string(&mut body)?;
-        Ok(body)
-    })
-    .and_then(|r| r)
-    .unwrap_or_else(|e| panic!("GET {path} from {addr} in {ns}: {e}"))
-}
-
 /// Every metric the dashboard and the rules read is in a real agent's
 /// /metrics (after a sync and a connection through a Service), and every
 /// `reason` they match is a verdict of the datapath.
@@ -397,17 +381,14 @@ fn every_metric_named_exists_in_the_agents_metrics() {
     xtask::client::tcp_request(&client, vip, b"hostname\n", Duration::from_secs(2))
         .expect("a connection through the Service");
     let node = lab.node().netns.clone();
-    let text = http_get_in(
+    let (code, text) = http_get_in(
         &node,
         SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249),
         "/metrics",
-    );
-    assert!(
-        text.starts_with("HTTP/1.") && text.contains(" 200 "),
-        "{text}"
-    );
-    let (_, text) = text.split_once("\r\n\r\n").expect("headers, then the body");
-    let offered = series_names(text);
+    )
+    .expect("GET /metrics");
+    assert_eq!(code, 200, "{text}");
+    let offered = series_names(&text);
     let mut missing = Vec::new();
     let mut named = BTreeSet::new();
     for (at, e) in expressions() {

@@ -14,8 +14,7 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use xtask::client::{self, reply_text};
-use xtask::netns::in_netns;
+use xtask::client::{self, http_get_in, reply_text};
 use xtask::Lab;
 
 mod support;
@@ -598,21 +597,11 @@ fn distribution_three_pods_3000_connections() {
     });
 }
 
-/// `GET <path>` on `addr` from inside the node's namespace (the agent's
-/// metrics listen on the node's loopback, as kube-proxy's do).
-fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> String {
-    use std::io::{Read, Write};
-    let p = path.to_string();
-    in_netns(ns, move || -> io::Result<String> {
-        let mut s = std::net::TcpStream::connect_timeout(&addr.into(), T)?;
-        s.set_read_timeout(Some(T))?;
-        write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-        let mut body = String::new();
-        s.read_to_string(&mut body)?;
-        Ok(body)
-    })
-    .and_then(|r| r)
-    .unwrap_or_else(|e| panic!("GET {path} from {addr} in {ns}: {e}"))
+/// The agent's /metrics at `addr`, answered with 200.
+fn metrics_text(ns: &str, addr: SocketAddrV4) -> String {
+    let (code, text) = http_get_in(ns, addr, "/metrics").expect("GET /metrics");
+    assert_eq!(code, 200, "{text}");
+    text
 }
 
 /// The value of the series `name{label="value"}` in Prometheus text, 0 if absent.
@@ -641,13 +630,13 @@ fn metrics_counters_move_with_real_traffic() {
         let pod_ip = lab.pod("web-1").unwrap().ip;
         let fe = format!("{vip}/TCP");
         let be = format!("{pod_ip}:80/TCP");
-        let before = http_get_in(&node_ns, metrics, "/metrics");
+        let before = metrics_text(&node_ns, metrics);
         let client = lab.client().clone();
         for i in 0..20 {
             client::tcp_request(&client.netns, vip, b"hostname\n", T)
                 .unwrap_or_else(|e| panic!("request {i}: {e}"));
         }
-        let after = http_get_in(&node_ns, metrics, "/metrics");
+        let after = metrics_text(&node_ns, metrics);
         let d = |name: &str, label: &str, value: &str| {
             series(&after, name, label, value) - series(&before, name, label, value)
         };
@@ -667,15 +656,13 @@ fn metrics_counters_move_with_real_traffic() {
         );
         assert!(fe_bytes >= fe_packets * 54, "bytes count whole frames");
         assert_eq!(new_flows, 20, "one new flow per connection");
-        let health = http_get_in(
+        let (code, health) = http_get_in(
             &node_ns,
             SocketAddrV4::new(lab.node().ip, 10256),
             "/healthz",
-        );
-        assert!(
-            health.starts_with("HTTP/1.0 200") || health.starts_with("HTTP/1.1 200"),
-            "{health}"
-        );
+        )
+        .expect("GET /healthz");
+        assert_eq!(code, 200, "{health}");
         assert!(
             health.contains("\"lastUpdated\"") && health.contains("\"currentTime\""),
             "{health}"

@@ -41,7 +41,8 @@ use super::layouts::{PORT, TPORT};
 use super::mode_lab::ModeLab;
 use super::results::{median, ApiStats, HistSummary};
 use super::{check_interrupted, load, log, Config, Mode, ProgStats};
-use crate::lab::kube_proxy::{http_get_in, KubeProxyOptions, METRICS_ADDR};
+use crate::client::http_get_in;
+use crate::lab::kube_proxy::{KubeProxyOptions, METRICS_ADDR};
 use crate::lab::NODE_NAME;
 
 /// The churn pod (label `app: churn`), selected by the churn Services.

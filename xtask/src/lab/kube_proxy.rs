@@ -36,8 +36,9 @@ use serde::{Deserialize, Serialize};
 
 use super::info::write_atomic;
 use super::Lab;
+use crate::client::http_get_in;
 use crate::kube;
-use crate::netns::{self, in_netns};
+use crate::netns;
 
 /// A kube-proxy proxy mode.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -114,34 +115,6 @@ pub const METRICS_ADDR: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10
 pub const HEALTHZ_PORT: u16 = 10256;
 /// Bound of kube-proxy's start: its first sync reported by /healthz.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
-
-/// `GET path` over HTTP/1.0 to `addr` from inside namespace `ns`: the status
-/// code and the body.
-pub fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> Result<(u16, String)> {
-    use std::io::{Read, Write};
-    let p = path.to_string();
-    let text = in_netns(ns, move || -> std::io::Result<String> {
-        let t = Duration::from_secs(2);
-        let mut s = std::net::TcpStream::connect_timeout(&addr.into(), t)?;
-        s.set_read_timeout(Some(t))?;
-        write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-        let mut body = String::new();
-        s.read_to_string(&mut body)?;
-        Ok(body)
-    })
-    .and_then(|r| r)
-    .with_context(|| format!("GET {path} from {addr} in {ns}"))?;
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("GET {path} from {addr}: not HTTP: {text:.80}"))?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
-}
 
 /// Whether kube-proxy in namespace `ns` has synced its rules once
 /// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` set).
