@@ -137,16 +137,9 @@ struct SockRevNatMaps {
 
 impl SockRevNatMaps {
     fn open(pin_dir: &std::path::Path) -> Result<Self, String> {
-        let open = |name: &str| {
-            aya::maps::MapData::from_pin(pin_dir.join(name))
-                .map(aya::maps::Map::LruHashMap)
-                .map_err(|e| format!("{name}: {e}"))
-        };
         Ok(Self {
-            v4: aya::maps::HashMap::try_from(open(proxy_common::map_names::SOCK_REVNAT)?)
-                .map_err(|e| e.to_string())?,
-            v6: aya::maps::HashMap::try_from(open(proxy_common::map_names::SOCK_REVNAT6)?)
-                .map_err(|e| e.to_string())?,
+            v4: crate::bpf::open_lru_hash(pin_dir, proxy_common::map_names::SOCK_REVNAT)?,
+            v6: crate::bpf::open_lru_hash(pin_dir, proxy_common::map_names::SOCK_REVNAT6)?,
         })
     }
 

@@ -38,6 +38,8 @@ use netlink_packet_netfilter::{
 use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
 use proxy_common::{ct_dir, map_names, Ct4Key, Ct6Key, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
+use crate::bpf::open_lru_hash;
+
 /// Most entries read from one dump (the kernel's table is bounded by
 /// `nf_conntrack_max`; this bounds the loop whatever it says).
 const MAX_ENTRIES: usize = 4 * 1024 * 1024;
@@ -253,17 +255,8 @@ pub fn key6(f: &KernelFlow) -> Option<Ct6Key> {
 /// handover maps under `pin_dir`: how many of each family.
 pub fn hand_over(pin_dir: &Path) -> Result<(usize, usize), String> {
     let flows = translated_flows().map_err(|e| format!("read the kernel's conntrack: {e}"))?;
-    let open = |name: &str| {
-        aya::maps::MapData::from_pin(pin_dir.join(name))
-            .map(aya::maps::Map::LruHashMap)
-            .map_err(|e| format!("open {name}: {e}"))
-    };
-    let mut v4: aya::maps::HashMap<_, Ct4Key, u64> =
-        aya::maps::HashMap::try_from(open(map_names::HANDOVER)?)
-            .map_err(|e| format!("{}: {e}", map_names::HANDOVER))?;
-    let mut v6: aya::maps::HashMap<_, Ct6Key, u64> =
-        aya::maps::HashMap::try_from(open(map_names::HANDOVER6)?)
-            .map_err(|e| format!("{}: {e}", map_names::HANDOVER6))?;
+    let mut v4 = open_lru_hash::<Ct4Key, u64>(pin_dir, map_names::HANDOVER)?;
+    let mut v6 = open_lru_hash::<Ct6Key, u64>(pin_dir, map_names::HANDOVER6)?;
     let now = monotonic_ns();
     let (mut n4, mut n6) = (0, 0);
     for f in &flows {

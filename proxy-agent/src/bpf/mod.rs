@@ -802,5 +802,5 @@ pub use links::{
     cgroup2_root, cleanup, cleanup_legacy_filters, kernel_has_tcx, resolve_tc_mode, Attacher,
     TcAttachMode, TcMode, LEGACY_HANDLE_EGRESS, LEGACY_HANDLE_INGRESS, LEGACY_PRIORITY,
 };
-pub use pinned::{PinnedMaps, ProgrammedTraffic};
+pub use pinned::{open_lru_hash, PinnedMaps, ProgrammedTraffic};
 pub use pins::{expected_maps, pinned_def, MapDef, OLD_SUFFIX};

@@ -13,6 +13,17 @@ pub struct ProgrammedTraffic {
     pub backends: BTreeMap<u32, (IpAddr, u16, u8, Traffic)>,
 }
 
+/// The pinned LRU hash map `name` under `pin_dir`, opened for reading and
+/// writing by a process that did not load the object (the handover of the
+/// kernel's flows, the socket reverse-NAT lookups); an error names the map.
+pub fn open_lru_hash<K: aya::Pod, V: aya::Pod>(
+    pin_dir: &Path,
+    name: &str,
+) -> Result<HashMap<MapData, K, V>, String> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(|e| format!("open {name}: {e}"))?;
+    HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(|e| format!("{name}: {e}"))
+}
+
 /// Read-only views of pinned maps, for `inspect` and tests.
 pub struct PinnedMaps {
     pub dir: PathBuf,
