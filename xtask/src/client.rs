@@ -282,6 +282,35 @@ pub fn reply_text(reply: &[u8]) -> String {
     String::from_utf8_lossy(reply).trim().to_string()
 }
 
+/// `GET path` over HTTP/1.0 to `addr` from inside namespace `ns` (connect
+/// and read each bounded by 5 s): the status code and the body. For the
+/// agent's and kube-proxy's /metrics and /healthz in the lab.
+pub fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> anyhow::Result<(u16, String)> {
+    use anyhow::Context as _;
+    let p = path.to_string();
+    let text = in_netns(ns, move || -> io::Result<String> {
+        let t = Duration::from_secs(5);
+        let mut s = TcpStream::connect_timeout(&addr.into(), t)?;
+        s.set_read_timeout(Some(t))?;
+        write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+        let mut body = String::new();
+        s.read_to_string(&mut body)?;
+        Ok(body)
+    })
+    .and_then(|r| r)
+    .with_context(|| format!("GET {path} from {addr} in {ns}"))?;
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("GET {path} from {addr}: not HTTP: {text:.80}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,33 +345,4 @@ mod tests {
         })
         .expect("in the namespace");
     }
-}
-
-/// `GET path` over HTTP/1.0 to `addr` from inside namespace `ns` (connect
-/// and read each bounded by 5 s): the status code and the body. For the
-/// agent's and kube-proxy's /metrics and /healthz in the lab.
-pub fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> anyhow::Result<(u16, String)> {
-    use anyhow::Context as _;
-    let p = path.to_string();
-    let text = in_netns(ns, move || -> io::Result<String> {
-        let t = Duration::from_secs(5);
-        let mut s = TcpStream::connect_timeout(&addr.into(), t)?;
-        s.set_read_timeout(Some(t))?;
-        write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-        let mut body = String::new();
-        s.read_to_string(&mut body)?;
-        Ok(body)
-    })
-    .and_then(|r| r)
-    .with_context(|| format!("GET {path} from {addr} in {ns}"))?;
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("GET {path} from {addr}: not HTTP: {text:.80}"))?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
 }
