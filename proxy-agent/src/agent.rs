@@ -2,7 +2,7 @@
 //! interfaces as they appear, and keep the maps equal to the desired state of
 //! the source, with kube-proxy's minimum sync period.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -121,9 +121,11 @@ struct Observers {
     delivery_checked: Instant,
     /// The `healthCheckNodePort` listeners, reconciled after every sync.
     health_checks: crate::healthcheck::HealthCheckServers,
-    /// Backends of UDP frontends as last programmed: connected UDP sockets
-    /// of host clients aimed at one that goes away are destroyed.
-    udp_backends: BTreeSet<SocketAddr>,
+    /// The backends of each UDP frontend address as last programmed (every
+    /// scope's, retained ones included): when a backend leaves one, the
+    /// flows it carried for that frontend are forgotten (conntrack entries
+    /// deleted, host clients' connected sockets destroyed).
+    udp_backends: BTreeMap<SocketAddr, BTreeSet<SocketAddr>>,
     /// The socket-level reverse-NAT maps (which sockets the hooks aimed
     /// where), IPv4's and IPv6's; `None` while host socket LB is off.
     sock_revnat: Option<SockRevNatMaps>,
@@ -143,9 +145,10 @@ impl SockRevNatMaps {
         })
     }
 
-    /// Whether the hooks aimed socket `cookie` at `peer` (as the socket has
-    /// it: an IPv4-mapped peer of an IPv6 socket is in the IPv4 map).
-    fn aimed(&self, cookie: u64, peer: SocketAddr) -> bool {
+    /// The frontend the hooks aimed socket `cookie` from when they sent it
+    /// to `peer` (as the socket has it: an IPv4-mapped peer of an IPv6
+    /// socket is in the IPv4 map); `None` if they did not.
+    fn aimed_from(&self, cookie: u64, peer: SocketAddr) -> Option<SocketAddr> {
         match crate::sockdiag::backend_of(peer) {
             SocketAddr::V4(p) => {
                 let key = SockRevNat4Key {
@@ -154,7 +157,11 @@ impl SockRevNatMaps {
                     port_be: p.port().to_be(),
                     _pad: 0,
                 };
-                self.v4.get(&key, 0).is_ok()
+                let v = self.v4.get(&key, 0).ok()?;
+                Some(SocketAddr::new(
+                    Ipv4Addr::from(v.addr_be.to_ne_bytes()).into(),
+                    u16::from_be(v.port_be),
+                ))
             }
             SocketAddr::V6(p) => {
                 let key = SockRevNat6Key {
@@ -163,37 +170,117 @@ impl SockRevNatMaps {
                     port_be: p.port().to_be(),
                     _pad: [0; 6],
                 };
-                self.v6.get(&key, 0).is_ok()
+                let v = self.v6.get(&key, 0).ok()?;
+                Some(SocketAddr::new(
+                    proxy_common::ipv6::ipv6(&v.addr_be).into(),
+                    u16::from_be(v.port_be),
+                ))
             }
         }
     }
 }
 
-/// The backends of every UDP frontend of `desired`, retained ones included.
-fn udp_backends(desired: &model::DesiredState) -> BTreeSet<SocketAddr> {
-    desired
-        .frontends
+/// The backends of each UDP frontend address of `desired` (the frontends
+/// of every scope at that address and port), retained ones included.
+fn udp_backends(desired: &model::DesiredState) -> BTreeMap<SocketAddr, BTreeSet<SocketAddr>> {
+    let mut out: BTreeMap<SocketAddr, BTreeSet<SocketAddr>> = BTreeMap::new();
+    for (k, f) in &desired.frontends {
+        if k.proto != proxy_common::IPPROTO_UDP {
+            continue;
+        }
+        out.entry(SocketAddr::new(k.addr, k.port))
+            .or_default()
+            .extend(
+                f.backends
+                    .iter()
+                    .chain(f.retained.iter())
+                    .map(|b| SocketAddr::new(b.addr, b.port)),
+            );
+    }
+    out
+}
+
+/// The (frontend, backend) pairs of `before` that `now` no longer has: a
+/// backend that left a UDP frontend, or a frontend that went.
+fn gone_udp_pairs(
+    before: &BTreeMap<SocketAddr, BTreeSet<SocketAddr>>,
+    now: &BTreeMap<SocketAddr, BTreeSet<SocketAddr>>,
+) -> BTreeSet<(SocketAddr, SocketAddr)> {
+    let empty = BTreeSet::new();
+    before
         .iter()
-        .filter(|(k, _)| k.proto == proxy_common::IPPROTO_UDP)
-        .flat_map(|(_, f)| f.backends.iter().chain(f.retained.iter()))
-        .map(|b| SocketAddr::new(b.addr, b.port))
+        .flat_map(|(fe, backends)| {
+            let still = now.get(fe).unwrap_or(&empty);
+            backends
+                .difference(still)
+                .map(move |be| (*fe, *be))
+                .collect::<Vec<_>>()
+        })
         .collect()
 }
 
-/// Destroys host clients' connected UDP sockets that the socket hooks aimed
-/// at a backend no longer programmed (see [`crate::sockdiag`]).
-fn destroy_stale_udp_sockets(obs: &mut Observers, desired: &model::DesiredState) {
+/// Forgets the UDP flows of every backend that left a UDP frontend, as
+/// kube-proxy's conntrack cleanup does: the datapath's conntrack entries of
+/// those pairs are deleted, so the next datagram picks one of the
+/// frontend's backends again, and host clients' connected UDP sockets the
+/// socket hooks aimed at such a pair are destroyed (see
+/// [`crate::sockdiag`]). The backend may still back other Services: only
+/// its flows of this frontend go.
+fn forget_stale_udp_flows(
+    cfg: &RunConfig,
+    obs: &mut Observers,
+    writer: &Writer<BpfDataplane>,
+    desired: &model::DesiredState,
+) {
     let now = udp_backends(desired);
-    let gone: BTreeSet<SocketAddr> = obs.udp_backends.difference(&now).copied().collect();
+    let gone = gone_udp_pairs(&obs.udp_backends, &now);
     obs.udp_backends = now;
-    let Some(revnat) = &obs.sock_revnat else {
-        return;
-    };
     if gone.is_empty() {
         return;
     }
-    let ours = |cookie: u64, peer: SocketAddr| revnat.aimed(cookie, peer);
-    match crate::sockdiag::destroy_aimed_at(&gone, ours) {
+    // The datapath's flows: by the frontends' reverse-NAT ids (each scope
+    // at the address) and the backend's id, both as programmed now. A
+    // frontend that went has no id left, nor a backend no longer
+    // programmed anywhere: the datapath finds neither and forgets those
+    // flows itself.
+    let rev_nat_ids = writer.rev_nat_ids();
+    let backend_ids = writer.backend_ids();
+    let mut pairs = BTreeSet::new();
+    for (fe, be) in &gone {
+        let backend = model::BackendAddr {
+            addr: be.ip(),
+            port: be.port(),
+            proto: proxy_common::IPPROTO_UDP,
+        };
+        let Some(&backend_id) = backend_ids.get(&backend) else {
+            continue;
+        };
+        for (_, &id) in rev_nat_ids.iter().filter(|(k, _)| {
+            k.proto == proxy_common::IPPROTO_UDP && k.addr == fe.ip() && k.port == fe.port()
+        }) {
+            pairs.insert((id, backend_id));
+        }
+    }
+    match crate::bpf::delete_udp_flows(&cfg.bpffs, &pairs) {
+        Ok(0) => {}
+        Ok(n) => info!(
+            flows = n,
+            "UDP flows of backends that left their Service forgotten"
+        ),
+        Err(e) => {
+            warn!(error = %e, "cannot delete the UDP flows of backends that left their Service; they keep their backend until idle")
+        }
+    }
+    let Some(revnat) = &obs.sock_revnat else {
+        return;
+    };
+    let backends: BTreeSet<SocketAddr> = gone.iter().map(|(_, be)| *be).collect();
+    let ours = |cookie: u64, peer: SocketAddr| {
+        revnat
+            .aimed_from(cookie, peer)
+            .is_some_and(|fe| gone.contains(&(fe, crate::sockdiag::backend_of(peer))))
+    };
+    match crate::sockdiag::destroy_aimed_at(&backends, ours) {
         Ok(d) if d.destroyed > 0 || d.failed > 0 => info!(
             destroyed = d.destroyed,
             failed = d.failed,
@@ -575,7 +662,7 @@ fn sync_once(
             .iter()
             .any(|k| k.proto == proxy_common::IPPROTO_UDP)
     {
-        destroy_stale_udp_sockets(obs, desired);
+        forget_stale_udp_flows(cfg, obs, writer, desired);
     }
     // Ports that cannot be bound are logged inside and retried next sync.
     obs.health_checks.sync(&desired.health_checks);
@@ -757,7 +844,7 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         delivery_checked: Instant::now(),
         health_checks: crate::healthcheck::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
-        udp_backends: BTreeSet::new(),
+        udp_backends: BTreeMap::new(),
         sock_revnat: None,
     };
     let sock_lb = loaded.sock_lb.clone();
@@ -990,4 +1077,53 @@ pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), Agen
         },
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn table(rows: &[(&str, &[&str])]) -> BTreeMap<SocketAddr, BTreeSet<SocketAddr>> {
+        rows.iter()
+            .map(|(fe, bes)| (sa(fe), bes.iter().map(|b| sa(b)).collect()))
+            .collect()
+    }
+
+    /// A backend that leaves one UDP frontend is a gone pair of that
+    /// frontend even while it still backs another (the oracle's C2/K1:
+    /// web-1 leaves `k1` and stays in `web`); a frontend that goes takes
+    /// all its pairs; an unchanged frontend and a backend that arrives give
+    /// none.
+    #[test]
+    fn gone_udp_pairs_are_per_frontend() {
+        let before = table(&[
+            ("198.19.0.10:80", &["198.18.1.1:80", "198.18.1.2:80"]),
+            ("198.19.0.11:80", &["198.18.1.1:80"]),
+            ("198.19.0.12:53", &["198.18.1.3:53"]),
+            ("[2001:2:0:ff::10]:80", &["[2001:2:0:1::1]:80"]),
+        ]);
+        let now = table(&[
+            ("198.19.0.10:80", &["198.18.1.1:80", "198.18.1.2:80"]),
+            ("198.19.0.11:80", &["198.18.1.2:80"]),
+            (
+                "[2001:2:0:ff::10]:80",
+                &["[2001:2:0:1::1]:80", "[2001:2:0:1::2]:80"],
+            ),
+        ]);
+        let gone = gone_udp_pairs(&before, &now);
+        assert_eq!(
+            gone,
+            [
+                (sa("198.19.0.11:80"), sa("198.18.1.1:80")),
+                (sa("198.19.0.12:53"), sa("198.18.1.3:53")),
+            ]
+            .into_iter()
+            .collect()
+        );
+        assert!(gone_udp_pairs(&now, &now).is_empty());
+    }
 }

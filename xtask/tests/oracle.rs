@@ -134,38 +134,25 @@ const KEPT: &[Kept] = &[
                  later (a keepalived or kube-vip VIP)",
     },
     Kept {
-        key: "pod → UDP flow, after its backend left (C2/K1)",
-        mode: KubeProxyMode::Iptables,
-        reason: UDP_FLOW_KEEPS_SHARED_BACKEND,
-    },
-    Kept {
-        key: "pod → UDP flow, after its backend left (C2/K1)",
-        mode: KubeProxyMode::Nftables,
-        reason: UDP_FLOW_KEEPS_SHARED_BACKEND,
-    },
-    Kept {
         key: "host → connected UDP socket, after its backend left (C4)",
         mode: KubeProxyMode::Iptables,
-        reason: UDP_FLOW_KEEPS_SHARED_BACKEND,
+        reason: HOST_UDP_SOCKET_DESTROYED,
     },
     Kept {
         key: "host → connected UDP socket, after its backend left (C4)",
         mode: KubeProxyMode::Nftables,
-        reason: UDP_FLOW_KEEPS_SHARED_BACKEND,
+        reason: HOST_UDP_SOCKET_DESTROYED,
     },
 ];
 
-/// A known defect, listed so that the oracle runs green until it is fixed
-/// (then these entries fail, as gone differences, and are removed).
-const UDP_FLOW_KEEPS_SHARED_BACKEND: &str = "KNOWN DEFECT, not a choice: a UDP \
-    flow from a pod, and a host's connected UDP socket, keep an endpoint that left \
-    their Service while that address and port still back another Service (here \
-    web-1:80 backs `web`): the datapath keeps a tracked flow while its backend is \
-    programmed for any frontend (backends are shared by address), and the agent \
-    destroys host sockets only for backends gone from every UDP frontend. kube-proxy \
-    deletes the UDP conntrack entries of each service port whose endpoint left it, \
-    so the next datagram reaches a current endpoint. A removed pod (the usual K1) \
-    is handled as kube-proxy does";
+/// Why a host's connected UDP socket reads an error where kube-proxy's
+/// moves on to another endpoint.
+const HOST_UDP_SOCKET_DESTROYED: &str = "the socket hooks aimed the host's connected \
+    UDP socket at web-1 at connect(); when web-1 leaves the Service the agent destroys \
+    the socket (socket diag), so its next send() fails (EDESTADDRREQ) until the \
+    application connects again, as Cilium's socket LB does. kube-proxy translates each \
+    datagram and moves the next one to web-2. A pod's UDP flow moves to web-2 under \
+    both (C2/K1)";
 
 /// Why a backend on the receiving node sees the external client.
 const SNAT_LOCAL: &str = "externalTrafficPolicy: Cluster: a backend on the node the \

@@ -272,6 +272,65 @@ impl ConntrackGc {
     }
 }
 
+/// Deletes the UDP flows whose frontend and backend are one of `pairs`
+/// (reverse-NAT id, backend id), in both families' pinned conntrack maps
+/// under `pin_dir`; returns how many. kube-proxy's conntrack cleanup: when
+/// an endpoint leaves a Service's UDP port, the flows it carried for that
+/// port are forgotten, so their next datagram picks one of the port's
+/// backends again. The datapath cannot see that by itself when the
+/// endpoint still backs another Service (backends are shared by address).
+/// Only SERVICE entries go; each one's REPLY entry is then collected by
+/// [`ConntrackGc`] (its SERVICE entry gone).
+pub fn delete_udp_flows(
+    pin_dir: &Path,
+    pairs: &std::collections::BTreeSet<(RevNatId, u32)>,
+) -> Result<usize, BpfError> {
+    if pairs.is_empty() {
+        return Ok(0);
+    }
+    let v4 = delete_family::<Ct4Key>(pin_dir, map_names::CONNTRACK, pairs)?;
+    let v6 = delete_family::<Ct6Key>(pin_dir, map_names::CONNTRACK6, pairs)?;
+    Ok(v4 + v6)
+}
+
+fn delete_family<K: CtKey>(
+    pin_dir: &Path,
+    name: &'static str,
+    pairs: &std::collections::BTreeSet<(RevNatId, u32)>,
+) -> Result<usize, BpfError> {
+    use proxy_common::conntrack::CtEntry as _;
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(map_err(name))?;
+    let fd = data.fd().as_fd().as_raw_fd();
+    // Bounded: a key evicted under the walk sends it back to the map's
+    // first key, so it stops after twice the map's capacity in steps.
+    let max_steps = data
+        .info()
+        .map_or(usize::MAX, |i| (i.max_entries() as usize).saturating_mul(2));
+    let mut map: HashMap<MapData, K, K::Value> =
+        HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(map_err(name))?;
+    let mut deleted = 0;
+    let mut key = next_key::<K>(fd, None);
+    let mut steps = 0;
+    while let Some(k) = key {
+        steps += 1;
+        if steps > max_steps {
+            break;
+        }
+        // Fetched first: the next key of a deleted one is the map's first.
+        key = next_key(fd, Some(&k));
+        if k.dir() != proxy_common::ct_dir::SERVICE || k.proto() != proxy_common::IPPROTO_UDP {
+            continue;
+        }
+        let Ok(v) = map.get(&k, 0) else {
+            continue;
+        };
+        if pairs.contains(&(v.rev_nat_id(), v.backend_id())) && map.remove(&k).is_ok() {
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
+}
+
 /// Entries one round of the agent's collector looks at.
 pub const GC_ROUND: usize = 4_096;
 /// The pause between two rounds of a pass.

@@ -797,7 +797,7 @@ pub mod probe;
 use probe::Capability;
 
 pub use dataplane::{ktime_ns, BpfDataplane};
-pub use gc::{ConntrackGc, CtGcReport, GcRound, GC_PAUSE, GC_ROUND};
+pub use gc::{delete_udp_flows, ConntrackGc, CtGcReport, GcRound, GC_PAUSE, GC_ROUND};
 pub use links::{
     cgroup2_root, cleanup, cleanup_legacy_filters, kernel_has_tcx, resolve_tc_mode, Attacher,
     TcAttachMode, TcMode, LEGACY_HANDLE_EGRESS, LEGACY_HANDLE_INGRESS, LEGACY_PRIORITY,
