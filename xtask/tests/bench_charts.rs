@@ -44,7 +44,12 @@ fn committed_charts_are_what_the_bench_draws_from_the_committed_results() {
 
 #[test]
 fn benchmarks_md_opens_with_every_chart() {
-    let root = bench_dir().parent().unwrap().parent().unwrap().to_path_buf();
+    let root = bench_dir()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let text = std::fs::read_to_string(root.join("BENCHMARKS.md")).unwrap();
     let first_table = text.find("\n|").expect("BENCHMARKS.md has tables");
     for (file, _) in charts::render(&results()).unwrap() {

@@ -186,12 +186,7 @@ fn script(b: &Binaries, packet_tests: bool, sctp_modules: &[GuestModule]) -> Str
 /// not be, or S41 proves nothing), then `sctp_modules` loaded, then the
 /// tests that need SCTP with `KPR_REQUIRE_SCTP=1` (a skip is a failure).
 /// Fails if any part did; a failed `insmod` skips the tests after it.
-fn sctp_step(
-    env: &str,
-    tests: &Path,
-    modules: &[GuestModule],
-    busybox: &Path,
-) -> String {
+fn sctp_step(env: &str, tests: &Path, modules: &[GuestModule], busybox: &Path) -> String {
     format!(
         "(
 rc=0
