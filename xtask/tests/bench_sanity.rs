@@ -115,6 +115,24 @@ fn every_mode_delivers_and_the_checks_hold() {
     let cfg = Config::sanity();
     let results = run(&cfg, "sanity run (IPv4)");
     assert_sane(&cfg, &results);
+    // The run's charts: latency and programming name every mode measured
+    // (the floor has no programming), memory the agent's.
+    let charts = xtask::bench::charts::render(&results).expect("the charts");
+    let names: Vec<&str> = charts.iter().map(|(f, _)| f.as_str()).collect();
+    assert_eq!(names, ["latency.svg", "programming.svg", "memory.svg"]);
+    for (file, svg) in &charts {
+        for m in &cfg.modes {
+            let name = m.name();
+            let shown = match file.as_str() {
+                "latency.svg" => true,
+                "programming.svg" => name != "none",
+                _ => name.starts_with("proxy-tc"),
+            };
+            if shown {
+                assert!(svg.contains(name), "{file} has no line for {name}");
+            }
+        }
+    }
 }
 
 /// IPv6: the floor, ip6tables-legacy, nftables `ip6` and proxy-tc at N =
