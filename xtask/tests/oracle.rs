@@ -18,9 +18,14 @@
 //! (C2/K1, and from the host, C4), endpoints went 0→1 (K2) or unready →
 //! ready (C5), two ClusterIPs sharing a backend (field bug C6).
 //!
-//! Dual-stack (D) is not observed here: the lab can be dual-stack, but
-//! kube-proxy has not been run in a dual-stack lab yet (the ServiceCIDR
-//! route it needs is IPv4 only), so that is a lab of its own to build.
+//! Dual-stack (D) has a lab and a test of its own
+//! ([`kube_proxy_oracle_dual_stack_observations_match_the_agent_or_are_listed`]):
+//! a RequireDualStack Service from a pod on its IPv4 and IPv6 ClusterIPs
+//! (TCP, UDP, source seen: D1/D2) and on a node's IPv6 NodePort, an
+//! IPv6-only Service, an IPv6 NodePort from the external client, a host
+//! client to the IPv6 ClusterIP and NodePort (D4) and an IPv6 Service
+//! without endpoints; kube-proxy's nodes route the IPv6 ServiceCIDR too
+//! ([`Lab::route_service_cidr`]).
 //!
 //! Every difference is either a failure or listed in [`KEPT`] with its
 //! reason, the table of docs/kube-proxy-differences.md; an entry of [`KEPT`] that no
@@ -38,7 +43,7 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -111,6 +116,16 @@ const KEPT: &[Kept] = &[
         reason: SNAT_LOCAL,
     },
     Kept {
+        key: "external → NodePort on node-2's IPv6 address (Cluster): source seen",
+        mode: KubeProxyMode::Iptables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
+        key: "external → NodePort on node-2's IPv6 address (Cluster): source seen",
+        mode: KubeProxyMode::Nftables,
+        reason: SNAT_LOCAL,
+    },
+    Kept {
         key: "host → NodePort on 127.0.0.1",
         mode: KubeProxyMode::Nftables,
         reason: "kube-proxy's nftables mode does not serve NodePorts on 127.0.0.1 on \
@@ -154,7 +169,9 @@ const HOST_UDP_SOCKET_DESTROYED: &str = "the socket hooks aimed the host's conne
     datagram and moves the next one to web-2. A pod's UDP flow moves to web-2 under \
     both (C2/K1)";
 
-/// Why a backend on the receiving node sees the external client.
+/// Why a backend on the receiving node sees the external client (over
+/// IPv4 and IPv6; kube-proxy's IPv6 masquerade picks the node's address
+/// towards the pod, the pods' IPv6 gateway 2001:2::1).
 const SNAT_LOCAL: &str = "externalTrafficPolicy: Cluster: a backend on the node the \
     packet arrived at sees the client's address (the reply passes this node's reverse \
     NAT anyway, so no SNAT is needed; Cilium does the same); kube-proxy masquerades \
@@ -961,4 +978,296 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         "differences from kube-proxy:\n{}",
         failures.join("\n")
     );
+}
+
+/// The dual-stack lab's Services (family D): `ds`, a NodePort with
+/// `ipFamilyPolicy: RequireDualStack` over ds-1 (node-1) and ds-2
+/// (node-2); `v6`, an IPv6-only ClusterIP over the same pods; `empty6`, an
+/// IPv6-only ClusterIP without endpoints.
+fn dual_stack_objects() -> String {
+    manifests(&[
+        &Pod::new("ds-1", "ds").node("node-1").port(80, "TCP"),
+        &Pod::new("ds-2", "ds").node("node-2").port(80, "TCP"),
+        &svc("ds", "NodePort")
+            .selector("ds")
+            .require_dual_stack()
+            .ports([Port::tcp("tcp", 80), Port::udp("udp", 80)]),
+        &svc("v6", "ClusterIP")
+            .selector("ds")
+            .ipv6_only()
+            .ports([Port::tcp("tcp", 80), Port::udp("udp", 80)]),
+        &svc("empty6", "ClusterIP")
+            .selector("nothing")
+            .ipv6_only()
+            .ports([Port::tcp("tcp", 80), Port::udp("udp", 80)]),
+    ])
+}
+
+/// Names the addresses of both families a backend of the dual-stack lab
+/// may see.
+fn names6(lab: &Lab) -> BTreeMap<IpAddr, String> {
+    let mut m = BTreeMap::new();
+    for n in lab.nodes() {
+        m.insert(IpAddr::V4(n.ip), n.name.clone());
+        if let Some(ip6) = n.ip6 {
+            m.insert(IpAddr::V6(ip6), format!("{} (IPv6)", n.name));
+        }
+    }
+    let c = lab.client();
+    m.insert(IpAddr::V4(c.ip), "client pod".to_string());
+    if let Some(ip6) = c.ip6 {
+        m.insert(IpAddr::V6(ip6), "client pod (IPv6)".to_string());
+    }
+    if let Some(x) = lab.external() {
+        m.insert(IpAddr::V4(x.ip), "external client".to_string());
+        if let Some(ip6) = x.ip6 {
+            m.insert(IpAddr::V6(ip6), "external client (IPv6)".to_string());
+        }
+    }
+    m.insert(
+        IpAddr::V6(xtask::lab::GATEWAY_IP6),
+        "node (pods' IPv6 gateway address)".to_string(),
+    );
+    m
+}
+
+fn name6(names: &BTreeMap<IpAddr, String>, seen: &str) -> String {
+    let ip = seen
+        .parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| seen.parse::<IpAddr>());
+    match ip {
+        Ok(ip) => names.get(&ip).cloned().unwrap_or_else(|| ip.to_string()),
+        Err(_) => format!("? {seen}"),
+    }
+}
+
+/// Connections per check of which backends answer, in the dual-stack lab:
+/// that one of two backends gets them all is 2 × 2⁻¹⁶, about 3e-5 a check.
+const N6: usize = 16;
+
+/// What the clients of the dual-stack lab observe (D1, D2, D4, D6, the IPv6
+/// NodePort and an IPv6 Service without endpoints), by key.
+fn observe_dual_stack(lab: &mut Lab) -> BTreeMap<&'static str, String> {
+    let names = names6(lab);
+    let client = lab.client().netns.clone();
+    let ext = lab.external().expect("external client").netns.clone();
+    let (n1, n2) = (lab.nodes()[0].clone(), lab.nodes()[1].clone());
+    let n1_6 = IpAddr::V6(n1.ip6.expect("node-1's IPv6 address"));
+    let n2_6 = IpAddr::V6(n2.ip6.expect("node-2's IPv6 address"));
+    let ds4 = IpAddr::V4(cluster_ip(lab, "ds"));
+    let ip6_of = |s: &str| {
+        IpAddr::V6(
+            lab.service_ip6(s)
+                .unwrap_or_else(|| panic!("no IPv6 ClusterIP of {s}")),
+        )
+    };
+    let (ds6, v6, empty6) = (ip6_of("ds"), ip6_of("v6"), ip6_of("empty6"));
+    let np = node_port(lab, "ds", "TCP");
+    let at = |ip: IpAddr, port: u16| SocketAddr::new(ip, port);
+    let tcp_set = |ns: &str, a: SocketAddr, n: usize| {
+        set_of((0..n).map(|_| outcome(client::tcp_request(ns, a, b"hostname\n", T))))
+    };
+    let udp_set = |ns: &str, a: SocketAddr, n: usize| {
+        set_of((0..n).map(|_| outcome(client::udp_request(ns, a, b"hostname", T, None))))
+    };
+    let src_set = |ns: &str, a: SocketAddr, n: usize| {
+        set_of(
+            (0..n).map(|_| match client::tcp_request(ns, a, b"clientip\n", T) {
+                Ok(r) => name6(&names, &reply_text(&r)),
+                Err(e) => error_class(e.kind()),
+            }),
+        )
+    };
+    let mut o = BTreeMap::new();
+
+    // D1/D2: a pod to both ClusterIPs of a RequireDualStack Service.
+    o.insert(
+        "pod → dual-stack ClusterIP, IPv4, TCP: backends",
+        tcp_set(&client, at(ds4, 80), N6),
+    );
+    o.insert(
+        "pod → dual-stack ClusterIP, IPv6, TCP: backends",
+        tcp_set(&client, at(ds6, 80), N6),
+    );
+    o.insert(
+        "pod → dual-stack ClusterIP, IPv6, UDP: backends",
+        udp_set(&client, at(ds6, 80), N6),
+    );
+    o.insert(
+        "pod → dual-stack ClusterIP, IPv4: source seen",
+        src_set(&client, at(ds4, 80), 4),
+    );
+    o.insert(
+        "pod → dual-stack ClusterIP, IPv6: source seen",
+        src_set(&client, at(ds6, 80), N6),
+    );
+    // D6: an endpoint pod to its own Service's IPv6 ClusterIP (it may
+    // hairpin to itself).
+    let ds1 = lab.pod("ds-1").expect("pod ds-1").netns.clone();
+    o.insert(
+        "endpoint pod → dual-stack ClusterIP, IPv6, TCP: backends",
+        tcp_set(&ds1, at(ds6, 80), N6),
+    );
+    o.insert(
+        "endpoint pod → dual-stack ClusterIP, IPv6, UDP: backends",
+        udp_set(&ds1, at(ds6, 80), N6),
+    );
+    // An IPv6-only Service.
+    o.insert(
+        "pod → IPv6-only ClusterIP, TCP: backends",
+        tcp_set(&client, at(v6, 80), N6),
+    );
+    o.insert(
+        "pod → IPv6-only ClusterIP, UDP: backends",
+        udp_set(&client, at(v6, 80), N6),
+    );
+    // D1: the secondary nodeIP:nodePort, from a pod.
+    o.insert(
+        "pod → NodePort on node-2's IPv6 address: backends",
+        tcp_set(&client, at(n2_6, np), N6),
+    );
+    // NodePort over IPv6 from outside the cluster.
+    o.insert(
+        "external → NodePort on node-1's IPv6 address: backends",
+        tcp_set(&ext, at(n1_6, np), N6),
+    );
+    o.insert(
+        "external → NodePort on node-2's IPv6 address (Cluster): source seen",
+        src_set(&ext, at(n2_6, np), N6),
+    );
+    // An IPv6 Service without endpoints.
+    o.insert(
+        "pod → IPv6 ClusterIP without endpoints, TCP",
+        reach_any(&client, at(empty6, 80)),
+    );
+    o.insert(
+        "pod → IPv6 ClusterIP without endpoints, UDP",
+        udp_set(&client, at(empty6, 80), 2),
+    );
+
+    // D4: a host client of node-1 to the IPv6 ClusterIP and NodePort.
+    let mut host = lab.host_client("node-1").expect("host client");
+    let mut host_set = |addr: SocketAddr, n: usize| {
+        set_of((0..n).map(|_| host_outcome(host.tcp(addr, "hostname").expect("host client"))))
+    };
+    o.insert(
+        "host → dual-stack ClusterIP, IPv6: backends",
+        host_set(at(ds6, 80), N6),
+    );
+    o.insert(
+        "host → NodePort on its IPv6 address: backends",
+        host_set(at(n1_6, np), N6),
+    );
+    o.insert(
+        "host → IPv6 ClusterIP without endpoints",
+        host_set(at(empty6, 80), 2),
+    );
+    o
+}
+
+/// Whether two new TCP connections to `addr` from `ns` were answered.
+fn reach_any(ns: &str, addr: SocketAddr) -> String {
+    set_of(
+        (0..2).map(|_| match client::tcp_request(ns, addr, b"hostname\n", T) {
+            Ok(_) => "answered".to_string(),
+            Err(e) => error_class(e.kind()),
+        }),
+    )
+}
+
+/// Prints the observations of every proxy as a table and fails on a
+/// difference from a kube-proxy mode that [`KEPT`] does not list, or on an
+/// entry of [`KEPT`] for a key observed here that no longer differs.
+fn assert_same_or_kept(seen: &BTreeMap<Proxy, BTreeMap<&'static str, String>>) {
+    let agent = &seen[&Proxy::Agent];
+    let mut table = String::from("| observation | ");
+    for p in seen.keys() {
+        table.push_str(&format!("{p} | "));
+    }
+    table.push('\n');
+    for key in agent.keys() {
+        table.push_str(&format!("| {key} | "));
+        for o in seen.values() {
+            table.push_str(&format!("{} | ", o.get(key).map_or("-", |s| s.as_str())));
+        }
+        table.push('\n');
+    }
+    println!("{table}");
+    let mut failures = Vec::new();
+    for (p, o) in seen {
+        let Proxy::KubeProxy(mode) = p else { continue };
+        for (key, theirs) in o {
+            let ours = &agent[key];
+            let kept = KEPT.iter().find(|k| k.key == *key && k.mode == *mode);
+            match (ours == theirs, kept) {
+                (true, None) => {}
+                (false, Some(k)) => println!("kept ({mode}) {key}: {}", k.reason),
+                (false, None) => failures.push(format!(
+                    "{key}: {mode} {theirs}, the agent {ours} (not in KEPT)"
+                )),
+                (true, Some(_)) => failures.push(format!(
+                    "{key}: KEPT lists a difference from {mode} that is gone: remove the entry (and its row in docs/kube-proxy-differences.md)"
+                )),
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "differences from kube-proxy:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// Family D (dual-stack): a lab of its own, dual-stack, with a real
+/// control plane whose ServiceCIDRs are 198.19.0.0/16 and
+/// 2001:2:0:ff::/112; the same observe → compare → [`KEPT`] as
+/// [`kube_proxy_oracle_observations_match_the_agent_or_are_listed`], over
+/// a representative set of the D rows ([`observe_dual_stack`]).
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn kube_proxy_oracle_dual_stack_observations_match_the_agent_or_are_listed() {
+    let before = root_rules();
+    let mut proxies: Vec<Proxy> = KubeProxyMode::available()
+        .into_iter()
+        .map(Proxy::KubeProxy)
+        .collect();
+    proxies.push(Proxy::Agent);
+    let mut seen: BTreeMap<Proxy, BTreeMap<&'static str, String>> = BTreeMap::new();
+    let t0 = Instant::now();
+    support::run_lab(
+        "oracle-ds",
+        Lab::builder()
+            .manifests_yaml(&dual_stack_objects())
+            .agent_bin(support::agent_bin())
+            .control_plane(true)
+            .dual_stack()
+            .external(true)
+            .nodes(2)
+            .agent(false),
+        " dual-stack, with 2 nodes, a real control plane, no proxy yet",
+        |_| {},
+        support::diagnostics_nodes,
+        |lab| {
+            assert!(lab.is_dual_stack());
+            for p in &proxies {
+                let t = Instant::now();
+                start(lab, *p);
+                let o = observe_dual_stack(lab);
+                println!(
+                    "[oracle-ds] {p}: observed in {} ms",
+                    t.elapsed().as_millis()
+                );
+                stop(lab, *p);
+                seen.insert(*p, o);
+            }
+        },
+    );
+    println!("[oracle-ds] took {} ms", t0.elapsed().as_millis());
+    assert_eq!(
+        before,
+        root_rules(),
+        "the machine's own namespace's rules changed while kube-proxy ran in the lab"
+    );
+    assert_same_or_kept(&seen);
 }

@@ -242,7 +242,8 @@ impl Lab {
     /// see them. The route stays for whichever proxy runs next, so each is
     /// observed on the same node. (Packets it carries to an address no
     /// Service holds reach the control plane's namespace, which does not
-    /// forward: no answer, as a router's blackhole.)
+    /// forward: no answer, as a router's blackhole.) In a dual-stack lab
+    /// the IPv6 ServiceCIDR is routed the same way.
     pub fn route_service_cidr(&self, node: &str) -> Result<()> {
         let n = self.node_info(node)?;
         if n.eth.is_empty() {
@@ -261,6 +262,26 @@ impl Lab {
                 &n.eth,
             ],
         )?;
+        // Dual-stack: the IPv6 ServiceCIDR too, via the control plane's
+        // IPv6 address.
+        if let (true, Some(_)) = (self.info.dual_stack, n.ip6) {
+            let via6 = netns::ipv6_twin(super::control_plane::CONTROL_PLANE_IP)
+                .context("the control plane's address is in 198.18.0.0/16")?
+                .to_string();
+            netns::ip_in(
+                &n.netns,
+                &[
+                    "-6",
+                    "route",
+                    "replace",
+                    super::control_plane::SERVICE_CIDR6,
+                    "via",
+                    &via6,
+                    "dev",
+                    &n.eth,
+                ],
+            )?;
+        }
         Ok(())
     }
 
