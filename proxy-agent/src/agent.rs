@@ -243,7 +243,16 @@ fn forget_stale_udp_flows(
     // frontend that went has no id left, nor a backend no longer
     // programmed anywhere: the datapath finds neither and forgets those
     // flows itself.
-    let rev_nat_ids = writer.rev_nat_ids();
+    // One pass over the frontends: the ids of each scope at the addresses
+    // that lost a backend.
+    let gone_frontends: BTreeSet<SocketAddr> = gone.iter().map(|(fe, _)| *fe).collect();
+    let mut ids_of: BTreeMap<SocketAddr, Vec<proxy_common::RevNatId>> = BTreeMap::new();
+    for (k, &id) in writer.rev_nat_ids() {
+        let fe = SocketAddr::new(k.addr, k.port);
+        if k.proto == proxy_common::IPPROTO_UDP && gone_frontends.contains(&fe) {
+            ids_of.entry(fe).or_default().push(id);
+        }
+    }
     let backend_ids = writer.backend_ids();
     let mut pairs = BTreeSet::new();
     for (fe, be) in &gone {
@@ -252,14 +261,10 @@ fn forget_stale_udp_flows(
             port: be.port(),
             proto: proxy_common::IPPROTO_UDP,
         };
-        let Some(&backend_id) = backend_ids.get(&backend) else {
+        let (Some(&backend_id), Some(ids)) = (backend_ids.get(&backend), ids_of.get(fe)) else {
             continue;
         };
-        for (_, &id) in rev_nat_ids.iter().filter(|(k, _)| {
-            k.proto == proxy_common::IPPROTO_UDP && k.addr == fe.ip() && k.port == fe.port()
-        }) {
-            pairs.insert((id, backend_id));
-        }
+        pairs.extend(ids.iter().map(|&id| (id, backend_id)));
     }
     match crate::bpf::delete_udp_flows(&cfg.bpffs, &pairs) {
         Ok(0) => {}
