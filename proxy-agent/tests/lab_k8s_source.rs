@@ -331,28 +331,24 @@ fn namespace_of<T: k8s_openapi::Metadata<Ty = ObjectMeta>>(o: &T) -> &str {
     o.metadata().namespace.as_deref().unwrap_or("")
 }
 
-fn services_in(snap: &Snapshot, ns: &str) -> Vec<String> {
-    let mut v: Vec<String> = snap
-        .services
+/// The names of `objects` in `ns`, the test's markers left out, sorted.
+fn names_in<T: k8s_openapi::Metadata<Ty = ObjectMeta>>(objects: &[T], ns: &str) -> Vec<String> {
+    let mut v: Vec<String> = objects
         .iter()
-        .filter(|s| namespace_of(*s) == ns)
-        .map(|s| s.metadata.name.clone().unwrap_or_default())
+        .filter(|o| namespace_of(*o) == ns)
+        .map(|o| o.metadata().name.clone().unwrap_or_default())
         .filter(|n| !n.starts_with(MARKER))
         .collect();
     v.sort();
     v
 }
 
+fn services_in(snap: &Snapshot, ns: &str) -> Vec<String> {
+    names_in(&snap.services, ns)
+}
+
 fn slices_in(snap: &Snapshot, ns: &str) -> Vec<String> {
-    let mut v: Vec<String> = snap
-        .endpoint_slices
-        .iter()
-        .filter(|s| namespace_of(*s) == ns)
-        .map(|s| s.metadata.name.clone().unwrap_or_default())
-        .filter(|n| !n.starts_with(MARKER))
-        .collect();
-    v.sort();
-    v
+    names_in(&snap.endpoint_slices, ns)
 }
 
 /// The Services the slices in `ns` are of (`kubernetes.io/service-name`).

@@ -941,43 +941,7 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         root_rules(),
         "the machine's own namespace's rules changed while kube-proxy ran in the lab"
     );
-    let agent = &seen[&Proxy::Agent];
-    let mut table = String::from("| observation | ");
-    for p in seen.keys() {
-        table.push_str(&format!("{p} | "));
-    }
-    table.push('\n');
-    for key in agent.keys() {
-        table.push_str(&format!("| {key} | "));
-        for o in seen.values() {
-            table.push_str(&format!("{} | ", o.get(key).map_or("-", |s| s.as_str())));
-        }
-        table.push('\n');
-    }
-    println!("{table}");
-    let mut failures = Vec::new();
-    for (p, o) in &seen {
-        let Proxy::KubeProxy(mode) = p else { continue };
-        for (key, theirs) in o {
-            let ours = &agent[key];
-            let kept = KEPT.iter().find(|k| k.key == *key && k.mode == *mode);
-            match (ours == theirs, kept) {
-                (true, None) => {}
-                (false, Some(k)) => println!("kept ({mode}) {key}: {}", k.reason),
-                (false, None) => failures.push(format!(
-                    "{key}: {mode} {theirs}, the agent {ours} (not in KEPT)"
-                )),
-                (true, Some(_)) => failures.push(format!(
-                    "{key}: KEPT lists a difference from {mode} that is gone: remove the entry (and its row in docs/kube-proxy-differences.md)"
-                )),
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "differences from kube-proxy:\n{}",
-        failures.join("\n")
-    );
+    assert_same_or_kept(&seen);
 }
 
 /// The dual-stack lab's Services (family D): `ds`, a NodePort with
