@@ -385,6 +385,7 @@ fn every_metric_named_exists_in_the_agents_metrics() {
         &node,
         SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249),
         "/metrics",
+        Duration::from_secs(5),
     )
     .expect("GET /metrics");
     assert_eq!(code, 200, "{text}");

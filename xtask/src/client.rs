@@ -282,14 +282,18 @@ pub fn reply_text(reply: &[u8]) -> String {
     String::from_utf8_lossy(reply).trim().to_string()
 }
 
-/// `GET path` over HTTP/1.0 to `addr` from inside namespace `ns` (connect
-/// and read each bounded by 5 s): the status code and the body. For the
+/// `GET path` over HTTP/1.0 to `addr` from inside namespace `ns`, connect
+/// and read each bounded by `t`: the status code and the body. For the
 /// agent's and kube-proxy's /metrics and /healthz in the lab.
-pub fn http_get_in(ns: &str, addr: SocketAddrV4, path: &str) -> anyhow::Result<(u16, String)> {
+pub fn http_get_in(
+    ns: &str,
+    addr: SocketAddrV4,
+    path: &str,
+    t: Duration,
+) -> anyhow::Result<(u16, String)> {
     use anyhow::Context as _;
     let p = path.to_string();
     let text = in_netns(ns, move || -> io::Result<String> {
-        let t = Duration::from_secs(5);
         let mut s = TcpStream::connect_timeout(&addr.into(), t)?;
         s.set_read_timeout(Some(t))?;
         write!(s, "GET {p} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;

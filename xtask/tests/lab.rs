@@ -599,7 +599,7 @@ fn distribution_three_pods_3000_connections() {
 
 /// The agent's /metrics at `addr`, answered with 200.
 fn metrics_text(ns: &str, addr: SocketAddrV4) -> String {
-    let (code, text) = http_get_in(ns, addr, "/metrics").expect("GET /metrics");
+    let (code, text) = http_get_in(ns, addr, "/metrics", T).expect("GET /metrics");
     assert_eq!(code, 200, "{text}");
     text
 }
@@ -660,6 +660,7 @@ fn metrics_counters_move_with_real_traffic() {
             &node_ns,
             SocketAddrV4::new(lab.node().ip, 10256),
             "/healthz",
+            T,
         )
         .expect("GET /healthz");
         assert_eq!(code, 200, "{health}");

@@ -42,7 +42,7 @@ use super::mode_lab::ModeLab;
 use super::results::{median, ApiStats, HistSummary};
 use super::{check_interrupted, load, log, Config, Mode, ProgStats};
 use crate::client::http_get_in;
-use crate::lab::kube_proxy::{KubeProxyOptions, METRICS_ADDR};
+use crate::lab::kube_proxy::{KubeProxyOptions, HTTP_TIMEOUT, METRICS_ADDR};
 use crate::lab::NODE_NAME;
 
 /// The churn pod (label `app: churn`), selected by the churn Services.
@@ -258,7 +258,7 @@ const NPL_METRIC: &str = "kubeproxy_network_programming_duration_seconds";
 
 /// The proxy's /metrics (kube-proxy's address; the agent's is the same).
 fn metrics(ml: &ModeLab) -> Result<String> {
-    let (code, body) = http_get_in(&ml.node_ns, METRICS_ADDR, "/metrics")?;
+    let (code, body) = http_get_in(&ml.node_ns, METRICS_ADDR, "/metrics", HTTP_TIMEOUT)?;
     if code != 200 {
         bail!("{}: /metrics answered {code}", ml.label());
     }

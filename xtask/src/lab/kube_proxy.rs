@@ -109,6 +109,8 @@ pub struct KubeProxyOptions {
     pub min_sync_period: Option<Duration>,
 }
 
+/// Bound of connecting to and reading kube-proxy's /metrics and /healthz.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
 /// kube-proxy's metrics address (its default).
 pub const METRICS_ADDR: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
 /// kube-proxy's healthz port (its default, on every address).
@@ -119,7 +121,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(90);
 /// Whether kube-proxy in namespace `ns` has synced its rules once
 /// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` set).
 fn first_sync_done(ns: &str) -> bool {
-    http_get_in(ns, METRICS_ADDR, "/metrics").is_ok_and(|(code, body)| {
+    http_get_in(ns, METRICS_ADDR, "/metrics", HTTP_TIMEOUT).is_ok_and(|(code, body)| {
         code == 200
             && body.lines().any(|l| {
                 // With or without labels (`{ip_family="IPv4"}`).
@@ -306,7 +308,7 @@ impl Lab {
             }
             // /healthz answers 200 before the first sync too (no update
             // queued yet): the first sync is its metrics' last-sync time.
-            match http_get_in(&n.netns, addr, "/healthz") {
+            match http_get_in(&n.netns, addr, "/healthz", HTTP_TIMEOUT) {
                 Ok((200, _)) if first_sync_done(&n.netns) => return Ok(()),
                 Ok((200, _)) => last = "healthy, not synced yet".to_string(),
                 Ok((code, body)) => last = format!("{code} {body}"),
@@ -438,7 +440,7 @@ impl Lab {
     /// kube-proxy's `/metrics` on `node`.
     pub fn kube_proxy_metrics(&self, node: &str) -> Result<String> {
         let n = self.node_info(node)?;
-        let (code, body) = http_get_in(&n.netns, METRICS_ADDR, "/metrics")?;
+        let (code, body) = http_get_in(&n.netns, METRICS_ADDR, "/metrics", HTTP_TIMEOUT)?;
         if code != 200 {
             bail!("kube-proxy's /metrics on {node}: {code}");
         }
