@@ -181,6 +181,24 @@ fn api_modes_deliver_and_report_their_figures() {
             m.name()
         );
         assert!(a.churn_cpu_per_1000_s.is_some(), "{}: {a:?}", m.name());
+        // Every round's pod Ready reached a connection, and the control
+        // plane's memory was read.
+        assert_eq!(
+            a.ready_to_conn_ms.len(),
+            cfg.ready_rounds,
+            "{}: {a:?}",
+            m.name()
+        );
+        assert!(
+            a.ready_to_conn_ms.iter().all(|&x| x > 0.0),
+            "{}: {a:?}",
+            m.name()
+        );
+        assert!(
+            a.apiserver_peak_rss.is_some_and(|x| x > 0) && a.etcd_peak_rss.is_some_and(|x| x > 0),
+            "{}: {a:?}",
+            m.name()
+        );
         for cell in ["conn/s", "TCP RR", "UDP RR", "bulk", "host conn"] {
             let there = match cell {
                 "conn/s" => mr.conn_rate.is_some(),
@@ -194,4 +212,5 @@ fn api_modes_deliver_and_report_their_figures() {
     }
     let md = xtask::bench::report::markdown(&results);
     assert!(md.contains("Against the real kube-proxy"), "{md}");
+    assert!(md.contains("Ready written → first connection"), "{md}");
 }

@@ -46,7 +46,7 @@ use crate::lab::kube_proxy::{KubeProxyOptions, HTTP_TIMEOUT, METRICS_ADDR};
 use crate::lab::NODE_NAME;
 
 /// The churn pod (label `app: churn`), selected by the churn Services.
-const CHURN_POD: &str = "churn-0";
+pub(super) const CHURN_POD: &str = "churn-0";
 /// The bench pods' label (`app: bench`): every bench Service selects them.
 const BENCH_APP: &str = "bench";
 /// Bound of a proxy's start at N (10,000 Services: tens of seconds).
@@ -466,23 +466,7 @@ pub(super) fn finish(ml: &mut ModeLab, cfg: &Config) -> Result<ApiStats> {
     let t = Instant::now();
     for f in 0..flips {
         check_interrupted()?;
-        let ready = if f % 2 == 0 { "False" } else { "True" };
-        let patch = format!(
-            r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{ready}","lastTransitionTime":"{}"}}]}}}}"#,
-            jiff::Timestamp::now()
-        );
-        ml.lab.kubectl(
-            &[
-                "patch",
-                "pod",
-                CHURN_POD,
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                &patch,
-            ],
-            None,
-        )?;
+        write_ready(ml, f % 2 == 1)?;
     }
     std::thread::sleep(CHURN_SETTLE);
     let churn_window = t.elapsed();
@@ -511,7 +495,82 @@ pub(super) fn finish(ml: &mut ModeLab, cfg: &Config) -> Result<ApiStats> {
     stats.cpu_s = cpu_s(pid);
     stats.peak_rss = peak_rss(pid);
     stats.sync_rules_all = Hist::parse(&metrics(ml)?, SYNC_METRIC).summary();
+    (stats.ready_to_conn_ms, stats.ready_write_ms) = ready_rounds(ml, cfg)?;
+    let cp = ml.lab.control_plane().context("no control plane")?;
+    stats.apiserver_peak_rss = cp.apiserver.and_then(peak_rss);
+    stats.etcd_peak_rss = cp.etcd.and_then(peak_rss);
     Ok(stats)
+}
+
+/// Writes the churn pod's Ready condition through the API, as its kubelet
+/// would; how long the `kubectl patch` process took.
+fn write_ready(ml: &ModeLab, ready: bool) -> Result<Duration> {
+    let patch = format!(
+        r#"{{"status":{{"conditions":[{{"type":"Ready","status":"{}","lastTransitionTime":"{}"}}]}}}}"#,
+        if ready { "True" } else { "False" },
+        jiff::Timestamp::now()
+    );
+    let t = Instant::now();
+    ml.lab.kubectl(
+        &[
+            "patch",
+            "pod",
+            CHURN_POD,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch,
+        ],
+        None,
+    )?;
+    Ok(t.elapsed())
+}
+
+/// Network programming latency as a user sees it, `cfg.ready_rounds`
+/// times: the churn pod (the only endpoint of the churn Services) made not
+/// ready until a connection through `churn-0` fails, then its Ready
+/// condition written with a poller already running; the clock runs from
+/// before the write to the first connection the pod answers. The real
+/// EndpointSlice controller, the watch and the proxy's sync lie between.
+/// Returns those latencies and the writes' own durations, ms.
+fn ready_rounds(ml: &ModeLab, cfg: &Config) -> Result<(Vec<f64>, Vec<f64>)> {
+    let ip = ml
+        .lab
+        .service_ip("churn-0")
+        .context("no ClusterIP of churn-0")?;
+    let target = SocketAddr::new(IpAddr::V4(ip), PORT);
+    let limit = Duration::from_secs(120);
+    let (mut took, mut writes) = (Vec::new(), Vec::new());
+    for r in 0..cfg.ready_rounds {
+        check_interrupted()?;
+        write_ready(ml, false)?;
+        if !load::first_failure(&ml.client_ns, target, limit)? {
+            bail!(
+                "{}: {target} still answered {limit:?} after the churn pod was made not ready",
+                ml.label()
+            );
+        }
+        // Past the proxy's minSyncPeriod: the write meets an idle proxy.
+        std::thread::sleep(IDLE_BEFORE_CHANGE);
+        let t0 = Instant::now();
+        let h = poll(&ml.client_ns, target, t0, limit);
+        writes.push(write_ready(ml, true)?.as_secs_f64() * 1e3);
+        let d = h.join().ok().flatten().with_context(|| {
+            format!(
+                "{}: {target} never answered within {limit:?} of the churn pod's Ready (round {r})",
+                ml.label()
+            )
+        })?;
+        took.push(d.as_secs_f64() * 1e3);
+    }
+    log(format!(
+        "{}: Ready written → first connection, {} rounds: median {:.0} ms (the writes {:.0} ms)",
+        ml.label(),
+        took.len(),
+        median(&mut took.clone()).unwrap_or(f64::NAN),
+        median(&mut writes.clone()).unwrap_or(f64::NAN),
+    ));
+    Ok((took, writes))
 }
 
 #[cfg(test)]

@@ -267,6 +267,8 @@ pub struct Config {
     /// readiness flips of that pod (endpoint changes = their product).
     pub churn_services: usize,
     pub churn_flips: usize,
+    /// The API modes' rounds of Ready written → first connection.
+    pub ready_rounds: usize,
     /// Redo a cell whose steal time exceeds this (percent), up to twice.
     pub max_steal_pct: f64,
     /// Redo a cell when other processes used more than this share of the CPUs.
@@ -324,6 +326,7 @@ impl Config {
             api_max_n: a.api_max_n,
             churn_services: 50,
             churn_flips: 20,
+            ready_rounds: if full { 20 } else { 5 },
             max_steal_pct: 2.0,
             max_other_pct: 10.0,
             agent_bin: a.agent_bin.clone(),
@@ -352,6 +355,7 @@ impl Config {
             api_max_n: 10_000,
             churn_services: 10,
             churn_flips: 2,
+            ready_rounds: 2,
             max_steal_pct: 100.0,
             max_other_pct: 100.0,
             agent_bin: std::env::var_os("KPR_AGENT_BIN").map(PathBuf::from),

@@ -586,6 +586,33 @@ pub fn first_success(
     Ok(first)
 }
 
+/// Polls `target` from namespace `ns` every 5 ms until a connection to it
+/// fails (no endpoint left: refused, or no answer in 200 ms); whether
+/// that happened within `limit`.
+pub fn first_failure(ns: &str, target: SocketAddr, limit: Duration) -> Result<bool> {
+    let t = spawn_in(ns, "refusal-poller", move || {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            let ok = TcpStream::connect_timeout(&target, Duration::from_millis(200))
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_millis(200)))?;
+                    s.write_all(b"C")?;
+                    let mut b = [0u8; 1];
+                    s.read_exact(&mut b)
+                })
+                .is_ok();
+            if !ok {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        false
+    })?;
+    t.join()
+        .map_err(|_| anyhow!("the poller panicked"))?
+        .map_err(Into::into)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -281,19 +281,31 @@ impl ModeLab {
         if pods.len() != cfg.endpoints {
             bail!("lab has {} pods, wanted {}", pods.len(), cfg.endpoints);
         }
-        let servers = Servers::start(
-            &pods
+        let mut served = pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let bind = match family {
+                    Family::Ipv4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                    Family::Ipv6 => p.1,
+                };
+                (p.2.clone(), i, bind)
+            })
+            .collect::<Vec<_>>();
+        if mode.is_api() {
+            // The churn pod answers too: the Ready rounds connect to it.
+            let churn = lab
+                .pods()
                 .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let bind = match family {
-                        Family::Ipv4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
-                        Family::Ipv6 => p.1,
-                    };
-                    (p.2.clone(), i, bind)
-                })
-                .collect::<Vec<_>>(),
-        )?;
+                .find(|p| p.name == super::api::CHURN_POD)
+                .context("the lab has no churn pod")?;
+            served.push((
+                churn.netns.clone(),
+                cfg.endpoints,
+                std::net::Ipv4Addr::UNSPECIFIED.into(),
+            ));
+        }
+        let servers = Servers::start(&served)?;
         Ok(ModeLab {
             mode,
             family,

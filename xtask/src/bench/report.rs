@@ -11,6 +11,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
+use super::results::percentile;
 use super::{layouts, Family, ModeResult, NResult, Results};
 
 /// The mode ratios are taken against (IPv4), unless the real kube-proxy ran.
@@ -227,6 +228,30 @@ fn api_table(s: &mut String, n: &NResult) {
                 a.churn_cpu_per_1000_s
                     .map_or("-".into(), |c| format!("{c:.3} s")),
                 rat(a.churn_cpu_per_1000_s, b.and_then(|b| b.1.churn_cpu_per_1000_s)),
+            );
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "Through the real EndpointSlice controller (Ready written: the churn pod's Ready condition written through the API, the clock started before the `kubectl patch` process, to the first connection it answers through a Service selecting it; the write's own time beside it; the control plane's peak RSS at the end of this N):\n"
+        );
+        let _ = writeln!(
+            s,
+            "| mode | Ready written → first connection p50 / p99 (rounds) | the write itself p50 | kube-apiserver peak RSS | etcd peak RSS |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|");
+        let ms = |x: Option<f64>| x.map_or("-".into(), |v| fmt_dur_s(v / 1e3));
+        let rss = |x: Option<u64>| x.map_or("-".into(), |v| fmt_bytes(v as f64));
+        for (m, _, a) in &api {
+            let _ = writeln!(
+                s,
+                "| {m} | {} / {} ({}) | {} | {} | {} |",
+                ms(percentile(&a.ready_to_conn_ms, 0.5)),
+                ms(percentile(&a.ready_to_conn_ms, 0.99)),
+                a.ready_to_conn_ms.len(),
+                ms(percentile(&a.ready_write_ms, 0.5)),
+                rss(a.apiserver_peak_rss),
+                rss(a.etcd_peak_rss),
             );
         }
         let _ = writeln!(s);

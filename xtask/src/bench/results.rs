@@ -132,6 +132,22 @@ pub struct ApiStats {
     pub idle_cpu_s: Option<f64>,
     /// (churn − idle) CPU seconds per 1,000 endpoint changes.
     pub churn_cpu_per_1000_s: Option<f64>,
+    /// Peak RSS (VmHWM) of the lab's kube-apiserver and etcd at the end of
+    /// this N, bytes (absent in runs before they were measured).
+    #[serde(default)]
+    pub apiserver_peak_rss: Option<u64>,
+    #[serde(default)]
+    pub etcd_peak_rss: Option<u64>,
+    /// Network programming latency as a user sees it: the churn pod's
+    /// Ready condition written (the clock starts before the `kubectl
+    /// patch` process) to the first connection through a Service selecting
+    /// it, the real EndpointSlice controller in between; one per round, ms.
+    #[serde(default)]
+    pub ready_to_conn_ms: Vec<f64>,
+    /// The `kubectl patch` processes' own durations in those rounds, ms:
+    /// the part of the figure above that is the writer's, not the proxy's.
+    #[serde(default)]
+    pub ready_write_ms: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -314,6 +330,14 @@ pub(super) fn median(v: &mut [f64]) -> Option<f64> {
     Some(v[v.len() / 2])
 }
 
+/// The nearest-rank `p` percentile of `v` (0 < p ≤ 1); None when empty.
+pub(super) fn percentile(v: &[f64], p: f64) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    let i = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len().max(1)) - 1;
+    v.get(i).copied()
+}
+
 /// The median of `field` over `v`; 0 when `v` is empty.
 fn median_of<T>(v: &[T], field: impl Fn(&T) -> f64) -> f64 {
     median(&mut v.iter().map(field).collect::<Vec<_>>()).unwrap_or(0.0)
@@ -431,6 +455,11 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
             ("CPU seconds", a.cpu_s.is_some()),
             ("peak RSS", a.peak_rss.is_some()),
             ("churn CPU", a.churn_cpu_per_1000_s.is_some()),
+            ("Ready → first connection", !a.ready_to_conn_ms.is_empty()),
+            (
+                "API server and etcd RSS",
+                a.apiserver_peak_rss.is_some() && a.etcd_peak_rss.is_some(),
+            ),
         ] {
             if !there {
                 missing.push(what);
@@ -472,4 +501,19 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
         detail: format!("{wrong_ip} replies saw another client address"),
     });
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    /// Nearest rank: of 20 rounds, p50 is the 10th and p99 the largest.
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=20).rev().map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), Some(10.0));
+        assert_eq!(percentile(&v, 0.99), Some(20.0));
+        assert_eq!(percentile(&[7.0], 0.5), Some(7.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
 }
