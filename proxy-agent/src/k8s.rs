@@ -5,7 +5,7 @@
 //! selector that leaves out headless services and those meant for another
 //! proxy, so the API server never sends them. Each watch keeps its objects
 //! as the model takes them: a Service or an EndpointSlice made compact as
-//! its event arrives ([`crate::model::CompactService`]), one copy shared
+//! its event arrives ([`crate::objects::CompactService`]), one copy shared
 //! with the model; the Node trimmed ([`trim`]: `managedFields`, and
 //! annotations the agent does not read).
 //!
@@ -38,18 +38,12 @@ use tokio::{sync::mpsc::UnboundedSender, task::JoinHandle};
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    manifests::Snapshot,
-    model::{
-        Change, Kind, Object, ObjectKey, ANNOTATION_LB_ALGORITHM, LABEL_HEADLESS,
-        LABEL_SERVICE_PROXY_NAME,
+    objects::{
+        Change, Kind, Object, ObjectKey, Snapshot, ANNOTATION_LAST_CHANGE_TRIGGER_TIME,
+        ANNOTATION_LB_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
     },
     source::{Source, SourceChanges, SourceError},
 };
-
-/// The EndpointSlice annotation kept in the cache: when the change that the
-/// slice reflects happened (network programming latency starts there).
-pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
-    "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// Errors building a client.
 #[derive(Debug, thiserror::Error)]

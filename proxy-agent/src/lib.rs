@@ -1,6 +1,7 @@
 //! The agent of the eBPF kube-proxy replacement.
 //!
-//! Sources of desired state (`manifests`, `kubernetes` in [`k8s`]) feed a pure model ([`model`]) whose
+//! Sources of desired state (`manifests`, `kubernetes` in [`k8s`]) read the
+//! [`objects`] that feed a pure model ([`model`]), whose
 //! output the [`dataplane::Writer`] diffs against what is already programmed and
 //! writes, in make-before-break order, through a [`dataplane::Dataplane`]: the
 //! BPF maps ([`bpf`]) or an in-memory one for tests.
@@ -21,6 +22,7 @@ pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod netfilter;
+pub mod objects;
 pub mod parallel;
 pub mod privileges;
 pub mod servers;

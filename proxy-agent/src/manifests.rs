@@ -17,16 +17,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use serde::de::DeserializeOwned;
 use yaml_serde::Value;
 
-use crate::model::Object;
-
-/// Every object the manifests source read, in file order.
-#[derive(Clone, Debug, Default)]
-pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub endpoint_slices: Vec<EndpointSlice>,
-    pub pods: Vec<Pod>,
-    pub nodes: Vec<Node>,
-}
+use crate::objects::{Object, Snapshot};
 
 /// Where loading puts each object it read.
 pub trait Sink: Default + Send {

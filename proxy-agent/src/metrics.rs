@@ -37,7 +37,8 @@ use prometheus_client::{
 };
 use tracing::debug;
 
-use crate::{bpf::PinnedMaps, k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME, manifests::Snapshot};
+use crate::bpf::PinnedMaps;
+use crate::objects::{Snapshot, ANNOTATION_LAST_CHANGE_TRIGGER_TIME};
 
 /// kube-proxy's buckets for the sync duration: 1 ms × 2^i, 15 buckets.
 fn sync_buckets() -> impl Iterator<Item = f64> {

@@ -36,7 +36,6 @@
 //! | module | concern |
 //! |---|---|
 //! | `state` | the output types ([`DesiredState`], [`Frontend`], [`HealthCheck`]), [`ModelWarning`], [`ModelOptions`], [`Gates`] |
-//! | `compact` | [`CompactService`], [`CompactSlice`]: Services and EndpointSlices as the model keeps them, strings interned |
 //! | `services` | ignored Services (ExternalName, headless, another proxy's), object names, protocols |
 //! | `pods` | EndpointSlices synthesized from Pods |
 //! | `endpoints` | a service port's endpoints from its EndpointSlices |
@@ -49,12 +48,11 @@
 //! | `pipeline` | the per-Service step: the steps above for one Service and this node |
 //! | `incremental` | [`Incremental`]: every Service's step, kept up to date object by object; who owns a contested frontend; [`desired_state_with`] |
 #[cfg(doc)]
-use crate::manifests::Snapshot;
+use crate::objects::Snapshot;
 #[cfg(doc)]
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod addresses;
-mod compact;
 mod endpoints;
 mod frontends;
 mod health_checks;
@@ -69,12 +67,8 @@ mod topology;
 
 pub(crate) use addresses::mask;
 pub use addresses::NodePortAddresses;
-pub use compact::{
-    intern, CompactEndpoint, CompactEndpointPort, CompactHints, CompactService, CompactServicePort,
-    CompactServiceSpec, CompactSlice,
-};
-pub use incremental::{Change, Incremental, Kind, Object, ObjectKey, Update};
-pub use lb::{is_prime, maglev_table, LbAlgorithm, ANNOTATION_LB_ALGORITHM};
+pub use incremental::{Incremental, Update};
+pub use lb::{is_prime, maglev_table, LbAlgorithm};
 pub use pipeline::{desired_state, desired_state_with};
 pub use pods::endpoint_slices_from_pods;
 pub use policy::{forbidden_address, FrontendPolicy, DEFAULT_MAX_FRONTENDS_PER_SERVICE};
@@ -82,16 +76,16 @@ pub use state::{
     proto_name, BackendAddr, DesiredState, Frontend, FrontendKey, Gates, HealthCheck, IpFamily,
     ModelOptions, ModelWarning, ServiceAge,
 };
+// The objects the model reads, under the names its callers have used.
+pub use crate::objects::{
+    intern, Change, CompactEndpoint, CompactEndpointPort, CompactHints, CompactService,
+    CompactServicePort, CompactServiceSpec, CompactSlice, Kind, Object, ObjectKey,
+    ANNOTATION_LB_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
+};
 pub use topology::{
     categorize, Categorized, EndpointInfo, NodeTopology, ServicePortInfo, TrafficPolicy,
 };
 
-/// Label on an EndpointSlice naming its Service.
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-/// Label marking a Service headless (set by the control plane on some objects).
-pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
-/// Label naming the proxy that must handle a Service.
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Node label naming the node's zone (`v1.LabelTopologyZone`).
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 /// Default ClientIP session-affinity timeout (kube-proxy / API default), seconds.

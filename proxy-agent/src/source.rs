@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, warn};
 
-use crate::manifests::{self, Snapshot};
-use crate::model::{Change, Object};
+use crate::manifests;
+use crate::objects::{Change, Object, Snapshot};
 
 /// What a source saw since it was last asked.
 #[derive(Debug)]

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use common::fake_apiserver::{FakeApiServer, Kind};
 use proxy_agent::{
     k8s::{self, KubernetesOptions, KubernetesSource},
-    manifests::Snapshot,
     model,
+    objects::Snapshot,
     source::{Source, SourceChanges},
 };
 use serde_json::{json, Value};

@@ -31,8 +31,8 @@ use std::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proxy_agent::{
     k8s::{self, KubernetesOptions, KubernetesSource},
-    manifests::Snapshot,
     model::{self, LbAlgorithm, ANNOTATION_LB_ALGORITHM},
+    objects::Snapshot,
     source::{ManifestsSource, Source, SourceChanges},
 };
 use proxy_common::svc_flags;

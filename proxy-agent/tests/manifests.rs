@@ -1,7 +1,8 @@
 //! The manifests source: files, directories, multi-document YAML, bad documents.
 use std::path::{Path, PathBuf};
 
-use proxy_agent::manifests::{self, load_paths, load_str, Snapshot};
+use proxy_agent::manifests::{self, load_paths, load_str};
+use proxy_agent::objects::Snapshot;
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -187,10 +188,10 @@ fn a_document_turned_bad_keeps_the_last_good_object() {
     let good = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n";
     let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 198.19.0.10, ports: [{port: eighty}]}\n";
     let path = std::path::Path::new("svc.yaml");
-    let (mut before, mut errs) = (manifests::Snapshot::default(), Vec::new());
+    let (mut before, mut errs) = (Snapshot::default(), Vec::new());
     manifests::load_str(path, good, &mut before, &mut errs);
     assert!(errs.is_empty());
-    let (mut after, mut errs) = (manifests::Snapshot::default(), Vec::new());
+    let (mut after, mut errs) = (Snapshot::default(), Vec::new());
     manifests::load_str(path, bad, &mut after, &mut errs);
     assert_eq!(errs.len(), 1);
     assert!(after.services.is_empty());

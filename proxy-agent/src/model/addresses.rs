@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use k8s_openapi::api::core::v1::Node;
 
-use super::compact::CompactService;
+use crate::objects::compact::CompactService;
 
 use super::{IpFamily, ModelWarning, NODE_ADDRESS_INTERNAL_IP};
 

@@ -4,9 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::compact::{CompactEndpoint, CompactEndpointPort, CompactServicePort, CompactSlice};
 use super::services::parse_proto;
 use super::{BackendAddr, EndpointInfo, IpFamily, ModelWarning};
+use crate::objects::compact::{
+    CompactEndpoint, CompactEndpointPort, CompactServicePort, CompactSlice,
+};
 
 /// Whether an EndpointSlice port serves this service port: same name (empty
 /// and missing are equal) and same protocol.

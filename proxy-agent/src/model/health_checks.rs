@@ -1,6 +1,6 @@
 //! The `healthCheckNodePort`s this node serves (kube-proxy
 //! `pkg/proxy/healthcheck`'s service health servers).
-use super::compact::CompactServiceSpec;
+use crate::objects::compact::CompactServiceSpec;
 
 use super::TrafficPolicy;
 

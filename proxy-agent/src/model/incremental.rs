@@ -20,122 +20,23 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Pod, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
-use super::compact::{CompactService, CompactSlice};
 use super::endpoints::parse_endpoint_address;
 use super::frontends::Owned;
 use super::pipeline::{service_output, NodeContext, ServiceOutput};
 use super::pods::service_slices_from_pods;
 use super::policy::ClaimRank;
-use super::services::{ignored, name, namespace};
+use super::services::ignored;
 use super::{
     proto_name, DesiredState, Frontend, FrontendKey, HealthCheck, IpFamily, ModelOptions,
     ModelWarning, ServiceAge,
 };
-use crate::manifests::Snapshot;
+use crate::objects::compact::{CompactService, CompactSlice};
+use crate::objects::Snapshot;
+use crate::objects::{meta_key, name, namespace, Change, Kind, Object, ObjectKey};
 use crate::vec_set::{repack, VecSet};
-
-/// An object's namespace (`default` when unset; empty for Nodes) and name,
-/// shared with the object (a key costs no string of its own).
-pub type ObjectKey = (Arc<str>, Arc<str>);
-
-/// The kinds of object the model reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Kind {
-    Service,
-    EndpointSlice,
-    Pod,
-    Node,
-}
-
-impl Kind {
-    /// The kind's name, as in manifests.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::Service => "Service",
-            Kind::EndpointSlice => "EndpointSlice",
-            Kind::Pod => "Pod",
-            Kind::Node => "Node",
-        }
-    }
-
-    /// The kind `name` names, if the model reads it.
-    pub fn from_name(name: &str) -> Option<Self> {
-        [Kind::Service, Kind::EndpointSlice, Kind::Pod, Kind::Node]
-            .into_iter()
-            .find(|k| k.name() == name)
-    }
-}
-
-/// An object as a source has it now. Services and EndpointSlices, which
-/// grow with the cluster, in their compact forms ([`CompactService`],
-/// [`CompactSlice`]), made once by the source that read them.
-///
-/// Shared: the model keeps the object a source hands it without a copy.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Object {
-    Service(Arc<CompactService>),
-    EndpointSlice(Arc<CompactSlice>),
-    Pod(Arc<Pod>),
-    Node(Arc<Node>),
-}
-
-impl From<&Service> for Object {
-    fn from(o: &Service) -> Self {
-        Object::Service(Arc::new(o.into()))
-    }
-}
-
-impl From<&EndpointSlice> for Object {
-    fn from(o: &EndpointSlice) -> Self {
-        Object::EndpointSlice(Arc::new(o.into()))
-    }
-}
-
-impl From<Pod> for Object {
-    fn from(o: Pod) -> Self {
-        Object::Pod(Arc::new(o))
-    }
-}
-
-impl From<Node> for Object {
-    fn from(o: Node) -> Self {
-        Object::Node(Arc::new(o))
-    }
-}
-
-impl Object {
-    pub fn kind(&self) -> Kind {
-        match self {
-            Object::Service(_) => Kind::Service,
-            Object::EndpointSlice(_) => Kind::EndpointSlice,
-            Object::Pod(_) => Kind::Pod,
-            Object::Node(_) => Kind::Node,
-        }
-    }
-
-    /// Its key: namespace (defaulted; empty for a Node) and name.
-    pub fn key(&self) -> ObjectKey {
-        match self {
-            Object::Service(o) => o.key(),
-            Object::EndpointSlice(o) => o.key(),
-            Object::Pod(o) => meta_key(&o.metadata),
-            Object::Node(o) => ("".into(), name(&o.metadata).into()),
-        }
-    }
-}
-
-/// One change a source saw: an object created or updated (`Applied`), or
-/// gone.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Change {
-    Applied(Object),
-    Deleted(Kind, ObjectKey),
-}
 
 /// What one [`Incremental::apply`] changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -983,11 +884,6 @@ impl Incremental {
 /// Whether `new` is the object the model holds (the same `Arc`, or equal).
 fn same<T: PartialEq>(held: Option<&Arc<T>>, new: &Arc<T>) -> bool {
     held.is_some_and(|o| Arc::ptr_eq(o, new) || **o == **new)
-}
-
-/// A namespaced object's key.
-fn meta_key(meta: &ObjectMeta) -> ObjectKey {
-    (super::compact::intern(namespace(meta)), name(meta).into())
 }
 
 /// The Service a slice belongs to (its `kubernetes.io/service-name` label).

@@ -8,11 +8,9 @@ use proxy_common::{
     svc_flags,
 };
 
-use super::compact::CompactService;
 use super::{BackendAddr, ModelWarning};
-
-/// The Service annotation choosing its algorithm.
-pub const ANNOTATION_LB_ALGORITHM: &str = "proxy-agent.io/lb-algorithm";
+use crate::objects::compact::CompactService;
+use crate::objects::ANNOTATION_LB_ALGORITHM;
 
 /// How new flows to a frontend pick their backend. Conntrack comes first
 /// (a tracked flow keeps its backend), then session affinity; the algorithm

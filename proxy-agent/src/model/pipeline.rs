@@ -10,7 +10,6 @@ use k8s_openapi::api::core::v1::Node;
 use proxy_common::{svc_flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use super::addresses::{external_addresses, in_cidr, node_internal_ips, node_port_addresses};
-use super::compact::{CompactService, CompactServiceSpec, CompactSlice};
 use super::endpoints::port_endpoints;
 use super::frontends::{frontend_key, with_backends, Owned};
 use super::health_checks::needs_health_check;
@@ -22,7 +21,8 @@ use super::{
     ModelWarning, NodeTopology, ServicePortInfo, TrafficPolicy, DEFAULT_AFFINITY_TIMEOUT_S,
     LABEL_TOPOLOGY_ZONE,
 };
-use crate::manifests::Snapshot;
+use crate::objects::compact::{CompactService, CompactServiceSpec, CompactSlice};
+use crate::objects::Snapshot;
 use crate::vec_set::VecMap;
 
 /// The desired state for `node_name`, with default options.

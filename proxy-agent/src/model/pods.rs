@@ -8,11 +8,11 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::compact::{CompactService, CompactServicePort};
 use super::endpoints::parse_endpoint_address;
 use super::services::{name, namespace};
 use super::{IpFamily, LABEL_SERVICE_NAME};
-use crate::manifests::Snapshot;
+use crate::objects::compact::{CompactService, CompactServicePort};
+use crate::objects::Snapshot;
 
 /// Whether the pod may back a Service: a pod IP, not finished (`Succeeded`
 /// or `Failed`). Terminating pods may (the EndpointSlice controller's

@@ -1,21 +1,10 @@
 //! Which Services the model ignores (ExternalName, headless, another
 //! proxy's), and the object naming and protocol parsing every step shares.
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use super::compact::CompactService;
 use super::ModelOptions;
-
-pub(super) fn namespace(meta: &ObjectMeta) -> &str {
-    meta.namespace
-        .as_deref()
-        .filter(|ns| !ns.is_empty())
-        .unwrap_or("default")
-}
-
-pub(super) fn name(meta: &ObjectMeta) -> &str {
-    meta.name.as_deref().unwrap_or("")
-}
+use crate::objects::compact::CompactService;
+pub(super) use crate::objects::{name, namespace};
 
 /// Parses a Kubernetes protocol name; `None` protocol is TCP.
 pub(super) fn parse_proto(protocol: Option<&str>) -> Result<u8, String> {

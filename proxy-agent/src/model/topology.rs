@@ -4,11 +4,11 @@
 //! `CategorizeEndpoints`, and the service-port view it needs).
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 
-use super::compact::{CompactService, CompactServicePort};
+use crate::objects::compact::{CompactService, CompactServicePort};
 
 use super::addresses::parse_ip;
 use super::{BackendAddr, Gates, IpFamily, LABEL_TOPOLOGY_ZONE};
-use crate::manifests::Snapshot;
+use crate::objects::Snapshot;
 
 /// One endpoint of a service port, as the EndpointSlices describe it
 /// (kube-proxy `pkg/proxy/endpointslicecache.go` `addEndpoints`).

@@ -54,7 +54,7 @@ fn mutated_objects_never_panic_the_model_and_spare_a_valid_service() {
             docs.push_str(&text);
             docs.push('\n');
         }
-        let mut snapshot = proxy_agent::manifests::Snapshot::default();
+        let mut snapshot = proxy_agent::objects::Snapshot::default();
         let mut errors = Vec::new();
         load_str(Path::new("fuzz.yaml"), &docs, &mut snapshot, &mut errors);
         let outcome = std::panic::catch_unwind(|| desired_state_with(&snapshot, "node-a", &opts));

@@ -20,10 +20,10 @@ use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::lb::ANNOTATION_LB_ALGORITHM;
-use super::services::{name, namespace};
-use super::{ObjectKey, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
-use crate::k8s::ANNOTATION_LAST_CHANGE_TRIGGER_TIME;
+use super::{
+    name, namespace, ObjectKey, ANNOTATION_LAST_CHANGE_TRIGGER_TIME, ANNOTATION_LB_ALGORITHM,
+    LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
+};
 
 /// Strings shared by every object that holds them. Entries no object holds
 /// any more are dropped once the set has doubled since the last purge, so a
@@ -126,7 +126,7 @@ pub struct CompactServicePort {
 }
 
 impl CompactServicePort {
-    pub(super) fn of(p: &ServicePort) -> Self {
+    pub(crate) fn of(p: &ServicePort) -> Self {
         Self {
             name: intern_opt(p.name.as_ref()),
             protocol: intern_opt(p.protocol.as_ref()),
