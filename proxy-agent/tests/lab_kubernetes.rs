@@ -23,7 +23,7 @@
 //!
 //! Run with `cargo xtask test` (they are `#[ignore]`d under a plain `cargo test`).
 //!
-//! Why one file of about 800 lines: every scenario of the table runs
+//! Why one file (about 1,300 lines): every scenario of the table runs
 //! through both sources with the same driver and traffic probes, so the
 //! table and its fixtures belong together. The file is in sections: the
 //! Services and the driver, traffic, the scenario table, the tests.

@@ -10,7 +10,7 @@
 //! services|stats|conntrack` are printed before the lab is torn down;
 //! `KPR_LAB_DIAG=1` prints them after every test.
 //!
-//! The file is over 700 lines because each of its three scenarios is long
+//! The file is over 800 lines because each of its three scenarios is long
 //! (traffic threads, phases, and the counts they report), not by copies.
 
 use std::collections::{BTreeMap, BTreeSet};
