@@ -203,7 +203,7 @@ impl Stamp {
 }
 
 /// Kind (as in [`Kind`]) and key of an object a file holds.
-type FileKey = (crate::model::Kind, crate::model::ObjectKey);
+type FileKey = (crate::objects::Kind, crate::objects::ObjectKey);
 
 /// One file as last read.
 struct CachedFile {
@@ -215,7 +215,7 @@ struct CachedFile {
     hash: u64,
     read_at: std::time::SystemTime,
     /// Its objects, the first of each key (later ones are duplicates).
-    objects: std::collections::BTreeMap<FileKey, crate::model::Object>,
+    objects: std::collections::BTreeMap<FileKey, crate::objects::Object>,
     /// Objects its errors name: kept as they were while the error lasts.
     named_in_errors: BTreeSet<FileKey>,
 }
@@ -248,8 +248,8 @@ impl FileCache {
     pub fn refresh(
         &mut self,
         paths: &[PathBuf],
-    ) -> (Vec<crate::model::Change>, Vec<ManifestError>) {
-        use crate::model::{Change, Kind, Object};
+    ) -> (Vec<crate::objects::Change>, Vec<ManifestError>) {
+        use crate::objects::{Change, Kind, Object};
         let (list, mut errors) = list_files(paths);
         let mut old: std::collections::BTreeMap<PathBuf, CachedFile> =
             std::mem::take(&mut self.files).into_iter().collect();

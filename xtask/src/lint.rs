@@ -22,7 +22,7 @@ fn nightly_has_clippy() -> bool {
 /// The agent's layers, bottom up: each folder (with its `.rs` file) and the
 /// crate modules it must not name. Objects are the vocabulary every part
 /// shares; the model computes from objects only, never from a source or
-/// what runs it; sources sit above both.
+/// what runs it; the sources read objects and know nothing of the model.
 pub const LAYERS: &[(&str, &[&str])] = &[
     (
         "proxy-agent/src/objects",
@@ -41,6 +41,20 @@ pub const LAYERS: &[(&str, &[&str])] = &[
     (
         "proxy-agent/src/model",
         &["manifests", "k8s", "source", "agent", "config", "cli"],
+    ),
+    // The sources hand objects up; what the model makes of them is not
+    // theirs to know.
+    (
+        "proxy-agent/src/source",
+        &["model", "agent", "dataplane", "bpf", "config", "cli"],
+    ),
+    (
+        "proxy-agent/src/manifests",
+        &["model", "agent", "dataplane", "bpf", "config", "cli"],
+    ),
+    (
+        "proxy-agent/src/k8s",
+        &["model", "agent", "dataplane", "bpf", "config", "cli"],
     ),
 ];
 
