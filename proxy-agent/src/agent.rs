@@ -4,7 +4,6 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -22,8 +21,8 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    bpf::{self, Attacher, BpfDataplane, BpfError, IfaceKind, MapSizes},
-    config::{ConntrackTimeouts, Settings},
+    bpf::{self, Attacher, BpfDataplane, BpfError, IfaceKind},
+    config::Settings,
     dataplane::Writer,
     health::Health,
     ifaddrs::InterfaceAddresses,
@@ -38,77 +37,6 @@ const CT_GC_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Log line printed after every sync; the lab and tests wait for it.
 pub const SYNC_COMPLETE: &str = "sync complete";
-
-/// Everything `run` needs, from the flags and the config file.
-#[derive(Clone, Debug)]
-pub struct RunConfig {
-    pub node_name: String,
-    pub bpffs: PathBuf,
-    pub pod_interfaces: Vec<glob::Pattern>,
-    pub external_interfaces: Vec<glob::Pattern>,
-    pub on_exit: crate::config::OnExit,
-    pub acceleration: crate::config::Acceleration,
-    pub delivery_mode: crate::config::DeliveryMode,
-    /// `None`: chosen at start beside the host's `ip_local_port_range`.
-    pub snat_port_range: Option<(u16, u16)>,
-    /// How tc programs are attached (tcx or legacy tc; `auto` probes).
-    pub tc_attach_mode: crate::bpf::TcAttachMode,
-    /// Which node addresses get NodePort frontends (kube-proxy's `nodePortAddresses`).
-    pub node_port_addresses: Vec<crate::model::NodePortAddresses>,
-    pub hairpin_snat_ip: Ipv4Addr,
-    /// `None`: the node's IPv6 address.
-    pub hairpin_snat_ip6: Option<std::net::Ipv6Addr>,
-    pub min_sync_period: Duration,
-    pub sync_period: Duration,
-    pub map_sizes: MapSizes,
-    pub conntrack_timeouts: ConntrackTimeouts,
-    /// This proxy's `service.kubernetes.io/service-proxy-name`.
-    pub service_proxy_name: Option<String>,
-    /// `/healthz`, `/livez`; `None` disables.
-    pub healthz_bind_address: Option<SocketAddr>,
-    /// `/metrics`, `/proxyMode`; `None` disables.
-    pub metrics_bind_address: Option<SocketAddr>,
-    /// The cgroup the socket hooks attach to; `None`: host socket LB off.
-    pub host_socket_lb: Option<PathBuf>,
-    /// NodePorts on 127.0.0.1 for the node's own clients.
-    pub localhost_node_ports: bool,
-    /// The node's default load-balancing algorithm.
-    pub lb_algorithm: crate::model::LbAlgorithm,
-    pub maglev: crate::dataplane::MaglevSettings,
-    /// Which addresses may be frontends; frontends per Service.
-    pub frontend_policy: crate::model::FrontendPolicy,
-}
-
-impl From<&Settings> for RunConfig {
-    fn from(s: &Settings) -> Self {
-        Self {
-            node_name: s.node_name.clone(),
-            bpffs: s.bpffs.clone(),
-            pod_interfaces: s.pod_interfaces.clone(),
-            external_interfaces: s.external_interfaces.clone(),
-            on_exit: s.on_exit,
-            acceleration: s.acceleration,
-            delivery_mode: s.delivery_mode,
-            snat_port_range: s.snat_port_range,
-            tc_attach_mode: s.tc_attach_mode,
-            node_port_addresses: s.node_port_addresses.clone(),
-            hairpin_snat_ip: s.hairpin_snat_ip,
-            hairpin_snat_ip6: s.hairpin_snat_ip6,
-            min_sync_period: s.min_sync_period,
-            sync_period: s.sync_period,
-            map_sizes: s.map_sizes,
-            conntrack_timeouts: s.conntrack_timeouts,
-            service_proxy_name: s.service_proxy_name.clone(),
-            healthz_bind_address: s.healthz_bind_address,
-            metrics_bind_address: s.metrics_bind_address,
-            host_socket_lb: s.host_socket_lb.clone(),
-            localhost_node_ports: s.localhost_node_ports,
-            lb_algorithm: s.lb_algorithm,
-            maglev: s.maglev,
-            frontend_policy: s.frontend_policy.clone(),
-        }
-    }
-}
 
 /// What a sync reports to, besides the log.
 struct Observers {
@@ -227,7 +155,7 @@ fn gone_udp_pairs(
 /// [`crate::sockdiag`]). The backend may still back other Services: only
 /// its flows of this frontend go.
 fn forget_stale_udp_flows(
-    cfg: &RunConfig,
+    cfg: &Settings,
     obs: &mut Observers,
     writer: &Writer<BpfDataplane>,
     desired: &model::DesiredState,
@@ -563,7 +491,7 @@ const RELEASE_AFTER: usize = 1_024;
 /// One sync: read what changed in the source, compute the desired state of
 /// the Services it concerns, write the difference.
 fn sync_once(
-    cfg: &RunConfig,
+    cfg: &Settings,
     source: &mut dyn Source,
     model: &mut model::Incremental,
     writer: &mut Writer<BpfDataplane>,
@@ -715,7 +643,7 @@ const NOT_READY_HINT_EVERY: Duration = Duration::from_secs(15);
 
 /// Attaches the socket hooks for host clients to the configured cgroup, or
 /// says in one line why host socket LB is off.
-fn attach_socket_hooks(cfg: &RunConfig, sock_lb: &bpf::SockLbSupport, attacher: &Mutex<Attacher>) {
+fn attach_socket_hooks(cfg: &Settings, sock_lb: &bpf::SockLbSupport, attacher: &Mutex<Attacher>) {
     let Some(cgroup) = &cfg.host_socket_lb else {
         info!("host socket load balancing off (hostSocketLB.enabled: false): the node's own clients do not reach Services through this agent");
         return;
@@ -748,7 +676,7 @@ fn attach_socket_hooks(cfg: &RunConfig, sock_lb: &bpf::SockLbSupport, attacher: 
 
 /// The datapath's configuration: hairpin address, conntrack timeouts, the
 /// SNAT port range `snat` and the delivery.
-fn datapath_config(cfg: &RunConfig, snat: (u16, u16), via_stack: bool) -> Config {
+fn datapath_config(cfg: &Settings, snat: (u16, u16), via_stack: bool) -> Config {
     let mut c = Config::default()
         .with_hairpin_addr(cfg.hairpin_snat_ip)
         .with_delivery_via_stack(via_stack);
@@ -814,7 +742,7 @@ fn hand_over(pin_dir: &std::path::Path, when: &str) {
 
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
-pub async fn run(cfg: RunConfig, mut source: Box<dyn Source>) -> Result<(), AgentError> {
+pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), AgentError> {
     match crate::privileges::ensure_memlock() {
         Ok(what) => info!("{what}"),
         Err(what) => warn!("{what}"),

@@ -3,7 +3,7 @@ use std::io::IsTerminal;
 use anyhow::Context as _;
 use clap::Parser;
 use proxy_agent::{
-    agent::{self, RunConfig},
+    agent,
     cli::{Cli, Cmd, RunArgs},
     config::{Settings, SourceKind},
     k8s::{self, KubernetesOptions, KubernetesSource},
@@ -45,7 +45,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             ))
         }
     };
-    agent::run(RunConfig::from(&settings), source).await?;
+    agent::run(settings, source).await?;
     Ok(())
 }
 
