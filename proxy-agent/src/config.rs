@@ -17,7 +17,11 @@ use std::{
 
 use serde::{Deserialize, Deserializer};
 
-use crate::{bpf::MapSizes, cli::RunArgs};
+use crate::bpf::MapSizes;
+
+pub mod flags;
+
+use flags::RunArgs;
 
 /// kube-proxy's default `healthzBindAddress`.
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";

@@ -42,6 +42,12 @@ pub const LAYERS: &[(&str, &[&str])] = &[
         "proxy-agent/src/model",
         &["manifests", "k8s", "source", "agent", "config", "cli"],
     ),
+    // The configuration resolves flags, file and defaults; the commands and
+    // what they run come after it.
+    (
+        "proxy-agent/src/config",
+        &["cli", "agent", "source", "manifests", "k8s"],
+    ),
     // The sources hand objects up; what the model makes of them is not
     // theirs to know.
     (
