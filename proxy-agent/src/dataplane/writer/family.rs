@@ -49,8 +49,8 @@ pub(super) fn put_services<D: Dataplane>(
         dp,
         writes,
         |(k, slot, v)| match k.addr {
-            IpAddr::V4(a) => Ok((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-            IpAddr::V6(a) => Err((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
+            IpAddr::V4(a) => V4((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
+            IpAddr::V6(a) => V6((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
         },
         D::put_services,
         D::put_services6,
@@ -66,8 +66,8 @@ pub(super) fn put_backends<D: Dataplane>(
         dp,
         writes,
         |(id, b)| match b {
-            BackendEntry::V4(b) => Ok((*id, *b)),
-            BackendEntry::V6(b) => Err((*id, *b)),
+            BackendEntry::V4(b) => V4((*id, *b)),
+            BackendEntry::V6(b) => V6((*id, *b)),
         },
         D::put_backends,
         D::put_backends6,
@@ -83,8 +83,8 @@ pub(super) fn put_rev_nats<D: Dataplane>(
         dp,
         writes,
         |(id, r)| match r {
-            RevNatEntry::V4(r) => Ok((*id, *r)),
-            RevNatEntry::V6(r) => Err((*id, *r)),
+            RevNatEntry::V4(r) => V4((*id, *r)),
+            RevNatEntry::V6(r) => V6((*id, *r)),
         },
         D::put_rev_nats,
         D::put_rev_nats6,
@@ -103,8 +103,8 @@ pub(super) fn delete_services<D: Dataplane>(
         dp,
         slots,
         |(k, slot)| match k.addr {
-            IpAddr::V4(a) => Ok(Svc4Key::new(a, k.port, k.proto, k.scope, *slot)),
-            IpAddr::V6(a) => Err(Svc6Key::new(a, k.port, k.proto, k.scope, *slot)),
+            IpAddr::V4(a) => V4(Svc4Key::new(a, k.port, k.proto, k.scope, *slot)),
+            IpAddr::V6(a) => V6(Svc6Key::new(a, k.port, k.proto, k.scope, *slot)),
         },
         D::delete_services,
         D::delete_services6,
@@ -121,8 +121,8 @@ pub(super) fn delete_backends<D: Dataplane>(
         dp,
         ids,
         |(id, b)| match b {
-            Some(BackendEntry::V6(_)) => Err(*id),
-            _ => Ok(*id),
+            Some(BackendEntry::V6(_)) => V6(*id),
+            _ => V4(*id),
         },
         D::delete_backends,
         D::delete_backends6,
@@ -138,41 +138,65 @@ pub(super) fn delete_rev_nats<D: Dataplane>(
         dp,
         ids,
         |(id, r)| match r {
-            Some(RevNatEntry::V6(_)) => Err(*id),
-            _ => Ok(*id),
+            Some(RevNatEntry::V6(_)) => V6(*id),
+            _ => V4(*id),
         },
         D::delete_rev_nats,
         D::delete_rev_nats6,
     )
 }
 
+/// An operation's entry or key in the map of its family.
+enum ByFamily<A, B> {
+    V4(A),
+    V6(B),
+}
+use ByFamily::{V4, V6};
+
+impl<A, B> ByFamily<A, B> {
+    fn is_v4(&self) -> bool {
+        matches!(self, V4(_))
+    }
+    fn v4(self) -> Option<A> {
+        match self {
+            V4(a) => Some(a),
+            V6(_) => None,
+        }
+    }
+    fn v6(self) -> Option<B> {
+        match self {
+            V6(b) => Some(b),
+            V4(_) => None,
+        }
+    }
+}
+
 /// `ops` (writes or deletes) in order, stopping at the first that fails:
-/// `entry` gives each one's IPv4 map entry or key (`Ok`) or IPv6 one
-/// (`Err`); each run of one family's goes to `batch4` or `batch6` in calls
-/// of [`BatchSizes`].
+/// `entry` gives each one's map entry or key in its family's map; each run
+/// of one family's goes to `batch4` or `batch6` in calls of [`BatchSizes`].
 fn runs<D: Dataplane, T, A, B>(
     dp: &mut D,
     ops: &[T],
-    entry: impl Fn(&T) -> Result<A, B>,
+    entry: impl Fn(&T) -> ByFamily<A, B>,
     batch4: impl Fn(&mut D, &[A]) -> BatchOutcome,
     batch6: impl Fn(&mut D, &[B]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
     let mut sizes = BatchSizes::default();
     while let Some(first) = ops.get(done) {
-        let v4 = entry(first).is_ok();
-        let run: Vec<Result<A, B>> = ops[done..]
+        let v4 = entry(first).is_v4();
+        let run: Vec<ByFamily<A, B>> = ops[done..]
             .iter()
             .take(sizes.take())
             .map(&entry)
-            .take_while(|e| e.is_ok() == v4)
+            .take_while(|e| e.is_v4() == v4)
             .collect();
         let len = run.len();
         let (n, err) = if v4 {
-            let run: Vec<A> = run.into_iter().filter_map(Result::ok).collect();
+            let run: Vec<A> = run.into_iter().filter_map(ByFamily::v4).collect();
             batch4(dp, &run)
         } else {
-            let run: Vec<B> = run.into_iter().filter_map(Result::err).collect();
+            let run: Vec<B> = run.into_iter().filter_map(ByFamily::v6).collect();
             batch6(dp, &run)
         };
         done += n.min(len);
