@@ -338,16 +338,14 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
         family_target: None,
         not_run: BTreeMap::new(),
     };
-    // The API modes stop at --api-max-n: their Services go through the
-    // API server, which bounds N.
-    let runs = |ml: &ModeLab| !ml.mode.is_api() || n <= cfg.api_max_n;
+    // The API modes stop at --api-max-n (their Services go through the API
+    // server, which bounds N) and at what the ServiceCIDR holds.
+    let api_not_run = api::not_run_reason(cfg, n);
+    let runs = |ml: &ModeLab| !ml.mode.is_api() || api_not_run.is_none();
     for ml in labs.iter().filter(|ml| !runs(ml)) {
         out.not_run.insert(
             ml.name().to_string(),
-            format!(
-                "N above --api-max-n={}: its Services are made through the API server (minutes per 10,000 here)",
-                cfg.api_max_n
-            ),
+            api_not_run.clone().unwrap_or_default(),
         );
     }
     let mut progs = BTreeMap::new();

@@ -207,7 +207,8 @@ fn metrics_text(node_ns: &str) -> String {
 }
 
 /// Services created through the real API server in the API test below
-/// (`KPR_API_SCALE_SERVICES` overrides it; the full bench's 100,000 too).
+/// (`KPR_API_SCALE_SERVICES` overrides it, up to the about 65,000
+/// ClusterIPs the lab's IPv4 ServiceCIDR, a /16, holds).
 const API_SCALE: usize = 10_000;
 /// Rounds of the programming-latency measurement.
 const LATENCY_ROUNDS: usize = 20;

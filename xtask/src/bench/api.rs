@@ -61,6 +61,41 @@ const CHURN_SETTLE: Duration = Duration::from_secs(3);
 pub(super) const KUBE_PROXY_MIN_SYNC: &str = "1s (default)";
 pub(super) const AGENT_MIN_SYNC: &str = "100ms (the lab's)";
 
+/// Change Services of one run (their static ClusterIPs: 198.19.0.10 on).
+const MAX_CHANGES: u32 = 240;
+
+/// How many bench Services the lab's IPv4 ServiceCIDR can give a ClusterIP
+/// of its own: its addresses, less the network and broadcast addresses,
+/// the `kubernetes` Service, the churn Services and the changes' band. The
+/// real allocator gives every Service an address (the layout modes reuse a
+/// VIP on another port, and so go further).
+pub(super) fn service_cidr_capacity(cfg: &Config) -> usize {
+    let prefix: u32 = crate::lab::control_plane::SERVICE_CIDR
+        .rsplit('/')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the ServiceCIDR has a prefix length");
+    (1usize << (32 - prefix)) - 2 - 1 - cfg.churn_services - MAX_CHANGES as usize
+}
+
+/// Why the API modes do not run at `n`, if they do not.
+pub(super) fn not_run_reason(cfg: &Config, n: usize) -> Option<String> {
+    let cap = service_cidr_capacity(cfg);
+    if n > cap {
+        return Some(format!(
+            "N above the {cap} ClusterIPs the lab's IPv4 ServiceCIDR ({}) has for bench Services: \
+             the real allocator gives each Service an address of its own",
+            crate::lab::control_plane::SERVICE_CIDR
+        ));
+    }
+    (n > cfg.api_max_n).then(|| {
+        format!(
+            "N above --api-max-n={}: its Services are made through the API server (minutes per 10,000 here)",
+            cfg.api_max_n
+        )
+    })
+}
+
 /// What an API mode's lab keeps between N.
 #[derive(Debug, Default)]
 pub(super) struct ApiLab {
@@ -404,7 +439,7 @@ pub(super) fn program(
         check_interrupted()?;
         std::thread::sleep(IDLE_BEFORE_CHANGE);
         st.seq += 1;
-        if st.seq > 240 {
+        if st.seq > MAX_CHANGES {
             bail!("out of static ClusterIPs for the changes");
         }
         let ip = Ipv4Addr::new(198, 19, 0, 9 + st.seq as u8);
@@ -613,6 +648,26 @@ kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv6"} 5
         assert_eq!(d.summary().mean_s(), None);
         // The metric names are not prefixes of one another's lines.
         assert_eq!(Hist::parse(TEXT, "kubeproxy_nothing").count, 0.0);
+    }
+
+    /// 100,000 Services do not fit the lab's /16 ServiceCIDR: the API
+    /// modes say so instead of failing an hour into the creation.
+    #[test]
+    fn n_beyond_the_service_cidr_is_not_run_and_says_why() {
+        let mut cfg = Config::sanity_api();
+        cfg.api_max_n = 100_000;
+        let cap = service_cidr_capacity(&cfg);
+        assert_eq!(cap, 65_536 - 3 - cfg.churn_services - 240);
+        assert_eq!(not_run_reason(&cfg, 50_000), None);
+        let why = not_run_reason(&cfg, 100_000).expect("not run");
+        assert!(
+            why.contains("198.19.0.0/16") && why.contains(&cap.to_string()),
+            "{why}"
+        );
+        cfg.api_max_n = 10_000;
+        assert!(not_run_reason(&cfg, 50_000)
+            .expect("not run")
+            .contains("--api-max-n=10000"));
     }
 
     #[test]

@@ -43,7 +43,8 @@ pub struct BenchArgs {
     pub nft_cap: Option<u64>,
     /// The largest N the API modes (kube-proxy-*, proxy-tc-k8s) run at: their
     /// Services are created through the API server, ~50 s per 1,000 on a loaded
-    /// 2-core machine at 10,000; larger N are reported as not run.
+    /// 2-core machine at 10,000; larger N are reported as not run. The lab's
+    /// IPv4 ServiceCIDR (a /16) caps it below 65,536 in any case.
     #[arg(long, default_value_t = 10_000)]
     pub api_max_n: usize,
     /// The proxy-agent binary (default: target/release/proxy-agent if built, else debug).
