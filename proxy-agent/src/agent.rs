@@ -24,11 +24,11 @@ use crate::{
     bpf::{self, Attacher, BpfDataplane, BpfError, IfaceKind},
     config::Settings,
     dataplane::Writer,
-    health::Health,
     ifaddrs::InterfaceAddresses,
     metrics::{Metrics, ProgrammingLatency},
     model::{self, ModelOptions},
-    servers,
+    serve::endpoints,
+    serve::health::Health,
     source::{Source, SourceChanges, SourceError},
 };
 
@@ -48,7 +48,7 @@ struct Observers {
     /// When `deliveryMode: auto` last looked for a policy engine.
     delivery_checked: Instant,
     /// The `healthCheckNodePort` listeners, reconciled after every sync.
-    health_checks: crate::healthcheck::HealthCheckServers,
+    health_checks: crate::serve::health_check_node_ports::HealthCheckServers,
     /// The backends of each UDP frontend address as last programmed (every
     /// scope's, retained ones included): when a backend leaves one, the
     /// flows it carried for that frontend are forgotten (conntrack entries
@@ -775,7 +775,7 @@ pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), Agent
         latency: ProgrammingLatency::default(),
         datapath,
         delivery_checked: Instant::now(),
-        health_checks: crate::healthcheck::HealthCheckServers::default()
+        health_checks: crate::serve::health_check_node_ports::HealthCheckServers::default()
             .with_proxy_health(move || proxy_health.status().healthy),
         udp_backends: BTreeMap::new(),
         sock_revnat: None,
@@ -790,12 +790,12 @@ pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), Agent
     obs.metrics.set_map_capacity(&cfg.map_sizes);
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
-        let router = servers::health_router(obs.health.clone());
-        servers.extend(servers::spawn("healthz", addr, router).await);
+        let router = endpoints::health_router(obs.health.clone());
+        servers.extend(endpoints::spawn("healthz", addr, router).await);
     }
     if let Some(addr) = cfg.metrics_bind_address {
-        let router = servers::metrics_router(obs.metrics.clone());
-        servers.extend(servers::spawn("metrics", addr, router).await);
+        let router = endpoints::metrics_router(obs.metrics.clone());
+        servers.extend(endpoints::spawn("metrics", addr, router).await);
     }
 
     let (tx, mut changes) = mpsc::unbounded_channel();

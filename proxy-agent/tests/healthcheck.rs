@@ -13,8 +13,8 @@ use std::{
 };
 
 use proxy_agent::{
-    healthcheck::{body, HealthCheckServers},
     model::HealthCheck,
+    serve::health_check_node_ports::{body, HealthCheckServers},
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -283,7 +283,7 @@ async fn drop_closes_every_listener() {
 /// request head and an idle keep-alive connection are closed too.
 #[tokio::test]
 async fn slowloris_connections_are_limited_and_timed_out() {
-    use proxy_agent::servers::{health_router, serve_with, ServerLimits};
+    use proxy_agent::serve::endpoints::{health_router, serve_with, ServerLimits};
     let limits = ServerLimits {
         header_read_timeout: Duration::from_millis(400),
         idle_timeout: Duration::from_millis(600),
@@ -293,7 +293,9 @@ async fn slowloris_connections_are_limited_and_timed_out() {
         .await
         .unwrap();
     let port = listener.local_addr().unwrap().port();
-    let health = Arc::new(proxy_agent::health::Health::new(Duration::from_secs(60)));
+    let health = Arc::new(proxy_agent::serve::health::Health::new(
+        Duration::from_secs(60),
+    ));
     let server = tokio::spawn(serve_with(listener, health_router(health), limits));
 
     let connect = || tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port));

@@ -20,7 +20,7 @@ use axum::{
 use tokio::net::TcpListener;
 use tracing::{error, info};
 
-use crate::{health::Health, metrics::Metrics};
+use crate::{metrics::Metrics, serve::health::Health};
 
 /// What `/proxyMode` answers.
 pub const PROXY_MODE: &str = "ebpf";

@@ -196,7 +196,7 @@ impl HealthCheckServers {
         };
         let router = Router::new().fallback(handle).with_state(state);
         let task = tokio::spawn(async move {
-            if let Err(e) = crate::servers::serve(listener, router).await {
+            if let Err(e) = crate::serve::endpoints::serve(listener, router).await {
                 error!(port, error = %e, "health-check node port server stopped");
             }
         });
