@@ -24,7 +24,7 @@ use crate::{
     bpf::{self, Attacher, BpfDataplane, BpfError, IfaceKind},
     config::Settings,
     dataplane::Writer,
-    ifaddrs::InterfaceAddresses,
+    host::ifaddrs::InterfaceAddresses,
     metrics::{Metrics, ProgrammingLatency},
     model::{self, ModelOptions},
     serve::endpoints,
@@ -77,7 +77,7 @@ impl SockRevNatMaps {
     /// to `peer` (as the socket has it: an IPv4-mapped peer of an IPv6
     /// socket is in the IPv4 map); `None` if they did not.
     fn aimed_from(&self, cookie: u64, peer: SocketAddr) -> Option<SocketAddr> {
-        match crate::sockdiag::backend_of(peer) {
+        match crate::host::sockdiag::backend_of(peer) {
             SocketAddr::V4(p) => {
                 let key = SockRevNat4Key {
                     cookie,
@@ -152,7 +152,7 @@ fn gone_udp_pairs(
 /// those pairs are deleted, so the next datagram picks one of the
 /// frontend's backends again, and host clients' connected UDP sockets the
 /// socket hooks aimed at such a pair are destroyed (see
-/// [`crate::sockdiag`]). The backend may still back other Services: only
+/// [`crate::host::sockdiag`]). The backend may still back other Services: only
 /// its flows of this frontend go.
 fn forget_stale_udp_flows(
     cfg: &Settings,
@@ -211,9 +211,9 @@ fn forget_stale_udp_flows(
     let ours = |cookie: u64, peer: SocketAddr| {
         revnat
             .aimed_from(cookie, peer)
-            .is_some_and(|fe| gone.contains(&(fe, crate::sockdiag::backend_of(peer))))
+            .is_some_and(|fe| gone.contains(&(fe, crate::host::sockdiag::backend_of(peer))))
     };
-    match crate::sockdiag::destroy_aimed_at(&backends, ours) {
+    match crate::host::sockdiag::destroy_aimed_at(&backends, ours) {
         Ok(d) if d.destroyed > 0 || d.failed > 0 => info!(
             destroyed = d.destroyed,
             failed = d.failed,
@@ -410,7 +410,7 @@ fn publish_addresses(tx: &watch::Sender<BTreeSet<IpAddr>>, table: &InterfaceAddr
         }
         info!(
             "node addresses changed: {}",
-            crate::ifaddrs::describe_change(held, &now)
+            crate::host::ifaddrs::describe_change(held, &now)
         );
         *held = now;
         true
@@ -706,8 +706,8 @@ fn delivery_via_stack(mode: crate::config::DeliveryMode) -> bool {
     match mode {
         DeliveryMode::Redirect => false,
         DeliveryMode::Stack => true,
-        DeliveryMode::Auto => match crate::netfilter::chains() {
-            Ok(chains) => match crate::netfilter::policy_engine(&chains) {
+        DeliveryMode::Auto => match crate::host::netfilter::chains() {
+            Ok(chains) => match crate::host::netfilter::policy_engine(&chains) {
                 Some(engine) => {
                     debug!(engine, "a NetworkPolicy engine filters forwarded traffic: delivering through the stack");
                     true
@@ -723,10 +723,10 @@ fn delivery_via_stack(mode: crate::config::DeliveryMode) -> bool {
 }
 
 /// Lists the kernel's destination-NATed flows in the handover maps
-/// ([`crate::handover`]); a failure costs those flows their backend, so it
+/// ([`crate::host::handover`]); a failure costs those flows their backend, so it
 /// is logged, and the agent goes on.
 fn hand_over(pin_dir: &std::path::Path, when: &str) {
-    match crate::handover::hand_over(pin_dir) {
+    match crate::host::handover::hand_over(pin_dir) {
         Ok((0, 0)) => debug!(when, "no flow of the kernel's conntrack to hand over"),
         Ok((v4, v6)) => info!(
             when,
@@ -743,14 +743,14 @@ fn hand_over(pin_dir: &std::path::Path, when: &str) {
 /// Runs until SIGTERM or SIGINT; then detaches from every interface. The pinned
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), AgentError> {
-    match crate::privileges::ensure_memlock() {
+    match crate::host::privileges::ensure_memlock() {
         Ok(what) => info!("{what}"),
         Err(what) => warn!("{what}"),
     }
     let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
-    let local_ports = crate::config::local_port_range().map_err(|e| {
+    let local_ports = crate::host::local_port_range().map_err(|e| {
         AgentError::Setting(format!("cannot read the host's ip_local_port_range: {e}"))
     })?;
     let snat =
@@ -995,19 +995,21 @@ pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), Agent
                 cfg.bpffs.display()
             );
         }
-        crate::config::OnExit::Drain => match crate::handover::set_draining(&loaded.pin_dir) {
-            Ok(()) => {
-                attacher.lock().expect("attacher lock").release_all();
-                info!(
+        crate::config::OnExit::Drain => {
+            match crate::host::handover::set_draining(&loaded.pin_dir) {
+                Ok(()) => {
+                    attacher.lock().expect("attacher lock").release_all();
+                    info!(
                     "exiting with the datapath draining (--on-exit drain): tracked flows stay translated, new ones go to the host's stack; run `proxy-agent cleanup --bpffs {}` once they have ended",
                     cfg.bpffs.display()
                 );
+                }
+                Err(e) => {
+                    attacher.lock().expect("attacher lock").detach_all();
+                    error!(error = %e, "cannot set the datapath draining: detached instead");
+                }
             }
-            Err(e) => {
-                attacher.lock().expect("attacher lock").detach_all();
-                error!(error = %e, "cannot set the datapath draining: detached instead");
-            }
-        },
+        }
     }
     result
 }

@@ -729,13 +729,6 @@ fn secs(field: &str, d: Option<GoDuration>) -> Result<Option<u32>, ConfigError> 
     .transpose()
 }
 
-fn hostname() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_lowercase())
-        .filter(|h| !h.is_empty())
-}
-
 impl Settings {
     /// Merges: flags over the file over the defaults; then checks the result.
     pub fn resolve(file: &ConfigFile, flags: &RunArgs) -> Result<Self, ConfigError> {
@@ -759,7 +752,7 @@ impl Settings {
             .clone()
             .filter(|n| !n.is_empty())
             .or_else(|| file.hostname_override.clone().filter(|n| !n.is_empty()))
-            .or_else(hostname)
+            .or_else(crate::host::hostname)
             .ok_or_else(|| {
                 invalid(
                     "hostnameOverride",
@@ -1013,18 +1006,5 @@ pub fn snat_ports(configured: Option<(u16, u16)>, local: (u16, u16)) -> Result<(
         )),
         (b, a) if b >= a => Ok(below.unwrap()),
         _ => Ok(above.unwrap()),
-    }
-}
-
-/// The host's `net.ipv4.ip_local_port_range` (this network namespace's).
-pub fn local_port_range() -> std::io::Result<(u16, u16)> {
-    let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
-    let mut it = s.split_whitespace().map(str::parse::<u16>);
-    match (it.next(), it.next()) {
-        (Some(Ok(a)), Some(Ok(b))) => Ok((a, b)),
-        _ => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("ip_local_port_range: {s:?}"),
-        )),
     }
 }

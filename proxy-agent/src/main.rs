@@ -68,7 +68,7 @@ fn main() -> anyhow::Result<()> {
                 .build()?;
             if let Err(e) = rt.block_on(run(*a)) {
                 // EPERM/EACCES: name the capabilities this process lacks.
-                return match proxy_agent::privileges::hint(e.as_ref()) {
+                return match proxy_agent::host::privileges::hint(e.as_ref()) {
                     Some(hint) => Err(e.context(hint)),
                     None => Err(e),
                 };

@@ -24,7 +24,7 @@ fn handover_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, u64> {
 
 /// The key the agent writes for a kernel flow `CLIENT:sport → VIP:dport`.
 fn key(sport: u16, dport: u16, proto: u8) -> Ct4Key {
-    proxy_agent::handover::key4(&proxy_agent::handover::KernelFlow {
+    proxy_agent::host::handover::key4(&proxy_agent::host::handover::KernelFlow {
         proto,
         src: std::net::SocketAddr::from((CLIENT, sport)),
         dst: std::net::SocketAddr::from((VIP, dport)),

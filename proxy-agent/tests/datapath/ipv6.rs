@@ -1139,7 +1139,7 @@ fn ipv6_handed_over_flows_pass_untouched_a_syn_does_not() {
         vec![be6(B6, 8080, IPPROTO_TCP)],
         0,
     )]);
-    let flow = |sport: u16| proxy_agent::handover::KernelFlow {
+    let flow = |sport: u16| proxy_agent::host::handover::KernelFlow {
         proto: IPPROTO_TCP,
         src: std::net::SocketAddr::from((CLIENT6, sport)),
         dst: std::net::SocketAddr::from((VIP6, 80)),
@@ -1150,8 +1150,8 @@ fn ipv6_handed_over_flows_pass_untouched_a_syn_does_not() {
     let now = proxy_agent::bpf::ktime_ns();
     for sport in [47000, 47001] {
         let f = flow(sport);
-        let k = proxy_agent::handover::key6(&f).expect("an IPv6 flow");
-        m.insert(k, proxy_agent::handover::deadline(&f, now), 0)
+        let k = proxy_agent::host::handover::key6(&f).expect("an IPv6 flow");
+        m.insert(k, proxy_agent::host::handover::deadline(&f, now), 0)
             .unwrap();
     }
     let before = h.stats();

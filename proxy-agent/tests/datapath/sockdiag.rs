@@ -1,4 +1,4 @@
-//! The agent's socket diag (`proxy_agent::sockdiag`), which destroys host
+//! The agent's socket diag (`proxy_agent::host::sockdiag`), which destroys host
 //! clients' connected UDP sockets aimed at a removed backend: it finds and
 //! destroys them in both families — IPv4 sockets, IPv6 sockets, and
 //! dual-stack IPv6 sockets connected to an IPv4-mapped address (whose peer
@@ -7,7 +7,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 
-use proxy_agent::sockdiag;
+use proxy_agent::host::sockdiag;
 
 use super::kit::harness::NetNs;
 

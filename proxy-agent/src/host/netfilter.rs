@@ -169,7 +169,7 @@ fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
 }
 
 fn nft_chains() -> io::Result<Vec<Chain>> {
-    let fd = crate::sockdiag::netlink_socket(NETLINK_NETFILTER)?;
+    let fd = crate::host::sockdiag::netlink_socket(NETLINK_NETFILTER)?;
     let req = getchain_request(1);
     // SAFETY: sending a buffer of its length.
     if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {

@@ -1,0 +1,32 @@
+//! What the agent reads from, and does to, the host beyond its BPF
+//! programs and maps: the external interfaces' addresses ([`ifaddrs`]), the
+//! kernel's limits and the capabilities it lacks ([`privileges`]), a
+//! NetworkPolicy engine in netfilter ([`netfilter`]), the kernel's own
+//! conntrack when taking over from kube-proxy ([`handover`]), host
+//! clients' sockets ([`sockdiag`]), and the host's port range and name.
+pub mod handover;
+pub mod ifaddrs;
+pub mod netfilter;
+pub mod privileges;
+pub mod sockdiag;
+
+/// The host's `net.ipv4.ip_local_port_range` (this network namespace's).
+pub fn local_port_range() -> std::io::Result<(u16, u16)> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    let mut it = s.split_whitespace().map(str::parse::<u16>);
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => Ok((a, b)),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("ip_local_port_range: {s:?}"),
+        )),
+    }
+}
+
+/// The host's name, lower-cased, as kube-proxy's default node name.
+pub fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_lowercase())
+        .filter(|h| !h.is_empty())
+}
