@@ -356,7 +356,7 @@ impl Config {
             api_max_n: 10_000,
             churn_services: 10,
             churn_flips: 2,
-            ready_rounds: 2,
+            ready_rounds: 1,
             max_steal_pct: 100.0,
             max_other_pct: 100.0,
             agent_bin: std::env::var_os("KPR_AGENT_BIN").map(PathBuf::from),
