@@ -1,4 +1,4 @@
-//! The packet-test kit shared by `tests/datapath.rs` and
+//! The packet-test kit shared by `tests/datapath/`, `tests/attach.rs` and
 //! `examples/prog_cost.rs` (included there with `#[path]`): frame builders,
 //! the independent checksum checker, the harness (a namespace and pin dir of
 //! its own, the real object, the agent's writer, `BPF_PROG_TEST_RUN` of tc and

@@ -1,7 +1,8 @@
 //! Packet tests (root): the real object loaded, its maps filled by the agent's
 //! own writer, crafted packets run through `BPF_PROG_TEST_RUN`, and the output
 //! bytes checked, with IPv4 and TCP/UDP/ICMP checksums recomputed here
-//! independently of the datapath (the kit in `tests/kit/`).
+//! independently of the datapath (the kit in `tests/kit/`, which `attach.rs`
+//! and `examples/prog_cost.rs` use too).
 //!
 //! Most tests are tables of cases (`kit::case`): each case runs through every
 //! program it applies to (`pod_ingress`, `ext_ingress`, `ext_xdp`), each in a
@@ -14,29 +15,21 @@
 //! namespaces. Run with `cargo xtask test` (they are `#[ignore]`d under a
 //! plain `cargo test`).
 //!
-//! One file of about a thousand lines on purpose: one test binary loads the
-//! object and links the kit once, and every datapath behaviour stands beside
-//! the others it interacts with; the scaffolding lives in `kit/`.
-#[path = "datapath/fuzz.rs"]
+//! One test binary on purpose: it loads the object and links the kit once,
+//! and every datapath behaviour stands beside the others it interacts with.
+//! This file holds the IPv4 tables; the other concerns are the modules
+//! beside it, and the scaffolding lives in `tests/kit/`.
 mod fuzz;
-#[path = "datapath/handover.rs"]
 mod handover;
-#[path = "datapath/hardening.rs"]
 mod hardening;
-#[path = "datapath/icmp_errors.rs"]
 mod icmp_errors;
-#[path = "datapath/ipv6.rs"]
 mod ipv6;
+#[path = "../kit/mod.rs"]
 mod kit;
-#[path = "datapath/lb.rs"]
 mod lb;
-#[path = "datapath/lifecycle.rs"]
 mod lifecycle;
-#[path = "datapath/sctp.rs"]
 mod sctp;
-#[path = "datapath/sockdiag.rs"]
 mod sockdiag;
-#[path = "datapath/upgrade.rs"]
 mod upgrade;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
