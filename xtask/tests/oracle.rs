@@ -85,6 +85,9 @@ const T_UDP: Duration = Duration::from_millis(500);
 /// its own ten ([`observe`]), so that no kernel conntrack entry left by an
 /// earlier proxy's flows meets a later one's.
 const UDP_PORT_BASE: u16 = 41000;
+/// The oracle client's ephemeral ports: above every fixed source port
+/// (`UDP_PORT_BASE + 10 * phase + k`, phases of three proxies).
+const EPHEMERAL_PORTS: &str = "42000 60999";
 
 /// A difference from kube-proxy kept on purpose: the observation `key`,
 /// the mode it differs from, and why: docs/kube-proxy-differences.md.
@@ -885,6 +888,17 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         |_| {},
         support::diagnostics_nodes,
         |lab| {
+            // The conntrack observations' fixed source ports (from
+            // UDP_PORT_BASE) lie in the kernel's default ephemeral range:
+            // an earlier probe's connection left in TIME_WAIT on one of
+            // them made their bind fail (EADDRINUSE) now and then. The
+            // client's own ephemeral ports start above them.
+            xtask::netns::sysctl_in(
+                &lab.client().netns,
+                "net.ipv4.ip_local_port_range",
+                EPHEMERAL_PORTS,
+            )
+            .expect("the client's ephemeral port range");
             lab.apply(&term_slice(lab)).expect("term's slice");
             lab.apply(&udp_slices(lab, false))
                 .expect("the UDP Services' slices");
