@@ -326,19 +326,8 @@ fn services_through_the_real_api_server_first_sync_memory_and_programming_latenc
             r#"{{"status":{{"conditions":[{{"type":"Ready","status":"True","lastTransitionTime":"{}"}}]}}}}"#,
             jiff::Timestamp::now()
         );
-        lab.kubectl(
-            &[
-                "patch",
-                "pod",
-                &name,
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                &patch,
-            ],
-            None,
-        )
-        .expect("Ready written");
+        lab.patch_status("pod", &name, &patch)
+            .expect("Ready written");
         let took = probe
             .join()
             .expect("probe")

@@ -546,18 +546,7 @@ fn write_ready(ml: &ModeLab, ready: bool) -> Result<Duration> {
         jiff::Timestamp::now()
     );
     let t = Instant::now();
-    ml.lab.kubectl(
-        &[
-            "patch",
-            "pod",
-            CHURN_POD,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            &patch,
-        ],
-        None,
-    )?;
+    ml.lab.patch_status("pod", CHURN_POD, &patch)?;
     Ok(t.elapsed())
 }
 

@@ -558,14 +558,7 @@ pub fn first_success(
                 if let Some(wait) = at.checked_duration_since(Instant::now()) {
                     std::thread::sleep(wait);
                 }
-                let ok = TcpStream::connect_timeout(&target, slot * POLLERS)
-                    .and_then(|mut s| {
-                        s.set_read_timeout(Some(Duration::from_millis(200)))?;
-                        s.write_all(b"C")?;
-                        let mut b = [0u8; 1];
-                        s.read_exact(&mut b)
-                    })
-                    .is_ok();
+                let ok = answers(target, slot * POLLERS);
                 if ok {
                     let d = t0.elapsed();
                     stop.store(true, Ordering::Relaxed);
@@ -586,6 +579,19 @@ pub fn first_success(
     Ok(first)
 }
 
+/// One `C` exchange with `target` (connect within `connect_timeout`, the
+/// reply's first byte within 200 ms): whether a pod answered.
+fn answers(target: SocketAddr, connect_timeout: Duration) -> bool {
+    TcpStream::connect_timeout(&target, connect_timeout)
+        .and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_millis(200)))?;
+            s.write_all(b"C")?;
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b)
+        })
+        .is_ok()
+}
+
 /// Polls `target` from namespace `ns` every 5 ms until a connection to it
 /// fails (no endpoint left: refused, or no answer in 200 ms); whether
 /// that happened within `limit`.
@@ -593,15 +599,7 @@ pub fn first_failure(ns: &str, target: SocketAddr, limit: Duration) -> Result<bo
     let t = spawn_in(ns, "refusal-poller", move || {
         let start = Instant::now();
         while start.elapsed() < limit {
-            let ok = TcpStream::connect_timeout(&target, Duration::from_millis(200))
-                .and_then(|mut s| {
-                    s.set_read_timeout(Some(Duration::from_millis(200)))?;
-                    s.write_all(b"C")?;
-                    let mut b = [0u8; 1];
-                    s.read_exact(&mut b)
-                })
-                .is_ok();
-            if !ok {
+            if !answers(target, Duration::from_millis(200)) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(5));

@@ -642,19 +642,7 @@ impl Lab {
             .into_iter()
             .partition(|(key, _, _)| key.0 == "Node");
         for (key, status, _) in &nodes {
-            let patch = json!({ "status": status }).to_string();
-            self.kubectl(
-                &[
-                    "patch",
-                    "node",
-                    &key.2,
-                    "--subresource=status",
-                    "--type=merge",
-                    "-p",
-                    &patch,
-                ],
-                None,
-            )?;
+            self.patch_status("node", &key.2, &json!({ "status": status }).to_string())?;
         }
         if !others.is_empty() {
             let items = others.iter().map(|(_, _, v)| v.clone()).collect();
@@ -927,6 +915,24 @@ impl Lab {
     /// Writes a barrier now (with a real control plane; a no-op without):
     /// [`wait_synced`](Lab::wait_synced) then waits for everything the lab
     /// wrote before, for example after a proxy was started.
+    /// A merge patch of the status of `kind` `name` (in `default`), written
+    /// as its kubelet would: `kubectl patch --subresource=status`.
+    pub fn patch_status(&self, kind: &str, name: &str, patch: &str) -> Result<()> {
+        self.kubectl(
+            &[
+                "patch",
+                kind,
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                patch,
+            ],
+            None,
+        )
+        .map(|_| ())
+    }
+
     pub fn write_sync_barrier(&mut self) -> Result<()> {
         if self.info.control_plane.is_some() {
             self.write_barrier()?;
