@@ -194,6 +194,9 @@ pub fn node_pod_cidr6(i: usize) -> String {
     format!("{}/64", Ipv6Addr::new(0x2001, 2, 0, i as u16, 0, 0, 0, 0))
 }
 
+/// The default of [`Lab::sync_timeout`].
+pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// How to start a [`Lab`].
 #[derive(Debug, Clone, Default)]
 pub struct LabBuilder {
@@ -212,6 +215,7 @@ pub struct LabBuilder {
     without_caps: Vec<String>,
     ipv6: bool,
     control_plane: Option<bool>,
+    sync_timeout: Option<Duration>,
 }
 
 /// Whether `KPR_LAB_CONTROL_PLANE` asks for a real control plane.
@@ -336,6 +340,14 @@ impl LabBuilder {
         self
     }
 
+    /// How long the lab's users wait for the agents to come up or to sync a
+    /// change ([`Lab::sync_timeout`]; default [`DEFAULT_SYNC_TIMEOUT`]). The
+    /// lab only carries it: its own waits keep their timeouts.
+    pub fn sync_timeout(mut self, timeout: Duration) -> Self {
+        self.sync_timeout = Some(timeout);
+        self
+    }
+
     /// Creates the lab. Does not wait for the agent: call
     /// [`Lab::wait_ready`]. On error everything created so far is removed.
     pub fn start(self) -> Result<Lab> {
@@ -373,6 +385,8 @@ pub struct Lab {
     keep: bool,
     /// With a real control plane: what the lab wrote to the API server.
     api: Option<api::ApiState>,
+    /// See [`LabBuilder::sync_timeout`].
+    sync_timeout: Duration,
 }
 
 fn new_allocator(nodes: &[NodeInfo], dual_stack: bool) -> Allocator {
@@ -411,6 +425,13 @@ impl Lab {
     /// A builder with defaults.
     pub fn builder() -> LabBuilder {
         LabBuilder::default()
+    }
+
+    /// How long the lab's users wait for the agents to come up or to sync a
+    /// change: set by [`LabBuilder::sync_timeout`], else
+    /// [`DEFAULT_SYNC_TIMEOUT`]. The lab's own waits do not read it.
+    pub fn sync_timeout(&self) -> Duration {
+        self.sync_timeout
     }
 
     /// Starts a lab from a manifests file or directory, with the agent.
@@ -562,6 +583,7 @@ impl Lab {
             without_caps: b.without_caps,
             keep: false,
             api: with_control_plane.then(api::ApiState::default),
+            sync_timeout: b.sync_timeout.unwrap_or(DEFAULT_SYNC_TIMEOUT),
         };
         // From here on, dropping `lab` on error cleans up.
         std::fs::create_dir_all(&manifests_dir)?;
@@ -707,6 +729,7 @@ impl Lab {
             without_caps: Vec::new(),
             keep: true,
             api: info_has_control_plane.then(api::ApiState::default),
+            sync_timeout: DEFAULT_SYNC_TIMEOUT,
         })
     }
 
