@@ -20,7 +20,7 @@ use std::time::Instant;
 use proxy_agent::{
     dataplane::{Changes, Discard, Writer},
     model::{Incremental, ModelOptions},
-    source::{ManifestsSource, Source, SourceChanges},
+    sources::{ManifestsSource, Source, SourceChanges},
 };
 
 fn service_yaml(i: usize) -> String {

@@ -29,7 +29,7 @@ use crate::{
     model::{self, ModelOptions},
     serve::endpoints,
     serve::health::Health,
-    source::{Source, SourceChanges, SourceError},
+    sources::{Source, SourceChanges, SourceError},
 };
 
 /// How often expired conntrack entries are deleted.

@@ -1,6 +1,6 @@
 //! The agent of the eBPF kube-proxy replacement.
 //!
-//! Sources of desired state (`manifests`, `kubernetes` in [`k8s`]) read the
+//! Sources of desired state ([`sources`]: manifests, the Kubernetes API) read the
 //! [`objects`] that feed a pure model ([`model`]), whose
 //! output the [`dataplane::Writer`] diffs against what is already programmed and
 //! writes, in make-before-break order, through a [`dataplane::Dataplane`]: the
@@ -14,12 +14,10 @@ pub mod config_reference;
 pub mod dataplane;
 pub mod host;
 pub mod inspect;
-pub mod k8s;
-pub mod manifests;
 pub mod metrics;
 pub mod model;
 pub mod objects;
 pub mod parallel;
 pub mod serve;
-pub mod source;
+pub mod sources;
 pub mod vec_set;

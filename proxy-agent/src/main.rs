@@ -6,8 +6,8 @@ use proxy_agent::{
     agent,
     cli::{Cli, Cmd, RunArgs},
     config::{Settings, SourceKind},
-    k8s::{self, KubernetesOptions, KubernetesSource},
-    source::{ManifestsSource, Source},
+    sources::kubernetes::{self, KubernetesOptions, KubernetesSource},
+    sources::{ManifestsSource, Source},
 };
 use tracing::{info, warn};
 
@@ -31,7 +31,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
         SourceKind::Manifests => Box::new(ManifestsSource::new(settings.manifests.clone())),
         SourceKind::Kubernetes => {
             let (client, api_server) =
-                k8s::client(settings.kubeconfig.as_deref(), settings.master.as_deref())
+                kubernetes::client(settings.kubeconfig.as_deref(), settings.master.as_deref())
                     .await
                     .context("connecting to the API server")?;
             info!(api_server = %api_server.url, origin = ?api_server.origin, "API server");

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use common::fake_apiserver::{FakeApiServer, Kind};
 use proxy_agent::{
-    k8s::{self, KubernetesOptions, KubernetesSource},
     model,
     objects::Snapshot,
-    source::{Source, SourceChanges},
+    sources::kubernetes::{self, KubernetesOptions, KubernetesSource},
+    sources::{Source, SourceChanges},
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -44,7 +44,9 @@ async fn source_for(
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
-    let (client, _) = k8s::client(Some(&kubeconfig), None).await.expect("client");
+    let (client, _) = kubernetes::client(Some(&kubeconfig), None)
+        .await
+        .expect("client");
     let mut source = KubernetesSource::new(
         client,
         KubernetesOptions {

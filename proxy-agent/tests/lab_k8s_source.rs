@@ -30,10 +30,10 @@ use std::{
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use proxy_agent::{
-    k8s::{self, KubernetesOptions, KubernetesSource},
     model::{self, LbAlgorithm, ANNOTATION_LB_ALGORITHM},
     objects::Snapshot,
-    source::{ManifestsSource, Source, SourceChanges},
+    sources::kubernetes::{self, KubernetesOptions, KubernetesSource},
+    sources::{ManifestsSource, Source, SourceChanges},
 };
 use proxy_common::svc_flags;
 use serde_json::{json, Value};
@@ -95,7 +95,7 @@ impl Ctx<'_> {
     /// A source as the agent starts it, as deploy/'s ServiceAccount.
     fn source(&self, proxy_name: Option<&str>) -> Src {
         let (source, rx) = self.rt.block_on(async {
-            let (client, _) = k8s::client(Some(&self.cp.agent_kubeconfig), None)
+            let (client, _) = kubernetes::client(Some(&self.cp.agent_kubeconfig), None)
                 .await
                 .expect("a client from the agents' kubeconfig");
             let mut source = KubernetesSource::new(

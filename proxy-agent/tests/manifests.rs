@@ -1,8 +1,8 @@
 //! The manifests source: files, directories, multi-document YAML, bad documents.
 use std::path::{Path, PathBuf};
 
-use proxy_agent::manifests::{self, load_paths, load_str};
 use proxy_agent::objects::Snapshot;
+use proxy_agent::sources::manifests::{self, load_paths, load_str};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -147,7 +147,7 @@ async fn watch_signals_a_change_of_a_watched_file() {
     let file = dir.path().join("svc.yaml");
     std::fs::write(&file, "").unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _watcher = proxy_agent::manifests::watch(vec![file.clone()], tx).unwrap();
+    let _watcher = proxy_agent::sources::manifests::watch(vec![file.clone()], tx).unwrap();
     // A file next to it is not watched.
     std::fs::write(dir.path().join("other.yaml"), "a: 1").unwrap();
     std::fs::write(&file, "apiVersion: v1\nkind: Node\nmetadata: {name: n}\n").unwrap();
@@ -165,7 +165,8 @@ async fn watch_signals_a_change_of_a_watched_file() {
 async fn a_file_renamed_into_a_watched_directory_is_signalled_once() {
     let dir = tempfile::tempdir().unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _watcher = proxy_agent::manifests::watch(vec![dir.path().to_path_buf()], tx).unwrap();
+    let _watcher =
+        proxy_agent::sources::manifests::watch(vec![dir.path().to_path_buf()], tx).unwrap();
     let tmp = dir.path().join(".svc.yaml.tmp");
     std::fs::write(&tmp, "apiVersion: v1\nkind: Node\nmetadata: {name: n}\n").unwrap();
     std::fs::rename(&tmp, dir.path().join("svc.yaml")).unwrap();
@@ -233,10 +234,10 @@ fn wait_change(rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>) -> bool {
 fn watched_dir_of_one_service() -> (
     tempfile::TempDir,
     PathBuf,
-    proxy_agent::source::ManifestsSource,
+    proxy_agent::sources::ManifestsSource,
     tokio::sync::mpsc::UnboundedReceiver<()>,
 ) {
-    use proxy_agent::source::{ManifestsSource, Source};
+    use proxy_agent::sources::{ManifestsSource, Source};
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
     std::fs::create_dir(&dir).unwrap();
@@ -252,11 +253,11 @@ fn watched_dir_of_one_service() -> (
 /// change is signalled and three are read.
 fn a_third_file_is_noticed(
     dir: &Path,
-    source: &mut proxy_agent::source::ManifestsSource,
+    source: &mut proxy_agent::sources::ManifestsSource,
     rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>,
     which: &str,
 ) {
-    use proxy_agent::source::Source;
+    use proxy_agent::sources::Source;
     std::fs::write(dir.join("c.yaml"), service_manifest("c", "198.19.0.12")).unwrap();
     assert!(
         wait_change(rx),
@@ -270,7 +271,7 @@ fn a_third_file_is_noticed(
 /// and once the directory is back, changes are applied live again.
 #[test]
 fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
-    use proxy_agent::source::Source;
+    use proxy_agent::sources::Source;
     let (_tmp, dir, mut source, mut rx) = watched_dir_of_one_service();
     // Gone: the last good state, and an error counted.
     std::fs::remove_dir_all(&dir).unwrap();
@@ -297,7 +298,7 @@ fn a_deleted_manifests_dir_keeps_the_last_good_state_and_is_watched_again() {
 /// periodic full sync.
 #[test]
 fn a_manifests_dir_swapped_by_a_rename_is_watched_again() {
-    use proxy_agent::source::Source;
+    use proxy_agent::sources::Source;
     let (tmp, dir, mut source, mut rx) = watched_dir_of_one_service();
     let new = tmp.path().join("m.new");
     std::fs::create_dir(&new).unwrap();
@@ -333,7 +334,7 @@ fn kubelet_write(dir: &Path, version: &str, content: &str) {
 /// the periodic full sync (`syncPeriod`).
 #[test]
 fn a_configmap_volume_update_is_signalled_and_read() {
-    use proxy_agent::source::{ManifestsSource, Source, SourceChanges};
+    use proxy_agent::sources::{ManifestsSource, Source, SourceChanges};
     use std::os::unix::fs::symlink;
     for watch_file in [false, true] {
         let tmp = tempfile::tempdir().unwrap();

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proxy_agent::dataplane::{Changes, Discard, Writer};
 use proxy_agent::model::{Incremental, ModelOptions};
-use proxy_agent::source::{ManifestsSource, Source, SourceChanges};
+use proxy_agent::sources::{ManifestsSource, Source, SourceChanges};
 use serde_json::json;
 
 /// The system allocator, counting the bytes it has handed out and not got

@@ -179,7 +179,12 @@ fn external_address_colliding_with_another_service_warns() {
 fn colliding_cluster_ip_stays_with_its_current_owner() {
     let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: zzz-old}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: aaa-new}\nspec: {clusterIP: 198.19.0.10, ports: [{port: 80}]}\n";
     let (mut snap, mut errs) = (proxy_agent::objects::Snapshot::default(), Vec::new());
-    proxy_agent::manifests::load_str(std::path::Path::new("c.yaml"), yaml, &mut snap, &mut errs);
+    proxy_agent::sources::manifests::load_str(
+        std::path::Path::new("c.yaml"),
+        yaml,
+        &mut snap,
+        &mut errs,
+    );
     assert!(errs.is_empty());
     let key = proxy_agent::model::FrontendKey {
         addr: "198.19.0.10".parse().unwrap(),

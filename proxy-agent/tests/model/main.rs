@@ -11,9 +11,9 @@
 //! they share.
 use std::path::Path;
 
-use proxy_agent::manifests::load_str;
 use proxy_agent::model::{desired_state, DesiredState, Frontend, FrontendKey};
 use proxy_agent::objects::Snapshot;
+use proxy_agent::sources::manifests::load_str;
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod dualstack;

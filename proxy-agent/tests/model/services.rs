@@ -3,10 +3,10 @@
 //! invalid input, protocols, affinity and determinism.
 use std::path::Path;
 
-use proxy_agent::manifests::load_paths;
 use proxy_agent::model::{
     desired_state, desired_state_with, endpoint_slices_from_pods, ModelOptions,
 };
+use proxy_agent::sources::manifests::load_paths;
 use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::*;

@@ -42,7 +42,7 @@ use crate::{
         Change, Kind, Object, ObjectKey, Snapshot, ANNOTATION_LAST_CHANGE_TRIGGER_TIME,
         ANNOTATION_LB_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
     },
-    source::{Source, SourceChanges, SourceError},
+    sources::{Source, SourceChanges, SourceError},
 };
 
 /// Errors building a client.
