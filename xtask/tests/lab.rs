@@ -20,28 +20,17 @@ use xtask::Lab;
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
 use support::flows::{self, Placement};
-use support::{assert_tcp_refused, delete_pod, frontend, run_lab, tcp_hostname, tcp_hostnames, T};
-
-/// How long the agent may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
+use support::{assert_tcp_refused, delete_pod, frontend, tcp_hostname, tcp_hostnames, LabTest, T};
 
 // ---------------------------------------------------------------- lab runner
 
-/// Starts a lab with `yaml`, waits for the agent's first sync and its
-/// attachments ([`wait_attached`]), runs `f`; see [`support::run_lab`].
-fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    run_lab(
-        test,
-        Lab::builder().manifests_yaml(yaml),
-        "",
-        |lab| {
-            lab.wait_ready(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-            wait_attached(lab);
-        },
-        |lab| support::diagnostics(lab, None),
-        f,
-    )
+/// The lab tests' wait for the agent ([`LabTest::ready`]): its first sync
+/// and its attachments ([`wait_attached`]), up to the lab's sync timeout
+/// (the default, 15 s).
+fn ready(lab: &mut Lab) {
+    lab.wait_ready(lab.sync_timeout())
+        .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
+    wait_attached(lab);
 }
 
 /// Waits until the agent logged `attached pod program` for the host-side
@@ -55,7 +44,8 @@ fn wait_attached(lab: &Lab) {
     ifs.extend(lab.pods().iter().map(|p| p.host_if.clone()));
     ifs.retain(|i| !i.is_empty());
     let t = Instant::now();
-    let deadline = t + SYNC_TIMEOUT;
+    let sync_timeout = lab.sync_timeout();
+    let deadline = t + sync_timeout;
     loop {
         let log = lab.agent_log();
         let missing: Vec<&String> = ifs
@@ -70,7 +60,7 @@ fn wait_attached(lab: &Lab) {
         }
         assert!(
             Instant::now() < deadline,
-            "agent did not attach to {missing:?} within {SYNC_TIMEOUT:?}"
+            "agent did not attach to {missing:?} within {sync_timeout:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -78,7 +68,7 @@ fn wait_attached(lab: &Lab) {
 
 /// `wait_synced` after a manifest change, then [`wait_attached`].
 fn synced(lab: &mut Lab) {
-    lab.wait_synced(SYNC_TIMEOUT)
+    lab.wait_synced(lab.sync_timeout())
         .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
     wait_attached(lab);
 }
@@ -113,7 +103,7 @@ fn s1_basic_endpoint_added_and_removed() {
         &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
         &Pod::new("pod-1", "web").port(80, "TCP"),
     ]);
-    with_lab("s1", &yaml, |lab| {
+    LabTest::new("s1").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
         assert_answered_by(&ns, vip, 10, &["pod-1"], "S1 pod-1 only");
@@ -146,7 +136,7 @@ fn s2_multiport_named_target_ports() {
         &Pod::new("pod-1", "multi").named_port("svc1", 100, "TCP"),
         &Pod::new("pod-2", "multi").named_port("svc2", 101, "TCP"),
     ]);
-    with_lab("s2", &yaml, |lab| {
+    LabTest::new("s2").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let p80 = frontend(lab, "multi", 80, "TCP");
         let p81 = frontend(lab, "multi", 81, "TCP");
@@ -167,7 +157,7 @@ fn s4_client_ip_preserved_through_cluster_ip() {
             .port(Port::tcp("http", 8080)),
         &Pod::new("echo-1", "echo").port(8080, "TCP"),
     ]);
-    with_lab("s4", &yaml, |lab| {
+    LabTest::new("s4").yaml(&yaml).ready(ready).run(|lab| {
         let client = lab.client().clone();
         let vip = frontend(lab, "echo", 8080, "TCP");
         for i in 0..5 {
@@ -197,7 +187,7 @@ fn s5_hairpin_pod_reaches_itself_through_its_service() {
             .port(Port::tcp("http", 8080)),
         &Pod::new("hp-1", "hp").port(8080, "TCP"),
     ]);
-    with_lab("s5", &yaml, |lab| {
+    LabTest::new("s5").yaml(&yaml).ready(ready).run(|lab| {
         let p = lab.pod("hp-1").expect("pod hp-1").clone();
         let vip = frontend(lab, "hairpin", 8080, "TCP");
         for i in 0..5 {
@@ -231,7 +221,7 @@ fn s6_s7_services_up_down_and_recreated() {
         yaml += &Pod::new(&format!("{s}-1"), s).yaml();
         yaml += &Pod::new(&format!("{s}-2"), s).yaml();
     }
-    with_lab("s6_s7", &yaml, |lab| {
+    LabTest::new("s6_s7").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip: BTreeMap<&str, SocketAddrV4> = ["a", "b", "c"]
             .into_iter()
@@ -328,7 +318,7 @@ fn s29_k4_no_endpoints_rejected_from_pod() {
         .port(Port::tcp("http", 80))
         .port(Port::udp("dns", 53))
         .yaml();
-    with_lab("s29_k4", &yaml, |lab| {
+    LabTest::new("s29_k4").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let tcp = frontend(lab, "empty", 80, "TCP");
         let udp = frontend(lab, "empty", 53, "UDP");
@@ -373,7 +363,8 @@ fn udp_port_unreachable_from_a_backend_reaches_the_client() {
             .port(Port::udp("dns", 53).target_port(5999)),
         &Pod::new("deaf-1", "deaf").port(80, "TCP"),
     ]);
-    with_lab("udp_unreach", &yaml, |lab| {
+    let lab_test = LabTest::new("udp_unreach").yaml(&yaml).ready(ready);
+    lab_test.run(|lab| {
         let ns = lab.client().netns.clone();
         let udp = frontend(lab, "deaf", 53, "UDP");
         for i in 0..3 {
@@ -405,7 +396,7 @@ fn s45_named_target_port_differs_per_endpoint() {
         &Pod::new("pod-1", "mut").named_port("http", 8080, "TCP"),
         &Pod::new("pod-2", "mut").named_port("http", 9090, "TCP"),
     ]);
-    with_lab("s45", &yaml, |lab| {
+    LabTest::new("s45").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "mutable", 8001, "TCP");
         assert_answered_by(&ns, vip, 60, &["pod-1", "pod-2"], "S45 8080 + 9090");
@@ -443,7 +434,7 @@ fn n19_large_tcp_request_echoed() {
         &Svc::new("echo").selector("echo").port(Port::tcp("tcp", 80)),
         &Pod::new("echo-1", "echo"),
     ]);
-    with_lab("n19", &yaml, |lab| {
+    LabTest::new("n19").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "TCP");
         let data = payload_2000();
@@ -473,7 +464,7 @@ fn n20_large_udp_datagram_echoed() {
         &Svc::new("echo").selector("echo").port(Port::udp("udp", 80)),
         &Pod::new("echo-1", "echo").port(80, "UDP"),
     ]);
-    with_lab("n20", &yaml, |lab| {
+    LabTest::new("n20").yaml(&yaml).ready(ready).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "UDP");
         // The path works for small datagrams first.
@@ -517,7 +508,7 @@ fn k1_udp_flow_leaves_deleted_endpoint() {
         &Pod::new("pod-a", "statsd").port(8125, "UDP"),
         &Pod::new("pod-b", "statsd").port(8125, "UDP"),
     ]);
-    with_lab("k1", &yaml, |lab| {
+    LabTest::new("k1").yaml(&yaml).ready(ready).run(|lab| {
         flows::k1_udp_flow_leaves_deleted_endpoint(
             lab,
             &Placement {
@@ -538,7 +529,7 @@ fn k2_udp_zero_to_one_endpoint_same_source_port() {
         .selector("dns")
         .port(Port::udp("dns", 53))
         .yaml();
-    with_lab("k2", &yaml, |lab| {
+    LabTest::new("k2").yaml(&yaml).ready(ready).run(|lab| {
         flows::k2_udp_zero_to_one_endpoint(
             lab,
             &Placement {
@@ -561,7 +552,8 @@ fn distribution_three_pods_3000_connections() {
         &Pod::new("web-2", "web"),
         &Pod::new("web-3", "web"),
     ]);
-    with_lab("distribution", &yaml, |lab| {
+    let lab_test = LabTest::new("distribution").yaml(&yaml).ready(ready);
+    lab_test.run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
         let n = 3000;
@@ -623,7 +615,7 @@ fn metrics_counters_move_with_real_traffic() {
         &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
         &Pod::new("web-1", "web"),
     ]);
-    with_lab("metrics", &yaml, |lab| {
+    LabTest::new("metrics").yaml(&yaml).ready(ready).run(|lab| {
         let node_ns = lab.node().netns.clone();
         let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
         let vip = frontend(lab, "web", 80, "TCP");

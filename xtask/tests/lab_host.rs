@@ -21,30 +21,11 @@ use xtask::{HostClient, HostReply, Lab};
 
 mod support;
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Port, Slice, Svc};
-use support::{delete_pod, frontend, frontend6, stat, HostServer};
+use support::{delete_pod, frontend, frontend6, stat, HostServer, LabTest};
 
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 const NODE_PORT: u16 = 30080;
 /// Requests per check of "every endpoint answers".
 const N: usize = 40;
-
-fn with_nodes(test: &str, nodes: usize, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder().manifests_yaml(yaml),
-        nodes,
-        SYNC_TIMEOUT,
-        f,
-    )
-}
-
-fn with_nodes_args(test: &str, nodes: usize, yaml: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
-    let mut b = Lab::builder().manifests_yaml(yaml);
-    for a in args {
-        b = b.agent_arg(*a);
-    }
-    support::with_nodes(test, b, nodes, SYNC_TIMEOUT, f)
-}
 
 fn host(lab: &Lab, node: &str) -> HostClient {
     lab.host_client(node)
@@ -94,7 +75,8 @@ fn two_pod_service() -> String {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn c4_n5_n15_node_reaches_cluster_ip_and_node_port() {
-    with_nodes("c4_n5_n15", 2, &two_pod_service(), |lab| {
+    let lab_test = LabTest::new("c4_n5_n15").nodes(2).yaml(&two_pod_service());
+    lab_test.run(|lab| {
         let mut c = host(lab, "node-1");
         let pods = ["web-1", "web-2"];
         for proto in ["TCP", "UDP"] {
@@ -122,7 +104,7 @@ fn n21_service_endpoints_using_host_network() {
         .port(Port::tcp("t", 80).target_port(PORT).node_port(NODE_PORT))
         .port(Port::udp("u", 80).target_port(PORT).node_port(NODE_PORT))]);
     // The slice names the node addresses: written once the lab is up.
-    with_nodes("n21", 2, &lab_yaml, |lab| {
+    LabTest::new("n21").nodes(2).yaml(&lab_yaml).run(|lab| {
         let _s1 = HostServer::start(lab, "node-1", "host-node-1", PORT);
         let _s2 = HostServer::start(lab, "node-2", "host-node-2", PORT);
         let slice = Slice::new("hostnet-1", "hostnet")
@@ -130,7 +112,7 @@ fn n21_service_endpoints_using_host_network() {
             .port("u", PORT, "UDP")
             .endpoint(Ep::new(node_ip(lab, "node-1")).node("node-1"))
             .endpoint(Ep::new(node_ip(lab, "node-2")).node("node-2"));
-        support::apply(lab, &manifests(&[&slice]), SYNC_TIMEOUT);
+        support::apply(lab, &manifests(&[&slice]));
         let both = ["host-node-1", "host-node-2"];
         let mut c = host(lab, "node-1");
         for proto in ["TCP", "UDP"] {
@@ -152,7 +134,7 @@ fn n21_service_endpoints_using_host_network() {
             );
         }
         // A pod client reaches them too (the tc path).
-        let ns = support::client_on(lab, "node-1", SYNC_TIMEOUT).netns;
+        let ns = support::client_on(lab, "node-1").netns;
         let vip = frontend(lab, "hostnet", 80, "TCP");
         support::assert_answered_by(
             &ns,
@@ -180,7 +162,7 @@ fn s29_k4_node_client_refused_at_once() {
         &Svc::new("web").selector("web").port(Port::tcp("t", 80)),
         &Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
     ]);
-    with_nodes("s29_k4_host", 1, &yaml, |lab| {
+    LabTest::new("s29_k4_host").nodes(1).yaml(&yaml).run(|lab| {
         let mut c = host(lab, "node-1");
         let tcp = frontend(lab, "empty", 80, "TCP");
         let udp = frontend(lab, "empty", 80, "UDP");
@@ -193,7 +175,7 @@ fn s29_k4_node_client_refused_at_once() {
         let vip = frontend(lab, "web", 80, "TCP");
         assert_every(&mut c, "TCP", vip, &["web-1"], "before the delete");
         lab.delete_service("web").expect("delete");
-        support::synced(lab, SYNC_TIMEOUT);
+        support::synced(lab);
         for _ in 0..5 {
             let r = c.tcp(vip, "hostname").expect("host client");
             assert!(
@@ -224,7 +206,7 @@ fn l1_l2_localhost_node_ports() {
         &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
         &Pod::new("web-3", "web").node("node-2").port(80, "TCP"),
     ]);
-    with_nodes("l1_l2", 2, &yaml, |lab| {
+    LabTest::new("l1_l2").nodes(2).yaml(&yaml).run(|lab| {
         let mut c = host(lab, "node-1");
         let lo = SocketAddrV4::new(Ipv4Addr::LOCALHOST, NODE_PORT);
         assert_every(
@@ -260,7 +242,8 @@ fn connected_udp_follows_backend_replacement() {
         &Svc::new("dns").selector("dns").port(Port::udp("u", 53)),
         &Pod::new("dns-1", "dns").node("node-1").port(53, "UDP"),
     ]);
-    with_nodes("connected_udp", 1, &yaml, |lab| {
+    let lab_test = LabTest::new("connected_udp").nodes(1).yaml(&yaml);
+    lab_test.run(|lab| {
         let mut c = host(lab, "node-1");
         let vip = frontend(lab, "dns", 53, "UDP");
         let r = c.udp_connect("resolver", vip).expect("open");
@@ -282,7 +265,7 @@ fn connected_udp_follows_backend_replacement() {
             .node("node-1")
             .port(53, "UDP")]))
             .expect("apply");
-        support::synced(lab, SYNC_TIMEOUT);
+        support::synced(lab);
         let replaced = Instant::now();
         delete_pod(lab, "dns-1");
         let mut errors: BTreeMap<String, usize> = BTreeMap::new();
@@ -346,7 +329,11 @@ fn s8_host_clients_survive_agent_restarts() {
         &Pod::new("web-1", "web").node("node-1").port(80, "TCP"),
         &Pod::new("web-2", "web").node("node-1").port(80, "TCP"),
     ]);
-    with_nodes_args("s8_host", 1, &yaml, &["--on-exit", "keep"], |lab| {
+    let lab_test = LabTest::new("s8_host")
+        .nodes(1)
+        .yaml(&yaml)
+        .args(&["--on-exit", "keep"]);
+    lab_test.run(|lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let mut c = host(lab, "node-1");
         for i in 0..5 {
@@ -380,12 +367,12 @@ fn s8_host_clients_survive_agent_restarts() {
         check(&mut c, "agent killed");
         lab.stop_agent().expect("reap");
         lab.start_agent().expect("start");
-        lab.wait_ready(SYNC_TIMEOUT).expect("ready");
+        lab.wait_ready(lab.sync_timeout()).expect("ready");
         check(&mut c, "after kill -9 and restart");
         lab.stop_agent().expect("SIGTERM");
         check(&mut c, "agent stopped with --on-exit keep");
         lab.start_agent().expect("start");
-        lab.wait_ready(SYNC_TIMEOUT).expect("ready");
+        lab.wait_ready(lab.sync_timeout()).expect("ready");
         check(&mut c, "after the second restart");
         println!("host clients across restarts: {exchanges} exchanges, {new_ok} new connections, 0 failed");
     });
@@ -414,7 +401,10 @@ fn lb_source_ranges_apply_to_pods_and_host_clients() {
             .port(80, "TCP"),
         &svc(&["198.18.7.0/24"]),
     ]);
-    with_nodes("lb_source_ranges_pods_hosts", 1, &yaml, |lab| {
+    let lab_test = LabTest::new("lb_source_ranges_pods_hosts")
+        .nodes(1)
+        .yaml(&yaml);
+    lab_test.run(|lab| {
         let vip = SocketAddrV4::new(lb, 80);
         let pod = lab.client().clone();
         support::assert_tcp_dropped(&pod.netns, vip, 3, "pod outside the ranges");
@@ -430,11 +420,7 @@ fn lb_source_ranges_apply_to_pods_and_host_clients() {
         }
         let node = format!("{}/32", node_ip(lab, "node-1"));
         let pod_range = format!("{}/32", pod.ip);
-        support::apply(
-            lab,
-            &svc(&["198.18.7.0/24", &node, &pod_range]).yaml(),
-            SYNC_TIMEOUT,
-        );
+        support::apply(lab, &svc(&["198.18.7.0/24", &node, &pod_range]).yaml());
         support::assert_answered_by(
             &pod.netns,
             vip,
@@ -465,17 +451,6 @@ fn lb_source_ranges_apply_to_pods_and_host_clients() {
 
 /// The port of the IPv6 tests' Services and pods.
 const PORT6: u16 = 80;
-
-/// A dual-stack one-node lab with `yaml`; see [`support::with_nodes`].
-fn with_dual_stack(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder().dual_stack().manifests_yaml(yaml),
-        1,
-        SYNC_TIMEOUT,
-        f,
-    )
-}
 
 /// Pods `<app>-1` .. `<app>-n` of app `app` on node-1, serving TCP and UDP
 /// on [`PORT6`].
@@ -547,7 +522,11 @@ fn h6_1_node_reaches_ipv6_cluster_ip() {
         .selector("web6")
         .ipv6_only()
         .ports(tcp_and_udp(PORT6));
-    with_dual_stack("h6_1", &svc_and_pods(&svc, &pods), |lab| {
+    let lab_test = LabTest::new("h6_1")
+        .dual_stack()
+        .nodes(1)
+        .yaml(&svc_and_pods(&svc, &pods));
+    lab_test.run(|lab| {
         let names = ["web6-1", "web6-2", "web6-3"];
         assert!(
             lab.cluster_frontend("web6", PORT6, "TCP").is_none(),
@@ -625,7 +604,10 @@ fn h6_1_node_reaches_ipv6_cluster_ip() {
 fn h6_2_dual_stack_socket_reaches_ipv4_cluster_ip() {
     let pods = pods6("web", 3);
     let svc = Svc::new("web").selector("web").ports(tcp_and_udp(PORT6));
-    with_nodes("h6_2", 1, &svc_and_pods(&svc, &pods), |lab| {
+    let lab_test = LabTest::new("h6_2")
+        .nodes(1)
+        .yaml(&svc_and_pods(&svc, &pods));
+    lab_test.run(|lab| {
         let names = ["web-1", "web-2", "web-3"];
         let mut c = host(lab, "node-1");
         let mapped = |v: SocketAddrV4| SocketAddrV6::new(v.ip().to_ipv6_mapped(), v.port(), 0, 0);
@@ -684,7 +666,11 @@ fn h6_3_ipv6_service_without_endpoints_refused_at_once() {
         .selector("nothing")
         .ipv6_only()
         .ports(tcp_and_udp(PORT6));
-    with_dual_stack("h6_3", &svc_and_pods(&svc, &[]), |lab| {
+    let lab_test = LabTest::new("h6_3")
+        .dual_stack()
+        .nodes(1)
+        .yaml(&svc_and_pods(&svc, &[]));
+    lab_test.run(|lab| {
         let mut c = host(lab, "node-1");
         let tcp = frontend6(lab, "empty6", PORT6, "TCP");
         let udp = frontend6(lab, "empty6", PORT6, "UDP");
@@ -733,12 +719,11 @@ fn d4_d5_node_reaches_secondary_cluster_ip_and_node_port() {
         Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
     ];
     let yaml = svc_and_pods(&svc, &pods);
-    support::with_nodes(
-        "d4_d5",
-        Lab::builder().dual_stack().manifests_yaml(&yaml),
-        2,
-        SYNC_TIMEOUT,
-        |lab| {
+    LabTest::new("d4_d5")
+        .dual_stack()
+        .nodes(2)
+        .yaml(&yaml)
+        .run(|lab| {
             let mut c = host(lab, "node-1");
             let names = ["web-1", "web-2"];
             let node6 = lab
@@ -752,6 +737,5 @@ fn d4_d5_node_reaches_secondary_cluster_ip_and_node_port() {
                 let np = SocketAddr::from((node6, NODE_PORT));
                 assert_every(&mut c, proto, np, &names, "node → [own IPv6]:nodePort");
             }
-        },
-    )
+        });
 }

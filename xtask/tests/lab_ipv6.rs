@@ -76,11 +76,9 @@ use xtask::Lab;
 mod support;
 use support::fixtures::{manifests, tcp_and_udp, Pod, Port, Svc};
 use support::{
-    all_answered, assert_answered_by, delete_pod, frontend, frontend6, run_lab, HostServer, T,
+    all_answered, assert_answered_by, delete_pod, frontend, frontend6, HostServer, LabTest, T,
 };
 
-/// How long the agent may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Requests per check of which pods answer (3 pods: each is missed by 30
 /// random picks with probability 3 × (2/3)^30 ≈ 2e-5).
 const N: usize = 30;
@@ -108,49 +106,6 @@ const LARGE_TRIES: usize = 5;
 /// The port of the hostNetwork endpoints' servers (D14), in the nodes' own
 /// namespaces: upstream's netexec port.
 const HOST_PORT: u16 = 9376;
-
-// ---------------------------------------------------------------- lab runner
-
-/// Starts a dual-stack one-node lab with `yaml`, waits for the agent's
-/// first sync and its attachments, runs `f`; see [`support::run_lab`].
-fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    with_lab_args(test, yaml, &[], f)
-}
-
-/// [`with_lab`] with `args` appended to the agent's command line.
-fn with_lab_args(test: &str, yaml: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
-    let builder = args
-        .iter()
-        .fold(Lab::builder().dual_stack().manifests_yaml(yaml), |b, a| {
-            b.agent_arg(*a)
-        });
-    run_lab(
-        test,
-        builder,
-        " (dual-stack)",
-        |lab| {
-            lab.wait_ready(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-            lab.wait_attached(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-        },
-        |lab| support::diagnostics(lab, None),
-        f,
-    )
-}
-
-/// Starts a dual-stack lab with `nodes` nodes (the switch, every node's
-/// `eth0`, the external client) and `yaml`, `args` appended to every
-/// agent's command line; waits for every agent's first sync and
-/// attachments, runs `f`; see [`support::with_nodes`].
-fn with_nodes(test: &str, nodes: usize, yaml: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
-    let builder = args
-        .iter()
-        .fold(Lab::builder().dual_stack().manifests_yaml(yaml), |b, a| {
-            b.agent_arg(*a)
-        });
-    support::with_nodes(test, builder, nodes, SYNC_TIMEOUT, f)
-}
 
 /// Pods `<app>-1` .. `<app>-n` of app `app`, serving TCP and UDP on
 /// [`PORT`].
@@ -394,7 +349,7 @@ fn link_mtu(ns: &str, dev: &str) -> usize {
 #[ignore = "needs root: run with cargo xtask test"]
 fn d_lab_1_pods_answer_on_their_ipv6_addresses() {
     let yaml = yaml(None, &pods("p", 2));
-    with_lab("d-lab-1", &yaml, |lab| {
+    LabTest::new("d-lab-1").dual_stack().yaml(&yaml).run(|lab| {
         assert!(lab.is_dual_stack());
         let node = lab.node();
         assert_eq!(node.ip6, Some("2001:2::a".parse().unwrap()), "node-1");
@@ -451,7 +406,7 @@ fn d_lab_2_ipv6_only_service_tcp_and_udp() {
         .ipv6_only()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&svc), &pods("web6", 3));
-    with_lab("d-lab-2", &yaml, |lab| {
+    LabTest::new("d-lab-2").dual_stack().yaml(&yaml).run(|lab| {
         let (ips, families, policy) = service_families(lab, "web6");
         assert_eq!(families, ["IPv6"]);
         assert_eq!(policy, "SingleStack");
@@ -501,7 +456,7 @@ fn d_lab_3_dual_stack_service_answers_on_both_cluster_ips() {
     let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&prefer, &require, &maglev];
     objects.extend(pods.iter().map(|p| p as &dyn support::fixtures::Manifest));
     let yaml = manifests(&objects);
-    with_lab("d-lab-3", &yaml, |lab| {
+    LabTest::new("d-lab-3").dual_stack().yaml(&yaml).run(|lab| {
         for (name, families, policy) in [
             ("prefer", ["IPv4", "IPv6"], "PreferDualStack"),
             ("require", ["IPv6", "IPv4"], "RequireDualStack"),
@@ -588,7 +543,7 @@ fn d_lab_4_deleted_pod_stops_answering_on_the_ipv6_cluster_ip() {
         .dual_stack()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&svc), &pods("upd", 3));
-    with_lab("d-lab-4", &yaml, |lab| {
+    LabTest::new("d-lab-4").dual_stack().yaml(&yaml).run(|lab| {
         let all = ["upd-1", "upd-2", "upd-3"];
         pods_answer_directly6(lab, &all, "D-lab-4");
         let c = lab.client().netns.clone();
@@ -629,7 +584,8 @@ fn d_lab_5_ipv6_cluster_ip_answered_by_pods_on_both_nodes() {
         Pod::new("x-n2b", "x").node("node-2").port(PORT, "TCP"),
     ];
     let yaml = yaml(Some(&svc), &pods);
-    with_nodes("d-lab-5", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("d-lab-5").dual_stack().nodes(2).yaml(&yaml);
+    lab_test.run(|lab| {
         let placed: Vec<(&str, &str)> = lab
             .pods()
             .iter()
@@ -716,7 +672,12 @@ fn d_lab_6_ipv6_node_port_from_external_etp_cluster_and_local() {
     for mode in ["none", "xdp"] {
         let test = format!("d-lab-6/{mode}");
         let args = ["--acceleration", mode];
-        with_nodes(&test, 2, &yaml, &args, |lab| {
+        let lab_test = LabTest::new(&test)
+            .dual_stack()
+            .nodes(2)
+            .yaml(&yaml)
+            .args(&args);
+        lab_test.run(|lab| {
             let eth0 = xdp_on_eth0(lab, "node-1");
             assert_eq!(
                 eth0,
@@ -802,7 +763,8 @@ fn d_lab_7_pod_hairpins_to_itself_through_ipv6_cluster_ip() {
         ("d-lab-7", Vec::new()),
         ("d-lab-7/flag", vec!["--hairpin-snat-ip6", flag.as_str()]),
     ] {
-        with_lab_args(test, &yaml, &args, |lab| {
+        let lab_test = LabTest::new(test).dual_stack().yaml(&yaml).args(&args);
+        lab_test.run(|lab| {
             let want: IpAddr = if args.is_empty() {
                 node_ip6(lab, "node-1")
             } else {
@@ -847,7 +809,7 @@ fn d_lab_8_ipv6_service_without_endpoints_refuses() {
         .ipv6_only()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&empty), &pods("other", 1));
-    with_lab("d-lab-8", &yaml, |lab| {
+    LabTest::new("d-lab-8").dual_stack().yaml(&yaml).run(|lab| {
         pods_answer_directly6(lab, &["other-1"], "D-lab-8");
         let c = lab.client().netns.clone();
         let tcp = frontend6(lab, "empty", PORT, "TCP");
@@ -882,7 +844,7 @@ fn d_lab_8_ipv6_service_without_endpoints_refuses() {
         );
 
         let late = Pod::new("late-1", "late").port(PORT, "TCP");
-        let took = support::apply(lab, &late.yaml(), SYNC_TIMEOUT);
+        let took = support::apply(lab, &late.yaml());
         println!(
             "D-lab-8: late-1 created, agent synced in {} ms",
             took.as_millis()
@@ -935,7 +897,7 @@ fn d10_d11_session_affinity_on_the_ipv6_cluster_ip() {
     let mut objects: Vec<&dyn support::fixtures::Manifest> = vec![&sticky, &spread];
     objects.extend(pods.iter().map(|p| p as &dyn support::fixtures::Manifest));
     let yaml = manifests(&objects);
-    with_lab("d10-d11", &yaml, |lab| {
+    LabTest::new("d10-d11").dual_stack().yaml(&yaml).run(|lab| {
         let all = ["aff-1", "aff-2", "aff-3"];
         pods_answer_directly6(lab, &all, "D10/D11");
         let c = lab.client().netns.clone();
@@ -998,7 +960,7 @@ fn d12_d13_large_requests_through_the_ipv6_cluster_ip() {
         .dual_stack()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&svc), &pods("echo", 3));
-    with_lab("d12-d13", &yaml, |lab| {
+    LabTest::new("d12-d13").dual_stack().yaml(&yaml).run(|lab| {
         let all = ["echo-1", "echo-2", "echo-3"];
         pods_answer_directly6(lab, &all, "D12/D13");
         let c = lab.client().netns.clone();
@@ -1067,7 +1029,8 @@ fn d14_host_network_endpoints_over_ipv6() {
         })
         .collect();
     let yaml = yaml(Some(&svc), &pods);
-    with_nodes("d14", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("d14").dual_stack().nodes(2).yaml(&yaml);
+    lab_test.run(|lab| {
         let both = ["host-1", "host-2"];
         let mut servers = Vec::new();
         for (name, node) in both.iter().zip(["node-1", "node-2"]) {
@@ -1192,14 +1155,14 @@ fn s1_ipv6_basic_endpoint_added_and_removed() {
         .ipv6_only()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&svc), &[Pod::new("pod-1", "web").port(PORT, "TCP")]);
-    with_lab("s1-ipv6", &yaml, |lab| {
+    LabTest::new("s1-ipv6").dual_stack().yaml(&yaml).run(|lab| {
         pods_answer_directly6(lab, &["pod-1"], "S1 IPv6");
         let c = lab.client().netns.clone();
         let vip = frontend6(lab, "web6", PORT, "TCP");
         assert_answered_by(&c, vip, "TCP", 10, &["pod-1"], "S1 IPv6 pod-1 only");
 
         let pod2 = Pod::new("pod-2", "web").port(PORT, "TCP");
-        support::apply(lab, &pod2.yaml(), SYNC_TIMEOUT);
+        support::apply(lab, &pod2.yaml());
         let both = ["pod-1", "pod-2"];
         assert_answered_by(&c, vip, "TCP", N, &both, "S1 IPv6 pod-1 + pod-2");
 
@@ -1229,7 +1192,7 @@ fn s2_ipv6_multiport_named_target_ports() {
         Pod::new("pod-2", "multi").named_port("svc2", 101, "TCP"),
     ];
     let yaml = yaml(Some(&svc), &pods);
-    with_lab("s2-ipv6", &yaml, |lab| {
+    LabTest::new("s2-ipv6").dual_stack().yaml(&yaml).run(|lab| {
         let c = lab.client().netns.clone();
         let p80 = frontend6(lab, "multi", 80, "TCP");
         let p81 = frontend6(lab, "multi", 81, "TCP");
@@ -1258,7 +1221,8 @@ fn s10_ipv6_node_port_reachable_on_every_node() {
         Pod::new("web-2", "web").node("node-2").port(PORT, "TCP"),
     ];
     let yaml = yaml(Some(&svc), &pods);
-    with_nodes("s10-ipv6", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("s10-ipv6").dual_stack().nodes(2).yaml(&yaml);
+    lab_test.run(|lab| {
         let x = lab.external().expect("an external client").netns.clone();
         let both = ["web-1", "web-2"];
         for node in ["node-1", "node-2"] {
@@ -1297,7 +1261,11 @@ fn s12_s39_ipv6_tcp_and_udp_on_same_node_port_number() {
     let udp = Port::udp("udp", PORT).node_port(30080);
     let pods = [Pod::new("dual-1", "dual").node("node-2").port(PORT, "TCP")];
     let yaml = yaml(Some(&svc(&[tcp.clone(), udp.clone()])), &pods);
-    with_nodes("s12-s39-ipv6", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("s12-s39-ipv6")
+        .dual_stack()
+        .nodes(2)
+        .yaml(&yaml);
+    lab_test.run(|lab| {
         let x = lab.external().expect("an external client").netns.clone();
         let c = lab.client().netns.clone();
         let np1 = SocketAddr::new(node_ip6(lab, "node-1"), 30080);
@@ -1340,7 +1308,7 @@ fn s12_s39_ipv6_tcp_and_udp_on_same_node_port_number() {
             );
         }
 
-        let took = support::apply(lab, &svc(std::slice::from_ref(&tcp)).yaml(), SYNC_TIMEOUT);
+        let took = support::apply(lab, &svc(std::slice::from_ref(&tcp)).yaml());
         println!("S39 IPv6 TCP only: synced in {} ms", took.as_millis());
         assert_answered_by(
             &x,
@@ -1372,7 +1340,7 @@ fn s12_s39_ipv6_tcp_and_udp_on_same_node_port_number() {
             "S39 IPv6 TCP only: UDP ClusterIP still answered: {r:?}"
         );
 
-        let took = support::apply(lab, &svc(std::slice::from_ref(&udp)).yaml(), SYNC_TIMEOUT);
+        let took = support::apply(lab, &svc(std::slice::from_ref(&udp)).yaml());
         println!("S39 IPv6 UDP only: synced in {} ms", took.as_millis());
         assert_answered_by(
             &x,
@@ -1420,7 +1388,8 @@ fn s17_ipv6_no_listener_on_node_port() {
         ]);
     let pods = [Pod::new("web-1", "web").node("node-2").port(PORT, "TCP")];
     let yaml = yaml(Some(&svc), &pods);
-    with_nodes("s17-ipv6", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("s17-ipv6").dual_stack().nodes(2).yaml(&yaml);
+    lab_test.run(|lab| {
         let x = lab.external().expect("an external client").netns.clone();
         let np = SocketAddr::new(node_ip6(lab, "node-1"), 30017);
         assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 IPv6 before");
@@ -1437,9 +1406,9 @@ fn s17_ipv6_no_listener_on_node_port() {
         no_listener(lab, "before");
         lab.delete_service("web")
             .unwrap_or_else(|e| panic!("delete_service: {e:#}"));
-        support::synced_nodes(lab, SYNC_TIMEOUT);
+        support::synced_nodes(lab);
         assert_refused6(&x, np, "TCP", 2, "S17 IPv6 deleted");
-        support::apply(lab, &svc.yaml(), SYNC_TIMEOUT);
+        support::apply(lab, &svc.yaml());
         assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 IPv6 re-created");
         assert_answered_by(&x, np, "UDP", 3, &["web-1"], "S17 IPv6 re-created");
         no_listener(lab, "re-created");
@@ -1465,7 +1434,8 @@ fn k4_ipv6_node_port_without_endpoints_refused_etp_local_dropped() {
     };
     let pods = [Pod::new("k4-1", "k4").node("node-1").port(PORT, "TCP")];
     let yaml = yaml(Some(&svc("nobody", "Cluster")), &pods);
-    with_nodes("k4-ipv6", 2, &yaml, &[], |lab| {
+    let lab_test = LabTest::new("k4-ipv6").dual_stack().nodes(2).yaml(&yaml);
+    lab_test.run(|lab| {
         let x = lab.external().expect("an external client").netns.clone();
         let before = support::stat(lab, "node-2", "reject_no_backend");
         for proto in ["TCP", "UDP"] {
@@ -1482,7 +1452,7 @@ fn k4_ipv6_node_port_without_endpoints_refused_etp_local_dropped() {
             "K4 IPv6: refusals not counted by the datapath on node-2 ({before} → {after})"
         );
 
-        support::apply(lab, &svc("k4", "Local").yaml(), SYNC_TIMEOUT);
+        support::apply(lab, &svc("k4", "Local").yaml());
         let np1 = node_port6(lab, "empty", PORT, "TCP", "node-1");
         let what = "K4 IPv6 eTP Local, external → node-1";
         assert_answered_by(&x, np1, "TCP", 5, &["k4-1"], what);
@@ -1525,7 +1495,7 @@ fn k1_ipv6_udp_flow_leaves_deleted_endpoint() {
         Pod::new("pod-b", "statsd").port(8125, "UDP"),
     ];
     let yaml = yaml(Some(&svc), &pods);
-    with_lab("k1-ipv6", &yaml, |lab| {
+    LabTest::new("k1-ipv6").dual_stack().yaml(&yaml).run(|lab| {
         let vip = frontend6(lab, "statsd", 8125, "UDP");
         support::flows::k1_udp_flow_leaves_deleted_endpoint_via(
             lab,
@@ -1554,7 +1524,7 @@ fn d6_d7_endpoint_to_secondary_cluster_ip_and_node_port() {
         .dual_stack()
         .ports(tcp_and_udp(PORT));
     let yaml = yaml(Some(&svc), &pods("ep", 3));
-    with_lab("d6-d7", &yaml, |lab| {
+    LabTest::new("d6-d7").dual_stack().yaml(&yaml).run(|lab| {
         let all = ["ep-1", "ep-2", "ep-3"];
         pods_answer_directly6(lab, &all, "D6/D7");
         let from = lab.pod("ep-1").expect("pod ep-1").netns.clone();

@@ -15,15 +15,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::Duration;
 
 use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{count_answers, frontend, hostname_requests, Stream};
+use support::{count_answers, frontend, hostname_requests, LabTest, Stream};
 
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 const ANNOTATION: &str = "proxy-agent.io/lb-algorithm";
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 100, 7);
 
@@ -83,18 +81,15 @@ fn streams_surviving_a_route_move(
     (alive, pods)
 }
 
+/// Runs `f` in a lab of three nodes with the external client, `yaml`, and
+/// the agents in acceleration `mode`.
 fn three_nodes(test: &str, mode: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder()
-            .external(true)
-            .manifests_yaml(yaml)
-            .agent_arg("--acceleration")
-            .agent_arg(mode),
-        3,
-        SYNC_TIMEOUT,
-        f,
-    )
+    LabTest::new(test)
+        .nodes(3)
+        .external(true)
+        .yaml(yaml)
+        .args(&["--acceleration", mode])
+        .run(f)
 }
 
 /// Maglev keeps every connection across the route move (in both modes);
@@ -184,7 +179,7 @@ fn source_hash_sends_a_client_to_one_backend_and_spreads_clients() {
                 let c = lab
                     .add_client_on(&name, ["node-1", "node-2", "node-3"][i % 3])
                     .unwrap_or_else(|e| panic!("add client {name}: {e:#}"));
-                support::attached(lab, SYNC_TIMEOUT);
+                support::attached(lab);
                 let (counts, errors) = count_answers(&c.netns, hostname_requests(vip, "TCP", 10));
                 assert!(errors.is_empty(), "{name}: {errors:?}");
                 by_client.insert(format!("{name} ({})", c.ip), counts);

@@ -30,10 +30,8 @@ use xtask::Lab;
 mod support;
 // `T` (2 s): also the timeout of a stream's connect, and of each read and write.
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Port, Slice, Svc};
-use support::{frontend, ms_since as ms, Shot, Stream, UdpProbe, T};
+use support::{apply, frontend, ms_since as ms, synced, LabTest, Shot, Stream, UdpProbe, T};
 
-/// How long the agent may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// No traffic thread runs longer than this, whatever happens.
 const MAX_RUN: Duration = Duration::from_secs(180);
 
@@ -56,22 +54,13 @@ fn slice(service: &str, eps: &[(Ipv4Addr, bool, bool, bool)]) -> String {
 
 // ---------------------------------------------------------------- lab runner
 
-/// Starts a lab with `yaml`, waits for the agent's first sync and its
-/// attachments, runs `f`; see [`support::with_lab`]. On failure, prints the
-/// first 80 lines of each `proxy-agent inspect`.
-fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_lab(test, yaml, SYNC_TIMEOUT, Some(80), f)
-}
-
-/// Waits for the agent's sync after the last manifest write, and its
-/// attachments; returns how long that took.
-fn synced(lab: &mut Lab) -> Duration {
-    support::synced(lab, SYNC_TIMEOUT)
-}
-
-/// `lab.apply(yaml)` and [`synced`].
-fn apply(lab: &mut Lab, yaml: &str) -> Duration {
-    support::apply(lab, yaml, SYNC_TIMEOUT)
+/// The lab of these tests: the agent may take up to 30 s to come up or to
+/// sync a change; on failure, prints the first 80 lines of each `proxy-agent
+/// inspect`.
+fn load_lab(test: &str) -> LabTest {
+    LabTest::new(test)
+        .sync_timeout(Duration::from_secs(30))
+        .inspect_lines(80)
 }
 
 fn tcp_hostname_here(addr: SocketAddrV4) -> io::Result<String> {
@@ -243,7 +232,7 @@ fn updates_under_load_lose_nothing() {
         &Pod::new("web-2", "web"),
         &Pod::new("web-3", "web"),
     ]);
-    with_lab("updates_under_load", &yaml, |lab| {
+    load_lab("updates_under_load").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
         let vip_udp = frontend(lab, "web", 80, "UDP");
@@ -621,7 +610,7 @@ fn p3_blue_green_through_readiness() {
         &Pod::new("green-1", "none"),
         &Pod::new("green-2", "none"),
     ]);
-    with_lab("p3", &yaml, |lab| {
+    load_lab("p3").yaml(&yaml).run(|lab| {
         let ip = |lab: &Lab, n: &str| lab.pod(n).unwrap().ip;
         let (b1, b2, g1, g2) = (
             ip(lab, "blue-1"),
@@ -780,7 +769,7 @@ fn tcp_to_a_removed_backend_fails_fast_with_reset() {
         &Pod::new("a", "none"),
         &Pod::new("b", "none"),
     ]);
-    with_lab("removed_backend_reset", &yaml, |lab| {
+    load_lab("removed_backend_reset").yaml(&yaml).run(|lab| {
         let (a, b) = (lab.pod("a").unwrap().ip, lab.pod("b").unwrap().ip);
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");

@@ -31,10 +31,8 @@ use xtask::Lab;
 mod support;
 use support::bulk::{self, ethtool_set, offloads, snmp, Transfer};
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{frontend as cluster_ip, stat};
+use support::{frontend as cluster_ip, stat, LabTest};
 
-/// How long the agents may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long one transfer may take: a few hundred ms when it works, here.
 const LIMIT: Duration = Duration::from_secs(20);
 /// Bytes of a bulk transfer (enough for GRO to merge thousands of segments).
@@ -64,17 +62,12 @@ fn yaml() -> String {
 /// Starts the two-node lab with the external client (tc only), waits for the
 /// agents, runs `f`; see [`support::with_nodes`].
 fn with_lab(test: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder()
-            .external(true)
-            .manifests_yaml(&yaml())
-            .agent_arg("--acceleration")
-            .agent_arg("none"),
-        2,
-        SYNC_TIMEOUT,
-        f,
-    )
+    LabTest::new(test)
+        .nodes(2)
+        .external(true)
+        .yaml(&yaml())
+        .args(&["--acceleration", "none"])
+        .run(f)
 }
 
 fn ext(lab: &Lab) -> String {

@@ -20,44 +20,16 @@
 
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::time::Duration;
 
 use xtask::client::{self, reply_text};
-use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 use support::flows::{self, Placement};
-use support::{assert_tcp_dropped, delete_pod, frontend, T};
+use support::{assert_tcp_dropped, client_on, delete_pod, frontend, synced_nodes, LabTest, T};
 
-/// How long the agents may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections per client when checking which pods answer.
 const N: usize = 30;
-
-// ---------------------------------------------------------------- lab runner
-
-/// Starts a lab with `nodes` nodes in `zones` and `yaml`, waits for every
-/// agent's first sync and attachments, runs `f`; see [`support::run_lab`].
-fn with_lab(test: &str, nodes: usize, zones: &[&str], yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder().zones(zones).manifests_yaml(yaml),
-        nodes,
-        SYNC_TIMEOUT,
-        f,
-    )
-}
-
-/// `wait_synced` on every agent after a manifest change, then attachments.
-fn synced(lab: &mut Lab) {
-    support::synced_nodes(lab, SYNC_TIMEOUT)
-}
-
-/// A client namespace on `node` (see [`support::client_on`]).
-fn client_on(lab: &mut Lab, node: &str) -> String {
-    support::client_on(lab, node, SYNC_TIMEOUT).netns
-}
 
 /// Asserts that `n` connections from `ns` to `addr` all succeed and are
 /// answered by exactly the pods `expected`.
@@ -79,7 +51,7 @@ fn cross_node_cluster_ip_reaches_pod_on_other_node() {
         &Svc::new("webu").selector("web").port(Port::udp("p", 80)),
         &Pod::new("web-2", "web").node("node-2").port(80, "TCP"),
     ]);
-    with_lab("cross-node", 2, &[], &yaml, |lab| {
+    LabTest::new("cross-node").nodes(2).yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
         assert_answered_by(&ns, vip, 10, &["web-2"], "cross-node TCP from node-1");
@@ -114,11 +86,11 @@ fn s31_internal_traffic_policy_local_pod_to_pod() {
         &Pod::new("web-n1", "web").node("node-1").port(80, "TCP"),
         &Pod::new("web-n2", "web").node("node-2").port(80, "TCP"),
     ]);
-    with_lab("s31", 3, &[], &yaml, |lab| {
+    LabTest::new("s31").nodes(3).yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", 80, "TCP");
-        let c1 = client_on(lab, "node-1");
-        let c2 = client_on(lab, "node-2");
-        let c3 = client_on(lab, "node-3");
+        let c1 = client_on(lab, "node-1").netns;
+        let c2 = client_on(lab, "node-2").netns;
+        let c3 = client_on(lab, "node-3").netns;
         assert_answered_by(&c1, vip, N, &["web-n1"], "S31 client on node-1");
         assert_answered_by(&c2, vip, N, &["web-n2"], "S31 client on node-2");
         assert_tcp_dropped(&c3, vip, 3, "S31 client on node-3 (no local endpoint)");
@@ -146,7 +118,7 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
             .node("node-2")
             .port(80, "TCP"),
     ]);
-    with_lab("s36", 2, &[], &yaml, |lab| {
+    LabTest::new("s36").nodes(2).yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let term = Ep::of(lab, "term-n1").terminating_serving();
         let ready = Ep::of(lab, "ready-n2");
@@ -157,9 +129,9 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
-        let c1 = client_on(lab, "node-1");
-        let c2 = client_on(lab, "node-2");
+        synced_nodes(lab);
+        let c1 = client_on(lab, "node-1").netns;
+        let c2 = client_on(lab, "node-2").netns;
         assert_answered_by(
             &c1,
             vip,
@@ -182,7 +154,7 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         assert_answered_by(
             &c1,
             vip,
@@ -212,7 +184,7 @@ fn k1_udp_flow_leaves_deleted_endpoint_on_other_node() {
         &Pod::new("pod-a", "statsd").node("node-2").port(8125, "UDP"),
         &Pod::new("pod-b", "statsd").node("node-2").port(8125, "UDP"),
     ]);
-    with_lab("k1-cross", 3, &[], &yaml, |lab| {
+    LabTest::new("k1-cross").nodes(3).yaml(&yaml).run(|lab| {
         flows::k1_udp_flow_leaves_deleted_endpoint(
             lab,
             &Placement {
@@ -233,7 +205,7 @@ fn k2_udp_zero_to_one_endpoint_on_other_node() {
         .selector("dns")
         .port(Port::udp("p", 53))
         .yaml();
-    with_lab("k2-cross", 2, &[], &yaml, |lab| {
+    LabTest::new("k2-cross").nodes(2).yaml(&yaml).run(|lab| {
         flows::k2_udp_zero_to_one_endpoint(
             lab,
             &Placement {
@@ -263,7 +235,11 @@ fn zone_per_node(test: &str, distribution: &str) {
             .node("node-2")
             .port(80, "TCP"),
     ]);
-    with_lab(test, 3, &["zone-a", "zone-b", "zone-c"], &yaml, |lab| {
+    let lab_test = LabTest::new(test)
+        .nodes(3)
+        .zones(&["zone-a", "zone-b", "zone-c"])
+        .yaml(&yaml);
+    lab_test.run(|lab| {
         let eps = [
             Ep::of(lab, "server-a").zone_hint(),
             Ep::of(lab, "server-b").zone_hint(),
@@ -275,14 +251,14 @@ fn zone_per_node(test: &str, distribution: &str) {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in [
             ("node-1", &["server-a"][..]),
             ("node-2", &["server-b"][..]),
             ("node-3", &["server-a", "server-b"][..]),
         ] {
-            let c = client_on(lab, node);
+            let c = client_on(lab, node).netns;
             assert_answered_by(&c, vip, N, want, &format!("{test} client on {node}"));
         }
     });
@@ -302,7 +278,8 @@ fn zones_two_nodes(test: &str, distribution: &str, node_hints: bool, expect: &[(
         &Pod::new("s2", "backend").node("node-4").port(80, "TCP"),
     ]);
     let zones = ["zone-1", "zone-1", "zone-2", "zone-2", "zone-3", "zone-3"];
-    with_lab(test, 6, &zones, &yaml, |lab| {
+    let lab_test = LabTest::new(test).nodes(6).zones(&zones).yaml(&yaml);
+    lab_test.run(|lab| {
         let eps: Vec<Ep> = ["s1a", "s1b", "s2"]
             .iter()
             .map(|p| {
@@ -321,10 +298,10 @@ fn zones_two_nodes(test: &str, distribution: &str, node_hints: bool, expect: &[(
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in expect {
-            let c = client_on(lab, node);
+            let c = client_on(lab, node).netns;
             assert_answered_by(&c, vip, N, want, &format!("{test} client on {node}"));
         }
     });
@@ -423,7 +400,11 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
             .node("node-2")
             .port(80, "TCP"),
     ]);
-    with_lab("T6", 2, &["zone-a", "zone-a"], &yaml, |lab| {
+    let lab_test = LabTest::new("T6")
+        .nodes(2)
+        .zones(&["zone-a", "zone-a"])
+        .yaml(&yaml);
+    lab_test.run(|lab| {
         let vip = frontend(lab, "web", 80, "TCP");
         let s0 = Ep::of(lab, "server-0").node_hint();
         let s1 = Ep::of(lab, "server-1").node_hint();
@@ -434,9 +415,9 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
-        let c1 = client_on(lab, "node-1");
-        let c2 = client_on(lab, "node-2");
+        synced_nodes(lab);
+        let c1 = client_on(lab, "node-1").netns;
+        let c2 = client_on(lab, "node-2").netns;
         assert_answered_by(&c1, vip, N, &["server-0"], "T6 client on node-1");
         assert_answered_by(&c2, vip, N, &["server-1"], "T6 client on node-2");
 
@@ -447,7 +428,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         delete_pod(lab, "server-0");
         assert_answered_by(
             &c1,
@@ -471,7 +452,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         let s0b = Ep::of(lab, "server-0b").node_hint();
         lab.apply(
             &Slice::new("web-1", "web")
@@ -480,7 +461,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced(lab);
+        synced_nodes(lab);
         assert_answered_by(
             &c1,
             vip,
@@ -512,10 +493,10 @@ fn p2_itp_local_cluster_ip_dropped_without_local_endpoint() {
             .port(Port::tcp("p", 80)),
         &Pod::new("web-n2", "web").node("node-2").port(80, "TCP"),
     ]);
-    with_lab("p2", 2, &[], &yaml, |lab| {
+    LabTest::new("p2").nodes(2).yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", 80, "TCP");
-        let c1 = client_on(lab, "node-1");
-        let c2 = client_on(lab, "node-2");
+        let c1 = client_on(lab, "node-1").netns;
+        let c2 = client_on(lab, "node-2").netns;
         assert_tcp_dropped(&c1, vip, 2, "P2 client on node-1 (endpoint only on node-2)");
         assert_answered_by(&c2, vip, 10, &["web-n2"], "P2 client on node-2");
     });
@@ -533,12 +514,11 @@ fn lab_multinode_layout_and_self_check() {
         &Pod::new("rr-3", "x").port(80, "TCP"),
         &Pod::new("pinned", "x").node("node-3").port(80, "TCP"),
     ]);
-    with_lab(
-        "self-check",
-        3,
-        &["zone-a", "zone-b", "zone-c"],
-        &yaml,
-        |lab| {
+    LabTest::new("self-check")
+        .nodes(3)
+        .zones(&["zone-a", "zone-b", "zone-c"])
+        .yaml(&yaml)
+        .run(|lab| {
             let nodes: Vec<(String, Ipv4Addr, String)> = lab
                 .nodes()
                 .iter()
@@ -588,6 +568,5 @@ fn lab_multinode_layout_and_self_check() {
                 Some(Ipv4Addr::new(198, 18, 0, 100))
             );
             xtask::self_check(lab).unwrap_or_else(|e| panic!("{e:#}"));
-        },
-    );
+        });
 }

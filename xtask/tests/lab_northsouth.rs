@@ -44,11 +44,9 @@ use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 // `T` (2 s) is also how long a drop takes to show.
 use support::{
     assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, listeners,
-    listens_on, stat, T,
+    listens_on, stat, synced_nodes, LabTest, T,
 };
 
-/// How long the agents may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections per check of which pods answer.
 const N: usize = 30;
 
@@ -98,27 +96,18 @@ fn with_lab(test: &str, nodes: usize, yaml: &str, f: impl Fn(&mut Lab)) {
 }
 
 fn with_lab_mode(test: &str, mode: &str, nodes: usize, yaml: &str, f: &impl Fn(&mut Lab)) {
-    support::with_nodes(
-        test,
-        Lab::builder()
-            .external(true)
-            .manifests_yaml(yaml)
-            .agent_arg("--acceleration")
-            .agent_arg(mode),
-        nodes,
-        SYNC_TIMEOUT,
-        f,
-    )
+    LabTest::new(test)
+        .nodes(nodes)
+        .external(true)
+        .yaml(yaml)
+        .args(&["--acceleration", mode])
+        .run(f)
 }
 
 /// `apply`, then every agent's sync, then attachments.
 fn apply(lab: &mut Lab, yaml: &str) {
     lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
-    synced(lab);
-}
-
-fn synced(lab: &mut Lab) {
-    support::synced_nodes(lab, SYNC_TIMEOUT)
+    synced_nodes(lab);
 }
 
 /// The external client's namespace.
@@ -132,7 +121,7 @@ fn ext(lab: &Lab) -> String {
 /// A client pod namespace on `node` (see [`support::client_on`]): its
 /// namespace and address.
 fn client_on(lab: &mut Lab, node: &str) -> (String, Ipv4Addr) {
-    let c = support::client_on(lab, node, SYNC_TIMEOUT);
+    let c = support::client_on(lab, node);
     (c.netns, c.ip)
 }
 
@@ -616,7 +605,7 @@ fn s17_no_listener_on_node_port() {
             );
         }
         lab.delete_service("web").unwrap();
-        synced(lab);
+        synced_nodes(lab);
         assert_refused(&x, np, "TCP", 2, "S17 deleted");
         apply(lab, &s.yaml());
         assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 re-created");
@@ -795,7 +784,7 @@ fn s34_e3_health_check_node_port() {
         assert_hcnp(lab, "node-2", HCNP, 200, "lb", 1);
         // Deleted: no listener left.
         lab.delete_service("lb").unwrap();
-        synced(lab);
+        synced_nodes(lab);
         for node in ["node-1", "node-2", "node-3"] {
             assert_hcnp_closed(lab, node, HCNP);
             let ss = listeners(lab, node);
@@ -1086,7 +1075,7 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
         );
         let t = Instant::now();
         lab.delete_pod("backend1").unwrap();
-        synced(lab);
+        synced_nodes(lab);
         let mut got = Vec::new();
         let ok = loop {
             let r = ask();
@@ -1216,7 +1205,7 @@ fn n14_n16_nodeport_stops_answering_after_delete() {
         }
         let t = Instant::now();
         lab.delete_service("gone").unwrap();
-        synced(lab);
+        synced_nodes(lab);
         println!("N14/N16: delete synced in {} ms", t.elapsed().as_millis());
         for (np, proto) in addrs {
             assert_no_answer(&x, np, proto, 10, "N14/N16 after the delete");
@@ -1362,10 +1351,11 @@ fn lb_source_ranges_inside_allowed_outside_dropped() {
     });
 }
 
-/// Waits (up to [`SYNC_TIMEOUT`]) until `node`'s agent logged a line with
-/// `change` and, after it, a `sync complete`: the sync that programmed the
-/// change. Returns how long that took.
+/// Waits (up to the lab's [`Lab::sync_timeout`]) until `node`'s agent
+/// logged a line with `change` and, after it, a `sync complete`: the sync
+/// that programmed the change. Returns how long that took.
 fn wait_change_synced(lab: &Lab, node: &str, change: &str) -> Duration {
+    let sync_timeout = lab.sync_timeout();
     let t = Instant::now();
     loop {
         let log = lab.agent_log_on(node).expect("agent log");
@@ -1375,8 +1365,8 @@ fn wait_change_synced(lab: &Lab, node: &str, change: &str) -> Duration {
             }
         }
         assert!(
-            t.elapsed() < SYNC_TIMEOUT,
-            "{node}'s agent did not log {change:?} and a sync after it within {SYNC_TIMEOUT:?}"
+            t.elapsed() < sync_timeout,
+            "{node}'s agent did not log {change:?} and a sync after it within {sync_timeout:?}"
         );
         std::thread::sleep(Duration::from_millis(50));
     }

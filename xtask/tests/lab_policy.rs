@@ -18,8 +18,7 @@ use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
+use support::LabTest;
 
 fn yaml() -> String {
     manifests(&[
@@ -36,12 +35,10 @@ fn yaml() -> String {
     ])
 }
 
+/// Runs `f` in a two-node lab with [`yaml`], `args` appended to every
+/// agent's command line.
 fn with_lab(test: &str, args: &[&str], f: impl FnOnce(&mut Lab)) {
-    let mut b = Lab::builder().manifests_yaml(&yaml());
-    for a in args {
-        b = b.agent_arg(*a);
-    }
-    support::with_nodes(test, b, 2, SYNC_TIMEOUT, f)
+    LabTest::new(test).nodes(2).yaml(&yaml()).args(args).run(f)
 }
 
 /// Runs `cmd args` in the network namespace of lab node `node`.

@@ -29,7 +29,7 @@ use xtask::netns::in_netns;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{assert_answered_by, frontend, T};
+use support::{assert_answered_by, frontend, LabTest, T};
 
 /// Services beside the one that changes.
 const BULK: usize = 10_000;
@@ -108,7 +108,11 @@ fn one_endpoint_change_among_10000_services_moves_traffic_while_the_others_answe
         &Pod::new("web-1", "web").port(80, "TCP"),
         &Pod::new("bulk", "bulk").port(80, "TCP"),
     ]);
-    support::with_lab("scale", &yaml, SYNC_TIMEOUT, Some(40), |lab| {
+    let lab_test = LabTest::new("scale")
+        .yaml(&yaml)
+        .sync_timeout(SYNC_TIMEOUT)
+        .inspect_lines(40);
+    lab_test.run(|lab| {
         let ns = lab.client().netns.clone();
         let bulk_ip = lab
             .pods()

@@ -30,10 +30,9 @@ use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{assert_answered_by, delete_pod, frontend, frontend6, run_lab, T};
+use support::{assert_answered_by, delete_pod, frontend, frontend6, LabTest, T};
 
 /// How long the agent may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 /// Associations per check of which pods answer (3 pods: each is missed by
 /// 30 random picks with probability 3 × (2/3)^30 ≈ 2e-5).
 const N: usize = 30;
@@ -69,28 +68,6 @@ fn sctp_module_loaded() -> bool {
 }
 
 // ---------------------------------------------------------------- lab runner
-
-fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_lab(test, yaml, SYNC_TIMEOUT, None, f)
-}
-
-/// [`with_lab`] in a dual-stack lab: every pod and the client also have an
-/// IPv6 address, and the pods' servers listen on IPv6 too.
-fn with_dual_stack_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    run_lab(
-        test,
-        Lab::builder().dual_stack().manifests_yaml(yaml),
-        " (dual-stack)",
-        |lab| {
-            lab.wait_ready(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-            lab.wait_attached(SYNC_TIMEOUT)
-                .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-        },
-        |lab| support::diagnostics(lab, None),
-        f,
-    )
-}
 
 /// An SCTP NodePort Service `name` selecting `app: <name>`: port
 /// [`SVC_PORT`] to targetPort [`TARGET_PORT`].
@@ -213,16 +190,16 @@ fn sctp_frontend_backends(lab: &Lab, vip: SocketAddrV4) -> Option<Vec<String>> {
         })
 }
 
-/// Waits (up to [`SYNC_TIMEOUT`]) until `check` holds for the SCTP frontend
-/// `vip`'s backends (`None`: not programmed); panics with the agent's
-/// SCTP log lines otherwise.
+/// Waits (up to the lab's [`Lab::sync_timeout`]) until `check` holds for
+/// the SCTP frontend `vip`'s backends (`None`: not programmed); panics with
+/// the agent's SCTP log lines otherwise.
 fn wait_frontend(
     lab: &Lab,
     vip: SocketAddrV4,
     what: &str,
     check: impl Fn(&Option<Vec<String>>) -> bool,
 ) {
-    let deadline = Instant::now() + SYNC_TIMEOUT;
+    let deadline = Instant::now() + lab.sync_timeout();
     loop {
         let got = sctp_frontend_backends(lab, vip);
         if check(&got) {
@@ -273,7 +250,7 @@ fn s41_sctp_service_does_not_load_the_sctp_module() {
             .port(SVC_PORT, "SCTP")
             .without_sctp_listener(),
     ]);
-    with_lab("s41", &yaml, |lab| {
+    LabTest::new("s41").yaml(&yaml).run(|lab| {
         let unloaded = |when: &str| {
             assert!(
                 !sctp_module_loaded(),
@@ -295,7 +272,7 @@ fn s41_sctp_service_does_not_load_the_sctp_module() {
 
         lab.delete_service("sctp")
             .unwrap_or_else(|e| panic!("delete_service: {e:#}"));
-        support::synced(lab, SYNC_TIMEOUT);
+        support::synced(lab);
         wait_frontend(lab, vip, "Service deleted", Option::is_none);
         unloaded("once the agent removed the SCTP Service");
     });
@@ -325,7 +302,7 @@ fn n4_pod_to_service_sctp() {
         &sctp_pod("sctp-2", "sctp"),
         &sctp_pod("sctp-3", "sctp"),
     ]);
-    with_lab("n4", &yaml, |lab| {
+    LabTest::new("n4").yaml(&yaml).run(|lab| {
         let c = lab.client().netns.clone();
         let all = ["sctp-1", "sctp-2", "sctp-3"];
         pods_answer_directly(&c, lab, &all);
@@ -363,7 +340,7 @@ fn n10_endpoint_to_service_sctp() {
         &sctp_pod("ep-1", "ep"),
         &sctp_pod("ep-2", "ep"),
     ]);
-    with_lab("n10", &yaml, |lab| {
+    LabTest::new("n10").yaml(&yaml).run(|lab| {
         let from = lab.pod("ep-1").expect("pod ep-1").netns.clone();
         let all = ["ep-1", "ep-2"];
         let vip = frontend(lab, "ep", SVC_PORT, "SCTP");
@@ -393,7 +370,7 @@ fn d3_pod_to_secondary_cluster_ip_and_node_port_sctp() {
         &sctp_pod("sd-2", "sd"),
         &sctp_pod("sd-3", "sd"),
     ]);
-    with_dual_stack_lab("d3", &yaml, |lab| {
+    LabTest::new("d3").dual_stack().yaml(&yaml).run(|lab| {
         let c = lab.client().netns.clone();
         let all = ["sd-1", "sd-2", "sd-3"];
         pods_answer_directly6(&c, lab, &all);

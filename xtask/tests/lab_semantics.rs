@@ -32,11 +32,9 @@ mod support;
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Slice, Svc};
 use support::flows::connect_from;
 use support::{
-    agent_bin, all_answered, assert_answered_by, assert_tcp_refused, tcp_hostname, Stream, T,
+    agent_bin, all_answered, apply, assert_answered_by, assert_tcp_refused, tcp_hostname, LabTest,
+    Stream, T,
 };
-
-/// How long the agent may take to come up, or to sync a change.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
 
 // ---------------------------------------------------------------- manifests
 
@@ -47,19 +45,6 @@ fn slice(service: &str, eps: &[Ep]) -> String {
         .tcp_and_udp(80)
         .endpoints(eps)
         .yaml()
-}
-
-// ---------------------------------------------------------------- lab runner
-
-/// Starts a lab with `yaml`, waits for the agent's first sync and its
-/// attachments, runs `f`; see [`support::with_lab`].
-fn with_lab(test: &str, yaml: &str, f: impl FnOnce(&mut Lab)) {
-    support::with_lab(test, yaml, SYNC_TIMEOUT, None, f)
-}
-
-/// `lab.apply(yaml)`, then waits for the agent's sync and its attachments.
-fn apply(lab: &mut Lab, yaml: &str) {
-    support::apply(lab, yaml, SYNC_TIMEOUT);
 }
 
 fn frontend(lab: &Lab, service: &str, proto: &str) -> SocketAddrV4 {
@@ -114,12 +99,13 @@ fn s21_n17_session_affinity_client_ip_tcp() {
         &Pod::new("web-2", "web"),
         &Pod::new("web-3", "web"),
     ]);
-    with_lab("s21_n17", &yaml, |lab| {
+    LabTest::new("s21_n17").yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns1 = lab.client().netns.clone();
         let p1 = sticky(&ns1, vip, "TCP", 30, "S21 client-1");
         let c2 = lab.add_client("c2").expect("add client c2");
-        lab.wait_attached(SYNC_TIMEOUT).expect("attached to c2");
+        lab.wait_attached(lab.sync_timeout())
+            .expect("attached to c2");
         let p2 = sticky(&c2.netns, vip, "TCP", 30, "S21 client-2");
         // Still the same for client-1 after client-2's connections.
         assert_eq!(sticky(&ns1, vip, "TCP", 15, "S21 client-1 again"), p1);
@@ -146,12 +132,13 @@ fn n18_session_affinity_client_ip_udp() {
         &Pod::new("dns-2", "dns"),
         &Pod::new("dns-3", "dns"),
     ]);
-    with_lab("n18", &yaml, |lab| {
+    LabTest::new("n18").yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "dns", "UDP");
         let ns1 = lab.client().netns.clone();
         let p1 = sticky(&ns1, vip, "UDP", 30, "N18 client-1");
         let c2 = lab.add_client("c2").expect("add client c2");
-        lab.wait_attached(SYNC_TIMEOUT).expect("attached to c2");
+        lab.wait_attached(lab.sync_timeout())
+            .expect("attached to c2");
         let p2 = sticky(&c2.netns, vip, "UDP", 30, "N18 client-2");
         println!("N18: client-1 -> {p1}, client-2 -> {p2}");
     });
@@ -183,7 +170,7 @@ fn s22_k7_p3_session_affinity_expires_after_timeout() {
         &Pod::new("web-2", "web"),
         &Pod::new("web-3", "web"),
     ]);
-    with_lab("s22_k7_p3", &yaml, |lab| {
+    LabTest::new("s22_k7_p3").yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
         let mut prev = sticky(&ns, vip, "TCP", 30, "K7 trial 0 (inside the window)");
@@ -233,7 +220,7 @@ fn s23_session_affinity_switched_live_add_keeps_remove_ends() {
             &Pod::new("web-2", "web"),
             &Pod::new("web-3", "web"),
         ]);
-    with_lab("s23", &yaml, |lab| {
+    LabTest::new("s23").yaml(&yaml).run(|lab| {
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
         let first = sticky(&ns, vip, "TCP", 30, "S23 ClientIP");
@@ -290,7 +277,7 @@ fn c5_last_endpoint_terminating_keeps_established_flows() {
         &Svc::new("web").ports(tcp_and_udp(80)),
         &Pod::new("a", "none"),
     ]);
-    with_lab("c5", &yaml, |lab| {
+    LabTest::new("c5").yaml(&yaml).run(|lab| {
         let a = Ep::of(lab, "a");
         apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
@@ -336,7 +323,7 @@ fn s35_s36_ready_first_then_terminating_fallback() {
         &Pod::new("a", "none"),
         &Pod::new("b", "none"),
     ]);
-    with_lab("s35_s36", &yaml, |lab| {
+    LabTest::new("s35_s36").yaml(&yaml).run(|lab| {
         let a = Ep::of(lab, "a").terminating_serving();
         let b = Ep::of(lab, "b");
         apply(lab, &slice("web", &[a.clone(), b]));
@@ -407,7 +394,7 @@ fn s20_terminating_not_serving_alone_is_refused() {
         &Svc::new("web").ports(tcp_and_udp(80)),
         &Pod::new("a", "none"),
     ]);
-    with_lab("s20", &yaml, |lab| {
+    LabTest::new("s20").yaml(&yaml).run(|lab| {
         let a = Ep::of(lab, "a");
         apply(lab, &slice("web", std::slice::from_ref(&a)));
         let vip = frontend(lab, "web", "TCP");
@@ -440,7 +427,7 @@ fn s18_s19_publish_not_ready_addresses() {
             .publish_not_ready_addresses(),
         &Pod::new("a", "none"),
     ]);
-    with_lab("s18_s19", &yaml, |lab| {
+    LabTest::new("s18_s19").yaml(&yaml).run(|lab| {
         let a = Ep::of(lab, "a");
         let vip = frontend(lab, "web", "TCP");
         let ns = lab.client().netns.clone();
@@ -498,7 +485,7 @@ fn c6_two_vips_one_backend_same_client_port() {
         &Svc::new("s2").selector("a").ports(tcp_and_udp(80)),
         &Pod::new("a", "a"),
     ]);
-    with_lab("c6", &yaml, |lab| {
+    LabTest::new("c6").yaml(&yaml).run(|lab| {
         let vip1 = frontend(lab, "s1", "TCP");
         let vip2 = frontend(lab, "s2", "TCP");
         assert_ne!(vip1.ip(), vip2.ip());
@@ -568,7 +555,7 @@ fn p2_internal_traffic_policy_local_no_local_endpoint_drops() {
             .internal_traffic_policy("Local"),
         &Pod::new("a", "none"),
     ]);
-    with_lab("p2", &yaml, |lab| {
+    LabTest::new("p2").yaml(&yaml).run(|lab| {
         let a = Ep::of(lab, "a");
         let vip = frontend(lab, "web", "TCP");
         let vip_udp = frontend(lab, "web", "UDP");

@@ -1,7 +1,7 @@
 //! Helpers shared by the lab tests (`tests/lab*.rs`): the lab runner with
 //! diagnostics on failure, requests counting which pod answered, and the
 //! assertions built on them; the typed builders of the objects the tests
-//! write are in [`fixtures`]. Each test file includes it with `mod support;`.
+//! write are in [`fixtures`]. A test starts its lab with [`LabTest`]. Each test file includes it with `mod support;`.
 
 // Each test file is its own crate and uses only part of this module: what one
 // file leaves unused would otherwise warn as dead code in that crate.
@@ -10,6 +10,12 @@
 pub mod bulk;
 pub mod fixtures;
 pub mod flows;
+mod lab_test;
+
+// Not every test file starts its labs with it (some build theirs for
+// `run_lab`).
+#[allow(unused_imports)]
+pub use lab_test::LabTest;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, BufRead, BufReader, Write};
@@ -204,59 +210,10 @@ pub fn run_lab<F: FnOnce(&mut Lab)>(
     }
 }
 
-/// Starts a one-node lab with `yaml`, waits (up to `sync_timeout`) for the
-/// agent's first sync and its attachments, runs `f` (see [`run_lab`]);
-/// `inspect_lines` as in [`diagnostics`].
-pub fn with_lab(
-    test: &str,
-    yaml: &str,
-    sync_timeout: Duration,
-    inspect_lines: Option<usize>,
-    f: impl FnOnce(&mut Lab),
-) {
-    run_lab(
-        test,
-        Lab::builder().manifests_yaml(yaml),
-        "",
-        |lab| {
-            lab.wait_ready(sync_timeout)
-                .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-            lab.wait_attached(sync_timeout)
-                .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
-        },
-        |lab| diagnostics(lab, inspect_lines),
-        f,
-    )
-}
-
-/// Starts the multi-node lab `builder` describes with `nodes` nodes, waits
-/// (up to `sync_timeout`) for every agent's first sync and attachments, runs
-/// `f` (see [`run_lab`]); on failure prints every node's diagnostics
-/// ([`diagnostics_nodes`]).
-pub fn with_nodes(
-    test: &str,
-    builder: LabBuilder,
-    nodes: usize,
-    sync_timeout: Duration,
-    f: impl FnOnce(&mut Lab),
-) {
-    run_lab(
-        test,
-        builder.nodes(nodes),
-        &format!(" with {nodes} nodes"),
-        |lab| {
-            lab.wait_ready(sync_timeout)
-                .unwrap_or_else(|e| panic!("agents not ready: {e:#}"));
-            attached(lab, sync_timeout);
-        },
-        diagnostics_nodes,
-        f,
-    )
-}
-
-/// Waits (up to `sync_timeout`) for the agent's sync after the last manifest
-/// write, and its attachments; returns how long that took.
-pub fn synced(lab: &mut Lab, sync_timeout: Duration) -> Duration {
+/// Waits (up to the lab's [`Lab::sync_timeout`]) for the agent's sync after
+/// the last manifest write, and its attachments; returns how long that took.
+pub fn synced(lab: &mut Lab) -> Duration {
+    let sync_timeout = lab.sync_timeout();
     let t = Instant::now();
     lab.wait_synced(sync_timeout)
         .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
@@ -266,23 +223,26 @@ pub fn synced(lab: &mut Lab, sync_timeout: Duration) -> Duration {
 }
 
 /// `lab.apply(yaml)` and [`synced`]; returns how long the sync took.
-pub fn apply(lab: &mut Lab, yaml: &str, sync_timeout: Duration) -> Duration {
+pub fn apply(lab: &mut Lab, yaml: &str) -> Duration {
     lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
-    synced(lab, sync_timeout)
+    synced(lab)
 }
 
-/// Waits for every agent's attachments (multi-node labs).
-pub fn attached(lab: &mut Lab, sync_timeout: Duration) {
+/// Waits (up to the lab's [`Lab::sync_timeout`]) for every agent's
+/// attachments (multi-node labs).
+pub fn attached(lab: &mut Lab) {
+    let sync_timeout = lab.sync_timeout();
     lab.wait_attached(sync_timeout)
         .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
-/// `wait_synced` on every agent after a manifest change, then [`attached`]
-/// (multi-node labs).
-pub fn synced_nodes(lab: &mut Lab, sync_timeout: Duration) {
+/// `wait_synced` on every agent after a manifest change (up to the lab's
+/// [`Lab::sync_timeout`]), then [`attached`] (multi-node labs).
+pub fn synced_nodes(lab: &mut Lab) {
+    let sync_timeout = lab.sync_timeout();
     lab.wait_synced(sync_timeout)
         .unwrap_or_else(|e| panic!("agents did not sync: {e:#}"));
-    attached(lab, sync_timeout);
+    attached(lab);
 }
 
 /// Waits (up to 5 s) until the host-side veth `host_if` of the deleted pod
@@ -337,9 +297,9 @@ pub fn delete_pod(lab: &mut Lab, name: &str) -> Duration {
 }
 
 /// A client namespace on `node`: the default client on node-1, else one
-/// named `client-<node>`, added the first time (then waits, up to
-/// `sync_timeout`, for every agent's attachments).
-pub fn client_on(lab: &mut Lab, node: &str, sync_timeout: Duration) -> Endpoint {
+/// named `client-<node>`, added the first time (then waits, up to the lab's
+/// [`Lab::sync_timeout`], for every agent's attachments).
+pub fn client_on(lab: &mut Lab, node: &str) -> Endpoint {
     if node == "node-1" {
         return lab.client().clone();
     }
@@ -350,7 +310,7 @@ pub fn client_on(lab: &mut Lab, node: &str, sync_timeout: Duration) -> Endpoint 
     let c = lab
         .add_client_on(&name, node)
         .unwrap_or_else(|e| panic!("add_client_on({name}, {node}): {e:#}"));
-    attached(lab, sync_timeout);
+    attached(lab);
     c
 }
 
