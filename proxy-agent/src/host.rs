@@ -30,3 +30,12 @@ pub fn hostname() -> Option<String> {
         .map(|h| h.trim().to_lowercase())
         .filter(|h| !h.is_empty())
 }
+
+/// What the configuration needs to know of this host
+/// ([`crate::config::HostFacts`]): its name and its cgroup v2 root.
+pub fn facts() -> crate::config::HostFacts {
+    crate::config::HostFacts {
+        hostname: hostname(),
+        cgroup2_root: crate::bpf::cgroup2_root(),
+    }
+}

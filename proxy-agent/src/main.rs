@@ -16,7 +16,8 @@ use tracing::{info, warn};
 static ALLOCATOR: proxy_agent::alloc::Allocator = proxy_agent::alloc::Allocator;
 
 async fn run(a: RunArgs) -> anyhow::Result<()> {
-    let settings = Settings::from_flags(&a).context("configuration")?;
+    let settings =
+        Settings::from_flags(&a, &proxy_agent::host::facts()).context("configuration")?;
     if let Some(cidr) = settings.cluster_cidr {
         warn!(cluster_cidr = %cidr, "clusterCIDR is not used by the datapath yet; ignored");
     }

@@ -70,7 +70,7 @@ fn go_durations() {
 #[test]
 fn every_field_of_the_file_is_used() {
     let file = parse(FULL).unwrap();
-    let s = Settings::resolve(&file, &RunArgs::default()).unwrap();
+    let s = Settings::resolve(&file, &RunArgs::default(), &proxy_agent::host::facts()).unwrap();
     assert_eq!(
         s.healthz_bind_address,
         Some("0.0.0.0:10266".parse().unwrap())
@@ -102,6 +102,7 @@ fn defaults_are_kube_proxys() {
     let s = Settings::resolve(
         &ConfigFile::default(),
         &run_args(&["--manifests", "/m", "--node-name", "n"]),
+        &proxy_agent::host::facts(),
     )
     .unwrap();
     assert_eq!(
@@ -136,14 +137,22 @@ fn unknown_and_invalid_fields_are_errors_that_name_them() {
     let e = parse("kind: KubeProxyConfiguration\n").unwrap_err();
     assert!(e.contains("kind"), "{e}");
     let file = parse("clusterCIDR: 198.18.0.0/33\nsource: kubernetes\n").unwrap();
-    let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
-        .unwrap_err()
-        .to_string();
+    let e = Settings::resolve(
+        &file,
+        &run_args(&["--node-name", "n"]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.starts_with("clusterCIDR"), "{e}");
     let file = parse("healthzBindAddress: nowhere\nsource: kubernetes\n").unwrap();
-    let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
-        .unwrap_err()
-        .to_string();
+    let e = Settings::resolve(
+        &file,
+        &run_args(&["--node-name", "n"]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.starts_with("healthzBindAddress"), "{e}");
 }
 
@@ -168,7 +177,7 @@ fn flags_override_the_file() {
         "--conntrack-max",
         "1000",
     ]);
-    let s = Settings::resolve(&file, &flags).unwrap();
+    let s = Settings::resolve(&file, &flags, &proxy_agent::host::facts()).unwrap();
     assert_eq!(s.source, SourceKind::Manifests);
     assert_eq!(s.manifests, [Path::new("/m")]);
     assert_eq!(s.node_name, "node-1");
@@ -201,7 +210,7 @@ fn the_labs_command_line_still_works() {
         "--min-sync-period",
         "100ms",
     ]);
-    let s = Settings::from_flags(&flags).unwrap();
+    let s = Settings::from_flags(&flags, &proxy_agent::host::facts()).unwrap();
     assert_eq!(s.node_name, "node-1");
     assert_eq!(s.bpffs, Path::new("/sys/fs/bpf/lab-node-1"));
     assert_eq!(s.pod_interfaces[0].as_str(), "lxc*");
@@ -211,8 +220,12 @@ fn the_labs_command_line_still_works() {
 
 #[test]
 fn the_manifests_source_needs_manifests() {
-    let e =
-        Settings::resolve(&ConfigFile::default(), &run_args(&["--node-name", "n"])).unwrap_err();
+    let e = Settings::resolve(
+        &ConfigFile::default(),
+        &run_args(&["--node-name", "n"]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap_err();
     assert!(e.to_string().starts_with("manifests"), "{e}");
 }
 
@@ -285,7 +298,12 @@ fn inspect_errors_name_the_pin_directory() {
 fn frontend_policy_fields_defaults_and_errors() {
     let resolve = |text: &str| {
         let file = parse(&format!("source: kubernetes\n{text}"))?;
-        Settings::resolve(&file, &run_args(&["--node-name", "n"])).map_err(|e| e.to_string())
+        Settings::resolve(
+            &file,
+            &run_args(&["--node-name", "n"]),
+            &proxy_agent::host::facts(),
+        )
+        .map_err(|e| e.to_string())
     };
     let d = resolve("").unwrap().frontend_policy;
     assert!(d.honour_external_ips);
@@ -389,9 +407,13 @@ fn fuzzed_config_files_never_panic_and_errors_are_clear() {
             ConfigFile::parse(Path::new("fuzz.yaml"), &text)
                 .map_err(|e| e.to_string())
                 .and_then(|file| {
-                    Settings::resolve(&file, &run_args(&["--node-name", "n"]))
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
+                    Settings::resolve(
+                        &file,
+                        &run_args(&["--node-name", "n"]),
+                        &proxy_agent::host::facts(),
+                    )
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
                 })
         });
         let Ok(result) = outcome else {
@@ -416,7 +438,12 @@ fn delivery_mode_and_snat_port_range() {
     use proxy_agent::config::DeliveryMode;
     let base = "source: kubernetes\n";
     let file = parse(base).unwrap();
-    let s = Settings::resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
+    let s = Settings::resolve(
+        &file,
+        &run_args(&["--node-name", "n"]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap();
     assert_eq!(
         s.delivery_mode,
         DeliveryMode::Auto,
@@ -427,7 +454,12 @@ fn delivery_mode_and_snat_port_range() {
         "{base}deliveryMode: stack\nsnatPortRange: 20000-29999\nconntrack:\n  udpStreamTimeout: 3m\n"
     ))
     .unwrap();
-    let s = Settings::resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
+    let s = Settings::resolve(
+        &file,
+        &run_args(&["--node-name", "n"]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap();
     assert_eq!(s.delivery_mode, DeliveryMode::Stack);
     assert_eq!(s.snat_port_range, Some((20000, 29999)));
     assert_eq!(s.conntrack_timeouts.udp_stream_s, Some(180));
@@ -441,15 +473,20 @@ fn delivery_mode_and_snat_port_range() {
             "--snat-port-range",
             "1024-2047",
         ]),
+        &proxy_agent::host::facts(),
     )
     .unwrap();
     assert_eq!(s.delivery_mode, DeliveryMode::Redirect);
     assert_eq!(s.snat_port_range, Some((1024, 2047)));
     for bad in ["30000", "0-10", "20-10", "1-70000", "a-b"] {
         let file = parse(&format!("{base}snatPortRange: \"{bad}\"\n")).unwrap();
-        let e = Settings::resolve(&file, &run_args(&["--node-name", "n"]))
-            .unwrap_err()
-            .to_string();
+        let e = Settings::resolve(
+            &file,
+            &run_args(&["--node-name", "n"]),
+            &proxy_agent::host::facts(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.starts_with("snatPortRange"), "{bad}: {e}");
     }
     assert!(parse(&format!("{base}deliveryMode: fast\n"))
@@ -493,9 +530,13 @@ fn map_sizes_raise_the_frontend_and_backend_maps() {
     use proxy_agent::bpf::MapSizes;
     let resolve = |text: &str| {
         let file = parse(&format!("source: kubernetes\n{text}"))?;
-        Settings::resolve(&file, &run_args(&["--node-name", "n"]))
-            .map(|s| s.map_sizes)
-            .map_err(|e| e.to_string())
+        Settings::resolve(
+            &file,
+            &run_args(&["--node-name", "n"]),
+            &proxy_agent::host::facts(),
+        )
+        .map(|s| s.map_sizes)
+        .map_err(|e| e.to_string())
     };
     let s =
         resolve("mapSizes: {services: 524288, backends: 262144, reverseNat: 131072}\n").unwrap();
@@ -525,4 +566,49 @@ fn map_sizes_raise_the_frontend_and_backend_maps() {
     }
     let e = resolve("mapSizes: {revNat: 1000}\n").unwrap_err();
     assert!(e.contains("revNat"), "{e}");
+}
+
+/// The configuration reads nothing of the host: the node name and the
+/// socket hooks' cgroup come from the facts the caller found, and without
+/// a cgroup v2 root the error names the field to set.
+#[test]
+fn the_node_name_and_the_cgroup_root_come_from_the_host_facts_given() {
+    use proxy_agent::config::HostFacts;
+    let file = ConfigFile::default();
+    let flags = run_args(&["--manifests", "m.yaml"]);
+    let facts = HostFacts {
+        hostname: Some("from-facts".into()),
+        cgroup2_root: Some("/facts/cgroup".into()),
+    };
+    let s = Settings::resolve(&file, &flags, &facts).unwrap();
+    assert_eq!(s.node_name, "from-facts");
+    assert_eq!(
+        s.host_socket_lb.as_deref(),
+        Some(Path::new("/facts/cgroup"))
+    );
+
+    let bare = HostFacts::default();
+    let e = Settings::resolve(&file, &flags, &bare)
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("hostnameOverride:"), "{e}");
+    let named = run_args(&["--manifests", "m.yaml", "--node-name", "n"]);
+    let e = Settings::resolve(&file, &named, &bare)
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("hostSocketLB.cgroupRoot:"), "{e}");
+    let off = run_args(&[
+        "--manifests",
+        "m.yaml",
+        "--node-name",
+        "n",
+        "--host-socket-lb",
+        "false",
+    ]);
+    assert_eq!(
+        Settings::resolve(&file, &off, &bare)
+            .unwrap()
+            .host_socket_lb,
+        None
+    );
 }

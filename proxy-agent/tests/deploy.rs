@@ -260,7 +260,7 @@ fn daemonset_args_are_flags_the_binary_accepts_and_probes_match_the_config() {
         panic!("run")
     };
     flags.node_name = Some("node-1".into());
-    let settings = Settings::resolve(&file, &flags).unwrap();
+    let settings = Settings::resolve(&file, &flags, &proxy_agent::host::facts()).unwrap();
     assert_eq!(settings.source, SourceKind::Kubernetes);
     let healthz = settings.healthz_bind_address.expect("healthz enabled");
 

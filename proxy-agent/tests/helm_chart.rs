@@ -312,7 +312,8 @@ fn rendered(text: &str) -> Rendered {
     let config =
         ConfigFile::parse(Path::new("config.yaml"), text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     flags.node_name = Some("node-1".into());
-    let settings = Settings::resolve(&config, &flags).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let settings = Settings::resolve(&config, &flags, &proxy_agent::host::facts())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
     let env_from = c.env_from.as_ref().unwrap()[0]
         .config_map_ref
         .as_ref()
