@@ -1720,32 +1720,33 @@ fn ipv6_frontends_are_programmed_into_the_ipv6_maps() {
 /// them one at a time would hand.
 #[test]
 fn a_full_map_costs_each_failed_write_a_bounded_batch() {
-    use proxy_agent::dataplane::{DataplaneError, Programmed, SourceRange};
-    use proxy_common::{
-        lb::{MaglevChunk, MaglevKey},
-        RevNat4,
+    use proxy_agent::dataplane::{
+        BackendEntry, BatchOutcome, DataplaneError, Family, Programmed, RevNatEntry, ServiceKey,
+        SourceRange,
     };
+    use proxy_common::lb::{MaglevChunk, MaglevKey};
 
     /// InMemory, counting the entries offered to batch writes of backends.
     struct Offered(InMemory, usize);
     impl Dataplane for Offered {
-        fn put_backend(&mut self, id: u32, b: Backend4) -> Result<(), DataplaneError> {
-            self.0.put_backend(id, b)
+        fn put_services(&mut self, e: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+            self.0.put_services(e)
         }
-        fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
-            self.0.delete_backend(id)
+        fn delete_services(&mut self, k: &[ServiceKey]) -> BatchOutcome {
+            self.0.delete_services(k)
         }
-        fn put_service(&mut self, k: Svc4Key, v: Svc4Value) -> Result<(), DataplaneError> {
-            self.0.put_service(k, v)
+        fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
+            self.1 += entries.len();
+            self.0.put_backends(entries)
         }
-        fn delete_service(&mut self, k: Svc4Key) -> Result<(), DataplaneError> {
-            self.0.delete_service(k)
+        fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
+            self.0.delete_backends(ids)
         }
-        fn put_rev_nat(&mut self, id: u32, v: RevNat4) -> Result<(), DataplaneError> {
-            self.0.put_rev_nat(id, v)
+        fn put_rev_nats(&mut self, e: &[(u32, RevNatEntry)]) -> BatchOutcome {
+            self.0.put_rev_nats(e)
         }
-        fn delete_rev_nat(&mut self, id: u32) -> Result<(), DataplaneError> {
-            self.0.delete_rev_nat(id)
+        fn delete_rev_nats(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
+            self.0.delete_rev_nats(ids)
         }
         fn put_source_range(&mut self, id: u32, r: SourceRange) -> Result<(), DataplaneError> {
             self.0.put_source_range(id, r)
@@ -1765,10 +1766,6 @@ fn a_full_map_costs_each_failed_write_a_bounded_batch() {
         }
         fn dump(&self) -> Result<Programmed, DataplaneError> {
             self.0.dump()
-        }
-        fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> (usize, Option<DataplaneError>) {
-            self.1 += entries.len();
-            self.0.put_backends(entries)
         }
     }
 

@@ -253,6 +253,162 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
 }
 
 impl Dataplane for BpfDataplane {
+    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+        let cap = self.sizes.services;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.services, &mut self.services6);
+        family_runs(
+            entries,
+            |(k, _)| k.family(),
+            |e| *e,
+            |family, run| match family {
+                Family::V4 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(k, v)| match k {
+                            ServiceKey::V4(k) => Some((*k, *v)),
+                            ServiceKey::V6(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v4, map_names::SERVICES, cap, &run)
+                }
+                Family::V6 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(k, v)| match k {
+                            ServiceKey::V6(k) => Some((*k, *v)),
+                            ServiceKey::V4(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v6, map_names::SERVICES6, cap, &run)
+                }
+            },
+        )
+    }
+    fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome {
+        let cap = self.sizes.services;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.services, &mut self.services6);
+        family_runs(
+            keys,
+            ServiceKey::family,
+            |k| *k,
+            |family, run| match family {
+                Family::V4 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|k| match k {
+                            ServiceKey::V4(k) => Some(*k),
+                            ServiceKey::V6(_) => None,
+                        })
+                        .collect();
+                    delete_all(batches, v4, map_names::SERVICES, cap, &run)
+                }
+                Family::V6 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|k| match k {
+                            ServiceKey::V6(k) => Some(*k),
+                            ServiceKey::V4(_) => None,
+                        })
+                        .collect();
+                    delete_all(batches, v6, map_names::SERVICES6, cap, &run)
+                }
+            },
+        )
+    }
+    fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
+        let cap = self.sizes.backends;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.backends, &mut self.backends6);
+        family_runs(
+            entries,
+            |(_, b)| b.family(),
+            |e| *e,
+            |family, run| match family {
+                Family::V4 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(id, b)| match b {
+                            BackendEntry::V4(b) => Some((*id, *b)),
+                            BackendEntry::V6(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v4, map_names::BACKENDS, cap, &run)
+                }
+                Family::V6 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(id, b)| match b {
+                            BackendEntry::V6(b) => Some((*id, *b)),
+                            BackendEntry::V4(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v6, map_names::BACKENDS6, cap, &run)
+                }
+            },
+        )
+    }
+    fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
+        let cap = self.sizes.backends;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.backends, &mut self.backends6);
+        family_runs(
+            ids,
+            |(f, _)| *f,
+            |(_, id)| *id,
+            |family, run| match family {
+                Family::V4 => delete_all(batches, v4, map_names::BACKENDS, cap, run),
+                Family::V6 => delete_all(batches, v6, map_names::BACKENDS6, cap, run),
+            },
+        )
+    }
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome {
+        let cap = self.sizes.rev_nat;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.rev_nat, &mut self.rev_nat6);
+        family_runs(
+            entries,
+            |(_, r)| r.family(),
+            |e| *e,
+            |family, run| match family {
+                Family::V4 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(id, r)| match r {
+                            RevNatEntry::V4(r) => Some((*id, *r)),
+                            RevNatEntry::V6(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v4, map_names::REV_NAT, cap, &run)
+                }
+                Family::V6 => {
+                    let run: Vec<_> = run
+                        .iter()
+                        .filter_map(|(id, r)| match r {
+                            RevNatEntry::V6(r) => Some((*id, *r)),
+                            RevNatEntry::V4(_) => None,
+                        })
+                        .collect();
+                    put_all(batches, v6, map_names::REV_NAT6, cap, &run)
+                }
+            },
+        )
+    }
+    fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome {
+        let cap = self.sizes.rev_nat;
+        let batches = &mut self.batch_writes;
+        let (v4, v6) = (&mut self.rev_nat, &mut self.rev_nat6);
+        family_runs(
+            ids,
+            |(f, _)| *f,
+            |(_, id)| *id,
+            |family, run| match family {
+                Family::V4 => delete_all(batches, v4, map_names::REV_NAT, cap, run),
+                Family::V6 => delete_all(batches, v6, map_names::REV_NAT6, cap, run),
+            },
+        )
+    }
     fn put_maglev_chunk(
         &mut self,
         key: MaglevKey,
@@ -267,192 +423,6 @@ impl Dataplane for BpfDataplane {
         let cap = self.sizes.maglev_chunks;
         ignore_missing(self.maglev.remove(&key))
             .map_err(|e| op_err(map_names::MAGLEV, "delete", cap, e))
-    }
-    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
-        let cap = self.sizes.services;
-        self.services6
-            .insert(key, value, 0)
-            .map_err(|e| op_err(map_names::SERVICES6, "insert", cap, e))
-    }
-    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
-        let cap = self.sizes.services;
-        ignore_missing(self.services6.remove(&key))
-            .map_err(|e| op_err(map_names::SERVICES6, "delete", cap, e))
-    }
-    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
-        let cap = self.sizes.backends;
-        self.backends6
-            .insert(id, backend, 0)
-            .map_err(|e| op_err(map_names::BACKENDS6, "insert", cap, e))
-    }
-    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let cap = self.sizes.backends;
-        ignore_missing(self.backends6.remove(&id))
-            .map_err(|e| op_err(map_names::BACKENDS6, "delete", cap, e))
-    }
-    fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.services6,
-            map_names::SERVICES6,
-            cap,
-            entries,
-        )
-    }
-    fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.backends6,
-            map_names::BACKENDS6,
-            cap,
-            entries,
-        )
-    }
-    fn put_rev_nats6(&mut self, entries: &[(RevNatId, RevNat6)]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.rev_nat6,
-            map_names::REV_NAT6,
-            cap,
-            entries,
-        )
-    }
-    fn delete_services6(&mut self, keys: &[Svc6Key]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.services6,
-            map_names::SERVICES6,
-            cap,
-            keys,
-        )
-    }
-    fn delete_backends6(&mut self, ids: &[u32]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.backends6,
-            map_names::BACKENDS6,
-            cap,
-            ids,
-        )
-    }
-    fn delete_rev_nats6(&mut self, ids: &[RevNatId]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.rev_nat6,
-            map_names::REV_NAT6,
-            cap,
-            ids,
-        )
-    }
-    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
-        let cap = self.sizes.rev_nat;
-        self.rev_nat6
-            .insert(id, value, 0)
-            .map_err(|e| op_err(map_names::REV_NAT6, "insert", cap, e))
-    }
-    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let cap = self.sizes.rev_nat;
-        ignore_missing(self.rev_nat6.remove(&id))
-            .map_err(|e| op_err(map_names::REV_NAT6, "delete", cap, e))
-    }
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
-        let cap = self.sizes.backends;
-        self.backends
-            .insert(id, backend, 0)
-            .map_err(|e| op_err(map_names::BACKENDS, "insert", cap, e))
-    }
-    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let cap = self.sizes.backends;
-        ignore_missing(self.backends.remove(&id))
-            .map_err(|e| op_err(map_names::BACKENDS, "delete", cap, e))
-    }
-    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
-        let cap = self.sizes.services;
-        self.services
-            .insert(key, value, 0)
-            .map_err(|e| op_err(map_names::SERVICES, "insert", cap, e))
-    }
-    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
-        let cap = self.sizes.services;
-        ignore_missing(self.services.remove(&key))
-            .map_err(|e| op_err(map_names::SERVICES, "delete", cap, e))
-    }
-    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.services,
-            map_names::SERVICES,
-            cap,
-            entries,
-        )
-    }
-    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.backends,
-            map_names::BACKENDS,
-            cap,
-            entries,
-        )
-    }
-    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNat4)]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        put_all(
-            &mut self.batch_writes,
-            &mut self.rev_nat,
-            map_names::REV_NAT,
-            cap,
-            entries,
-        )
-    }
-    fn delete_services(&mut self, keys: &[Svc4Key]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.services,
-            map_names::SERVICES,
-            cap,
-            keys,
-        )
-    }
-    fn delete_backends(&mut self, ids: &[u32]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.backends,
-            map_names::BACKENDS,
-            cap,
-            ids,
-        )
-    }
-    fn delete_rev_nats(&mut self, ids: &[RevNatId]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        delete_all(
-            &mut self.batch_writes,
-            &mut self.rev_nat,
-            map_names::REV_NAT,
-            cap,
-            ids,
-        )
-    }
-    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
-        let cap = self.sizes.rev_nat;
-        self.rev_nat
-            .insert(id, value, 0)
-            .map_err(|e| op_err(map_names::REV_NAT, "insert", cap, e))
-    }
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let cap = self.sizes.rev_nat;
-        ignore_missing(self.rev_nat.remove(&id))
-            .map_err(|e| op_err(map_names::REV_NAT, "delete", cap, e))
     }
     fn prune_affinity(
         &mut self,

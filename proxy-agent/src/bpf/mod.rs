@@ -39,7 +39,10 @@ use proxy_common::{
     SourceRange6, Svc4Key, Svc4Value, Svc6Key, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
-use crate::dataplane::{each, BatchOutcome, Dataplane, DataplaneError, Programmed, SourceRange};
+use crate::dataplane::{
+    each, family_runs, BackendEntry, BatchOutcome, Dataplane, DataplaneError, Family, Programmed,
+    RevNatEntry, ServiceKey, SourceRange,
+};
 
 /// The kernel object built from `proxy-ebpf` by `build.rs`.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));

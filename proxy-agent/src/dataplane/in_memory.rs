@@ -9,7 +9,10 @@ use proxy_common::{
     Svc6Key,
 };
 
-use super::{Dataplane, DataplaneError, Programmed, SourceRange};
+use super::{
+    each, BackendEntry, BatchOutcome, Dataplane, DataplaneError, Family, Programmed, RevNatEntry,
+    ServiceKey, SourceRange,
+};
 
 /// One applied map operation, as recorded by [`InMemory`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -384,8 +387,9 @@ fn maglev_violation6(state: &Programmed, value: &Svc4Value) -> Option<String> {
     maglev_violation(&as_v4, value)
 }
 
-impl Dataplane for InMemory {
-    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
+/// Single operations, each recorded as one [`Op`] of its family's map.
+impl InMemory {
+    pub fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::BACKENDS6,
             |s| &mut s.backends6,
@@ -394,11 +398,11 @@ impl Dataplane for InMemory {
             Op::PutBackend6(id, backend),
         )
     }
-    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
+    pub fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
         let op = Op::DeleteBackend6(id);
         self.delete_entry(map_names::BACKENDS6, |s| &mut s.backends6, id, op)
     }
-    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
+    pub fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::SERVICES6,
             |s| &mut s.services6,
@@ -407,11 +411,11 @@ impl Dataplane for InMemory {
             Op::PutService6(key, value),
         )
     }
-    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
+    pub fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
         let op = Op::DeleteService6(key);
         self.delete_entry(map_names::SERVICES6, |s| &mut s.services6, key, op)
     }
-    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
+    pub fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::REV_NAT6,
             |s| &mut s.rev_nat6,
@@ -420,9 +424,87 @@ impl Dataplane for InMemory {
             Op::PutRevNat6(id, value),
         )
     }
-    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
+    pub fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
         let op = Op::DeleteRevNat6(id);
         self.delete_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, id, op)
+    }
+    pub fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::BACKENDS,
+            |s| &mut s.backends,
+            self.cap_backends,
+            (id, backend),
+            Op::PutBackend(id, backend),
+        )
+    }
+    pub fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
+        let op = Op::DeleteBackend(id);
+        self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op)
+    }
+    pub fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::SERVICES,
+            |s| &mut s.services,
+            self.cap_services,
+            (key, value),
+            Op::PutService(key, value),
+        )
+    }
+    pub fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+        let op = Op::DeleteService(key);
+        self.delete_entry(map_names::SERVICES, |s| &mut s.services, key, op)
+    }
+    pub fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
+        self.put_entry(
+            map_names::REV_NAT,
+            |s| &mut s.rev_nat,
+            self.cap_rev_nat,
+            (id, value),
+            Op::PutRevNat(id, value),
+        )
+    }
+    pub fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
+        let op = Op::DeleteRevNat(id);
+        self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op)
+    }
+}
+
+impl Dataplane for InMemory {
+    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+        each(entries, |(k, v)| match k {
+            ServiceKey::V4(k) => self.put_service(*k, *v),
+            ServiceKey::V6(k) => self.put_service6(*k, *v),
+        })
+    }
+    fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome {
+        each(keys, |k| match k {
+            ServiceKey::V4(k) => self.delete_service(*k),
+            ServiceKey::V6(k) => self.delete_service6(*k),
+        })
+    }
+    fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
+        each(entries, |(id, b)| match b {
+            BackendEntry::V4(b) => self.put_backend(*id, *b),
+            BackendEntry::V6(b) => self.put_backend6(*id, *b),
+        })
+    }
+    fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
+        each(ids, |(f, id)| match f {
+            Family::V4 => self.delete_backend(*id),
+            Family::V6 => self.delete_backend6(*id),
+        })
+    }
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome {
+        each(entries, |(id, r)| match r {
+            RevNatEntry::V4(r) => self.put_rev_nat(*id, *r),
+            RevNatEntry::V6(r) => self.put_rev_nat6(*id, *r),
+        })
+    }
+    fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome {
+        each(ids, |(f, id)| match f {
+            Family::V4 => self.delete_rev_nat(*id),
+            Family::V6 => self.delete_rev_nat6(*id),
+        })
     }
     fn prune_affinity(
         &mut self,
@@ -496,45 +578,6 @@ impl Dataplane for InMemory {
         }
         self.record(Op::DeleteSourceRange(rev_nat_id, range), Check::Nothing);
         Ok(())
-    }
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::BACKENDS,
-            |s| &mut s.backends,
-            self.cap_backends,
-            (id, backend),
-            Op::PutBackend(id, backend),
-        )
-    }
-    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let op = Op::DeleteBackend(id);
-        self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op)
-    }
-    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::SERVICES,
-            |s| &mut s.services,
-            self.cap_services,
-            (key, value),
-            Op::PutService(key, value),
-        )
-    }
-    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
-        let op = Op::DeleteService(key);
-        self.delete_entry(map_names::SERVICES, |s| &mut s.services, key, op)
-    }
-    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::REV_NAT,
-            |s| &mut s.rev_nat,
-            self.cap_rev_nat,
-            (id, value),
-            Op::PutRevNat(id, value),
-        )
-    }
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let op = Op::DeleteRevNat(id);
-        self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op)
     }
     fn dump(&self) -> Result<Programmed, DataplaneError> {
         Ok(self.state.clone())

@@ -19,7 +19,7 @@ use std::net::IpAddr;
 
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    map_names, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value, Svc6Key,
+    Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value, Svc6Key,
 };
 
 use crate::model::{BackendAddr, FrontendKey};
@@ -83,6 +83,12 @@ impl BackendEntry {
             IpAddr::V6(a) => Self::V6(Backend6::new(a, addr.port, addr.proto, state)),
         }
     }
+    pub fn family(&self) -> Family {
+        match self {
+            Self::V4(_) => Family::V4,
+            Self::V6(_) => Family::V6,
+        }
+    }
     /// The backend this entry is.
     pub fn addr(&self) -> BackendAddr {
         match self {
@@ -115,14 +121,11 @@ impl RevNatEntry {
             IpAddr::V6(a) => Self::V6(RevNat6::new(a, key.port)),
         }
     }
-}
-
-/// The error of an IPv6 operation on a dataplane without IPv6 maps.
-fn no_ipv6(map: &'static str, op: &'static str) -> DataplaneError {
-    DataplaneError::Op {
-        map,
-        op,
-        reason: "this dataplane has no IPv6 maps".into(),
+    pub fn family(&self) -> Family {
+        match self {
+            Self::V4(_) => Family::V4,
+            Self::V6(_) => Family::V6,
+        }
     }
 }
 
@@ -179,49 +182,89 @@ pub fn each<T>(
 /// An allowed client prefix (network address, prefix length).
 pub type SourceRange = (IpAddr, u8);
 
-/// Map operations. Keys and values are the shared kernel types; ids are host
-/// order. Each operation either takes effect whole or fails.
+/// The address family of a map entry: each kind of entry has one map per
+/// family (`SVC4_V2`/`SVC6_V2`, ...); backend and reverse-NAT ids are one
+/// space for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(addr: &IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+}
+
+/// A frontend slot's key with its family, as Cilium's `ServiceKey`: the
+/// services map of that family holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServiceKey {
+    V4(Svc4Key),
+    V6(Svc6Key),
+}
+
+impl ServiceKey {
+    /// Slot `slot` of frontend `key`.
+    pub fn new(key: &FrontendKey, slot: u16) -> Self {
+        match key.addr {
+            IpAddr::V4(a) => Self::V4(Svc4Key::new(a, key.port, key.proto, key.scope, slot)),
+            IpAddr::V6(a) => Self::V6(Svc6Key::new(a, key.port, key.proto, key.scope, slot)),
+        }
+    }
+    pub fn family(&self) -> Family {
+        match self {
+            Self::V4(_) => Family::V4,
+            Self::V6(_) => Family::V6,
+        }
+    }
+}
+
+/// Map operations, one per kind of entry, the family in the key or the
+/// entry. Keys and values are the shared kernel types; ids are host order.
+///
+/// The writes and deletes of services, backends and reverse NAT take many
+/// entries: in order, as single operations one after the other would,
+/// stopping at the first that fails. They return how many were done (the
+/// first ones) and that one's error; it and those after it are not done.
+/// The BPF dataplane writes each run of one family's entries in batches
+/// where the kernel can (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`):
+/// one syscall for thousands of entries, each landing after the one before
+/// it. For entries no earlier one depends on: a writer phase's. Deleting an
+/// absent key succeeds (it is deleted already).
 pub trait Dataplane {
-    fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError>;
-    fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError>;
-    fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError>;
-    fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError>;
-    fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError>;
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError>;
-    /// Writes `entries` in order, as [`Dataplane::put_service`] one after
-    /// the other would, stopping at the first that fails: returns how many
-    /// were written (the first ones) and that one's error; it and those
-    /// after it are not written. The BPF dataplane writes them in batches
-    /// where the kernel can (`BPF_MAP_UPDATE_BATCH`): one syscall for
-    /// thousands of entries, each landing after the one before it. For
-    /// entries no earlier one depends on: a writer phase's.
-    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> BatchOutcome {
-        each(entries, |(k, v)| self.put_service(*k, *v))
-    }
-    /// As [`Dataplane::put_services`], for backends.
-    fn put_backends(&mut self, entries: &[(u32, Backend4)]) -> BatchOutcome {
-        each(entries, |(id, b)| self.put_backend(*id, *b))
-    }
-    /// As [`Dataplane::put_services`], for reverse-NAT entries.
-    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNat4)]) -> BatchOutcome {
-        each(entries, |(id, r)| self.put_rev_nat(*id, *r))
-    }
-    /// Deletes `keys` in order, as [`Dataplane::delete_service`] one after
-    /// the other would (an absent key is deleted already), stopping at the
-    /// first that fails, as [`Dataplane::put_services`] does. The BPF
-    /// dataplane deletes them in batches where the kernel can
-    /// (`BPF_MAP_DELETE_BATCH`).
-    fn delete_services(&mut self, keys: &[Svc4Key]) -> BatchOutcome {
-        each(keys, |k| self.delete_service(*k))
-    }
-    /// As [`Dataplane::delete_services`], for backends.
-    fn delete_backends(&mut self, ids: &[u32]) -> BatchOutcome {
-        each(ids, |id| self.delete_backend(*id))
-    }
-    /// As [`Dataplane::delete_services`], for reverse-NAT entries.
-    fn delete_rev_nats(&mut self, ids: &[RevNatId]) -> BatchOutcome {
-        each(ids, |id| self.delete_rev_nat(*id))
-    }
+    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome;
+    fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome;
+    fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome;
+    /// Backend ids, each deleted from its family's map.
+    fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome;
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome;
+    /// Reverse-NAT ids, each deleted from its family's map.
+    fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome;
+    /// Allows clients in `range` to open flows to the frontend `rev_nat_id`
+    /// (meaningful when its slot 0 has `svc_flags::SOURCE_RANGES`); the
+    /// family is the range's.
+    fn put_source_range(
+        &mut self,
+        rev_nat_id: RevNatId,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError>;
+    fn delete_source_range(
+        &mut self,
+        rev_nat_id: RevNatId,
+        range: SourceRange,
+    ) -> Result<(), DataplaneError>;
+    /// Writes one chunk of a Maglev table generation (both families').
+    fn put_maglev_chunk(
+        &mut self,
+        key: MaglevKey,
+        chunk: &MaglevChunk,
+    ) -> Result<(), DataplaneError>;
+    fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError>;
     /// Deletes, in one walk of the affinity maps, the session-affinity
     /// entries of every frontend `keep` names (by reverse-NAT id) whose
     /// backend is not in its set (all of them when the set is empty): a
@@ -249,77 +292,42 @@ pub trait Dataplane {
     fn affinity_ids(&self) -> Result<BTreeSet<RevNatId>, DataplaneError> {
         Ok(BTreeSet::new())
     }
-    /// Allows clients in `range` to open flows to the frontend `rev_nat_id`
-    /// (meaningful when its slot 0 has `svc_flags::SOURCE_RANGES`).
-    fn put_source_range(
-        &mut self,
-        rev_nat_id: RevNatId,
-        range: SourceRange,
-    ) -> Result<(), DataplaneError>;
-    fn delete_source_range(
-        &mut self,
-        rev_nat_id: RevNatId,
-        range: SourceRange,
-    ) -> Result<(), DataplaneError>;
-    /// Writes one chunk of a Maglev table generation.
-    fn put_maglev_chunk(
-        &mut self,
-        key: MaglevKey,
-        chunk: &MaglevChunk,
-    ) -> Result<(), DataplaneError>;
-    fn delete_maglev_chunk(&mut self, key: MaglevKey) -> Result<(), DataplaneError>;
     /// Reads back everything programmed (used to adopt pinned maps on start).
     fn dump(&self) -> Result<Programmed, DataplaneError>;
-    /// The IPv6 maps' operations: as their IPv4 counterparts. A dataplane
-    /// without IPv6 maps refuses them.
-    fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
-        let _ = (key, value);
-        Err(no_ipv6(map_names::SERVICES6, "put"))
+}
+
+/// The outcome of one operation as a `Result`.
+pub fn one(outcome: BatchOutcome) -> Result<(), DataplaneError> {
+    match outcome {
+        (_, Some(e)) => Err(e),
+        (_, None) => Ok(()),
     }
-    fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
-        let _ = key;
-        Err(no_ipv6(map_names::SERVICES6, "delete"))
+}
+
+/// `entries` in runs of one family, in order: `run` takes each run (its
+/// family, and the run's entries as `pick` gives them, all of that family)
+/// and returns what it did; stops at the first run that stops.
+pub fn family_runs<T, U>(
+    entries: &[T],
+    family: impl Fn(&T) -> Family,
+    pick: impl Fn(&T) -> U,
+    mut run: impl FnMut(Family, &[U]) -> BatchOutcome,
+) -> BatchOutcome {
+    let mut done = 0;
+    while let Some(first) = entries.get(done) {
+        let f = family(first);
+        let len = entries[done..]
+            .iter()
+            .take_while(|e| family(e) == f)
+            .count();
+        let picked: Vec<U> = entries[done..done + len].iter().map(&pick).collect();
+        let (n, err) = run(f, &picked);
+        done += n.min(len);
+        if err.is_some() {
+            return (done, err);
+        }
     }
-    fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
-        let _ = (id, backend);
-        Err(no_ipv6(map_names::BACKENDS6, "put"))
-    }
-    fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let _ = id;
-        Err(no_ipv6(map_names::BACKENDS6, "delete"))
-    }
-    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
-        let _ = (id, value);
-        Err(no_ipv6(map_names::REV_NAT6, "put"))
-    }
-    fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let _ = id;
-        Err(no_ipv6(map_names::REV_NAT6, "delete"))
-    }
-    /// [`Dataplane::put_services`] for the IPv6 frontends' map.
-    fn put_services6(&mut self, entries: &[(Svc6Key, Svc4Value)]) -> BatchOutcome {
-        each(entries, |(k, v)| self.put_service6(*k, *v))
-    }
-    /// [`Dataplane::put_services`] for the IPv6 backends' map.
-    fn put_backends6(&mut self, entries: &[(u32, Backend6)]) -> BatchOutcome {
-        each(entries, |(id, b)| self.put_backend6(*id, *b))
-    }
-    /// [`Dataplane::put_services`] for the IPv6 reverse-NAT map.
-    fn put_rev_nats6(&mut self, entries: &[(RevNatId, RevNat6)]) -> BatchOutcome {
-        each(entries, |(id, r)| self.put_rev_nat6(*id, *r))
-    }
-    /// [`Dataplane::delete_services`] for the IPv6 frontends' map.
-    fn delete_services6(&mut self, keys: &[Svc6Key]) -> BatchOutcome {
-        each(keys, |k| self.delete_service6(*k))
-    }
-    /// [`Dataplane::delete_services`] for the IPv6 backends' map.
-    fn delete_backends6(&mut self, ids: &[u32]) -> BatchOutcome {
-        each(ids, |id| self.delete_backend6(*id))
-    }
-    /// [`Dataplane::delete_services`] for the IPv6 reverse-NAT map.
-    fn delete_rev_nats6(&mut self, ids: &[RevNatId]) -> BatchOutcome {
-        each(ids, |id| self.delete_rev_nat6(*id))
-    }
+    (done, None)
 }
 
 /// A dataplane that takes every operation and keeps nothing, only their
@@ -336,29 +344,29 @@ impl Dataplane for Discard {
     fn id_spaces(&self) -> (u32, u32) {
         (1 << 24, 1 << 24)
     }
-    fn put_backend(&mut self, _: u32, _: Backend4) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+        self.ops += entries.len();
+        (entries.len(), None)
     }
-    fn delete_backend(&mut self, _: u32) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome {
+        self.ops += keys.len();
+        (keys.len(), None)
     }
-    fn put_service(&mut self, _: Svc4Key, _: Svc4Value) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
+        self.ops += entries.len();
+        (entries.len(), None)
     }
-    fn delete_service(&mut self, _: Svc4Key) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
+        self.ops += ids.len();
+        (ids.len(), None)
     }
-    fn put_rev_nat(&mut self, _: RevNatId, _: RevNat4) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome {
+        self.ops += entries.len();
+        (entries.len(), None)
     }
-    fn delete_rev_nat(&mut self, _: RevNatId) -> Result<(), DataplaneError> {
-        self.ops += 1;
-        Ok(())
+    fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome {
+        self.ops += ids.len();
+        (ids.len(), None)
     }
     fn put_source_range(&mut self, _: RevNatId, _: SourceRange) -> Result<(), DataplaneError> {
         self.ops += 1;

@@ -858,7 +858,7 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn batched_writes_stop_where_single_writes_would() {
-    use proxy_agent::dataplane::{Dataplane, DataplaneError};
+    use proxy_agent::dataplane::{BackendEntry, Dataplane, DataplaneError};
     use proxy_common::{Backend4, Backend6};
 
     let sizes = MapSizes {
@@ -868,10 +868,13 @@ fn batched_writes_stop_where_single_writes_would() {
     let mut h = Harness::try_new("kpr-batch", sizes, Config::default()).expect("harness");
     let backend = |id: u32, port: u16| {
         let addr = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + id);
-        (id, Backend4::new(addr, port, IPPROTO_TCP, 0))
+        (
+            id,
+            BackendEntry::V4(Backend4::new(addr, port, IPPROTO_TCP, 0)),
+        )
     };
     let full = |e: Option<DataplaneError>| matches!(e, Some(DataplaneError::Full { map, capacity: 5_000 }) if map == map_names::BACKENDS);
-    let first: Vec<(u32, Backend4)> = (1..=6_000).map(|id| backend(id, 8080)).collect();
+    let first: Vec<(u32, BackendEntry)> = (1..=6_000).map(|id| backend(id, 8080)).collect();
     let (written, err) = h.writer.dataplane_mut().put_backends(&first);
     assert_eq!(written, 5_000);
     assert!(full(err), "the 5,001st backend is refused as Full");
@@ -881,7 +884,7 @@ fn batched_writes_stop_where_single_writes_would() {
         (1..=5_000).collect::<Vec<u32>>()
     );
 
-    let mixed: Vec<(u32, Backend4)> = (4_990..=5_010).map(|id| backend(id, 9090)).collect();
+    let mixed: Vec<(u32, BackendEntry)> = (4_990..=5_010).map(|id| backend(id, 9090)).collect();
     let (written, err) = h.writer.dataplane_mut().put_backends(&mixed);
     assert_eq!(written, 11, "4,990 to 5,000 updated");
     assert!(full(err), "5,001 refused");
@@ -892,22 +895,31 @@ fn batched_writes_stop_where_single_writes_would() {
     }
     assert_eq!(held[&4_989].port(), 8080);
 
-    // The IPv6 maps take batches alike.
-    let v6: Vec<(u32, Backend6)> = (1..=300u16)
-        .map(|i| {
-            let addr = std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, i);
-            (u32::from(i), Backend6::new(addr, 8080, IPPROTO_TCP, 0))
-        })
-        .collect();
-    let (written, err) = h.writer.dataplane_mut().put_backends6(&v6);
-    assert!(err.is_none(), "{err:?}");
-    assert_eq!(written, 300);
-    let held6 = h.writer.dataplane().dump().expect("dump").backends6;
-    assert_eq!(held6.len(), 300);
+    // The IPv6 maps take batches alike, in the same call as IPv4 entries:
+    // each run of one family's goes to its map, in order, and the call
+    // stops where single writes would (the IPv4 map is full).
+    let v6 = |i: u16| {
+        let addr = std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, i);
+        (
+            u32::from(i),
+            BackendEntry::V6(Backend6::new(addr, 8080, IPPROTO_TCP, 0)),
+        )
+    };
+    let mut calls: Vec<(u32, BackendEntry)> = (1..=200u16).map(v6).collect();
+    calls.push(backend(4_000, 7070));
+    calls.extend((201..=300u16).map(v6));
+    calls.push(backend(6_001, 7070));
+    calls.push(v6(301));
+    let (written, err) = h.writer.dataplane_mut().put_backends(&calls);
+    assert_eq!(written, 301, "every entry before the new IPv4 backend");
+    assert!(full(err), "the new IPv4 backend is refused as Full");
+    let held = h.writer.dataplane().dump().expect("dump");
+    assert_eq!(held.backends6.len(), 300, "IPv6 backend 301 not written");
     assert_eq!(
-        held6[&300].addr(),
+        held.backends6[&300].addr(),
         std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 300)
     );
+    assert_eq!(held.backends[&4_000].port(), 7070);
 }
 
 /// Deletes go to the kernel's maps in batches (`BPF_MAP_DELETE_BATCH`),
@@ -918,25 +930,32 @@ fn batched_writes_stop_where_single_writes_would() {
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn batched_deletes_go_past_absent_keys() {
-    use proxy_agent::dataplane::Dataplane;
+    use proxy_agent::dataplane::{BackendEntry, Dataplane, Family};
     use proxy_common::{Backend4, Backend6};
 
     let mut h =
         Harness::try_new("kpr-bdel", MapSizes::default(), Config::default()).expect("harness");
     let backend = |id: u32| {
         let addr = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + id);
-        (id, Backend4::new(addr, 8080, IPPROTO_TCP, 0))
+        (
+            id,
+            BackendEntry::V4(Backend4::new(addr, 8080, IPPROTO_TCP, 0)),
+        )
     };
-    let all: Vec<(u32, Backend4)> = (1..=10_000).map(backend).collect();
+    let all: Vec<(u32, BackendEntry)> = (1..=10_000).map(backend).collect();
     let (written, err) = h.writer.dataplane_mut().put_backends(&all);
     assert!(err.is_none(), "{err:?}");
     assert_eq!(written, 10_000);
     // Absent keys at the start, in the middle of a batch and at its end.
     let dp = h.writer.dataplane_mut();
     for id in [1, 5_000, 9_000] {
-        dp.delete_backend(id).expect("single delete");
+        let (n, err) = dp.delete_backends(&[(Family::V4, id)]);
+        assert!(n == 1 && err.is_none(), "single delete: {err:?}");
     }
-    let doomed: Vec<u32> = (1..=9_000).chain(20_000..=20_010).collect();
+    let doomed: Vec<(Family, u32)> = (1..=9_000)
+        .chain(20_000..=20_010)
+        .map(|id| (Family::V4, id))
+        .collect();
     let (deleted, err) = dp.delete_backends(&doomed);
     assert!(err.is_none(), "{err:?}");
     assert_eq!(deleted, doomed.len(), "every key taken, absent ones too");
@@ -947,16 +966,20 @@ fn batched_deletes_go_past_absent_keys() {
     );
     assert!(held.values().all(|b| b.port() == 8080));
 
-    let v6: Vec<(u32, Backend6)> = (1..=300u16)
+    let v6: Vec<(u32, BackendEntry)> = (1..=300u16)
         .map(|i| {
             let addr = std::net::Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, i);
-            (u32::from(i), Backend6::new(addr, 8080, IPPROTO_TCP, 0))
+            (
+                u32::from(i),
+                BackendEntry::V6(Backend6::new(addr, 8080, IPPROTO_TCP, 0)),
+            )
         })
         .collect();
     let dp = h.writer.dataplane_mut();
-    let (written, err) = dp.put_backends6(&v6);
+    let (written, err) = dp.put_backends(&v6);
     assert!(err.is_none() && written == 300, "{err:?}");
-    let (deleted, err) = dp.delete_backends6(&(100..=400).collect::<Vec<u32>>());
+    let doomed6: Vec<(Family, u32)> = (100..=400).map(|id| (Family::V6, id)).collect();
+    let (deleted, err) = dp.delete_backends(&doomed6);
     assert!(err.is_none(), "{err:?}");
     assert_eq!(deleted, 301);
     let held6 = h.writer.dataplane().dump().expect("dump").backends6;

@@ -1,14 +1,17 @@
-//! The map of each entry's family. The writer works on frontends and
-//! backends by `IpAddr` ([`FrontendKey`], [`BackendAddr`]); these pick the
-//! IPv4 or IPv6 map for each operation. Backend ids and reverse-NAT ids are
-//! one space for both families.
+//! The writer's operations in map entries. The writer works on frontends
+//! and backends by `IpAddr` ([`FrontendKey`], [`BackendAddr`]); these make
+//! each operation's key or entry, its family in it ([`ServiceKey`],
+//! [`BackendEntry`], [`RevNatEntry`]), and hand them to the dataplane in
+//! calls of [`BatchSizes`]. Backend ids and reverse-NAT ids are one space
+//! for both families.
+//!
+//! [`BackendAddr`]: crate::model::BackendAddr
 
-use std::net::IpAddr;
-
-use proxy_common::{RevNatId, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{RevNatId, Svc4Value};
 
 use super::super::{
-    BackendEntry, BatchOutcome, BatchSizes, Dataplane, DataplaneError, RevNatEntry,
+    one, BackendEntry, BatchOutcome, BatchSizes, Dataplane, DataplaneError, Family, RevNatEntry,
+    ServiceKey,
 };
 use crate::model::FrontendKey;
 
@@ -17,10 +20,13 @@ pub(super) fn delete_service<D: Dataplane>(
     key: &FrontendKey,
     slot: u16,
 ) -> Result<(), DataplaneError> {
-    match key.addr {
-        IpAddr::V4(a) => dp.delete_service(Svc4Key::new(a, key.port, key.proto, key.scope, slot)),
-        IpAddr::V6(a) => dp.delete_service6(Svc6Key::new(a, key.port, key.proto, key.scope, slot)),
-    }
+    one(dp.delete_services(&[ServiceKey::new(key, slot)]))
+}
+
+/// The family of the map a backend or reverse-NAT entry is in (IPv4's when
+/// unknown).
+fn family_of<T>(entry: Option<&T>, family: impl Fn(&T) -> Family) -> Family {
+    entry.map_or(Family::V4, family)
 }
 
 /// Deletes reverse-NAT `id` from the map of `r`'s family (IPv4's when
@@ -30,30 +36,21 @@ pub(super) fn delete_rev_nat<D: Dataplane>(
     id: RevNatId,
     r: Option<&RevNatEntry>,
 ) -> Result<(), DataplaneError> {
-    match r {
-        Some(RevNatEntry::V6(_)) => dp.delete_rev_nat6(id),
-        _ => dp.delete_rev_nat(id),
-    }
+    one(dp.delete_rev_nats(&[(family_of(r, RevNatEntry::family), id)]))
 }
 
 /// Writes slots `(frontend, slot, value)` in order, as single writes one
 /// after the other would, stopping at the first that fails
-/// ([`Dataplane::put_services`]): each run of one family's slots in one
-/// batch call to that family's map. For entries no other of them depends
-/// on.
+/// ([`Dataplane::put_services`]). For entries no other of them depends on.
 pub(super) fn put_services<D: Dataplane>(
     dp: &mut D,
     writes: &[(FrontendKey, u16, Svc4Value)],
 ) -> BatchOutcome {
-    runs(
+    chunked(
         dp,
         writes,
-        |(k, slot, v)| match k.addr {
-            IpAddr::V4(a) => V4((Svc4Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-            IpAddr::V6(a) => V6((Svc6Key::new(a, k.port, k.proto, k.scope, *slot), *v)),
-        },
+        |(k, slot, v)| (ServiceKey::new(k, *slot), *v),
         D::put_services,
-        D::put_services6,
     )
 }
 
@@ -62,16 +59,7 @@ pub(super) fn put_backends<D: Dataplane>(
     dp: &mut D,
     writes: &[(u32, BackendEntry)],
 ) -> BatchOutcome {
-    runs(
-        dp,
-        writes,
-        |(id, b)| match b {
-            BackendEntry::V4(b) => V4((*id, *b)),
-            BackendEntry::V6(b) => V6((*id, *b)),
-        },
-        D::put_backends,
-        D::put_backends6,
-    )
+    chunked(dp, writes, |e| *e, D::put_backends)
 }
 
 /// As [`put_services`], for reverse-NAT entries `(id, entry)`.
@@ -79,35 +67,21 @@ pub(super) fn put_rev_nats<D: Dataplane>(
     dp: &mut D,
     writes: &[(RevNatId, RevNatEntry)],
 ) -> BatchOutcome {
-    runs(
-        dp,
-        writes,
-        |(id, r)| match r {
-            RevNatEntry::V4(r) => V4((*id, *r)),
-            RevNatEntry::V6(r) => V6((*id, *r)),
-        },
-        D::put_rev_nats,
-        D::put_rev_nats6,
-    )
+    chunked(dp, writes, |e| *e, D::put_rev_nats)
 }
 
 /// Deletes slots `(frontend, slot)` in order, as single deletes one after
 /// the other would, stopping at the first that fails
-/// ([`Dataplane::delete_services`]): each run of one family's slots in one
-/// batch call, as [`put_services`] writes.
+/// ([`Dataplane::delete_services`]).
 pub(super) fn delete_services<D: Dataplane>(
     dp: &mut D,
     slots: &[(FrontendKey, u16)],
 ) -> BatchOutcome {
-    runs(
+    chunked(
         dp,
         slots,
-        |(k, slot)| match k.addr {
-            IpAddr::V4(a) => V4(Svc4Key::new(a, k.port, k.proto, k.scope, *slot)),
-            IpAddr::V6(a) => V6(Svc6Key::new(a, k.port, k.proto, k.scope, *slot)),
-        },
+        |(k, slot)| ServiceKey::new(k, *slot),
         D::delete_services,
-        D::delete_services6,
     )
 }
 
@@ -117,15 +91,11 @@ pub(super) fn delete_backends<D: Dataplane>(
     dp: &mut D,
     ids: &[(u32, Option<BackendEntry>)],
 ) -> BatchOutcome {
-    runs(
+    chunked(
         dp,
         ids,
-        |(id, b)| match b {
-            Some(BackendEntry::V6(_)) => V6(*id),
-            _ => V4(*id),
-        },
+        |(id, b)| (family_of(b.as_ref(), BackendEntry::family), *id),
         D::delete_backends,
-        D::delete_backends6,
     )
 }
 
@@ -134,71 +104,31 @@ pub(super) fn delete_rev_nats<D: Dataplane>(
     dp: &mut D,
     ids: &[(RevNatId, Option<RevNatEntry>)],
 ) -> BatchOutcome {
-    runs(
+    chunked(
         dp,
         ids,
-        |(id, r)| match r {
-            Some(RevNatEntry::V6(_)) => V6(*id),
-            _ => V4(*id),
-        },
+        |(id, r)| (family_of(r.as_ref(), RevNatEntry::family), *id),
         D::delete_rev_nats,
-        D::delete_rev_nats6,
     )
 }
 
-/// An operation's entry or key in the map of its family.
-enum ByFamily<A, B> {
-    V4(A),
-    V6(B),
-}
-use ByFamily::{V4, V6};
-
-impl<A, B> ByFamily<A, B> {
-    fn is_v4(&self) -> bool {
-        matches!(self, V4(_))
-    }
-    fn v4(self) -> Option<A> {
-        match self {
-            V4(a) => Some(a),
-            V6(_) => None,
-        }
-    }
-    fn v6(self) -> Option<B> {
-        match self {
-            V6(b) => Some(b),
-            V4(_) => None,
-        }
-    }
-}
-
 /// `ops` (writes or deletes) in order, stopping at the first that fails:
-/// `entry` gives each one's map entry or key in its family's map; each run
-/// of one family's goes to `batch4` or `batch6` in calls of [`BatchSizes`].
-fn runs<D: Dataplane, T, A, B>(
+/// `entry` makes each one's map entry or key, prepared a call at a time in
+/// calls of [`BatchSizes`] (so that where every entry fails, a full map,
+/// each failure costs one call's preparation, not that of all the entries
+/// left), each call to `call`.
+fn chunked<D: Dataplane, T, E>(
     dp: &mut D,
     ops: &[T],
-    entry: impl Fn(&T) -> ByFamily<A, B>,
-    batch4: impl Fn(&mut D, &[A]) -> BatchOutcome,
-    batch6: impl Fn(&mut D, &[B]) -> BatchOutcome,
+    entry: impl Fn(&T) -> E,
+    call: impl Fn(&mut D, &[E]) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
     let mut sizes = BatchSizes::default();
-    while let Some(first) = ops.get(done) {
-        let v4 = entry(first).is_v4();
-        let run: Vec<ByFamily<A, B>> = ops[done..]
-            .iter()
-            .take(sizes.take())
-            .map(&entry)
-            .take_while(|e| e.is_v4() == v4)
-            .collect();
+    while done < ops.len() {
+        let run: Vec<E> = ops[done..].iter().take(sizes.take()).map(&entry).collect();
         let len = run.len();
-        let (n, err) = if v4 {
-            let run: Vec<A> = run.into_iter().filter_map(ByFamily::v4).collect();
-            batch4(dp, &run)
-        } else {
-            let run: Vec<B> = run.into_iter().filter_map(ByFamily::v6).collect();
-            batch6(dp, &run)
-        };
+        let (n, err) = call(dp, &run);
         done += n.min(len);
         if err.is_some() {
             return (done, err);
