@@ -42,7 +42,10 @@ pub const LAYERS: &[(&str, &[&str])] = &[
     ),
     // The configuration resolves flags, file and defaults from facts the
     // caller found on the host; the commands and what they run come after it.
-    ("proxy-agent/src/config", &["cli", "agent", "sources", "host"]),
+    (
+        "proxy-agent/src/config",
+        &["cli", "agent", "sources", "host"],
+    ),
     // The sources (manifests, the Kubernetes API) hand objects up; what the
     // model makes of them is not theirs to know.
     (
