@@ -401,18 +401,18 @@ fn measure_algorithms(runs: usize) -> anyhow::Result<()> {
 fn measure_affinity_read() -> anyhow::Result<()> {
     use aya::maps::{HashMap as AyaHashMap, IterableMap, MapData};
     use proxy_agent::bpf::batch;
-    use proxy_common::{map_names, Affinity4Key, Affinity4Value};
+    use proxy_common::{map_names, Affinity4Key, AffinityValue};
     use std::os::fd::AsFd;
     use std::time::Instant;
 
     let h = Harness::new();
-    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> = h.lru_map(map_names::AFFINITY);
+    let mut map: AyaHashMap<MapData, Affinity4Key, AffinityValue> = h.lru_map(map_names::AFFINITY);
     for i in 0..capacity::AFFINITY {
         let key = Affinity4Key {
             client_be: (0xc612_0000 + i).to_be(),
             rev_nat_id: 1 + (i % 1000) as RevNatId,
         };
-        let value = Affinity4Value {
+        let value = AffinityValue {
             backend_id: 1 + i % 7,
             _pad: 0,
             last_used_ns: 1,
@@ -430,7 +430,7 @@ fn measure_affinity_read() -> anyhow::Result<()> {
         (median(ms) as f64 / 1e3, n)
     };
     let (batched, n_b) = time(&|| {
-        batch::lookup_all::<Affinity4Key, Affinity4Value>(map.map().fd().as_fd())
+        batch::lookup_all::<Affinity4Key, AffinityValue>(map.map().fd().as_fd())
             .ok()
             .flatten()
             .map_or(0, |v| v.len())

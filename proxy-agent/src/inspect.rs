@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::bpf::{BpfError, PinnedMaps};
 use crate::model::LbAlgorithm;
-use proxy_common::{lb::MaglevKey, Svc4Value};
+use proxy_common::{lb::MaglevKey, SvcValue};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum What {
@@ -48,7 +48,7 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
         What::Services => {
             let p = maps.programmed()?;
             let mut out = Vec::new();
-            let row = |addr: SocketAddr, proto: u8, scope: u8, v: &Svc4Value, backends| {
+            let row = |addr: SocketAddr, proto: u8, scope: u8, v: &SvcValue, backends| {
                 json!({
                     "frontend": format!("{addr}/{}", proto_name(proto)),
                     "scope": if scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
@@ -87,7 +87,7 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
             let table = |at: SocketAddr,
                          proto: u8,
                          scope: u8,
-                         v: &Svc4Value,
+                         v: &SvcValue,
                          name: &dyn Fn(u32) -> Option<String>| {
                 let generation = u8::from(v.flags & proxy_common::svc_flags::MAGLEV_GEN != 0);
                 let mut share: BTreeMap<String, usize> = BTreeMap::new();
@@ -116,7 +116,7 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                     "entries": share,
                 })
             };
-            let is_maglev = |slot: u16, v: &Svc4Value| {
+            let is_maglev = |slot: u16, v: &SvcValue| {
                 slot == 0 && LbAlgorithm::of_flags(v.flags) == LbAlgorithm::Maglev
             };
             let name4 = |id: u32| {

@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use proxy_agent::dataplane::{Dataplane, InMemory, Op, Writer};
 use proxy_agent::model::{BackendAddr, DesiredState, Frontend, FrontendKey, ServiceAge};
 use proxy_common::{
-    backend_state, Backend4, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+    backend_state, Backend4, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
     SCOPE_INTERNAL,
 };
 
@@ -705,11 +705,11 @@ fn adopt_cleans_up_inconsistent_leftovers_at_first_sync() {
         proxy_common::RevNat4::new(Ipv4Addr::new(198, 19, 0, 200), 1),
     )
     .unwrap();
-    dp.put_service(svc(&a, 1), Svc4Value::slot(7)).unwrap();
-    dp.put_service(svc(&a, 0), Svc4Value::frontend(1, 3, 0, 0))
+    dp.put_service(svc(&a, 1), SvcValue::slot(7)).unwrap();
+    dp.put_service(svc(&a, 0), SvcValue::frontend(1, 3, 0, 0))
         .unwrap();
-    dp.put_service(svc(&a, 2), Svc4Value::slot(8)).unwrap(); // beyond count
-    dp.put_service(svc(&gone, 1), Svc4Value::slot(7)).unwrap(); // slots without a frontend
+    dp.put_service(svc(&a, 2), SvcValue::slot(8)).unwrap(); // beyond count
+    dp.put_service(svc(&gone, 1), SvcValue::slot(7)).unwrap(); // slots without a frontend
     let mut w = Writer::adopt(dp).unwrap();
     assert_eq!(w.backend_ids()[&backend(1, IPPROTO_TCP)], 7);
     w.dataplane_mut().take_ops();
@@ -1729,7 +1729,7 @@ fn a_full_map_costs_each_failed_write_a_bounded_batch() {
     /// InMemory, counting the entries offered to batch writes of backends.
     struct Offered(InMemory, usize);
     impl Dataplane for Offered {
-        fn put_services(&mut self, e: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+        fn put_services(&mut self, e: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
             self.0.put_services(e)
         }
         fn delete_services(&mut self, k: &[ServiceKey]) -> BatchOutcome {

@@ -1,6 +1,6 @@
 //! IPv6 map types: the IPv4 ones (in the crate root) with 128-bit addresses.
 //! The values that hold no address are shared with IPv4: a frontend's slots
-//! are [`crate::Svc4Value`], a conntrack entry is a [`crate::Ct4Value`]
+//! are [`crate::SvcValue`], a conntrack entry is a [`crate::Ct4Value`]
 //! (its `nat_addr_be` unused, see [`Ct6Key`]), and backend ids, reverse-NAT
 //! ids, Maglev tables, round-robin cursors and traffic counters share the
 //! IPv4 maps' id spaces and maps.
@@ -341,7 +341,7 @@ const _: () = assert!(size_of::<SockRevNat6Value>() == 24);
 const _: () = assert!(offset_of!(SockRevNat6Value, rev_nat_id) == 20);
 
 /// IPv6 fragment key: one datagram being fragmented, as its fragments carry
-/// it (before translation); its value is a [`crate::Frag4Ports`].
+/// it (before translation); its value is a [`crate::FragPorts`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Frag6Key {
@@ -356,7 +356,7 @@ const _: () = assert!(size_of::<Frag6Key>() == 40);
 const _: () = assert!(offset_of!(Frag6Key, id_be) == 32);
 
 /// IPv6 session-affinity key: [`crate::Affinity4Key`] with an IPv6 client.
-/// Its value is a [`crate::Affinity4Value`].
+/// Its value is a [`crate::AffinityValue`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Affinity6Key {

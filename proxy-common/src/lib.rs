@@ -44,7 +44,7 @@ pub const REV_NAT_ID_MAX: RevNatId = (1 << 24) - 1;
 
 /// Map names as they appear in the object file and under the pin directory.
 pub mod map_names {
-    /// Frontends and their backend slots: [`super::Svc4Key`] → [`super::Svc4Value`].
+    /// Frontends and their backend slots: [`super::Svc4Key`] → [`super::SvcValue`].
     pub const SERVICES: &str = "SVC4_V2";
     /// Backends: backend id (`u32`, host order) → [`super::Backend4`].
     pub const BACKENDS: &str = "BACKEND4_V1";
@@ -59,9 +59,9 @@ pub mod map_names {
     /// Pod-facing interfaces: ifindex (`u32`) → [`super::Iface`]. The datapath
     /// delivers to these with `bpf_redirect_peer`.
     pub const IFACES: &str = "IFACE_V1";
-    /// Session affinity (LRU): [`super::Affinity4Key`] → [`super::Affinity4Value`].
+    /// Session affinity (LRU): [`super::Affinity4Key`] → [`super::AffinityValue`].
     pub const AFFINITY: &str = "AFFINITY4_V2";
-    /// IPv4 fragments (LRU): [`super::Frag4Key`] → [`super::Frag4Ports`].
+    /// IPv4 fragments (LRU): [`super::Frag4Key`] → [`super::FragPorts`].
     pub const FRAGMENTS: &str = "FRAG4_V1";
     /// `loadBalancerSourceRanges` (LPM trie): `{prefix_len, SourceRange4}` → `u8` (1).
     pub const SOURCE_RANGES: &str = "SRCRANGE4_V2";
@@ -86,7 +86,7 @@ pub mod map_names {
     /// [`super::SNAT_SEARCH_BACKOFF_NS`].
     pub const SNAT_FULL: &str = "SNAT_FULL4_V1";
     /// IPv6 frontends and their backend slots: [`super::Svc6Key`] →
-    /// [`super::Svc4Value`].
+    /// [`super::SvcValue`].
     pub const SERVICES6: &str = "SVC6_V2";
     /// IPv6 backends: backend id (`u32`, the IPv4 map's id space) →
     /// [`super::Backend6`].
@@ -97,7 +97,7 @@ pub mod map_names {
     /// IPv6 connection tracking (LRU): [`super::Ct6Key`] → [`super::Ct6Value`].
     pub const CONNTRACK6: &str = "CT6_V2";
     /// IPv6 session affinity (LRU): [`super::Affinity6Key`] →
-    /// [`super::Affinity4Value`].
+    /// [`super::AffinityValue`].
     pub const AFFINITY6: &str = "AFFINITY6_V2";
     /// The IPv6 tc programs the IPv4 ones tail-call (a program array, index
     /// → program). Pinned so that it outlives the agent (the kernel empties
@@ -110,7 +110,7 @@ pub mod map_names {
     /// Socket-level reverse NAT of IPv6 sockets (LRU):
     /// [`super::SockRevNat6Key`] → [`super::SockRevNat6Value`].
     pub const SOCK_REVNAT6: &str = "SOCK_REVNAT6_V2";
-    /// IPv6 fragments (LRU): [`super::Frag6Key`] → [`super::Frag4Ports`].
+    /// IPv6 fragments (LRU): [`super::Frag6Key`] → [`super::FragPorts`].
     pub const FRAGMENTS6: &str = "FRAG6_V1";
     /// The XDP program for IPv6 that `ext_xdp` tail-calls (a program array
     /// of one; pinned as [`TAIL6`]).
@@ -269,7 +269,7 @@ impl Svc4Key {
     }
 }
 
-/// Frontend flags ([`Svc4Value::flags`], slot 0 only).
+/// Frontend flags ([`SvcValue::flags`], slot 0 only).
 pub mod svc_flags {
     /// Endpoints exist in the cluster but none may be used from this node (a
     /// `Local` traffic policy): drop instead of reject when `count` is 0.
@@ -305,7 +305,7 @@ pub mod svc_flags {
 /// `affinity_timeout_s`; `backend_id` is 0. Slot n ≥ 1: `backend_id` only.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Svc4Value {
+pub struct SvcValue {
     pub backend_id: u32,
     pub rev_nat_id: RevNatId,
     pub count: u16,
@@ -316,14 +316,14 @@ pub struct Svc4Value {
     /// Session-affinity timeout in seconds; 0 = no affinity.
     pub affinity_timeout_s: u32,
 }
-const _: () = assert!(size_of::<Svc4Value>() == 20);
-const _: () = assert!(offset_of!(Svc4Value, rev_nat_id) == 4);
-const _: () = assert!(offset_of!(Svc4Value, count) == 8);
-const _: () = assert!(offset_of!(Svc4Value, flags) == 10);
-const _: () = assert!(offset_of!(Svc4Value, maglev_size) == 12);
-const _: () = assert!(offset_of!(Svc4Value, affinity_timeout_s) == 16);
+const _: () = assert!(size_of::<SvcValue>() == 20);
+const _: () = assert!(offset_of!(SvcValue, rev_nat_id) == 4);
+const _: () = assert!(offset_of!(SvcValue, count) == 8);
+const _: () = assert!(offset_of!(SvcValue, flags) == 10);
+const _: () = assert!(offset_of!(SvcValue, maglev_size) == 12);
+const _: () = assert!(offset_of!(SvcValue, affinity_timeout_s) == 16);
 
-impl Svc4Value {
+impl SvcValue {
     pub const fn frontend(
         count: u16,
         rev_nat_id: RevNatId,
@@ -569,13 +569,13 @@ const _: () = assert!(offset_of!(Affinity4Key, rev_nat_id) == 4);
 /// the frontend's `affinity_timeout_s`; conntrack lifetimes never extend it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Affinity4Value {
+pub struct AffinityValue {
     pub backend_id: u32,
     pub _pad: u32,
     pub last_used_ns: u64,
 }
-const _: () = assert!(size_of::<Affinity4Value>() == 16);
-const _: () = assert!(offset_of!(Affinity4Value, last_used_ns) == 8);
+const _: () = assert!(size_of::<AffinityValue>() == 16);
+const _: () = assert!(offset_of!(AffinityValue, last_used_ns) == 8);
 
 /// Socket-level reverse-NAT key: one host client's socket (its cookie) and
 /// the backend the cgroup hooks aimed it at. `recvmsg()` and `getpeername()`
@@ -628,11 +628,11 @@ const _: () = assert!(offset_of!(Frag4Key, proto) == 10);
 /// byte order), so that later fragments follow the same flow.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Frag4Ports {
+pub struct FragPorts {
     pub sport_be: u16,
     pub dport_be: u16,
 }
-const _: () = assert!(size_of::<Frag4Ports>() == 4);
+const _: () = assert!(size_of::<FragPorts>() == 4);
 
 /// Data of a source-range LPM key: the frontend's reverse-NAT id, then the
 /// client prefix. The LPM prefix length counts the 32 bits of `rev_nat_id_be`,
@@ -1008,7 +1008,7 @@ mod user {
     // SAFETY: as above.
     unsafe impl aya::Pod for Svc4Key {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for Svc4Value {}
+    unsafe impl aya::Pod for SvcValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Backend4 {}
     // SAFETY: as above.
@@ -1024,11 +1024,11 @@ mod user {
     // SAFETY: as above.
     unsafe impl aya::Pod for Affinity4Key {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for Affinity4Value {}
+    unsafe impl aya::Pod for AffinityValue {}
     // SAFETY: as above.
     unsafe impl aya::Pod for Frag4Key {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for Frag4Ports {}
+    unsafe impl aya::Pod for FragPorts {}
     // SAFETY: as above.
     unsafe impl aya::Pod for SourceRange4 {}
     // SAFETY: as above.

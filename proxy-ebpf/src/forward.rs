@@ -7,7 +7,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     backend_state, config_flags, conntrack::connection_oriented, conntrack::tcp,
-    conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config, Ct4Key, Ct4Value, Svc4Value,
+    conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config, Ct4Key, Ct4Value, SvcValue,
     MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
 };
 
@@ -34,7 +34,7 @@ pub const FROM_XDP: u8 = 0x80;
 /// `mode`: the frontend scope, or-ed with [`FROM_XDP`]. A BPF function call of
 /// its own (the verifier limits the stack of one frame); a BPF call takes at
 /// most five arguments.
-pub fn decide(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Verdict {
+pub fn decide(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Verdict {
     match decide_inner(pkt, fe, mode, flow) {
         Ok(code) => Verdict::Deliver(code),
         Err(v) => v,
@@ -51,7 +51,7 @@ fn config() -> Result<&'static Config, Verdict> {
 }
 
 #[inline(always)]
-fn decide_inner(pkt: &Packet, fe: &Svc4Value, mode: u8, flow: &mut Flow) -> Result<u32, Verdict> {
+fn decide_inner(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Result<u32, Verdict> {
     let xdp = mode & FROM_XDP != 0;
     let cfg = config()?;
     // SAFETY: helper without arguments.
@@ -138,7 +138,7 @@ fn new_flow(
     cfg: &Config,
     pkt: &Packet,
     skey: &Ct4Key,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     mode: u8,
     now: u64,
     flow: &mut Flow,
@@ -209,7 +209,7 @@ fn new_flow(
 /// [`decide`]'s (the verifier limits the combined stack of nested calls to
 /// 512 bytes).
 #[inline(never)]
-pub fn commit_searched(pkt: &Packet, fe: &Svc4Value, flow: &mut Flow, port_be: u16) -> Verdict {
+pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow, port_be: u16) -> Verdict {
     let Ok(cfg) = config() else {
         return Verdict::Pass(stat::PASS_UNCONFIGURED);
     };
@@ -242,7 +242,7 @@ fn commit(
     cfg: &Config,
     pkt: &Packet,
     skey: &Ct4Key,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     mine: &Flow,
     now: u64,
     flow: &mut Flow,

@@ -60,8 +60,8 @@ use proxy_common::{
     crc32c, csum, ct_dir, ct_flags,
     ipv6::fold6,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, Addr6, Affinity4Value, Affinity6Key, Backend6, Config, Ct6Key, Ct6Value,
-    Frag4Ports, Frag6Key, RevNat6, SourceRange6, Svc4Value, Svc6Key, IPPROTO_SCTP, IPPROTO_TCP,
+    stat, svc_flags, Addr6, Affinity6Key, AffinityValue, Backend6, Config, Ct6Key, Ct6Value,
+    Frag6Key, FragPorts, RevNat6, SourceRange6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP,
     IPPROTO_UDP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
@@ -310,7 +310,7 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
                 proto: nh,
                 _pad: [0; 3],
             };
-            let v = Frag4Ports {
+            let v = FragPorts {
                 sport_be: ports[0],
                 dport_be: ports[1],
             };
@@ -617,7 +617,7 @@ fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: &Addr6) -> bool {
 /// frame: siblings, so that their frames never stack on one another (the
 /// verifier's 512 bytes are for the deepest chain of calls).
 #[inline(always)]
-fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &Svc4Value) -> Verdict {
+fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &SvcValue) -> Verdict {
     let est = established(pkt);
     if est > ESTABLISHED {
         // Not configured, or no scratch entry.
@@ -789,7 +789,7 @@ fn reopens(pkt: &Packet6, c: &Ct6Value) -> bool {
 pub fn new_flow(
     pkt: &Packet6,
     key: &Svc6Key,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     flow: &mut Flow6,
 ) -> Result<(), Verdict> {
     let cfg = config()?;
@@ -890,7 +890,7 @@ pub fn new_flow(
 pub fn select(
     pkt: &Packet6,
     key: &Svc6Key,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     now: u64,
 ) -> Result<(u32, Backend6), Verdict> {
     if fe.count == 0 {
@@ -922,7 +922,7 @@ pub fn select(
         return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
     };
     if timeout_ns != 0 {
-        let av = Affinity4Value {
+        let av = AffinityValue {
             backend_id: id,
             _pad: 0,
             last_used_ns: now,
@@ -933,7 +933,7 @@ pub fn select(
 }
 
 #[inline(always)]
-fn choose(pkt: &Packet6, key: &Svc6Key, fe: &Svc4Value) -> Result<u32, Verdict> {
+fn choose(pkt: &Packet6, key: &Svc6Key, fe: &SvcValue) -> Result<u32, Verdict> {
     let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
     let algorithm = svc_flags::algorithm(fe.flags);
     if algorithm == alg::MAGLEV {

@@ -10,8 +10,8 @@ use aya_ebpf::{
 use proxy_common::{
     conntrack::NSEC_PER_SEC,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, Affinity4Key, Affinity4Value, Backend4, RevNat4, SourceRange4, Svc4Key,
-    Svc4Value, SOURCE_RANGE_ID_BITS,
+    stat, svc_flags, Affinity4Key, AffinityValue, Backend4, RevNat4, SourceRange4, Svc4Key,
+    SvcValue, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
@@ -76,7 +76,7 @@ pub fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: u32) -> bool 
 pub fn select(
     pkt: &Packet,
     fe_key: &Svc4Key,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     now: u64,
 ) -> Result<(u32, Backend4), Verdict> {
     if fe.count == 0 {
@@ -111,7 +111,7 @@ pub fn select(
         return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
     };
     if timeout_ns != 0 {
-        let av = Affinity4Value {
+        let av = AffinityValue {
             backend_id: id,
             _pad: 0,
             last_used_ns: now,
@@ -124,7 +124,7 @@ pub fn select(
 /// The backend id the frontend's algorithm picks for a new flow (`fe.count`
 /// is not 0): Maglev reads its table; the others pick a slot.
 #[inline(always)]
-fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict> {
+fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &SvcValue) -> Result<u32, Verdict> {
     let algorithm = svc_flags::algorithm(fe.flags);
     if algorithm == alg::MAGLEV {
         return maglev(pkt, fe);
@@ -159,7 +159,7 @@ fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &Svc4Value) -> Result<u32, Verdict
 /// Maglev: the entry of the frontend's table (the generation slot 0 names)
 /// for the flow's 5-tuple. One hash and one map lookup.
 #[inline(always)]
-fn maglev(pkt: &Packet, fe: &Svc4Value) -> Result<u32, Verdict> {
+fn maglev(pkt: &Packet, fe: &SvcValue) -> Result<u32, Verdict> {
     let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
     if fe.maglev_size == 0 {
         return Err(miss);

@@ -12,15 +12,15 @@ use aya_ebpf::{
 use proxy_common::{
     capacity,
     lb::{MaglevChunk, MaglevKey},
-    Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config, Ct4Key, Ct4Value,
-    Ct6Key, Ct6Value, Frag4Key, Frag4Ports, Frag6Key, Iface, RevNat4, RevNat6, RevNatId,
+    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, Config, Ct4Key, Ct4Value,
+    Ct6Key, Ct6Value, Frag4Key, Frag6Key, FragPorts, Iface, RevNat4, RevNat6, RevNatId,
     SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
-    Svc4Key, Svc4Value, Svc6Key, Traffic,
+    Svc4Key, Svc6Key, SvcValue, Traffic,
 };
 
 /// Frontends (slot 0) and their backend slots (1..=count).
 #[btf_map]
-pub static SVC4_V2: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }> = HashMap::new();
+pub static SVC4_V2: HashMap<Svc4Key, SvcValue, { capacity::SERVICES as usize }> = HashMap::new();
 /// Backend id → backend.
 #[btf_map]
 pub static BACKEND4_V1: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> = HashMap::new();
@@ -42,7 +42,7 @@ pub static CONFIG_V3: Array<Config, 1> = Array::new();
 pub static IFACE_V1: HashMap<u32, Iface, { capacity::IFACES as usize }> = HashMap::new();
 /// Ports of IPv4 datagrams being fragmented, from their first fragment.
 #[btf_map]
-pub static FRAG4_V1: LruHashMap<Frag4Key, Frag4Ports, { capacity::FRAGMENTS as usize }> =
+pub static FRAG4_V1: LruHashMap<Frag4Key, FragPorts, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 /// `loadBalancerSourceRanges`: (reverse-NAT id, client prefix) → allowed.
 #[btf_map]
@@ -58,7 +58,7 @@ pub static BE_TRAFFIC_V1: PerCpuArray<Traffic, { capacity::BACKENDS as usize }> 
     PerCpuArray::new();
 /// Session affinity: (client, reverse-NAT id) → backend, last use.
 #[btf_map]
-pub static AFFINITY4_V2: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
+pub static AFFINITY4_V2: LruHashMap<Affinity4Key, AffinityValue, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
 /// Socket-level reverse NAT: (host client's socket, backend) → frontend.
 #[btf_map]
@@ -109,7 +109,7 @@ pub static HANDOVER6_V1: LruHashMap<Ct6Key, u64, { capacity::HANDOVER as usize }
 #[btf_map]
 pub static SVC6_V2: HashMap<
     Svc6Key,
-    Svc4Value,
+    SvcValue,
     { capacity::SERVICES6 as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
@@ -139,7 +139,7 @@ pub static SRCRANGE6_V2: LpmTrie<SourceRange6, u8, { capacity::SOURCE_RANGES as 
     LpmTrie::new();
 /// Ports of IPv6 datagrams being fragmented, from their first fragment.
 #[btf_map]
-pub static FRAG6_V1: LruHashMap<Frag6Key, Frag4Ports, { capacity::FRAGMENTS as usize }> =
+pub static FRAG6_V1: LruHashMap<Frag6Key, FragPorts, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 /// Socket-level reverse NAT of IPv6 sockets: (host client's socket,
 /// backend) → frontend.
@@ -151,11 +151,8 @@ pub static SOCK_REVNAT6_V2: LruHashMap<
 > = LruHashMap::new();
 /// IPv6 session affinity: (client, reverse-NAT id) → backend, last use.
 #[btf_map]
-pub static AFFINITY6_V2: LruHashMap<
-    Affinity6Key,
-    Affinity4Value,
-    { capacity::AFFINITY6 as usize },
-> = LruHashMap::new();
+pub static AFFINITY6_V2: LruHashMap<Affinity6Key, AffinityValue, { capacity::AFFINITY6 as usize }> =
+    LruHashMap::new();
 
 /// Counts one event under `code` ([`proxy_common::stat`]).
 #[inline(always)]

@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     backend_state, conntrack::NSEC_PER_SEC, crc32c, csum, ct_flags, stat, svc_flags, Backend4,
-    Config, Ct4Key, Ct4Value, RevNat4, Svc4Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    Config, Ct4Key, Ct4Value, RevNat4, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
     SNAT_SEARCH_BACKOFF_NS,
 };
 
@@ -82,7 +82,7 @@ pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
 #[inline(always)]
 pub fn snat_for(
     cfg: &Config,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     b: &Backend4,
     client_be: u32,
     external: bool,

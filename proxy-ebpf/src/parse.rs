@@ -13,7 +13,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    conntrack::sctp_flags, stat, Ct4Key, Frag4Key, Frag4Ports, IPPROTO_SCTP, IPPROTO_TCP,
+    conntrack::sctp_flags, stat, Ct4Key, Frag4Key, FragPorts, IPPROTO_SCTP, IPPROTO_TCP,
     IPPROTO_UDP,
 };
 
@@ -177,7 +177,7 @@ pub fn parse(ctx: &TcContext) -> Result<(Packet, Ipv4Hdr, usize), Verdict> {
         };
         if frag & IP_MF != 0 {
             // A first fragment: remember its ports for the ones that follow.
-            let v = Frag4Ports {
+            let v = FragPorts {
                 sport_be: ports[0],
                 dport_be: ports[1],
             };

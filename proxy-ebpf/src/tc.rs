@@ -11,7 +11,7 @@ use aya_ebpf::{
     helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
-use proxy_common::{ct_flags, stat, Svc4Value, SCOPE_EXTERNAL};
+use proxy_common::{ct_flags, stat, SvcValue, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
@@ -110,7 +110,7 @@ fn steps<const SEARCH: bool>(
 fn translate<const SEARCH: bool>(
     ctx: &TcContext,
     pkt: &mut Packet,
-    fe: &Svc4Value,
+    fe: &SvcValue,
     scope: u8,
 ) -> Verdict {
     let mut slot = core::mem::MaybeUninit::uninit();

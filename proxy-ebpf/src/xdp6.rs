@@ -192,7 +192,7 @@ fn reply(pkt: &Packet6, to: &mut Tuple6) -> u64 {
 fn forward(
     pkt: &Packet6,
     key: &Svc6Key,
-    fe: &proxy_common::Svc4Value,
+    fe: &proxy_common::SvcValue,
     to: &mut Tuple6,
 ) -> Result<(u32, proxy_common::RevNatId, u32), Verdict> {
     let est = ipv6::established(pkt);

@@ -7,17 +7,17 @@ use super::*;
 
 /// The maps the agent writes, taken out of the loaded object.
 pub struct BpfDataplane {
-    services: HashMap<MapData, Svc4Key, Svc4Value>,
+    services: HashMap<MapData, Svc4Key, SvcValue>,
     backends: HashMap<MapData, u32, Backend4>,
     rev_nat: HashMap<MapData, RevNatId, RevNat4>,
     config: Array<MapData, Config>,
-    affinity: HashMap<MapData, Affinity4Key, Affinity4Value>,
+    affinity: HashMap<MapData, Affinity4Key, AffinityValue>,
     source_ranges: LpmTrie<MapData, SourceRange4, u8>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
-    services6: HashMap<MapData, Svc6Key, Svc4Value>,
+    services6: HashMap<MapData, Svc6Key, SvcValue>,
     backends6: HashMap<MapData, u32, Backend6>,
     rev_nat6: HashMap<MapData, RevNatId, RevNat6>,
-    affinity6: HashMap<MapData, Affinity6Key, Affinity4Value>,
+    affinity6: HashMap<MapData, Affinity6Key, AffinityValue>,
     source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     sizes: MapSizes,
     /// Writes and deletes go in batches (`batch::update_prefix`,
@@ -253,7 +253,7 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
 }
 
 impl Dataplane for BpfDataplane {
-    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+    fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
         let cap = self.sizes.services;
         let batches = &mut self.batch_writes;
         let (v4, v6) = (&mut self.services, &mut self.services6);

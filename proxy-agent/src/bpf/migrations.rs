@@ -17,9 +17,9 @@
 use aya::maps::{lpm_trie::Key as LpmKey, HashMap, LpmTrie, Map, MapData, MapError};
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    map_names, Addr6, Affinity4Key, Affinity4Value, Affinity6Key, Ct4Key, Ct4Value, Ct6Key,
+    map_names, Addr6, Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key,
     Ct6Value, RevNat4, RevNat6, RevNatId, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc4Value, Svc6Key,
+    SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc6Key, SvcValue,
 };
 
 use super::Migration;
@@ -114,7 +114,7 @@ pub mod v1 {
     /// `SVC4_V1` / `SVC6_V1` value.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-    pub struct Svc4Value {
+    pub struct SvcValue {
         pub backend_id: u32,
         pub count: u16,
         pub rev_nat_id: u16,
@@ -217,7 +217,7 @@ pub mod v1 {
 
     const _: () = {
         use core::mem::size_of;
-        assert!(size_of::<Svc4Value>() == 16);
+        assert!(size_of::<SvcValue>() == 16);
         assert!(size_of::<Ct4Value>() == 24);
         assert!(size_of::<Ct6Value>() == 40);
         assert!(size_of::<Affinity4Key>() == 8);
@@ -230,7 +230,7 @@ pub mod v1 {
     };
 
     // SAFETY: #[repr(C)], integers only, padded by hand (the `_V1` layout).
-    unsafe impl aya::Pod for Svc4Value {}
+    unsafe impl aya::Pod for SvcValue {}
     // SAFETY: #[repr(C)], integers only, padded by hand (the `_V1` layout).
     unsafe impl aya::Pod for Ct4Value {}
     // SAFETY: #[repr(C)], integers only, padded by hand (the `_V1` layout).
@@ -251,8 +251,8 @@ pub mod v1 {
     unsafe impl aya::Pod for MaglevKey {}
 }
 
-fn svc_value(v: v1::Svc4Value) -> Svc4Value {
-    Svc4Value {
+fn svc_value(v: v1::SvcValue) -> SvcValue {
+    SvcValue {
         backend_id: v.backend_id,
         rev_nat_id: RevNatId::from(v.rev_nat_id),
         count: v.count,
@@ -307,11 +307,11 @@ fn lpm<K1: aya::Pod, K2: aya::Pod>(
 }
 
 fn svc4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
-    hash(old, new, |k: Svc4Key, v: v1::Svc4Value| (k, svc_value(v)))
+    hash(old, new, |k: Svc4Key, v: v1::SvcValue| (k, svc_value(v)))
 }
 
 fn svc6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
-    hash(old, new, |k: Svc6Key, v: v1::Svc4Value| (k, svc_value(v)))
+    hash(old, new, |k: Svc6Key, v: v1::SvcValue| (k, svc_value(v)))
 }
 
 fn rev_nat4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
@@ -352,7 +352,7 @@ fn ct6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
 }
 
 fn affinity4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
-    hash(old, new, |k: v1::Affinity4Key, v: Affinity4Value| {
+    hash(old, new, |k: v1::Affinity4Key, v: AffinityValue| {
         let k = Affinity4Key {
             client_be: k.client_be,
             rev_nat_id: RevNatId::from(k.rev_nat_id),
@@ -362,7 +362,7 @@ fn affinity4(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
 }
 
 fn affinity6(old: MapData, new: &mut Map) -> Result<(usize, usize), MapError> {
-    hash(old, new, |k: v1::Affinity6Key, v: Affinity4Value| {
+    hash(old, new, |k: v1::Affinity6Key, v: AffinityValue| {
         let k = Affinity6Key {
             client_be: k.client_be,
             rev_nat_id: RevNatId::from(k.rev_nat_id),

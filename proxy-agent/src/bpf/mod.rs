@@ -34,9 +34,9 @@ use aya::{
 use proxy_common::{
     capacity, conntrack, iface_flags,
     lb::{MaglevChunk, MaglevKey},
-    map_names, stat, Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Backend6, Config,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, Iface, RevNat4, RevNat6, RevNatId, SourceRange4,
-    SourceRange6, Svc4Key, Svc4Value, Svc6Key, Traffic, SOURCE_RANGE_ID_BITS,
+    map_names, stat, Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, Config, Ct4Key,
+    Ct4Value, Ct6Key, Ct6Value, Iface, RevNat4, RevNat6, RevNatId, SourceRange4, SourceRange6,
+    Svc4Key, Svc6Key, SvcValue, Traffic, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::dataplane::{

@@ -154,7 +154,7 @@ impl PinnedMaps {
     }
 
     pub fn programmed(&self) -> Result<Programmed, BpfError> {
-        let services: HashMap<MapData, Svc4Key, Svc4Value> =
+        let services: HashMap<MapData, Svc4Key, SvcValue> =
             HashMap::try_from(self.open(map_names::SERVICES)?)
                 .map_err(map_err(map_names::SERVICES))?;
         let backends: HashMap<MapData, u32, Backend4> =
@@ -191,7 +191,7 @@ impl PinnedMaps {
             self.open(map_names::BACKENDS6),
             self.open(map_names::REV_NAT6),
         ) {
-            let s: HashMap<MapData, Svc6Key, Svc4Value> =
+            let s: HashMap<MapData, Svc6Key, SvcValue> =
                 HashMap::try_from(s).map_err(map_err(map_names::SERVICES6))?;
             for kv in s.iter() {
                 let (k, v) = kv.map_err(map_err(map_names::SERVICES6))?;

@@ -271,21 +271,21 @@ fn copy_entries(
     let lru = |d| Map::LruHashMap(d);
     let hash = |d| Map::HashMap(d);
     match name {
-        n if n == map_names::SERVICES => copy::<Svc4Key, Svc4Value>(hash(old), new),
+        n if n == map_names::SERVICES => copy::<Svc4Key, SvcValue>(hash(old), new),
         n if n == map_names::BACKENDS => copy::<u32, Backend4>(hash(old), new),
         n if n == map_names::REV_NAT => copy::<RevNatId, RevNat4>(hash(old), new),
         n if n == map_names::CONNTRACK => copy::<Ct4Key, Ct4Value>(lru(old), new),
         n if n == map_names::MAGLEV => copy::<MaglevKey, MaglevChunk>(hash(old), new),
         n if n == map_names::IFACES => copy::<u32, Iface>(hash(old), new),
-        n if n == map_names::AFFINITY => copy::<Affinity4Key, Affinity4Value>(lru(old), new),
+        n if n == map_names::AFFINITY => copy::<Affinity4Key, AffinityValue>(lru(old), new),
         n if n == map_names::SOCK_REVNAT => {
             copy::<proxy_common::SockRevNat4Key, proxy_common::SockRevNat4Value>(lru(old), new)
         }
-        n if n == map_names::SERVICES6 => copy::<Svc6Key, Svc4Value>(hash(old), new),
+        n if n == map_names::SERVICES6 => copy::<Svc6Key, SvcValue>(hash(old), new),
         n if n == map_names::BACKENDS6 => copy::<u32, Backend6>(hash(old), new),
         n if n == map_names::REV_NAT6 => copy::<RevNatId, RevNat6>(hash(old), new),
         n if n == map_names::CONNTRACK6 => copy::<Ct6Key, Ct6Value>(lru(old), new),
-        n if n == map_names::AFFINITY6 => copy::<Affinity6Key, Affinity4Value>(lru(old), new),
+        n if n == map_names::AFFINITY6 => copy::<Affinity6Key, AffinityValue>(lru(old), new),
         n if n == map_names::SOCK_REVNAT6 => {
             copy::<proxy_common::SockRevNat6Key, proxy_common::SockRevNat6Value>(lru(old), new)
         }

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
-    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value,
-    Svc6Key,
+    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc6Key,
+    SvcValue,
 };
 
 use super::{
@@ -19,7 +19,7 @@ use super::{
 pub enum Op {
     PutBackend(u32, Backend4),
     DeleteBackend(u32),
-    PutService(Svc4Key, Svc4Value),
+    PutService(Svc4Key, SvcValue),
     DeleteService(Svc4Key),
     PutRevNat(RevNatId, RevNat4),
     DeleteRevNat(RevNatId),
@@ -29,7 +29,7 @@ pub enum Op {
     DeleteMaglevChunk(MaglevKey),
     PutBackend6(u32, Backend6),
     DeleteBackend6(u32),
-    PutService6(Svc6Key, Svc4Value),
+    PutService6(Svc6Key, SvcValue),
     DeleteService6(Svc6Key),
     PutRevNat6(RevNatId, RevNat6),
     DeleteRevNat6(RevNatId),
@@ -180,7 +180,7 @@ impl InMemory {
         if !self.checking {
             return;
         }
-        let slot0s: Vec<(Svc4Key, Svc4Value)> = match check {
+        let slot0s: Vec<(Svc4Key, SvcValue)> = match check {
             Check::Nothing | Check::Frontend6(_) => Vec::new(),
             Check::Frontend(key) => {
                 let key = key.with_slot(0);
@@ -232,7 +232,7 @@ impl InMemory {
 
     /// [`InMemory::record`]'s check for the IPv6 frontends `check` names.
     fn check6(&mut self, op: Op, check: Check) {
-        let slot0s: Vec<(Svc6Key, Svc4Value)> = match check {
+        let slot0s: Vec<(Svc6Key, SvcValue)> = match check {
             Check::Nothing | Check::Frontend(_) => Vec::new(),
             Check::Frontend6(key) => {
                 let key = key.with_slot(0);
@@ -348,7 +348,7 @@ impl Check {
 /// What is wrong with the Maglev table slot 0 `value` names, if anything: a
 /// Maglev frontend with backends must have every chunk of that generation,
 /// each entry a backend that exists.
-fn maglev_violation(state: &Programmed, value: &Svc4Value) -> Option<String> {
+fn maglev_violation(state: &Programmed, value: &SvcValue) -> Option<String> {
     if svc_flags::algorithm(value.flags) != alg::MAGLEV || value.count == 0 {
         return None;
     }
@@ -374,7 +374,7 @@ fn maglev_violation(state: &Programmed, value: &Svc4Value) -> Option<String> {
 }
 
 /// [`maglev_violation`] for an IPv6 frontend: its table names IPv6 backends.
-fn maglev_violation6(state: &Programmed, value: &Svc4Value) -> Option<String> {
+fn maglev_violation6(state: &Programmed, value: &SvcValue) -> Option<String> {
     let mut as_v4 = Programmed {
         maglev: state.maglev.clone(),
         ..Programmed::default()
@@ -402,7 +402,7 @@ impl InMemory {
         let op = Op::DeleteBackend6(id);
         self.delete_entry(map_names::BACKENDS6, |s| &mut s.backends6, id, op)
     }
-    pub fn put_service6(&mut self, key: Svc6Key, value: Svc4Value) -> Result<(), DataplaneError> {
+    pub fn put_service6(&mut self, key: Svc6Key, value: SvcValue) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::SERVICES6,
             |s| &mut s.services6,
@@ -441,7 +441,7 @@ impl InMemory {
         let op = Op::DeleteBackend(id);
         self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op)
     }
-    pub fn put_service(&mut self, key: Svc4Key, value: Svc4Value) -> Result<(), DataplaneError> {
+    pub fn put_service(&mut self, key: Svc4Key, value: SvcValue) -> Result<(), DataplaneError> {
         self.put_entry(
             map_names::SERVICES,
             |s| &mut s.services,
@@ -470,7 +470,7 @@ impl InMemory {
 }
 
 impl Dataplane for InMemory {
-    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+    fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
         each(entries, |(k, v)| match k {
             ServiceKey::V4(k) => self.put_service(*k, *v),
             ServiceKey::V6(k) => self.put_service6(*k, *v),

@@ -19,7 +19,7 @@ use std::net::IpAddr;
 
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc4Value, Svc6Key,
+    Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::model::{BackendAddr, FrontendKey};
@@ -53,7 +53,7 @@ pub enum DataplaneError {
 /// Everything the maps hold that the writer manages (conntrack excluded).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Programmed {
-    pub services: BTreeMap<Svc4Key, Svc4Value>,
+    pub services: BTreeMap<Svc4Key, SvcValue>,
     pub backends: BTreeMap<u32, Backend4>,
     pub rev_nat: BTreeMap<RevNatId, RevNat4>,
     /// `loadBalancerSourceRanges`: reverse-NAT id → allowed client prefixes.
@@ -61,7 +61,7 @@ pub struct Programmed {
     /// Maglev tables, chunk by chunk.
     pub maglev: BTreeMap<MaglevKey, MaglevChunk>,
     /// IPv6 frontends and their slots (`SVC6_V2`).
-    pub services6: BTreeMap<Svc6Key, Svc4Value>,
+    pub services6: BTreeMap<Svc6Key, SvcValue>,
     /// IPv6 backends (`BACKEND6_V1`; ids shared with `backends`).
     pub backends6: BTreeMap<u32, Backend6>,
     /// IPv6 reverse NAT (`REVNAT6_V2`; ids shared with `rev_nat`).
@@ -237,7 +237,7 @@ impl ServiceKey {
 /// it. For entries no earlier one depends on: a writer phase's. Deleting an
 /// absent key succeeds (it is deleted already).
 pub trait Dataplane {
-    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome;
+    fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome;
     fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome;
     fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome;
     /// Backend ids, each deleted from its family's map.
@@ -344,7 +344,7 @@ impl Dataplane for Discard {
     fn id_spaces(&self) -> (u32, u32) {
         (1 << 24, 1 << 24)
     }
-    fn put_services(&mut self, entries: &[(ServiceKey, Svc4Value)]) -> BatchOutcome {
+    fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
         self.ops += entries.len();
         (entries.len(), None)
     }

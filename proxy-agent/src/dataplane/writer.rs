@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use proxy_common::{lb::MaglevKey, RevNatId, Svc4Key, Svc4Value, Svc6Key};
+use proxy_common::{lb::MaglevKey, RevNatId, Svc4Key, Svc6Key, SvcValue};
 
 use super::ids::{BackendIds, RevNatIds};
 use super::{BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange};
@@ -91,7 +91,7 @@ const REPACK_AT: usize = 1_024;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct FrontendEntries {
     /// Slot 0.
-    slot0: Option<Svc4Value>,
+    slot0: Option<SvcValue>,
     /// Slots ≥ 1 → backend id (a sorted vector: most frontends have a few,
     /// where a `BTreeMap` would allocate a node of eleven).
     slots: VecMap<u16, u32>,
@@ -758,7 +758,7 @@ impl<D: Dataplane> Writer<D> {
     /// Records slot 0 of `key` as programmed with `value`, or deleted
     /// (`None`), keeping `slot0_by_rev`: the reverse-NAT ids it named and
     /// names become loose.
-    fn mirror_slot0(&mut self, key: &FrontendKey, value: Option<Svc4Value>) {
+    fn mirror_slot0(&mut self, key: &FrontendKey, value: Option<SvcValue>) {
         let old = match value {
             Some(v) => {
                 if v.affinity_timeout_s > 0 {

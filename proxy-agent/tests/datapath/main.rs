@@ -794,12 +794,12 @@ fn session_affinity_survives_additions_and_ends_with_its_backend() {
 fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
     use aya::maps::{HashMap as AyaHashMap, IterableMap, MapData};
     use proxy_agent::{bpf::batch, dataplane::Dataplane};
-    use proxy_common::{Affinity4Key, Affinity4Value};
+    use proxy_common::{Affinity4Key, AffinityValue};
     use std::collections::{BTreeMap, BTreeSet};
     use std::os::fd::AsFd;
 
     let mut h = Harness::new();
-    let mut map: AyaHashMap<MapData, Affinity4Key, Affinity4Value> = h.lru_map(map_names::AFFINITY);
+    let mut map: AyaHashMap<MapData, Affinity4Key, AffinityValue> = h.lru_map(map_names::AFFINITY);
     // 12,000 clients over two frontends (reverse-NAT ids 7 and 8), each
     // pinned to backend 1, 2 or 3.
     let mut expected_left = BTreeSet::new();
@@ -810,7 +810,7 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
             client_be: (0xc612_0000 + i).to_be(),
             rev_nat_id,
         };
-        let value = Affinity4Value {
+        let value = AffinityValue {
             backend_id,
             _pad: 0,
             last_used_ns: 1,
@@ -821,13 +821,13 @@ fn affinity_prune_reads_the_map_in_batches_and_removes_exactly_the_stale() {
             expected_left.insert((key.client_be, rev_nat_id, backend_id));
         }
     }
-    let as_set = |entries: Vec<(Affinity4Key, Affinity4Value)>| -> BTreeSet<(u32, u32, u32)> {
+    let as_set = |entries: Vec<(Affinity4Key, AffinityValue)>| -> BTreeSet<(u32, u32, u32)> {
         entries
             .into_iter()
             .map(|(k, v)| (k.client_be, k.rev_nat_id, v.backend_id))
             .collect()
     };
-    let batched = batch::lookup_all::<Affinity4Key, Affinity4Value>(map.map().fd().as_fd())
+    let batched = batch::lookup_all::<Affinity4Key, AffinityValue>(map.map().fd().as_fd())
         .expect("batch lookup")
         .expect("this kernel has batch lookups (5.6)");
     assert_eq!(batched.len(), 12_000);
@@ -1066,7 +1066,7 @@ fn racing_first_packets_of_a_udp_flow_agree_on_the_backend() {
 fn pinned_maps_of_an_older_layout_are_migrated() {
     use aya::maps::{HashMap as AyaHashMap, Map, MapData};
     use proxy_agent::bpf::{load_with_migrations, Migration};
-    use proxy_common::{Affinity4Key, Affinity4Value};
+    use proxy_common::{Affinity4Key, AffinityValue};
 
     /// The "old" value layout: 8 bytes, last use in whole seconds.
     #[repr(C)]
@@ -1081,12 +1081,12 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
     fn run(old: MapData, new: &mut Map) -> Result<(usize, usize), aya::maps::MapError> {
         let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
             AyaHashMap::try_from(Map::HashMap(old))?;
-        let mut new: AyaHashMap<&mut MapData, Affinity4Key, Affinity4Value> =
+        let mut new: AyaHashMap<&mut MapData, Affinity4Key, AffinityValue> =
             AyaHashMap::try_from(new)?;
         let mut n = 0;
         for kv in old.iter() {
             let (k, v) = kv?;
-            let value = Affinity4Value {
+            let value = AffinityValue {
                 backend_id: v.backend_id,
                 _pad: 0,
                 last_used_ns: u64::from(v.last_used_s) * 1_000_000_000,
@@ -1148,7 +1148,7 @@ fn pinned_maps_of_an_older_layout_are_migrated() {
         !pin_dir.join("FOO4_V0").exists(),
         "an old map with no migration is dropped"
     );
-    let m: AyaHashMap<MapData, Affinity4Key, Affinity4Value> =
+    let m: AyaHashMap<MapData, Affinity4Key, AffinityValue> =
         AyaHashMap::try_from(loaded.ebpf.take_map(map_names::AFFINITY).unwrap()).unwrap();
     let v = m.get(&key, 0).expect("migrated entry");
     assert_eq!((v.backend_id, v.last_used_ns), (42, 1_234_000_000_000));

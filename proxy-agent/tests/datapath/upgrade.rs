@@ -13,9 +13,9 @@ use proxy_agent::{
 };
 use proxy_common::{
     lb::{MaglevChunk, MaglevKey},
-    map_names, stat, svc_flags, Affinity4Key, Affinity4Value, Affinity6Key, Backend4, Ct4Key,
+    map_names, stat, svc_flags, Affinity4Key, Affinity6Key, AffinityValue, Backend4, Ct4Key,
     Ct4Value, Ct6Key, Ct6Value, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc4Value, Svc6Key, IPPROTO_TCP,
+    SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP,
 };
 
 use super::kit::{
@@ -83,11 +83,11 @@ fn rev16(id: u32) -> u16 {
 /// `_V1` pins an agent of the old layout would have left with the same
 /// entries.
 fn downgrade_ipv4(dir: &Path) {
-    let services = take_v2::<Svc4Key, Svc4Value>(dir, map_names::SERVICES);
+    let services = take_v2::<Svc4Key, SvcValue>(dir, map_names::SERVICES);
     let services: Vec<_> = services
         .into_iter()
         .map(|(k, v)| {
-            let old = v1::Svc4Value {
+            let old = v1::SvcValue {
                 backend_id: v.backend_id,
                 count: v.count,
                 rev_nat_id: rev16(v.rev_nat_id),
@@ -122,7 +122,7 @@ fn downgrade_ipv4(dir: &Path) {
         .collect();
     pin_v1(dir, "CT4_V1", true, &ct);
 
-    let affinity = take_v2::<Affinity4Key, Affinity4Value>(dir, map_names::AFFINITY);
+    let affinity = take_v2::<Affinity4Key, AffinityValue>(dir, map_names::AFFINITY);
     let affinity: Vec<_> = affinity
         .into_iter()
         .map(|(k, v)| {
@@ -290,7 +290,7 @@ fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges
     assert_eq!(midstream(&h), midstream_before, "no flow tracked anew");
     // Session affinity: the client's entry carried over, naming its
     // backend, and its new connections go there.
-    let affinity = entries::<Affinity4Key, Affinity4Value>(h.pin_dir(), map_names::AFFINITY);
+    let affinity = entries::<Affinity4Key, AffinityValue>(h.pin_dir(), map_names::AFFINITY);
     let vip_id = ids[&fe(VIP, 80, IPPROTO_TCP)];
     assert_eq!(
         affinity
@@ -352,7 +352,7 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
         false,
         &[(
             svc6,
-            v1::Svc4Value {
+            v1::SvcValue {
                 backend_id: 0,
                 count: 2,
                 rev_nat_id: id,
@@ -387,7 +387,7 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
         rev_nat_id: id,
         _pad: 0,
     };
-    let aff_value = Affinity4Value {
+    let aff_value = AffinityValue {
         backend_id: 9,
         _pad: 0,
         last_used_ns: 77,
@@ -470,11 +470,11 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
     assert_eq!(v1_pins(&dir), Vec::<String>::new(), "old pins removed");
 
     let wide = u32::from(id);
-    let svc = entries::<Svc6Key, Svc4Value>(&dir, map_names::SERVICES6);
+    let svc = entries::<Svc6Key, SvcValue>(&dir, map_names::SERVICES6);
     assert_eq!(
         svc,
         [(svc6, {
-            let mut v = Svc4Value::frontend(2, wide, svc_flags::DROP_NO_BACKEND, 86_400);
+            let mut v = SvcValue::frontend(2, wide, svc_flags::DROP_NO_BACKEND, 86_400);
             v.maglev_size = 251;
             v
         })]
@@ -499,7 +499,7 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
         )]
     );
     assert_eq!(
-        entries::<Affinity6Key, Affinity4Value>(&dir, map_names::AFFINITY6),
+        entries::<Affinity6Key, AffinityValue>(&dir, map_names::AFFINITY6),
         [(
             Affinity6Key {
                 client_be: addr6,

@@ -7,7 +7,7 @@
 //!
 //! [`BackendAddr`]: crate::model::BackendAddr
 
-use proxy_common::{RevNatId, Svc4Value};
+use proxy_common::{RevNatId, SvcValue};
 
 use super::super::{
     one, BackendEntry, BatchOutcome, BatchSizes, Dataplane, DataplaneError, Family, RevNatEntry,
@@ -44,7 +44,7 @@ pub(super) fn delete_rev_nat<D: Dataplane>(
 /// ([`Dataplane::put_services`]). For entries no other of them depends on.
 pub(super) fn put_services<D: Dataplane>(
     dp: &mut D,
-    writes: &[(FrontendKey, u16, Svc4Value)],
+    writes: &[(FrontendKey, u16, SvcValue)],
 ) -> BatchOutcome {
     chunked(
         dp,

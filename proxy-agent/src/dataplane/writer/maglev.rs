@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proxy_common::{
     capacity,
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK, MAGLEV_DEFAULT_SIZE},
-    svc_flags, RevNatId, Svc4Value,
+    svc_flags, RevNatId, SvcValue,
 };
 
 use super::{Dataplane, DataplaneError, FrontendEntries, FrontendKey, SyncState, Writer};
@@ -79,11 +79,11 @@ pub(super) fn adopt_tables(
 }
 
 /// Whether packets to slot 0 `v` read a Maglev table.
-fn reads_maglev(v: &Svc4Value) -> bool {
+fn reads_maglev(v: &SvcValue) -> bool {
     svc_flags::algorithm(v.flags) == alg::MAGLEV && v.count > 0 && v.maglev_size > 0
 }
 
-fn generation_of(v: &Svc4Value) -> u8 {
+fn generation_of(v: &SvcValue) -> u8 {
     u8::from(v.flags & svc_flags::MAGLEV_GEN != 0)
 }
 
@@ -177,9 +177,9 @@ impl<D: Dataplane> Writer<D> {
     pub(super) fn with_maglev_table(
         &self,
         key: &FrontendKey,
-        value: Svc4Value,
+        value: SvcValue,
         s: &SyncState,
-    ) -> Option<Svc4Value> {
+    ) -> Option<SvcValue> {
         if svc_flags::algorithm(value.flags) != alg::MAGLEV || value.count == 0 {
             return Some(value);
         }

@@ -11,7 +11,7 @@
 //! written) and goes on with a batch from the next write.
 use std::collections::{BTreeMap, BTreeSet};
 
-use proxy_common::{map_names, RevNatId, Svc4Value};
+use proxy_common::{map_names, RevNatId, SvcValue};
 
 use super::{
     family, source_ranges_of, BackendEntry, Dataplane, DataplaneError, RevNatEntry, SourceRange,
@@ -276,9 +276,9 @@ impl<D: Dataplane> Writer<D> {
                 writes.push((*key, slot, *id));
             }
         }
-        let entries: Vec<(FrontendKey, u16, Svc4Value)> = writes
+        let entries: Vec<(FrontendKey, u16, SvcValue)> = writes
             .iter()
-            .map(|(key, slot, id)| (*key, *slot, Svc4Value::slot(*id)))
+            .map(|(key, slot, id)| (*key, *slot, SvcValue::slot(*id)))
             .collect();
         let mut i = 0;
         while i < writes.len() {
@@ -313,7 +313,7 @@ impl<D: Dataplane> Writer<D> {
         let order = std::mem::take(&mut s.order);
         // (frontend, reverse-NAT id, value, previous value): planned (each
         // Maglev table written as it is), then one batch call.
-        let mut writes: Vec<(FrontendKey, RevNatId, Svc4Value, Option<Svc4Value>)> = Vec::new();
+        let mut writes: Vec<(FrontendKey, RevNatId, SvcValue, Option<SvcValue>)> = Vec::new();
         for key in &order {
             let Some(target) = s.targets.get(key) else {
                 continue;
@@ -324,7 +324,7 @@ impl<D: Dataplane> Writer<D> {
             let fe = &desired.frontends[key];
             // A target that did not fail has a reverse-NAT id.
             let rev = self.rev_nat_ids.as_map()[key];
-            let value = Svc4Value::frontend(target.count, rev, fe.flags, fe.affinity_timeout_s);
+            let value = SvcValue::frontend(target.count, rev, fe.flags, fe.affinity_timeout_s);
             // A Maglev frontend reads its new table once this is written.
             let Some(value) = self.with_maglev_table(key, value, s) else {
                 continue;
@@ -335,7 +335,7 @@ impl<D: Dataplane> Writer<D> {
             }
             writes.push((*key, rev, value, previous));
         }
-        let entries: Vec<(FrontendKey, u16, Svc4Value)> =
+        let entries: Vec<(FrontendKey, u16, SvcValue)> =
             writes.iter().map(|w| (w.0, 0, w.2)).collect();
         let mut i = 0;
         while i < writes.len() {
