@@ -42,8 +42,9 @@ use aya_ebpf::{
     EbpfContext,
 };
 use proxy_common::{
-    stat, svc_flags, Addr6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    SourceRange6, Svc4Key, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
+    stat, svc_flags, Addr6, RevNatId, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange6, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP, IPPROTO_UDP,
+    SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
 };
 
 use crate::{
@@ -124,6 +125,309 @@ fn fail(errno: i32) -> i32 {
     REJECT
 }
 
+/// What the socket hooks need of an address family: the frontend lookup,
+/// the source-range check by the node's address, the backend choice, and
+/// the socket-level reverse-NAT map. The hooks below are written once over
+/// it; [`V4`] serves IPv4 sockets and the IPv4-mapped destinations of IPv6
+/// ones, [`V6`] IPv6 frontends.
+trait Family {
+    /// An address, network order.
+    type Addr: Copy;
+    /// The frontend at `addr`:`port_be` for a host client (internal scope,
+    /// slot 0), if there is one.
+    fn frontend(proto: u8, addr: &Self::Addr, port_be: u16) -> Option<SvcValue>;
+    /// Whether the node's address of this family may open flows to the
+    /// frontend `rev_nat_id` (its `loadBalancerSourceRanges`): a host
+    /// client's packets leave from it (its own address is not bound yet
+    /// at `connect()`), failing closed while it is unknown.
+    fn node_allowed(rev_nat_id: RevNatId) -> bool;
+    /// A backend for a new socket to the frontend `fe` at `addr`:`port_be`
+    /// (as on the pod path: session affinity, else the frontend's
+    /// algorithm), with `sport_be` standing in for the client's port:
+    /// (backend id, its address, its port).
+    fn select(
+        proto: u8,
+        addr: &Self::Addr,
+        port_be: u16,
+        fe: &SvcValue,
+        sport_be: u16,
+        now: u64,
+    ) -> Result<(u32, Self::Addr, u16), Verdict>;
+    /// Records that socket `cookie` was aimed at `backend`:`bport_be` from
+    /// the frontend `addr`:`port_be`; false when the map refused it.
+    fn remember(
+        cookie: u64,
+        backend: &Self::Addr,
+        bport_be: u16,
+        addr: &Self::Addr,
+        port_be: u16,
+        rev_nat_id: RevNatId,
+    ) -> bool;
+    /// The frontend socket `cookie` was aimed at `addr`:`port_be` from.
+    fn recall(cookie: u64, addr: &Self::Addr, port_be: u16) -> Option<(Self::Addr, u16)>;
+}
+
+/// IPv4 sockets, and IPv6 sockets to IPv4-mapped addresses.
+struct V4;
+/// IPv6 sockets to IPv6 frontends.
+struct V6;
+
+impl Family for V4 {
+    type Addr = u32;
+
+    #[inline(always)]
+    fn frontend(proto: u8, addr: &u32, port_be: u16) -> Option<SvcValue> {
+        let key = Svc4Key {
+            addr_be: *addr,
+            port_be,
+            slot: 0,
+            proto,
+            scope: SCOPE_INTERNAL,
+            _pad: [0; 2],
+        };
+        // SAFETY: map value pointer, copied.
+        SVC4_V2.get_ptr(key).map(|fe| unsafe { *fe })
+    }
+
+    #[inline(always)]
+    fn node_allowed(rev_nat_id: RevNatId) -> bool {
+        let node_be = CONFIG_V3.get(0).map_or(0, |c| c.node_addr_be);
+        node_be != 0 && lb::source_allowed(rev_nat_id, node_be)
+    }
+
+    #[inline(always)]
+    fn select(
+        proto: u8,
+        addr: &u32,
+        port_be: u16,
+        fe: &SvcValue,
+        sport_be: u16,
+        now: u64,
+    ) -> Result<(u32, u32, u16), Verdict> {
+        let key = Svc4Key {
+            addr_be: *addr,
+            port_be,
+            slot: 0,
+            proto,
+            scope: SCOPE_INTERNAL,
+            _pad: [0; 2],
+        };
+        // The fields `select` reads: the client (every host client shares
+        // one identity, address 0), the destination, the stand-in port.
+        let pkt = Packet {
+            l4_off: 0,
+            csum_off: 0,
+            proto,
+            saddr_be: 0,
+            daddr_be: *addr,
+            sport_be,
+            dport_be: port_be,
+            tot_len: 0,
+            tcp_flags: 0,
+            l4_present: true,
+        };
+        lb::select(&pkt, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
+    }
+
+    #[inline(always)]
+    fn remember(
+        cookie: u64,
+        backend: &u32,
+        bport_be: u16,
+        addr: &u32,
+        port_be: u16,
+        rev_nat_id: RevNatId,
+    ) -> bool {
+        let rkey = SockRevNat4Key {
+            cookie,
+            addr_be: *backend,
+            port_be: bport_be,
+            _pad: 0,
+        };
+        let rval = SockRevNat4Value {
+            addr_be: *addr,
+            port_be,
+            _pad: 0,
+            rev_nat_id,
+        };
+        SOCK_REVNAT4_V2.insert(rkey, rval, BPF_ANY as u64).is_ok()
+    }
+
+    #[inline(always)]
+    fn recall(cookie: u64, addr: &u32, port_be: u16) -> Option<(u32, u16)> {
+        let key = SockRevNat4Key {
+            cookie,
+            addr_be: *addr,
+            port_be,
+            _pad: 0,
+        };
+        // SAFETY: LRU value pointer, copied.
+        SOCK_REVNAT4_V2
+            .get_ptr(&key)
+            .map(|v| unsafe { ((*v).addr_be, (*v).port_be) })
+    }
+}
+
+impl Family for V6 {
+    type Addr = Addr6;
+
+    #[inline(always)]
+    fn frontend(proto: u8, addr: &Addr6, port_be: u16) -> Option<SvcValue> {
+        let key = Svc6Key {
+            addr_be: *addr,
+            port_be,
+            slot: 0,
+            proto,
+            scope: SCOPE_INTERNAL,
+            _pad: [0; 2],
+        };
+        // SAFETY: map value pointer, copied.
+        SVC6_V2.get_ptr(&key).map(|fe| unsafe { *fe })
+    }
+
+    #[inline(always)]
+    fn node_allowed(rev_nat_id: RevNatId) -> bool {
+        let node = CONFIG_V3.get(0).map_or([0; 4], |c| c.node6_be);
+        let key = LpmKey {
+            prefix_len: SOURCE_RANGE_ID_BITS + 128,
+            data: SourceRange6 {
+                rev_nat_id_be: rev_nat_id.to_be(),
+                addr_be: node,
+            },
+        };
+        node != [0; 4] && SRCRANGE6_V2.get(&key).is_some()
+    }
+
+    #[inline(always)]
+    fn select(
+        proto: u8,
+        addr: &Addr6,
+        port_be: u16,
+        fe: &SvcValue,
+        sport_be: u16,
+        now: u64,
+    ) -> Result<(u32, Addr6, u16), Verdict> {
+        let key = Svc6Key {
+            addr_be: *addr,
+            port_be,
+            slot: 0,
+            proto,
+            scope: SCOPE_INTERNAL,
+            _pad: [0; 2],
+        };
+        let pkt = ipv6::Packet6::of_socket(proto, *addr, port_be, sport_be);
+        ipv6::select(&pkt, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
+    }
+
+    #[inline(always)]
+    fn remember(
+        cookie: u64,
+        backend: &Addr6,
+        bport_be: u16,
+        addr: &Addr6,
+        port_be: u16,
+        rev_nat_id: RevNatId,
+    ) -> bool {
+        let rkey = SockRevNat6Key {
+            cookie,
+            addr_be: *backend,
+            port_be: bport_be,
+            _pad: [0; 6],
+        };
+        let rval = SockRevNat6Value {
+            addr_be: *addr,
+            port_be,
+            _pad: 0,
+            rev_nat_id,
+        };
+        SOCK_REVNAT6_V2.insert(&rkey, &rval, BPF_ANY as u64).is_ok()
+    }
+
+    #[inline(always)]
+    fn recall(cookie: u64, addr: &Addr6, port_be: u16) -> Option<(Addr6, u16)> {
+        let key = SockRevNat6Key {
+            cookie,
+            addr_be: *addr,
+            port_be,
+            _pad: [0; 6],
+        };
+        // SAFETY: LRU value pointer, copied.
+        SOCK_REVNAT6_V2
+            .get_ptr(&key)
+            .map(|v| unsafe { ((*v).addr_be, (*v).port_be) })
+    }
+}
+
+/// What a socket hook does with a destination.
+enum Forward<A> {
+    /// Leaves it (not a frontend).
+    Proceed,
+    /// Fails the call with this errno.
+    Fail(i32),
+    /// Aims the socket at this backend (address and port, network order).
+    To(A, u16),
+}
+
+/// The first three words of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`).
+const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+
+/// The socket cookie folded into 16 bits: the stand-in for a host client's
+/// source port when a backend is chosen (see [`aim`]).
+#[inline(always)]
+fn cookie_port(cookie: u64) -> u16 {
+    (cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16
+}
+
+/// A host client's socket of `F`'s family sent to `daddr`:`dport_be`: the
+/// backend to aim it at, recorded for the reverse hooks, or the errno to
+/// fail the call with. The host client's own address and port are not
+/// known yet: the socket cookie stands in for the port, so Maglev spreads
+/// sockets, while every host client shares one client identity (affinity,
+/// source hash).
+#[inline(always)]
+fn aim<F: Family>(
+    ctx: &SockAddrContext,
+    proto: u8,
+    daddr: &F::Addr,
+    dport_be: u16,
+    translated: u32,
+) -> Forward<F::Addr> {
+    let Some(fe) = F::frontend(proto, daddr, dport_be) else {
+        return Forward::Proceed;
+    };
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !F::node_allowed(fe.rev_nat_id) {
+        count(stat::SOCK_SOURCE_RANGE);
+        return Forward::Fail(EPERM);
+    }
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (backend_id, b, bport_be) =
+        match F::select(proto, daddr, dport_be, &fe, cookie_port(cookie), now) {
+            Ok(chosen) => chosen,
+            Err(Verdict::Reject(_)) => {
+                count(stat::SOCK_REJECT_NO_BACKEND);
+                return Forward::Fail(ECONNREFUSED);
+            }
+            Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
+                count(stat::SOCK_NO_LOCAL_BACKEND);
+                return Forward::Fail(EHOSTUNREACH);
+            }
+            Err(_) => {
+                count(stat::SOCK_NO_BACKEND_ENTRY);
+                return Forward::Fail(EHOSTUNREACH);
+            }
+        };
+    if !F::remember(cookie, &b, bport_be, daddr, dport_be, fe.rev_nat_id) {
+        count(stat::SOCK_REVNAT_INSERT_FAILED);
+    }
+    count(translated);
+    // One flow opened: its packets never meet a program (bytes unknown).
+    account(0, fe.rev_nat_id, backend_id);
+    Forward::To(b, bport_be)
+}
+
 /// `connect4` and `sendmsg4`: aims a socket sent to a frontend at a backend.
 #[inline(always)]
 pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
@@ -136,7 +440,7 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     }
     // SAFETY: context fields writable by connect4 and sendmsg4.
     let (daddr_be, dport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    match forward4(ctx, proto, daddr_be, dport_be, translated) {
+    match aim::<V4>(ctx, proto, &daddr_be, dport_be, translated) {
         Forward::Proceed => PROCEED,
         Forward::Fail(errno) => fail(errno),
         Forward::To(addr_be, port_be) => {
@@ -150,18 +454,35 @@ pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
     }
 }
 
-/// What a socket hook does with a destination.
-enum Forward {
-    /// Leaves it (not a frontend).
-    Proceed,
-    /// Fails the call with this errno.
-    Fail(i32),
-    /// Aims the socket at this backend (address and port, network order).
-    To(u32, u16),
+/// The destination of an IPv6 socket's call (`user_ip6`, `user_port`).
+#[inline(always)]
+fn user_addr6(sa: *mut bpf_sock_addr) -> (Addr6, u16) {
+    // SAFETY: context fields readable by every IPv6 sock_addr hook.
+    unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    }
 }
 
-/// The first three words of an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`).
-const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+/// Writes `addr`:`port_be` as an IPv6 socket's destination or peer.
+#[inline(always)]
+fn set_user_addr6(sa: *mut bpf_sock_addr, addr: &Addr6, port_be: u16) {
+    // SAFETY: context fields writable by the IPv6 hooks that call this.
+    unsafe {
+        (*sa).user_ip6[0] = addr[0];
+        (*sa).user_ip6[1] = addr[1];
+        (*sa).user_ip6[2] = addr[2];
+        (*sa).user_ip6[3] = addr[3];
+        (*sa).user_port = port_be as u32;
+    }
+}
 
 /// `connect6` and `sendmsg6`: as `connect4` and `sendmsg4`, for IPv6
 /// sockets: an IPv6 frontend is looked up in the IPv6 maps; an IPv4-mapped
@@ -176,20 +497,9 @@ pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
     if !served(ctx) || draining() {
         return PROCEED;
     }
-    // SAFETY: context fields readable by connect6 and sendmsg6.
-    let (daddr_be, dport_be) = unsafe {
-        (
-            [
-                (*sa).user_ip6[0],
-                (*sa).user_ip6[1],
-                (*sa).user_ip6[2],
-                (*sa).user_ip6[3],
-            ],
-            (*sa).user_port as u16,
-        )
-    };
+    let (daddr_be, dport_be) = user_addr6(sa);
     if daddr_be[..3] == V4_MAPPED {
-        return match forward4(ctx, proto, daddr_be[3], dport_be, translated) {
+        return match aim::<V4>(ctx, proto, &daddr_be[3], dport_be, translated) {
             Forward::Proceed => PROCEED,
             Forward::Fail(errno) => fail(errno),
             Forward::To(addr_be, port_be) => {
@@ -202,199 +512,14 @@ pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
             }
         };
     }
-    match forward_ipv6(ctx, proto, &daddr_be, dport_be, translated) {
-        Ok(None) => PROCEED,
-        Err(errno) => fail(errno),
-        Ok(Some((b, port_be))) => {
-            // SAFETY: context fields writable by connect6 and sendmsg6.
-            unsafe {
-                (*sa).user_ip6[0] = b[0];
-                (*sa).user_ip6[1] = b[1];
-                (*sa).user_ip6[2] = b[2];
-                (*sa).user_ip6[3] = b[3];
-                (*sa).user_port = port_be as u32;
-            }
+    match aim::<V6>(ctx, proto, &daddr_be, dport_be, translated) {
+        Forward::Proceed => PROCEED,
+        Forward::Fail(errno) => fail(errno),
+        Forward::To(b, port_be) => {
+            set_user_addr6(sa, &b, port_be);
             PROCEED
         }
     }
-}
-
-/// The socket cookie folded into 16 bits: the stand-in for a host client's
-/// source port when a backend is chosen (see [`forward4`]).
-#[inline(always)]
-fn cookie_port(cookie: u64) -> u16 {
-    (cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16
-}
-
-/// A host client's IPv6 socket sent to `daddr_be`:`dport_be`: the backend to
-/// aim it at (`None`: not a frontend), or the errno to fail with.
-#[inline(always)]
-fn forward_ipv6(
-    ctx: &SockAddrContext,
-    proto: u8,
-    daddr_be: &Addr6,
-    dport_be: u16,
-    translated: u32,
-) -> Result<Option<(Addr6, u16)>, i32> {
-    let key = Svc6Key {
-        addr_be: *daddr_be,
-        port_be: dport_be,
-        slot: 0,
-        proto,
-        scope: SCOPE_INTERNAL,
-        _pad: [0; 2],
-    };
-    let Some(fe) = SVC6_V2.get_ptr(&key) else {
-        return Ok(None);
-    };
-    // SAFETY: map value pointer, copied.
-    let fe = unsafe { *fe };
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
-        // Judged by the node's IPv6 address, as IPv4's by the node's.
-        let node = CONFIG_V3.get(0).map_or([0; 4], |c| c.node6_be);
-        let key = LpmKey {
-            prefix_len: SOURCE_RANGE_ID_BITS + 128,
-            data: SourceRange6 {
-                rev_nat_id_be: fe.rev_nat_id.to_be(),
-                addr_be: node,
-            },
-        };
-        if node == [0; 4] || SRCRANGE6_V2.get(&key).is_none() {
-            count(stat::SOCK_SOURCE_RANGE);
-            return Err(EPERM);
-        }
-    }
-    // SAFETY: helper on this program's context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let pkt = ipv6::Packet6::of_socket(proto, *daddr_be, dport_be, cookie_port(cookie));
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let (backend_id, b) = match ipv6::select(&pkt, &key, &fe, now) {
-        Ok(chosen) => chosen,
-        Err(Verdict::Reject(_)) => {
-            count(stat::SOCK_REJECT_NO_BACKEND);
-            return Err(ECONNREFUSED);
-        }
-        Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
-            count(stat::SOCK_NO_LOCAL_BACKEND);
-            return Err(EHOSTUNREACH);
-        }
-        Err(_) => {
-            count(stat::SOCK_NO_BACKEND_ENTRY);
-            return Err(EHOSTUNREACH);
-        }
-    };
-    let rkey = SockRevNat6Key {
-        cookie,
-        addr_be: b.addr_be,
-        port_be: b.port_be,
-        _pad: [0; 6],
-    };
-    let rval = SockRevNat6Value {
-        addr_be: *daddr_be,
-        port_be: dport_be,
-        _pad: 0,
-        rev_nat_id: fe.rev_nat_id,
-    };
-    if SOCK_REVNAT6_V2
-        .insert(&rkey, &rval, BPF_ANY as u64)
-        .is_err()
-    {
-        count(stat::SOCK_REVNAT_INSERT_FAILED);
-    }
-    count(translated);
-    account(0, fe.rev_nat_id, backend_id);
-    Ok(Some((b.addr_be, b.port_be)))
-}
-
-/// A host client's socket sent to IPv4 `daddr_be`:`dport_be` (of an IPv4
-/// socket, or the IPv4-mapped destination of an IPv6 one).
-#[inline(always)]
-fn forward4(
-    ctx: &SockAddrContext,
-    proto: u8,
-    daddr_be: u32,
-    dport_be: u16,
-    translated: u32,
-) -> Forward {
-    let key = Svc4Key {
-        addr_be: daddr_be,
-        port_be: dport_be,
-        slot: 0,
-        proto,
-        scope: SCOPE_INTERNAL,
-        _pad: [0; 2],
-    };
-    let Some(fe) = SVC4_V2.get_ptr(key) else {
-        return Forward::Proceed;
-    };
-    // SAFETY: map value pointer, copied.
-    let fe = unsafe { *fe };
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 {
-        // A host client's packets leave from the node's address (its own
-        // address is not bound yet at connect()): judged by that, failing
-        // closed while the node's address is unknown.
-        let node_be = CONFIG_V3.get(0).map_or(0, |c| c.node_addr_be);
-        if node_be == 0 || !lb::source_allowed(fe.rev_nat_id, node_be) {
-            count(stat::SOCK_SOURCE_RANGE);
-            return Forward::Fail(EPERM);
-        }
-    }
-    // SAFETY: helper on this program's context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // The fields `select` reads (the client, as the affinity key and for
-    // source hashing, and the destination); the host client's own address
-    // and port are not known yet: the socket cookie stands in for the port,
-    // so Maglev spreads sockets, while every host client shares one client
-    // identity (affinity, source hash).
-    let pkt = Packet {
-        l4_off: 0,
-        csum_off: 0,
-        proto,
-        saddr_be: 0,
-        daddr_be,
-        sport_be: cookie_port(cookie),
-        dport_be,
-        tot_len: 0,
-        tcp_flags: 0,
-        l4_present: true,
-    };
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let (backend_id, b) = match lb::select(&pkt, &key, &fe, now) {
-        Ok(chosen) => chosen,
-        Err(Verdict::Reject(_)) => {
-            count(stat::SOCK_REJECT_NO_BACKEND);
-            return Forward::Fail(ECONNREFUSED);
-        }
-        Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND)) => {
-            count(stat::SOCK_NO_LOCAL_BACKEND);
-            return Forward::Fail(EHOSTUNREACH);
-        }
-        Err(_) => {
-            count(stat::SOCK_NO_BACKEND_ENTRY);
-            return Forward::Fail(EHOSTUNREACH);
-        }
-    };
-    let rkey = SockRevNat4Key {
-        cookie,
-        addr_be: b.addr_be,
-        port_be: b.port_be,
-        _pad: 0,
-    };
-    let rval = SockRevNat4Value {
-        addr_be: daddr_be,
-        port_be: dport_be,
-        _pad: 0,
-        rev_nat_id: fe.rev_nat_id,
-    };
-    if SOCK_REVNAT4_V2.insert(rkey, rval, BPF_ANY as u64).is_err() {
-        count(stat::SOCK_REVNAT_INSERT_FAILED);
-    }
-    count(translated);
-    // One flow opened: its packets never meet a program (bytes unknown).
-    account(0, fe.rev_nat_id, backend_id);
-    Forward::To(b.addr_be, b.port_be)
 }
 
 /// `recvmsg4` and `getpeername4`: shows a backend this socket was aimed at
@@ -409,18 +534,11 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // SAFETY: context fields readable and writable by these hooks.
     let (addr_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    let key = SockRevNat4Key {
-        cookie,
-        addr_be,
-        port_be,
-        _pad: 0,
-    };
-    if let Some(v) = SOCK_REVNAT4_V2.get_ptr(key) {
-        // SAFETY: LRU value pointer, copied; context fields as above.
+    if let Some((fe_be, fport_be)) = V4::recall(cookie, &addr_be, port_be) {
+        // SAFETY: context fields as above.
         unsafe {
-            let v = *v;
-            (*sa).user_ip4 = v.addr_be;
-            (*sa).user_port = v.port_be as u32;
+            (*sa).user_ip4 = fe_be;
+            (*sa).user_port = fport_be as u32;
         }
         count(stat::SOCK_REVNAT);
     }
@@ -437,52 +555,20 @@ pub fn reverse6(ctx: &SockAddrContext) -> i32 {
     }
     // SAFETY: helper on this program's context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // SAFETY: context fields readable and writable by these hooks.
-    let (addr_be, port_be) = unsafe {
-        (
-            [
-                (*sa).user_ip6[0],
-                (*sa).user_ip6[1],
-                (*sa).user_ip6[2],
-                (*sa).user_ip6[3],
-            ],
-            (*sa).user_port as u16,
-        )
-    };
+    let (addr_be, port_be) = user_addr6(sa);
     if addr_be[..3] == V4_MAPPED {
-        let key = SockRevNat4Key {
-            cookie,
-            addr_be: addr_be[3],
-            port_be,
-            _pad: 0,
-        };
-        if let Some(v) = SOCK_REVNAT4_V2.get_ptr(&key) {
-            // SAFETY: LRU value pointer, copied; context fields as above.
+        if let Some((fe_be, fport_be)) = V4::recall(cookie, &addr_be[3], port_be) {
+            // SAFETY: context fields readable and writable by these hooks.
             unsafe {
-                let v = *v;
-                (*sa).user_ip6[3] = v.addr_be;
-                (*sa).user_port = v.port_be as u32;
+                (*sa).user_ip6[3] = fe_be;
+                (*sa).user_port = fport_be as u32;
             }
             count(stat::SOCK_REVNAT);
         }
         return PROCEED;
     }
-    let key = SockRevNat6Key {
-        cookie,
-        addr_be,
-        port_be,
-        _pad: [0; 6],
-    };
-    if let Some(v) = SOCK_REVNAT6_V2.get_ptr(&key) {
-        // SAFETY: LRU value pointer, copied; context fields as above.
-        unsafe {
-            let v = *v;
-            (*sa).user_ip6[0] = v.addr_be[0];
-            (*sa).user_ip6[1] = v.addr_be[1];
-            (*sa).user_ip6[2] = v.addr_be[2];
-            (*sa).user_ip6[3] = v.addr_be[3];
-            (*sa).user_port = v.port_be as u32;
-        }
+    if let Some((fe, fport_be)) = V6::recall(cookie, &addr_be, port_be) {
+        set_user_addr6(sa, &fe, fport_be);
         count(stat::SOCK_REVNAT);
     }
     PROCEED
