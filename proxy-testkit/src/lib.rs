@@ -1,0 +1,9 @@
+//! Test support shared by `proxy-agent`'s integration tests and examples, a
+//! crate of its own (a dev-dependency of `proxy-agent`) so that each helper
+//! is compiled, linted and documented once instead of being included into
+//! every test binary that needs it.
+//!
+//! - [`fuzz`]: a seeded, bounded input fuzzer (a reproducible generator,
+//!   tokens that break parsers, mutations of text and of JSON values) for
+//!   the property tests of the configuration, the manifests and the model.
+pub mod fuzz;
