@@ -6,4 +6,8 @@
 //! - [`fuzz`]: a seeded, bounded input fuzzer (a reproducible generator,
 //!   tokens that break parsers, mutations of text and of JSON values) for
 //!   the property tests of the configuration, the manifests and the model.
+//! - [`fake_apiserver`]: a scripted Kubernetes API server (list and watch
+//!   of Services, EndpointSlices and Nodes on 127.0.0.1) for the cases of
+//!   the Kubernetes source a real API server cannot produce on demand.
+pub mod fake_apiserver;
 pub mod fuzz;
