@@ -282,6 +282,9 @@ extern "C" fn drain_pool() {
 
 impl Harness {
     /// Default map sizes, config with the hairpin address [`HAIRPIN`].
+    // No `Default`: a harness is no default value but a namespace and a
+    // loaded object (root needed), so it is made by name only.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
         Self::with_sizes(MapSizes::default())
     }
