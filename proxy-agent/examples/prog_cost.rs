@@ -11,7 +11,7 @@
 //! (not IPv4), the floor of that overhead.
 //!
 //! Everything happens in network namespaces of its own (the packet-test kit's
-//! harness, `tests/kit/`); nothing is sent.
+//! harness, `proxy_testkit::kit`); nothing is sent.
 //!
 //! `--algorithms` measures instead each load-balancing algorithm (a ClusterIP
 //! with 10 backends: new flow and established packet through `pod_ingress`),
@@ -31,9 +31,7 @@ use proxy_agent::{
 };
 use proxy_common::{capacity, Config, RevNatId, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
-#[path = "../tests/kit/mod.rs"]
-mod kit;
-use kit::{
+use proxy_testkit::kit::{
     frame::{tcp4, with_ethertype, ACK, ETH_P_ARP, SYN},
     harness::{Harness, Prog, HAIRPIN},
 };

@@ -5,13 +5,11 @@
 //! `cargo xtask test` (they are `#[ignore]`d under a plain `cargo test`)
 //! or inside the kernel matrix's VMs (`cargo xtask test --kernel 5.10`).
 
-mod kit;
-
 use std::process::Command;
 
 use aya::programs::{SchedClassifier, TcAttachType};
-use kit::harness::{NetNs, PinDir};
 use proxy_agent::bpf::{self, Attacher, IfaceKind, MapSizes, TcMode};
+use proxy_testkit::kit::harness::{NetNs, PinDir};
 
 /// `tc -n <ns> filter show dev <dev> <side>`, the lines naming a program.
 fn filters(ns: &NetNs, dev: &str, side: &str) -> Vec<String> {

@@ -380,8 +380,7 @@ fn frontend_policy_fields_defaults_and_errors() {
     );
 }
 
-#[path = "common/fuzz.rs"]
-mod fuzz;
+use proxy_testkit::fuzz;
 
 /// Issue 15, input fuzzing: random and mutated config files never panic the
 /// parser nor the merge; every error is one line of text that names the file

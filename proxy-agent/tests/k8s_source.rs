@@ -1,24 +1,23 @@
-//! The Kubernetes source against a scripted API server (tests/common), for
-//! the cases a real API server cannot produce on demand. Every other case
-//! runs against the lab's real control plane (`lab_k8s_source.rs`); the
-//! ones that stay here, and why (one line each):
+//! The Kubernetes source against a scripted API server
+//! (`proxy_testkit::fake_apiserver`), for the cases a real API server cannot
+//! produce on demand. Every other case runs against the lab's real control
+//! plane (`lab_k8s_source.rs`); the ones that stay here, and why (one line
+//! each):
 //! - `not_ready_until_every_collection_has_listed`: only a scripted server holds one list back.
 //! - `a_dropped_connection_resumes_and_replays_changes_made_in_between`: only it cuts one watch.
 //! - `errors_never_empty_the_snapshot`: a real server answers 500 when broken, not on request.
 //! - `a_bookmark_is_neither_a_change_nor_a_relist`: a real one bookmarks on its own clock (~1/min).
 //!
 //! No root needed: the fake server listens on 127.0.0.1.
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::fake_apiserver::{FakeApiServer, Kind};
 use proxy_agent::{
     model,
     objects::Snapshot,
     sources::kubernetes::{self, KubernetesOptions, KubernetesSource},
     sources::{Source, SourceChanges},
 };
+use proxy_testkit::fake_apiserver::{FakeApiServer, Kind};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 

@@ -388,8 +388,7 @@ fn a_configmap_volume_update_is_signalled_and_read() {
     }
 }
 
-#[path = "common/fuzz.rs"]
-mod fuzz;
+use proxy_testkit::fuzz;
 
 /// Documents the fuzz tests start from: every kind the source reads, a List,
 /// YAML and JSON.

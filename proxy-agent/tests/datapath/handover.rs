@@ -6,8 +6,8 @@
 use aya::maps::{HashMap as AyaHashMap, MapData};
 use proxy_common::{config_flags, ct_dir, Ct4Key, HANDOVER_REFRESH_NS};
 
-use super::kit::harness::TC_ACT_OK;
 use super::*;
+use proxy_testkit::kit::harness::TC_ACT_OK;
 
 const S: u64 = 1_000_000_000;
 

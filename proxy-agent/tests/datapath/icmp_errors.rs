@@ -7,8 +7,8 @@
 //! outer IPv4 and ICMP checksums (`parse_checked`), the inner IPv4 checksum,
 //! and the inner TCP/UDP checksum over the inner segment, which these errors
 //! carry whole.
-use super::kit::frame::ipv4;
 use super::*;
+use proxy_testkit::kit::frame::ipv4;
 
 /// A router between the nodes (or between a node and an external client).
 const ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 1);

@@ -19,7 +19,7 @@ use proxy_common::{
 };
 
 use super::fuzz::Rng;
-use super::kit::{
+use proxy_testkit::kit::{
     check::{crc32c, fold, sum16},
     frame::{sctp_packet, tcp_segment, udp_segment, ACK, DST_MAC, SRC_MAC, SYN},
     harness::{desired, Harness, Prog, TC_ACT_OK, TC_ACT_SHOT},

@@ -6,7 +6,7 @@
 use aya::maps::{HashMap as AyaHashMap, MapData};
 use proxy_common::{ct_dir, ct_flags, Ct4Key, Ct4Value, SNAT_SEARCH_BACKOFF_NS};
 
-use super::kit::frame::RST;
+use proxy_testkit::kit::frame::RST;
 
 use super::*;
 

@@ -1,8 +1,8 @@
 //! Packet tests (root): the real object loaded, its maps filled by the agent's
 //! own writer, crafted packets run through `BPF_PROG_TEST_RUN`, and the output
 //! bytes checked, with IPv4 and TCP/UDP/ICMP checksums recomputed here
-//! independently of the datapath (the kit in `tests/kit/`, which `attach.rs`
-//! and `examples/prog_cost.rs` use too).
+//! independently of the datapath (the kit `proxy_testkit::kit`, which
+//! `attach.rs` and `examples/prog_cost.rs` use too).
 //!
 //! Most tests are tables of cases (`kit::case`): each case runs through every
 //! program it applies to (`pod_ingress`, `ext_ingress`, `ext_xdp`), each in a
@@ -18,14 +18,13 @@
 //! One test binary on purpose: it loads the object and links the kit once,
 //! and every datapath behaviour stands beside the others it interacts with.
 //! This file holds the IPv4 tables; the other concerns are the modules
-//! beside it, and the scaffolding lives in `tests/kit/`.
+//! beside it, and the scaffolding lives in `proxy_testkit::kit`
+//! (`proxy-testkit/src/kit/`).
 mod fuzz;
 mod handover;
 mod hardening;
 mod icmp_errors;
 mod ipv6;
-#[path = "../kit/mod.rs"]
-mod kit;
 mod lb;
 mod lifecycle;
 mod sctp;
@@ -34,7 +33,10 @@ mod upgrade;
 
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
-use kit::{
+use proxy_agent::{bpf::MapSizes, model::BackendAddr};
+use proxy_common::{map_names, stat, svc_flags, Config, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_testkit::kit::{
+    self,
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Ran, Setup},
     check::{ipv4_addrs_checked, l4_csum4, parse_checked},
     frame::{
@@ -43,8 +45,6 @@ use kit::{
     },
     harness::{be, fe, fe_ext, Harness, PinDir, Prog, Verdict, HAIRPIN},
 };
-use proxy_agent::{bpf::MapSizes, model::BackendAddr};
-use proxy_common::{map_names, stat, svc_flags, Config, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 2);
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);

@@ -13,13 +13,13 @@ use proxy_common::{
     conntrack::sctp as chunk, ct_dir, ct_flags, stat, IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP,
 };
 
-use super::kit::{
+use super::{not_for_the_external_device, CLIENT, EXT_CLIENT, MAC_BB, MAC_CC, NODE, REMOTE, VIP};
+use proxy_testkit::kit::{
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Setup},
     check::{ipv4_addrs_checked, parse_checked, sctp_checksum},
     frame::{ipv4_split, sctp4},
     harness::{be, fe, fe_ext, Harness, Prog, Verdict, TC_ACT_OK, TC_ACT_SHOT},
 };
-use super::{not_for_the_external_device, CLIENT, EXT_CLIENT, MAC_BB, MAC_CC, NODE, REMOTE, VIP};
 use Prog::{ExtIngress, ExtXdp, PodIngress};
 use Verdict::{Drop, Pass, Redirect};
 
@@ -192,7 +192,7 @@ fn truncated_sctp_packets_are_dropped_not_forwarded() {
         // The IPv4 total length says what is there: a short packet, not a
         // cut frame.
         frame[16..18].copy_from_slice(&((20 + l4) as u16).to_be_bytes());
-        super::kit::frame::reseal_ipv4_header(&mut frame);
+        proxy_testkit::kit::frame::reseal_ipv4_header(&mut frame);
         cases.push(
             Case::new(
                 format!("an SCTP packet of {l4} bytes to a ClusterIP"),

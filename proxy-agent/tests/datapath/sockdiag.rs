@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 
 use proxy_agent::host::sockdiag;
 
-use super::kit::harness::NetNs;
+use proxy_testkit::kit::harness::NetNs;
 
 /// `SO_COOKIE` of a socket: what socket diag reports it under.
 fn cookie(s: &UdpSocket) -> u64 {

@@ -18,12 +18,12 @@ use proxy_common::{
     SockRevNat6Value, SourceRange4, SourceRange6, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP,
 };
 
-use super::kit::{
+use super::{B1, B2, CLIENT, VIP};
+use proxy_testkit::kit::{
     check::parse_checked,
     frame::{tcp4, ACK, PSH, SYN},
     harness::{be, fe, Harness, TC_ACT_SHOT},
 };
-use super::{B1, B2, CLIENT, VIP};
 
 const BPF_MAP_TYPE_HASH: u32 = 1;
 const BPF_MAP_TYPE_LRU_HASH: u32 = 9;

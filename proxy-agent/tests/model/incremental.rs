@@ -20,7 +20,7 @@ use proxy_agent::model::{
 };
 use serde_json::json;
 
-use crate::fuzz::Rng;
+use proxy_testkit::fuzz::Rng;
 
 const NAMESPACES: [&str; 3] = ["default", "a", "a-b"];
 const SERVICES: [&str; 5] = ["web", "api", "db", "x", "web-2"];

@@ -17,8 +17,6 @@ use proxy_agent::sources::manifests::load_str;
 use proxy_common::{IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 mod dualstack;
-#[path = "../common/fuzz.rs"]
-mod fuzz;
 mod health_and_claims;
 mod incremental;
 mod lb;

@@ -6,7 +6,7 @@ use proxy_common::{IPPROTO_TCP, SCOPE_INTERNAL};
 
 use super::*;
 
-use crate::fuzz;
+use proxy_testkit::fuzz;
 
 const OBJECTS: &[&str] = &[
     "apiVersion: v1\nkind: Service\nmetadata: {name: web, creationTimestamp: \"2024-01-01T00:00:00Z\", annotations: {proxy-agent.io/lb-algorithm: maglev}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.1\n  clusterIPs: [198.19.0.1]\n  externalIPs: [198.18.7.1]\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Cluster\n  healthCheckNodePort: 30999\n  loadBalancerSourceRanges: [198.18.0.0/15]\n  selector: {app: web}\n  ports: [{name: http, port: 80, targetPort: http, nodePort: 30080, protocol: TCP}]\nstatus: {loadBalancer: {ingress: [{ip: 198.18.9.1, ipMode: VIP}]}}\n",

@@ -220,7 +220,7 @@ pub struct Run {
 /// Loading the object is what a harness costs (the verifier checks every
 /// program: about a second here, a minute under a VM's software emulation),
 /// so harnesses of the default map sizes reuse the object of a finished one
-/// from [`POOL`], its maps emptied first: a test sees maps as fresh as a new
+/// from `POOL`, its maps emptied first: a test sees maps as fresh as a new
 /// load's, in a namespace of its own.
 pub struct Harness {
     pub writer: Writer<BpfDataplane>,
@@ -282,6 +282,9 @@ extern "C" fn drain_pool() {
 
 impl Harness {
     /// Default map sizes, config with the hairpin address [`HAIRPIN`].
+    // No `Default`: a harness is no default value but a namespace and a
+    // loaded object (root needed), so it is made by name only.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
         Self::with_sizes(MapSizes::default())
     }

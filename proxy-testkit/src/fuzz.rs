@@ -1,7 +1,6 @@
 //! A seeded, bounded input fuzzer for the property tests (issue 15): a
 //! splitmix64 generator, interesting tokens, and mutations of text and of
 //! JSON values. No dependency; a failure prints the seed and the input.
-#![allow(dead_code)]
 
 /// splitmix64: small, fast, reproducible.
 pub struct Rng(u64);
@@ -11,7 +10,7 @@ impl Rng {
         Self(seed)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -21,12 +20,12 @@ impl Rng {
 
     /// In `0..n` (`n > 0`).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
 
     /// True `percent` times in 100.
     pub fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
+        self.next_u64() % 100 < percent
     }
 
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {

@@ -12,7 +12,6 @@
 //! open watches), an expired watch (`410 Gone`, which forces a relist),
 //! connections dropped mid-stream, held lists, failing requests (500), and
 //! the log of every request received.
-#![allow(dead_code)]
 
 use std::{
     collections::{BTreeMap, HashMap},

@@ -1,2 +1,0 @@
-//! Helpers shared by the integration tests.
-pub mod fake_apiserver;
