@@ -252,162 +252,90 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
+/// An id to delete, in its family's map.
+fn by_family(&(family, id): &(Family, u32)) -> ByFamily<u32, u32> {
+    match family {
+        Family::V4 => ByFamily::V4(id),
+        Family::V6 => ByFamily::V6(id),
+    }
+}
+
 impl Dataplane for BpfDataplane {
     fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.services, &mut self.batch_writes);
         let (v4, v6) = (&mut self.services, &mut self.services6);
         family_runs(
             entries,
-            |(k, _)| k.family(),
-            |e| *e,
-            |family, run| match family {
-                Family::V4 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(k, v)| match k {
-                            ServiceKey::V4(k) => Some((*k, *v)),
-                            ServiceKey::V6(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v4, map_names::SERVICES, cap, &run)
-                }
-                Family::V6 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(k, v)| match k {
-                            ServiceKey::V6(k) => Some((*k, *v)),
-                            ServiceKey::V4(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v6, map_names::SERVICES6, cap, &run)
-                }
+            |(k, v)| match k {
+                ServiceKey::V4(k) => ByFamily::V4((*k, *v)),
+                ServiceKey::V6(k) => ByFamily::V6((*k, *v)),
+            },
+            |run| match run {
+                ByFamily::V4(r) => put_all(batches, v4, map_names::SERVICES, cap, r),
+                ByFamily::V6(r) => put_all(batches, v6, map_names::SERVICES6, cap, r),
             },
         )
     }
     fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome {
-        let cap = self.sizes.services;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.services, &mut self.batch_writes);
         let (v4, v6) = (&mut self.services, &mut self.services6);
         family_runs(
             keys,
-            ServiceKey::family,
-            |k| *k,
-            |family, run| match family {
-                Family::V4 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|k| match k {
-                            ServiceKey::V4(k) => Some(*k),
-                            ServiceKey::V6(_) => None,
-                        })
-                        .collect();
-                    delete_all(batches, v4, map_names::SERVICES, cap, &run)
-                }
-                Family::V6 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|k| match k {
-                            ServiceKey::V6(k) => Some(*k),
-                            ServiceKey::V4(_) => None,
-                        })
-                        .collect();
-                    delete_all(batches, v6, map_names::SERVICES6, cap, &run)
-                }
+            |k| match k {
+                ServiceKey::V4(k) => ByFamily::V4(*k),
+                ServiceKey::V6(k) => ByFamily::V6(*k),
+            },
+            |run| match run {
+                ByFamily::V4(r) => delete_all(batches, v4, map_names::SERVICES, cap, r),
+                ByFamily::V6(r) => delete_all(batches, v6, map_names::SERVICES6, cap, r),
             },
         )
     }
     fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.backends, &mut self.batch_writes);
         let (v4, v6) = (&mut self.backends, &mut self.backends6);
         family_runs(
             entries,
-            |(_, b)| b.family(),
-            |e| *e,
-            |family, run| match family {
-                Family::V4 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(id, b)| match b {
-                            BackendEntry::V4(b) => Some((*id, *b)),
-                            BackendEntry::V6(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v4, map_names::BACKENDS, cap, &run)
-                }
-                Family::V6 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(id, b)| match b {
-                            BackendEntry::V6(b) => Some((*id, *b)),
-                            BackendEntry::V4(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v6, map_names::BACKENDS6, cap, &run)
-                }
+            |(id, b)| match b {
+                BackendEntry::V4(b) => ByFamily::V4((*id, *b)),
+                BackendEntry::V6(b) => ByFamily::V6((*id, *b)),
+            },
+            |run| match run {
+                ByFamily::V4(r) => put_all(batches, v4, map_names::BACKENDS, cap, r),
+                ByFamily::V6(r) => put_all(batches, v6, map_names::BACKENDS6, cap, r),
             },
         )
     }
     fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
-        let cap = self.sizes.backends;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.backends, &mut self.batch_writes);
         let (v4, v6) = (&mut self.backends, &mut self.backends6);
-        family_runs(
-            ids,
-            |(f, _)| *f,
-            |(_, id)| *id,
-            |family, run| match family {
-                Family::V4 => delete_all(batches, v4, map_names::BACKENDS, cap, run),
-                Family::V6 => delete_all(batches, v6, map_names::BACKENDS6, cap, run),
-            },
-        )
+        family_runs(ids, by_family, |run| match run {
+            ByFamily::V4(r) => delete_all(batches, v4, map_names::BACKENDS, cap, r),
+            ByFamily::V6(r) => delete_all(batches, v6, map_names::BACKENDS6, cap, r),
+        })
     }
     fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.rev_nat, &mut self.batch_writes);
         let (v4, v6) = (&mut self.rev_nat, &mut self.rev_nat6);
         family_runs(
             entries,
-            |(_, r)| r.family(),
-            |e| *e,
-            |family, run| match family {
-                Family::V4 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(id, r)| match r {
-                            RevNatEntry::V4(r) => Some((*id, *r)),
-                            RevNatEntry::V6(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v4, map_names::REV_NAT, cap, &run)
-                }
-                Family::V6 => {
-                    let run: Vec<_> = run
-                        .iter()
-                        .filter_map(|(id, r)| match r {
-                            RevNatEntry::V6(r) => Some((*id, *r)),
-                            RevNatEntry::V4(_) => None,
-                        })
-                        .collect();
-                    put_all(batches, v6, map_names::REV_NAT6, cap, &run)
-                }
+            |(id, r)| match r {
+                RevNatEntry::V4(r) => ByFamily::V4((*id, *r)),
+                RevNatEntry::V6(r) => ByFamily::V6((*id, *r)),
+            },
+            |run| match run {
+                ByFamily::V4(r) => put_all(batches, v4, map_names::REV_NAT, cap, r),
+                ByFamily::V6(r) => put_all(batches, v6, map_names::REV_NAT6, cap, r),
             },
         )
     }
     fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome {
-        let cap = self.sizes.rev_nat;
-        let batches = &mut self.batch_writes;
+        let (cap, batches) = (self.sizes.rev_nat, &mut self.batch_writes);
         let (v4, v6) = (&mut self.rev_nat, &mut self.rev_nat6);
-        family_runs(
-            ids,
-            |(f, _)| *f,
-            |(_, id)| *id,
-            |family, run| match family {
-                Family::V4 => delete_all(batches, v4, map_names::REV_NAT, cap, run),
-                Family::V6 => delete_all(batches, v6, map_names::REV_NAT6, cap, run),
-            },
-        )
+        family_runs(ids, by_family, |run| match run {
+            ByFamily::V4(r) => delete_all(batches, v4, map_names::REV_NAT, cap, r),
+            ByFamily::V6(r) => delete_all(batches, v6, map_names::REV_NAT6, cap, r),
+        })
     }
     fn put_maglev_chunk(
         &mut self,

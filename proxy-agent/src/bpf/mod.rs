@@ -40,8 +40,8 @@ use proxy_common::{
 };
 
 use crate::dataplane::{
-    each, family_runs, BackendEntry, BatchOutcome, Dataplane, DataplaneError, Family, Programmed,
-    RevNatEntry, ServiceKey, SourceRange,
+    each, family_runs, BackendEntry, BatchOutcome, ByFamily, Dataplane, DataplaneError, Family,
+    Programmed, RevNatEntry, ServiceKey, SourceRange,
 };
 
 /// The kernel object built from `proxy-ebpf` by `build.rs`.

@@ -304,24 +304,36 @@ pub fn one(outcome: BatchOutcome) -> Result<(), DataplaneError> {
     }
 }
 
-/// `entries` in runs of one family, in order: `run` takes each run (its
-/// family, and the run's entries as `pick` gives them, all of that family)
-/// and returns what it did; stops at the first run that stops.
-pub fn family_runs<T, U>(
+/// One family's entry (or run of entries) of an operation.
+pub enum ByFamily<A, B> {
+    V4(A),
+    V6(B),
+}
+
+/// `entries` in runs of one family, in order: `entry` gives each one's key
+/// or entry in its family's map; `run` takes each run and returns what it
+/// did; stops at the first run that stops.
+pub fn family_runs<T, A, B>(
     entries: &[T],
-    family: impl Fn(&T) -> Family,
-    pick: impl Fn(&T) -> U,
-    mut run: impl FnMut(Family, &[U]) -> BatchOutcome,
+    entry: impl Fn(&T) -> ByFamily<A, B>,
+    mut run: impl FnMut(ByFamily<&[A], &[B]>) -> BatchOutcome,
 ) -> BatchOutcome {
     let mut done = 0;
-    while let Some(first) = entries.get(done) {
-        let f = family(first);
-        let len = entries[done..]
-            .iter()
-            .take_while(|e| family(e) == f)
-            .count();
-        let picked: Vec<U> = entries[done..done + len].iter().map(&pick).collect();
-        let (n, err) = run(f, &picked);
+    while done < entries.len() {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for e in &entries[done..] {
+            match entry(e) {
+                ByFamily::V4(a) if v6.is_empty() => v4.push(a),
+                ByFamily::V6(b) if v4.is_empty() => v6.push(b),
+                _ => break,
+            }
+        }
+        let len = v4.len() + v6.len();
+        let (n, err) = if v4.is_empty() {
+            run(ByFamily::V6(&v6))
+        } else {
+            run(ByFamily::V4(&v4))
+        };
         done += n.min(len);
         if err.is_some() {
             return (done, err);
