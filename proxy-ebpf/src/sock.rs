@@ -167,6 +167,32 @@ trait Family {
     fn recall(cookie: u64, addr: &Self::Addr, port_be: u16) -> Option<(Self::Addr, u16)>;
 }
 
+/// The services-map key of a host client's frontend: internal scope, slot 0.
+#[inline(always)]
+fn frontend_key4(proto: u8, addr_be: u32, port_be: u16) -> Svc4Key {
+    Svc4Key {
+        addr_be,
+        port_be,
+        slot: 0,
+        proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    }
+}
+
+/// [`frontend_key4`] for IPv6 frontends.
+#[inline(always)]
+fn frontend_key6(proto: u8, addr_be: &Addr6, port_be: u16) -> Svc6Key {
+    Svc6Key {
+        addr_be: *addr_be,
+        port_be,
+        slot: 0,
+        proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    }
+}
+
 /// IPv4 sockets, and IPv6 sockets to IPv4-mapped addresses.
 struct V4;
 /// IPv6 sockets to IPv6 frontends.
@@ -177,14 +203,7 @@ impl Family for V4 {
 
     #[inline(always)]
     fn frontend(proto: u8, addr: &u32, port_be: u16) -> Option<SvcValue> {
-        let key = Svc4Key {
-            addr_be: *addr,
-            port_be,
-            slot: 0,
-            proto,
-            scope: SCOPE_INTERNAL,
-            _pad: [0; 2],
-        };
+        let key = frontend_key4(proto, *addr, port_be);
         // SAFETY: map value pointer, copied.
         SVC4_V2.get_ptr(key).map(|fe| unsafe { *fe })
     }
@@ -204,14 +223,7 @@ impl Family for V4 {
         sport_be: u16,
         now: u64,
     ) -> Result<(u32, u32, u16), Verdict> {
-        let key = Svc4Key {
-            addr_be: *addr,
-            port_be,
-            slot: 0,
-            proto,
-            scope: SCOPE_INTERNAL,
-            _pad: [0; 2],
-        };
+        let key = frontend_key4(proto, *addr, port_be);
         // The fields `select` reads: the client (every host client shares
         // one identity, address 0), the destination, the stand-in port.
         let pkt = Packet {
@@ -273,14 +285,7 @@ impl Family for V6 {
 
     #[inline(always)]
     fn frontend(proto: u8, addr: &Addr6, port_be: u16) -> Option<SvcValue> {
-        let key = Svc6Key {
-            addr_be: *addr,
-            port_be,
-            slot: 0,
-            proto,
-            scope: SCOPE_INTERNAL,
-            _pad: [0; 2],
-        };
+        let key = frontend_key6(proto, addr, port_be);
         // SAFETY: map value pointer, copied.
         SVC6_V2.get_ptr(&key).map(|fe| unsafe { *fe })
     }
@@ -307,14 +312,7 @@ impl Family for V6 {
         sport_be: u16,
         now: u64,
     ) -> Result<(u32, Addr6, u16), Verdict> {
-        let key = Svc6Key {
-            addr_be: *addr,
-            port_be,
-            slot: 0,
-            proto,
-            scope: SCOPE_INTERNAL,
-            _pad: [0; 2],
-        };
+        let key = frontend_key6(proto, addr, port_be);
         let pkt = ipv6::Packet6::of_socket(proto, *addr, port_be, sport_be);
         ipv6::select(&pkt, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
     }
