@@ -55,7 +55,7 @@ pub enum AgentError {
 /// maps stay, so a restarted agent adopts conntrack and ids.
 pub async fn run(cfg: Settings, mut source: Box<dyn Source>) -> Result<(), AgentError> {
     let (mut started, loaded) = start::load(&cfg)?;
-    let servers = start::serve_endpoints(&cfg, &started.obs).await;
+    let servers = start::serve_endpoints(&cfg, &started.obs);
     let (tx, mut changes) = mpsc::unbounded_channel();
     source.start(tx)?;
     // Never act on a half-filled cache.

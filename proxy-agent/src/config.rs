@@ -27,6 +27,9 @@ pub use values::*;
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";
 /// kube-proxy's default `metricsBindAddress`.
 pub const DEFAULT_METRICS_BIND_ADDRESS: &str = "127.0.0.1:10249";
+/// The default `probeBindAddress`: loopback, for the kubelet's probes
+/// (`host: 127.0.0.1`) of a hostNetwork pod.
+pub const DEFAULT_PROBE_BIND_ADDRESS: &str = "127.0.0.1:10266";
 pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
 pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/proxy-agent";

@@ -611,3 +611,71 @@ fn the_node_name_and_the_cgroup_root_come_from_the_host_facts_given() {
         None
     );
 }
+
+/// The probes' server: its own port by default (kube-proxy holds 10256
+/// while a node is migrated), a flag over the file, empty disables it, and
+/// an address the healthz server already holds is left to that server.
+#[test]
+fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
+    let resolve = |file: &str, flags: &[&str]| {
+        let mut args = vec![
+            "--source",
+            "manifests",
+            "--manifests",
+            "/m",
+            "--node-name",
+            "n",
+        ];
+        args.extend_from_slice(flags);
+        Settings::resolve(
+            &parse(file).unwrap(),
+            &run_args(&args),
+            &proxy_agent::host::facts(),
+        )
+        .unwrap()
+        .probe_bind_address
+    };
+    let addr = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+    assert_eq!(resolve("", &[]), addr("127.0.0.1:10266"));
+    assert_eq!(
+        resolve("probeBindAddress: 0.0.0.0:9000\n", &[]),
+        addr("0.0.0.0:9000")
+    );
+    assert_eq!(
+        resolve(
+            "probeBindAddress: 0.0.0.0:9000\n",
+            &["--probe-bind-address", "127.0.0.1:9001"]
+        ),
+        addr("127.0.0.1:9001")
+    );
+    assert_eq!(
+        resolve("probeBindAddress: \"\"\n", &[]),
+        None,
+        "empty disables"
+    );
+    assert_eq!(
+        resolve("healthzBindAddress: 0.0.0.0:10266\n", &[]),
+        None,
+        "0.0.0.0:10266 serves the probes' paths on loopback already"
+    );
+    assert_eq!(
+        resolve("healthzBindAddress: 198.18.0.10:10266\n", &[]),
+        addr("127.0.0.1:10266"),
+        "another address of the same port does not overlap"
+    );
+    let e = Settings::resolve(
+        &parse("probeBindAddress: nowhere\n").unwrap(),
+        &run_args(&[
+            "--source",
+            "manifests",
+            "--manifests",
+            "/m",
+            "--node-name",
+            "n",
+        ]),
+        &proxy_agent::host::facts(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.starts_with("probeBindAddress"), "{e}");
+}

@@ -262,18 +262,30 @@ fn daemonset_args_are_flags_the_binary_accepts_and_probes_match_the_config() {
     flags.node_name = Some("node-1".into());
     let settings = Settings::resolve(&file, &flags, &proxy_agent::host::facts()).unwrap();
     assert_eq!(settings.source, SourceKind::Kubernetes);
-    let healthz = settings.healthz_bind_address.expect("healthz enabled");
-
+    // The probes ask the agent's own port, not kube-proxy's healthz port
+    // (which kube-proxy holds while a node is migrated).
+    let probes = settings
+        .probe_bind_address
+        .expect("the probe server enabled");
+    assert_ne!(
+        Some(probes.port()),
+        settings.healthz_bind_address.map(|a| a.port()),
+        "the probes must not ask kube-proxy's port"
+    );
     for (what, probe) in [
         ("liveness", &c.liveness_probe),
         ("readiness", &c.readiness_probe),
     ] {
-        let Some(probe) = probe else { continue };
-        let get = probe.http_get.as_ref().unwrap();
+        let get = probe.as_ref().expect(what).http_get.as_ref().unwrap();
         assert_eq!(
             get.port,
-            IntOrString::Int(i32::from(healthz.port())),
+            IntOrString::Int(i32::from(probes.port())),
             "{what} probe port"
+        );
+        assert_eq!(
+            get.host.as_deref(),
+            Some(probes.ip().to_string().as_str()),
+            "{what} probe host"
         );
     }
     // A wrong field name in the ConfigMap's file fails: a misspelt copy.

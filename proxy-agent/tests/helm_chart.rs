@@ -321,14 +321,27 @@ fn rendered(text: &str) -> Rendered {
         .name
         .clone();
     let api_server: ConfigMap = typed(one("ConfigMap", &env_from));
-    // The probes reach the healthz port the config sets.
-    let healthz = settings.healthz_bind_address.expect("healthz on").port();
+    // The probes reach the agent's probe address the config sets (its
+    // healthz address when it has none), on loopback when it binds every
+    // address.
+    let probes = settings
+        .probe_bind_address
+        .or(settings.healthz_bind_address)
+        .expect("a server for the probes");
+    let host = if probes.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        probes.ip().to_string()
+    };
     for probe in [&c.liveness_probe, &c.readiness_probe] {
         let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
         assert_eq!(
             get.port,
-            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(healthz))
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i32::from(
+                probes.port()
+            ))
         );
+        assert_eq!(get.host.as_deref(), Some(host.as_str()), "{text}");
     }
     Rendered {
         objects,
@@ -466,6 +479,7 @@ fn cases() -> Vec<Case> {
                     "source": "kubernetes",
                     "healthzBindAddress": "0.0.0.0:10266",
                     "metricsBindAddress": "0.0.0.0:10249",
+                    "probeBindAddress": "198.18.0.10:10267",
                     "nodePortAddresses": ["198.18.0.0/15"],
                     "clusterCIDR": "198.18.128.0/17",
                     "minSyncPeriod": "500ms",
@@ -502,6 +516,34 @@ fn cases() -> Vec<Case> {
                 assert_eq!(
                     port.container_port, 10266,
                     "the healthz port follows the config"
+                );
+                assert_eq!(
+                    r.settings.probe_bind_address,
+                    Some("198.18.0.10:10267".parse().unwrap()),
+                    "the probes ask the address set (checked in render)"
+                );
+            },
+        },
+        Case {
+            name: "probes-on-healthz",
+            values: json!({
+                "config": {"source": "kubernetes", "healthzBindAddress": "0.0.0.0:10256",
+                    "probeBindAddress": ""},
+            }),
+            check: |r| {
+                assert_eq!(r.settings.probe_bind_address, None);
+                let get = r
+                    .container()
+                    .readiness_probe
+                    .as_ref()
+                    .unwrap()
+                    .http_get
+                    .clone()
+                    .unwrap();
+                assert_eq!(
+                    get.port,
+                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256),
+                    "no probe server: the probes ask the healthz port"
                 );
             },
         },

@@ -311,8 +311,61 @@ fn takeover(lab: &mut Lab, origin: Instant) {
         lab.start_agent_on(&n).expect("start agent");
         lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
         lab.wait_attached(SYNC_TIMEOUT).expect("agent attached");
+        // The operator's step 1: the pod's readiness probe asks the
+        // agent's own port, Ready while kube-proxy still holds 10256.
+        let netns = lab
+            .nodes()
+            .iter()
+            .find(|x| x.name == n)
+            .expect("node")
+            .netns
+            .clone();
+        let ready = client::http_get_in(
+            &netns,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10266),
+            "/readyz",
+            T,
+        );
+        assert!(
+            matches!(ready, Ok((200, _))),
+            "{n}: the agent's /readyz on its probe port beside kube-proxy: {ready:?}"
+        );
         lab.stop_kube_proxy_on(&n)
             .expect("stop kube-proxy and clean up");
+    }
+}
+
+/// Once the proxy that held them is gone, the node's `/healthz` and
+/// `/metrics` ports are the new proxy's (`/proxyMode` answers `mode`): each
+/// started while the other held them, and tries again to bind until it
+/// can, as kube-proxy does (every 5 s). A cloud load balancer probes
+/// `/healthz`.
+fn endpoints_served_by(lab: &Lab, mode: &str) {
+    for n in lab.nodes() {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = client::http_get_in(
+                &n.netns,
+                SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249),
+                "/proxyMode",
+                T,
+            );
+            match r {
+                Ok((200, body)) if body.trim() == mode => break,
+                r if Instant::now() > deadline => panic!(
+                    "{}: /proxyMode after the switch to {mode}: {r:?} (10249 never bound by {mode})",
+                    n.name
+                ),
+                _ => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+        let (code, body) =
+            client::http_get_in(&n.netns, SocketAddrV4::new(n.ip, 10256), "/healthz", T)
+                .unwrap_or_else(|e| {
+                    panic!("{}: /healthz after the switch to {mode}: {e:#}", n.name)
+                });
+        assert_eq!(code, 200, "{}: /healthz: {body}", n.name);
+        println!("[takeover] {}: /proxyMode {mode} and /healthz 200", n.name);
     }
 }
 
@@ -417,6 +470,7 @@ fn takeover_and_rollback_keep_connections() {
                 table.push_str(&c.row(&format!("{mode} → agent")));
                 table.push('\n');
                 costs.push((format!("{mode} → agent"), c));
+                endpoints_served_by(lab, "ebpf");
 
                 // Rollback: the agent drains.
                 let mut f = open(lab, "rollback");
@@ -434,6 +488,7 @@ fn takeover_and_rollback_keep_connections() {
                 table.push_str(&c.row(&format!("agent → {mode} (draining)")));
                 table.push('\n');
                 costs.push((format!("agent → {mode}"), c));
+                endpoints_served_by(lab, mode.as_str());
 
                 // Connections opened since belong to kube-proxy: removing
                 // the drained datapath must not touch them. Those opened

@@ -105,16 +105,20 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
     Ok((started, loaded))
 }
 
-/// The `/healthz` and `/metrics` servers (each unless disabled).
-pub(super) async fn serve_endpoints(cfg: &Settings, obs: &Observers) -> Vec<JoinHandle<()>> {
+/// The `/healthz`, `/metrics` and probe servers (each unless disabled).
+pub(super) fn serve_endpoints(cfg: &Settings, obs: &Observers) -> Vec<JoinHandle<()>> {
     let mut servers = Vec::new();
     if let Some(addr) = cfg.healthz_bind_address {
         let router = endpoints::health_router(obs.health.clone());
-        servers.extend(endpoints::spawn("healthz", addr, router).await);
+        servers.push(endpoints::spawn("healthz", addr, router));
     }
     if let Some(addr) = cfg.metrics_bind_address {
         let router = endpoints::metrics_router(obs.metrics.clone());
-        servers.extend(endpoints::spawn("metrics", addr, router).await);
+        servers.push(endpoints::spawn("metrics", addr, router));
+    }
+    if let Some(addr) = cfg.probe_bind_address {
+        let router = endpoints::health_router(obs.health.clone());
+        servers.push(endpoints::spawn("probes", addr, router));
     }
     servers
 }

@@ -141,6 +141,12 @@ pub struct ConfigFile {
     /// Address of `/metrics` (Prometheus); empty disables it (default
     /// `127.0.0.1:10249`, as kube-proxy). Flag `--metrics-bind-address`.
     pub metrics_bind_address: Option<String>,
+    /// Address of `/readyz` and `/livez` for the pod's probes, the agent's
+    /// own port: while a node is migrated, kube-proxy still holds
+    /// `healthzBindAddress`'s port, and a probe there would ask kube-proxy.
+    /// Empty disables it (default `127.0.0.1:10266`; the probes then use
+    /// `healthzBindAddress`). Flag `--probe-bind-address`.
+    pub probe_bind_address: Option<String>,
     /// The node addresses NodePorts are served on: CIDRs (IPv4 or IPv6, host
     /// bits cleared as kube-proxy does) or `primary`, per family. The
     /// candidates are the Node's InternalIPs and the global-scope addresses

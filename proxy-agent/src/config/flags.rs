@@ -116,4 +116,9 @@ pub struct RunArgs {
     /// Address of /metrics (Prometheus); empty disables [default: 127.0.0.1:10249].
     #[arg(long)]
     pub metrics_bind_address: Option<String>,
+    /// Address of /readyz and /livez for the pod's probes (the agent's own
+    /// port, free while kube-proxy holds the healthz port); empty disables
+    /// [default: 127.0.0.1:10266].
+    #[arg(long)]
+    pub probe_bind_address: Option<String>,
 }

@@ -14,7 +14,7 @@ use super::{
     DeliveryMode, FrontendPolicyFile, GoDuration, MaglevFile, MapSizesFile, OnExit, SourceKind,
     DEFAULT_BPFFS, DEFAULT_EXTERNAL_INTERFACES, DEFAULT_HAIRPIN_SNAT_IP,
     DEFAULT_HEALTHZ_BIND_ADDRESS, DEFAULT_METRICS_BIND_ADDRESS, DEFAULT_MIN_SYNC_PERIOD,
-    DEFAULT_POD_INTERFACES, DEFAULT_SYNC_PERIOD, MAP_SIZE_MAX,
+    DEFAULT_POD_INTERFACES, DEFAULT_PROBE_BIND_ADDRESS, DEFAULT_SYNC_PERIOD, MAP_SIZE_MAX,
 };
 
 /// `mapSizes` checked onto `sizes`.
@@ -119,6 +119,8 @@ pub struct Settings {
     /// `None`: disabled (an empty address).
     pub healthz_bind_address: Option<SocketAddr>,
     pub metrics_bind_address: Option<SocketAddr>,
+    /// `/readyz` and `/livez` for the pod's probes; `None`: disabled.
+    pub probe_bind_address: Option<SocketAddr>,
     pub map_sizes: MapSizes,
     pub conntrack_timeouts: ConntrackTimeouts,
     /// `nodePortAddresses`: CIDRs or `primary` (kube-proxy's values),
@@ -213,7 +215,8 @@ impl Settings {
         let (source, manifests) = source(file, flags)?;
         let (pod_interfaces, external_interfaces) = interfaces(file, flags)?;
         let (min_sync_period, sync_period) = sync_periods(file, flags)?;
-        let (healthz_bind_address, metrics_bind_address) = bind_addresses(file, flags)?;
+        let (healthz_bind_address, metrics_bind_address, probe_bind_address) =
+            bind_addresses(file, flags)?;
         let (map_sizes, conntrack_timeouts, maglev) = maps_and_conntrack(file, flags)?;
         Ok(Settings {
             source,
@@ -250,6 +253,7 @@ impl Settings {
             sync_period,
             healthz_bind_address,
             metrics_bind_address,
+            probe_bind_address,
             map_sizes,
             conntrack_timeouts,
             node_port_addresses: node_port_addresses(file)?,
@@ -364,17 +368,32 @@ fn sync_periods(file: &ConfigFile, flags: &RunArgs) -> Result<(Duration, Duratio
     Ok((min_sync_period, sync_period))
 }
 
-/// `healthzBindAddress` and `metricsBindAddress`; empty: disabled.
-type BindAddresses = (Option<SocketAddr>, Option<SocketAddr>);
+/// `healthzBindAddress`, `metricsBindAddress` and `probeBindAddress`;
+/// empty: disabled.
+type BindAddresses = (Option<SocketAddr>, Option<SocketAddr>, Option<SocketAddr>);
 
 fn bind_addresses(file: &ConfigFile, flags: &RunArgs) -> Result<BindAddresses, ConfigError> {
     let healthz = pick(&flags.healthz_bind_address, &file.healthz_bind_address)
         .unwrap_or_else(|| DEFAULT_HEALTHZ_BIND_ADDRESS.to_string());
     let metrics = pick(&flags.metrics_bind_address, &file.metrics_bind_address)
         .unwrap_or_else(|| DEFAULT_METRICS_BIND_ADDRESS.to_string());
+    let probe = pick(&flags.probe_bind_address, &file.probe_bind_address)
+        .unwrap_or_else(|| DEFAULT_PROBE_BIND_ADDRESS.to_string());
+    let healthz = parse_bind_address("healthzBindAddress", &healthz, 10256)?;
+    let mut probe = parse_bind_address("probeBindAddress", &probe, 10266)?;
+    // The healthz server answers the probes' paths too: on an address it
+    // holds, the probe server would only fail to bind.
+    if let (Some(h), Some(p)) = (healthz, probe) {
+        if h.port() == p.port()
+            && (h.ip() == p.ip() || h.ip().is_unspecified() || p.ip().is_unspecified())
+        {
+            probe = None;
+        }
+    }
     Ok((
-        parse_bind_address("healthzBindAddress", &healthz, 10256)?,
+        healthz,
         parse_bind_address("metricsBindAddress", &metrics, 10249)?,
+        probe,
     ))
 }
 

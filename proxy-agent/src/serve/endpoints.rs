@@ -4,7 +4,10 @@
 //!   keeps up and the node is eligible) and `/livez` (sync loop keeps up), with
 //!   kube-proxy's JSON body, 200 or 503;
 //! - on `metricsBindAddress` (default `127.0.0.1:10249`): `/metrics`
-//!   (Prometheus text) and `/proxyMode` (`ebpf`).
+//!   (Prometheus text) and `/proxyMode` (`ebpf`);
+//! - on `probeBindAddress` (default `127.0.0.1:10266`), the agent's own
+//!   port, what `healthzBindAddress` serves, for the pod's probes: during a
+//!   migration kube-proxy holds 10256 and 10249 until it is stopped.
 //!
 //! `/proxyMode` is served on both, as the e2e check of kube-proxy's URLs reads
 //! it from the metrics port.
@@ -18,7 +21,7 @@ use axum::{
     Router,
 };
 use tokio::net::TcpListener;
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 use crate::{metrics::Metrics, serve::health::Health};
 
@@ -295,27 +298,46 @@ impl tokio::io::AsyncWrite for IdleTimeout {
     }
 }
 
-/// Binds `addr` and serves `router` in a task. As kube-proxy does by default,
-/// a bind failure is logged and the agent goes on without that server.
-pub async fn spawn(
+/// How long a server that cannot bind waits before it tries again:
+/// kube-proxy's `wait.Until(serve, 5*time.Second)`.
+pub const BIND_RETRY: Duration = Duration::from_secs(5);
+
+/// Binds `addr` and serves `router` in a task. As kube-proxy does by default
+/// (`bindAddressHardFail: false`), a bind failure is logged and the agent
+/// goes on, trying again every [`BIND_RETRY`]: during a takeover kube-proxy
+/// holds the ports until it is stopped, and the node's `/healthz` must come
+/// back once it is.
+pub fn spawn(what: &'static str, addr: SocketAddr, router: Router) -> tokio::task::JoinHandle<()> {
+    spawn_retrying(what, addr, router, BIND_RETRY)
+}
+
+fn spawn_retrying(
     what: &'static str,
     addr: SocketAddr,
     router: Router,
-) -> Option<tokio::task::JoinHandle<()>> {
-    match TcpListener::bind(addr).await {
-        Ok(l) => {
-            info!(server = what, address = %l.local_addr().unwrap_or(addr), "serving");
-            Some(tokio::spawn(async move {
-                if let Err(e) = serve(l, router).await {
-                    error!(server = what, error = %e, "server stopped");
+    retry: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut failed = false;
+        loop {
+            match TcpListener::bind(addr).await {
+                Ok(l) => {
+                    info!(server = what, address = %l.local_addr().unwrap_or(addr), "serving");
+                    failed = false;
+                    if let Err(e) = serve(l, router.clone()).await {
+                        error!(server = what, error = %e, "server stopped; serving again in {retry:?}");
+                    }
                 }
-            }))
+                // Said once; the retries are quiet until it binds.
+                Err(e) if !failed => {
+                    failed = true;
+                    error!(server = what, address = %addr, error = %e, "cannot bind; going on without it, trying again every {retry:?}");
+                }
+                Err(e) => debug!(server = what, address = %addr, error = %e, "cannot bind yet"),
+            }
+            tokio::time::sleep(retry).await;
         }
-        Err(e) => {
-            error!(server = what, address = %addr, error = %e, "cannot bind; going on without it");
-            None
-        }
-    }
+    })
 }
 
 #[cfg(test)]
@@ -346,6 +368,35 @@ mod tests {
         let (head, body) = buf.split_once("\r\n\r\n").unwrap();
         let status = head.split(' ').nth(1).unwrap().parse().unwrap();
         (status, head.to_string(), body.to_string())
+    }
+
+    /// kube-proxy's servers try again until they bind: an agent started
+    /// while kube-proxy still holds the port serves once it is gone.
+    #[tokio::test]
+    async fn a_port_in_use_is_served_once_it_is_free() {
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = holder.local_addr().unwrap();
+        let h = Arc::new(Health::new(Duration::from_secs(60)));
+        let server = spawn_retrying("healthz", addr, health_router(h), Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(!server.is_finished(), "the server gave up");
+        drop(holder);
+        let mut status = None;
+        for _ in 0..100 {
+            if let Ok(Ok(s)) = tokio::time::timeout(
+                Duration::from_millis(500),
+                tokio::net::TcpStream::connect(addr),
+            )
+            .await
+            {
+                drop(s);
+                status = Some(get(addr, "/healthz").await.0);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        server.abort();
+        assert_eq!(status, Some(200), "never served once the port was free");
     }
 
     #[tokio::test]

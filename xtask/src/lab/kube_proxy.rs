@@ -99,7 +99,11 @@ pub struct KubeProxyInfo {
     pub mode: KubeProxyMode,
     /// Its `KubeProxyConfiguration`.
     pub config: PathBuf,
+    /// Its log, shared by the node's kube-proxy runs (appended to).
     pub log: PathBuf,
+    /// Where this run's lines start in `log`.
+    #[serde(default)]
+    pub log_start: u64,
 }
 
 /// Options of [`Lab::start_kube_proxy_on`] beyond the mode.
@@ -117,6 +121,47 @@ pub const METRICS_ADDR: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10
 pub const HEALTHZ_PORT: u16 = 10256;
 /// Bound of kube-proxy's start: its first sync reported by /healthz.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// What answers `/proxyMode` on kube-proxy's metrics address in `ns`: its
+/// mode (`iptables`, ...), `ebpf` while the agent holds the port, `None`
+/// when nothing does.
+fn proxy_mode(ns: &str) -> Option<String> {
+    match http_get_in(ns, METRICS_ADDR, "/proxyMode", HTTP_TIMEOUT) {
+        Ok((200, body)) => Some(body.trim().to_string()),
+        _ => None,
+    }
+}
+
+/// The text of `log` from byte `start` on (empty if unreadable).
+fn log_since(log: &std::path::Path, start: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut text = Vec::new();
+    let _ = std::fs::File::open(log).and_then(|mut f| {
+        f.seek(SeekFrom::Start(start))
+            .and_then(|_| f.read_to_end(&mut text))
+    });
+    String::from_utf8_lossy(&text).into_owned()
+}
+
+/// Whether kube-proxy's log (`--v=2`) shows a sync of its rules that did
+/// not fail: each sync logs `Syncing <mode> rules`, then `Sync failed` if
+/// it failed, then `SyncProxyRules complete` either way.
+fn log_shows_a_sync(log: &str) -> bool {
+    let mut failed = false;
+    for line in log.lines() {
+        if line.contains("\"Syncing iptables rules\"")
+            || line.contains("\"Syncing nftables rules\"")
+            || line.contains("\"Syncing ipvs rules\"")
+        {
+            failed = false;
+        } else if line.contains("\"Sync failed\"") {
+            failed = true;
+        } else if line.contains("\"SyncProxyRules complete\"") && !failed {
+            return true;
+        }
+    }
+    false
+}
 
 /// Whether kube-proxy in namespace `ns` has synced its rules once
 /// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` set).
@@ -211,6 +256,7 @@ impl Lab {
             .create(true)
             .append(true)
             .open(&log_path)?;
+        let log_start = log.metadata()?.len();
         let mut cmd = Command::new(kube::bin("kube-proxy"));
         cmd.arg("--config")
             .arg(&config)
@@ -230,6 +276,7 @@ impl Lab {
             mode,
             config,
             log: log_path.clone(),
+            log_start,
         });
         self.save()?;
         self.wait_kube_proxy_healthy(node, START_TIMEOUT)
@@ -306,13 +353,31 @@ impl Lab {
                     super::wait::tail(&kp.log, 30)
                 );
             }
-            // /healthz answers 200 before the first sync too (no update
-            // queued yet): the first sync is its metrics' last-sync time.
-            match http_get_in(&n.netns, addr, "/healthz", HTTP_TIMEOUT) {
-                Ok((200, _)) if first_sync_done(&n.netns) => return Ok(()),
-                Ok((200, _)) => last = "healthy, not synced yet".to_string(),
-                Ok((code, body)) => last = format!("{code} {body}"),
-                Err(e) => last = format!("{e:#}"),
+            match proxy_mode(&n.netns) {
+                // kube-proxy's own ports. /healthz answers 200 before the
+                // first sync too (no update queued yet): the first sync is
+                // its metrics' last-sync time.
+                Some(m) if m == kp.mode.as_str() => {
+                    match http_get_in(&n.netns, addr, "/healthz", HTTP_TIMEOUT) {
+                        Ok((200, _)) if first_sync_done(&n.netns) => return Ok(()),
+                        Ok((200, _)) => last = "healthy, not synced yet".to_string(),
+                        Ok((code, body)) => last = format!("{code} {body}"),
+                        Err(e) => last = format!("{e:#}"),
+                    }
+                }
+                // Another proxy (the agent, a migration's middle step)
+                // holds kube-proxy's ports: kube-proxy binds them once it
+                // exits (it tries every 5 s). Its log says when its rules
+                // are in.
+                Some(other) => {
+                    if log_shows_a_sync(&log_since(&kp.log, kp.log_start)) {
+                        return Ok(());
+                    }
+                    last = format!(
+                        "its ports held by a proxy of mode {other:?}; no sync in its log yet"
+                    );
+                }
+                None => last = format!("nothing answers /proxyMode on {METRICS_ADDR}"),
             }
             if Instant::now() > deadline {
                 bail!(
@@ -455,5 +520,26 @@ impl Lab {
             .filter(|n| n.kube_proxy.is_some())
             .map(|n| n.name.clone())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_shows_a_sync;
+
+    #[test]
+    fn a_failed_sync_is_not_a_sync() {
+        let ok = r#"I1206 1 proxier.go:655] "Syncing iptables rules" fullSync=true
+I1206 2 proxier.go:649] "SyncProxyRules complete" elapsed="24ms""#;
+        let failed = r#"I1206 1 proxier.go:655] "Syncing nftables rules" fullSync=true
+E1206 2 proxier.go:1874] "nftables sync failed" err="exit status 1"
+I1206 3 proxier.go:1211] "Sync failed" retryingTime="30s"
+I1206 4 proxier.go:1200] "SyncProxyRules complete" elapsed="3ms""#;
+        assert!(log_shows_a_sync(ok));
+        assert!(!log_shows_a_sync(failed));
+        assert!(log_shows_a_sync(&format!("{failed}\n{ok}")));
+        assert!(!log_shows_a_sync(
+            r#"I1206 "Not syncing iptables until Services and Endpoints have been received from master""#
+        ));
     }
 }
