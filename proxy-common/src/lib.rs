@@ -206,6 +206,12 @@ pub const SNAT_SEARCH_BACKOFF_NS: u64 = 100_000_000;
 /// keep the deadline the agent wrote (the kernel entry's own timeout).
 pub const HANDOVER_REFRESH_NS: u64 = 120_000_000_000;
 
+/// How long a TCP or SCTP flow the draining datapath passed to the stack
+/// stays listed in the handover map: the kernel's default established
+/// timeout (`nf_conntrack_tcp_timeout_established`, 5 days), as its entry
+/// there. (A UDP flow gets [`HANDOVER_REFRESH_NS`], renewed per packet.)
+pub const HANDOVER_DRAINED_NS: u64 = 5 * 24 * 3600 * 1_000_000_000;
+
 /// IP protocol numbers used in keys.
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -521,9 +527,12 @@ pub mod config_flags {
     /// netfilter's forward filtering sees the backend tuple.
     pub const DELIVER_VIA_STACK: u32 = 1 << 0;
     /// Draining (`--on-exit drain`, the agent handing the node back to
-    /// kube-proxy): flows already tracked are still translated, new ones
-    /// pass untouched to the host's stack (kube-proxy's rules), and the
-    /// socket hooks leave new connections to it too.
+    /// kube-proxy; and while an agent taking a node over from kube-proxy
+    /// attaches and lists the kernel's flows): flows already tracked are
+    /// still translated, new ones pass untouched to the host's stack
+    /// (kube-proxy's rules) and are listed in the handover map, so that
+    /// they stay the stack's once draining ends; the socket hooks leave new
+    /// connections to it too.
     pub const DRAINING: u32 = 1 << 1;
 }
 
@@ -759,6 +768,16 @@ impl Config {
         self
     }
     /// [`config_flags::DELIVER_VIA_STACK`] set or cleared.
+    /// [`config_flags::DRAINING`] set or cleared.
+    pub const fn with_draining(mut self, on: bool) -> Self {
+        if on {
+            self.flags |= config_flags::DRAINING;
+        } else {
+            self.flags &= !config_flags::DRAINING;
+        }
+        self
+    }
+
     pub const fn with_delivery_via_stack(mut self, on: bool) -> Self {
         if on {
             self.flags |= config_flags::DELIVER_VIA_STACK;

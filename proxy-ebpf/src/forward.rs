@@ -81,7 +81,9 @@ fn decide_inner(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Resul
             return Err(Verdict::Pass(stat::PASS_HANDOVER));
         }
         if cfg.flags & config_flags::DRAINING != 0 {
-            // Handing the node back: new flows are the next proxy's.
+            // Handing the node back, or not taken over yet: new flows are
+            // the other proxy's, for as long as they last.
+            let _ = HANDOVER4_V1.insert(&skey, &drained_until(pkt.proto, now), 0);
             return Err(Verdict::Pass(stat::PASS_DRAINING));
         }
         new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
@@ -128,6 +130,18 @@ pub fn handed_over(entry: Option<*mut u64>, proto: u8, tcp_flags: u8, now: u64) 
         }
     }
     true
+}
+
+/// The handover deadline of a flow the draining datapath passes to the
+/// stack: as the kernel's entry would keep it (TCP and SCTP; UDP renewed by
+/// its packets, as [`handed_over`] does).
+#[inline(always)]
+pub fn drained_until(proto: u8, now: u64) -> u64 {
+    if connection_oriented(proto) {
+        now + proxy_common::HANDOVER_DRAINED_NS
+    } else {
+        now + proxy_common::HANDOVER_REFRESH_NS
+    }
 }
 
 /// A new flow to frontend `fe`: source ranges checked, a backend selected,

@@ -692,6 +692,8 @@ pub fn established(pkt: &Packet6) -> u32 {
     ) {
         stat::PASS_HANDOVER
     } else if cfg.flags & config_flags::DRAINING != 0 {
+        let until = crate::forward::drained_until(pkt.proto, now);
+        let _ = HANDOVER6_V1.insert(&*skey, &until, 0);
         stat::PASS_DRAINING
     } else {
         NOT_ESTABLISHED

@@ -198,8 +198,15 @@ pub(super) async fn attach(
     // copied again now that ours take over.
     loaded.finish_migrations();
     // Flows the kernel translated (kube-proxy's) stay the kernel's: listed
-    // before the programs see their packets, and again once attached (flows
-    // kube-proxy opened meanwhile).
+    // before the programs see their packets, and again once attached. On a
+    // node kube-proxy serves, the datapath drains until then: a flow
+    // kube-proxy opens meanwhile (its SYN before the programs attach, its
+    // ACK after) is passed to the stack and listed by the datapath itself,
+    // instead of being given a backend of ours midway (and reset).
+    let kube_proxy = kube_proxy_present();
+    if kube_proxy.is_some() {
+        set_draining(started, true);
+    }
     hand_over(&loaded.pin_dir, "before attaching");
     info!(mode = %tc_mode, "attaching tc programs");
     let attacher = Arc::new(Mutex::new(Attacher::new(
@@ -214,6 +221,13 @@ pub(super) async fn attach(
     attach_socket_hooks(cfg, &loaded.sock_lb, &attacher);
     attacher.lock().expect("attacher lock").prune_pins();
     hand_over(&loaded.pin_dir, "after attaching");
+    if let Some(mode) = kube_proxy {
+        set_draining(started, false);
+        info!(
+            kube_proxy = mode,
+            "taking the node over from kube-proxy: its flows stay its, new flows are ours"
+        );
+    }
     let links = tokio::spawn(links::follow_links(
         attacher.clone(),
         patterns,
@@ -326,6 +340,27 @@ pub(super) fn delivery_via_stack(mode: crate::config::DeliveryMode) -> bool {
                 true
             }
         },
+    }
+}
+
+/// kube-proxy's mode, when its chains are in the host's netfilter.
+fn kube_proxy_present() -> Option<&'static str> {
+    match crate::host::netfilter::chains() {
+        Ok(chains) => crate::host::netfilter::kube_proxy(&chains),
+        Err(e) => {
+            warn!(error = %e, "cannot list the host's iptables/nftables chains: if kube-proxy serves this node, a connection it opens while the programs attach may be reset");
+            None
+        }
+    }
+}
+
+/// Sets or clears `DRAINING` in the datapath's configuration (while the
+/// programs attach on a node kube-proxy serves).
+fn set_draining(started: &mut Started, on: bool) {
+    let c = started.obs.datapath.with_draining(on);
+    match started.writer.dataplane_mut().set_config(c) {
+        Ok(()) => started.obs.datapath = c,
+        Err(e) => error!(error = %e, draining = on, "cannot update the datapath configuration"),
     }
 }
 

@@ -104,8 +104,11 @@ pub(super) fn sync_once(
     // IPv6 hairpin flows are SNATed to the configured address, else to the
     // node's IPv6 address.
     let hairpin6 = cfg.hairpin_snat_ip6.or(desired.node_addr6);
+    // A sync never drains (only the attach on a node kube-proxy serves, and
+    // `--on-exit drain`): a draining flag left by a failed write is cleared.
     let mut node_cfg = obs
         .datapath
+        .with_draining(false)
         .with_node_addr(desired.node_addr.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED))
         .with_hairpin6_addr(hairpin6.unwrap_or(std::net::Ipv6Addr::UNSPECIFIED))
         .with_node6_addr(

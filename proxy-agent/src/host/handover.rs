@@ -19,6 +19,14 @@
 //! kernel entry's timeout (TCP, SCTP) or two minutes after a UDP flow's
 //! last packet, and the map is an LRU.
 //!
+//! A flow that kube-proxy opens between the first read and the programs'
+//! attach, and whose later packets arrive before the second read, would
+//! still be taken midway. So on a node whose netfilter holds kube-proxy's
+//! chains the agent attaches with the datapath draining
+//! ([`proxy_common::config_flags::DRAINING`]): a new flow is passed to the
+//! stack and listed in the handover map by the datapath itself. Draining
+//! ends after the second read.
+//!
 //! Replies need nothing: a reply the datapath does not know passes to the
 //! stack, whose entry reverse-translates it.
 

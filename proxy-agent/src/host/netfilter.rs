@@ -49,6 +49,30 @@ pub fn policy_engine(chains: &[Chain]) -> Option<&'static str> {
     None
 }
 
+/// kube-proxy's chains in `chains`: its mode, when its rules (a proxy that
+/// translates with the kernel's NAT) are in the host's netfilter. The
+/// iptables and ipvs modes' filter chains are in legacy iptables' `filter`
+/// table or, with `iptables-nft`, in nftables; the nftables mode has a
+/// table of its own.
+pub fn kube_proxy(chains: &[Chain]) -> Option<&'static str> {
+    const IPTABLES: [&str; 5] = [
+        "KUBE-SERVICES",
+        "KUBE-FORWARD",
+        "KUBE-NODEPORTS",
+        "KUBE-EXTERNAL-SERVICES",
+        "KUBE-PROXY-FIREWALL",
+    ];
+    chains.iter().find_map(|c| {
+        if c.table == "kube-proxy" {
+            Some("nftables")
+        } else if IPTABLES.contains(&c.name.as_str()) {
+            Some("iptables or ipvs")
+        } else {
+            None
+        }
+    })
+}
+
 /// Every chain of the host's nftables (`iptables-nft` included) and legacy
 /// iptables `filter` table, in this network namespace.
 pub fn chains() -> io::Result<Vec<Chain>> {
@@ -308,6 +332,25 @@ mod tests {
         }
         // kube-proxy's own chains are not a policy engine.
         assert_eq!(policy_engine(&[chain("filter", "KUBE-FORWARD")]), None);
+    }
+
+    #[test]
+    fn kube_proxy_is_known_by_its_chains() {
+        let plain = [chain("filter", "FORWARD"), chain("nat", "DOCKER")];
+        assert_eq!(kube_proxy(&plain), None);
+        // Another project's chains with a KUBE- prefix are not kube-proxy's.
+        assert_eq!(kube_proxy(&[chain("filter", "KUBE-ROUTER-FORWARD")]), None);
+        assert_eq!(
+            kube_proxy(&[chain("kube-proxy", "services")]),
+            Some("nftables")
+        );
+        for name in ["KUBE-FORWARD", "KUBE-SERVICES", "KUBE-PROXY-FIREWALL"] {
+            assert_eq!(
+                kube_proxy(&[plain[0].clone(), chain("filter", name)]),
+                Some("iptables or ipvs"),
+                "{name}"
+            );
+        }
     }
 
     /// A netlink buffer as the kernel writes it: two chains, then DONE.

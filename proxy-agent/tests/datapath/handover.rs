@@ -135,3 +135,58 @@ fn draining_leaves_new_flows_to_the_stack_and_keeps_tracked_ones() {
     assert_eq!(delta(&h, &before, stat::PASS_DRAINING), 2);
     assert!(!has_service_entry(&h, 46001));
 }
+
+/// A flow passed to the stack while draining stays the stack's once
+/// draining ends: the agent taking a node over from kube-proxy drains while
+/// it attaches and reads the kernel's table, and a connection kube-proxy
+/// opened in that moment must not be translated midway (its ACK given a
+/// backend of ours, reset) when the agent starts translating.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn a_flow_passed_while_draining_stays_the_stacks_after() {
+    let mut h = Harness::new();
+    service(&mut h);
+    let mut c = Config::default().with_hairpin_addr(HAIRPIN);
+    c.flags |= config_flags::DRAINING;
+    h.set_config(c);
+    let opened = [
+        tcp4(CLIENT, 48000, VIP, 80, SYN, b""),
+        udp4(CLIENT, 48001, VIP, 53, b"q"),
+    ];
+    for frame in &opened {
+        let (rc, out) = h.run(frame);
+        assert_eq!((rc, &out), (TC_ACT_OK, frame), "passed while draining");
+    }
+    let now = proxy_agent::bpf::ktime_ns();
+    let m = handover_map(&h);
+    let tcp_until = m
+        .get(&key(48000, 80, IPPROTO_TCP), 0)
+        .expect("the TCP flow listed");
+    assert!(
+        tcp_until >= now + 4 * 24 * 3600 * S,
+        "a TCP flow stays the stack's as long as the kernel's entry: {} s",
+        tcp_until.saturating_sub(now) / S
+    );
+    assert!(
+        m.get(&key(48001, 53, IPPROTO_UDP), 0).is_ok(),
+        "the UDP flow listed"
+    );
+
+    // Draining ends (the agent has listed the kernel's flows).
+    h.set_config(Config::default().with_hairpin_addr(HAIRPIN));
+    let before = h.stats();
+    for frame in [
+        tcp4(CLIENT, 48000, VIP, 80, ACK, b"x"),
+        tcp4(CLIENT, 48000, VIP, 80, ACK | PSH, b"request"),
+        udp4(CLIENT, 48001, VIP, 53, b"q2"),
+    ] {
+        let (rc, out) = h.run(&frame);
+        assert_eq!((rc, out), (TC_ACT_OK, frame), "still the stack's");
+    }
+    assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 3);
+    assert_eq!(delta(&h, &before, stat::CT_NEW_MIDSTREAM), 0);
+    assert!(!has_service_entry(&h, 48000));
+    // A new connection is ours.
+    let r = parse_checked(&h.run(&tcp4(CLIENT, 48002, VIP, 80, SYN, b"")).1);
+    assert_eq!((r.dst, r.dport), (B1, 8080));
+}

@@ -1128,6 +1128,33 @@ fn ipv6_fuzzed_frames_are_translated_or_left_alone_never_broken() {
     }
 }
 
+/// An IPv6 flow passed to the stack while draining (the agent attaching on
+/// a node kube-proxy serves) stays the stack's once draining ends.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_a_flow_passed_while_draining_stays_the_stacks_after() {
+    let mut h = harness6(&[(
+        fe6(VIP6, 80, IPPROTO_TCP),
+        vec![be6(B6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let config = Config::default()
+        .with_hairpin6_addr(HAIRPIN6)
+        .with_node6_addr(NODE6);
+    let mut draining = config;
+    draining.flags |= proxy_common::config_flags::DRAINING;
+    h.set_config(draining);
+    let syn = tcp6(CLIENT6, 47100, VIP6, 80, SYN);
+    assert_eq!(h.run(&syn), (TC_ACT_OK, syn), "passed while draining");
+    h.set_config(config);
+    let before = h.stats();
+    let ack = tcp6(CLIENT6, 47100, VIP6, 80, ACK);
+    assert_eq!(h.run(&ack), (TC_ACT_OK, ack), "still the stack's after");
+    assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 1);
+    let (_, out) = h.run(&tcp6(CLIENT6, 47101, VIP6, 80, SYN));
+    assert_eq!(tuple6_checked(&out, L4_OFF6), (CLIENT6, 47101, B6, 8080));
+}
+
 /// Issue 39: an IPv6 flow the kernel's conntrack translated (kube-proxy's,
 /// listed by the agent in the handover map) passes untouched; a SYN on its
 /// tuple is a new connection, translated.
