@@ -5,8 +5,13 @@ use std::{net::SocketAddr, path::Path, time::Duration};
 use clap::Parser;
 use proxy_agent::{
     cli::{Cli, Cmd, RunArgs},
-    config::{parse_duration, ConfigFile, Settings, SourceKind},
+    config::{parse_duration, ConfigError, ConfigFile, Settings, SourceKind},
 };
+
+/// `Settings::resolve` with this host's facts (hostname, cgroup root).
+fn resolve(file: &ConfigFile, flags: &RunArgs) -> Result<Settings, ConfigError> {
+    Settings::resolve(file, flags, &proxy_agent::host::facts())
+}
 
 fn run_args(args: &[&str]) -> RunArgs {
     let mut argv = vec!["proxy-agent", "run"];
@@ -70,7 +75,7 @@ fn go_durations() {
 #[test]
 fn every_field_of_the_file_is_used() {
     let file = parse(FULL).unwrap();
-    let s = Settings::resolve(&file, &RunArgs::default(), &proxy_agent::host::facts()).unwrap();
+    let s = resolve(&file, &RunArgs::default()).unwrap();
     assert_eq!(
         s.healthz_bind_address,
         Some("0.0.0.0:10266".parse().unwrap())
@@ -99,10 +104,9 @@ fn every_field_of_the_file_is_used() {
 
 #[test]
 fn defaults_are_kube_proxys() {
-    let s = Settings::resolve(
+    let s = resolve(
         &ConfigFile::default(),
         &run_args(&["--manifests", "/m", "--node-name", "n"]),
-        &proxy_agent::host::facts(),
     )
     .unwrap();
     assert_eq!(
@@ -137,22 +141,14 @@ fn unknown_and_invalid_fields_are_errors_that_name_them() {
     let e = parse("kind: KubeProxyConfiguration\n").unwrap_err();
     assert!(e.contains("kind"), "{e}");
     let file = parse("clusterCIDR: 198.18.0.0/33\nsource: kubernetes\n").unwrap();
-    let e = Settings::resolve(
-        &file,
-        &run_args(&["--node-name", "n"]),
-        &proxy_agent::host::facts(),
-    )
-    .unwrap_err()
-    .to_string();
+    let e = resolve(&file, &run_args(&["--node-name", "n"]))
+        .unwrap_err()
+        .to_string();
     assert!(e.starts_with("clusterCIDR"), "{e}");
     let file = parse("healthzBindAddress: nowhere\nsource: kubernetes\n").unwrap();
-    let e = Settings::resolve(
-        &file,
-        &run_args(&["--node-name", "n"]),
-        &proxy_agent::host::facts(),
-    )
-    .unwrap_err()
-    .to_string();
+    let e = resolve(&file, &run_args(&["--node-name", "n"]))
+        .unwrap_err()
+        .to_string();
     assert!(e.starts_with("healthzBindAddress"), "{e}");
 }
 
@@ -177,7 +173,7 @@ fn flags_override_the_file() {
         "--conntrack-max",
         "1000",
     ]);
-    let s = Settings::resolve(&file, &flags, &proxy_agent::host::facts()).unwrap();
+    let s = resolve(&file, &flags).unwrap();
     assert_eq!(s.source, SourceKind::Manifests);
     assert_eq!(s.manifests, [Path::new("/m")]);
     assert_eq!(s.node_name, "node-1");
@@ -220,12 +216,7 @@ fn the_labs_command_line_still_works() {
 
 #[test]
 fn the_manifests_source_needs_manifests() {
-    let e = Settings::resolve(
-        &ConfigFile::default(),
-        &run_args(&["--node-name", "n"]),
-        &proxy_agent::host::facts(),
-    )
-    .unwrap_err();
+    let e = resolve(&ConfigFile::default(), &run_args(&["--node-name", "n"])).unwrap_err();
     assert!(e.to_string().starts_with("manifests"), "{e}");
 }
 
@@ -298,12 +289,7 @@ fn inspect_errors_name_the_pin_directory() {
 fn frontend_policy_fields_defaults_and_errors() {
     let resolve = |text: &str| {
         let file = parse(&format!("source: kubernetes\n{text}"))?;
-        Settings::resolve(
-            &file,
-            &run_args(&["--node-name", "n"]),
-            &proxy_agent::host::facts(),
-        )
-        .map_err(|e| e.to_string())
+        resolve(&file, &run_args(&["--node-name", "n"])).map_err(|e| e.to_string())
     };
     let d = resolve("").unwrap().frontend_policy;
     assert!(d.honour_external_ips);
@@ -406,13 +392,9 @@ fn fuzzed_config_files_never_panic_and_errors_are_clear() {
             ConfigFile::parse(Path::new("fuzz.yaml"), &text)
                 .map_err(|e| e.to_string())
                 .and_then(|file| {
-                    Settings::resolve(
-                        &file,
-                        &run_args(&["--node-name", "n"]),
-                        &proxy_agent::host::facts(),
-                    )
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
+                    resolve(&file, &run_args(&["--node-name", "n"]))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
                 })
         });
         let Ok(result) = outcome else {
@@ -437,12 +419,7 @@ fn delivery_mode_and_snat_port_range() {
     use proxy_agent::config::DeliveryMode;
     let base = "source: kubernetes\n";
     let file = parse(base).unwrap();
-    let s = Settings::resolve(
-        &file,
-        &run_args(&["--node-name", "n"]),
-        &proxy_agent::host::facts(),
-    )
-    .unwrap();
+    let s = resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
     assert_eq!(
         s.delivery_mode,
         DeliveryMode::Auto,
@@ -453,16 +430,11 @@ fn delivery_mode_and_snat_port_range() {
         "{base}deliveryMode: stack\nsnatPortRange: 20000-29999\nconntrack:\n  udpStreamTimeout: 3m\n"
     ))
     .unwrap();
-    let s = Settings::resolve(
-        &file,
-        &run_args(&["--node-name", "n"]),
-        &proxy_agent::host::facts(),
-    )
-    .unwrap();
+    let s = resolve(&file, &run_args(&["--node-name", "n"])).unwrap();
     assert_eq!(s.delivery_mode, DeliveryMode::Stack);
     assert_eq!(s.snat_port_range, Some((20000, 29999)));
     assert_eq!(s.conntrack_timeouts.udp_stream_s, Some(180));
-    let s = Settings::resolve(
+    let s = resolve(
         &file,
         &run_args(&[
             "--node-name",
@@ -472,20 +444,15 @@ fn delivery_mode_and_snat_port_range() {
             "--snat-port-range",
             "1024-2047",
         ]),
-        &proxy_agent::host::facts(),
     )
     .unwrap();
     assert_eq!(s.delivery_mode, DeliveryMode::Redirect);
     assert_eq!(s.snat_port_range, Some((1024, 2047)));
     for bad in ["30000", "0-10", "20-10", "1-70000", "a-b"] {
         let file = parse(&format!("{base}snatPortRange: \"{bad}\"\n")).unwrap();
-        let e = Settings::resolve(
-            &file,
-            &run_args(&["--node-name", "n"]),
-            &proxy_agent::host::facts(),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = resolve(&file, &run_args(&["--node-name", "n"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("snatPortRange"), "{bad}: {e}");
     }
     assert!(parse(&format!("{base}deliveryMode: fast\n"))
@@ -529,13 +496,9 @@ fn map_sizes_raise_the_frontend_and_backend_maps() {
     use proxy_agent::bpf::MapSizes;
     let resolve = |text: &str| {
         let file = parse(&format!("source: kubernetes\n{text}"))?;
-        Settings::resolve(
-            &file,
-            &run_args(&["--node-name", "n"]),
-            &proxy_agent::host::facts(),
-        )
-        .map(|s| s.map_sizes)
-        .map_err(|e| e.to_string())
+        resolve(&file, &run_args(&["--node-name", "n"]))
+            .map(|s| s.map_sizes)
+            .map_err(|e| e.to_string())
     };
     let s =
         resolve("mapSizes: {services: 524288, backends: 262144, reverseNat: 131072}\n").unwrap();
@@ -617,7 +580,7 @@ fn the_node_name_and_the_cgroup_root_come_from_the_host_facts_given() {
 /// an address the healthz server already holds is left to that server.
 #[test]
 fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
-    let resolve = |file: &str, flags: &[&str]| {
+    let probe = |file: &str, flags: &[&str]| {
         let mut args = vec![
             "--source",
             "manifests",
@@ -627,43 +590,39 @@ fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
             "n",
         ];
         args.extend_from_slice(flags);
-        Settings::resolve(
-            &parse(file).unwrap(),
-            &run_args(&args),
-            &proxy_agent::host::facts(),
-        )
-        .unwrap()
-        .probe_bind_address
+        resolve(&parse(file).unwrap(), &run_args(&args))
+            .unwrap()
+            .probe_bind_address
     };
     let addr = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
-    assert_eq!(resolve("", &[]), addr("127.0.0.1:10266"));
+    assert_eq!(probe("", &[]), addr("127.0.0.1:10266"));
     assert_eq!(
-        resolve("probeBindAddress: 0.0.0.0:9000\n", &[]),
+        probe("probeBindAddress: 0.0.0.0:9000\n", &[]),
         addr("0.0.0.0:9000")
     );
     assert_eq!(
-        resolve(
+        probe(
             "probeBindAddress: 0.0.0.0:9000\n",
             &["--probe-bind-address", "127.0.0.1:9001"]
         ),
         addr("127.0.0.1:9001")
     );
     assert_eq!(
-        resolve("probeBindAddress: \"\"\n", &[]),
+        probe("probeBindAddress: \"\"\n", &[]),
         None,
         "empty disables"
     );
     assert_eq!(
-        resolve("healthzBindAddress: 0.0.0.0:10266\n", &[]),
+        probe("healthzBindAddress: 0.0.0.0:10266\n", &[]),
         None,
         "0.0.0.0:10266 serves the probes' paths on loopback already"
     );
     assert_eq!(
-        resolve("healthzBindAddress: 198.18.0.10:10266\n", &[]),
+        probe("healthzBindAddress: 198.18.0.10:10266\n", &[]),
         addr("127.0.0.1:10266"),
         "another address of the same port does not overlap"
     );
-    let e = Settings::resolve(
+    let e = resolve(
         &parse("probeBindAddress: nowhere\n").unwrap(),
         &run_args(&[
             "--source",
@@ -673,7 +632,6 @@ fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
             "--node-name",
             "n",
         ]),
-        &proxy_agent::host::facts(),
     )
     .unwrap_err()
     .to_string();
