@@ -13,6 +13,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Flow},
+    family::{Family, V4},
     lb,
     maps::{count, CONFIG_V3, HANDOVER4_V1},
     nat,
@@ -161,10 +162,10 @@ fn new_flow(
     let external = scope == SCOPE_EXTERNAL;
     let client_be = pkt.saddr_be;
     // Every source, as kube-proxy's firewall chain: external clients, pods.
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !lb::source_allowed(fe.rev_nat_id, client_be) {
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !V4::source_allowed(fe.rev_nat_id, &client_be) {
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
-    let (backend_id, b) = lb::select(pkt, &lb::frontend_key(pkt, scope), fe, now)?;
+    let (backend_id, b) = lb::select(&pkt.five_tuple(), &lb::frontend_key(pkt, scope), fe, now)?;
     if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
         // Maglev handoff: the backend's node picks the same backend and
         // translates; this node only forwards, keeping no state, so any node

@@ -43,7 +43,7 @@ use aya_ebpf::{
         bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
         BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
-    btf_maps::{lpm_trie::Key as LpmKey, PerCpuArray, ProgramArray},
+    btf_maps::{PerCpuArray, ProgramArray},
     helpers::{
         bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
         bpf_skb_change_tail,
@@ -57,19 +57,14 @@ use proxy_common::{
         alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
         tcp_state, NSEC_PER_SEC,
     },
-    crc32c, csum, ct_dir, ct_flags,
-    ipv6::fold6,
-    lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, Addr6, Affinity6Key, AffinityValue, Backend6, Config, Ct6Key, Ct6Value,
-    Frag6Key, FragPorts, RevNat6, SourceRange6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP,
-    IPPROTO_UDP, MAP_LAYOUT_VERSION, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS,
+    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Backend6, Config, Ct6Key, Ct6Value,
+    Frag6Key, FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
 };
 
 use crate::{
-    maps::{
-        account, count, AFFINITY6_V2, BACKEND6_V1, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1,
-        MAGLEV4_V2, REVNAT6_V2, RR4_V1, SRCRANGE6_V2, SVC6_V2,
-    },
+    family::{Family, V6},
+    maps::{account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -144,17 +139,15 @@ const IP6_FRAG_OFFSET: u16 = 0xfff8;
 const IP6_FRAG_MORE: u16 = 0x0001;
 
 impl Packet6 {
-    /// What backend selection reads of a host client's socket aimed at
-    /// `daddr_be`:`dport_be`: no client address yet (one identity per
-    /// node), `sport_be` standing in for the port (see [`crate::sock`]).
+    /// What backend selection reads of the packet ([`crate::lb::select`]).
     #[inline(always)]
-    pub fn of_socket(proto: u8, daddr_be: Addr6, dport_be: u16, sport_be: u16) -> Self {
-        Packet6 {
-            proto,
-            daddr_be,
-            dport_be,
-            sport_be,
-            ..Packet6::default()
+    pub fn five_tuple(&self) -> crate::family::FiveTuple<'_, crate::family::V6> {
+        crate::family::FiveTuple {
+            saddr: &self.saddr_be,
+            daddr: &self.daddr_be,
+            sport_be: self.sport_be,
+            dport_be: self.dport_be,
+            proto: self.proto,
         }
     }
 
@@ -587,28 +580,13 @@ impl Flow6 {
 
 #[inline(always)]
 fn backend(id: u32) -> Option<Backend6> {
-    // SAFETY: map value pointer, copied.
-    BACKEND6_V1.get_ptr(id).map(|b| unsafe { *b })
+    V6::backend(id)
 }
 
 #[inline(always)]
 fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
     // SAFETY: map value pointer, copied.
     REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })
-}
-
-/// Whether a client in `addr_be` may open flows to the frontend with
-/// `rev_nat_id` (its `loadBalancerSourceRanges`).
-#[inline(always)]
-fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: &Addr6) -> bool {
-    let key = LpmKey {
-        prefix_len: SOURCE_RANGE_ID_BITS + 128,
-        data: SourceRange6 {
-            rev_nat_id_be: rev_nat_id.to_be(),
-            addr_be: *addr_be,
-        },
-    };
-    SRCRANGE6_V2.get(&key).is_some()
 }
 
 /// A packet to frontend `fe` (at `key`): conntrack first ([`established`]),
@@ -802,10 +780,11 @@ pub fn new_flow(
     // caller), `rkey` and `entry` are used here only while this runs.
     let (skey, rkey, sval) = unsafe { (&(*sc).skey, &mut (*sc).rkey, &mut (*sc).entry) };
     let external = key.scope == SCOPE_EXTERNAL;
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !source_allowed(fe.rev_nat_id, &pkt.saddr_be) {
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !V6::source_allowed(fe.rev_nat_id, &pkt.saddr_be)
+    {
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
-    let (backend_id, b) = select(pkt, key, fe, now)?;
+    let (backend_id, b) = crate::lb::select(&pkt.five_tuple(), key, fe, now)?;
     if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
         flow.backend_id = backend_id;
         flow.backend = b;
@@ -884,107 +863,6 @@ pub fn new_flow(
         count(stat::CT_INSERT_FAILED);
     }
     Ok(())
-}
-
-/// Session affinity while valid, else the frontend's algorithm (as IPv4's
-/// `lb::select`).
-#[inline(always)]
-pub fn select(
-    pkt: &Packet6,
-    key: &Svc6Key,
-    fe: &SvcValue,
-    now: u64,
-) -> Result<(u32, Backend6), Verdict> {
-    if fe.count == 0 {
-        if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
-            return Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND));
-        }
-        return Err(Verdict::Reject(stat::REJECT_NO_BACKEND));
-    }
-    let akey = Affinity6Key {
-        client_be: pkt.saddr_be,
-        rev_nat_id: fe.rev_nat_id,
-    };
-    let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
-    if timeout_ns != 0 {
-        if let Some(a) = AFFINITY6_V2.get_ptr_mut(akey) {
-            // SAFETY: LRU value pointer; fields read and written individually.
-            let a = unsafe { &mut *a };
-            if now.saturating_sub(a.last_used_ns) <= timeout_ns {
-                if let Some(b) = backend(a.backend_id) {
-                    a.last_used_ns = now;
-                    count(stat::AFFINITY_HIT);
-                    return Ok((a.backend_id, b));
-                }
-            }
-        }
-    }
-    let id = choose(pkt, key, fe)?;
-    let Some(b) = backend(id) else {
-        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
-    };
-    if timeout_ns != 0 {
-        let av = AffinityValue {
-            backend_id: id,
-            _pad: 0,
-            last_used_ns: now,
-        };
-        let _ = AFFINITY6_V2.insert(akey, av, BPF_ANY as u64);
-    }
-    Ok((id, b))
-}
-
-#[inline(always)]
-fn choose(pkt: &Packet6, key: &Svc6Key, fe: &SvcValue) -> Result<u32, Verdict> {
-    let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
-    let algorithm = svc_flags::algorithm(fe.flags);
-    if algorithm == alg::MAGLEV {
-        if fe.maglev_size == 0 {
-            return Err(miss);
-        }
-        let h = flow_hash(
-            fold6(&pkt.saddr_be),
-            fold6(&pkt.daddr_be),
-            pkt.sport_be,
-            pkt.dport_be,
-            pkt.proto,
-        );
-        let index = h % fe.maglev_size as u32;
-        let generation = u8::from(fe.flags & svc_flags::MAGLEV_GEN != 0);
-        let mkey = MaglevKey::new(
-            fe.rev_nat_id,
-            generation,
-            (index / MAGLEV_CHUNK as u32) as u16,
-        );
-        let chunk = MAGLEV4_V2.get_ptr(mkey).ok_or(miss)?;
-        let entry = (index as usize) & (MAGLEV_CHUNK - 1);
-        // SAFETY: map value pointer; `entry` is below the chunk's length.
-        let id = unsafe { (*chunk).backend_ids[entry] };
-        return if id == 0 { Err(miss) } else { Ok(id) };
-    }
-    let r = if algorithm == alg::ROUND_ROBIN {
-        match RR4_V1.get_ptr_mut(fe.rev_nat_id) {
-            // SAFETY: this CPU's cursor; no other writer while we run.
-            Some(c) => unsafe {
-                let r = *c;
-                *c = r.wrapping_add(1);
-                r
-            },
-            // An id beyond the cursors (the reverse-NAT map made smaller
-            // than the ids in use): a random pick, not always slot 1.
-            // SAFETY: helper without arguments.
-            None => unsafe { bpf_get_prandom_u32() },
-        }
-    } else if algorithm == alg::SOURCE_HASH {
-        source_hash(fold6(&pkt.saddr_be))
-    } else {
-        // SAFETY: helper without arguments.
-        unsafe { bpf_get_prandom_u32() }
-    };
-    let slot = (r % fe.count as u32) as u16 + 1;
-    let sv = SVC6_V2.get_ptr(key.with_slot(slot)).ok_or(miss)?;
-    // SAFETY: map value pointer, copied.
-    Ok(unsafe { (*sv).backend_id })
 }
 
 /// Whether backend-side tuple `rkey` belongs to another frontend's live flow.

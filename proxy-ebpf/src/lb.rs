@@ -3,21 +3,18 @@
 //! next slot per CPU, a slot by the client's hash, or the Maglev table's
 //! entry for the 5-tuple), from the services, backends, affinity, Maglev and
 //! source-range maps. Hash lookups only; nothing here loops over backends.
+//! Written once for both families ([`crate::family`]).
 
-use aya_ebpf::{
-    bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey, helpers::bpf_get_prandom_u32,
-};
+use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     conntrack::NSEC_PER_SEC,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, Affinity4Key, AffinityValue, Backend4, RevNat4, SourceRange4, Svc4Key,
-    SvcValue, SOURCE_RANGE_ID_BITS,
+    stat, svc_flags, AffinityValue, Backend4, RevNat4, Svc4Key, SvcValue,
 };
 
 use crate::{
-    maps::{
-        count, AFFINITY4_V2, BACKEND4_V1, MAGLEV4_V2, REVNAT4_V2, RR4_V1, SRCRANGE4_V2, SVC4_V2,
-    },
+    family::{Family, FiveTuple, V4},
+    maps::{count, MAGLEV4_V2, REVNAT4_V2, RR4_V1},
     parse::Packet,
     verdict::Verdict,
 };
@@ -36,10 +33,10 @@ pub fn frontend_key(pkt: &Packet, scope: u8) -> Svc4Key {
     }
 }
 
-/// The backend with id `id`.
+/// The IPv4 backend with id `id`.
+#[inline(always)]
 pub fn backend(id: u32) -> Option<Backend4> {
-    // SAFETY: map value pointer, copied.
-    BACKEND4_V1.get_ptr(id).map(|b| unsafe { *b })
+    V4::backend(id)
 }
 
 /// The frontend that replies of reverse-NAT id `id` come from.
@@ -49,36 +46,23 @@ pub fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat4> {
     REVNAT4_V2.get_ptr(id).map(|r| unsafe { *r })
 }
 
-/// Whether a client in `addr_be` may open flows to the frontend with
-/// `rev_nat_id` (its `loadBalancerSourceRanges`).
-pub fn source_allowed(rev_nat_id: proxy_common::RevNatId, addr_be: u32) -> bool {
-    let key = LpmKey {
-        prefix_len: SOURCE_RANGE_ID_BITS + 32,
-        data: SourceRange4 {
-            rev_nat_id_be: rev_nat_id.to_be(),
-            addr_be,
-        },
-    };
-    SRCRANGE4_V2.get(&key).is_some()
-}
-
-/// Picks a backend for a new flow to frontend `fe` (at `fe_key`): the
-/// client's session affinity while it is valid, else the one the frontend's
-/// algorithm names ([`choose`]). `Err`
-/// when there is none to pick: drop when the endpoints may not be used from
-/// this node, else reject.
+/// Picks a backend for a new flow `t` to frontend `fe` (at `key`), either
+/// family: the client's session affinity while it is valid, else the one
+/// the frontend's algorithm names ([`choose`]). `Err` when there is none to
+/// pick: drop when the endpoints may not be used from this node, else
+/// reject.
 ///
 /// Inlined into its callers: as a BPF call of its own its frame (72 bytes,
 /// 96 once the verifier rounds it up) on top of `forward::decide`'s and the
 /// entry point's made 544 bytes, which kernels before 6.x's newer stack
 /// accounting refuse ("combined stack size of 3 calls", 5.10 and 6.1).
 #[inline(always)]
-pub fn select(
-    pkt: &Packet,
-    fe_key: &Svc4Key,
+pub fn select<F: Family>(
+    t: &FiveTuple<F>,
+    key: &F::SvcKey,
     fe: &SvcValue,
     now: u64,
-) -> Result<(u32, Backend4), Verdict> {
+) -> Result<(u32, F::Backend), Verdict> {
     if fe.count == 0 {
         if fe.flags & svc_flags::DROP_NO_BACKEND != 0 {
             return Err(Verdict::Drop(stat::DROP_NO_LOCAL_BACKEND));
@@ -86,17 +70,13 @@ pub fn select(
         // Answered by the caller, outside this call chain (stack depth).
         return Err(Verdict::Reject(stat::REJECT_NO_BACKEND));
     }
-    let akey = Affinity4Key {
-        client_be: pkt.saddr_be,
-        rev_nat_id: fe.rev_nat_id,
-    };
     let timeout_ns = fe.affinity_timeout_s as u64 * NSEC_PER_SEC;
     if timeout_ns != 0 {
-        if let Some(a) = AFFINITY4_V2.get_ptr_mut(akey) {
+        if let Some(a) = F::affinity(t.saddr, fe.rev_nat_id) {
             // SAFETY: LRU value pointer; fields read and written individually.
             let a = unsafe { &mut *a };
             if now.saturating_sub(a.last_used_ns) <= timeout_ns {
-                if let Some(b) = backend(a.backend_id) {
+                if let Some(b) = F::backend(a.backend_id) {
                     // Refreshed by each new connection, as kube-proxy's
                     // `recent --set` does; conntrack never extends it.
                     a.last_used_ns = now;
@@ -106,8 +86,8 @@ pub fn select(
             }
         }
     }
-    let id = choose(pkt, fe_key, fe)?;
-    let Some(b) = backend(id) else {
+    let id = choose(t, key, fe)?;
+    let Some(b) = F::backend(id) else {
         return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
     };
     if timeout_ns != 0 {
@@ -116,7 +96,7 @@ pub fn select(
             _pad: 0,
             last_used_ns: now,
         };
-        let _ = AFFINITY4_V2.insert(akey, av, BPF_ANY as u64);
+        F::set_affinity(t.saddr, fe.rev_nat_id, &av);
     }
     Ok((id, b))
 }
@@ -124,10 +104,10 @@ pub fn select(
 /// The backend id the frontend's algorithm picks for a new flow (`fe.count`
 /// is not 0): Maglev reads its table; the others pick a slot.
 #[inline(always)]
-fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &SvcValue) -> Result<u32, Verdict> {
+fn choose<F: Family>(t: &FiveTuple<F>, key: &F::SvcKey, fe: &SvcValue) -> Result<u32, Verdict> {
     let algorithm = svc_flags::algorithm(fe.flags);
     if algorithm == alg::MAGLEV {
-        return maglev(pkt, fe);
+        return maglev(t, fe);
     }
     let r = if algorithm == alg::ROUND_ROBIN {
         match RR4_V1.get_ptr_mut(fe.rev_nat_id) {
@@ -143,33 +123,30 @@ fn choose(pkt: &Packet, fe_key: &Svc4Key, fe: &SvcValue) -> Result<u32, Verdict>
             None => unsafe { bpf_get_prandom_u32() },
         }
     } else if algorithm == alg::SOURCE_HASH {
-        source_hash(pkt.saddr_be)
+        source_hash(F::fold(t.saddr))
     } else {
         // SAFETY: helper without arguments.
         unsafe { bpf_get_prandom_u32() }
     };
     let slot = (r % fe.count as u32) as u16 + 1;
-    let Some(sv) = SVC4_V2.get_ptr(fe_key.with_slot(slot)) else {
-        return Err(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY));
-    };
-    // SAFETY: map value pointer, copied.
-    Ok(unsafe { (*sv).backend_id })
+    F::slot_backend(key, slot).ok_or(Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY))
 }
 
 /// Maglev: the entry of the frontend's table (the generation slot 0 names)
-/// for the flow's 5-tuple. One hash and one map lookup.
+/// for the flow's 5-tuple. One hash and one map lookup; both families'
+/// tables are in one map, by reverse-NAT id.
 #[inline(always)]
-fn maglev(pkt: &Packet, fe: &SvcValue) -> Result<u32, Verdict> {
+fn maglev<F: Family>(t: &FiveTuple<F>, fe: &SvcValue) -> Result<u32, Verdict> {
     let miss = Verdict::Drop(stat::DROP_NO_BACKEND_ENTRY);
     if fe.maglev_size == 0 {
         return Err(miss);
     }
     let h = flow_hash(
-        pkt.saddr_be,
-        pkt.daddr_be,
-        pkt.sport_be,
-        pkt.dport_be,
-        pkt.proto,
+        F::fold(t.saddr),
+        F::fold(t.daddr),
+        t.sport_be,
+        t.dport_be,
+        t.proto,
     );
     let index = h % fe.maglev_size as u32;
     let generation = u8::from(fe.flags & svc_flags::MAGLEV_GEN != 0);

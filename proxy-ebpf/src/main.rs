@@ -39,6 +39,7 @@
 #![no_main]
 
 mod conntrack;
+mod family;
 mod fib;
 mod forward;
 mod icmp;

@@ -36,23 +36,19 @@
 
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
-    btf_maps::lpm_trie::Key as LpmKey,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
     EbpfContext,
 };
 use proxy_common::{
     stat, svc_flags, Addr6, RevNatId, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange6, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP, IPPROTO_UDP,
-    SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS,
+    SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
 };
 
 use crate::{
-    ipv6, lb,
-    maps::{
-        account, count, CONFIG_V3, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SRCRANGE6_V2, SVC4_V2, SVC6_V2,
-    },
-    parse::Packet,
+    family::{Family, FiveTuple, V4, V6},
+    lb,
+    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SVC4_V2, SVC6_V2},
     verdict::Verdict,
 };
 
@@ -130,9 +126,7 @@ fn fail(errno: i32) -> i32 {
 /// the socket-level reverse-NAT map. The hooks below are written once over
 /// it; [`V4`] serves IPv4 sockets and the IPv4-mapped destinations of IPv6
 /// ones, [`V6`] IPv6 frontends.
-trait Family {
-    /// An address, network order.
-    type Addr: Copy;
+trait SockFamily: Family {
     /// The frontend at `addr`:`port_be` for a host client (internal scope,
     /// slot 0), if there is one.
     fn frontend(proto: u8, addr: &Self::Addr, port_be: u16) -> Option<SvcValue>;
@@ -193,14 +187,7 @@ fn frontend_key6(proto: u8, addr_be: &Addr6, port_be: u16) -> Svc6Key {
     }
 }
 
-/// IPv4 sockets, and IPv6 sockets to IPv4-mapped addresses.
-struct V4;
-/// IPv6 sockets to IPv6 frontends.
-struct V6;
-
-impl Family for V4 {
-    type Addr = u32;
-
+impl SockFamily for V4 {
     #[inline(always)]
     fn frontend(proto: u8, addr: &u32, port_be: u16) -> Option<SvcValue> {
         let key = frontend_key4(proto, *addr, port_be);
@@ -211,7 +198,7 @@ impl Family for V4 {
     #[inline(always)]
     fn node_allowed(rev_nat_id: RevNatId) -> bool {
         let node_be = CONFIG_V3.get(0).map_or(0, |c| c.node_addr_be);
-        node_be != 0 && lb::source_allowed(rev_nat_id, node_be)
+        node_be != 0 && V4::source_allowed(rev_nat_id, &node_be)
     }
 
     #[inline(always)]
@@ -224,21 +211,15 @@ impl Family for V4 {
         now: u64,
     ) -> Result<(u32, u32, u16), Verdict> {
         let key = frontend_key4(proto, *addr, port_be);
-        // The fields `select` reads: the client (every host client shares
-        // one identity, address 0), the destination, the stand-in port.
-        let pkt = Packet {
-            l4_off: 0,
-            csum_off: 0,
-            proto,
-            saddr_be: 0,
-            daddr_be: *addr,
+        // The client: every host client shares one identity, address 0.
+        let t = FiveTuple::<V4> {
+            saddr: &0,
+            daddr: addr,
             sport_be,
             dport_be: port_be,
-            tot_len: 0,
-            tcp_flags: 0,
-            l4_present: true,
+            proto,
         };
-        lb::select(&pkt, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
+        lb::select(&t, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
     }
 
     #[inline(always)]
@@ -280,9 +261,7 @@ impl Family for V4 {
     }
 }
 
-impl Family for V6 {
-    type Addr = Addr6;
-
+impl SockFamily for V6 {
     #[inline(always)]
     fn frontend(proto: u8, addr: &Addr6, port_be: u16) -> Option<SvcValue> {
         let key = frontend_key6(proto, addr, port_be);
@@ -293,14 +272,7 @@ impl Family for V6 {
     #[inline(always)]
     fn node_allowed(rev_nat_id: RevNatId) -> bool {
         let node = CONFIG_V3.get(0).map_or([0; 4], |c| c.node6_be);
-        let key = LpmKey {
-            prefix_len: SOURCE_RANGE_ID_BITS + 128,
-            data: SourceRange6 {
-                rev_nat_id_be: rev_nat_id.to_be(),
-                addr_be: node,
-            },
-        };
-        node != [0; 4] && SRCRANGE6_V2.get(&key).is_some()
+        node != [0; 4] && V6::source_allowed(rev_nat_id, &node)
     }
 
     #[inline(always)]
@@ -313,8 +285,14 @@ impl Family for V6 {
         now: u64,
     ) -> Result<(u32, Addr6, u16), Verdict> {
         let key = frontend_key6(proto, addr, port_be);
-        let pkt = ipv6::Packet6::of_socket(proto, *addr, port_be, sport_be);
-        ipv6::select(&pkt, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
+        let t = FiveTuple::<V6> {
+            saddr: &[0; 4],
+            daddr: addr,
+            sport_be,
+            dport_be: port_be,
+            proto,
+        };
+        lb::select(&t, &key, fe, now).map(|(id, b)| (id, b.addr_be, b.port_be))
     }
 
     #[inline(always)]
@@ -383,7 +361,7 @@ fn cookie_port(cookie: u64) -> u16 {
 /// sockets, while every host client shares one client identity (affinity,
 /// source hash).
 #[inline(always)]
-fn aim<F: Family>(
+fn aim<F: SockFamily>(
     ctx: &SockAddrContext,
     proto: u8,
     daddr: &F::Addr,

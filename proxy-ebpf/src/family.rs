@@ -1,0 +1,166 @@
+//! The address family as a type: what differs between IPv4 and IPv6 for the
+//! code written once over both (backend selection: the keys, maps and hash
+//! inputs of each family). [`V4`] and [`V6`] are used as type parameters
+//! only; every accessor is `#[inline(always)]`, so a generic function
+//! compiles to the same code as its former per-family twin.
+
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey};
+use proxy_common::{
+    ipv6::{fold6, Addr6},
+    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, RevNatId, SourceRange4,
+    SourceRange6, Svc4Key, Svc6Key, SOURCE_RANGE_ID_BITS,
+};
+
+use crate::maps::{
+    AFFINITY4_V2, AFFINITY6_V2, BACKEND4_V1, BACKEND6_V1, SRCRANGE4_V2, SRCRANGE6_V2, SVC4_V2,
+    SVC6_V2,
+};
+
+/// IPv4 (and IPv6 sockets to IPv4-mapped addresses, in the socket hooks).
+pub struct V4;
+/// IPv6.
+pub struct V6;
+
+/// An address family's keys and maps.
+pub trait Family {
+    /// An address, network order.
+    type Addr: Copy;
+    /// The services-map key (a frontend at slot 0, its backends at
+    /// 1..=count).
+    type SvcKey;
+    /// A backend's address and port.
+    type Backend: Copy;
+
+    /// `addr` as the 32 bits the flow and source hashes take (IPv6: its
+    /// four words folded).
+    fn fold(addr: &Self::Addr) -> u32;
+    /// The backend id in `slot` of the frontend at `key`.
+    fn slot_backend(key: &Self::SvcKey, slot: u16) -> Option<u32>;
+    /// The backend with id `id`.
+    fn backend(id: u32) -> Option<Self::Backend>;
+    /// `client`'s session affinity entry for the frontend `rev_nat_id`.
+    fn affinity(client: &Self::Addr, rev_nat_id: RevNatId) -> Option<*mut AffinityValue>;
+    /// Writes `client`'s session affinity entry for the frontend `rev_nat_id`.
+    fn set_affinity(client: &Self::Addr, rev_nat_id: RevNatId, v: &AffinityValue);
+    /// Whether `client` may open flows to the frontend `rev_nat_id` (its
+    /// `loadBalancerSourceRanges`).
+    fn source_allowed(rev_nat_id: RevNatId, client: &Self::Addr) -> bool;
+}
+
+/// What backend selection reads of a flow: its 5-tuple, the addresses by
+/// reference (an IPv6 address is 16 bytes of the caller's).
+pub struct FiveTuple<'a, F: Family> {
+    pub saddr: &'a F::Addr,
+    pub daddr: &'a F::Addr,
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+}
+
+impl Family for V4 {
+    type Addr = u32;
+    type SvcKey = Svc4Key;
+    type Backend = Backend4;
+
+    #[inline(always)]
+    fn fold(addr: &u32) -> u32 {
+        *addr
+    }
+
+    #[inline(always)]
+    fn slot_backend(key: &Svc4Key, slot: u16) -> Option<u32> {
+        // SAFETY: map value pointer, read once.
+        SVC4_V2
+            .get_ptr(key.with_slot(slot))
+            .map(|sv| unsafe { (*sv).backend_id })
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend4> {
+        // SAFETY: map value pointer, copied.
+        BACKEND4_V1.get_ptr(id).map(|b| unsafe { *b })
+    }
+
+    #[inline(always)]
+    fn affinity(client: &u32, rev_nat_id: RevNatId) -> Option<*mut AffinityValue> {
+        AFFINITY4_V2.get_ptr_mut(Affinity4Key {
+            client_be: *client,
+            rev_nat_id,
+        })
+    }
+
+    #[inline(always)]
+    fn set_affinity(client: &u32, rev_nat_id: RevNatId, v: &AffinityValue) {
+        let key = Affinity4Key {
+            client_be: *client,
+            rev_nat_id,
+        };
+        let _ = AFFINITY4_V2.insert(key, *v, BPF_ANY as u64);
+    }
+
+    #[inline(always)]
+    fn source_allowed(rev_nat_id: RevNatId, client: &u32) -> bool {
+        let key = LpmKey {
+            prefix_len: SOURCE_RANGE_ID_BITS + 32,
+            data: SourceRange4 {
+                rev_nat_id_be: rev_nat_id.to_be(),
+                addr_be: *client,
+            },
+        };
+        SRCRANGE4_V2.get(&key).is_some()
+    }
+}
+
+impl Family for V6 {
+    type Addr = Addr6;
+    type SvcKey = Svc6Key;
+    type Backend = Backend6;
+
+    #[inline(always)]
+    fn fold(addr: &Addr6) -> u32 {
+        fold6(addr)
+    }
+
+    #[inline(always)]
+    fn slot_backend(key: &Svc6Key, slot: u16) -> Option<u32> {
+        // SAFETY: map value pointer, read once.
+        SVC6_V2
+            .get_ptr(key.with_slot(slot))
+            .map(|sv| unsafe { (*sv).backend_id })
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend6> {
+        // SAFETY: map value pointer, copied.
+        BACKEND6_V1.get_ptr(id).map(|b| unsafe { *b })
+    }
+
+    #[inline(always)]
+    fn affinity(client: &Addr6, rev_nat_id: RevNatId) -> Option<*mut AffinityValue> {
+        AFFINITY6_V2.get_ptr_mut(Affinity6Key {
+            client_be: *client,
+            rev_nat_id,
+        })
+    }
+
+    #[inline(always)]
+    fn set_affinity(client: &Addr6, rev_nat_id: RevNatId, v: &AffinityValue) {
+        let key = Affinity6Key {
+            client_be: *client,
+            rev_nat_id,
+        };
+        let _ = AFFINITY6_V2.insert(key, *v, BPF_ANY as u64);
+    }
+
+    #[inline(always)]
+    fn source_allowed(rev_nat_id: RevNatId, client: &Addr6) -> bool {
+        let key = LpmKey {
+            prefix_len: SOURCE_RANGE_ID_BITS + 128,
+            data: SourceRange6 {
+                rev_nat_id_be: rev_nat_id.to_be(),
+                addr_be: *client,
+            },
+        };
+        SRCRANGE6_V2.get(&key).is_some()
+    }
+}
