@@ -7,13 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xtask::client::{self, reply_text};
-use xtask::Lab;
 
 mod support;
 use support::fixtures::{self, Pod, Port, Svc};
-use support::{Stream, T};
-
-const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
+use support::{LabTest, Stream, T};
 
 /// Service `web` (`http` 80/TCP, `udp` 80/UDP) and its pods web-1 and web-2.
 fn manifests() -> String {
@@ -26,17 +23,12 @@ fn manifests() -> String {
 }
 
 /// A lab with [`manifests`] whose agent runs with `--on-exit keep` (what a
-/// rolling update uses), once the agent synced.
-fn start_lab() -> Lab {
-    let mut lab = Lab::builder()
-        .manifests_yaml(&manifests())
-        .server_bin(env!("CARGO_BIN_EXE_lab-server"))
-        .agent_arg("--on-exit")
-        .agent_arg("keep")
-        .start()
-        .expect("lab");
-    lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
-    lab
+/// rolling update uses).
+fn lab_test(name: &str) -> LabTest {
+    LabTest::new(name)
+        .yaml(&manifests())
+        .args(&["--on-exit", "keep"])
+        .sync_timeout(Duration::from_secs(20))
 }
 
 /// Opens new TCP connections to `vip` from `ns` until stopped; counts them.
@@ -85,79 +77,80 @@ fn udp_pod(ns: &str, vip: SocketAddrV4, port: u16) -> String {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn s8_restart_keeps_flows_and_refuses_nothing() {
-    let mut lab = start_lab();
-    let ns = lab.client().netns.clone();
-    let vip = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
-    let vip_udp = lab
-        .cluster_frontend("web", 80, "UDP")
-        .expect("UDP frontend");
+    lab_test("s8_restart").run(|lab| {
+        let ns = lab.client().netns.clone();
+        let vip = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
+        let vip_udp = lab
+            .cluster_frontend("web", 80, "UDP")
+            .expect("UDP frontend");
 
-    let mut streams: Vec<Stream> = (0..10).map(|_| Stream::open(&ns, vip)).collect();
-    let udp_before = udp_pod(&ns, vip_udp, 41234);
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let churner = churn(ns.clone(), vip, stop.clone(), ok.clone(), failed.clone());
+        let mut streams: Vec<Stream> = (0..10).map(|_| Stream::open(&ns, vip)).collect();
+        let udp_before = udp_pod(&ns, vip_udp, 41234);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let churner = churn(ns.clone(), vip, stop.clone(), ok.clone(), failed.clone());
 
-    let mut exchanges = 0;
-    let mut lost = Vec::new();
-    let mut exchange_all = |streams: &mut Vec<Stream>, round: usize| {
-        for (i, s) in streams.iter_mut().enumerate() {
-            exchanges += 1;
-            if let Err(e) = s.ping(round) {
-                lost.push(format!("stream {i} round {round}: {e}"));
+        let mut exchanges = 0;
+        let mut lost = Vec::new();
+        let mut exchange_all = |streams: &mut Vec<Stream>, round: usize| {
+            for (i, s) in streams.iter_mut().enumerate() {
+                exchanges += 1;
+                if let Err(e) = s.ping(round) {
+                    lost.push(format!("stream {i} round {round}: {e}"));
+                }
             }
-        }
-    };
-    exchange_all(&mut streams, 0);
+        };
+        exchange_all(&mut streams, 0);
 
-    for (round, how) in [(1, "kill -9"), (2, "SIGTERM --on-exit keep")] {
-        let pid = lab.info().agent.as_ref().expect("agent running").pid;
-        if how == "kill -9" {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            )
-            .unwrap();
+        for (round, how) in [(1, "kill -9"), (2, "SIGTERM --on-exit keep")] {
+            let pid = lab.info().agent.as_ref().expect("agent running").pid;
+            if how == "kill -9" {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                )
+                .unwrap();
+            }
+            lab.stop_agent().expect("stop agent");
+            // No agent at all for a while: the datapath alone carries the traffic.
+            std::thread::sleep(Duration::from_millis(700));
+            exchange_all(&mut streams, round * 10);
+            assert_eq!(
+                udp_pod(&ns, vip_udp, 41234),
+                udp_before,
+                "{how}: UDP flow moved while no agent ran"
+            );
+            let restarted = Instant::now();
+            lab.start_agent().expect("start agent");
+            lab.wait_ready(lab.sync_timeout())
+                .expect("agent ready after restart");
+            println!(
+                "S8 {how}: agent back in {} ms",
+                restarted.elapsed().as_millis()
+            );
+            exchange_all(&mut streams, round * 10 + 1);
+            assert_eq!(
+                udp_pod(&ns, vip_udp, 41234),
+                udp_before,
+                "{how}: UDP flow moved after the restart"
+            );
         }
-        lab.stop_agent().expect("stop agent");
-        // No agent at all for a while: the datapath alone carries the traffic.
-        std::thread::sleep(Duration::from_millis(700));
-        exchange_all(&mut streams, round * 10);
-        assert_eq!(
-            udp_pod(&ns, vip_udp, 41234),
-            udp_before,
-            "{how}: UDP flow moved while no agent ran"
-        );
-        let restarted = Instant::now();
-        lab.start_agent().expect("start agent");
-        lab.wait_ready(SYNC_TIMEOUT)
-            .expect("agent ready after restart");
+        std::thread::sleep(Duration::from_millis(300));
+        stop.store(true, Ordering::Relaxed);
+        let errors = churner.join().unwrap();
+        let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
         println!(
-            "S8 {how}: agent back in {} ms",
-            restarted.elapsed().as_millis()
+            "S8: {exchanges} exchanges on 10 established connections, {} lost; {} new connections, {failed} failed",
+            lost.len(),
+            ok + failed
         );
-        exchange_all(&mut streams, round * 10 + 1);
+        assert!(lost.is_empty(), "established connections lost: {lost:?}");
         assert_eq!(
-            udp_pod(&ns, vip_udp, 41234),
-            udp_before,
-            "{how}: UDP flow moved after the restart"
+            failed, 0,
+            "new connections failed during restarts: {errors:?}"
         );
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::Relaxed);
-    let errors = churner.join().unwrap();
-    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
-    println!(
-        "S8: {exchanges} exchanges on 10 established connections, {} lost; {} new connections, {failed} failed",
-        lost.len(),
-        ok + failed
-    );
-    assert!(lost.is_empty(), "established connections lost: {lost:?}");
-    assert_eq!(
-        failed, 0,
-        "new connections failed during restarts: {errors:?}"
-    );
-    assert!(ok > 20, "too few connections made ({ok}) to say anything");
+        assert!(ok > 20, "too few connections made ({ok}) to say anything");
+    });
 }
 
 /// State is reconciled after a restart: a Service deleted while the agent was
@@ -165,26 +158,27 @@ fn s8_restart_keeps_flows_and_refuses_nothing() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn restart_reconciles_changes_made_while_down() {
-    let mut lab = start_lab();
-    let ns = lab.client().netns.clone();
-    let old = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
-    assert!(client::tcp_request(&ns, old, b"hostname\n", T).is_ok());
-    lab.stop_agent().expect("stop");
-    lab.delete_service("web").expect("delete web");
-    lab.apply(
-        &Svc::new("web2")
-            .selector("web")
-            .port(Port::tcp("", 8080).target_port(80))
-            .yaml(),
-    )
-    .expect("apply web2");
-    lab.start_agent().expect("start");
-    lab.wait_ready(SYNC_TIMEOUT).expect("ready");
-    let new = lab
-        .cluster_frontend("web2", 8080, "TCP")
-        .expect("web2 frontend");
-    let r = client::tcp_request(&ns, new, b"hostname\n", T).map(|r| reply_text(&r));
-    assert!(matches!(&r, Ok(n) if n.starts_with("web-")), "web2: {r:?}");
-    let gone = client::tcp_request(&ns, old, b"hostname\n", T);
-    assert!(gone.is_err(), "the deleted Service still answers: {gone:?}");
+    lab_test("restart_reconciles").run(|lab| {
+        let ns = lab.client().netns.clone();
+        let old = lab.cluster_frontend("web", 80, "TCP").expect("frontend");
+        assert!(client::tcp_request(&ns, old, b"hostname\n", T).is_ok());
+        lab.stop_agent().expect("stop");
+        lab.delete_service("web").expect("delete web");
+        lab.apply(
+            &Svc::new("web2")
+                .selector("web")
+                .port(Port::tcp("", 8080).target_port(80))
+                .yaml(),
+        )
+        .expect("apply web2");
+        lab.start_agent().expect("start");
+        lab.wait_ready(lab.sync_timeout()).expect("ready");
+        let new = lab
+            .cluster_frontend("web2", 8080, "TCP")
+            .expect("web2 frontend");
+        let r = client::tcp_request(&ns, new, b"hostname\n", T).map(|r| reply_text(&r));
+        assert!(matches!(&r, Ok(n) if n.starts_with("web-")), "web2: {r:?}");
+        let gone = client::tcp_request(&ns, old, b"hostname\n", T);
+        assert!(gone.is_err(), "the deleted Service still answers: {gone:?}");
+    });
 }

@@ -49,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 use support::flows::connect_from;
+use support::LabTest;
 use xtask::client::{self, reply_text};
 use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
 use xtask::lab::HostReply;
@@ -784,7 +785,7 @@ fn observe_udp_flows(lab: &mut Lab, phase: u16, o: &mut BTreeMap<&'static str, S
 
     lab.apply(&udp_slices(lab, true)).expect("the slices after");
     lab.write_sync_barrier().expect("barrier");
-    lab.wait_synced(SYNC_TIMEOUT).expect("synced");
+    lab.wait_synced(lab.sync_timeout()).expect("synced");
     o.insert(
         "pod → UDP flow, after its backend left (C2/K1)",
         udp_settled(&client, k1, port(0)),
@@ -822,13 +823,14 @@ fn start(lab: &mut Lab, p: Proxy) {
         }
         Proxy::Agent => {
             lab.start_agent().expect("start agent");
-            lab.wait_ready(SYNC_TIMEOUT).expect("agents ready");
-            lab.wait_attached(SYNC_TIMEOUT).expect("agents attached");
+            lab.wait_ready(lab.sync_timeout()).expect("agents ready");
+            lab.wait_attached(lab.sync_timeout())
+                .expect("agents attached");
         }
     }
     // Everything the lab wrote is programmed.
     lab.write_sync_barrier().expect("barrier");
-    lab.wait_synced(SYNC_TIMEOUT).expect("synced");
+    lab.wait_synced(lab.sync_timeout()).expect("synced");
 }
 
 fn stop(lab: &mut Lab, p: Proxy) {
@@ -874,20 +876,20 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         .collect();
     proxies.push(Proxy::Agent);
     let mut seen: BTreeMap<Proxy, BTreeMap<&'static str, String>> = BTreeMap::new();
-    support::run_lab(
-        "oracle",
-        Lab::builder()
-            .manifests_yaml(&objects())
-            .agent_bin(support::agent_bin())
-            .control_plane(true)
-            .external(true)
-            .nodes(2)
-            .zones(&ZONES)
-            .agent(false),
-        " with 2 nodes, a real control plane, no proxy yet",
-        |_| {},
-        support::diagnostics_nodes,
-        |lab| {
+    LabTest::new("oracle")
+        .yaml(&objects())
+        .nodes(2)
+        .zones(&ZONES)
+        .external(true)
+        .with(|b| {
+            b.agent_bin(support::agent_bin())
+                .control_plane(true)
+                .agent(false)
+        })
+        .sync_timeout(SYNC_TIMEOUT)
+        .banner(" with 2 nodes, a real control plane, no proxy yet")
+        .ready(|_| {})
+        .run(|lab| {
             // The conntrack observations' fixed source ports (from
             // UDP_PORT_BASE) lie in the kernel's default ephemeral range:
             // an earlier probe's connection left in TIME_WAIT on one of
@@ -948,8 +950,7 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
                 stop(lab, *p);
                 seen.insert(*p, o);
             }
-        },
-    );
+        });
     assert_eq!(
         before,
         root_rules(),
@@ -1213,20 +1214,20 @@ fn kube_proxy_oracle_dual_stack_observations_match_the_agent_or_are_listed() {
     proxies.push(Proxy::Agent);
     let mut seen: BTreeMap<Proxy, BTreeMap<&'static str, String>> = BTreeMap::new();
     let t0 = Instant::now();
-    support::run_lab(
-        "oracle-ds",
-        Lab::builder()
-            .manifests_yaml(&dual_stack_objects())
-            .agent_bin(support::agent_bin())
-            .control_plane(true)
-            .dual_stack()
-            .external(true)
-            .nodes(2)
-            .agent(false),
-        " dual-stack, with 2 nodes, a real control plane, no proxy yet",
-        |_| {},
-        support::diagnostics_nodes,
-        |lab| {
+    LabTest::new("oracle-ds")
+        .yaml(&dual_stack_objects())
+        .nodes(2)
+        .dual_stack()
+        .external(true)
+        .with(|b| {
+            b.agent_bin(support::agent_bin())
+                .control_plane(true)
+                .agent(false)
+        })
+        .sync_timeout(SYNC_TIMEOUT)
+        .banner(" dual-stack, with 2 nodes, a real control plane, no proxy yet")
+        .ready(|_| {})
+        .run(|lab| {
             assert!(lab.is_dual_stack());
             for p in &proxies {
                 let t = Instant::now();
@@ -1239,8 +1240,7 @@ fn kube_proxy_oracle_dual_stack_observations_match_the_agent_or_are_listed() {
                 stop(lab, *p);
                 seen.insert(*p, o);
             }
-        },
-    );
+        });
     println!("[oracle-ds] took {} ms", t0.elapsed().as_millis());
     assert_eq!(
         before,

@@ -32,14 +32,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{Stream, UdpProbe};
+use support::{LabTest, Stream, UdpProbe};
 use xtask::client;
 use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
 use xtask::lab::{HostClient, HostReply};
 use xtask::Lab;
 
 const T: Duration = Duration::from_secs(2);
-const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// `web`'s externalIP, routed to node-1 by the external client.
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 201);
 /// Established TCP connections per path.
@@ -309,8 +308,9 @@ fn takeover(lab: &mut Lab, origin: Instant) {
             origin.elapsed().as_millis()
         );
         lab.start_agent_on(&n).expect("start agent");
-        lab.wait_ready(SYNC_TIMEOUT).expect("agent ready");
-        lab.wait_attached(SYNC_TIMEOUT).expect("agent attached");
+        lab.wait_ready(lab.sync_timeout()).expect("agent ready");
+        lab.wait_attached(lab.sync_timeout())
+            .expect("agent attached");
         // The operator's step 1: the pod's readiness probe asks the
         // agent's own port, Ready while kube-proxy still holds 10256.
         let netns = lab
@@ -430,21 +430,21 @@ fn takeover_and_rollback_keep_connections() {
     );
     let mut costs = Vec::new();
     let mut after_cleanup = Vec::new();
-    support::run_lab(
-        "takeover",
-        Lab::builder()
-            .manifests_yaml(&objects())
-            .agent_bin(support::agent_bin())
-            .control_plane(true)
-            .external(true)
-            .nodes(2)
-            .agent_arg("--on-exit")
-            .agent_arg("drain")
-            .agent(false),
-        " with 2 nodes and a real control plane",
-        |_| {},
-        support::diagnostics_nodes,
-        |lab| {
+    LabTest::new("takeover")
+        .yaml(&objects())
+        .nodes(2)
+        .external(true)
+        .args(&["--on-exit", "drain"])
+        .with(|b| {
+            b.agent_bin(support::agent_bin())
+                .control_plane(true)
+                .agent(false)
+        })
+        // Agents started and kube-proxy synced against a real API server.
+        .sync_timeout(Duration::from_secs(60))
+        .banner(" with 2 nodes and a real control plane")
+        .ready(|_| {})
+        .run(|lab| {
             route_external_ip(lab);
             for mode in [KubeProxyMode::Iptables, KubeProxyMode::Nftables] {
                 for n in nodes(lab) {
@@ -452,7 +452,7 @@ fn takeover_and_rollback_keep_connections() {
                         .expect("start kube-proxy");
                 }
                 lab.write_sync_barrier().unwrap();
-                lab.wait_synced(SYNC_TIMEOUT).unwrap();
+                lab.wait_synced(lab.sync_timeout()).unwrap();
 
                 // Takeover.
                 let mut f = open(lab, "takeover");
@@ -518,8 +518,7 @@ fn takeover_and_rollback_keep_connections() {
                     lab.stop_kube_proxy_on(&n).expect("stop kube-proxy");
                 }
             }
-        },
-    );
+        });
     println!("{table}");
     for (mode, broken, of, _, _) in &after_cleanup {
         println!("| {mode}: `proxy-agent cleanup` after the drain | {broken} of {of} opened under the agent | | | |");

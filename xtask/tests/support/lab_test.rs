@@ -40,6 +40,7 @@ pub struct LabTest {
     sync_timeout: Duration,
     inspect_lines: Option<usize>,
     ready: Option<fn(&mut Lab)>,
+    banner: Option<String>,
 }
 
 impl LabTest {
@@ -53,6 +54,7 @@ impl LabTest {
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
             inspect_lines: None,
             ready: None,
+            banner: None,
         }
     }
 
@@ -118,14 +120,29 @@ impl LabTest {
         self
     }
 
+    /// Any other option of the lab ([`LabBuilder`]: a real control plane,
+    /// the agent's image, no agent yet, ...).
+    pub fn with(mut self, f: impl FnOnce(LabBuilder) -> LabBuilder) -> Self {
+        self.builder = f(self.builder);
+        self
+    }
+
+    /// What the "lab ... ready" line says of the lab, instead of its node
+    /// count or " (dual-stack)".
+    pub fn banner(mut self, banner: &str) -> Self {
+        self.banner = Some(banner.to_string());
+        self
+    }
+
     /// Starts the lab, waits for its agents, runs `f` (see [`run_lab`]).
     pub fn run(self, f: impl FnOnce(&mut Lab)) {
         let builder = self.builder.sync_timeout(self.sync_timeout);
+        let banner = |default: &str| self.banner.clone().unwrap_or_else(|| default.to_string());
         match self.nodes {
             Some(nodes) => run_lab(
                 &self.name,
                 builder.nodes(nodes),
-                &format!(" with {nodes} nodes"),
+                &banner(&format!(" with {nodes} nodes")),
                 |lab| match self.ready {
                     Some(ready) => ready(lab),
                     None => {
@@ -140,7 +157,7 @@ impl LabTest {
             None => run_lab(
                 &self.name,
                 builder,
-                if self.dual_stack { " (dual-stack)" } else { "" },
+                &banner(if self.dual_stack { " (dual-stack)" } else { "" }),
                 |lab| match self.ready {
                     Some(ready) => ready(lab),
                     None => {
