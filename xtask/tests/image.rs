@@ -23,9 +23,7 @@ use xtask::{setup, Lab};
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{run_lab, tcp_hostname, Stream, T};
-
-const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
+use support::{tcp_hostname, LabTest, Stream, T};
 
 /// Image builds run one at a time (they share the build directory).
 static BUILDS: Mutex<()> = Mutex::new(());
@@ -85,11 +83,13 @@ fn web() -> String {
     ])
 }
 
-fn ready(lab: &mut Lab) {
-    lab.wait_ready(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-    lab.wait_attached(SYNC_TIMEOUT)
-        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+/// A one-node lab with [`web`] whose agent runs from `image` under runc.
+fn image_lab(name: &str, image: AgentImage) -> LabTest {
+    LabTest::new(name)
+        .yaml(&web())
+        .with(|b| b.agent_image(image))
+        .sync_timeout(Duration::from_secs(20))
+        .banner(" (runc)")
 }
 
 /// `kubectl kustomize deploy/`, as JSON documents.
@@ -247,9 +247,10 @@ fn image_is_read_by_skopeo_and_umoci_and_rebuilds_identically() {
 }
 
 /// The DaemonSet's probes, ports and args (read from the rendered
-/// manifests) are what the image's agent serves under runc: liveness,
-/// readiness and the health check on the container port, metrics on the
-/// ConfigMap's metricsBindAddress; the container runs the DaemonSet's args
+/// manifests) are what the image's agent serves under runc: liveness and
+/// readiness on the probes' host and port (the agent's own port, not the
+/// healthz port kube-proxy holds during a migration), the health check on
+/// the container port, metrics on the ConfigMap's metricsBindAddress; the container runs the DaemonSet's args
 /// with RLIMIT_MEMLOCK at 64 KiB (left alone: BPF memory goes to the
 /// memory cgroup), its maps within the DaemonSet's memory limit.
 #[test]
@@ -262,10 +263,15 @@ fn daemonset_probes_ports_and_args_are_served_by_the_image() {
     let mut probes = Vec::new();
     for p in ["livenessProbe", "readinessProbe"] {
         let get = &c[p]["httpGet"];
+        let host: std::net::Ipv4Addr = get["host"]
+            .as_str()
+            .expect("the probe's host (the probe server's address)")
+            .parse()
+            .unwrap();
         probes.push((
             p,
             get["path"].as_str().unwrap().to_string(),
-            get["port"].as_u64().unwrap() as u16,
+            SocketAddrV4::new(host, get["port"].as_u64().unwrap() as u16),
         ));
     }
     let cm = kind(&docs, "ConfigMap", "proxy-agent");
@@ -284,20 +290,18 @@ fn daemonset_probes_ports_and_args_are_served_by_the_image() {
         .map(|a| a.as_str().unwrap().to_string())
         .collect();
 
-    run_lab(
-        "probes",
-        Lab::builder()
-            .manifests_yaml(&web())
-            .agent_image(shared().clone()),
-        " (runc)",
-        ready,
-        |lab| support::diagnostics(lab, Some(20)),
-        |lab| {
+    image_lab("probes", shared().clone())
+        .inspect_lines(20)
+        .run(|lab| {
             let node = lab.node().clone();
-            for (what, path, p) in &probes {
-                assert_eq!(*p, port, "{what} uses the container port");
-                let (status, body) = http_get(&node.netns, SocketAddrV4::new(node.ip, *p), path);
-                println!("{what} GET {path} on {}:{p}: {status} {body}", node.ip);
+            for (what, path, at) in &probes {
+                assert_ne!(
+                    at.port(),
+                    port,
+                    "{what} asks a port kube-proxy does not hold"
+                );
+                let (status, body) = http_get(&node.netns, *at, path);
+                println!("{what} GET {path} on {at}: {status} {body}");
                 assert!(status.contains(" 200"), "{what} {path}: {status} {body}");
             }
             let (status, body) =
@@ -379,8 +383,7 @@ fn daemonset_probes_ports_and_args_are_served_by_the_image() {
             assert!(current > 0);
             assert!(current < max, "the agent fits its limit");
             assert!(current > 0);
-        },
-    );
+        });
 }
 
 /// Each capability of the DaemonSet removed in turn: the agent says what
@@ -400,16 +403,11 @@ fn each_capability_removed_shows_what_fails() {
     let mut table = Vec::new();
     for cap in &caps {
         let mut row = String::new();
-        run_lab(
-            &format!("without {cap}"),
-            Lab::builder()
-                .manifests_yaml(&web())
-                .agent_image(shared().clone())
-                .without_caps(&[cap.as_str()]),
-            " (runc)",
-            |_| {},
-            |lab| support::diagnostics(lab, Some(10)),
-            |lab| {
+        image_lab(&format!("without {cap}"), shared().clone())
+            .with(|b| b.without_caps(&[cap.as_str()]))
+            .ready(|_| {})
+            .inspect_lines(10)
+            .run(|lab| {
                 // Up to 5 s for it to fail or to come up.
                 let deadline = Instant::now() + Duration::from_secs(5);
                 let mut ready = false;
@@ -479,8 +477,7 @@ fn each_capability_removed_shows_what_fails() {
                     running || named,
                     "without {cap} the agent exited without naming CAP_{cap}:\n{log}"
                 );
-            },
-        );
+            });
         table.push(row);
     }
     println!("| capability removed | agent | ClusterIP | what it says |");
@@ -521,17 +518,10 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
         newer.digest, first_digest,
         "the newer build has its own digest"
     );
-    run_lab(
-        "s8_image",
-        Lab::builder()
-            .manifests_yaml(&web())
-            .agent_image(first.clone())
-            .agent_arg("--on-exit")
-            .agent_arg("keep"),
-        " (runc)",
-        ready,
-        |lab| support::diagnostics(lab, Some(20)),
-        |lab| {
+    image_lab("s8_image", first.clone())
+        .args(&["--on-exit", "keep"])
+        .inspect_lines(20)
+        .run(|lab| {
             let ns = lab.client().netns.clone();
             let vip = lab.cluster_frontend("web", 80, "TCP").unwrap();
             let mut streams: Vec<Stream> = (0..6).map(|_| Stream::open(&ns, vip)).collect();
@@ -550,7 +540,8 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
             }
             let t = Instant::now();
             lab.start_agent().expect("start the newer image");
-            lab.wait_ready(SYNC_TIMEOUT).expect("newer agent ready");
+            lab.wait_ready(lab.sync_timeout())
+                .expect("newer agent ready");
             println!(
                 "S8 image {first_digest} -> {}: agent back in {} ms",
                 newer.digest,
@@ -564,8 +555,7 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
             for i in 0..20 {
                 tcp_hostname(&ns, vip).unwrap_or_else(|e| panic!("new connection {i}: {e}"));
             }
-        },
-    );
+        });
 }
 
 /// Issue 38: the DaemonSet as a kubelet would run it against a real
@@ -579,16 +569,11 @@ fn s8_rolling_update_to_a_newer_image_keeps_connections() {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn daemonset_under_runc_syncs_in_cluster_from_the_real_api_server() {
-    run_lab(
-        "in-cluster",
-        Lab::builder()
-            .manifests_yaml(&web())
-            .control_plane(true)
-            .agent_image(shared().clone()),
-        " (runc, real control plane)",
-        ready,
-        |lab| support::diagnostics(lab, Some(20)),
-        |lab| {
+    image_lab("in-cluster", shared().clone())
+        .with(|b| b.control_plane(true))
+        .banner(" (runc, real control plane)")
+        .inspect_lines(20)
+        .run(|lab| {
             let cfg = container_config(lab);
             let mounts = cfg["mounts"].as_array().unwrap();
             assert!(
@@ -623,6 +608,5 @@ fn daemonset_under_runc_syncs_in_cluster_from_the_real_api_server() {
                 ),
                 "the agent watches EndpointSlices as deploy/'s ServiceAccount"
             );
-        },
-    );
+        });
 }
