@@ -84,7 +84,7 @@ fn decide_inner(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Resul
         if cfg.flags & config_flags::DRAINING != 0 {
             // Handing the node back, or not taken over yet: new flows are
             // the other proxy's, for as long as they last.
-            let _ = HANDOVER4_V1.insert(&skey, &drained_until(pkt.proto, now), 0);
+            let _ = HANDOVER4_V1.insert(skey, drained_until(pkt.proto, now), 0);
             return Err(Verdict::Pass(stat::PASS_DRAINING));
         }
         new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
