@@ -11,7 +11,8 @@ use proxy_common::{
 };
 
 use crate::{
-    lb::{backend, rev_nat},
+    family::{Family, V4},
+    lb::rev_nat,
     maps::{count, CT4_V2},
     parse::Packet,
 };
@@ -88,7 +89,7 @@ pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Fl
     if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
         return false;
     }
-    let Some(b) = backend(c.backend_id) else {
+    let Some(b) = V4::backend(c.backend_id) else {
         return false;
     };
     let flags = if pkt.l4_present {
@@ -214,7 +215,7 @@ pub fn create(
         // A racing first packet's entry is followed; a closed flow's, whose
         // tuple this SYN reuses, is replaced.
         if alive(cfg, pkt.proto, &w, now) && !reopens(pkt, &w) {
-            if let Some(wb) = backend(w.backend_id) {
+            if let Some(wb) = V4::backend(w.backend_id) {
                 *flow = Flow::of(&w, wb);
                 return;
             }

@@ -31,8 +31,9 @@ use proxy_common::{
 };
 
 use crate::{
+    family::{Family, V4},
     fib,
-    lb::{backend, rev_nat},
+    lb::rev_nat,
     maps::CT4_V2,
     parse::{Ipv4Hdr, Packet, ETH_HLEN},
     verdict::Verdict,
@@ -164,7 +165,7 @@ fn rewritten(ctx: &TcContext, last_hook: bool, pkt: &mut Packet) -> Verdict {
         };
         // SAFETY: map value pointer, its fields read where used.
         let s = unsafe { &*s };
-        let Some(b) = backend(s.backend_id) else {
+        let Some(b) = V4::backend(s.backend_id) else {
             return pass;
         };
         let snat_addr = s.flags & ct_flags::SNAT_ADDR != 0;

@@ -579,11 +579,6 @@ impl Flow6 {
 }
 
 #[inline(always)]
-fn backend(id: u32) -> Option<Backend6> {
-    V6::backend(id)
-}
-
-#[inline(always)]
 fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
     // SAFETY: map value pointer, copied.
     REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })
@@ -732,7 +727,7 @@ fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6
     if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
         return false;
     }
-    let Some(b) = backend(c.backend_id) else {
+    let Some(b) = V6::backend(c.backend_id) else {
         return false;
     };
     let flags = if pkt.fragment == FRAGMENT_LATER {
@@ -853,7 +848,7 @@ pub fn new_flow(
         // SAFETY: map value pointer, read in place.
         let w = unsafe { &*w };
         if alive(cfg, pkt.proto, w, now) && !reopens(pkt, w) {
-            if let Some(wb) = backend(w.backend_id) {
+            if let Some(wb) = V6::backend(w.backend_id) {
                 *flow = Flow6::of(w, wb);
                 return Ok(());
             }

@@ -9,11 +9,11 @@ use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     conntrack::NSEC_PER_SEC,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, AffinityValue, Backend4, RevNat4, Svc4Key, SvcValue,
+    stat, svc_flags, AffinityValue, RevNat4, Svc4Key, SvcValue,
 };
 
 use crate::{
-    family::{Family, FiveTuple, V4},
+    family::{Family, FiveTuple},
     maps::{count, MAGLEV4_V2, REVNAT4_V2, RR4_V1},
     parse::Packet,
     verdict::Verdict,
@@ -31,12 +31,6 @@ pub fn frontend_key(pkt: &Packet, scope: u8) -> Svc4Key {
         scope,
         _pad: [0; 2],
     }
-}
-
-/// The IPv4 backend with id `id`.
-#[inline(always)]
-pub fn backend(id: u32) -> Option<Backend4> {
-    V4::backend(id)
 }
 
 /// The frontend that replies of reverse-NAT id `id` come from.
