@@ -767,22 +767,19 @@ impl Config {
         self.node_addr_be = u32::from_ne_bytes(addr.octets());
         self
     }
-    /// [`config_flags::DELIVER_VIA_STACK`] set or cleared.
     /// [`config_flags::DRAINING`] set or cleared.
-    pub const fn with_draining(mut self, on: bool) -> Self {
-        if on {
-            self.flags |= config_flags::DRAINING;
-        } else {
-            self.flags &= !config_flags::DRAINING;
-        }
-        self
+    pub const fn with_draining(self, on: bool) -> Self {
+        self.with_flag(config_flags::DRAINING, on)
     }
-
-    pub const fn with_delivery_via_stack(mut self, on: bool) -> Self {
+    /// [`config_flags::DELIVER_VIA_STACK`] set or cleared.
+    pub const fn with_delivery_via_stack(self, on: bool) -> Self {
+        self.with_flag(config_flags::DELIVER_VIA_STACK, on)
+    }
+    const fn with_flag(mut self, flag: u32, on: bool) -> Self {
         if on {
-            self.flags |= config_flags::DELIVER_VIA_STACK;
+            self.flags |= flag;
         } else {
-            self.flags &= !config_flags::DELIVER_VIA_STACK;
+            self.flags &= !flag;
         }
         self
     }
