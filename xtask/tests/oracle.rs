@@ -881,14 +881,9 @@ fn kube_proxy_oracle_observations_match_the_agent_or_are_listed() {
         .nodes(2)
         .zones(&ZONES)
         .external(true)
-        .with(|b| {
-            b.agent_bin(support::agent_bin())
-                .control_plane(true)
-                .agent(false)
-        })
+        .proxies_started_by_the_test()
         .sync_timeout(SYNC_TIMEOUT)
         .banner(" with 2 nodes, a real control plane, no proxy yet")
-        .ready(|_| {})
         .run(|lab| {
             // The conntrack observations' fixed source ports (from
             // UDP_PORT_BASE) lie in the kernel's default ephemeral range:
@@ -1219,14 +1214,9 @@ fn kube_proxy_oracle_dual_stack_observations_match_the_agent_or_are_listed() {
         .nodes(2)
         .dual_stack()
         .external(true)
-        .with(|b| {
-            b.agent_bin(support::agent_bin())
-                .control_plane(true)
-                .agent(false)
-        })
+        .proxies_started_by_the_test()
         .sync_timeout(SYNC_TIMEOUT)
         .banner(" dual-stack, with 2 nodes, a real control plane, no proxy yet")
-        .ready(|_| {})
         .run(|lab| {
             assert!(lab.is_dual_stack());
             for p in &proxies {

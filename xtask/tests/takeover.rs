@@ -435,15 +435,10 @@ fn takeover_and_rollback_keep_connections() {
         .nodes(2)
         .external(true)
         .args(&["--on-exit", "drain"])
-        .with(|b| {
-            b.agent_bin(support::agent_bin())
-                .control_plane(true)
-                .agent(false)
-        })
+        .proxies_started_by_the_test()
         // Agents started and kube-proxy synced against a real API server.
         .sync_timeout(Duration::from_secs(60))
         .banner(" with 2 nodes and a real control plane")
-        .ready(|_| {})
         .run(|lab| {
             route_external_ip(lab);
             for mode in [KubeProxyMode::Iptables, KubeProxyMode::Nftables] {

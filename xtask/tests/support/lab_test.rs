@@ -127,6 +127,18 @@ impl LabTest {
         self
     }
 
+    /// A real control plane and no proxy yet: the test starts the agent
+    /// ([`super::agent_bin`]) or kube-proxy on the nodes itself, so `run`
+    /// waits for no agent.
+    pub fn proxies_started_by_the_test(self) -> Self {
+        self.with(|b| {
+            b.agent_bin(super::agent_bin())
+                .control_plane(true)
+                .agent(false)
+        })
+        .ready(|_| {})
+    }
+
     /// What the "lab ... ready" line says of the lab, instead of its node
     /// count or " (dual-stack)".
     pub fn banner(mut self, banner: &str) -> Self {
