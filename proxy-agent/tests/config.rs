@@ -580,15 +580,16 @@ fn the_node_name_and_the_cgroup_root_come_from_the_host_facts_given() {
 /// an address the healthz server already holds is left to that server.
 #[test]
 fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
+    const BASE: [&str; 6] = [
+        "--source",
+        "manifests",
+        "--manifests",
+        "/m",
+        "--node-name",
+        "n",
+    ];
     let probe = |file: &str, flags: &[&str]| {
-        let mut args = vec![
-            "--source",
-            "manifests",
-            "--manifests",
-            "/m",
-            "--node-name",
-            "n",
-        ];
+        let mut args = BASE.to_vec();
         args.extend_from_slice(flags);
         resolve(&parse(file).unwrap(), &run_args(&args))
             .unwrap()
@@ -624,14 +625,7 @@ fn the_probe_server_has_its_own_port_unless_healthz_holds_it() {
     );
     let e = resolve(
         &parse("probeBindAddress: nowhere\n").unwrap(),
-        &run_args(&[
-            "--source",
-            "manifests",
-            "--manifests",
-            "/m",
-            "--node-name",
-            "n",
-        ]),
+        &run_args(&BASE),
     )
     .unwrap_err()
     .to_string();
