@@ -118,7 +118,10 @@ pub mod map_names {
     /// Flows the kernel's conntrack translated before the agent took over
     /// (LRU): a [`super::Ct4Key`] (the client's direction, `dir` SERVICE)
     /// → until when it is left to the kernel (`u64`, ns of
-    /// `bpf_ktime_get_ns`). See [`super::stat::PASS_HANDOVER`].
+    /// `bpf_ktime_get_ns`). See [`super::stat::PASS_HANDOVER`]. Under
+    /// `dir` REPLY, the backend-side tuple of such a flow the kernel also
+    /// masqueraded: its port of the node's address is not given to a new
+    /// flow to the same backend until then.
     pub const HANDOVER: &str = "HANDOVER4_V1";
     /// IPv6 [`HANDOVER`]: a [`super::Ct6Key`] → until when (`u64`, ns).
     pub const HANDOVER6: &str = "HANDOVER6_V1";

@@ -914,7 +914,7 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
                 now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
                     || live_service_of(cfg, rkey, e, now).is_some()
             }
-            None => false,
+            None => crate::nat::masqueraded_by_kernel(HANDOVER6_V1.get_ptr(&*rkey), now),
         };
         if !in_use {
             return Ok(port_be);

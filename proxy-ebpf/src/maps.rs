@@ -95,7 +95,9 @@ pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize
 
 /// Flows the kernel's conntrack translated before this datapath took over
 /// (kube-proxy's DNAT): the client's tuple → until when they stay the
-/// kernel's ([`crate::forward::handed_over`]).
+/// kernel's ([`crate::forward::handed_over`]); and, `dir` REPLY, the
+/// backend-side tuples of those the kernel also masqueraded → until when
+/// their node port is not given to a new flow ([`crate::nat`]).
 #[btf_map]
 pub static HANDOVER4_V1: LruHashMap<Ct4Key, u64, { capacity::HANDOVER as usize }> =
     LruHashMap::new();

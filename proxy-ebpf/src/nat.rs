@@ -19,7 +19,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Flow},
-    maps::{count, CONFIG_V3, CT4_V2, SNAT_FULL4_V1},
+    maps::{count, CONFIG_V3, CT4_V2, HANDOVER4_V1, SNAT_FULL4_V1},
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_FRAG_OFF, IP_MF},
     verdict::Verdict,
 };
@@ -237,16 +237,27 @@ extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
 }
 
 /// Whether the backend-side tuple `rkey` belongs to a flow still alive (or
-/// being created: a REPLY entry younger than a second).
+/// being created: a REPLY entry younger than a second), ours or one the
+/// kernel masqueraded before the takeover ([`masqueraded_by_kernel`]).
 #[inline(always)]
 fn port_in_use(cfg: &Config, rkey: &Ct4Key, now: u64) -> bool {
     let Some(e) = CT4_V2.get_ptr(*rkey) else {
-        return false;
+        return masqueraded_by_kernel(HANDOVER4_V1.get_ptr(*rkey), now);
     };
     // SAFETY: map value pointer, copied.
     let e = unsafe { *e };
     now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
         || conntrack::live_service_of(cfg, rkey, &e, now).is_some()
+}
+
+/// Whether the handover entry of a backend-side tuple (`entry`, `dir`
+/// REPLY) says a flow the kernel masqueraded before the takeover still
+/// holds that port of the node toward that backend: the agent lists them
+/// from the kernel's conntrack (`host::handover`).
+#[inline(always)]
+pub fn masqueraded_by_kernel(entry: Option<*const u64>, now: u64) -> bool {
+    // SAFETY: a value of the handover map, read once.
+    entry.is_some_and(|until| unsafe { *until } >= now)
 }
 
 // --- tc: rewrites through skb helpers --------------------------------------

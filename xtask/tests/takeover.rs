@@ -330,6 +330,21 @@ fn takeover(lab: &mut Lab, origin: Instant) {
             matches!(ready, Ok((200, _))),
             "{n}: the agent's /readyz on its probe port beside kube-proxy: {ready:?}"
         );
+        // kube-proxy masqueraded the external client's NodePort
+        // connection to this node: the agent keeps that node port from
+        // its own SNAT.
+        let log = lab.agent_log_on(&n).expect("agent log");
+        let held = log
+            .lines()
+            .filter(|l| l.contains("after attaching") && l.contains("left to it"))
+            .filter_map(|l| l.split("masqueraded=").nth(1))
+            .filter_map(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+            .last();
+        assert!(
+            held.is_some_and(|h| h > 0),
+            "{n}: the agent lists the node ports of kube-proxy's masqueraded flows \
+             (masqueraded={held:?})"
+        );
         lab.stop_kube_proxy_on(&n)
             .expect("stop kube-proxy and clean up");
     }

@@ -369,12 +369,16 @@ fn set_draining(started: &mut Started, on: bool) {
 /// is logged, and the agent goes on.
 pub(super) fn hand_over(pin_dir: &std::path::Path, when: &str) {
     match crate::host::handover::hand_over(pin_dir) {
-        Ok((0, 0)) => debug!(when, "no flow of the kernel's conntrack to hand over"),
-        Ok((v4, v6)) => info!(
+        Ok(n) if n.ipv4 + n.ipv6 == 0 => {
+            debug!(when, "no flow of the kernel's conntrack to hand over")
+        }
+        Ok(n) => info!(
             when,
-            ipv4 = v4,
-            ipv6 = v6,
-            "flows the kernel's conntrack translated (kube-proxy's) left to it"
+            ipv4 = n.ipv4,
+            ipv6 = n.ipv6,
+            masqueraded = n.masqueraded,
+            "flows the kernel's conntrack translated (kube-proxy's) left to it, \
+             their node ports kept from SNAT"
         ),
         Err(e) => {
             warn!(when, error = %e, "cannot hand over the kernel's translated flows: a connection kube-proxy translated may be reset")

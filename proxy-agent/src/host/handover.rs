@@ -29,6 +29,16 @@
 //!
 //! Replies need nothing: a reply the datapath does not know passes to the
 //! stack, whose entry reverse-translates it.
+//!
+//! A flow kube-proxy also masqueraded (`externalTrafficPolicy: Cluster` to
+//! a remote backend) holds a port of the node's address toward its
+//! backend: `MASQUERADE --random-fully` picks it anywhere in 1024–65535,
+//! over the datapath's own SNAT range. Its backend-side tuple (the
+//! kernel's reply tuple) is listed too, under `dir` REPLY: the datapath
+//! does not give that port to a new flow to the same backend while the
+//! entry lasts. Given it, the backend would take the new connection's SYN
+//! for the old one's, and the old one's replies would be reverse-translated
+//! to the new client.
 
 use std::io;
 use std::net::IpAddr;
@@ -60,6 +70,9 @@ pub struct KernelFlow {
     pub src: std::net::SocketAddr,
     pub dst: std::net::SocketAddr,
     pub timeout_s: u32,
+    /// The reply direction as (source, destination) when the kernel also
+    /// source-NATed the flow: the backend and the node's port it was given.
+    pub masqueraded: Option<(std::net::SocketAddr, std::net::SocketAddr)>,
 }
 
 /// The destination-NATed TCP, UDP and SCTP flows of the kernel's conntrack
@@ -146,11 +159,13 @@ fn dump(family: NetfilterProtoFamily, out: &mut Vec<KernelFlow>) -> io::Result<(
 /// The flow of one conntrack entry, if the kernel destination-NATed it.
 fn translated(attrs: &[ConntrackAttribute]) -> Option<KernelFlow> {
     let mut orig = None;
+    let mut reply = None;
     let mut status = Status::empty();
     let mut timeout_s = 0;
     for a in attrs {
         match a {
             ConntrackAttribute::CtaTupleOrig(t) => orig = tuple(t),
+            ConntrackAttribute::CtaTupleReply(t) => reply = tuple(t),
             ConntrackAttribute::CtaStatus(s) => status = *s,
             ConntrackAttribute::CtaTimeout(t) => timeout_s = *t,
             _ => {}
@@ -162,11 +177,17 @@ fn translated(attrs: &[ConntrackAttribute]) -> Option<KernelFlow> {
     {
         return None;
     }
+    let masqueraded = if status.contains(Status::SrcNat) {
+        reply.and_then(|(p, s, d)| (p == proto).then_some((s, d)))
+    } else {
+        None
+    };
     Some(KernelFlow {
         proto,
         src,
         dst,
         timeout_s,
+        masqueraded,
     })
 }
 
@@ -243,6 +264,48 @@ pub fn key4(f: &KernelFlow) -> Option<Ct4Key> {
     }
 }
 
+/// The handover map key of the node's port a masqueraded flow `f` holds:
+/// its backend-side tuple, as the datapath's SNAT port choice looks it up
+/// (`dir` REPLY). `None` when the kernel did not source-NAT it.
+pub fn reply_key4(f: &KernelFlow) -> Option<Ct4Key> {
+    match f.masqueraded? {
+        (std::net::SocketAddr::V4(s), std::net::SocketAddr::V4(d)) => Some(Ct4Key::reply(
+            f.proto,
+            u32::from_ne_bytes(s.ip().octets()),
+            s.port().to_be(),
+            u32::from_ne_bytes(d.ip().octets()),
+            d.port().to_be(),
+        )),
+        _ => None,
+    }
+}
+
+/// [`reply_key4`] for IPv6.
+pub fn reply_key6(f: &KernelFlow) -> Option<Ct6Key> {
+    match f.masqueraded? {
+        (std::net::SocketAddr::V6(s), std::net::SocketAddr::V6(d)) => Some(Ct6Key::reply(
+            f.proto,
+            proxy_common::ipv6::addr6(*s.ip()),
+            s.port().to_be(),
+            proxy_common::ipv6::addr6(*d.ip()),
+            d.port().to_be(),
+        )),
+        _ => None,
+    }
+}
+
+/// Until when the datapath keeps the node's port of a masqueraded flow `f`
+/// away from its own flows: as [`deadline`] for TCP and SCTP; for UDP,
+/// whose handover entry only its own packets renew, as long as a
+/// connection's (a port toward one backend is one of tens of thousands).
+pub fn port_deadline(f: &KernelFlow, now: u64) -> u64 {
+    if f.proto == IPPROTO_UDP {
+        now + proxy_common::HANDOVER_DRAINED_NS
+    } else {
+        deadline(f, now)
+    }
+}
+
 /// [`key4`] for IPv6.
 pub fn key6(f: &KernelFlow) -> Option<Ct6Key> {
     match (f.src.ip(), f.dst.ip()) {
@@ -259,27 +322,48 @@ pub fn key6(f: &KernelFlow) -> Option<Ct6Key> {
     }
 }
 
+/// What [`hand_over`] listed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandedOver {
+    /// Flows left to the kernel, of each family.
+    pub ipv4: usize,
+    pub ipv6: usize,
+    /// Of those, the ones the kernel also masqueraded: a port of the node
+    /// each, kept from the datapath's own SNAT.
+    pub masqueraded: usize,
+}
+
 /// Reads the kernel's destination-NATed flows and lists them in the
-/// handover maps under `pin_dir`: how many of each family.
-pub fn hand_over(pin_dir: &Path) -> Result<(usize, usize), String> {
+/// handover maps under `pin_dir`.
+pub fn hand_over(pin_dir: &Path) -> Result<HandedOver, String> {
     let flows = translated_flows().map_err(|e| format!("read the kernel's conntrack: {e}"))?;
     let mut v4 = open_lru_hash::<Ct4Key, u64>(pin_dir, map_names::HANDOVER)?;
     let mut v6 = open_lru_hash::<Ct6Key, u64>(pin_dir, map_names::HANDOVER6)?;
     let now = monotonic_ns();
-    let (mut n4, mut n6) = (0, 0);
+    let mut n = HandedOver::default();
     for f in &flows {
         let until = deadline(f, now);
         if let Some(k) = key4(f) {
             v4.insert(k, until, 0)
                 .map_err(|e| format!("{}: {e}", map_names::HANDOVER))?;
-            n4 += 1;
+            if let Some(r) = reply_key4(f) {
+                v4.insert(r, port_deadline(f, now), 0)
+                    .map_err(|e| format!("{}: {e}", map_names::HANDOVER))?;
+                n.masqueraded += 1;
+            }
+            n.ipv4 += 1;
         } else if let Some(k) = key6(f) {
             v6.insert(k, until, 0)
                 .map_err(|e| format!("{}: {e}", map_names::HANDOVER6))?;
-            n6 += 1;
+            if let Some(r) = reply_key6(f) {
+                v6.insert(r, port_deadline(f, now), 0)
+                    .map_err(|e| format!("{}: {e}", map_names::HANDOVER6))?;
+                n.masqueraded += 1;
+            }
+            n.ipv6 += 1;
         }
     }
-    Ok((n4, n6))
+    Ok(n)
 }
 
 /// Hands the node back (`--on-exit drain`): sets `DRAINING` in the
@@ -309,6 +393,7 @@ mod tests {
             src: src.parse().unwrap(),
             dst: dst.parse().unwrap(),
             timeout_s,
+            masqueraded: None,
         }
     }
 
@@ -386,6 +471,41 @@ mod tests {
             Some(flow(IPPROTO_TCP, "198.18.1.10:40000", "198.19.0.7:80", 300))
         );
         assert!(translated(&[orig(IPPROTO_TCP), snat, t.clone()]).is_none());
+        // Masqueraded too (a NodePort to a remote backend): the reply tuple
+        // says which port of the node it holds toward its backend.
+        let reply = ConntrackAttribute::CtaTupleReply(vec![
+            Tuple::Ip(vec![
+                IPTuple::SourceAddress("198.18.2.10".parse().unwrap()),
+                IPTuple::DestinationAddress("198.18.0.10".parse().unwrap()),
+            ]),
+            Tuple::Proto(vec![
+                ProtoTuple::Protocol(IPPROTO_TCP.into()),
+                ProtoTuple::SourcePort(8080),
+                ProtoTuple::DestinationPort(61234),
+            ]),
+        ]);
+        let both = ConntrackAttribute::CtaStatus(Status::DstNat | Status::SrcNat);
+        let f = translated(&[orig(IPPROTO_TCP), reply.clone(), both, t.clone()]).unwrap();
+        assert_eq!(
+            f.masqueraded,
+            Some((
+                "198.18.2.10:8080".parse().unwrap(),
+                "198.18.0.10:61234".parse().unwrap()
+            ))
+        );
+        let k = reply_key4(&f).unwrap();
+        assert_eq!((k.dir, k.proto), (ct_dir::REPLY, IPPROTO_TCP));
+        assert_eq!(
+            (k.saddr(), u16::from_be(k.sport_be)),
+            ("198.18.2.10".parse::<std::net::Ipv4Addr>().unwrap(), 8080)
+        );
+        assert_eq!(
+            (k.daddr(), u16::from_be(k.dport_be)),
+            ("198.18.0.10".parse::<std::net::Ipv4Addr>().unwrap(), 61234)
+        );
+        // Destination NAT alone: no port of the node is held.
+        let f = translated(&[orig(IPPROTO_TCP), reply, dnat.clone(), t.clone()]).unwrap();
+        assert_eq!((f.masqueraded, reply_key4(&f)), (None, None));
         assert!(translated(&[orig(1), dnat.clone(), t.clone()]).is_none());
         assert!(translated(&[dnat, t]).is_none());
     }

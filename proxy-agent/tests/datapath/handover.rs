@@ -29,6 +29,7 @@ fn key(sport: u16, dport: u16, proto: u8) -> Ct4Key {
         src: std::net::SocketAddr::from((CLIENT, sport)),
         dst: std::net::SocketAddr::from((VIP, dport)),
         timeout_s: 0,
+        masqueraded: None,
     })
     .expect("an IPv4 flow")
 }
@@ -189,4 +190,52 @@ fn a_flow_passed_while_draining_stays_the_stacks_after() {
     // A new connection is ours.
     let r = parse_checked(&h.run(&tcp4(CLIENT, 48002, VIP, 80, SYN, b"")).1);
     assert_eq!((r.dst, r.dport), (B1, 8080));
+}
+
+/// A flow kube-proxy masqueraded before the takeover (a NodePort to a
+/// remote backend, `--random-fully` picking a port over the datapath's SNAT
+/// range) holds that port of the node toward its backend: while its
+/// handover entry lasts, a new flow to the same backend is not given it
+/// (the backend would take the new SYN for the old connection, and the old
+/// one's replies would go to the new client). A range of one port: random
+/// tries and the exhaustive search both pass it over, and the flow is
+/// dropped; once the entry has ended the port is given.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow() {
+    use proxy_agent::host::handover::{port_deadline, reply_key4, KernelFlow};
+    let h = super::lifecycle::snat_setup((20000, 20000));
+    let kernels = KernelFlow {
+        proto: IPPROTO_TCP,
+        src: std::net::SocketAddr::from((EXT_CLIENT, 41000)),
+        dst: std::net::SocketAddr::from((NODE, 30080)),
+        timeout_s: 300,
+        masqueraded: Some((
+            std::net::SocketAddr::from((REMOTE, 8080)),
+            std::net::SocketAddr::from((NODE, 20000)),
+        )),
+    };
+    let k = reply_key4(&kernels).expect("a masqueraded IPv4 flow");
+    let mut m = handover_map(&h);
+    let now = proxy_agent::bpf::ktime_ns();
+    m.insert(k, port_deadline(&kernels, now), 0).unwrap();
+    let before = h.stats();
+    let (rc, _) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40000, NODE, 30080, SYN, b""));
+    assert_eq!(
+        rc,
+        Drop.code(ExtIngress),
+        "the range's one port is the kernel's"
+    );
+    assert_eq!(delta(&h, &before, stat::DROP_NO_FREE_PORT), 1);
+
+    // The kernel's entry has ended: the port is free.
+    m.insert(k, now.saturating_sub(S), 0).unwrap();
+    let o = parse_checked(
+        &h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 40001, NODE, 30080, SYN, b""))
+            .1,
+    );
+    assert_eq!(
+        (o.src, o.sport, o.dst, o.dport),
+        (NODE, 20000, REMOTE, 8080)
+    );
 }

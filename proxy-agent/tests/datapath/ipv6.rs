@@ -562,6 +562,60 @@ fn ipv6_nodeport_to_a_remote_backend_is_snated_to_the_node() {
     assert_eq!(tuple6_checked(&out, L4_OFF6), (NODE6, sport, REMOTE6, 8080));
 }
 
+/// IPv6 twin of `a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow`
+/// (handover.rs): a port of the node that a flow kube-proxy masqueraded
+/// holds toward its backend is not given to a new flow while its handover
+/// entry lasts.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow() {
+    use proxy_agent::host::handover::{port_deadline, reply_key6, KernelFlow};
+    let mut h = harness6(&[(
+        fe6_ext(NODE6, 30080, IPPROTO_TCP),
+        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    let mut cfg = Config::default()
+        .with_hairpin6_addr(HAIRPIN6)
+        .with_node6_addr(NODE6);
+    (cfg.snat_port_min, cfg.snat_port_max) = (20000, 20000);
+    h.set_config(cfg);
+    let kernels = KernelFlow {
+        proto: IPPROTO_TCP,
+        src: std::net::SocketAddr::from((EXT_CLIENT6, 41000)),
+        dst: std::net::SocketAddr::from((NODE6, 30080)),
+        timeout_s: 300,
+        masqueraded: Some((
+            std::net::SocketAddr::from((REMOTE6, 8080)),
+            std::net::SocketAddr::from((NODE6, 20000)),
+        )),
+    };
+    let k = reply_key6(&kernels).expect("a masqueraded IPv6 flow");
+    let mut m: aya::maps::HashMap<aya::maps::MapData, proxy_common::Ct6Key, u64> =
+        h.lru_map(map_names::HANDOVER6);
+    let now = proxy_agent::bpf::ktime_ns();
+    m.insert(k, port_deadline(&kernels, now), 0).unwrap();
+    let before = h.stats();
+    let (rc, _) = h.run_prog(
+        Prog::ExtIngress,
+        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN),
+    );
+    assert_eq!(
+        rc,
+        super::Drop.code(Prog::ExtIngress),
+        "the range's one port is the kernel's"
+    );
+    assert_eq!(delta(&h, &before, stat::DROP_NO_FREE_PORT), 1);
+
+    // The kernel's entry has ended: the port is free.
+    m.insert(k, now.saturating_sub(1_000_000_000), 0).unwrap();
+    let (_, out) = h.run_prog(
+        Prog::ExtIngress,
+        &tcp6(EXT_CLIENT6, 40001, NODE6, 30080, SYN),
+    );
+    assert_eq!(tuple6_checked(&out, L4_OFF6), (NODE6, 20000, REMOTE6, 8080));
+}
+
 /// `externalTrafficPolicy: Local`: the client's address is kept.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
@@ -1171,6 +1225,7 @@ fn ipv6_handed_over_flows_pass_untouched_a_syn_does_not() {
         src: std::net::SocketAddr::from((CLIENT6, sport)),
         dst: std::net::SocketAddr::from((VIP6, 80)),
         timeout_s: 60,
+        masqueraded: None,
     };
     let mut m: aya::maps::HashMap<aya::maps::MapData, proxy_common::Ct6Key, u64> =
         h.lru_map(map_names::HANDOVER6);

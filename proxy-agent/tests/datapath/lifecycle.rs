@@ -248,7 +248,7 @@ fn a_first_packet_that_is_not_a_syn_is_short_lived() {
     assert_eq!(gc_ahead(&mut h, 3_600), 0, "the answered one lives on");
 }
 
-fn snat_setup(range: (u16, u16)) -> Harness {
+pub(super) fn snat_setup(range: (u16, u16)) -> Harness {
     let mut h = Harness::new();
     let mut cfg = Config::default()
         .with_hairpin_addr(HAIRPIN)
