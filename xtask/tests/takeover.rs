@@ -337,9 +337,9 @@ fn takeover(lab: &mut Lab, origin: Instant) {
         let held = log
             .lines()
             .filter(|l| l.contains("after attaching") && l.contains("left to it"))
+            .rev()
             .filter_map(|l| l.split("masqueraded=").nth(1))
-            .filter_map(|v| v.split_whitespace().next()?.parse::<usize>().ok())
-            .last();
+            .find_map(|v| v.split_whitespace().next()?.parse::<usize>().ok());
         assert!(
             held.is_some_and(|h| h > 0),
             "{n}: the agent lists the node ports of kube-proxy's masqueraded flows \
