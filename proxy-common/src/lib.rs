@@ -85,6 +85,9 @@ pub mod map_names {
     /// the backend-side tuple with port 0 → when (`u64`, ns). See
     /// [`super::SNAT_SEARCH_BACKOFF_NS`].
     pub const SNAT_FULL: &str = "SNAT_FULL4_V1";
+    /// IPv6 [`SNAT_FULL`]: a [`super::Ct6Key`] with port 0 → when (`u64`,
+    /// ns).
+    pub const SNAT_FULL6: &str = "SNAT_FULL6_V1";
     /// IPv6 frontends and their backend slots: [`super::Svc6Key`] →
     /// [`super::SvcValue`].
     pub const SERVICES6: &str = "SVC6_V2";
@@ -127,7 +130,7 @@ pub mod map_names {
     pub const HANDOVER6: &str = "HANDOVER6_V1";
 
     /// Every map, in the order the agent pins and reports them.
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
         SERVICES,
         BACKENDS,
         REV_NAT,
@@ -157,6 +160,7 @@ pub mod map_names {
         TAIL6_XDP,
         HANDOVER,
         HANDOVER6,
+        SNAT_FULL6,
     ];
 }
 

@@ -28,8 +28,10 @@
 //! (neighbour discovery among it) passes untouched.
 //!
 //! ICMPv6 errors about translated flows are translated with them
-//! ([`crate::icmp6_error`]). Not yet IPv4's: the exhaustive SNAT port
-//! search (random tries only). XDP: [`crate::xdp6`].
+//! ([`crate::icmp6_error`]). A new flow whose random source-port tries all
+//! fail searches the whole SNAT range, as IPv4's ([`search_nat_port`]; the
+//! `_rnd` builds, for kernels without `bpf_loop`, drop it). XDP:
+//! [`crate::xdp6`].
 
 // Map keys and values are passed by reference (`get_ptr(&key)`): by value,
 // each call's copy of a 40-byte IPv6 key takes stack the verifier counts
@@ -64,7 +66,10 @@ use proxy_common::{
 
 use crate::{
     family::{Family, V6},
-    maps::{account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
+    maps::{
+        account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SNAT_FULL6_V1,
+        SVC6_V2,
+    },
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -339,12 +344,15 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
 /// The entry's frame holds nothing: an ICMPv6 error and a flow's packet
 /// each go on in a BPF call of their own, so the deepest chain of frames
 /// (the verifier's 512 bytes) is one of theirs alone.
+///
+/// `SEARCH`: as IPv4's `tc::run` (the build with the exhaustive SNAT port
+/// search, for kernels with `bpf_loop`).
 #[inline(always)]
-pub fn run(ctx: &TcContext, scope: u8) -> (i32, u32) {
+pub fn run<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
     if next_header(ctx) == IPPROTO_ICMPV6 {
         return crate::icmp6_error::translate(ctx, false);
     }
-    run_flow(ctx, scope)
+    run_flow::<SEARCH>(ctx, scope)
 }
 
 /// The IPv6 header's next header (0xff when unreadable).
@@ -354,7 +362,7 @@ fn next_header(ctx: &TcContext) -> u8 {
 }
 
 #[inline(never)]
-fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
+fn run_flow<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
     let Ok(sc) = scratch() else {
         return (TC_ACT_OK, stat::PASS_MALFORMED);
     };
@@ -374,7 +382,7 @@ fn run_flow(ctx: &TcContext, scope: u8) -> (i32, u32) {
     };
     let verdict = match SVC6_V2.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
-        Some(fe) => translate(ctx, pkt, &key, &unsafe { *fe }),
+        Some(fe) => translate::<SEARCH>(ctx, pkt, &key, &unsafe { *fe }),
         None => reply(ctx, pkt, false),
     };
     match verdict {
@@ -589,8 +597,16 @@ fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
 /// ([`finish`]). Each is a BPF call of its own, made from the entry's
 /// frame: siblings, so that their frames never stack on one another (the
 /// verifier's 512 bytes are for the deepest chain of calls).
+///
+/// `SEARCH`: a new flow whose random source-port tries all failed searches
+/// the whole SNAT range ([`search_nat_port`]), from `run_flow`'s frame.
 #[inline(always)]
-fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &SvcValue) -> Verdict {
+fn translate<const SEARCH: bool>(
+    ctx: &TcContext,
+    pkt: &mut Packet6,
+    key: &Svc6Key,
+    fe: &SvcValue,
+) -> Verdict {
     let est = established(pkt);
     if est > ESTABLISHED {
         // Not configured, or no scratch entry.
@@ -614,6 +630,14 @@ fn translate(ctx: &TcContext, pkt: &mut Packet6, key: &Svc6Key, fe: &SvcValue) -
                 account(ctx.len() as u64, fe.rev_nat_id, flow.backend_id);
                 pkt.daddr_be = flow.backend.addr_be;
                 return Verdict::Deliver(stat::FWD_HANDOFF);
+            }
+            Err(Verdict::Drop(stat::DROP_NO_FREE_PORT)) if SEARCH => {
+                let Some(port_be) = search_nat_port() else {
+                    return Verdict::Drop(stat::DROP_NO_FREE_PORT);
+                };
+                if let Err(v) = commit_searched(pkt, fe, port_be) {
+                    return v;
+                }
             }
             Err(v) => return v,
         }
@@ -818,19 +842,60 @@ pub fn new_flow(
         nat_addr_be,
     };
     *rkey = flow.reply_key(pkt);
-    let snat_node = flags & ct_flags::SNAT_PORT != 0;
-    if snat_node || reply_tuple_taken(cfg, rkey, fe.rev_nat_id, now) {
+    if flags & ct_flags::SNAT_PORT != 0 || reply_tuple_taken(cfg, rkey, fe.rev_nat_id, now) {
+        // On failure `flow` and `rkey` stay as chosen, for the search.
         let port_be = free_nat_port(cfg, rkey, now)?;
-        count(if snat_node {
-            stat::SNAT_NODE
-        } else {
-            stat::SNAT_PORT_COLLISION
-        });
-        flow.nat_port_be = port_be;
-        flow.flags |= ct_flags::SNAT_PORT;
+        ported(flow, port_be);
     }
+    commit(cfg, pkt, skey, fe, flow, sval, now);
+    Ok(())
+}
+
+/// The new flow in the scratch entry's `flow`, for which
+/// [`search_nat_port`] found source port `port_be` after [`new_flow`]'s
+/// random tries failed: its SERVICE entry, as `new_flow` ends.
+#[inline(never)]
+fn commit_searched(pkt: &Packet6, fe: &SvcValue, port_be: u16) -> Result<(), Verdict> {
+    let cfg = config()?;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let sc = scratch()?;
+    // SAFETY: this CPU's scratch entry: the new flow's `skey` and `flow`,
+    // and `entry`, free while this runs.
+    let (skey, flow, sval) = unsafe { (&(*sc).skey, &mut (*sc).flow, &mut (*sc).entry) };
+    ported(flow, port_be);
+    commit(cfg, pkt, skey, fe, flow, sval, now);
+    Ok(())
+}
+
+/// New flow `flow` gets source port `port_be`: SNATed to the node
+/// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
+#[inline(always)]
+fn ported(flow: &mut Flow6, port_be: u16) {
+    count(if flow.flags & ct_flags::SNAT_PORT != 0 {
+        stat::SNAT_NODE
+    } else {
+        stat::SNAT_PORT_COLLISION
+    });
+    flow.nat_port_be = port_be;
+    flow.flags |= ct_flags::SNAT_PORT;
+}
+
+/// Creates the SERVICE entry (at `skey`) of new flow `flow`, built in
+/// `sval`; where a racing first packet of the same flow won, its choice is
+/// followed and `flow` becomes it (field bug K8).
+#[inline(always)]
+fn commit(
+    cfg: &Config,
+    pkt: &Packet6,
+    skey: &Ct6Key,
+    fe: &SvcValue,
+    flow: &mut Flow6,
+    sval: &mut Ct6Value,
+    now: u64,
+) {
     *sval = Ct6Value {
-        backend_id,
+        backend_id: flow.backend_id,
         rev_nat_id: fe.rev_nat_id,
         flags: flow.flags,
         nat_port_be: flow.nat_port_be,
@@ -839,7 +904,7 @@ pub fn new_flow(
         last_seen_ns: now,
     };
     if CT6_V2.insert(skey, &*sval, BPF_NOEXIST as u64).is_ok() {
-        return Ok(());
+        return;
     }
     // A racing first packet of the same flow won: its choice is followed
     // (field bug K8); a closed flow's entry whose tuple this SYN reuses is
@@ -850,14 +915,13 @@ pub fn new_flow(
         if alive(cfg, pkt.proto, w, now) && !reopens(pkt, w) {
             if let Some(wb) = V6::backend(w.backend_id) {
                 *flow = Flow6::of(w, wb);
-                return Ok(());
+                return;
             }
         }
     }
     if CT6_V2.insert(skey, &*sval, BPF_ANY as u64).is_err() {
         count(stat::CT_INSERT_FAILED);
     }
-    Ok(())
 }
 
 /// Whether backend-side tuple `rkey` belongs to another frontend's live flow.
@@ -891,36 +955,146 @@ fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct6Value, now: u64) -> Optio
     alive(cfg, rkey.proto, o, now).then_some(o.backend_id)
 }
 
-/// A free source port from the SNAT range: random tries only (IPv4's
-/// exhaustive search is not built for IPv6).
+/// A free source port from the SNAT range: [`NAT_PORT_ATTEMPTS`] random
+/// tries (then, in the `SEARCH` build, [`search_nat_port`]).
 #[inline(always)]
 fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdict> {
     let none = Verdict::Drop(stat::DROP_NO_FREE_PORT);
-    let min = cfg.snat_port_min as u32;
-    let max = cfg.snat_port_max as u32;
-    if min == 0 || max < min {
-        return Err(none);
-    }
-    let size = core::num::NonZeroU32::new(max - min + 1).ok_or(none)?;
+    let (min, size) = snat_range(cfg).ok_or(none)?;
+    let size = core::num::NonZeroU32::new(size).ok_or(none)?;
     for _ in 0..NAT_PORT_ATTEMPTS {
         // SAFETY: helper without arguments.
         let r = unsafe { bpf_get_prandom_u32() };
         let port_be = ((min + r % size) as u16).to_be();
         rkey.dport_be = port_be;
-        let in_use = match CT6_V2.get_ptr(&*rkey) {
-            Some(e) => {
-                // SAFETY: map value pointer, read in place.
-                let e = unsafe { &*e };
-                now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
-                    || live_service_of(cfg, rkey, e, now).is_some()
-            }
-            None => crate::nat::masqueraded_by_kernel(HANDOVER6_V1.get_ptr(&*rkey), now),
-        };
-        if !in_use {
+        if !port_in_use(cfg, rkey, now) {
             return Ok(port_be);
         }
     }
     Err(none)
+}
+
+/// The SNAT range of `cfg` as (first port, number of ports); `None` when
+/// unset.
+#[inline(always)]
+fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
+    let min = cfg.snat_port_min as u32;
+    let max = cfg.snat_port_max as u32;
+    if min == 0 || max < min {
+        return None;
+    }
+    Some((min, max - min + 1))
+}
+
+/// Whether the backend-side tuple `rkey` belongs to a flow still alive (or
+/// being created: a REPLY entry younger than a second), ours or one the
+/// kernel masqueraded before the takeover.
+#[inline(always)]
+fn port_in_use(cfg: &Config, rkey: &Ct6Key, now: u64) -> bool {
+    match CT6_V2.get_ptr(rkey) {
+        Some(e) => {
+            // SAFETY: map value pointer, read in place.
+            let e = unsafe { &*e };
+            now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
+                || live_service_of(cfg, rkey, e, now).is_some()
+        }
+        None => crate::nat::masqueraded_by_kernel(HANDOVER6_V1.get_ptr(rkey), now),
+    }
+}
+
+/// One search of the whole SNAT range, in the searching frame (the tuple
+/// is the scratch entry's `rkey`): `bpf_loop` hands [`search_step`] a
+/// pointer to it.
+#[repr(C)]
+struct Search6 {
+    now: u64,
+    /// First port of the range, its size, and where this search starts in
+    /// it (`< size`).
+    min: u32,
+    size: u32,
+    start: u32,
+    /// The free port found (network byte order); 0 while none is.
+    found_be: u16,
+    _pad: u16,
+}
+
+/// A free source port for the new flow in the scratch entry (its
+/// backend-side tuple in `rkey`) after [`free_nat_port`]'s random tries all
+/// failed: every port of the SNAT range, from a random one on, as IPv4's
+/// `nat::search_nat_port` (`bpf_loop`; a port space found full is not
+/// searched again for [`proxy_common::SNAT_SEARCH_BACKOFF_NS`],
+/// `SNAT_FULL6_V1`). `None` when no port is free, or within the back-off.
+#[inline(never)]
+fn search_nat_port() -> Option<u16> {
+    let cfg = config().ok()?;
+    let sc = scratch().ok()?;
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (min, size) = snat_range(cfg)?;
+    let size_nz = core::num::NonZeroU32::new(size)?;
+    // SAFETY: this CPU's scratch entry: the new flow's backend-side tuple,
+    // whose port is the one being tried.
+    let rkey = unsafe { &mut (*sc).rkey };
+    rkey.dport_be = 0;
+    if let Some(full) = SNAT_FULL6_V1.get_ptr(&*rkey) {
+        // SAFETY: LRU value pointer, read once.
+        if now.saturating_sub(unsafe { *full }) < proxy_common::SNAT_SEARCH_BACKOFF_NS {
+            return None;
+        }
+    }
+    count(stat::SNAT_PORT_SEARCH);
+    let mut s = Search6 {
+        now,
+        min,
+        size,
+        // SAFETY: helper without arguments.
+        start: unsafe { bpf_get_prandom_u32() } % size_nz,
+        found_be: 0,
+        _pad: 0,
+    };
+    // SAFETY: `search_step` is a BPF subprogram of the callback's
+    // signature; `s` outlives the call.
+    unsafe {
+        aya_ebpf::helpers::bpf_loop(
+            size,
+            search_step as *const () as *mut core::ffi::c_void,
+            (&mut s as *mut Search6).cast(),
+            0,
+        )
+    };
+    if s.found_be == 0 {
+        rkey.dport_be = 0;
+        let _ = SNAT_FULL6_V1.insert(&*rkey, &now, BPF_ANY as u64);
+        return None;
+    }
+    rkey.dport_be = s.found_be;
+    Some(s.found_be)
+}
+
+/// One port of a [`search_nat_port`]: 1 (stop) when port `start + index`
+/// (wrapping in the range) is free, 0 (go on) otherwise.
+#[inline(never)]
+extern "C" fn search_step(index: u32, ctx: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `ctx` is the `Search6` in `search_nat_port`'s frame, which
+    // waits for `bpf_loop` to return.
+    let s = unsafe { &mut *ctx.cast::<Search6>() };
+    let (Ok(cfg), Ok(sc)) = (config(), scratch()) else {
+        return 1;
+    };
+    // SAFETY: this CPU's scratch entry (the same program run's).
+    let rkey = unsafe { &mut (*sc).rkey };
+    // `start < size` and `index < size`: one subtraction wraps it.
+    let mut off = s.start.wrapping_add(index);
+    if off >= s.size {
+        off = off.wrapping_sub(s.size);
+    }
+    let port_be = (s.min.wrapping_add(off) as u16).to_be();
+    rkey.dport_be = port_be;
+    if port_be == 0 || port_in_use(cfg, rkey, s.now) {
+        return 0;
+    }
+    s.found_be = port_be;
+    1
 }
 
 /// The REPLY entry of `flow`: written for a new flow, and again for a

@@ -20,9 +20,10 @@
 //! Every step returns a [`verdict::Verdict`]; every packet is counted once
 //! under its verdict in the stats map ([`proxy_common::stat`]).
 //!
-//! `pod_ingress_rnd` and `ext_ingress_rnd` are the same programs for kernels
-//! without `bpf_loop` (before 5.17), where a new flow needing a SNAT source
-//! port gets random tries only; the agent loads one of each pair.
+//! `pod_ingress_rnd` and `ext_ingress_rnd` (and IPv6's `pod_ingress6_rnd`,
+//! `ext_ingress6_rnd`) are the same programs for kernels without `bpf_loop`
+//! (before 5.17), where a new flow needing a SNAT source port gets random
+//! tries only; the agent loads one of each pair.
 //!
 //! ICMP errors about translated flows (fragmentation needed, port
 //! unreachable, time exceeded) are translated with their flow at tc
@@ -152,7 +153,15 @@ pub fn ext_ingress_rnd(ctx: TcContext) -> i32 {
 /// `pod_ingress` for IPv6 (tail-called by the IPv4 programs): see [`ipv6`].
 #[classifier]
 pub fn pod_ingress6(ctx: TcContext) -> i32 {
-    let (action, code) = ipv6::run(&ctx, SCOPE_INTERNAL);
+    let (action, code) = ipv6::run::<true>(&ctx, SCOPE_INTERNAL);
+    count(code);
+    action
+}
+
+/// `pod_ingress6` for kernels without `bpf_loop`, as `pod_ingress_rnd`.
+#[classifier]
+pub fn pod_ingress6_rnd(ctx: TcContext) -> i32 {
+    let (action, code) = ipv6::run::<false>(&ctx, SCOPE_INTERNAL);
     count(code);
     action
 }
@@ -160,7 +169,15 @@ pub fn pod_ingress6(ctx: TcContext) -> i32 {
 /// `ext_ingress` for IPv6: see [`ipv6`].
 #[classifier]
 pub fn ext_ingress6(ctx: TcContext) -> i32 {
-    let (action, code) = ipv6::run(&ctx, SCOPE_EXTERNAL);
+    let (action, code) = ipv6::run::<true>(&ctx, SCOPE_EXTERNAL);
+    count(code);
+    action
+}
+
+/// `ext_ingress6` for kernels without `bpf_loop`, as `pod_ingress_rnd`.
+#[classifier]
+pub fn ext_ingress6_rnd(ctx: TcContext) -> i32 {
+    let (action, code) = ipv6::run::<false>(&ctx, SCOPE_EXTERNAL);
     count(code);
     action
 }

@@ -93,6 +93,11 @@ pub static REJECT_RL_V1: PerCpuArray<u64, 1> = PerCpuArray::new();
 pub static SNAT_FULL4_V1: LruHashMap<Ct4Key, u64, { capacity::SNAT_FULL as usize }> =
     LruHashMap::new();
 
+/// IPv6 `SNAT_FULL4_V1`.
+#[btf_map]
+pub static SNAT_FULL6_V1: LruHashMap<Ct6Key, u64, { capacity::SNAT_FULL as usize }> =
+    LruHashMap::new();
+
 /// Flows the kernel's conntrack translated before this datapath took over
 /// (kube-proxy's DNAT): the client's tuple → until when they stay the
 /// kernel's ([`crate::forward::handed_over`]); and, `dir` REPLY, the

@@ -61,7 +61,8 @@ pub const POD_INGRESS_RND_PROGRAM: &str = "pod_ingress_rnd";
 pub const EXT_INGRESS_RND_PROGRAM: &str = "ext_ingress_rnd";
 
 /// The IPv6 tc programs, at their index of the `TAIL6_V1` program array
-/// (the IPv4 programs tail-call them for IPv6 frames).
+/// (the IPv4 programs tail-call them for IPv6 frames); the ingress ones in
+/// the build of the IPv4 programs ([`PortSearch::program`]).
 pub const IPV6_PROGRAMS: [(&str, u32); 3] =
     [("pod_ingress6", 0), ("ext_ingress6", 1), ("pod_egress6", 2)];
 
@@ -102,12 +103,14 @@ impl PortSearch {
         Self::of(&probe::decide(&probe::probe()))
     }
 
-    /// The program of `name` (`pod_ingress` or `ext_ingress`) in this
-    /// build; any other name is returned as it is.
+    /// The program of `name` (`pod_ingress`, `ext_ingress` or their IPv6
+    /// twins) in this build; any other name is returned as it is.
     pub fn program(self, name: &str) -> &str {
         match (self, name) {
             (PortSearch::RandomTries, POD_INGRESS_PROGRAM) => POD_INGRESS_RND_PROGRAM,
             (PortSearch::RandomTries, EXT_INGRESS_PROGRAM) => EXT_INGRESS_RND_PROGRAM,
+            (PortSearch::RandomTries, "pod_ingress6") => "pod_ingress6_rnd",
+            (PortSearch::RandomTries, "ext_ingress6") => "ext_ingress6_rnd",
             _ => name,
         }
     }
@@ -523,7 +526,7 @@ fn load_checked(
         port_search = PortSearch::RandomTries;
         load_tc_programs(&mut ebpf, port_search).map_err(|_| e)?;
     }
-    let ipv6 = load_ipv6_programs(&mut ebpf);
+    let ipv6 = load_ipv6_programs(&mut ebpf, port_search);
     if let Err(why) = &ipv6 {
         tracing::warn!("the IPv6 datapath off (IPv6 passes untouched): {why}");
         clear_tail(
@@ -609,11 +612,13 @@ fn load_xdp6(ebpf: &mut Ebpf) -> Result<(), String> {
         .map_err(|e| format!("{}[0]: {e}", map_names::TAIL6_XDP))
 }
 
-/// Loads the IPv6 tc programs and puts them in the program array the IPv4
-/// programs tail-call. A kernel refusing them loses IPv6 only.
-fn load_ipv6_programs(ebpf: &mut Ebpf) -> Result<(), String> {
+/// Loads the IPv6 tc programs of build `search` and puts them in the
+/// program array the IPv4 programs tail-call. A kernel refusing them loses
+/// IPv6 only.
+fn load_ipv6_programs(ebpf: &mut Ebpf, search: PortSearch) -> Result<(), String> {
     let mut fds = Vec::new();
     for (name, index) in IPV6_PROGRAMS {
+        let name = search.program(name);
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .ok_or_else(|| format!("program {name} missing from the object"))?

@@ -249,6 +249,20 @@ mod tests {
         assert_eq!(IfaceKind::External.program(search), "ext_ingress_rnd");
         assert_eq!(IfaceKind::PodEgress.program(search), "pod_egress");
         assert_eq!(IfaceKind::ExternalXdp.program(search), "ext_xdp");
+        // The IPv6 programs the ingress ones tail-call, in the same build.
+        let ipv6: Vec<&str> = crate::bpf::IPV6_PROGRAMS
+            .iter()
+            .map(|(name, _)| search.program(name))
+            .collect();
+        assert_eq!(
+            ipv6,
+            ["pod_ingress6_rnd", "ext_ingress6_rnd", "pod_egress6"]
+        );
+        let ipv6: Vec<&str> = crate::bpf::IPV6_PROGRAMS
+            .iter()
+            .map(|(name, _)| PortSearch::Exhaustive.program(name))
+            .collect();
+        assert_eq!(ipv6, ["pod_ingress6", "ext_ingress6", "pod_egress6"]);
     }
 
     #[test]

@@ -616,6 +616,119 @@ fn ipv6_a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow() {
     assert_eq!(tuple6_checked(&out, L4_OFF6), (NODE6, 20000, REMOTE6, 8080));
 }
 
+/// IPv6 twin of `the_whole_snat_range_is_searched_once_random_tries_fail`
+/// (lifecycle.rs): once a new flow's random source-port tries all hit
+/// ports in use, tc searches the whole SNAT range (kernels with
+/// `bpf_loop`), so a flow is dropped only when no port is free; XDP hands
+/// such a flow to tc. A full range drops the flow after one search, within
+/// the back-off without one; a port whose flow expired is found again.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn ipv6_the_whole_snat_range_is_searched_once_random_tries_fail() {
+    use proxy_agent::bpf::PortSearch;
+    const MIN: u16 = 20000;
+    const N: u16 = 1024;
+    const S: u64 = 1_000_000_000;
+    let range = MIN..MIN + N;
+    let mut h = harness6(&[(
+        fe6_ext(NODE6, 30080, IPPROTO_TCP),
+        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
+        0,
+    )]);
+    if h.port_search() == PortSearch::RandomTries {
+        eprintln!("this kernel lacks bpf_loop: random tries only (see docs/kernels.md)");
+        return;
+    }
+    let mut cfg = Config::default()
+        .with_hairpin6_addr(HAIRPIN6)
+        .with_node6_addr(NODE6);
+    (cfg.snat_port_min, cfg.snat_port_max) = (MIN, MIN + N - 1);
+    h.set_config(cfg);
+    let syn = |sport: u16| tcp6(EXT_CLIENT6, sport, NODE6, 30080, SYN);
+    let drop = super::Drop.code(Prog::ExtIngress);
+    let stat_of = |code: u32| h.stats().get(&code).copied().unwrap_or(0);
+    let mut seen = std::collections::BTreeSet::new();
+    let mut port_of = std::collections::BTreeMap::new();
+    for i in 0..N - 1 {
+        let (rc, out) = h.run_prog(Prog::ExtIngress, &syn(30000 + i));
+        assert_ne!(rc, drop, "flow {i} dropped with {} ports free", N - i);
+        let (src, sport, dst, _) = tuple6_checked(&out, L4_OFF6);
+        assert_eq!((src, dst), (NODE6, REMOTE6));
+        assert!(range.contains(&sport), "port {sport} outside");
+        assert!(seen.insert(sport), "port {sport} given twice");
+        port_of.insert(30000 + i, sport);
+    }
+    assert!(
+        stat_of(stat::SNAT_PORT_SEARCH) > 0,
+        "the tries failed at times"
+    );
+    let free = range.clone().find(|p| !seen.contains(p)).unwrap();
+
+    // The last free port, through XDP: handed to tc when its tries fail.
+    let last = syn(41000);
+    let (rc, out) = h.run_prog(Prog::ExtXdp, &last);
+    assert_ne!(
+        rc,
+        super::Drop.code(Prog::ExtXdp),
+        "XDP dropped a flow tc can place"
+    );
+    let out = if rc == super::Pass.code(Prog::ExtXdp) {
+        let (rc, out) = h.run_prog(Prog::ExtIngress, &last);
+        assert_ne!(rc, drop, "dropped with port {free} free");
+        out
+    } else {
+        out
+    };
+    assert_eq!(tuple6_checked(&out, L4_OFF6).1, free, "the one free port");
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 0);
+
+    // Full: dropped after one search, and counted.
+    let searches = stat_of(stat::SNAT_PORT_SEARCH);
+    let (rc, _) = h.run_prog(Prog::ExtIngress, &syn(41001));
+    assert_eq!(rc, drop);
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 1);
+    assert_eq!(stat_of(stat::SNAT_PORT_SEARCH), searches + 1);
+    // Within the back-off: dropped without a search.
+    let (rc, _) = h.run_prog(Prog::ExtIngress, &syn(41002));
+    assert_eq!(rc, drop);
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
+    assert_eq!(
+        stat_of(stat::SNAT_PORT_SEARCH),
+        searches + 1,
+        "searched again"
+    );
+
+    // One flow expires unanswered (60 s): after the back-off a search
+    // finds its port, before any garbage collection.
+    super::lifecycle::wait_for_uptime();
+    let expired = port_of[&30005];
+    let mut ct: aya::maps::HashMap<aya::maps::MapData, Ct6Key, Ct6Value> =
+        h.lru_map(map_names::CONNTRACK6);
+    let all: Vec<(Ct6Key, Ct6Value)> = ct.iter().map(Result::unwrap).collect();
+    let mut aged = 0;
+    for (k, mut v) in all {
+        let service = k.dir == proxy_common::ct_dir::SERVICE && k.sport_be == 30005u16.to_be();
+        let reply = k.dir == proxy_common::ct_dir::REPLY && k.dport_be == expired.to_be();
+        if service || reply {
+            v.last_seen_ns = v.last_seen_ns.saturating_sub(61 * S);
+            ct.insert(k, v, 0).unwrap();
+            aged += 1;
+        }
+    }
+    assert_eq!(aged, 2, "the flow's two entries");
+    std::thread::sleep(std::time::Duration::from_nanos(
+        proxy_common::SNAT_SEARCH_BACKOFF_NS + 50_000_000,
+    ));
+    let (rc, out) = h.run_prog(Prog::ExtIngress, &syn(41003));
+    assert_ne!(rc, drop);
+    assert_eq!(
+        tuple6_checked(&out, L4_OFF6).1,
+        expired,
+        "the expired flow's port"
+    );
+    assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
+}
+
 /// `externalTrafficPolicy: Local`: the client's address is kept.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]

@@ -23,7 +23,7 @@ fn ct_map(h: &Harness) -> AyaHashMap<MapData, Ct4Key, Ct4Value> {
 /// unanswered TCP), which a VM's packet tests may reach within a minute of
 /// boot; this waits for that (at once on a machine up for longer). Entries
 /// not aged keep their age: a wait of a few seconds expires none of them.
-fn wait_for_uptime() {
+pub(super) fn wait_for_uptime() {
     const UPTIME: u64 = 65 * S;
     let now = proxy_agent::bpf::ktime_ns();
     if now < UPTIME {
