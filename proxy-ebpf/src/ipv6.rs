@@ -960,7 +960,7 @@ fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct6Value, now: u64) -> Optio
 #[inline(always)]
 fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdict> {
     let none = Verdict::Drop(stat::DROP_NO_FREE_PORT);
-    let (min, size) = snat_range(cfg).ok_or(none)?;
+    let (min, size) = crate::nat::snat_range(cfg).ok_or(none)?;
     let size = core::num::NonZeroU32::new(size).ok_or(none)?;
     for _ in 0..NAT_PORT_ATTEMPTS {
         // SAFETY: helper without arguments.
@@ -972,18 +972,6 @@ fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdi
         }
     }
     Err(none)
-}
-
-/// The SNAT range of `cfg` as (first port, number of ports); `None` when
-/// unset.
-#[inline(always)]
-fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
-    let min = cfg.snat_port_min as u32;
-    let max = cfg.snat_port_max as u32;
-    if min == 0 || max < min {
-        return None;
-    }
-    Some((min, max - min + 1))
 }
 
 /// Whether the backend-side tuple `rkey` belongs to a flow still alive (or
@@ -1030,7 +1018,7 @@ fn search_nat_port() -> Option<u16> {
     let sc = scratch().ok()?;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let (min, size) = snat_range(cfg)?;
+    let (min, size) = crate::nat::snat_range(cfg)?;
     let size_nz = core::num::NonZeroU32::new(size)?;
     // SAFETY: this CPU's scratch entry: the new flow's backend-side tuple,
     // whose port is the one being tried.

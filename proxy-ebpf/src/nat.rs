@@ -127,7 +127,7 @@ pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
 /// The SNAT range of `cfg` as (first port, number of ports); `None` when
 /// unset.
 #[inline(always)]
-fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
+pub fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
     let min = cfg.snat_port_min as u32;
     let max = cfg.snat_port_max as u32;
     if min == 0 || max < min {
