@@ -250,46 +250,57 @@ pub fn deadline(f: &KernelFlow, now: u64) -> u64 {
 /// The handover map key of `f`: the client's direction, as the datapath
 /// looks it up (`dir` SERVICE).
 pub fn key4(f: &KernelFlow) -> Option<Ct4Key> {
-    match (f.src.ip(), f.dst.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => Some(Ct4Key {
-            saddr_be: u32::from_ne_bytes(s.octets()),
-            daddr_be: u32::from_ne_bytes(d.octets()),
-            sport_be: f.src.port().to_be(),
-            dport_be: f.dst.port().to_be(),
-            proto: f.proto,
-            dir: ct_dir::SERVICE,
-            _pad: [0; 2],
-        }),
-        _ => None,
-    }
+    ct4(f.proto, f.src, f.dst, ct_dir::SERVICE)
 }
 
 /// The handover map key of the node's port a masqueraded flow `f` holds:
 /// its backend-side tuple, as the datapath's SNAT port choice looks it up
 /// (`dir` REPLY). `None` when the kernel did not source-NAT it.
 pub fn reply_key4(f: &KernelFlow) -> Option<Ct4Key> {
-    match f.masqueraded? {
-        (std::net::SocketAddr::V4(s), std::net::SocketAddr::V4(d)) => Some(Ct4Key::reply(
-            f.proto,
-            u32::from_ne_bytes(s.ip().octets()),
-            s.port().to_be(),
-            u32::from_ne_bytes(d.ip().octets()),
-            d.port().to_be(),
-        )),
-        _ => None,
-    }
+    let (src, dst) = f.masqueraded?;
+    ct4(f.proto, src, dst, ct_dir::REPLY)
+}
+
+/// [`key4`] for IPv6.
+pub fn key6(f: &KernelFlow) -> Option<Ct6Key> {
+    ct6(f.proto, f.src, f.dst, ct_dir::SERVICE)
 }
 
 /// [`reply_key4`] for IPv6.
 pub fn reply_key6(f: &KernelFlow) -> Option<Ct6Key> {
-    match f.masqueraded? {
-        (std::net::SocketAddr::V6(s), std::net::SocketAddr::V6(d)) => Some(Ct6Key::reply(
-            f.proto,
-            proxy_common::ipv6::addr6(*s.ip()),
-            s.port().to_be(),
-            proxy_common::ipv6::addr6(*d.ip()),
-            d.port().to_be(),
-        )),
+    let (src, dst) = f.masqueraded?;
+    ct6(f.proto, src, dst, ct_dir::REPLY)
+}
+
+/// The conntrack key of the packets from `src` to `dst` (`dir` as the
+/// datapath files them); `None` unless both are IPv4.
+fn ct4(proto: u8, src: std::net::SocketAddr, dst: std::net::SocketAddr, dir: u8) -> Option<Ct4Key> {
+    match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => Some(Ct4Key {
+            saddr_be: u32::from_ne_bytes(s.octets()),
+            daddr_be: u32::from_ne_bytes(d.octets()),
+            sport_be: src.port().to_be(),
+            dport_be: dst.port().to_be(),
+            proto,
+            dir,
+            _pad: [0; 2],
+        }),
+        _ => None,
+    }
+}
+
+/// [`ct4`] for IPv6.
+fn ct6(proto: u8, src: std::net::SocketAddr, dst: std::net::SocketAddr, dir: u8) -> Option<Ct6Key> {
+    match (src.ip(), dst.ip()) {
+        (IpAddr::V6(s), IpAddr::V6(d)) => Some(Ct6Key {
+            saddr_be: proxy_common::ipv6::addr6(s),
+            daddr_be: proxy_common::ipv6::addr6(d),
+            sport_be: src.port().to_be(),
+            dport_be: dst.port().to_be(),
+            proto,
+            dir,
+            _pad: [0; 2],
+        }),
         _ => None,
     }
 }
@@ -303,22 +314,6 @@ pub fn port_deadline(f: &KernelFlow, now: u64) -> u64 {
         now + proxy_common::HANDOVER_DRAINED_NS
     } else {
         deadline(f, now)
-    }
-}
-
-/// [`key4`] for IPv6.
-pub fn key6(f: &KernelFlow) -> Option<Ct6Key> {
-    match (f.src.ip(), f.dst.ip()) {
-        (IpAddr::V6(s), IpAddr::V6(d)) => Some(Ct6Key {
-            saddr_be: proxy_common::ipv6::addr6(s),
-            daddr_be: proxy_common::ipv6::addr6(d),
-            sport_be: f.src.port().to_be(),
-            dport_be: f.dst.port().to_be(),
-            proto: f.proto,
-            dir: ct_dir::SERVICE,
-            _pad: [0; 2],
-        }),
-        _ => None,
     }
 }
 
