@@ -70,6 +70,7 @@ use crate::{
         account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SNAT_FULL6_V1,
         SVC6_V2,
     },
+    nat::PortWalk,
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -990,22 +991,6 @@ fn port_in_use(cfg: &Config, rkey: &Ct6Key, now: u64) -> bool {
     }
 }
 
-/// One search of the whole SNAT range, in the searching frame (the tuple
-/// is the scratch entry's `rkey`): `bpf_loop` hands [`search_step`] a
-/// pointer to it.
-#[repr(C)]
-struct Search6 {
-    now: u64,
-    /// First port of the range, its size, and where this search starts in
-    /// it (`< size`).
-    min: u32,
-    size: u32,
-    start: u32,
-    /// The free port found (network byte order); 0 while none is.
-    found_be: u16,
-    _pad: u16,
-}
-
 /// A free source port for the new flow in the scratch entry (its
 /// backend-side tuple in `rkey`) after [`free_nat_port`]'s random tries all
 /// failed: every port of the SNAT range, from a random one on, as IPv4's
@@ -1031,22 +1016,16 @@ fn search_nat_port() -> Option<u16> {
         }
     }
     count(stat::SNAT_PORT_SEARCH);
-    let mut s = Search6 {
-        now,
-        min,
-        size,
-        // SAFETY: helper without arguments.
-        start: unsafe { bpf_get_prandom_u32() } % size_nz,
-        found_be: 0,
-        _pad: 0,
-    };
+    // The tuple stays in the scratch entry's `rkey`: only the walk is on
+    // the stack.
+    let mut s = PortWalk::new(now, min, size_nz);
     // SAFETY: `search_step` is a BPF subprogram of the callback's
     // signature; `s` outlives the call.
     unsafe {
         aya_ebpf::helpers::bpf_loop(
             size,
             search_step as *const () as *mut core::ffi::c_void,
-            (&mut s as *mut Search6).cast(),
+            (&mut s as *mut PortWalk).cast(),
             0,
         )
     };
@@ -1055,7 +1034,6 @@ fn search_nat_port() -> Option<u16> {
         let _ = SNAT_FULL6_V1.insert(&*rkey, &now, BPF_ANY as u64);
         return None;
     }
-    rkey.dport_be = s.found_be;
     Some(s.found_be)
 }
 
@@ -1063,20 +1041,15 @@ fn search_nat_port() -> Option<u16> {
 /// (wrapping in the range) is free, 0 (go on) otherwise.
 #[inline(never)]
 extern "C" fn search_step(index: u32, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `Search6` in `search_nat_port`'s frame, which
+    // SAFETY: `ctx` is the `PortWalk` in `search_nat_port`'s frame, which
     // waits for `bpf_loop` to return.
-    let s = unsafe { &mut *ctx.cast::<Search6>() };
+    let s = unsafe { &mut *ctx.cast::<PortWalk>() };
     let (Ok(cfg), Ok(sc)) = (config(), scratch()) else {
         return 1;
     };
     // SAFETY: this CPU's scratch entry (the same program run's).
     let rkey = unsafe { &mut (*sc).rkey };
-    // `start < size` and `index < size`: one subtraction wraps it.
-    let mut off = s.start.wrapping_add(index);
-    if off >= s.size {
-        off = off.wrapping_sub(s.size);
-    }
-    let port_be = (s.min.wrapping_add(off) as u16).to_be();
+    let port_be = s.port_be(index);
     rkey.dport_be = port_be;
     if port_be == 0 || port_in_use(cfg, rkey, s.now) {
         return 0;

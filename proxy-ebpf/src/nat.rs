@@ -136,21 +136,58 @@ pub fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
     Some((min, max - min + 1))
 }
 
-/// One search of the whole SNAT range, in the searching frame: `bpf_loop`
-/// hands [`search_step`] a pointer to it.
+/// Where one search of the whole SNAT range stands, in the searching
+/// frame (IPv4's [`search_nat_port`] and IPv6's): every port of the range
+/// once, from a random one on.
 #[repr(C)]
-struct Search {
-    /// The backend-side tuple; its port is the one being tried.
-    rkey: Ct4Key,
-    now: u64,
+pub struct PortWalk {
+    pub now: u64,
     /// First port of the range, its size, and where this search starts in
     /// it (`< size`).
     min: u32,
     size: u32,
     start: u32,
     /// The free port found (network byte order); 0 while none is.
-    found_be: u16,
+    pub found_be: u16,
     _pad: u16,
+}
+
+impl PortWalk {
+    /// A walk of the range of `size` ports from `min` (see [`snat_range`])
+    /// from a random port on.
+    #[inline(always)]
+    pub fn new(now: u64, min: u32, size: core::num::NonZeroU32) -> Self {
+        Self {
+            now,
+            min,
+            size: size.get(),
+            // SAFETY: helper without arguments.
+            start: unsafe { bpf_get_prandom_u32() } % size,
+            found_be: 0,
+            _pad: 0,
+        }
+    }
+
+    /// The port (network byte order) at step `index` (`< size`) of the
+    /// walk, wrapping in the range.
+    #[inline(always)]
+    pub fn port_be(&self, index: u32) -> u16 {
+        // `start < size` and `index < size`: one subtraction wraps it.
+        let mut off = self.start.wrapping_add(index);
+        if off >= self.size {
+            off = off.wrapping_sub(self.size);
+        }
+        (self.min.wrapping_add(off) as u16).to_be()
+    }
+}
+
+/// One search of the whole SNAT range for an IPv4 flow: `bpf_loop` hands
+/// [`search_step`] a pointer to it.
+#[repr(C)]
+struct Search {
+    /// The backend-side tuple; its port is the one being tried.
+    rkey: Ct4Key,
+    walk: PortWalk,
 }
 
 /// A free source port for a flow whose backend-side tuple is `rkey`, after
@@ -187,13 +224,7 @@ pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
     count(stat::SNAT_PORT_SEARCH);
     let mut s = Search {
         rkey,
-        now,
-        min,
-        size,
-        // SAFETY: helper without arguments.
-        start: unsafe { bpf_get_prandom_u32() } % size_nz,
-        found_be: 0,
-        _pad: 0,
+        walk: PortWalk::new(now, min, size_nz),
     };
     // SAFETY: `search_step` is a BPF subprogram of the callback's signature;
     // `s` outlives the call.
@@ -205,11 +236,11 @@ pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
             0,
         )
     };
-    if s.found_be == 0 {
+    if s.walk.found_be == 0 {
         let _ = SNAT_FULL4_V1.insert(space, now, BPF_ANY as u64);
         return None;
     }
-    Some(s.found_be)
+    Some(s.walk.found_be)
 }
 
 /// One port of a [`search_nat_port`]: 1 (stop) when port `start + index`
@@ -222,17 +253,12 @@ extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
     let Some(cfg) = CONFIG_V3.get(0) else {
         return 1;
     };
-    // `start < size` and `index < size`: one subtraction wraps it.
-    let mut off = s.start.wrapping_add(index);
-    if off >= s.size {
-        off = off.wrapping_sub(s.size);
-    }
-    let port_be = (s.min.wrapping_add(off) as u16).to_be();
+    let port_be = s.walk.port_be(index);
     s.rkey.dport_be = port_be;
-    if port_be == 0 || port_in_use(cfg, &s.rkey, s.now) {
+    if port_be == 0 || port_in_use(cfg, &s.rkey, s.walk.now) {
         return 0;
     }
-    s.found_be = port_be;
+    s.walk.found_be = port_be;
     1
 }
 
