@@ -139,8 +139,8 @@ fn fuzz_setup() -> Setup {
             0,
         ),
     ]);
-    s.node = Some(NODE);
-    s.local = vec![B1, B2];
+    s.node = Some(NODE.into());
+    s.local = vec![B1.into(), B2.into()];
     s.wire = Some((
         "198.18.0.0/16",
         vec![

@@ -7,6 +7,7 @@ use aya::maps::{HashMap as AyaHashMap, MapData};
 use proxy_common::{config_flags, ct_dir, Ct4Key, HANDOVER_REFRESH_NS};
 
 use super::*;
+use proxy_testkit::kit::check::tuple;
 use proxy_testkit::kit::harness::TC_ACT_OK;
 
 const S: u64 = 1_000_000_000;
@@ -73,12 +74,12 @@ fn a_handed_over_tcp_flow_passes_untouched_until_a_syn_or_its_deadline() {
 
     // The client reuses a listed port for a new connection: ours.
     let r = parse_checked(&h.run(&tcp4(CLIENT, 44001, VIP, 80, SYN, b"")).1);
-    assert_eq!((r.dst, r.dport), (B1, 8080), "a SYN is translated");
+    assert_eq!((r.dst, r.dport), (B1.into(), 8080), "a SYN is translated");
     assert!(has_service_entry(&h, 44001));
 
     // Past its deadline the entry is ignored (mid-stream, translated).
     let r = parse_checked(&h.run(&tcp4(CLIENT, 44002, VIP, 80, ACK, b"x")).1);
-    assert_eq!((r.dst, r.dport), (B1, 8080));
+    assert_eq!((r.dst, r.dport), (B1.into(), 8080));
     assert_eq!(delta(&h, &before, stat::PASS_HANDOVER), 3);
     assert_eq!(delta(&h, &before, stat::CT_NEW_MIDSTREAM), 1);
 }
@@ -103,7 +104,7 @@ fn a_handed_over_udp_flow_is_renewed_by_its_packets() {
     );
     // Another flow of the same client is ours.
     let r = parse_checked(&h.run(&udp4(CLIENT, 45001, VIP, 53, b"q")).1);
-    assert_eq!((r.dst, r.dport), (B1, 5353));
+    assert_eq!((r.dst, r.dport), (B1.into(), 5353));
 }
 
 #[test]
@@ -113,7 +114,7 @@ fn draining_leaves_new_flows_to_the_stack_and_keeps_tracked_ones() {
     service(&mut h);
     // A connection of ours, before the drain.
     let r = parse_checked(&h.run(&tcp4(CLIENT, 46000, VIP, 80, SYN, b"")).1);
-    assert_eq!((r.dst, r.dport), (B1, 8080));
+    assert_eq!((r.dst, r.dport), (B1.into(), 8080));
     let mut c = Config::default().with_hairpin_addr(HAIRPIN);
     c.flags |= config_flags::DRAINING;
     h.set_config(c);
@@ -121,11 +122,11 @@ fn draining_leaves_new_flows_to_the_stack_and_keeps_tracked_ones() {
     let r = parse_checked(&h.run(&tcp4(CLIENT, 46000, VIP, 80, ACK, b"x")).1);
     assert_eq!(
         (r.dst, r.dport),
-        (B1, 8080),
+        (B1.into(), 8080),
         "a tracked flow stays translated"
     );
     let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 46000, ACK, b"y")).1);
-    assert_eq!((r.src, r.sport), (VIP, 80), "and its replies");
+    assert_eq!((r.src, r.sport), (VIP.into(), 80), "and its replies");
     for frame in [
         tcp4(CLIENT, 46001, VIP, 80, SYN, b""),
         udp4(CLIENT, 46002, VIP, 53, b"q"),
@@ -189,7 +190,7 @@ fn a_flow_passed_while_draining_stays_the_stacks_after() {
     assert!(!has_service_entry(&h, 48000));
     // A new connection is ours.
     let r = parse_checked(&h.run(&tcp4(CLIENT, 48002, VIP, 80, SYN, b"")).1);
-    assert_eq!((r.dst, r.dport), (B1, 8080));
+    assert_eq!((r.dst, r.dport), (B1.into(), 8080));
 }
 
 /// A flow kube-proxy masqueraded before the takeover (a NodePort to a
@@ -236,6 +237,6 @@ fn a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow() {
     );
     assert_eq!(
         (o.src, o.sport, o.dst, o.dport),
-        (NODE, 20000, REMOTE, 8080)
+        tuple(NODE, 20000, REMOTE, 8080)
     );
 }

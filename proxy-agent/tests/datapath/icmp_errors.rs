@@ -123,10 +123,17 @@ fn frag_needed_about_a_clients_segment_reaches_it_from_the_frontend() {
         let data = vec![0x5a; 1200];
         h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b""));
         let (_, seg) = h.run(&tcp4(CLIENT, 40000, VIP, 80, ACK | PSH, &data));
-        assert_eq!(parse_checked(&seg).tuple(), (CLIENT, 40000, backend, 8080));
+        assert_eq!(
+            parse_checked(&seg).tuple(),
+            tuple(CLIENT, 40000, backend, 8080)
+        );
         let err = frag_needed(CLIENT, 1000, &seg);
         let o = delivered(&h, prog, &err);
-        assert_eq!((o.src, o.dst), (VIP, CLIENT), "{prog:?}: outer header");
+        assert_eq!(
+            (o.src, o.dst),
+            (VIP.into(), CLIENT.into()),
+            "{prog:?}: outer header"
+        );
         assert_eq!(&o.l4[..2], &[ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED]);
         assert_eq!(&o.l4[6..8], &1000u16.to_be_bytes(), "the MTU is kept");
         assert_eq!(
@@ -156,7 +163,10 @@ fn a_backends_port_unreachable_reaches_the_udp_client_from_the_frontend() {
     let mut h = Harness::new();
     cluster_ip(&mut h, B1);
     let (_, dgram) = h.run(&udp4(CLIENT, 41000, VIP, 53, b"query"));
-    assert_eq!(parse_checked(&dgram).tuple(), (CLIENT, 41000, B1, 5353));
+    assert_eq!(
+        parse_checked(&dgram).tuple(),
+        tuple(CLIENT, 41000, B1, 5353)
+    );
     let err = icmp_error(
         B1,
         CLIENT,
@@ -166,7 +176,7 @@ fn a_backends_port_unreachable_reaches_the_udp_client_from_the_frontend() {
         548,
     );
     let o = delivered(&h, PodIngress, &err);
-    assert_eq!((o.src, o.dst), (VIP, CLIENT));
+    assert_eq!((o.src, o.dst), (VIP.into(), CLIENT.into()));
     assert_eq!(quoted_tuple(&o), (CLIENT, 41000, VIP, 53));
     // A UDP checksum of 0 ("none") stays 0.
     let (_, bare) = h.run(&udp4_no_csum(CLIENT, 41001, VIP, 53, b"query"));
@@ -211,7 +221,11 @@ fn frag_needed_about_a_snated_segment_reaches_the_external_client() {
         &tcp4(EXT_CLIENT, 42000, NODE, 30080, ACK, &[7; 900]),
     );
     let s = parse_checked(&seg);
-    assert_eq!((s.src, s.dst, s.dport), (NODE, REMOTE, 8080), "SNATed");
+    assert_eq!(
+        (s.src, s.dst, s.dport),
+        (NODE.into(), REMOTE.into(), 8080),
+        "SNATed"
+    );
     let err = frag_needed(NODE, 800, &seg);
     assert_eq!(
         h.run_prog(ExtXdp, &err),
@@ -221,7 +235,7 @@ fn frag_needed_about_a_snated_segment_reaches_the_external_client() {
     let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
-        (NODE, EXT_CLIENT),
+        (NODE.into(), EXT_CLIENT.into()),
         "to the client's own address"
     );
     assert_eq!(quoted_tuple(&o), (EXT_CLIENT, 42000, NODE, 30080));
@@ -265,13 +279,13 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
     let (_, reply) = h.run(&tcp4(B1, 8080, EXT_CLIENT, 43000, ACK, &[1; 1400]));
     assert_eq!(
         parse_checked(&reply).tuple(),
-        (NODE, 30081, EXT_CLIENT, 43000)
+        tuple(NODE, 30081, EXT_CLIENT, 43000)
     );
     let err = frag_needed(NODE, 1280, &reply);
     let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
-        (ROUTER, B1),
+        (ROUTER.into(), B1.into()),
         "the router's error, to the backend"
     );
     assert_eq!(quoted_tuple(&o), (B1, 8080, EXT_CLIENT, 43000));
@@ -282,13 +296,13 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
     let (_, reply) = h.run_prog(ExtIngress, &tcp4(REMOTE, 8080, NODE, port, SYN | ACK, b""));
     assert_eq!(
         parse_checked(&reply).tuple(),
-        (NODE, 30080, EXT_CLIENT, 43001)
+        tuple(NODE, 30080, EXT_CLIENT, 43001)
     );
     let err = icmp_error(ROUTER, NODE, (ICMP_TIME_EXCEEDED, 0), 0, &reply, 1500);
     let o = delivered(&h, ExtIngress, &err);
     assert_eq!(
         (o.src, o.dst),
-        (NODE, REMOTE),
+        (NODE.into(), REMOTE.into()),
         "from the node, as SNAT has it"
     );
     assert_eq!(quoted_tuple(&o), (REMOTE, 8080, NODE, port));
@@ -356,7 +370,7 @@ fn with_stack_delivery_errors_are_translated_at_the_last_hook() {
     let (rc, out) = h.run_prog(Prog::Egress, &err);
     assert_eq!(rc, Pass.code(PodIngress), "egress: on towards the client");
     let o = parse_checked(&out);
-    assert_eq!((o.src, o.dst), (VIP, CLIENT));
+    assert_eq!((o.src, o.dst), (VIP.into(), CLIENT.into()));
     assert_eq!(quoted_tuple(&o), (CLIENT, 40000, VIP, 80));
 }
 
@@ -379,10 +393,13 @@ fn frag_needed_about_an_sctp_packet_reaches_the_client_from_the_frontend() {
     wired(&h);
     let data = vec![0x5a; 1200];
     let (_, pkt) = h.run(&kit::frame::sctp4(CLIENT, 40000, VIP, 5060, 0, &data));
-    assert_eq!(parse_checked(&pkt).tuple(), (CLIENT, 40000, REMOTE, 5061));
+    assert_eq!(
+        parse_checked(&pkt).tuple(),
+        tuple(CLIENT, 40000, REMOTE, 5061)
+    );
     let err = frag_needed(CLIENT, 1000, &pkt);
     let o = delivered(&h, ExtIngress, &err);
-    assert_eq!((o.src, o.dst), (VIP, CLIENT), "outer header");
+    assert_eq!((o.src, o.dst), (VIP.into(), CLIENT.into()), "outer header");
     assert_eq!(&o.l4[..2], &[ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED]);
     let inner = &o.l4[8..];
     assert_eq!(kit::check::ip_csum(&inner[..20]), 0, "inner IPv4 checksum");

@@ -38,7 +38,7 @@ fn lb_setup(alg: LbAlgorithm, order: [Ipv4Addr; 3]) -> Setup {
         (fe_ext(LB_IP, 80, IPPROTO_TCP), sorted.clone(), alg.flags()),
         (fe(LB_IP, 80, IPPROTO_TCP), sorted, alg.flags()),
     ]);
-    s.node = Some(NODE);
+    s.node = Some(NODE.into());
     s
 }
 
@@ -162,7 +162,7 @@ fn maglev_handoff_sends_flows_unchanged_to_the_backends_node() {
         vec![be(REMOTE, 8080, IPPROTO_TCP)],
         flags,
     )]);
-    s.node = Some(NODE);
+    s.node = Some(NODE.into());
     s.wire = Some((
         "198.18.0.0/16",
         vec![
@@ -175,7 +175,7 @@ fn maglev_handoff_sends_flows_unchanged_to_the_backends_node() {
         assert!(h.maps().conntrack().unwrap().is_empty());
     }
     let unchanged = vec![
-        Field::Tuple(EXT_CLIENT, 40000, LB_IP, 80),
+        Field::tuple(EXT_CLIENT, 40000, LB_IP, 80),
         Field::Ttl(63),
         Field::DstMac(MAC_BB),
     ];
@@ -213,7 +213,7 @@ fn maglev_handoff_sends_flows_unchanged_to_the_backends_node() {
             Expect::fields(
                 Redirect,
                 vec![
-                    Field::Tuple(EXT_CLIENT, 40000, LB_IP, 80),
+                    Field::tuple(EXT_CLIENT, 40000, LB_IP, 80),
                     Field::DstMac(MAC_BB),
                 ],
             )
@@ -224,7 +224,7 @@ fn maglev_handoff_sends_flows_unchanged_to_the_backends_node() {
     // The backend's node: the same frontend, the backend local there, so it
     // translates (DNAT only, the client's address kept).
     let mut there = s.clone();
-    there.local = vec![REMOTE];
+    there.local = vec![REMOTE.into()];
     run_cases(&[Case::new(
         "Maglev handoff received: local backend, DNAT keeping the client",
         &there,
@@ -234,7 +234,7 @@ fn maglev_handoff_sends_flows_unchanged_to_the_backends_node() {
         ExtIngress,
         Expect::fields(
             Redirect,
-            vec![Field::Tuple(EXT_CLIENT, 40000, REMOTE, 8080)],
+            vec![Field::tuple(EXT_CLIENT, 40000, REMOTE, 8080)],
         )
         .stats(&[
             (stat::FWD_NEW, 1),

@@ -81,7 +81,7 @@ fn handshake(h: &Harness, port: u16) {
     let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, port, SYN | ACK, b"")).1);
     assert_eq!(
         (r.src, r.sport),
-        (VIP, 80),
+        (VIP.into(), 80),
         "the SYN+ACK is reverse-translated"
     );
     h.run(&tcp4(CLIENT, port, VIP, 80, ACK, b""));
@@ -148,7 +148,7 @@ fn a_syn_reusing_a_closed_flows_tuple_is_balanced_anew() {
         let r = parse_checked(&h.run(&tcp4(B2, 8080, CLIENT, port, SYN | ACK, b"")).1);
         assert_eq!(
             (r.src, r.sport),
-            (VIP, 80),
+            (VIP.into(), 80),
             "port {port}: its reply translated"
         );
     }
@@ -182,7 +182,7 @@ fn half_closed_tcp_lives_on_the_backends_traffic() {
         let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, 41000, ACK | PSH, b"data")).1);
         assert_eq!(
             (r.src, r.sport),
-            (VIP, 80),
+            (VIP.into(), 80),
             "the backend's data is translated"
         );
         assert_eq!(gc_ahead(&mut h, 0), 0, "refreshed by the backend's traffic");
@@ -211,7 +211,7 @@ fn udp_server_push_keeps_its_translation() {
     for i in 0..4 {
         age(&h, 25);
         let r = parse_checked(&h.run(&udp4(B1, 5353, CLIENT, 42000, b"push")).1);
-        assert_eq!((r.src, r.sport), (VIP, 53), "push {i} is translated");
+        assert_eq!((r.src, r.sport), (VIP.into(), 53), "push {i} is translated");
     }
     assert_ne!(service_entry(&h, 42000).flags & ct_flags::UDP_STREAM, 0);
     // 100 s since the client last sent; the control flow (unreplied, 30 s)
@@ -219,7 +219,7 @@ fn udp_server_push_keeps_its_translation() {
     assert_eq!(gc_ahead(&mut h, 0), 2, "only the unanswered flow expired");
     assert_eq!(gc_ahead(&mut h, 110), 0, "a stream lives 120 s");
     let r = parse_checked(&h.run(&udp4(B1, 5353, CLIENT, 42000, b"push")).1);
-    assert_eq!((r.src, r.sport), (VIP, 53));
+    assert_eq!((r.src, r.sport), (VIP.into(), 53));
 }
 
 /// A first packet that is not a SYN (an evicted entry, a flow from another
@@ -288,7 +288,11 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
             &tcp4(EXT_CLIENT, 40000 + i, NODE, 30080, SYN, b""),
         );
         let o = parse_checked(&out);
-        assert_eq!((o.src, o.dst), (NODE, REMOTE), "SNATed to the node");
+        assert_eq!(
+            (o.src, o.dst),
+            (NODE.into(), REMOTE.into()),
+            "SNATed to the node"
+        );
         assert!(
             range.contains(&o.sport),
             "port {} outside the range",
@@ -524,7 +528,7 @@ fn stack_delivery_lets_the_hosts_filters_see_the_backend() {
         "handed to the stack, not redirected"
     );
     let o = parse_checked(&out);
-    assert_eq!(o.tuple(), (CLIENT, 44000, B1, 8080), "translated");
+    assert_eq!(o.tuple(), tuple(CLIENT, 44000, B1, 8080), "translated");
     assert_eq!(o.ttl, 64, "the stack decrements the TTL when it forwards");
     assert_ne!(service_entry(&h, 44000).flags & ct_flags::VIA_STACK, 0);
     let st = h.stats();
@@ -546,7 +550,7 @@ fn stack_delivery_lets_the_hosts_filters_see_the_backend() {
     // tc egress towards the client: reverse NAT.
     let (rc, out) = h.run_prog(Prog::Egress, &reply);
     assert_eq!(rc, Pass.code(PodIngress));
-    assert_eq!(parse_checked(&out).tuple(), (VIP, 80, CLIENT, 44000));
+    assert_eq!(parse_checked(&out).tuple(), tuple(VIP, 80, CLIENT, 44000));
     assert_eq!(
         service_entry(&h, 44000).flags & ct_flags::UNREPLIED,
         0,
@@ -556,7 +560,7 @@ fn stack_delivery_lets_the_hosts_filters_see_the_backend() {
     // would drop as a martian: redirected as before.
     let (rc, out) = h.run_prog(PodIngress, &tcp4(B1, 44001, VIP, 80, SYN, b""));
     assert_eq!(rc, Redirect.code(PodIngress));
-    assert_eq!(parse_checked(&out).tuple(), (HAIRPIN, 44001, B1, 8080));
+    assert_eq!(parse_checked(&out).tuple(), tuple(HAIRPIN, 44001, B1, 8080));
     // Redirect mode again: new flows are redirected.
     h.set_config(Config::default().with_hairpin_addr(HAIRPIN));
     let (rc, _) = h.run_prog(PodIngress, &tcp4(CLIENT, 44002, VIP, 80, SYN, b""));

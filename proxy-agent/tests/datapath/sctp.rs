@@ -14,6 +14,7 @@ use proxy_common::{
 };
 
 use super::{not_for_the_external_device, CLIENT, EXT_CLIENT, MAC_BB, MAC_CC, NODE, REMOTE, VIP};
+use proxy_testkit::kit::check::tuple;
 use proxy_testkit::kit::{
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Setup},
     check::{ipv4_addrs_checked, parse_checked, sctp_checksum},
@@ -58,7 +59,7 @@ fn sctp_dnat_with_port_translation_and_reverse_nat_keep_the_crc32c() {
                 Expect::fields(
                     Pass,
                     vec![
-                        Field::Tuple(CLIENT, 40000, B1, 5061),
+                        Field::tuple(CLIENT, 40000, B1, 5061),
                         Field::Proto(IPPROTO_SCTP),
                     ],
                 )
@@ -74,7 +75,7 @@ fn sctp_dnat_with_port_translation_and_reverse_nat_keep_the_crc32c() {
             .after(Some(PodIngress), init.clone())
             .expect(
                 PodIngress,
-                Expect::fields(Pass, vec![Field::Dst(B1, 5061), Field::L4From(16, data)])
+                Expect::fields(Pass, vec![Field::dst(B1, 5061), Field::L4From(16, data)])
                     .stats(&[(stat::FWD_NEW, 1), (stat::FWD_ESTABLISHED, 1)]),
             ),
         ),
@@ -86,7 +87,7 @@ fn sctp_dnat_with_port_translation_and_reverse_nat_keep_the_crc32c() {
         .after(Some(PodIngress), init)
         .expect_all(
             &[PodIngress, ExtIngress],
-            Expect::fields(Pass, vec![Field::Tuple(VIP, 5060, CLIENT, 40000)])
+            Expect::fields(Pass, vec![Field::tuple(VIP, 5060, CLIENT, 40000)])
                 .stats(&[(stat::FWD_REPLY, 1)]),
         )
         .expect(ExtXdp, Expect::unchanged(Pass)),
@@ -110,7 +111,7 @@ fn sctp_address_only_dnat_leaves_the_crc32c_as_it_was() {
             PodIngress,
             Expect::fields(
                 Pass,
-                vec![Field::Tuple(CLIENT, 40000, B1, 5060), Field::L4At(8, crc)],
+                vec![Field::tuple(CLIENT, 40000, B1, 5060), Field::L4At(8, crc)],
             ),
         ),
     )]);
@@ -127,7 +128,7 @@ fn sctp_nodeport_snat_to_a_remote_backend_keeps_the_crc32c() {
         vec![be(REMOTE, 5061, IPPROTO_SCTP)],
         0,
     )]);
-    s.node = Some(NODE);
+    s.node = Some(NODE.into());
     s.wire = Some((
         "198.18.0.0/16",
         vec![
@@ -148,8 +149,8 @@ fn sctp_nodeport_snat_to_a_remote_backend_keeps_the_crc32c() {
                 Redirect,
                 vec![
                     Field::DstMac(MAC_BB),
-                    Field::SrcAddr(NODE),
-                    Field::Dst(REMOTE, 5061),
+                    Field::src_addr(NODE),
+                    Field::dst(REMOTE, 5061),
                     Field::SportIn(1024, 32767),
                 ],
             )
@@ -169,7 +170,7 @@ fn sctp_nodeport_snat_to_a_remote_backend_keeps_the_crc32c() {
             Expect::fields(
                 Redirect,
                 vec![
-                    Field::Tuple(NODE, 30060, EXT_CLIENT, 40000),
+                    Field::tuple(NODE, 30060, EXT_CLIENT, 40000),
                     Field::DstMac(MAC_CC),
                 ],
             ),
@@ -270,7 +271,7 @@ fn sctp_conntrack_follows_init_abort_and_a_new_init() {
     };
     let (v, o) = h.run(&sctp4(CLIENT, 40000, VIP, 5060, chunk::INIT, INIT));
     assert_eq!(v, TC_ACT_OK);
-    assert_eq!(parse_checked(&o).tuple(), (CLIENT, 40000, B1, 5061));
+    assert_eq!(parse_checked(&o).tuple(), tuple(CLIENT, 40000, B1, 5061));
     assert_eq!(
         service_flags(&h),
         ct_flags::TCP_SYN | ct_flags::UNREPLIED,
@@ -291,7 +292,7 @@ fn sctp_conntrack_follows_init_abort_and_a_new_init() {
     );
     let (v, o) = h.run(&sctp4(CLIENT, 40000, VIP, 5060, chunk::INIT, INIT));
     assert_eq!(v, TC_ACT_OK);
-    assert_eq!(parse_checked(&o).tuple(), (CLIENT, 40000, B1, 5061));
+    assert_eq!(parse_checked(&o).tuple(), tuple(CLIENT, 40000, B1, 5061));
     assert_eq!(
         service_flags(&h),
         ct_flags::TCP_SYN | ct_flags::UNREPLIED,
@@ -327,7 +328,7 @@ fn sctp_to_a_frontend_without_endpoints_is_rejected() {
                 vec![
                     Field::MacsSwapped,
                     Field::Proto(IPPROTO_ICMP),
-                    Field::Addrs(VIP, CLIENT),
+                    Field::addrs(VIP, CLIENT),
                     Field::Icmp(3, 3),
                     Field::QuotesInput,
                 ],

@@ -19,6 +19,7 @@ use proxy_common::{
 };
 
 use super::{B1, B2, CLIENT, VIP};
+use proxy_testkit::kit::frame::tcp;
 use proxy_testkit::kit::{
     check::parse_checked,
     frame::{tcp4, ACK, PSH, SYN},
@@ -279,11 +280,11 @@ fn an_upgrade_from_16_bit_reverse_nat_ids_keeps_flows_affinity_and_source_ranges
             chosen,
             "flow {sport} kept its backend"
         );
-        let (_, out) = h.run(&tcp4(chosen, 8080, CLIENT, sport, ACK, b"answer"));
+        let (_, out) = h.run(&tcp(chosen, 8080, CLIENT, sport, ACK, b"answer"));
         let reply = parse_checked(&out);
         assert_eq!(
             (reply.src, reply.sport),
-            (VIP, 80),
+            (VIP.into(), 80),
             "reverse NAT of flow {sport}'s reply"
         );
     }

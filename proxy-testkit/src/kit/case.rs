@@ -5,7 +5,7 @@
 //! so that a tc/XDP divergence shows as the program that fails.
 use std::{
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::IpAddr,
     panic::{catch_unwind, AssertUnwindSafe},
 };
 
@@ -13,7 +13,7 @@ use proxy_agent::model::{BackendAddr, FrontendKey};
 use proxy_common::Config;
 
 use super::check::{parse_checked, Parsed};
-use super::harness::{desired, Harness, Prog, Verdict, HAIRPIN};
+use super::harness::{desired, Harness, Prog, Verdict, HAIRPIN, HAIRPIN6};
 
 /// The maps and the namespace a case starts from.
 #[derive(Clone, Default, PartialEq)]
@@ -21,9 +21,9 @@ pub struct Setup {
     /// Frontends as `(key, backends, service flags)`.
     pub frontends: Vec<(FrontendKey, Vec<BackendAddr>, u16)>,
     /// Backend addresses that are endpoints on this node.
-    pub local: Vec<Ipv4Addr>,
+    pub local: Vec<IpAddr>,
     /// The node's address in the config map (SNAT of external traffic).
-    pub node: Option<Ipv4Addr>,
+    pub node: Option<IpAddr>,
     /// A route and permanent neighbours `(address, MAC)` in the namespace
     /// (see [`Harness::wire`]); without, the FIB has no answer.
     pub wire: Option<(&'static str, Vec<(&'static str, &'static str)>)>,
@@ -39,16 +39,16 @@ impl Setup {
 
     pub fn harness(&self) -> Harness {
         let mut h = Harness::new();
-        if let Some(node) = self.node {
-            h.set_config(
-                Config::default()
-                    .with_hairpin_addr(HAIRPIN)
-                    .with_node_addr(node),
-            );
+        let hairpins = Config::default()
+            .with_hairpin_addr(HAIRPIN)
+            .with_hairpin6_addr(HAIRPIN6);
+        match self.node {
+            Some(IpAddr::V4(node)) => h.set_config(hairpins.with_node_addr(node)),
+            Some(IpAddr::V6(node)) => h.set_config(hairpins.with_node6_addr(node)),
+            None => {}
         }
         let mut d = desired(&self.frontends, 0);
-        d.local_endpoints
-            .extend(self.local.iter().copied().map(std::net::IpAddr::V4));
+        d.local_endpoints.extend(self.local.iter().copied());
         h.sync_desired(&d);
         if let Some((route, neighbours)) = &self.wire {
             h.wire(route, neighbours);
@@ -57,33 +57,55 @@ impl Setup {
     }
 }
 
-/// One property of an output frame (parsed with every checksum verified).
+/// One property of an output frame (parsed with every checksum verified),
+/// of either family.
 #[derive(Clone, Debug)]
 pub enum Field {
     /// (source, source port, destination, destination port).
-    Tuple(Ipv4Addr, u16, Ipv4Addr, u16),
+    Tuple(IpAddr, u16, IpAddr, u16),
     /// Destination address and port.
-    Dst(Ipv4Addr, u16),
+    Dst(IpAddr, u16),
     /// Source address, any source port.
-    SrcAddr(Ipv4Addr),
+    SrcAddr(IpAddr),
     /// Source and destination addresses.
-    Addrs(Ipv4Addr, Ipv4Addr),
+    Addrs(IpAddr, IpAddr),
     /// A source port allocated by SNAT: in this range (inclusive).
     SportIn(u16, u16),
+    /// IPv4's TTL, IPv6's hop limit.
     Ttl(u8),
     Proto(u8),
     DstMac([u8; 6]),
     SrcMac([u8; 6]),
-    /// Bytes of the IPv4 payload from this offset to the end.
+    /// Bytes of the IP payload (after the headers) from this offset to the
+    /// end.
     L4From(usize, Vec<u8>),
-    /// Bytes of the IPv4 payload at this offset (as many as given).
+    /// Bytes of the IP payload at this offset (as many as given).
     L4At(usize, Vec<u8>),
     /// Ethernet addresses of the input, swapped (sent back where it came from).
     MacsSwapped,
-    /// ICMP type and code.
+    /// ICMP (or ICMPv6) type and code.
     Icmp(u8, u8),
-    /// An ICMP error quoting the input's IPv4 header and its first 8 L4 bytes.
+    /// An ICMP error quoting the input's IP header and its first 8 L4 bytes.
     QuotesInput,
+}
+
+impl Field {
+    /// [`Field::Tuple`] of either family's addresses.
+    pub fn tuple(src: impl Into<IpAddr>, sport: u16, dst: impl Into<IpAddr>, dport: u16) -> Self {
+        Self::Tuple(src.into(), sport, dst.into(), dport)
+    }
+    /// [`Field::Dst`].
+    pub fn dst(dst: impl Into<IpAddr>, dport: u16) -> Self {
+        Self::Dst(dst.into(), dport)
+    }
+    /// [`Field::SrcAddr`].
+    pub fn src_addr(src: impl Into<IpAddr>) -> Self {
+        Self::SrcAddr(src.into())
+    }
+    /// [`Field::Addrs`].
+    pub fn addrs(src: impl Into<IpAddr>, dst: impl Into<IpAddr>) -> Self {
+        Self::Addrs(src.into(), dst.into())
+    }
 }
 
 /// What the output frame must be.
@@ -291,11 +313,16 @@ fn check_field(f: &Field, o: &Parsed, input: &[u8]) {
             assert_eq!(&o.smac[..], &input[0..6], "from the MAC it was sent to");
         }
         Field::Icmp(t, c) => assert_eq!((o.l4[0], o.l4[1]), (*t, *c), "ICMP type, code"),
-        Field::QuotesInput => assert_eq!(
-            &o.l4[8..36],
-            &input[14..42],
-            "quotes the original IP header and 8 bytes"
-        ),
+        Field::QuotesInput => {
+            // The input's IP header (IPv4 without options: 20 bytes; IPv6:
+            // 40) and the first 8 bytes of its L4 header.
+            let quoted = &input[14..super::frame::l4_off(input) + 8];
+            assert_eq!(
+                &o.l4[8..8 + quoted.len()],
+                quoted,
+                "quotes the original IP header and 8 bytes"
+            )
+        }
     }
 }
 

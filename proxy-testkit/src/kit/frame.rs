@@ -1,20 +1,26 @@
-//! Frame builders: Ethernet + IPv4 + TCP/UDP/SCTP with valid checksums, IPv4
-//! fragments and options. Names carry the family (`tcp4`, `ipv4_*`) so that
-//! IPv6 builders (`tcp6`, `ipv6_*`) can stand beside them; the L4 segment
-//! builders (`tcp_segment`, `udp_segment`) are family-neutral.
-use std::net::Ipv4Addr;
+//! Frame builders: Ethernet + IPv4 or IPv6 + TCP/UDP/SCTP with valid
+//! checksums, IPv4 fragments and options, IPv6 extension headers. The
+//! family-neutral builders (`tcp`, `udp`, `sctp`) take either family's
+//! addresses, so one table of cases serves both; names that carry a family
+//! (`tcp4`, `ipv4_*`, `frame6`) build what only that family has. The L4
+//! segment builders (`tcp_segment`, `udp_segment`, `sctp_packet`) are
+//! family-neutral.
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use super::check::{ip_csum, l4_csum4};
+use super::check::{crc32c, ip_csum, l4_csum4, l4_csum6, NEXTHDR_FRAGMENT};
 
 /// MACs of every built frame: from the "client" (`SRC_MAC`) to the "node".
 pub const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 pub const DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_ARP: u16 = 0x0806;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 /// Ethernet + IPv4 header without options.
 pub const L4_OFF4: usize = 14 + 20;
+/// Ethernet + IPv6 header without extension headers.
+pub const L4_OFF6: usize = 14 + 40;
 
 pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
@@ -215,6 +221,114 @@ pub fn with_byte(frame: &[u8], at: usize, value: u8) -> Vec<u8> {
     let mut f = frame.to_vec();
     f[at] = value;
     f
+}
+
+/// Ethernet + IPv6 (`ext`: extension headers as (type, bytes), their chain
+/// ending in `proto`; hop limit 64) + `seg`, with its L4 checksum (SCTP:
+/// CRC32c) computed — unless it is a fragment (a fragment header in
+/// `ext`): its checksum is the whole datagram's, left as `seg` has it.
+pub fn frame6(
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    proto: u8,
+    ext: &[(u8, Vec<u8>)],
+    mut seg: Vec<u8>,
+) -> Vec<u8> {
+    let fragment = ext.iter().any(|(t, _)| *t == NEXTHDR_FRAGMENT);
+    match if fragment { 0 } else { proto } {
+        IPPROTO_TCP => {
+            let c = l4_csum6(src, dst, proto, &seg);
+            seg[16..18].copy_from_slice(&c.to_be_bytes());
+        }
+        IPPROTO_UDP => {
+            let c = match l4_csum6(src, dst, proto, &seg) {
+                0 => 0xffff,
+                c => c,
+            };
+            seg[6..8].copy_from_slice(&c.to_be_bytes());
+        }
+        IPPROTO_SCTP => {
+            seg[8..12].fill(0);
+            let c = crc32c(&seg);
+            seg[8..12].copy_from_slice(&c.to_le_bytes());
+        }
+        _ => {}
+    }
+    let mut f = ethernet(ETH_P_IPV6);
+    let ext_len: usize = ext.iter().map(|(_, h)| h.len()).sum();
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&((ext_len + seg.len()) as u16).to_be_bytes());
+    f.push(ext.first().map_or(proto, |(t, _)| *t));
+    f.push(64);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    for (i, (_, h)) in ext.iter().enumerate() {
+        let mut h = h.clone();
+        h[0] = ext.get(i + 1).map_or(proto, |(t, _)| *t);
+        f.extend_from_slice(&h);
+    }
+    f.extend_from_slice(&seg);
+    f
+}
+
+/// Ethernet + IP of `src`'s family (IPv4: as [`ipv4`]; IPv6: as
+/// [`frame6`] without extension headers) + `seg`, its TCP/UDP checksum
+/// filled in (SCTP's CRC32c as `seg` has it; IPv6 recomputes it).
+fn ip(src: IpAddr, dst: IpAddr, proto: u8, seg: Vec<u8>) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) if proto == IPPROTO_SCTP => ipv4(s, d, proto, &seg),
+        (IpAddr::V4(s), IpAddr::V4(d)) => ipv4(s, d, proto, &seal4(s, d, proto, seg)),
+        (IpAddr::V6(s), IpAddr::V6(d)) => frame6(s, d, proto, &[], seg),
+        _ => panic!("{src} and {dst} are of two families"),
+    }
+}
+
+/// As [`tcp4`], in the family of the addresses given.
+pub fn tcp(
+    src: impl Into<IpAddr>,
+    sport: u16,
+    dst: impl Into<IpAddr>,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let seg = tcp_segment(sport, dport, flags, payload);
+    ip(src.into(), dst.into(), IPPROTO_TCP, seg)
+}
+
+/// As [`udp4`], in the family of the addresses given.
+pub fn udp(
+    src: impl Into<IpAddr>,
+    sport: u16,
+    dst: impl Into<IpAddr>,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
+    let seg = udp_segment(sport, dport, payload);
+    ip(src.into(), dst.into(), IPPROTO_UDP, seg)
+}
+
+/// As [`sctp4`], in the family of the addresses given.
+pub fn sctp(
+    src: impl Into<IpAddr>,
+    sport: u16,
+    dst: impl Into<IpAddr>,
+    dport: u16,
+    chunk: u8,
+    value: &[u8],
+) -> Vec<u8> {
+    let seg = sctp_packet(sport, dport, chunk, value);
+    ip(src.into(), dst.into(), IPPROTO_SCTP, seg)
+}
+
+/// Where the L4 header of a frame built without IP options or extension
+/// headers starts, by its EtherType.
+pub fn l4_off(frame: &[u8]) -> usize {
+    if frame[12..14] == ETH_P_IPV6.to_be_bytes() {
+        L4_OFF6
+    } else {
+        L4_OFF4
+    }
 }
 
 fn ethernet(ethertype: u16) -> Vec<u8> {

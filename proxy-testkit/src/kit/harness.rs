@@ -4,7 +4,7 @@
 //! and `BPF_PROG_TEST_RUN` of any of its programs inside that namespace.
 use std::{
     collections::BTreeMap,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::AsFd,
     path::{Path, PathBuf},
     sync::{
@@ -204,8 +204,11 @@ impl Drop for PinDir {
     }
 }
 
-/// The hairpin address every harness configures (as a node would).
+/// The hairpin address every harness configures (as a node would), and
+/// IPv6's, [`HAIRPIN6`].
 pub const HAIRPIN: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 254);
+/// IPv6's hairpin address.
+pub const HAIRPIN6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0xfe);
 
 /// One program run: return value, output frame, the kernel's duration.
 pub struct Run {
@@ -281,7 +284,8 @@ extern "C" fn drain_pool() {
 }
 
 impl Harness {
-    /// Default map sizes, config with the hairpin address [`HAIRPIN`].
+    /// Default map sizes, config with the hairpin addresses [`HAIRPIN`] and
+    /// [`HAIRPIN6`] (a dual-stack node's).
     // No `Default`: a harness is no default value but a namespace and a
     // loaded object (root needed), so it is made by name only.
     #[allow(clippy::new_without_default)]
@@ -293,7 +297,9 @@ impl Harness {
         Self::try_new(
             "kpr-pkt",
             sizes,
-            Config::default().with_hairpin_addr(HAIRPIN),
+            Config::default()
+                .with_hairpin_addr(HAIRPIN)
+                .with_hairpin6_addr(HAIRPIN6),
         )
         .expect("packet-test harness")
     }
@@ -593,8 +599,8 @@ pub fn desired(
     d
 }
 
-/// An internal (ClusterIP) frontend key.
-pub fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+/// An internal (ClusterIP) frontend key, of either family.
+pub fn fe(addr: impl Into<IpAddr>, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
         addr: addr.into(),
         port,
@@ -603,8 +609,9 @@ pub fn fe(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
     }
 }
 
-/// An external (NodePort, LB IP, externalIP) frontend key.
-pub fn fe_ext(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+/// An external (NodePort, LB IP, externalIP) frontend key, of either
+/// family.
+pub fn fe_ext(addr: impl Into<IpAddr>, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
         addr: addr.into(),
         port,
@@ -613,7 +620,8 @@ pub fn fe_ext(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
     }
 }
 
-pub fn be(addr: Ipv4Addr, port: u16, proto: u8) -> BackendAddr {
+/// A backend's address, of either family.
+pub fn be(addr: impl Into<IpAddr>, port: u16, proto: u8) -> BackendAddr {
     BackendAddr {
         addr: addr.into(),
         port,
