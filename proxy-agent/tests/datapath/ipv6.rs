@@ -253,32 +253,6 @@ fn ipv6_what_is_not_a_frontend_passes_untouched() {
     }
 }
 
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_frontend_without_endpoints_is_rejected_with_icmpv6_port_unreachable() {
-    let h = harness6(&[(fe6(VIP6, 81, IPPROTO_TCP), vec![], 0)]);
-    let before = h.stats();
-    let syn = tcp6(CLIENT6, 40000, VIP6, 81, SYN);
-    let (_, out) = h.run(&syn);
-    assert_eq!(delta(&h, &before, stat::REJECT_NO_BACKEND), 1);
-    // An ICMPv6 port unreachable from the frontend to the client, quoting
-    // the client's header and 8 bytes of its TCP header, its checksum valid.
-    assert_eq!(out.len(), 14 + 40 + 8 + 48);
-    assert_eq!((&out[0..6], &out[6..12]), (&syn[6..12], &syn[0..6]));
-    assert_eq!(u16::from_be_bytes([out[12], out[13]]), ETH_P_IPV6);
-    assert_eq!(out[14 + 6], IPPROTO_ICMPV6);
-    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&out[22..38]).unwrap());
-    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&out[38..54]).unwrap());
-    assert_eq!((src, dst), (VIP6, CLIENT6));
-    assert_eq!((out[54], out[55]), (1, 4), "destination unreachable, port");
-    assert_eq!(&out[62..], &syn[14..14 + 48]);
-    assert_eq!(
-        l4_csum6(src, dst, IPPROTO_ICMPV6, &out[54..]),
-        0,
-        "ICMPv6 checksum"
-    );
-}
-
 /// The builders above give valid checksums (the tests' own check).
 #[test]
 fn ipv6_test_frames_are_valid() {
@@ -688,73 +662,6 @@ fn ipv6_error_about_a_reply_goes_on_to_the_backend() {
     assert_eq!(
         tuple6_checked(&quoted_frame(&out), L4_OFF6),
         (REMOTE6, 5353, NODE6, nat_port)
-    );
-}
-
-/// XDP acceleration over IPv6: a NodePort flow to a backend on another
-/// node is translated at the driver (DNAT, SNAT to the node with a port of
-/// its own, hop limit decremented, MACs from the FIB) and redirected, and so
-/// is its reply; a flow to a backend on this node is handed to tc after its
-/// conntrack entries are written, and tc keeps the backend XDP chose.
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_xdp_translates_external_flows_to_remote_backends() {
-    const XDP_PASS: u32 = 2;
-    const XDP_REDIRECT: u32 = 4;
-    let mut d = desired(
-        &[
-            (
-                fe6_ext(NODE6, 30080, IPPROTO_TCP),
-                vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
-                0,
-            ),
-            (
-                fe6_ext(NODE6, 30081, IPPROTO_TCP),
-                vec![be6(B6, 8080, IPPROTO_TCP)],
-                0,
-            ),
-        ],
-        0,
-    );
-    d.local_endpoints.insert(B6.into());
-    let mut h = Harness::new();
-    h.set_config(Config::default().with_node6_addr(NODE6));
-    h.sync_desired(&d);
-    h.wire(
-        "2001:2::/48",
-        &[
-            ("2001:2:0:2::10", "02:00:00:00:00:bb"),
-            ("2001:2::64", "02:00:00:00:00:cc"),
-        ],
-    );
-    let before = h.stats();
-    let syn = tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN);
-    let (rc, out) = h.run_prog(Prog::ExtXdp, &syn);
-    assert_eq!(rc, XDP_REDIRECT);
-    let (src, nat_port, dst, dport) = tuple6_checked(&out, L4_OFF6);
-    assert_eq!((src, dst, dport), (NODE6, REMOTE6, 8080));
-    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 0xbb], "the FIB's MAC");
-    assert_eq!(out[21], 63, "hop limit decremented");
-    assert_eq!(delta(&h, &before, stat::XDP_REDIRECT), 1);
-
-    let reply = tcp6(REMOTE6, 8080, NODE6, nat_port, SYN | ACK);
-    let (rc, out) = h.run_prog(Prog::ExtXdp, &reply);
-    assert_eq!(rc, XDP_REDIRECT);
-    assert_eq!(
-        tuple6_checked(&out, L4_OFF6),
-        (NODE6, 30080, EXT_CLIENT6, 40000)
-    );
-    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 0xcc]);
-
-    // A local backend: XDP hands the frame to tc untouched; tc translates it
-    // to the backend XDP wrote down.
-    let local = tcp6(EXT_CLIENT6, 40001, NODE6, 30081, SYN);
-    let (rc, out) = h.run_prog(Prog::ExtXdp, &local);
-    assert_eq!((rc, &out), (XDP_PASS, &local));
-    let (_, out) = h.run_prog(Prog::ExtIngress, &local);
-    assert_eq!(
-        tuple6_checked(&out, L4_OFF6),
-        (EXT_CLIENT6, 40001, B6, 8080)
     );
 }
 

@@ -48,7 +48,7 @@ use proxy_testkit::kit::check::tuple;
 use proxy_testkit::kit::{
     self,
     case::{run_cases, run_stateless_cases, Case, Expect, Field, Ran, Setup},
-    check::{ipv4_addrs_checked, l4_csum4, parse_checked},
+    check::{ipv4_addrs_checked, l4_csum4, parse_checked, IPPROTO_ICMPV6},
     frame::{
         ipv4_split, ipv4_with_options, seal4, tcp, tcp4, tcp_segment, udp, udp4, udp4_no_csum,
         with_byte, with_ethertype, ACK, ETH_P_ARP, FIN, PSH, SYN,
@@ -86,6 +86,17 @@ struct Family {
     b1: IpAddr,
     b2: IpAddr,
     hairpin: IpAddr,
+    /// This node's address (NodePorts, SNAT of external traffic).
+    node: IpAddr,
+    /// A backend on another node, and a client outside the cluster.
+    remote: IpAddr,
+    ext_client: IpAddr,
+    /// A route over both, and their neighbour entries (`MAC_BB`, `MAC_CC`),
+    /// for [`Setup::wire`].
+    wire: (&'static str, [(&'static str, &'static str); 2]),
+    /// The ICMP of the family, and its (type, code) of "port unreachable".
+    icmp: u8,
+    port_unreachable: (u8, u8),
 }
 
 const FAMILIES: [Family; 2] = [
@@ -96,6 +107,18 @@ const FAMILIES: [Family; 2] = [
         b1: IpAddr::V4(B1),
         b2: IpAddr::V4(B2),
         hairpin: IpAddr::V4(HAIRPIN),
+        node: IpAddr::V4(NODE),
+        remote: IpAddr::V4(REMOTE),
+        ext_client: IpAddr::V4(EXT_CLIENT),
+        wire: (
+            "198.18.0.0/16",
+            [
+                ("198.18.2.10", "02:00:00:00:00:bb"),
+                ("198.18.0.100", "02:00:00:00:00:cc"),
+            ],
+        ),
+        icmp: IPPROTO_ICMP,
+        port_unreachable: (3, 3),
     },
     Family {
         name: "IPv6",
@@ -104,6 +127,18 @@ const FAMILIES: [Family; 2] = [
         b1: IpAddr::V6(B6),
         b2: IpAddr::V6(B6_2),
         hairpin: IpAddr::V6(HAIRPIN6),
+        node: IpAddr::V6(NODE6),
+        remote: IpAddr::V6(REMOTE6),
+        ext_client: IpAddr::V6(EXT_CLIENT6),
+        wire: (
+            "2001:2::/48",
+            [
+                ("2001:2:0:2::10", "02:00:00:00:00:bb"),
+                ("2001:2::64", "02:00:00:00:00:cc"),
+            ],
+        ),
+        icmp: IPPROTO_ICMPV6,
+        port_unreachable: (1, 4),
     },
 ];
 
@@ -411,27 +446,33 @@ fn non_service_traffic_passes_unchanged() {
     ]);
 }
 
-/// S29 / K4 / C2: a frontend without endpoints answers ICMP port unreachable
-/// from the frontend to the client, quoting the original header, sent back
-/// out of the interface it came in on. External frontends: `ext_ingress`
-/// rejects the same way; XDP leaves the reject to tc (passes it on untouched).
+/// S29 / K4 / C2: a frontend without endpoints answers ICMP (ICMPv6) port
+/// unreachable from the frontend to the client, quoting the original
+/// header and 8 bytes, sent back out of the interface it came in on.
+/// External frontends: `ext_ingress` rejects the same way; XDP leaves the
+/// reject to tc (passes it on untouched). Both families.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn no_backend_rejects_with_icmp_port_unreachable() {
+    run_cases(&each_family(no_backend_cases));
+}
+
+fn no_backend_cases(f: &Family) -> Vec<Case> {
     /// K3: rejecting leaves no conntrack state behind.
     fn no_conntrack(h: &Harness, _: &Ran) {
         assert!(h.maps().conntrack().unwrap().is_empty());
     }
-    let rejected = |from: Ipv4Addr| {
+    let (client, vip, node, name) = (f.client, f.vip, f.node, f.name);
+    let rejected = |from: IpAddr| {
         // Sent back by redirect, to the client's MAC.
         Expect::fields(
             Redirect,
             vec![
                 Field::MacsSwapped,
-                Field::Proto(IPPROTO_ICMP),
-                Field::addrs(from, CLIENT),
+                Field::Proto(f.icmp),
+                Field::addrs(from, client),
                 // Destination unreachable / port unreachable.
-                Field::Icmp(3, 3),
+                Field::Icmp(f.port_unreachable.0, f.port_unreachable.1),
                 Field::QuotesInput,
             ],
         )
@@ -439,73 +480,60 @@ fn no_backend_rejects_with_icmp_port_unreachable() {
         .then(no_conntrack)
     };
     let s = Setup::new(vec![
-        (fe(VIP, 80, IPPROTO_TCP), vec![], 0),
-        (fe(VIP, 53, IPPROTO_UDP), vec![], 0),
+        (fe(vip, 80, IPPROTO_TCP), vec![], 0),
+        (fe(vip, 53, IPPROTO_UDP), vec![], 0),
     ]);
     // Endpoints only elsewhere (a Local policy): drop, not reject.
     let s_local = Setup::new(vec![(
-        fe(VIP, 80, IPPROTO_TCP),
+        fe(vip, 80, IPPROTO_TCP),
         vec![],
         svc_flags::DROP_NO_BACKEND,
     )]);
-    let np = Setup::new(vec![(fe_ext(NODE, 30080, IPPROTO_TCP), vec![], 0)]);
+    let np = Setup::new(vec![(fe_ext(node, 30080, IPPROTO_TCP), vec![], 0)]);
     let np_local = Setup::new(vec![(
-        fe_ext(NODE, 30080, IPPROTO_TCP),
+        fe_ext(node, 30080, IPPROTO_TCP),
         vec![],
         svc_flags::DROP_NO_BACKEND,
     )]);
-    let np_syn = tcp4(CLIENT, 40000, NODE, 30080, SYN, b"");
-    run_cases(&[
+    let np_syn = tcp(client, 40000, node, 30080, SYN, b"");
+    let mut cases = vec![
         not_for_the_external_device(
             Case::new(
-                "TCP SYN to a ClusterIP without endpoints: ICMP port unreachable",
+                format!("{name}: TCP SYN to a ClusterIP without endpoints: ICMP port unreachable"),
                 &s,
-                tcp4(CLIENT, 40000, VIP, 80, SYN, b""),
+                tcp(client, 40000, vip, 80, SYN, b""),
             )
-            .expect(PodIngress, rejected(VIP)),
+            .expect(PodIngress, rejected(vip)),
         ),
         not_for_the_external_device(
             Case::new(
-                "UDP to a ClusterIP without endpoints: ICMP port unreachable",
+                format!("{name}: UDP to a ClusterIP without endpoints: ICMP port unreachable"),
                 &s,
-                udp4(CLIENT, 40000, VIP, 53, &[7u8; 100]),
+                udp(client, 40000, vip, 53, &[7u8; 100]),
             )
-            .expect(PodIngress, rejected(VIP)),
+            .expect(PodIngress, rejected(vip)),
         ),
         not_for_the_external_device(
             Case::new(
-                "TCP SYN to a ClusterIP with endpoints only elsewhere: dropped",
+                format!("{name}: TCP SYN to a ClusterIP with endpoints only elsewhere: dropped"),
                 &s_local,
-                tcp4(CLIENT, 40000, VIP, 80, SYN, b""),
+                tcp(client, 40000, vip, 80, SYN, b""),
             )
             .expect(PodIngress, Expect::verdict(Drop)),
         ),
         Case::new(
-            "TCP SYN to a NodePort without endpoints: ICMP port unreachable (tc)",
+            format!("{name}: TCP SYN to a NodePort without endpoints: ICMP port unreachable (tc)"),
             &np,
             np_syn.clone(),
         )
         .expect(PodIngress, Expect::unchanged(Pass))
-        .expect(ExtIngress, rejected(NODE))
+        .expect(ExtIngress, rejected(node))
         .expect(
             ExtXdp,
             Expect::unchanged(Pass).stats(&[(stat::REJECT_NO_BACKEND, 0)]),
         ),
-        // With IP options the quoted header would be longer: no reject is
-        // generated (a documented limit); the packet is dropped.
-        not_for_the_external_device(
-            Case::new(
-                "TCP SYN with IP options to a ClusterIP without endpoints: dropped",
-                &s,
-                tcp4_with_ip_options(CLIENT, 40000, VIP, 80),
-            )
-            .expect(
-                PodIngress,
-                Expect::verdict(Drop).stats(&[(stat::DROP_REJECT_FAILED, 1)]),
-            ),
-        ),
         Case::new(
-            "TCP SYN to a NodePort with endpoints only elsewhere: dropped",
+            format!("{name}: TCP SYN to a NodePort with endpoints only elsewhere: dropped"),
             &np_local,
             np_syn,
         )
@@ -514,7 +542,23 @@ fn no_backend_rejects_with_icmp_port_unreachable() {
             &Prog::EXT,
             Expect::verdict(Drop).stats(&[(stat::DROP_NO_LOCAL_BACKEND, 1)]),
         ),
-    ]);
+    ];
+    // With IP options the quoted header would be longer: no reject is
+    // generated (a documented limit); the packet is dropped.
+    if let (IpAddr::V4(client), IpAddr::V4(vip)) = (client, vip) {
+        cases.push(not_for_the_external_device(
+            Case::new(
+                "IPv4: TCP SYN with IP options to a ClusterIP without endpoints: dropped",
+                &s,
+                tcp4_with_ip_options(client, 40000, vip, 80),
+            )
+            .expect(
+                PodIngress,
+                Expect::verdict(Drop).stats(&[(stat::DROP_REJECT_FAILED, 1)]),
+            ),
+        ));
+    }
+    cases
 }
 
 /// S5: a pod reaching itself through the frontend is SNATed to the hairpin
@@ -624,93 +668,98 @@ fn truncated_and_malformed_packets() {
 
 /// Replies from a backend on another node arrive on the external device:
 /// `ext_ingress` reverse-translates them; other traffic passes untouched.
+/// Both families.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn external_device_translates_replies_of_remote_backends() {
+    run_cases(&each_family(replies_of_remote_backends_cases));
+}
+
+fn replies_of_remote_backends_cases(f: &Family) -> Vec<Case> {
+    let (client, vip, remote, name) = (f.client, f.vip, f.remote, f.name);
     let s = Setup::new(vec![(
-        fe(VIP, 80, IPPROTO_TCP),
-        vec![be(REMOTE, 8080, IPPROTO_TCP)],
+        fe(vip, 80, IPPROTO_TCP),
+        vec![be(remote, 8080, IPPROTO_TCP)],
         0,
     )]);
-    let syn = tcp4(CLIENT, 40000, VIP, 80, SYN, b"");
-    run_cases(&[
+    let syn = tcp(client, 40000, vip, 80, SYN, b"");
+    vec![
         // A frontend-bound packet arriving from outside is not translated by
         // ext_ingress (external frontends are NodePorts and the like, not ClusterIPs).
         Case::new(
-            "TCP SYN to a ClusterIP with a remote backend",
+            format!("{name}: TCP SYN to a ClusterIP with a remote backend"),
             &s,
-            tcp4(Ipv4Addr::new(198, 18, 0, 99), 40000, VIP, 80, SYN, b""),
+            tcp(f.ext_client, 40000, vip, 80, SYN, b""),
         )
         .expect(
             PodIngress,
-            Expect::fields(Pass, vec![Field::dst(REMOTE, 8080)]),
+            Expect::fields(Pass, vec![Field::dst(remote, 8080)]),
         )
         .expect_all(&Prog::EXT, Expect::unchanged(Pass)),
         // No FIB answer in the test netns: XDP passes the reply on to tc.
         Case::new(
-            "the remote backend's reply: reverse NAT",
+            format!("{name}: the remote backend's reply: reverse NAT"),
             &s,
-            tcp4(REMOTE, 8080, CLIENT, 40000, SYN | ACK, b""),
+            tcp(remote, 8080, client, 40000, SYN | ACK, b""),
         )
         .after(Some(PodIngress), syn.clone())
         .expect_all(
             &[ExtIngress, PodIngress],
-            Expect::fields(Pass, vec![Field::tuple(VIP, 80, CLIENT, 40000)]),
+            Expect::fields(Pass, vec![Field::tuple(vip, 80, client, 40000)]),
         )
         .expect(ExtXdp, Expect::unchanged(Pass)),
         Case::new(
-            "a packet from the remote backend of no tracked flow",
+            format!("{name}: a packet from the remote backend of no tracked flow"),
             &s,
-            tcp4(REMOTE, 8080, CLIENT, 40001, SYN | ACK, b""),
+            tcp(remote, 8080, client, 40001, SYN | ACK, b""),
         )
         .after(Some(PodIngress), syn)
         .expect_all(&Prog::ALL, Expect::unchanged(Pass)),
-    ]);
+    ]
 }
 
 /// XDP acceleration: external traffic to a backend on another node is
-/// translated at XDP (DNAT, SNAT to the node with a source port), TTL
-/// decremented, MACs from the FIB, and redirected; its reply is translated
-/// back; a flow to a local backend is passed on to tc untouched. `ext_ingress`
-/// (tc) does the same translations on its own.
+/// translated at XDP (DNAT, SNAT to the node with a source port), TTL (hop
+/// limit) decremented, MACs from the FIB, and redirected; its reply is
+/// translated back; a flow to a local backend is passed on to tc untouched.
+/// `ext_ingress` (tc) does the same translations on its own. Both families.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn xdp_translates_external_flows_to_remote_backends() {
+    run_cases(&each_family(xdp_cases));
+}
+
+fn xdp_cases(f: &Family) -> Vec<Case> {
+    let (node, remote, ext_client, b1, name) = (f.node, f.remote, f.ext_client, f.b1, f.name);
     let mut s = Setup::new(vec![
         (
-            fe_ext(NODE, 30080, IPPROTO_TCP),
-            vec![be(REMOTE, 8080, IPPROTO_TCP)],
+            fe_ext(node, 30080, IPPROTO_TCP),
+            vec![be(remote, 8080, IPPROTO_TCP)],
             0,
         ),
         (
-            fe_ext(NODE, 30081, IPPROTO_TCP),
-            vec![be(B1, 8080, IPPROTO_TCP)],
+            fe_ext(node, 30081, IPPROTO_TCP),
+            vec![be(b1, 8080, IPPROTO_TCP)],
             0,
         ),
     ]);
-    s.local = vec![B1.into()];
-    s.node = Some(NODE.into());
-    s.wire = Some((
-        "198.18.0.0/16",
-        vec![
-            ("198.18.2.10", "02:00:00:00:00:bb"),
-            ("198.18.0.100", "02:00:00:00:00:cc"),
-        ],
-    ));
-    let syn = tcp4(EXT_CLIENT, 40000, NODE, 30080, SYN, b"");
+    s.local = vec![b1];
+    s.node = Some(node);
+    s.wire = Some((f.wire.0, f.wire.1.to_vec()));
+    let syn = tcp(ext_client, 40000, node, 30080, SYN, b"");
     let snat = vec![
         Field::DstMac(MAC_BB),
-        Field::src_addr(NODE),
-        Field::dst(REMOTE, 8080),
+        Field::src_addr(node),
+        Field::dst(remote, 8080),
         Field::Ttl(63),
         // The default SNAT range, below the kernel's ip_local_port_range.
         Field::SportIn(1024, 32767),
     ];
     let back = vec![
-        Field::tuple(NODE, 30080, EXT_CLIENT, 40000),
+        Field::tuple(node, 30080, ext_client, 40000),
         Field::DstMac(MAC_CC),
     ];
-    let local = tcp4(EXT_CLIENT, 40001, NODE, 30081, SYN, b"");
+    let local = tcp(ext_client, 40001, node, 30081, SYN, b"");
     /// tc and XDP alike: translated (one SNAT to the node), redirected, the
     /// `n`-th redirect of the case (each counts under its own code).
     trait Redirected {
@@ -723,37 +772,25 @@ fn xdp_translates_external_flows_to_remote_backends() {
                 .expect(ExtIngress, e.stats(&[(stat::REDIRECT, n)]))
         }
     }
-    run_cases(&[
+    let mut cases = vec![
         // Remote backend: translated and redirected at XDP.
         Case::new(
-            "TCP SYN to a NodePort with a remote backend: DNAT + SNAT to the node, redirected",
+            format!("{name}: TCP SYN to a NodePort with a remote backend: DNAT + SNAT to the node, redirected"),
             &s,
             syn.clone(),
         )
         .expect_redirected(snat.clone(), 1)
         .expect(PodIngress, Expect::unchanged(Pass)),
-        // XDP translates only IPv4 headers without options: it passes this one
-        // on to tc, which translates it.
         Case::new(
-            "TCP SYN with IP options to a NodePort with a remote backend",
-            &s,
-            tcp4_with_ip_options(EXT_CLIENT, 40000, NODE, 30080),
-        )
-        .expect(ExtXdp, Expect::unchanged(Pass))
-        .expect(
-            ExtIngress,
-            Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]),
-        ),
-        Case::new(
-            "its reply: back to the client from the NodePort, redirected",
+            format!("{name}: its reply: back to the client from the NodePort, redirected"),
             &s,
             Vec::new(),
         )
         .after(None, syn)
-        .input_from_last(|o| tcp4(REMOTE, 8080, NODE, o.sport, SYN | ACK, b""))
+        .input_from_last(|o| tcp(o.dst, 8080, o.src, o.sport, SYN | ACK, b""))
         .expect_redirected(back, 2),
         // A local backend: tc's business (bpf_redirect_peer); XDP leaves it alone.
-        Case::new("TCP SYN to a NodePort with a local backend", &s, local)
+        Case::new(format!("{name}: TCP SYN to a NodePort with a local backend"), &s, local)
             .expect(
                 ExtXdp,
                 Expect::unchanged(Pass).stats(&[(stat::XDP_REDIRECT, 0), (stat::SNAT_NODE, 0)]),
@@ -765,12 +802,29 @@ fn xdp_translates_external_flows_to_remote_backends() {
                 ExtIngress,
                 Expect::fields(
                     Redirect,
-                    vec![Field::tuple(EXT_CLIENT, 40001, B1, 8080), Field::Ttl(63)],
+                    vec![Field::tuple(ext_client, 40001, b1, 8080), Field::Ttl(63)],
                 )
                 .stats(&[(stat::REDIRECT_NEIGH, 1), (stat::SNAT_NODE, 0)]),
             )
             .expect(PodIngress, Expect::unchanged(Pass)),
-    ]);
+    ];
+    // XDP translates only IPv4 headers without options: it passes this one
+    // on to tc, which translates it. (IPv6's extension headers: `ipv6.rs`.)
+    if let (IpAddr::V4(ext_client), IpAddr::V4(node)) = (ext_client, node) {
+        cases.push(
+            Case::new(
+                "IPv4: TCP SYN with IP options to a NodePort with a remote backend",
+                &s,
+                tcp4_with_ip_options(ext_client, 40000, node, 30080),
+            )
+            .expect(ExtXdp, Expect::unchanged(Pass))
+            .expect(
+                ExtIngress,
+                Expect::fields(Redirect, snat).stats(&[(stat::REDIRECT, 1), (stat::SNAT_NODE, 1)]),
+            ),
+        );
+    }
+    cases
 }
 
 /// The backends that 64 new TCP flows of `f`'s client to its `vip:80`
