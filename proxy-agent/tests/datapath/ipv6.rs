@@ -2,9 +2,10 @@
 //! IPv6 programs by tail call from the IPv4 ones. The paths both families
 //! share are rows of `main.rs`'s tables ([`super::FAMILIES`]); this file
 //! holds what only IPv6 has — extension headers walked or passed,
-//! fragments, ICMPv6 errors and rejects, SCTP's CRC32c over IPv6 — and the
-//! IPv6 cases not yet written as rows of a shared table (NodePort SNAT,
-//! policies, source ranges, the SNAT port search, XDP). Checksums are
+//! fragments, ICMPv6 errors, SCTP's CRC32c over IPv6 — and the IPv6 cases
+//! not yet written as rows of a shared table (a NodePort flow keeping its
+//! SNAT port, conntrack expiry, the kernel's masqueraded ports, the SNAT
+//! port search: their IPv4 twins read the family's own maps). Checksums are
 //! verified by the kit's checker over the 128-bit pseudo-header. The last
 //! test fuzzes the IPv6 path as `fuzz.rs` does IPv4's: truncated,
 //! malformed and mutated frames never crash a program, never leave a
@@ -15,8 +16,8 @@ use std::net::{IpAddr, Ipv6Addr};
 
 use proxy_agent::model::{BackendAddr, FrontendKey};
 use proxy_common::{
-    conntrack::sctp as chunk, map_names, stat, svc_flags, Config, Ct6Key, Ct6Value, IPPROTO_SCTP,
-    IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    conntrack::sctp as chunk, map_names, stat, Config, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
 use super::fuzz::Rng;
@@ -26,7 +27,6 @@ use proxy_testkit::kit::{
     frame::{frame6, sctp_packet, tcp_segment, udp_segment, ACK, ETH_P_IPV6, L4_OFF6, SYN},
     harness::{
         be as be6, desired, fe as fe6, fe_ext as fe6_ext, Harness, Prog, HAIRPIN6, TC_ACT_OK,
-        TC_ACT_SHOT,
     },
 };
 
@@ -502,57 +502,6 @@ fn ipv6_the_whole_snat_range_is_searched_once_random_tries_fail() {
         "the expired flow's port"
     );
     assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
-}
-
-/// `externalTrafficPolicy: Local`: the client's address is kept.
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_external_local_policy_keeps_the_client_address() {
-    let h = harness6(&[(
-        fe6_ext(NODE6, 30080, IPPROTO_TCP),
-        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
-        svc_flags::EXTERNAL_LOCAL,
-    )]);
-    let (_, out) = h.run_prog(
-        Prog::ExtIngress,
-        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN),
-    );
-    assert_eq!(
-        tuple6_checked(&out, L4_OFF6),
-        (EXT_CLIENT6, 40000, REMOTE6, 8080)
-    );
-}
-
-/// `loadBalancerSourceRanges` over IPv6: a client inside the range is
-/// served, one outside is dropped.
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_load_balancer_source_ranges_filter_clients() {
-    let lb = Ipv6Addr::new(0x2001, 2, 0, 0xee, 0, 0, 0, 1);
-    let mut d = desired(
-        &[(
-            fe6_ext(lb, 80, IPPROTO_TCP),
-            vec![be6(B6, 8080, IPPROTO_TCP)],
-            svc_flags::SOURCE_RANGES | svc_flags::EXTERNAL_LOCAL,
-        )],
-        0,
-    );
-    for fe in d.frontends.values_mut() {
-        fe.source_ranges = vec![("2001:2::".parse().unwrap(), 64)];
-    }
-    let mut h = Harness::new();
-    h.set_config(Config::default().with_node6_addr(NODE6));
-    h.sync_desired(&d);
-    let before = h.stats();
-    let (_, out) = h.run_prog(Prog::ExtIngress, &tcp6(EXT_CLIENT6, 40000, lb, 80, SYN));
-    assert_eq!(
-        tuple6_checked(&out, L4_OFF6),
-        (EXT_CLIENT6, 40000, B6, 8080)
-    );
-    let outsider = Ipv6Addr::new(0x2001, 2, 0, 9, 0, 0, 0, 1);
-    let (rc, _) = h.run_prog(Prog::ExtIngress, &tcp6(outsider, 40000, lb, 80, SYN));
-    assert_eq!(rc, TC_ACT_SHOT);
-    assert_eq!(delta(&h, &before, stat::DROP_SOURCE_RANGE), 1);
 }
 
 /// An ICMPv6 error of `icmp_type` from `src` to `dst`, quoting `quoted`

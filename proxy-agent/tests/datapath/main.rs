@@ -17,9 +17,11 @@
 //!
 //! The kit takes both families: a test written once over [`FAMILIES`] runs
 //! its table for IPv4 and IPv6, each case named with its family (ClusterIP
-//! DNAT and reverse NAT over TCP and UDP, hairpin SNAT, conntrack keeping a
-//! backend). `ipv6.rs` keeps what only IPv6 has (extension headers,
-//! fragments, ICMPv6's formats) and the IPv6 cases not yet written as rows.
+//! DNAT and reverse NAT over TCP and UDP, rejects without endpoints, hairpin
+//! SNAT, replies of remote backends, external policies and source ranges,
+//! XDP, conntrack keeping a backend). `ipv6.rs` keeps what only IPv6 has
+//! (extension headers, fragments, ICMPv6's formats) and the IPv6 cases not
+//! yet written as rows.
 //!
 //! One test binary on purpose: it loads the object and links the kit once,
 //! and every datapath behaviour stands beside the others it interacts with.
@@ -94,6 +96,11 @@ struct Family {
     /// A route over both, and their neighbour entries (`MAC_BB`, `MAC_CC`),
     /// for [`Setup::wire`].
     wire: (&'static str, [(&'static str, &'static str); 2]),
+    /// A load-balancer IP, a source range holding `ext_client`, and a
+    /// client outside it.
+    lb: IpAddr,
+    source_range: (IpAddr, u8),
+    outsider: IpAddr,
     /// The ICMP of the family, and its (type, code) of "port unreachable".
     icmp: u8,
     port_unreachable: (u8, u8),
@@ -117,6 +124,9 @@ const FAMILIES: [Family; 2] = [
                 ("198.18.0.100", "02:00:00:00:00:cc"),
             ],
         ),
+        lb: IpAddr::V4(Ipv4Addr::new(198, 18, 238, 1)),
+        source_range: (IpAddr::V4(Ipv4Addr::new(198, 18, 0, 0)), 24),
+        outsider: IpAddr::V4(Ipv4Addr::new(198, 18, 9, 1)),
         icmp: IPPROTO_ICMP,
         port_unreachable: (3, 3),
     },
@@ -137,6 +147,9 @@ const FAMILIES: [Family; 2] = [
                 ("2001:2::64", "02:00:00:00:00:cc"),
             ],
         ),
+        lb: IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 0xee, 0, 0, 0, 1)),
+        source_range: (IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 0)), 64),
+        outsider: IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 9, 0, 0, 0, 1)),
         icmp: IPPROTO_ICMPV6,
         port_unreachable: (1, 4),
     },
@@ -715,6 +728,63 @@ fn replies_of_remote_backends_cases(f: &Family) -> Vec<Case> {
         )
         .after(Some(PodIngress), syn)
         .expect_all(&Prog::ALL, Expect::unchanged(Pass)),
+    ]
+}
+
+/// `externalTrafficPolicy: Local` keeps the client's address (DNAT only);
+/// `loadBalancerSourceRanges` serve a client inside a range and drop one
+/// outside, counted. Both families, through tc and XDP.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn external_local_policy_and_source_ranges() {
+    run_cases(&each_family(external_policy_cases));
+}
+
+fn external_policy_cases(f: &Family) -> Vec<Case> {
+    let (node, lb, ext_client, name) = (f.node, f.lb, f.ext_client, f.name);
+    let mut local = Setup::new(vec![(
+        fe_ext(node, 30080, IPPROTO_TCP),
+        vec![be(f.remote, 8080, IPPROTO_TCP)],
+        svc_flags::EXTERNAL_LOCAL,
+    )]);
+    local.node = Some(node);
+    let mut ranged = Setup::new(vec![(
+        fe_ext(lb, 80, IPPROTO_TCP),
+        vec![be(f.b1, 8080, IPPROTO_TCP)],
+        svc_flags::SOURCE_RANGES | svc_flags::EXTERNAL_LOCAL,
+    )]);
+    ranged.node = Some(node);
+    ranged.source_ranges = vec![f.source_range];
+    vec![
+        Case::new(
+            format!("{name}: NodePort under a Local policy: the client's address kept"),
+            &local,
+            tcp(ext_client, 40000, node, 30080, SYN, b""),
+        )
+        .expect(
+            ExtIngress,
+            Expect::fields(Pass, vec![Field::tuple(ext_client, 40000, f.remote, 8080)])
+                .stats(&[(stat::SNAT_NODE, 0)]),
+        ),
+        Case::new(
+            format!("{name}: LB IP with source ranges, a client inside: served"),
+            &ranged,
+            tcp(ext_client, 40000, lb, 80, SYN, b""),
+        )
+        .expect(
+            ExtIngress,
+            Expect::fields(Pass, vec![Field::tuple(ext_client, 40000, f.b1, 8080)])
+                .stats(&[(stat::DROP_SOURCE_RANGE, 0)]),
+        ),
+        Case::new(
+            format!("{name}: LB IP with source ranges, a client outside: dropped"),
+            &ranged,
+            tcp(f.outsider, 40000, lb, 80, SYN, b""),
+        )
+        .expect_all(
+            &Prog::EXT,
+            Expect::verdict(Drop).stats(&[(stat::DROP_SOURCE_RANGE, 1)]),
+        ),
     ]
 }
 

@@ -27,6 +27,9 @@ pub struct Setup {
     /// A route and permanent neighbours `(address, MAC)` in the namespace
     /// (see [`Harness::wire`]); without, the FIB has no answer.
     pub wire: Option<(&'static str, Vec<(&'static str, &'static str)>)>,
+    /// `loadBalancerSourceRanges` (prefix, length) of every frontend (those
+    /// whose flags have `SOURCE_RANGES`).
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
 impl Setup {
@@ -49,6 +52,9 @@ impl Setup {
         }
         let mut d = desired(&self.frontends, 0);
         d.local_endpoints.extend(self.local.iter().copied());
+        for fe in d.frontends.values_mut() {
+            fe.source_ranges.clone_from(&self.source_ranges);
+        }
         h.sync_desired(&d);
         if let Some((route, neighbours)) = &self.wire {
             h.wire(route, neighbours);
