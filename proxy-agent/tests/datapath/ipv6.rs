@@ -3,9 +3,9 @@
 //! share are rows of `main.rs`'s tables ([`super::FAMILIES`]); this file
 //! holds what only IPv6 has — extension headers walked or passed,
 //! fragments, ICMPv6 errors, SCTP's CRC32c over IPv6 — and the IPv6 cases
-//! not yet written as rows of a shared table (a NodePort flow keeping its
-//! SNAT port, conntrack expiry, the kernel's masqueraded ports, the SNAT
-//! port search: their IPv4 twins read the family's own maps). Checksums are
+//! not yet written as rows of a shared table (conntrack expiry, the
+//! kernel's masqueraded ports, the SNAT port search: their IPv4 twins read
+//! the family's own maps). Checksums are
 //! verified by the kit's checker over the 128-bit pseudo-header. The last
 //! test fuzzes the IPv6 path as `fuzz.rs` does IPv4's: truncated,
 //! malformed and mutated frames never crash a program, never leave a
@@ -302,39 +302,6 @@ fn ipv6_conntrack_entries_expire_and_are_collected() {
     assert_eq!(ct6_entries(&h), 2);
     assert_eq!(gc_ahead(61), 2);
     assert_eq!(ct6_entries(&h), 0);
-}
-
-/// A NodePort on the node's IPv6 address whose backend is on another node
-/// (`externalTrafficPolicy: Cluster`): DNAT, SNAT to the node's IPv6 address
-/// with a port of its own, so the reply comes back here and gets both back.
-#[test]
-#[ignore = "needs root: run with `cargo xtask test`"]
-fn ipv6_nodeport_to_a_remote_backend_is_snated_to_the_node() {
-    let h = harness6(&[(
-        fe6_ext(NODE6, 30080, IPPROTO_TCP),
-        vec![be6(REMOTE6, 8080, IPPROTO_TCP)],
-        0,
-    )]);
-    let before = h.stats();
-    let (_, out) = h.run_prog(
-        Prog::ExtIngress,
-        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, SYN),
-    );
-    let (src, sport, dst, dport) = tuple6_checked(&out, L4_OFF6);
-    assert_eq!((src, dst, dport), (NODE6, REMOTE6, 8080));
-    assert_eq!(delta(&h, &before, stat::SNAT_NODE), 1);
-    let reply = tcp6(REMOTE6, 8080, NODE6, sport, SYN | ACK);
-    let (_, out) = h.run_prog(Prog::ExtIngress, &reply);
-    assert_eq!(
-        tuple6_checked(&out, L4_OFF6),
-        (NODE6, 30080, EXT_CLIENT6, 40000)
-    );
-    // The next packet of the flow keeps its port.
-    let (_, out) = h.run_prog(
-        Prog::ExtIngress,
-        &tcp6(EXT_CLIENT6, 40000, NODE6, 30080, ACK),
-    );
-    assert_eq!(tuple6_checked(&out, L4_OFF6), (NODE6, sport, REMOTE6, 8080));
 }
 
 /// IPv6 twin of `a_port_the_kernel_masqueraded_is_not_given_to_a_new_flow`

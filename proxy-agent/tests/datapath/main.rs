@@ -788,6 +788,41 @@ fn external_policy_cases(f: &Family) -> Vec<Case> {
     ]
 }
 
+/// A NodePort whose backend is on another node (`externalTrafficPolicy:
+/// Cluster`): DNAT, SNAT to the node's address with a port of its own, so
+/// the reply comes back here and gets both back; the flow's next packet
+/// keeps its port. Both families, through `ext_ingress`.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn nodeport_to_a_remote_backend_is_snated_to_the_node() {
+    for f in &FAMILIES {
+        let (node, remote, ext_client, name) = (f.node, f.remote, f.ext_client, f.name);
+        let mut s = Setup::new(vec![(
+            fe_ext(node, 30080, IPPROTO_TCP),
+            vec![be(remote, 8080, IPPROTO_TCP)],
+            0,
+        )]);
+        s.node = Some(node);
+        let h = s.harness();
+        let before = h.stats();
+        let syn = tcp(ext_client, 40000, node, 30080, SYN, b"");
+        let o = parse_checked(&h.run_prog(ExtIngress, &syn).1);
+        assert_eq!((o.src, o.dst, o.dport), (node, remote, 8080), "{name}");
+        let snat = h.stats()[&stat::SNAT_NODE] - before.get(&stat::SNAT_NODE).unwrap_or(&0);
+        assert_eq!(snat, 1, "{name}: SNAT_NODE");
+        let reply = tcp(remote, 8080, node, o.sport, SYN | ACK, b"");
+        let r = parse_checked(&h.run_prog(ExtIngress, &reply).1);
+        assert_eq!(r.tuple(), tuple(node, 30080, ext_client, 40000), "{name}");
+        let ack = tcp(ext_client, 40000, node, 30080, ACK, b"");
+        let next = parse_checked(&h.run_prog(ExtIngress, &ack).1);
+        assert_eq!(
+            next.tuple(),
+            tuple(node, o.sport, remote, 8080),
+            "{name}: the flow keeps its port"
+        );
+    }
+}
+
 /// XDP acceleration: external traffic to a backend on another node is
 /// translated at XDP (DNAT, SNAT to the node with a source port), TTL (hop
 /// limit) decremented, MACs from the FIB, and redirected; its reply is
