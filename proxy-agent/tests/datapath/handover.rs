@@ -35,10 +35,6 @@ fn key(sport: u16, dport: u16, proto: u8) -> Ct4Key {
     .expect("an IPv4 flow")
 }
 
-fn delta(h: &Harness, before: &std::collections::BTreeMap<u32, u64>, code: u32) -> u64 {
-    h.stats().get(&code).copied().unwrap_or(0) - before.get(&code).copied().unwrap_or(0)
-}
-
 fn has_service_entry(h: &Harness, sport: u16) -> bool {
     h.maps()
         .conntrack()

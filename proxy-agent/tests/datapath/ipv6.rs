@@ -20,7 +20,7 @@ use proxy_common::{
     IPPROTO_UDP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
-use super::fuzz::Rng;
+use super::{delta, fuzz::Rng};
 use super::{B6, B6_2, CLIENT6, EXT_CLIENT6, NODE6, REMOTE6, VIP6};
 use proxy_testkit::kit::{
     check::{crc32c, fold, l4_csum6, parse_checked6, sum16, IPPROTO_ICMPV6},
@@ -66,10 +66,6 @@ fn tuple6_checked(f: &[u8], l4: usize) -> (Ipv6Addr, u16, Ipv6Addr, u16) {
         IpAddr::V4(a) => panic!("{a} in an IPv6 frame"),
     };
     (v6(p.src), p.sport, v6(p.dst), p.dport)
-}
-
-fn delta(h: &Harness, before: &std::collections::BTreeMap<u32, u64>, code: u32) -> u64 {
-    h.stats().get(&code).copied().unwrap_or(0) - before.get(&code).copied().unwrap_or(0)
 }
 
 fn harness6(frontends: &[(FrontendKey, Vec<BackendAddr>, u16)]) -> Harness {

@@ -808,8 +808,7 @@ fn nodeport_to_a_remote_backend_is_snated_to_the_node() {
         let syn = tcp(ext_client, 40000, node, 30080, SYN, b"");
         let o = parse_checked(&h.run_prog(ExtIngress, &syn).1);
         assert_eq!((o.src, o.dst, o.dport), (node, remote, 8080), "{name}");
-        let snat = h.stats()[&stat::SNAT_NODE] - before.get(&stat::SNAT_NODE).unwrap_or(&0);
-        assert_eq!(snat, 1, "{name}: SNAT_NODE");
+        assert_eq!(delta(&h, &before, stat::SNAT_NODE), 1, "{name}: SNAT_NODE");
         let reply = tcp(remote, 8080, node, o.sport, SYN | ACK, b"");
         let r = parse_checked(&h.run_prog(ExtIngress, &reply).1);
         assert_eq!(r.tuple(), tuple(node, 30080, ext_client, 40000), "{name}");
@@ -930,6 +929,12 @@ fn xdp_cases(f: &Family) -> Vec<Case> {
         );
     }
     cases
+}
+
+/// How much counter `code` grew since `before` (a `h.stats()` taken
+/// earlier).
+fn delta(h: &Harness, before: &std::collections::BTreeMap<u32, u64>, code: u32) -> u64 {
+    h.stats().get(&code).copied().unwrap_or(0) - before.get(&code).copied().unwrap_or(0)
 }
 
 /// The backends that 64 new TCP flows of `f`'s client to its `vip:80`
