@@ -28,5 +28,5 @@ mod qemu;
 
 pub use initramfs::{insmod_lines, modinfo_depends, module_order, GuestModule};
 pub use kernels::{fetch, spec, Fetched, KernelSpec, MATRIX};
-pub use plan::{fetch_matrix, parse_step, test_kernel, test_matrix};
+pub use plan::{fetch_matrix, parse_step, test_binary, test_kernel, test_matrix};
 pub use qemu::{parse_done, run_script, VmOutput};

@@ -561,9 +561,9 @@ impl Lab {
         // Objects whose applied view changed, in dependency order.
         let order = |k: &str| match k {
             "Node" => 0,
-            "Service" => 1,
-            "Pod" => 3,
-            _ => 2,
+            "Pod" => 1,
+            "Service" => 2,
+            _ => 3,
         };
         let mut changed: Vec<(usize, Key, Value)> = Vec::new();
         let mut recreate: Vec<Key> = Vec::new();
@@ -604,52 +604,24 @@ impl Lab {
             .filter(|(_, k, _)| k.0 == "Service")
             .map(|(_, k, _)| k.clone())
             .collect();
-        if !changed.is_empty() {
-            let items = changed.iter().map(|(_, _, v)| v.clone()).collect();
-            self.kubectl_apply(items, false)?;
-            for (_, key, view) in changed {
-                self.api_state().applied.insert(key, view);
+        // Two rounds: Nodes and Pods with their statuses (as their kubelets
+        // write them), then Services and the rest. A new Service then finds
+        // its pods ready, and the EndpointSlice controller writes its slice
+        // once, endpoints in it, rather than empty and again when the pods'
+        // statuses come: a quarter fewer writes when thousands of Services
+        // and their pods are made at once.
+        let is_first = |kind: &str| kind == "Node" || kind == "Pod";
+        let (pods_and_nodes, rest): (Vec<_>, Vec<_>) =
+            changed.into_iter().partition(|(_, k, _)| is_first(&k.0));
+        for (round, objects) in [pods_and_nodes, rest].into_iter().enumerate() {
+            if !objects.is_empty() {
+                let items = objects.iter().map(|(_, _, v)| v.clone()).collect();
+                self.kubectl_apply(items, false)?;
+                for (_, key, view) in objects {
+                    self.api_state().applied.insert(key, view);
+                }
             }
-        }
-
-        // Status, as the kubelet (Pods, Nodes) and a load balancer's
-        // controller (Services) write it.
-        let mut statuses = Vec::new();
-        for o in new.iter() {
-            let key = o.key();
-            let Some(status) = status_view(o)? else {
-                continue;
-            };
-            if self.api_state().status.get(&key) == Some(&status) {
-                continue;
-            }
-            let (kind, ns, name) = &key;
-            let mut meta = json!({ "name": name });
-            if !ns.is_empty() {
-                meta["namespace"] = Value::from(ns.as_str());
-            }
-            let stamped = self.stamp_transitions(&key, &status);
-            statuses.push((
-                key.clone(),
-                status.clone(),
-                json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": stamped}),
-            ));
-        }
-        // A Node's addresses are a list keyed by type, which a dual-stack
-        // node's two InternalIPs break for server-side apply (kubelets
-        // patch): Nodes get a merge patch of their status each.
-        let (nodes, others): (Vec<_>, Vec<_>) = statuses
-            .into_iter()
-            .partition(|(key, _, _)| key.0 == "Node");
-        for (key, status, _) in &nodes {
-            self.patch_status("node", &key.2, &json!({ "status": status }).to_string())?;
-        }
-        if !others.is_empty() {
-            let items = others.iter().map(|(_, _, v)| v.clone()).collect();
-            self.kubectl_apply(items, true)?;
-        }
-        for (key, status, _) in nodes.into_iter().chain(others) {
-            self.api_state().status.insert(key, status);
+            self.push_statuses(new, |kind| is_first(kind) == (round == 0))?;
         }
 
         // Deletions: what the lab applied before and no longer has.
@@ -684,6 +656,53 @@ impl Lab {
 
         self.read_back_services(new, &changed_services)?;
         Ok(deleted_pods)
+    }
+
+    /// Status, as the kubelet (Pods, Nodes) and a load balancer's
+    /// controller (Services) write it, of the objects in `new` whose kind
+    /// `of_kind` takes and whose status changed.
+    fn push_statuses(&mut self, new: &[Object], of_kind: impl Fn(&str) -> bool) -> Result<()> {
+        let mut statuses = Vec::new();
+        for o in new.iter() {
+            let key = o.key();
+            if !of_kind(&key.0) {
+                continue;
+            }
+            let Some(status) = status_view(o)? else {
+                continue;
+            };
+            if self.api_state().status.get(&key) == Some(&status) {
+                continue;
+            }
+            let (kind, ns, name) = &key;
+            let mut meta = json!({ "name": name });
+            if !ns.is_empty() {
+                meta["namespace"] = Value::from(ns.as_str());
+            }
+            let stamped = self.stamp_transitions(&key, &status);
+            statuses.push((
+                key.clone(),
+                status.clone(),
+                json!({"apiVersion": api_version(kind), "kind": kind, "metadata": meta, "status": stamped}),
+            ));
+        }
+        // A Node's addresses are a list keyed by type, which a dual-stack
+        // node's two InternalIPs break for server-side apply (kubelets
+        // patch): Nodes get a merge patch of their status each.
+        let (nodes, others): (Vec<_>, Vec<_>) = statuses
+            .into_iter()
+            .partition(|(key, _, _)| key.0 == "Node");
+        for (key, status, _) in &nodes {
+            self.patch_status("node", &key.2, &json!({ "status": status }).to_string())?;
+        }
+        if !others.is_empty() {
+            let items = others.iter().map(|(_, _, v)| v.clone()).collect();
+            self.kubectl_apply(items, true)?;
+        }
+        for (key, status, _) in nodes.into_iter().chain(others) {
+            self.api_state().status.insert(key, status);
+        }
+        Ok(())
     }
 
     /// `kubectl apply --server-side` of `items` (of statuses with `status`):

@@ -37,6 +37,12 @@ pub(super) fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// What each agent of a lab adds to [`Lab::wait_ready`]'s bound: a start
+/// has the kernel verify every program, about 2.7 s of CPU on the 2-core
+/// machines CI runs on, and a lab's agents start together (two 6-node labs
+/// side by side took 16.5 s to their first syncs, past a flat 15 s).
+pub const START_PER_AGENT: Duration = Duration::from_secs(3);
+
 impl Lab {
     /// How many times node-1's agent has logged [`SYNC_MARKER`] (over all runs).
     pub fn sync_count(&self) -> usize {
@@ -110,20 +116,22 @@ impl Lab {
     }
 
     /// Waits until every agent (since it was last started) logged its first
-    /// `sync complete`. Fails if no agent was started.
+    /// `sync complete`, within `timeout` plus [`START_PER_AGENT`] for each
+    /// agent. Fails if no agent was started.
     ///
-    /// `KPR_LAB_START_TIMEOUT` (seconds) raises `timeout`: the kernel
+    /// `KPR_LAB_START_TIMEOUT` (seconds) raises the bound: the kernel
     /// runner sets it, since under a VM's software emulation the agent's
     /// start (the verifier checking every program) takes many times longer.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
-        let timeout = std::env::var("KPR_LAB_START_TIMEOUT")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .map_or(timeout, |s| timeout.max(Duration::from_secs(s)));
         let which = self.nodes_with_agent();
         if which.is_empty() {
             bail!("no agent was started");
         }
+        let timeout = timeout + START_PER_AGENT * u32::try_from(which.len()).unwrap_or(u32::MAX);
+        let timeout = std::env::var("KPR_LAB_START_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map_or(timeout, |s| timeout.max(Duration::from_secs(s)));
         let marks = self.agent_start_marks.clone();
         self.wait_markers(&which, &marks, timeout, "the agent's first sync")
     }
