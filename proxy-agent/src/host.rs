@@ -2,8 +2,10 @@
 //! programs and maps: the external interfaces' addresses ([`ifaddrs`]), the
 //! kernel's limits and the capabilities it lacks ([`privileges`]), a
 //! NetworkPolicy engine in netfilter ([`netfilter`]), the kernel's own
-//! conntrack when taking over from kube-proxy ([`handover`]), host
+//! conntrack when taking over from kube-proxy ([`handover`]) and kept running
+//! for the flows handed over ([`conntrack_hold`]), host
 //! clients' sockets ([`sockdiag`]), and the host's port range and name.
+pub mod conntrack_hold;
 pub mod handover;
 pub mod ifaddrs;
 pub mod netfilter;

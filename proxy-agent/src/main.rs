@@ -82,6 +82,14 @@ fn main() -> anyhow::Result<()> {
             if f > 0 {
                 println!("removed legacy tc filters from {f} interfaces");
             }
+            use proxy_agent::host::conntrack_hold::{release, TABLE};
+            match release() {
+                Ok(true) => println!(
+                    "removed the nftables table inet {TABLE} (it kept the kernel's conntrack running for flows handed over from kube-proxy)"
+                ),
+                Ok(false) => {}
+                Err(e) => eprintln!("warning: cannot remove the nftables table inet {TABLE}: {e}"),
+            }
         }
     }
     Ok(())

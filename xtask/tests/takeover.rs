@@ -568,3 +568,121 @@ fn takeover_and_rollback_keep_connections() {
         );
     }
 }
+
+/// UDP flows (fixed source ports) per family in
+/// [`kube_proxy_flows_of_both_families_outlive_its_rules`].
+const UDP_FLOWS: usize = 6;
+/// Their first source port.
+const UDP_FLOW_PORT: u16 = 43000;
+
+fn dual_stack_objects() -> String {
+    manifests(&[
+        &Pod::new("ds-1", "ds").node("node-1").port(80, "TCP"),
+        &Pod::new("ds-2", "ds").node("node-2").port(80, "TCP"),
+        &Svc::new("ds")
+            .no_affinity()
+            .selector("ds")
+            .require_dual_stack()
+            .ports([Port::tcp("tcp", 80), Port::udp("udp", 80)]),
+    ])
+}
+
+/// kube-proxy's flows of both families, taken over and then left without
+/// its rules: the kernel's conntrack entries translate them only while
+/// something in the node's netfilter uses conntrack. kube-proxy's nftables
+/// mode removes its whole table on cleanup, and nothing else in the lab
+/// uses conntrack: the agent keeps it running itself (an nftables table
+/// without hooks, `host::conntrack_hold`). Before it did, every IPv6 flow
+/// (and every IPv4 one where nothing else held conntrack) went unanswered
+/// once kube-proxy's rules were gone.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn kube_proxy_flows_of_both_families_outlive_its_rules() {
+    LabTest::new("takeover-ds")
+        .yaml(&dual_stack_objects())
+        .nodes(2)
+        .dual_stack()
+        .proxies_started_by_the_test()
+        .sync_timeout(Duration::from_secs(60))
+        .banner(" dual-stack, with 2 nodes and a real control plane")
+        .run(|lab| {
+            for n in nodes(lab) {
+                lab.start_kube_proxy_on(&n, KubeProxyMode::Nftables, &kube_proxy_opts())
+                    .expect("start kube-proxy");
+            }
+            lab.write_sync_barrier().unwrap();
+            lab.wait_synced(lab.sync_timeout()).unwrap();
+            let client = lab.client().netns.clone();
+            let vips: Vec<SocketAddr> = lab
+                .service_ips("ds")
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, 80))
+                .collect();
+            assert_eq!(vips.len(), 2, "a ClusterIP of each family: {vips:?}");
+
+            // Under kube-proxy: TCP connections and UDP flows of each family.
+            let mut streams: Vec<(SocketAddr, Stream)> = Vec::new();
+            let mut udp: Vec<(SocketAddr, u16, String)> = Vec::new();
+            for (i, vip) in vips.iter().enumerate() {
+                for _ in 0..STREAMS {
+                    streams.push((*vip, Stream::open(&client, *vip)));
+                }
+                for k in 0..UDP_FLOWS {
+                    let port = UDP_FLOW_PORT + (i * UDP_FLOWS + k) as u16;
+                    let r = client::udp_request(&client, *vip, b"hostname", T, Some(port))
+                        .unwrap_or_else(|e| {
+                            panic!("UDP {vip} from port {port} under kube-proxy: {e}")
+                        });
+                    udp.push((*vip, port, client::reply_text(&r)));
+                }
+            }
+
+            // Takeover: the agents started, then kube-proxy stopped and its
+            // rules removed.
+            for n in nodes(lab) {
+                lab.start_agent_on(&n).expect("start agent");
+                lab.wait_ready(lab.sync_timeout()).expect("agent ready");
+                lab.wait_attached(lab.sync_timeout())
+                    .expect("agent attached");
+            }
+            for n in nodes(lab) {
+                lab.stop_kube_proxy_on(&n)
+                    .expect("stop kube-proxy and clean up");
+            }
+            let node_1 = lab.nodes()[0].netns.clone();
+            let table = std::process::Command::new("ip")
+                .args(["netns", "exec", &node_1, "nft", "list", "table", "inet"])
+                .arg("proxy-agent-handover")
+                .output()
+                .expect("run nft");
+            assert!(
+                table.status.success(),
+                "node-1, whose client's flows were handed over, keeps conntrack running: {}",
+                String::from_utf8_lossy(&table.stderr)
+            );
+
+            // Every flow goes on, with the backend it had.
+            let mut broken = Vec::new();
+            for (vip, s) in &mut streams {
+                if let Err(e) = s.ping("after") {
+                    broken.push(format!("TCP to {vip} (backend {}): {e}", s.pod));
+                }
+            }
+            for (vip, port, before) in &udp {
+                let now = match client::udp_request(&client, *vip, b"hostname", T, Some(*port)) {
+                    Ok(r) => client::reply_text(&r),
+                    Err(e) => format!("{e}"),
+                };
+                if &now != before {
+                    broken.push(format!(
+                        "UDP to {vip} from port {port}: {before} before, {now} after"
+                    ));
+                }
+            }
+            assert!(
+                broken.is_empty(),
+                "kube-proxy's flows broken once its rules were removed:\n{}",
+                broken.join("\n")
+            );
+        });
+}

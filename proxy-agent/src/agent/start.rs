@@ -207,7 +207,7 @@ pub(super) async fn attach(
     if kube_proxy.is_some() {
         set_draining(started, true);
     }
-    hand_over(&loaded.pin_dir, "before attaching");
+    let handed_before = hand_over(&loaded.pin_dir, "before attaching");
     info!(mode = %tc_mode, "attaching tc programs");
     let attacher = Arc::new(Mutex::new(Attacher::new(
         loaded.ebpf,
@@ -220,7 +220,8 @@ pub(super) async fn attach(
     }
     attach_socket_hooks(cfg, &loaded.sock_lb, &attacher);
     attacher.lock().expect("attacher lock").prune_pins();
-    hand_over(&loaded.pin_dir, "after attaching");
+    let handed_after = hand_over(&loaded.pin_dir, "after attaching");
+    hold_conntrack(&loaded.pin_dir, handed_before.max(handed_after));
     if let Some(mode) = kube_proxy {
         set_draining(started, false);
         info!(
@@ -366,22 +367,83 @@ fn set_draining(started: &mut Started, on: bool) {
 
 /// Lists the kernel's destination-NATed flows in the handover maps
 /// ([`crate::host::handover`]); a failure costs those flows their backend, so it
-/// is logged, and the agent goes on.
-pub(super) fn hand_over(pin_dir: &std::path::Path, when: &str) {
+/// is logged, and the agent goes on. Returns how many flows were listed.
+pub(super) fn hand_over(pin_dir: &std::path::Path, when: &str) -> usize {
     match crate::host::handover::hand_over(pin_dir) {
         Ok(n) if n.ipv4 + n.ipv6 == 0 => {
-            debug!(when, "no flow of the kernel's conntrack to hand over")
+            debug!(when, "no flow of the kernel's conntrack to hand over");
+            0
         }
-        Ok(n) => info!(
-            when,
-            ipv4 = n.ipv4,
-            ipv6 = n.ipv6,
-            masqueraded = n.masqueraded,
-            "flows the kernel's conntrack translated (kube-proxy's) left to it, \
-             their node ports kept from SNAT"
-        ),
+        Ok(n) => {
+            info!(
+                when,
+                ipv4 = n.ipv4,
+                ipv6 = n.ipv6,
+                masqueraded = n.masqueraded,
+                "flows the kernel's conntrack translated (kube-proxy's) left to it, \
+                 their node ports kept from SNAT"
+            );
+            n.ipv4 + n.ipv6
+        }
         Err(e) => {
-            warn!(when, error = %e, "cannot hand over the kernel's translated flows: a connection kube-proxy translated may be reset")
+            warn!(when, error = %e, "cannot hand over the kernel's translated flows: a connection kube-proxy translated may be reset");
+            0
         }
     }
+}
+
+/// How often the agent asks whether flows handed over to the kernel are
+/// left, while it keeps the kernel's conntrack running for them.
+const CONNTRACK_HOLD_CHECK: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Keeps the kernel's conntrack running while flows are handed over to it
+/// ([`crate::host::conntrack_hold`]), and lets it go once none is left
+/// ([`crate::host::handover::live_flows`], every [`CONNTRACK_HOLD_CHECK`]).
+/// With none handed over now, a hold an earlier agent left goes at once.
+fn hold_conntrack(pin_dir: &std::path::Path, handed_over: usize) {
+    use crate::host::conntrack_hold::{self, TABLE};
+    let release = |why: &str| match conntrack_hold::release() {
+        Ok(true) => info!(
+            table = TABLE,
+            "{why}: the kernel's conntrack is no longer held on"
+        ),
+        Ok(false) => {}
+        Err(e) => {
+            warn!(table = TABLE, error = %e, "cannot remove the nftables table that holds the kernel's conntrack on")
+        }
+    };
+    if handed_over == 0 {
+        release("no flow handed over to the kernel");
+        return;
+    }
+    if let Err(e) = conntrack_hold::hold() {
+        warn!(error = %e, "cannot keep the kernel's conntrack running for the flows handed over: where nothing else uses it, they are lost once kube-proxy's rules are removed");
+        return;
+    }
+    info!(
+        table = TABLE,
+        flows = handed_over,
+        "the kernel's conntrack and NAT are kept running for the flows handed over, until they end (an nftables table of the agent's: a conntrack rule no hook calls, and empty nat chains only a new kernel entry's first packet walks)"
+    );
+    let pin_dir = pin_dir.to_path_buf();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(CONNTRACK_HOLD_CHECK);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let dir = pin_dir.clone();
+            match tokio::task::spawn_blocking(move || crate::host::handover::live_flows(&dir)).await
+            {
+                Ok(Ok(0)) => {
+                    release("every flow handed over to the kernel has ended");
+                    return;
+                }
+                Ok(Ok(n)) => debug!(flows = n, "flows handed over to the kernel still live"),
+                Ok(Err(e)) => {
+                    warn!(error = %e, "cannot tell whether flows handed over to the kernel are left: its conntrack stays held on")
+                }
+                Err(_) => return,
+            }
+        }
+    });
 }

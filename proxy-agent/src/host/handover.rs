@@ -361,6 +361,29 @@ pub fn hand_over(pin_dir: &Path) -> Result<HandedOver, String> {
     Ok(n)
 }
 
+/// How many of the kernel's destination-NATed flows are still handed over:
+/// listed in the handover maps under `pin_dir`, their deadline not passed.
+/// While any is, the kernel's conntrack must keep seeing packets
+/// ([`super::conntrack_hold`]); a flow that ended has no kernel entry left
+/// (TCP's closes, UDP's times out), whatever its map entry says.
+pub fn live_flows(pin_dir: &Path) -> Result<usize, String> {
+    let flows = translated_flows().map_err(|e| format!("read the kernel's conntrack: {e}"))?;
+    if flows.is_empty() {
+        return Ok(0);
+    }
+    let v4 = open_lru_hash::<Ct4Key, u64>(pin_dir, map_names::HANDOVER)?;
+    let v6 = open_lru_hash::<Ct6Key, u64>(pin_dir, map_names::HANDOVER6)?;
+    let now = monotonic_ns();
+    let live = |until: Result<u64, aya::maps::MapError>| until.is_ok_and(|t| t >= now);
+    Ok(flows
+        .iter()
+        .filter(|f| {
+            key4(f).is_some_and(|k| live(v4.get(&k, 0)))
+                || key6(f).is_some_and(|k| live(v6.get(&k, 0)))
+        })
+        .count())
+}
+
 /// Hands the node back (`--on-exit drain`): sets `DRAINING` in the
 /// pinned configuration, so that the programs, left attached, keep
 /// translating the flows they track while every new flow passes to the

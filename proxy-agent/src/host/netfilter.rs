@@ -108,36 +108,60 @@ fn socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
 
 // ---------------------------------------------------------------- nftables
 
-const NETLINK_NETFILTER: i32 = 12;
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
+pub(super) const NETLINK_NETFILTER: i32 = 12;
+pub(super) const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_GETCHAIN: u16 = 4;
-const NFT_MSG_NEWCHAIN: u16 = 3;
-const NFTA_CHAIN_TABLE: u16 = 1;
-const NFTA_CHAIN_NAME: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
+pub(super) const NFT_MSG_NEWCHAIN: u16 = 3;
+pub(super) const NFTA_CHAIN_TABLE: u16 = 1;
+pub(super) const NFTA_CHAIN_NAME: u16 = 3;
+pub(super) const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
+pub(super) const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const NLMSG_HDRLEN: usize = 16;
 const NFGENMSG_LEN: usize = 4;
 
 /// An `NFT_MSG_GETCHAIN` dump request of every family.
 fn getchain_request(seq: u32) -> Vec<u8> {
-    let len = NLMSG_HDRLEN + NFGENMSG_LEN;
+    // nfgenmsg: family NFPROTO_UNSPEC (all), resource id 0.
+    message(
+        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        0,
+        0,
+        &[],
+    )
+}
+
+/// A netfilter netlink message: its header, an `nfgenmsg` (family, version
+/// 0, resource id, network order), then `attrs`.
+pub(super) fn message(
+    ty: u16,
+    flags: u16,
+    seq: u32,
+    family: u8,
+    res_id: u16,
+    attrs: &[u8],
+) -> Vec<u8> {
+    let len = NLMSG_HDRLEN + NFGENMSG_LEN + attrs.len();
     let mut m = Vec::with_capacity(len);
     m.extend_from_slice(&(len as u32).to_ne_bytes());
-    m.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN).to_ne_bytes());
-    m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    m.extend_from_slice(&ty.to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
-    // nfgenmsg: family NFPROTO_UNSPEC (all), version 0, resource id 0.
-    m.extend_from_slice(&[0, 0, 0, 0]);
+    m.push(family);
+    m.push(0);
+    m.extend_from_slice(&res_id.to_ne_bytes());
+    m.extend_from_slice(attrs);
     m
 }
 
-/// The chains in one buffer of netlink messages; `Ok(true)` once the dump
-/// is done.
-fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
+/// The netlink messages in one buffer: each one's type and body (what
+/// follows its header).
+pub(super) fn messages(buf: &[u8]) -> io::Result<Vec<(u16, &[u8])>> {
+    let mut out = Vec::new();
     let mut off = 0;
     while off + NLMSG_HDRLEN <= buf.len() {
         let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
@@ -148,13 +172,26 @@ fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
                 "truncated netlink message",
             ));
         }
-        let body = &buf[off + NLMSG_HDRLEN..off + len];
+        out.push((ty, &buf[off + NLMSG_HDRLEN..off + len]));
+        off += (len + 3) & !3;
+    }
+    Ok(out)
+}
+
+/// The errno of an `NLMSG_ERROR` body (0: an acknowledgement).
+pub(super) fn errno(body: &[u8]) -> i32 {
+    body.get(..4)
+        .map_or(0, |b| i32::from_ne_bytes(b.try_into().unwrap()))
+}
+
+/// The chains in one buffer of netlink messages; `Ok(true)` once the dump
+/// is done.
+fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
+    for (ty, body) in messages(buf)? {
         match ty {
             NLMSG_DONE => return Ok(true),
             NLMSG_ERROR => {
-                let errno = body
-                    .get(..4)
-                    .map_or(0, |b| i32::from_ne_bytes(b.try_into().unwrap()));
+                let errno = errno(body);
                 if errno != 0 {
                     return Err(io::Error::from_raw_os_error(-errno));
                 }
@@ -187,7 +224,6 @@ fn parse_chains(buf: &[u8], out: &mut Vec<Chain>) -> io::Result<bool> {
             }
             _ => {}
         }
-        off += (len + 3) & !3;
     }
     Ok(false)
 }
