@@ -69,56 +69,92 @@ fn gc_ahead(h: &mut Harness, ahead: u64) -> usize {
 }
 
 fn tcp_service(h: &mut Harness) {
+    tcp_service_of(h, &FAMILIES[0]);
+}
+
+/// TCP port 80 and UDP port 53 of the family's ClusterIP, to its `b1`.
+pub(super) fn tcp_service_of(h: &mut Harness, f: &Family) {
     h.sync(&[
-        (fe(VIP, 80, IPPROTO_TCP), vec![be(B1, 8080, IPPROTO_TCP)], 0),
-        (fe(VIP, 53, IPPROTO_UDP), vec![be(B1, 5353, IPPROTO_UDP)], 0),
+        (
+            fe(f.vip, 80, IPPROTO_TCP),
+            vec![be(f.b1, 8080, IPPROTO_TCP)],
+            0,
+        ),
+        (
+            fe(f.vip, 53, IPPROTO_UDP),
+            vec![be(f.b1, 5353, IPPROTO_UDP)],
+            0,
+        ),
     ]);
 }
 
 /// A handshake through the frontend: SYN, the backend's SYN+ACK, ACK.
 fn handshake(h: &Harness, port: u16) {
-    h.run(&tcp4(CLIENT, port, VIP, 80, SYN, b""));
-    let r = parse_checked(&h.run(&tcp4(B1, 8080, CLIENT, port, SYN | ACK, b"")).1);
+    handshake_of(h, &FAMILIES[0], port);
+}
+
+fn handshake_of(h: &Harness, f: &Family, port: u16) {
+    h.run(&tcp(f.client, port, f.vip, 80, SYN, b""));
+    let r = parse_checked(&h.run(&tcp(f.b1, 8080, f.client, port, SYN | ACK, b"")).1);
     assert_eq!(
         (r.src, r.sport),
-        (VIP.into(), 80),
-        "the SYN+ACK is reverse-translated"
+        (f.vip, 80),
+        "{}: the SYN+ACK is reverse-translated",
+        f.name
     );
-    h.run(&tcp4(CLIENT, port, VIP, 80, ACK, b""));
+    h.run(&tcp(f.client, port, f.vip, 80, ACK, b""));
 }
 
 /// Each TCP state lives its own timeout: unanswered SYN 60 s, RST 10 s,
 /// FINs both ways 120 s (time-wait), established 24 h; UDP unreplied 30 s.
-/// The garbage collector deletes both entries of a flow.
+/// The garbage collector deletes both entries of a flow, in both families'
+/// maps.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn conntrack_entries_expire_per_state_and_are_collected() {
+    for f in &FAMILIES {
+        entries_expire_per_state(f);
+    }
+}
+
+fn entries_expire_per_state(f: &Family) {
+    let (client, vip, b1, name) = (f.client, f.vip, f.b1, f.name);
     let mut h = Harness::new();
-    tcp_service(&mut h);
-    h.run(&tcp4(CLIENT, 40000, VIP, 80, SYN, b"")); // never answered
-    handshake(&h, 40001); // established
-    handshake(&h, 40002);
-    h.run(&tcp4(CLIENT, 40002, VIP, 80, ACK | FIN, b""));
-    h.run(&tcp4(B1, 8080, CLIENT, 40002, ACK | FIN, b"")); // time-wait
-    handshake(&h, 40004);
-    h.run(&tcp4(CLIENT, 40004, VIP, 80, RST, b"")); // closed
-    h.run(&udp4(CLIENT, 40003, VIP, 53, b"q")); // unreplied
-    assert_eq!(
-        h.maps().conntrack().unwrap().len(),
-        10,
-        "5 flows, 2 entries each"
+    tcp_service_of(&mut h, f);
+    h.run(&tcp(client, 40000, vip, 80, SYN, b"")); // never answered
+    handshake_of(&h, f, 40001); // established
+    handshake_of(&h, f, 40002);
+    h.run(&tcp(client, 40002, vip, 80, ACK | FIN, b""));
+    h.run(&tcp(b1, 8080, client, 40002, ACK | FIN, b"")); // time-wait
+    handshake_of(&h, f, 40004);
+    h.run(&tcp(client, 40004, vip, 80, RST, b"")); // closed
+    h.run(&udp(client, 40003, vip, 53, b"q")); // unreplied
+    let entries = kit::ct::entries(&h);
+    assert_eq!(entries.len(), 10, "{name}: 5 flows, 2 entries each");
+    assert!(
+        entries.iter().all(|e| e.src.is_ipv4() == client.is_ipv4()),
+        "{name}: in the family's own map"
     );
-    assert_eq!(gc_ahead(&mut h, 0), 0, "nothing expired yet");
-    assert_eq!(gc_ahead(&mut h, 11), 2, "the reset flow (10 s)");
-    assert_eq!(gc_ahead(&mut h, 31), 2, "the unreplied UDP flow (30 s)");
-    assert_eq!(gc_ahead(&mut h, 61), 2, "the unanswered SYN (60 s)");
-    assert_eq!(gc_ahead(&mut h, 121), 2, "time-wait (120 s)");
-    let left = h.maps().conntrack().unwrap();
-    assert!(left
-        .iter()
-        .all(|(k, _)| k.sport_be == 40001u16.to_be() || k.dport_be == 40001u16.to_be()));
-    assert_eq!(gc_ahead(&mut h, 86_000), 0, "established lives 24 h");
-    assert_eq!(gc_ahead(&mut h, 86_401), 2, "and not longer");
+    assert_eq!(gc_ahead(&mut h, 0), 0, "{name}: nothing expired yet");
+    assert_eq!(gc_ahead(&mut h, 11), 2, "{name}: the reset flow (10 s)");
+    assert_eq!(
+        gc_ahead(&mut h, 31),
+        2,
+        "{name}: the unreplied UDP flow (30 s)"
+    );
+    assert_eq!(gc_ahead(&mut h, 61), 2, "{name}: the unanswered SYN (60 s)");
+    assert_eq!(gc_ahead(&mut h, 121), 2, "{name}: time-wait (120 s)");
+    let left = kit::ct::entries(&h);
+    assert!(
+        left.iter().all(|e| e.sport == 40001 || e.dport == 40001),
+        "{name}: only the established flow is left: {left:?}"
+    );
+    assert_eq!(
+        gc_ahead(&mut h, 86_000),
+        0,
+        "{name}: established lives 24 h"
+    );
+    assert_eq!(gc_ahead(&mut h, 86_401), 2, "{name}: and not longer");
 }
 
 /// A SYN reusing the tuple of a closed flow (time-wait, or reset) is a new
@@ -248,16 +284,20 @@ fn a_first_packet_that_is_not_a_syn_is_short_lived() {
     assert_eq!(gc_ahead(&mut h, 3_600), 0, "the answered one lives on");
 }
 
-pub(super) fn snat_setup(range: (u16, u16)) -> Harness {
+pub(super) fn snat_setup(f: &Family, range: (u16, u16)) -> Harness {
     let mut h = Harness::new();
-    let mut cfg = Config::default()
+    let cfg = Config::default()
         .with_hairpin_addr(HAIRPIN)
-        .with_node_addr(NODE);
+        .with_hairpin6_addr(HAIRPIN6);
+    let mut cfg = match f.node {
+        IpAddr::V4(node) => cfg.with_node_addr(node),
+        IpAddr::V6(node) => cfg.with_node6_addr(node),
+    };
     (cfg.snat_port_min, cfg.snat_port_max) = range;
     h.set_config(cfg);
     h.sync(&[(
-        fe_ext(NODE, 30080, IPPROTO_TCP),
-        vec![be(REMOTE, 8080, IPPROTO_TCP)],
+        fe_ext(f.node, 30080, IPPROTO_TCP),
+        vec![be(f.remote, 8080, IPPROTO_TCP)],
         0,
     )]);
     h
@@ -280,7 +320,7 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
         PortSearch::RandomTries => 1,
     };
     let range = 20000..20000 + n;
-    let h = snat_setup((range.start, range.end - 1));
+    let h = snat_setup(&FAMILIES[0], (range.start, range.end - 1));
     let mut seen = BTreeSet::new();
     for i in 0..n {
         let (_, out) = h.run_prog(
@@ -313,22 +353,28 @@ fn snat_ports_come_from_the_range_and_expired_ones_are_reused() {
     assert_eq!(h.stats()[&stat::DROP_NO_FREE_PORT], 1);
 }
 
-/// Ages the flow of client port `sport` (both its entries) by `secs`;
-/// returns the source port it was given.
+/// Ages the flow of client port `sport` (both its entries, in either
+/// family's map) by `secs`; returns the source port it was given.
 fn age_flow(h: &Harness, sport: u16, secs: u64) -> u16 {
     wait_for_uptime();
-    let s = service_entry(h, sport);
-    let mut ct = ct_map(h);
-    let all: Vec<(Ct4Key, Ct4Value)> = ct.iter().map(Result::unwrap).collect();
-    for (k, mut v) in all {
-        let service = k.dir == ct_dir::SERVICE && k.sport_be == sport.to_be();
-        let reply = k.dir == ct_dir::REPLY && k.dport_be == s.nat_port_be;
-        if service || reply {
-            v.last_seen_ns = v.last_seen_ns.saturating_sub(secs * S);
-            ct.insert(k, v, 0).unwrap();
-        }
+    let entries = kit::ct::entries(h);
+    let nat_port = entries
+        .iter()
+        .find(|e| e.dir == ct_dir::SERVICE && e.sport == sport)
+        .unwrap_or_else(|| panic!("no SERVICE entry of port {sport}"))
+        .nat_port;
+    let flow: Vec<_> = entries
+        .iter()
+        .filter(|e| {
+            (e.dir == ct_dir::SERVICE && e.sport == sport)
+                || (e.dir == ct_dir::REPLY && e.dport == nat_port)
+        })
+        .collect();
+    assert_eq!(flow.len(), 2, "the flow's two entries");
+    for e in flow {
+        e.age(h, secs);
     }
-    u16::from_be(s.nat_port_be)
+    nat_port
 }
 
 /// Once a new flow's random source-port tries all hit ports in use, tc
@@ -338,20 +384,27 @@ fn age_flow(h: &Harness, sport: u16, secs: u64) -> u16 {
 /// flow to tc instead of dropping it. A full range drops the flow after
 /// one search (counted); within the back-off the next one is dropped
 /// without a search; a port whose flow expired is found before the garbage
-/// collector ran.
+/// collector ran. Both families.
 #[test]
 #[ignore = "needs root: run with `cargo xtask test`"]
 fn the_whole_snat_range_is_searched_once_random_tries_fail() {
+    for f in &FAMILIES {
+        snat_range_searched(f);
+    }
+}
+
+fn snat_range_searched(f: &Family) {
     use proxy_agent::bpf::PortSearch;
     const MIN: u16 = 20000;
     const N: u16 = 1024;
     let range = MIN..MIN + N;
-    let h = snat_setup((MIN, MIN + N - 1));
+    let name = f.name;
+    let h = snat_setup(f, (MIN, MIN + N - 1));
     if h.port_search() == PortSearch::RandomTries {
         eprintln!("this kernel lacks bpf_loop: random tries only (see docs/kernels.md)");
         return;
     }
-    let syn = |sport: u16| tcp4(EXT_CLIENT, sport, NODE, 30080, SYN, b"");
+    let syn = |sport: u16| tcp(f.ext_client, sport, f.node, 30080, SYN, b"");
     let stat_of = |code: u32| h.stats().get(&code).copied().unwrap_or(0);
     let mut seen = BTreeSet::new();
     for i in 0..N - 1 {
@@ -359,37 +412,50 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
         assert_ne!(
             rc,
             Drop.code(ExtIngress),
-            "flow {i} dropped with {} ports free",
+            "{name}: flow {i} dropped with {} ports free",
             N - i
         );
         let o = parse_checked(&out);
-        assert!(range.contains(&o.sport), "port {} outside", o.sport);
-        assert!(seen.insert(o.sport), "port {} given twice", o.sport);
+        assert_eq!(
+            (o.src, o.dst),
+            (f.node, f.remote),
+            "{name}: SNATed to the node"
+        );
+        assert!(range.contains(&o.sport), "{name}: port {} outside", o.sport);
+        assert!(seen.insert(o.sport), "{name}: port {} given twice", o.sport);
     }
     assert!(
         stat_of(stat::SNAT_PORT_SEARCH) > 0,
-        "the tries failed at times"
+        "{name}: the tries failed at times"
     );
     let free = range.clone().find(|p| !seen.contains(p)).unwrap();
 
     // The last free port, through XDP: handed to tc when its tries fail.
     let last = syn(41000);
     let (rc, out) = h.run_prog(ExtXdp, &last);
-    assert_ne!(rc, Drop.code(ExtXdp), "XDP dropped a flow tc can place");
+    assert_ne!(
+        rc,
+        Drop.code(ExtXdp),
+        "{name}: XDP dropped a flow tc can place"
+    );
     let out = if rc == Pass.code(ExtXdp) {
         let (rc, out) = h.run_prog(ExtIngress, &last);
-        assert_ne!(rc, Drop.code(ExtIngress), "dropped with port {free} free");
+        assert_ne!(
+            rc,
+            Drop.code(ExtIngress),
+            "{name}: dropped with port {free} free"
+        );
         out
     } else {
         out
     };
-    assert_eq!(parse_checked(&out).sport, free, "the one free port");
+    assert_eq!(parse_checked(&out).sport, free, "{name}: the one free port");
     assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 0);
 
     // Full: dropped after one search, and counted.
     let searches = stat_of(stat::SNAT_PORT_SEARCH);
     let (rc, _) = h.run_prog(ExtIngress, &syn(41001));
-    assert_eq!(rc, Drop.code(ExtIngress));
+    assert_eq!(rc, Drop.code(ExtIngress), "{name}: the range is full");
     assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 1);
     assert_eq!(stat_of(stat::SNAT_PORT_SEARCH), searches + 1);
     // Within the back-off: dropped without a search.
@@ -399,7 +465,7 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
     assert_eq!(
         stat_of(stat::SNAT_PORT_SEARCH),
         searches + 1,
-        "searched again"
+        "{name}: searched again"
     );
 
     // One flow expires unanswered (60 s); after the back-off a search finds
@@ -409,11 +475,11 @@ fn the_whole_snat_range_is_searched_once_random_tries_fail() {
         SNAT_SEARCH_BACKOFF_NS + 50_000_000,
     ));
     let (rc, out) = h.run_prog(ExtIngress, &syn(41003));
-    assert_ne!(rc, Drop.code(ExtIngress));
+    assert_ne!(rc, Drop.code(ExtIngress), "{name}: a port expired");
     assert_eq!(
         parse_checked(&out).sport,
         expired,
-        "the expired flow's port"
+        "{name}: the expired flow's port"
     );
     assert_eq!(stat_of(stat::DROP_NO_FREE_PORT), 2);
 }

@@ -6,5 +6,6 @@
 
 pub mod case;
 pub mod check;
+pub mod ct;
 pub mod frame;
 pub mod harness;
