@@ -402,6 +402,7 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
                     bulk: Vec::new(),
                     host_conn: Vec::new(),
                     host_rate: Vec::new(),
+                    host_udp_rr: Vec::new(),
                     http: Vec::new(),
                 });
             measure_round(ml, &positions, main_pos, cfg, d)?;
@@ -433,6 +434,7 @@ fn run_n(labs: &mut [ModeLab], n: usize, cfg: &Config) -> Result<NResult> {
             bulk_bps: median(&mut d.bulk.clone()),
             host_conn: (!d.host_conn.is_empty()).then(|| merge_conn(&d.host_conn)),
             host_conn_rate: median(&mut d.host_rate.clone()),
+            host_udp_rr: (!d.host_udp_rr.is_empty()).then(|| merge_rr(&d.host_udp_rr)),
             http_rps: median(&mut d.http.iter().map(|h| h.0).collect::<Vec<_>>()),
             http_failed: d.http.iter().map(|h| h.1).sum(),
             api: api_stats.remove(&ml.mode),

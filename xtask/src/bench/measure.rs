@@ -50,6 +50,7 @@ pub(super) struct RoundData {
     pub(super) bulk: Vec<f64>,
     pub(super) host_conn: Vec<ConnStats>,
     pub(super) host_rate: Vec<f64>,
+    pub(super) host_udp_rr: Vec<RrStats>,
     pub(super) http: Vec<(f64, u64)>,
 }
 
@@ -189,6 +190,12 @@ pub(super) fn measure_round(
         })
     })?;
     data.host_rate.push(hr.0);
+    // A connected UDP socket of the node's (a DNS forwarder, a metrics
+    // agent), request/response at the main target.
+    let (hu, _, _) = cell(ml, cfg, || {
+        as_node_process(ml, || load::udp_rr(&ml.node_ns, targets[0], cfg.rr_samples))
+    })?;
+    data.host_udp_rr.push(rr_stats(hu));
     Ok(())
 }
 

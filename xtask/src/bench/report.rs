@@ -339,8 +339,11 @@ fn family_tables(s: &mut String, n: &NResult, family: Family) {
             s,
             "Host clients (the node's own namespace: socket hooks in proxy-tc, the OUTPUT chain in kube-proxy's layouts; floor: the node straight to the pod):\n"
         );
-        let _ = writeln!(s, "| mode | host conn p50 | host conn p99 | host conn/s |");
-        let _ = writeln!(s, "|---|---|---|---|");
+        let _ = writeln!(
+            s,
+            "| mode | host conn p50 | host conn p99 | host conn/s | host UDP RR p50 |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|");
         let hcols: Vec<(F, u8)> = vec![
             (
                 Box::new(|mr: &ModeResult, _: &str| mr.host_conn.as_ref().map(|c| c.p50_us)),
@@ -351,6 +354,10 @@ fn family_tables(s: &mut String, n: &NResult, family: Family) {
                 1,
             ),
             (Box::new(|mr: &ModeResult, _: &str| mr.host_conn_rate), 0),
+            (
+                Box::new(|mr: &ModeResult, _: &str| mr.host_udp_rr.as_ref().map(|r| r.p50_us)),
+                1,
+            ),
         ];
         for (mode, mr) in modes {
             let mut row = format!("| {mode} |");

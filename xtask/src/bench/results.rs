@@ -75,6 +75,11 @@ pub struct ModeResult {
     pub host_conn: Option<ConnStats>,
     /// New connections per second from the node's own namespace.
     pub host_conn_rate: Option<f64>,
+    /// UDP request/response on a connected socket from the node's own
+    /// namespace, at the main target (results before it was measured have
+    /// none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_udp_rr: Option<RrStats>,
     /// HTTP requests per second with wrk, a connection per request
     /// (`Connection: close`), at the main target; and the requests that
     /// failed over the rounds.
@@ -485,6 +490,21 @@ pub(super) fn checks(mr: &ModeResult, endpoints: usize) -> Vec<Check> {
                 h.failed,
                 h.wrong_peer,
                 h.first_error.as_ref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+            ),
+        });
+    }
+    if let Some(u) = &mr.host_udp_rr {
+        v.push(Check {
+            name: "host UDP".into(),
+            ok: u.ok > 0 && u.failed == 0,
+            detail: format!(
+                "a connected UDP socket in the node's namespace: {} answered, {} unanswered{}",
+                u.ok,
+                u.failed,
+                u.first_error
+                    .as_ref()
+                    .map(|e| format!(" (first: {e})"))
+                    .unwrap_or_default()
             ),
         });
     }
