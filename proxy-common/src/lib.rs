@@ -231,6 +231,21 @@ pub const IPPROTO_SCTP: u8 = 132;
 pub const SCOPE_EXTERNAL: u8 = 0;
 pub const SCOPE_INTERNAL: u8 = 1;
 
+/// The host-client device: one end of a veth pair the agent owns in the
+/// node's network namespace, where it routes every ClusterIP. The node's own
+/// UDP to a ClusterIP leaves through it and arrives at its peer
+/// ([`HOST_PEER_NAME`]), whose tc ingress translates it per packet as a
+/// pod's; translated packets whose destination is this node (the replies)
+/// are injected at this device's ingress, where the route to their source
+/// points.
+pub const HOST_DEV_NAME: &str = "proxy-svc";
+/// The peer of [`HOST_DEV_NAME`], where the pod program translates.
+pub const HOST_PEER_NAME: &str = "proxy-svc-lb";
+/// The MAC address of [`HOST_DEV_NAME`] (locally administered, never on a
+/// wire): the destination the datapath writes into a frame it injects
+/// there, so that the stack takes it as the host's.
+pub const HOST_DEV_MAC: [u8; 6] = [0x02, 0x6b, 0x70, 0x72, 0x00, 0x01];
+
 /// Key of the services map. Slot 0 is the frontend itself; slots `1..=count`
 /// hold the ids of its backends.
 ///
@@ -305,6 +320,11 @@ pub mod svc_flags {
     /// client's address), so the flow survives when the router moves it to
     /// another node.
     pub const HANDOFF: u16 = 1 << 6;
+    /// A Service's ClusterIP (internal scope). Host clients' UDP to it is
+    /// translated per packet (the agent routes ClusterIPs to its host-client
+    /// device, [`crate::HOST_DEV_NAME`]) instead of aimed at a backend by
+    /// the socket hooks, when the agent loaded them so.
+    pub const CLUSTER_IP: u16 = 1 << 7;
 
     /// The algorithm bits of `flags`.
     pub const fn algorithm(flags: u16) -> u16 {
@@ -964,9 +984,18 @@ pub mod stat {
     /// Draining (`config_flags::DRAINING`): a new flow passed untouched to
     /// the host's stack, for the proxy taking the node back.
     pub const PASS_DRAINING: u32 = 51;
+    /// A translated packet of a host client's flow (a reply, or a packet to a
+    /// backend at one of the node's own addresses) whose destination is this
+    /// node: injected at ingress of the host-client device, where the route
+    /// to its source points, so that strict reverse-path filters accept it.
+    pub const REDIRECT_HOST: u32 = 52;
+    /// A host client's UDP `connect()` or send to a ClusterIP, left
+    /// untranslated by the socket hooks: its packets are translated one by
+    /// one on the host-client device.
+    pub const SOCK_PER_PACKET: u32 = 53;
 
     /// Human names, indexed by code; `""` for unused codes.
-    pub const NAMES: [&str; 52] = [
+    pub const NAMES: [&str; 54] = [
         "",
         "pass_not_ipv4",
         "pass_no_service",
@@ -1019,6 +1048,8 @@ pub mod stat {
         "pass_ipv6_ext_header",
         "pass_handover",
         "pass_draining",
+        "redirect_host",
+        "sock_per_packet",
     ];
     const _: () = assert!((NAMES.len() as u32) <= super::capacity::STATS);
 }

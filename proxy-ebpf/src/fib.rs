@@ -7,13 +7,13 @@ use core::mem::{size_of, MaybeUninit};
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, bpf_redir_neigh, xdp_action, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, bpf_redir_neigh, xdp_action, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::{TcContext, XdpContext},
 };
-use proxy_common::{csum, iface_flags, stat, IPPROTO_TCP};
+use proxy_common::{csum, iface_flags, stat, HOST_DEV_MAC, IPPROTO_TCP};
 
 use crate::{
     maps::{count, IFACE_V1},
@@ -23,6 +23,47 @@ use crate::{
 };
 
 const AF_INET: u8 = 2;
+/// `bpf_redirect`'s flag for the device's ingress.
+const BPF_F_INGRESS: u64 = 1;
+
+/// The ifindex of the host-client device ([`proxy_common::HOST_DEV_NAME`])
+/// and of its peer, where the pod program translates the node's own UDP to
+/// ClusterIPs; 0: no such device. Set by the agent at load time; read-only
+/// to the verifier.
+#[unsafe(no_mangle)]
+static HOST_DEV_IFINDEX: u32 = 0;
+#[unsafe(no_mangle)]
+static HOST_PEER_IFINDEX: u32 = 0;
+
+/// A translated tc frame (counted under `code`) whose destination the FIB
+/// found to be this node: a host client's reply, or a host client's packet
+/// to a backend at one of the node's own addresses (it arrived on the
+/// host-client device's peer). It is injected at ingress of the host-client
+/// device, its destination MAC that device's: the route to its source (a
+/// ClusterIP, or the hairpin address) points there, so a strict
+/// reverse-path filter takes it, where at the interface it came in on it
+/// would be dropped. `None`: not such a frame, or no device.
+#[inline(always)]
+pub fn to_host(ctx: &TcContext, code: u32) -> Option<(i32, u32)> {
+    // SAFETY: read-only globals of this object.
+    let (dev, peer) = unsafe {
+        (
+            core::ptr::read_volatile(&HOST_DEV_IFINDEX),
+            core::ptr::read_volatile(&HOST_PEER_IFINDEX),
+        )
+    };
+    // SAFETY: the context pointer is valid for this program run.
+    let arrived = unsafe { (*ctx.skb.skb).ifindex };
+    if dev == 0 || (code != stat::FWD_REPLY && arrived != peer) {
+        return None;
+    }
+    if ctx.store(0, &HOST_DEV_MAC, 0).is_err() {
+        return Some((TC_ACT_SHOT, stat::DROP_REWRITE_FAILED));
+    }
+    // SAFETY: plain helper taking an ifindex.
+    let r = unsafe { bpf_redirect(dev, BPF_F_INGRESS) };
+    Some((r as i32, stat::REDIRECT_HOST))
+}
 /// Byte of the TCP header holding the data offset (header length / 4, high
 /// nibble).
 const TCP_DOFF_OFF: usize = 12;
@@ -111,6 +152,9 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
             0,
         )
     } as u32;
+    if rc == BPF_FIB_LKUP_RET_NOT_FWDED {
+        return to_host(ctx, code).unwrap_or(pass);
+    }
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
     }

@@ -42,8 +42,9 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0,
+        BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{PerCpuArray, ProgramArray},
     helpers::{
@@ -1307,6 +1308,9 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
             0,
         )
     } as u32;
+    if rc == BPF_FIB_LKUP_RET_NOT_FWDED {
+        return crate::fib::to_host(ctx, code).unwrap_or(pass);
+    }
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return pass;
     }

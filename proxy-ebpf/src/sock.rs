@@ -24,10 +24,15 @@
 //! Host clients have no client address at `connect()` (the kernel picks it
 //! when routing); they share one affinity identity per node, address 0.
 //!
-//! Connected UDP sockets keep the backend they were aimed at; the agent
-//! destroys those whose backend is removed (socket diag `SOCK_DESTROY`), so
-//! the application sees an error and reconnects instead of sending into a
-//! void.
+//! UDP to a ClusterIP is not aimed here when the agent has its host-client
+//! device (`HOST_UDP_PER_PACKET`): the socket keeps the ClusterIP, and its
+//! datagrams are translated one by one by the pod program on that device,
+//! so a backend change moves the next datagram of a connected socket, as
+//! with kube-proxy. Other connected UDP sockets (to externalIPs,
+//! load-balancer IPs, NodePorts) keep the backend they were aimed at; the
+//! agent destroys those whose backend is removed (socket diag
+//! `SOCK_DESTROY`), so the application sees an error and reconnects
+//! instead of sending into a void.
 
 // Map keys and values are passed by reference (`get_ptr(&key)`): by value,
 // each call's copy of a 40-byte IPv6 key takes stack the verifier counts
@@ -58,6 +63,13 @@ use crate::{
 #[unsafe(no_mangle)]
 static HOST_NETNS_COOKIE: u64 = 0;
 
+/// 1 when host clients' UDP to a ClusterIP is translated per packet on the
+/// host-client device ([`proxy_common::HOST_DEV_NAME`], routed there by the
+/// agent) rather than aimed here: set by the agent at load time once the
+/// device is in place; read-only to the verifier.
+#[unsafe(no_mangle)]
+static HOST_UDP_PER_PACKET: u32 = 0;
+
 /// 1 when the kernel has `bpf_set_retval` for cgroup hooks (5.18). A
 /// constant to the verifier, which then never sees the helper call on
 /// kernels without it.
@@ -86,6 +98,14 @@ fn served(ctx: &SockAddrContext) -> bool {
     let want = unsafe { core::ptr::read_volatile(&HOST_NETNS_COOKIE) };
     // SAFETY: helper on this program's context.
     want == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == want
+}
+
+/// Whether host UDP to ClusterIPs is left to the per-packet path
+/// ([`HOST_UDP_PER_PACKET`]).
+#[inline(always)]
+fn per_packet_udp() -> bool {
+    // SAFETY: a read-only global of this object.
+    unsafe { core::ptr::read_volatile(&HOST_UDP_PER_PACKET) != 0 }
 }
 
 /// Whether the datapath is draining (`config_flags::DRAINING`): new
@@ -371,6 +391,19 @@ fn aim<F: SockFamily>(
     let Some(fe) = F::frontend(proto, daddr, dport_be) else {
         return Forward::Proceed;
     };
+    if proto == IPPROTO_UDP
+        && fe.flags & svc_flags::CLUSTER_IP != 0
+        && fe.count != 0
+        && per_packet_udp()
+    {
+        // Its packets meet the pod program on the host-client device: a
+        // connected socket stays connected to the ClusterIP, and a
+        // backend change moves its next datagram, as with kube-proxy.
+        // Without a backend the call is refused below, at once: an
+        // unconnected socket never hears of the datapath's ICMP reject.
+        count(stat::SOCK_PER_PACKET);
+        return Forward::Proceed;
+    }
     if fe.flags & svc_flags::SOURCE_RANGES != 0 && !F::node_allowed(fe.rev_nat_id) {
         count(stat::SOCK_SOURCE_RANGE);
         return Forward::Fail(EPERM);
