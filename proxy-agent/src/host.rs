@@ -4,13 +4,15 @@
 //! NetworkPolicy engine in netfilter ([`netfilter`]), the kernel's own
 //! conntrack when taking over from kube-proxy ([`handover`]) and kept running
 //! for the flows handed over ([`conntrack_hold`]), host
-//! clients' sockets ([`sockdiag`]), and the host's port range and name.
+//! clients' sockets ([`sockdiag`]), the host-client device and its ClusterIP
+//! routes ([`svc_device`]), and the host's port range and name.
 pub mod conntrack_hold;
 pub mod handover;
 pub mod ifaddrs;
 pub mod netfilter;
 pub mod privileges;
 pub mod sockdiag;
+pub mod svc_device;
 
 /// The host's `net.ipv4.ip_local_port_range` (this network namespace's).
 pub fn local_port_range() -> std::io::Result<(u16, u16)> {

@@ -90,6 +90,14 @@ fn main() -> anyhow::Result<()> {
                 Ok(false) => {}
                 Err(e) => eprintln!("warning: cannot remove the nftables table inet {TABLE}: {e}"),
             }
+            let dev = proxy_common::HOST_DEV_NAME;
+            match proxy_agent::host::svc_device::remove() {
+                Ok(true) => {
+                    println!("removed the host-client device {dev} and its ClusterIP routes")
+                }
+                Ok(false) => {}
+                Err(e) => eprintln!("warning: cannot remove the host-client device {dev}: {e}"),
+            }
         }
     }
     Ok(())

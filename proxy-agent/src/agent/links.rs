@@ -47,6 +47,9 @@ pub(super) struct Patterns {
     /// delivered through the stack get their reverse NAT (`deliveryMode`
     /// auto or stack).
     pub(super) ext_egress: bool,
+    /// The pod program at tc ingress of the host-client device's peer
+    /// ([`crate::host::svc_device`]).
+    pub(super) host_peer: bool,
 }
 
 impl Patterns {
@@ -57,7 +60,10 @@ impl Patterns {
     }
 
     fn kinds(&self, name: &str) -> &'static [IfaceKind] {
-        if matches(&self.pod, name) {
+        if self.host_peer && crate::host::svc_device::is_peer(name) {
+            // The node's own UDP to ClusterIPs, translated as a pod's.
+            &[IfaceKind::Pod]
+        } else if matches(&self.pod, name) {
             // Egress first: the ingress line is what waiters look for.
             &[IfaceKind::PodEgress, IfaceKind::Pod]
         } else if matches(&self.external, name) {

@@ -29,6 +29,7 @@ pub(super) fn shut_down(
     match cfg.on_exit {
         crate::config::OnExit::Detach => {
             attacher.detach_all();
+            remove_host_device(started);
             info!("detached; maps stay pinned under {}", cfg.bpffs.display());
         }
         crate::config::OnExit::Keep => {
@@ -49,9 +50,26 @@ pub(super) fn shut_down(
                 }
                 Err(e) => {
                     attacher.detach_all();
+                    remove_host_device(started);
                     error!(error = %e, "cannot set the datapath draining: detached instead");
                 }
             }
         }
+    }
+}
+
+/// Deletes the host-client device and its ClusterIP routes once nothing
+/// translates there: host clients' UDP to ClusterIPs takes the host's own
+/// routes again, for the proxy that takes the node back.
+fn remove_host_device(started: &Started) {
+    if started.obs.host_device.is_none() {
+        return;
+    }
+    match crate::host::svc_device::remove() {
+        Ok(_) => info!(
+            device = proxy_common::HOST_DEV_NAME,
+            "removed the host-client device and its ClusterIP routes"
+        ),
+        Err(e) => error!(error = %e, "cannot remove the host-client device"),
     }
 }

@@ -57,7 +57,8 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
         Ok(what) => info!("{what}"),
         Err(what) => warn!("{what}"),
     }
-    let mut loaded = bpf::load(&cfg.bpffs, cfg.map_sizes)?;
+    let host_dev = host_device(cfg);
+    let mut loaded = bpf::load_with_host_device(&cfg.bpffs, cfg.map_sizes, host_dev)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
     let local_ports = crate::host::local_port_range().map_err(|e| {
@@ -89,6 +90,12 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
             .with_proxy_health(move || proxy_health.status().healthy),
         udp_backends: BTreeMap::new(),
         sock_revnat: None,
+        service_routes: host_dev.and_then(|d| {
+            crate::host::svc_device::ServiceRoutes::open(d)
+                .map_err(|e| error!(error = %e, "cannot read the ClusterIP routes"))
+                .ok()
+        }),
+        host_device: host_dev,
     };
     if cfg.host_socket_lb.is_some() && loaded.sock_lb.loaded.is_ok() {
         match SockRevNatMaps::open(&loaded.pin_dir) {
@@ -103,6 +110,35 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
         pin_dir: loaded.pin_dir.clone(),
     };
     Ok((started, loaded))
+}
+
+/// The host-client device, made ready when host clients' UDP to ClusterIPs
+/// is to be translated per packet (socket LB on, `udpPerPacket`); `None`
+/// otherwise, or when it cannot be made (UDP is then aimed at `connect()`,
+/// as before, and the log says why).
+fn host_device(cfg: &Settings) -> Option<crate::host::svc_device::HostDevice> {
+    if cfg.host_socket_lb.is_none() || !cfg.host_udp_per_packet {
+        return None;
+    }
+    match crate::host::svc_device::ensure() {
+        Ok(d) => {
+            info!(
+                device = proxy_common::HOST_DEV_NAME,
+                ifindex = d.ifindex,
+                peer = proxy_common::HOST_PEER_NAME,
+                peer_ifindex = d.peer_ifindex,
+                "host clients' UDP to ClusterIPs is translated per packet"
+            );
+            Some(d)
+        }
+        Err(e) => {
+            error!(
+                error = %e,
+                "cannot make the host-client device: host clients' UDP to ClusterIPs is aimed at connect() instead"
+            );
+            None
+        }
+    }
 }
 
 /// The `/healthz`, `/metrics` and probe servers (each unless disabled).
@@ -149,6 +185,7 @@ pub(super) async fn attach(
         external: cfg.external_interfaces.clone(),
         xdp: cfg.acceleration == crate::config::Acceleration::Xdp && xdp_loaded,
         ext_egress: cfg.delivery_mode != crate::config::DeliveryMode::Redirect,
+        host_peer: started.obs.host_device.is_some(),
     };
     // The interfaces, and the external ones' addresses (NodePort
     // candidates), subscribed to before they are listed.

@@ -44,6 +44,77 @@ pub(super) struct Observers {
     /// The socket-level reverse-NAT maps (which sockets the hooks aimed
     /// where), IPv4's and IPv6's; `None` while host socket LB is off.
     pub(super) sock_revnat: Option<SockRevNatMaps>,
+    /// The host-client device, when host clients' UDP to ClusterIPs is
+    /// translated per packet.
+    pub(super) host_device: Option<crate::host::svc_device::HostDevice>,
+    /// The ClusterIP routes to that device, kept in step with the frontends.
+    pub(super) service_routes: Option<crate::host::svc_device::ServiceRoutes>,
+}
+
+/// Whether a frontend of `desired` at `addr` is a ClusterIP.
+fn cluster_ip_at(desired: &model::DesiredState, addr: std::net::IpAddr) -> bool {
+    let at = |port, proto, scope| model::FrontendKey {
+        addr,
+        port,
+        proto,
+        scope,
+    };
+    desired
+        .frontends
+        .range(at(0, 0, 0)..=at(u16::MAX, u8::MAX, u8::MAX))
+        .any(|(k, f)| {
+            k.scope == proxy_common::SCOPE_INTERNAL
+                && f.flags & proxy_common::svc_flags::CLUSTER_IP != 0
+        })
+}
+
+/// The ClusterIP routes to the host-client device: every one compared at an
+/// initial or full sync (and all of them again when the node's address, their
+/// source, changed), the changed frontends' addresses otherwise. Also the
+/// IPv4 hairpin address, the source a host client's flow to a backend at
+/// the node's own address is given: its answers must come back through the
+/// device too.
+fn sync_routes(
+    cfg: &Settings,
+    routes: &mut crate::host::svc_device::ServiceRoutes,
+    desired: &model::DesiredState,
+    changed: &BTreeSet<model::FrontendKey>,
+    scope: SyncScope,
+) {
+    let src = (desired.node_addr, desired.node_addr6);
+    let hairpin = std::net::IpAddr::V4(cfg.hairpin_snat_ip);
+    let hairpin_routed =
+        !cfg.hairpin_snat_ip.is_unspecified() && desired.node_addr != Some(cfg.hairpin_snat_ip);
+    let report = if scope == SyncScope::Changes && routes.source() == src {
+        routes.sync_changed(changed.iter().map(|k| k.addr), |a| {
+            cluster_ip_at(desired, a)
+        })
+    } else {
+        let mut want: BTreeSet<std::net::IpAddr> = desired
+            .frontends
+            .iter()
+            .filter(|(k, f)| {
+                k.scope == proxy_common::SCOPE_INTERNAL
+                    && f.flags & proxy_common::svc_flags::CLUSTER_IP != 0
+            })
+            .map(|(k, _)| k.addr)
+            .collect();
+        if hairpin_routed {
+            want.insert(hairpin);
+        }
+        routes.sync_all(&want, src)
+    };
+    for (addr, e) in report.failed.iter().take(10) {
+        error!(address = %addr, error = %e, "cannot route a ClusterIP to the host-client device");
+    }
+    if report.added + report.removed > 0 {
+        info!(
+            added = report.added,
+            removed = report.removed,
+            routed = routes.len(),
+            "ClusterIP routes to the host-client device updated"
+        );
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,6 +237,9 @@ pub(super) fn sync_once(
             more = report.errors.len() - NAMED,
             "cannot program more frontends (same causes; see the map sizes)"
         );
+    }
+    if let Some(routes) = obs.service_routes.as_mut() {
+        sync_routes(cfg, routes, desired, &update.frontends, scope);
     }
     // Only a change of a UDP frontend can take a backend from a UDP socket.
     if scope != SyncScope::Changes

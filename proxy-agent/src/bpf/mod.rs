@@ -403,6 +403,18 @@ pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Loaded, BpfError> {
     load_with_migrations(pin_dir, sizes, MIGRATIONS)
 }
 
+/// [`load`] for a node whose host clients' UDP to ClusterIPs goes through
+/// the host-client device `host_dev` ([`crate::host::svc_device`]): the
+/// programs learn its ifindexes (replies injected there), and the socket
+/// hooks leave such UDP untranslated.
+pub fn load_with_host_device(
+    pin_dir: &Path,
+    sizes: MapSizes,
+    host_dev: Option<crate::host::svc_device::HostDevice>,
+) -> Result<Loaded, BpfError> {
+    load_inner(pin_dir, sizes, MIGRATIONS, host_dev)
+}
+
 /// A change of a map's layout, from the pinned map of an older agent to the
 /// current one. Map names carry their layout version (`CT4_V1`); an agent
 /// that finds a pinned map of an older version copies its entries, converted,
@@ -454,12 +466,21 @@ pub fn load_with_migrations(
     sizes: MapSizes,
     migrations: &[Migration],
 ) -> Result<Loaded, BpfError> {
+    load_inner(pin_dir, sizes, migrations, None)
+}
+
+fn load_inner(
+    pin_dir: &Path,
+    sizes: MapSizes,
+    migrations: &[Migration],
+    host_dev: Option<crate::host::svc_device::HostDevice>,
+) -> Result<Loaded, BpfError> {
     ensure_bpffs_dir(pin_dir)?;
     // Pins that do not match this build are set aside (or refused) first:
     // aya would adopt them by name as they are.
     let expected = pins::expected_maps(sizes)?;
     let plan = pins::check(pin_dir, &expected)?;
-    match load_checked(pin_dir, sizes, migrations) {
+    match load_checked(pin_dir, sizes, migrations, host_dev) {
         Ok(mut loaded) => {
             pins::finish(&mut loaded.ebpf, plan, &expected)?;
             Ok(loaded)
@@ -476,6 +497,7 @@ fn load_checked(
     pin_dir: &Path,
     sizes: MapSizes,
     migrations: &[Migration],
+    host_dev: Option<crate::host::svc_device::HostDevice>,
 ) -> Result<Loaded, BpfError> {
     let kernel = probe::decide(&probe::probe());
     if let Some(why) = kernel.fatal() {
@@ -495,10 +517,16 @@ fn load_checked(
         .collect();
     let mut sock_lb = probe_sock_lb();
     let set_retval = u32::from(sock_lb.set_retval);
+    let (host_dev_ifindex, host_peer_ifindex) =
+        host_dev.map_or((0u32, 0u32), |d| (d.ifindex, d.peer_ifindex));
+    let per_packet = u32::from(host_dev.is_some());
     let mut loader = EbpfLoader::new();
     loader
         .override_global("HOST_NETNS_COOKIE", &sock_lb.netns_cookie, true)
-        .override_global("HAS_SET_RETVAL", &set_retval, true);
+        .override_global("HAS_SET_RETVAL", &set_retval, true)
+        .override_global("HOST_DEV_IFINDEX", &host_dev_ifindex, true)
+        .override_global("HOST_PEER_IFINDEX", &host_peer_ifindex, true)
+        .override_global("HOST_UDP_PER_PACKET", &per_packet, true);
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }

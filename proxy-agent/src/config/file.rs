@@ -31,6 +31,13 @@ pub struct HostSocketLbFile {
     /// cgroup2 hierarchy (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a
     /// hybrid host). In a pod, mount the host's cgroup2 and give its path.
     pub cgroup_root: Option<PathBuf>,
+    /// UDP to ClusterIPs translated per packet (on by default), as
+    /// kube-proxy does: the agent routes ClusterIPs to a device of its own
+    /// where the pod program translates, so a connected socket keeps
+    /// working when its backend changes. Off: UDP is aimed at a backend at
+    /// `connect()` too, and a connected socket whose backend goes is
+    /// destroyed.
+    pub udp_per_packet: Option<bool>,
 }
 
 /// `conntrack`: the datapath's own connection tracking, with kube-proxy's

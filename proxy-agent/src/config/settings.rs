@@ -134,6 +134,9 @@ pub struct Settings {
     pub master: Option<String>,
     /// The cgroup the socket hooks attach to; `None`: host socket LB off.
     pub host_socket_lb: Option<PathBuf>,
+    /// Host clients' UDP to ClusterIPs translated per packet
+    /// (`hostSocketLB.udpPerPacket`; only with host socket LB on).
+    pub host_udp_per_packet: bool,
     pub localhost_node_ports: bool,
     /// The node's default load-balancing algorithm.
     pub lb_algorithm: crate::model::LbAlgorithm,
@@ -260,6 +263,10 @@ impl Settings {
             cluster_cidr: cluster_cidr(file)?,
             master: master(file, flags)?,
             host_socket_lb: host_socket_lb(file, flags, host)?,
+            host_udp_per_packet: flags
+                .host_udp_per_packet
+                .or(file.host_socket_lb.as_ref().and_then(|s| s.udp_per_packet))
+                .unwrap_or(true),
             localhost_node_ports: file.localhost_node_ports.unwrap_or(true),
             lb_algorithm: file
                 .load_balancing

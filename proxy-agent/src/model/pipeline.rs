@@ -515,7 +515,7 @@ pub(super) fn service_output(
                 TrafficPolicy::Local => &categorized.local,
             };
             let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
-            internal.flags |= alg_internal.flags();
+            internal.flags |= alg_internal.flags() | svc_flags::CLUSTER_IP;
             claim(
                 frontend_key(*cluster_ip, svc_port, proto, SCOPE_INTERNAL),
                 internal,

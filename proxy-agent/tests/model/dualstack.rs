@@ -258,7 +258,7 @@ fn ipv6_endpoint_slices_feed_only_ipv6_frontends() {
     // of its family), it does not borrow the IPv6 ones.
     let v4 = frontend(&state, "198.19.0.1", 80, IPPROTO_TCP);
     assert!(v4.backends.is_empty() && v4.retained.is_empty());
-    assert_eq!(v4.flags, 0);
+    assert_eq!(v4.flags, svc_flags::CLUSTER_IP);
 
     // An IPv4-only Service ignores IPv6 slices (as before dual-stack).
     let yaml = WEB.to_string() + &dual_endpoints();

@@ -388,15 +388,15 @@ fn source_ranges_apply_to_lb_frontends_only_and_invalid_entries_warn() {
             ]
         );
     }
-    for (ip, port, scope) in [
-        ("198.18.9.250", 80, SCOPE_EXTERNAL),
-        ("198.18.9.250", 80, SCOPE_INTERNAL),
-        ("198.18.0.11", 30080, SCOPE_EXTERNAL),
-        ("198.18.0.11", 30080, SCOPE_INTERNAL),
-        ("198.19.0.1", 80, SCOPE_INTERNAL),
+    for (ip, port, scope, flags) in [
+        ("198.18.9.250", 80, SCOPE_EXTERNAL, 0),
+        ("198.18.9.250", 80, SCOPE_INTERNAL, 0),
+        ("198.18.0.11", 30080, SCOPE_EXTERNAL, 0),
+        ("198.18.0.11", 30080, SCOPE_INTERNAL, 0),
+        ("198.19.0.1", 80, SCOPE_INTERNAL, svc_flags::CLUSTER_IP),
     ] {
         let fe = fe_at(&state, ip, port, IPPROTO_TCP, scope);
-        assert_eq!(fe.flags, 0, "{ip}:{port} scope {scope}");
+        assert_eq!(fe.flags, flags, "{ip}:{port} scope {scope}");
         assert!(fe.source_ranges.is_empty(), "{ip}:{port} scope {scope}");
     }
 

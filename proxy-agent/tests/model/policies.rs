@@ -44,7 +44,7 @@ fn internal_traffic_policy_local_without_local_endpoints_drops_p2() {
     let (state, _) = desired_state(&snapshot, "node-a");
     let fe = frontend(&state, "198.19.0.1", 80, IPPROTO_TCP);
     assert!(fe.backends.is_empty(), "{fe:?}");
-    assert_eq!(fe.flags, svc_flags::DROP_NO_BACKEND);
+    assert_eq!(fe.flags, svc_flags::DROP_NO_BACKEND | svc_flags::CLUSTER_IP);
     // Listed but not usable from here: kept only for flows that already use them.
     assert_eq!(
         retained(&state, "198.19.0.1", 80, IPPROTO_TCP),
@@ -56,7 +56,10 @@ fn internal_traffic_policy_local_without_local_endpoints_drops_p2() {
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080"]
     );
-    assert_eq!(frontend(&state, "198.19.0.1", 80, IPPROTO_TCP).flags, 0);
+    assert_eq!(
+        frontend(&state, "198.19.0.1", 80, IPPROTO_TCP).flags,
+        svc_flags::CLUSTER_IP
+    );
 }
 
 #[test]
@@ -76,7 +79,7 @@ fn internal_traffic_policy_local_falls_back_to_local_serving_terminating() {
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.2:8080"]
     );
-    assert_eq!(fe.flags, 0);
+    assert_eq!(fe.flags, svc_flags::CLUSTER_IP);
     assert!(
         fe.retained.iter().all(|r| !fe.backends.contains(r)),
         "a backend is not also retained"
@@ -100,7 +103,7 @@ fn no_endpoint_anywhere_rejects_without_flag() {
         let (state, _) = desired_state(&snap(&yaml), "node-a");
         let fe = frontend(&state, "198.19.0.1", 80, IPPROTO_TCP);
         assert!(fe.backends.is_empty(), "{fe:?}");
-        assert_eq!(fe.flags, 0, "{fe:?}");
+        assert_eq!(fe.flags, svc_flags::CLUSTER_IP, "{fe:?}");
         // An unready endpoint is kept for flows that already use it (as
         // kube-proxy's conntrack keeps them), never selected.
         let kept = retained(&state, "198.19.0.1", 80, IPPROTO_TCP);
@@ -127,7 +130,7 @@ fn no_ready_endpoint_falls_back_to_serving_terminating_s35_s36() {
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080", "198.18.1.2:8080"]
     );
-    assert_eq!(fe.flags, 0);
+    assert_eq!(fe.flags, svc_flags::CLUSTER_IP);
     assert_eq!(
         retained(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.3:8080", "198.18.1.4:8080"]
@@ -162,7 +165,11 @@ fn terminating_not_serving_is_never_used_s20() {
     let (state, _) = desired_state(&snap(&yaml), "node-a");
     let fe = frontend(&state, "198.19.0.1", 80, IPPROTO_TCP);
     assert!(fe.backends.is_empty(), "{fe:?}");
-    assert_eq!(fe.flags, 0, "no usable endpoint anywhere: reject");
+    assert_eq!(
+        fe.flags,
+        svc_flags::CLUSTER_IP,
+        "no usable endpoint anywhere: reject"
+    );
     assert_eq!(
         retained(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080"]
@@ -290,7 +297,10 @@ fn zone_hints_select_endpoints_of_the_node_zone_t1() {
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080", "198.18.1.3:8080"]
     );
-    assert_eq!(frontend(&state, "198.19.0.1", 80, IPPROTO_TCP).flags, 0);
+    assert_eq!(
+        frontend(&state, "198.19.0.1", 80, IPPROTO_TCP).flags,
+        svc_flags::CLUSTER_IP
+    );
     // A node without the Node object (no zone): no filtering.
     let (state, _) = desired_state(&snap(&hinted("")), "node-x");
     assert_eq!(backends(&state, "198.19.0.1", 80, IPPROTO_TCP).len(), 3);
@@ -358,7 +368,7 @@ fn external_traffic_policy_local_leaves_cluster_ip_backends_alone() {
         backends(&state, "198.19.0.1", 80, IPPROTO_TCP),
         ["198.18.1.1:8080"]
     );
-    assert_eq!(fe.flags, 0);
+    assert_eq!(fe.flags, svc_flags::CLUSTER_IP);
 }
 
 #[test]

@@ -7,7 +7,7 @@ use proxy_agent::model::{
     desired_state, desired_state_with, endpoint_slices_from_pods, ModelOptions,
 };
 use proxy_agent::sources::manifests::load_paths;
-use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_flags, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::*;
 
@@ -25,7 +25,10 @@ fn example_service_with_two_pods_has_one_frontend_with_two_backends() {
     );
     let fe = &state.frontends[&key("198.19.0.10", 80, IPPROTO_TCP)];
     assert_eq!(&*fe.service, "default/my-service");
-    assert_eq!((fe.flags, fe.affinity_timeout_s), (0, 0));
+    assert_eq!(
+        (fe.flags, fe.affinity_timeout_s),
+        (svc_flags::CLUSTER_IP, 0)
+    );
 }
 
 #[test]
