@@ -152,26 +152,7 @@ const KEPT: &[Kept] = &[
                  and the agent every address of its external interfaces, also one added \
                  later (a keepalived or kube-vip VIP)",
     },
-    Kept {
-        key: "host → connected UDP socket, after its backend left (C4)",
-        mode: KubeProxyMode::Iptables,
-        reason: HOST_UDP_SOCKET_DESTROYED,
-    },
-    Kept {
-        key: "host → connected UDP socket, after its backend left (C4)",
-        mode: KubeProxyMode::Nftables,
-        reason: HOST_UDP_SOCKET_DESTROYED,
-    },
 ];
-
-/// Why a host's connected UDP socket reads an error where kube-proxy's
-/// moves on to another endpoint.
-const HOST_UDP_SOCKET_DESTROYED: &str = "the socket hooks aimed the host's connected \
-    UDP socket at web-1 at connect(); when web-1 leaves the Service the agent destroys \
-    the socket (socket diag), so its next send() fails (EDESTADDRREQ) until the \
-    application connects again, as Cilium's socket LB does. kube-proxy translates each \
-    datagram and moves the next one to web-2. A pod's UDP flow moves to web-2 under \
-    both (C2/K1)";
 
 /// Why a backend on the receiving node sees the external client (over
 /// IPv4 and IPv6; kube-proxy's IPv6 masquerade picks the node's address

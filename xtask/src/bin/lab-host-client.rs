@@ -18,6 +18,11 @@
 //! - `udpc-open <name> <ip:port>`: a connected UDP socket kept as `name`.
 //!   `ok <peer>`.
 //! - `udpc <name> <request>`: send and receive on it. `ok - <reply>`.
+//! - `udpu-open <name> <ip:port>`: an unconnected UDP socket of that
+//!   address's family, bound now to an ephemeral port, kept as `name`.
+//!   `ok <local address>`.
+//! - `udpu <name> <ip:port> <request>`: `sendto` on it and `recvfrom`.
+//!   `ok <from> <reply>`.
 //! - `tcps-open <name> <ip:port>`: a TCP connection kept as `name` (the lab
 //!   server's `stream` mode). `ok <peer>`.
 //! - `tcps <name> <line>`: one line on it, one reply line. `ok - <reply>`.
@@ -100,6 +105,7 @@ fn udp(addr: SocketAddr, req: &str) -> std::io::Result<String> {
 
 fn main() {
     let mut sockets: HashMap<String, UdpSocket> = HashMap::new();
+    let mut unconnected: HashMap<String, UdpSocket> = HashMap::new();
     let mut streams: HashMap<String, BufReader<TcpStream>> = HashMap::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -162,6 +168,35 @@ fn main() {
                     go().unwrap_or_else(err)
                 }
             },
+            "udpu-open" => match b.parse::<SocketAddr>() {
+                Err(e) => format!("err other 0 bad address {b:?}: {e}"),
+                Ok(addr) => {
+                    let mut open = || -> std::io::Result<String> {
+                        let s = udp_socket(addr)?;
+                        s.set_read_timeout(Some(TIMEOUT))?;
+                        let local = s.local_addr()?;
+                        unconnected.insert(a.to_string(), s);
+                        Ok(format!("ok {local}"))
+                    };
+                    open().unwrap_or_else(err)
+                }
+            },
+            "udpu" => {
+                let (target, request) = b.split_once(' ').unwrap_or((b, ""));
+                match (unconnected.get(a), target.parse::<SocketAddr>()) {
+                    (None, _) => format!("err other 0 no socket {a:?}"),
+                    (_, Err(e)) => format!("err other 0 bad address {target:?}: {e}"),
+                    (Some(s), Ok(addr)) => {
+                        let go = || -> std::io::Result<String> {
+                            s.send_to(request.as_bytes(), addr)?;
+                            let mut buf = [0u8; 65536];
+                            let (n, from) = s.recv_from(&mut buf)?;
+                            Ok(format!("ok {from} {}", line_of(&buf[..n])))
+                        };
+                        go().unwrap_or_else(err)
+                    }
+                }
+            }
             "udpc" => match sockets.get(a) {
                 None => format!("err other 0 no socket {a:?}"),
                 Some(s) => {

@@ -168,6 +168,28 @@ impl HostClient {
     pub fn udp_send(&mut self, name: &str, request: &str) -> Result<HostReply> {
         self.ask(&format!("udpc {name} {request}"))
     }
+
+    /// An unconnected UDP socket of `family_of`'s family, bound to an
+    /// ephemeral port, kept as `name`: the reply's `peer` is its local
+    /// address.
+    pub fn udp_unconnected_open(
+        &mut self,
+        name: &str,
+        family_of: impl Into<SocketAddr>,
+    ) -> Result<HostReply> {
+        self.ask(&format!("udpu-open {name} {}", family_of.into()))
+    }
+
+    /// `sendto(addr)` and `recvfrom` on the unconnected socket `name`: the
+    /// reply's `peer` is where the answer came from.
+    pub fn udp_sendto(
+        &mut self,
+        name: &str,
+        addr: impl Into<SocketAddr>,
+        request: &str,
+    ) -> Result<HostReply> {
+        self.ask(&format!("udpu {name} {} {request}", addr.into()))
+    }
 }
 
 impl Drop for HostClient {

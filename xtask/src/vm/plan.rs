@@ -61,6 +61,8 @@ struct LabBinaries {
     smoke: Option<PathBuf>,
     /// `tests/lab_ipv6.rs`, for the IPv6 smoke (with the smoke).
     ipv6: Option<PathBuf>,
+    /// `tests/lab_host.rs`, for host clients' per-packet UDP (with the smoke).
+    host: Option<PathBuf>,
     /// `tests/lab_sctp.rs`.
     sctp: Option<PathBuf>,
 }
@@ -73,6 +75,15 @@ const LAB_SMOKE: &str = "s1_basic_endpoint_added_and_removed";
 /// lab; both ClusterIPs of two dual-stack Services answered by every pod):
 /// the IPv6 programs, tail-called from the IPv4 ones, on every kernel.
 const LAB_IPV6_SMOKE: &str = "d_lab_3_dual_stack_service_answers_on_both_cluster_ips";
+
+/// The host-client lab tests the kernel matrix runs beside the smoke: a
+/// host's connected UDP sockets to an IPv4 and an IPv6 ClusterIP across
+/// backend changes, through the host-client device (issue 42), whose
+/// per-packet path the verifier step's load (no device) leaves out.
+const LAB_HOST_TESTS: &[&str] = &[
+    "connected_udp_keeps_its_socket_across_backend_changes",
+    "connected_udp6_keeps_its_socket_across_backend_changes",
+];
 
 /// The SCTP lab test run before the guest loads sctp: the proxy must not
 /// load it (S41).
@@ -105,6 +116,7 @@ fn build(lab: bool, sctp: bool) -> Result<Binaries> {
             server,
             smoke: lab.then(|| test_binary("xtask", "lab")).transpose()?,
             ipv6: lab.then(|| test_binary("xtask", "lab_ipv6")).transpose()?,
+            host: lab.then(|| test_binary("xtask", "lab_host")).transpose()?,
             sctp: sctp.then(|| test_binary("xtask", "lab_sctp")).transpose()?,
         })
     } else {
@@ -169,6 +181,16 @@ fn script(b: &Binaries, packet_tests: bool, sctp_modules: &[GuestModule]) -> Str
                 format!(
                     "{env} {} --include-ignored --exact {LAB_IPV6_SMOKE}",
                     ipv6.display()
+                ),
+            );
+        }
+        if let Some(host) = &l.host {
+            step(
+                "lab-host-udp",
+                format!(
+                    "{env} {} --include-ignored --test-threads=1 --exact {}",
+                    host.display(),
+                    LAB_HOST_TESTS.join(" ")
                 ),
             );
         }
