@@ -174,7 +174,7 @@ fn new_flow(
         flow.backend = b;
         return Err(Verdict::Deliver(stat::FWD_HANDOFF));
     }
-    let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, external);
+    let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, pkt.daddr_be, external);
     // Short-lived until the backend answers (a first packet that is not a
     // SYN included).
     flags |= ct_flags::UNREPLIED;

@@ -72,8 +72,14 @@ pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
     }
 }
 
-/// The SNAT a new flow from `client_be` to backend `b` needs, as
-/// ([`ct_flags`], new source address):
+/// The SNAT a new flow from `client_be` to backend `b` through the
+/// frontend at `frontend_be` needs, as ([`ct_flags`], new source address):
+/// - the node itself (a host client, translated on the host-client device)
+///   reaching a backend at its own address: the frontend's address, routed
+///   to that device, so that the backend's answers come back through it to
+///   be reverse-translated (to the node's own address they would stay on
+///   the loopback), and the stack takes the packet injected there (a local
+///   source would be a martian);
 /// - hairpin: a pod reaching itself would drop its own address as a martian
 ///   source, so it gets the hairpin address;
 /// - `externalTrafficPolicy: Cluster` to a backend on another node: the
@@ -85,9 +91,12 @@ pub fn snat_for(
     fe: &SvcValue,
     b: &Backend4,
     client_be: u32,
+    frontend_be: u32,
     external: bool,
 ) -> (u16, u32) {
-    if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
+    if !external && b.addr_be == client_be && client_be == cfg.node_addr_be && client_be != 0 {
+        (ct_flags::SNAT_ADDR, frontend_be)
+    } else if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
         (ct_flags::SNAT_ADDR, cfg.hairpin_addr_be)
     } else if external
         && b.state & backend_state::LOCAL == 0
