@@ -101,11 +101,19 @@ fn served(ctx: &SockAddrContext) -> bool {
 }
 
 /// Whether host UDP to ClusterIPs is left to the per-packet path
-/// ([`HOST_UDP_PER_PACKET`]).
+/// ([`HOST_UDP_PER_PACKET`]), and the datapath delivers by redirect. Under
+/// `deliveryMode: stack` (a NetworkPolicy engine in the host's netfilter)
+/// a socket is aimed at its backend here instead, so that its packets leave
+/// through the host's OUTPUT path towards the backend, where the engine's
+/// rules see them: the per-packet path would hand them to a pod by
+/// redirect, past those rules.
 #[inline(always)]
 fn per_packet_udp() -> bool {
     // SAFETY: a read-only global of this object.
-    unsafe { core::ptr::read_volatile(&HOST_UDP_PER_PACKET) != 0 }
+    let on = unsafe { core::ptr::read_volatile(&HOST_UDP_PER_PACKET) } != 0;
+    on && CONFIG_V3
+        .get(0)
+        .is_some_and(|c| c.flags & proxy_common::config_flags::DELIVER_VIA_STACK == 0)
 }
 
 /// Whether the datapath is draining (`config_flags::DRAINING`): new

@@ -217,3 +217,60 @@ fn auto_delivery_turns_to_the_stack_when_a_policy_engine_appears() {
         );
     });
 }
+
+/// Host clients under `stack` (issue 42): the node's own UDP to a
+/// ClusterIP is aimed at its backend by the socket hooks, not translated
+/// per packet on the host-client device (which delivers by redirect), so it
+/// leaves through the host's OUTPUT path with the backend's address, where
+/// a policy engine's netfilter rule sees it; a rule denying node → pod
+/// stops it through the ClusterIP too. Under `redirect` the same socket's
+/// datagrams are translated per packet (counted), past such a rule.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn stack_delivery_leaves_host_udp_to_the_output_path() {
+    let yaml = manifests(&[
+        &Pod::new("dnsu-1", "dnsu").node("node-1").port(53, "UDP"),
+        &Svc::new("dnsu").selector("dnsu").port(Port::udp("u", 53)),
+    ]);
+    for mode in ["stack", "redirect"] {
+        let name = format!("policy_host_udp_{mode}");
+        LabTest::new(&name)
+            .nodes(1)
+            .yaml(&yaml)
+            .args(&["--delivery-mode", mode])
+            .run(|lab| {
+                let vip = support::frontend(lab, "dnsu", 53, "UDP");
+                let pod = pod_ip(lab, "dnsu-1").to_string();
+                let mut c = lab.host_client("node-1").expect("host client");
+                let ask = |c: &mut xtask::HostClient, name: &str| {
+                    c.udp_connect(name, vip).expect("open");
+                    c.udp_send(name, "hostname").expect("send")
+                };
+                let r = ask(&mut c, "before");
+                assert_eq!(r.text(), Some("dnsu-1"), "{mode}: no rule yet: {r:?}");
+                let rule = |op: &str| {
+                    in_node(
+                        lab,
+                        "node-1",
+                        "iptables",
+                        &[op, "OUTPUT", "-p", "udp", "-d", &pod, "-j", "DROP"],
+                    )
+                };
+                rule("-I");
+                let r = ask(&mut c, "denied");
+                rule("-D");
+                let per_packet = support::stat(lab, "node-1", "sock_per_packet");
+                if mode == "stack" {
+                    // A datagram the host's OUTPUT path drops fails its
+                    // send() with EPERM.
+                    assert_eq!(r.error_kind(), Some("denied"), "{mode}: OUTPUT rule: {r:?}");
+                    assert_eq!(per_packet, 0, "{mode}: nothing left to the per-packet path");
+                } else {
+                    assert_eq!(r.text(), Some("dnsu-1"), "{mode}: past the OUTPUT rule: {r:?}");
+                    assert!(per_packet >= 2, "{mode}: per-packet UDP: {per_packet}");
+                }
+                let r = ask(&mut c, "after");
+                assert_eq!(r.text(), Some("dnsu-1"), "{mode}: rule removed: {r:?}");
+            });
+    }
+}
