@@ -813,11 +813,17 @@ pub fn new_flow(
     }
     let mut flags = ct_flags::UNREPLIED;
     let mut nat_addr_be = [0u32; 4];
-    if !external && b.addr_be == pkt.saddr_be && pkt.saddr_be == cfg.node6_be {
-        // The node itself (a host client) reaching a backend at its own
-        // address: the frontend's address, as IPv4's `nat::snat_for` says.
-        flags |= ct_flags::SNAT_ADDR;
-        nat_addr_be = pkt.daddr_be;
+    if !external && pkt.saddr_be == cfg.node6_be && cfg.node6_be != [0; 4] {
+        // The node itself (a host client): a port of the SNAT range, or to
+        // a backend at its own address the frontend's address, as IPv4's
+        // `nat::snat_for` says.
+        if b.addr_be == pkt.saddr_be {
+            flags |= ct_flags::SNAT_ADDR;
+            nat_addr_be = pkt.daddr_be;
+        } else {
+            flags |= ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
+            nat_addr_be = cfg.node6_be;
+        }
     } else if !external && b.addr_be == pkt.saddr_be && cfg.hairpin6_be != [0; 4] {
         // A pod reaching itself: its own address as the source would be
         // dropped by its stack as a martian.

@@ -74,12 +74,15 @@ pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
 
 /// The SNAT a new flow from `client_be` to backend `b` through the
 /// frontend at `frontend_be` needs, as ([`ct_flags`], new source address):
-/// - the node itself (a host client, translated on the host-client device)
-///   reaching a backend at its own address: the frontend's address, routed
-///   to that device, so that the backend's answers come back through it to
-///   be reverse-translated (to the node's own address they would stay on
-///   the loopback), and the stack takes the packet injected there (a local
-///   source would be a martian);
+/// - the node itself (a host client, translated on the host-client device):
+///   a port of the SNAT range, which the host's own sockets never use, so
+///   that the flow's backend-side tuple cannot be one of a host socket the
+///   socket hooks aimed at the same backend (its answers would be taken
+///   for this flow's); to a backend at the node's own address, the
+///   frontend's address instead, routed to that device, so that the
+///   backend's answers come back through it to be reverse-translated (to
+///   the node's own address they would stay on the loopback), and the stack
+///   takes the packet injected there (a local source would be a martian);
 /// - hairpin: a pod reaching itself would drop its own address as a martian
 ///   source, so it gets the hairpin address;
 /// - `externalTrafficPolicy: Cluster` to a backend on another node: the
@@ -94,8 +97,12 @@ pub fn snat_for(
     frontend_be: u32,
     external: bool,
 ) -> (u16, u32) {
-    if !external && b.addr_be == client_be && client_be == cfg.node_addr_be && client_be != 0 {
-        (ct_flags::SNAT_ADDR, frontend_be)
+    if !external && client_be == cfg.node_addr_be && client_be != 0 {
+        if b.addr_be == client_be {
+            (ct_flags::SNAT_ADDR, frontend_be)
+        } else {
+            (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, client_be)
+        }
     } else if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
         (ct_flags::SNAT_ADDR, cfg.hairpin_addr_be)
     } else if external

@@ -266,7 +266,11 @@ fn stack_delivery_leaves_host_udp_to_the_output_path() {
                     assert_eq!(r.error_kind(), Some("denied"), "{mode}: OUTPUT rule: {r:?}");
                     assert_eq!(per_packet, 0, "{mode}: nothing left to the per-packet path");
                 } else {
-                    assert_eq!(r.text(), Some("dnsu-1"), "{mode}: past the OUTPUT rule: {r:?}");
+                    assert_eq!(
+                        r.text(),
+                        Some("dnsu-1"),
+                        "{mode}: past the OUTPUT rule: {r:?}"
+                    );
                     assert!(per_packet >= 2, "{mode}: per-packet UDP: {per_packet}");
                 }
                 let r = ask(&mut c, "after");
