@@ -366,26 +366,19 @@ impl ServiceRoutes {
     }
 
     fn message(&self, addr: IpAddr, with_src: bool) -> RouteMessage {
-        let mut m = match addr {
-            IpAddr::V4(a) => {
-                let b = RouteMessageBuilder::<Ipv4Addr>::new().destination_prefix(a, 32);
-                match self.src.0 {
-                    Some(s) if with_src => b.pref_source(s),
-                    _ => b,
-                }
-                .output_interface(self.dev)
-                .build()
-            }
-            IpAddr::V6(a) => {
-                let b = RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(a, 128);
-                match self.src.1 {
-                    Some(s) if with_src => b.pref_source(s),
-                    _ => b,
-                }
-                .output_interface(self.dev)
-                .build()
-            }
+        let (len, src) = match addr {
+            IpAddr::V4(_) => (32, self.src.0.map(IpAddr::V4)),
+            IpAddr::V6(_) => (128, self.src.1.map(IpAddr::V6)),
         };
+        // Both addresses are of `addr`'s family: the builder cannot refuse.
+        let b = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(addr, len)
+            .expect("a host prefix");
+        let b = match src {
+            Some(s) if with_src => b.pref_source(s).expect("a source of the family"),
+            _ => b,
+        };
+        let mut m = b.output_interface(self.dev).build();
         m.header.protocol = RouteProtocol::Other(ROUTE_PROTOCOL);
         m.header.scope = RouteScope::Link;
         m
@@ -501,5 +494,54 @@ impl ServiceRoutes {
         }
         self.apply(add, del, &mut report);
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routes(src: (Option<Ipv4Addr>, Option<Ipv6Addr>)) -> ServiceRoutes {
+        ServiceRoutes {
+            nl: Rtnl::open().expect("a netlink socket"),
+            dev: 7,
+            routed: BTreeSet::new(),
+            src,
+        }
+    }
+
+    #[test]
+    fn a_cluster_ip_route_is_a_host_route_to_the_device_with_the_node_as_source() {
+        let node4 = Ipv4Addr::new(198, 18, 0, 10);
+        let node6: Ipv6Addr = "2001:2::a".parse().expect("address");
+        let r = routes((Some(node4), Some(node6)));
+        for (addr, src, len) in [
+            (IpAddr::from([198, 19, 0, 10]), IpAddr::V4(node4), 32),
+            (
+                "2001:2:0:ff::a".parse().expect("address"),
+                IpAddr::V6(node6),
+                128,
+            ),
+        ] {
+            let m = r.message(addr, true);
+            assert_eq!(m.header.destination_prefix_length, len, "{addr}");
+            assert_eq!(m.header.protocol, RouteProtocol::Other(ROUTE_PROTOCOL));
+            assert_eq!(m.header.scope, RouteScope::Link);
+            let has = |want: &RouteAttribute| m.attributes.contains(want);
+            assert!(has(&RouteAttribute::Oif(7)), "{addr}: {m:?}");
+            let (dst, pref) = match (addr, src) {
+                (IpAddr::V4(a), IpAddr::V4(s)) => (RouteAddress::Inet(a), RouteAddress::Inet(s)),
+                (IpAddr::V6(a), IpAddr::V6(s)) => (RouteAddress::Inet6(a), RouteAddress::Inet6(s)),
+                _ => unreachable!("one family per row"),
+            };
+            assert!(has(&RouteAttribute::Destination(dst)), "{addr}: {m:?}");
+            assert!(
+                has(&RouteAttribute::PrefSource(pref.clone())),
+                "{addr}: {m:?}"
+            );
+            // Without the source (the node's address not on an interface).
+            let bare = r.message(addr, false);
+            assert!(!bare.attributes.contains(&RouteAttribute::PrefSource(pref)));
+        }
     }
 }
