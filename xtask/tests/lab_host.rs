@@ -297,7 +297,8 @@ fn until_answered_by(c: &mut HostClient, name: &str, pod: &str, what: &str) -> D
 /// datagram goes to a backend that is there. While the Service has no
 /// endpoint, the socket reads ECONNREFUSED (the datapath's ICMP reject, as
 /// kube-proxy's), and then it simply goes on. `getpeername()` is the
-/// ClusterIP throughout.
+/// ClusterIP throughout. The agent killed and restarted, the socket goes on
+/// with the agent gone and after.
 fn connected_udp_across_backend_changes(six: bool) {
     let mut svc = Svc::new("dns").selector("dns").port(Port::udp("u", 53));
     if six {
@@ -366,6 +367,26 @@ fn connected_udp_across_backend_changes(six: bool) {
             .expect("apply");
         support::synced(lab);
         until_answered_by(&mut c, "resolver", "dns-4", "scaled back to one");
+
+        // The agent killed (a crash; an upgrade with `--on-exit keep` leaves
+        // the same): the device, its routes, the programs and the flow's
+        // conntrack entry stay, so the socket goes on, with the agent gone
+        // and once a new one has taken over.
+        let pid = lab
+            .node_named("node-1")
+            .and_then(|n| n.agent.as_ref())
+            .expect("node-1's agent")
+            .pid;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill -9");
+        until_answered_by(&mut c, "resolver", "dns-4", "the agent killed");
+        lab.stop_agent_on("node-1").expect("reap");
+        lab.start_agent_on("node-1").expect("start");
+        lab.wait_ready(lab.sync_timeout()).expect("ready");
+        until_answered_by(&mut c, "resolver", "dns-4", "a new agent took over");
         assert_eq!(
             stat(lab, "node-1", "sock_sendmsg"),
             0,
