@@ -57,7 +57,7 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
         Ok(what) => info!("{what}"),
         Err(what) => warn!("{what}"),
     }
-    let host_dev = host_device(cfg);
+    let (host_dev, service_routes) = host_device(cfg).unzip();
     let mut loaded = bpf::load_with_host_device(&cfg.bpffs, cfg.map_sizes, host_dev)?;
     info!(pin_dir = %loaded.pin_dir.display(), "datapath loaded");
     let mut dp = BpfDataplane::new(&mut loaded.ebpf, cfg.map_sizes)?;
@@ -90,11 +90,7 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
             .with_proxy_health(move || proxy_health.status().healthy),
         udp_backends: BTreeMap::new(),
         sock_revnat: None,
-        service_routes: host_dev.and_then(|d| {
-            crate::host::svc_device::ServiceRoutes::open(d)
-                .map_err(|e| error!(error = %e, "cannot read the ClusterIP routes"))
-                .ok()
-        }),
+        service_routes,
         host_device: host_dev,
     };
     if cfg.host_socket_lb.is_some() && loaded.sock_lb.loaded.is_ok() {
@@ -112,29 +108,38 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
     Ok((started, loaded))
 }
 
-/// The host-client device, made ready when host clients' UDP to ClusterIPs
+/// The host-client device and its routes as found, made ready when host clients' UDP to ClusterIPs
 /// is to be translated per packet (socket LB on, `udpPerPacket`); `None`
 /// otherwise, or when it cannot be made (UDP is then aimed at `connect()`,
 /// as before, and the log says why).
-fn host_device(cfg: &Settings) -> Option<crate::host::svc_device::HostDevice> {
+fn host_device(
+    cfg: &Settings,
+) -> Option<(
+    crate::host::svc_device::HostDevice,
+    crate::host::svc_device::ServiceRoutes,
+)> {
+    use crate::host::svc_device::{ensure, ServiceRoutes};
     if cfg.host_socket_lb.is_none() || !cfg.host_udp_per_packet {
         return None;
     }
-    match crate::host::svc_device::ensure() {
-        Ok(d) => {
+    // The routes are read before the programs learn of the device: without
+    // them the hooks must keep aiming UDP at connect().
+    match ensure().and_then(|d| Ok((d, ServiceRoutes::open(d)?))) {
+        Ok((d, routes)) => {
             info!(
                 device = proxy_common::HOST_DEV_NAME,
                 ifindex = d.ifindex,
                 peer = proxy_common::HOST_PEER_NAME,
                 peer_ifindex = d.peer_ifindex,
+                routed = routes.len(),
                 "host clients' UDP to ClusterIPs is translated per packet"
             );
-            Some(d)
+            Some((d, routes))
         }
         Err(e) => {
             error!(
                 error = %e,
-                "cannot make the host-client device: host clients' UDP to ClusterIPs is aimed at connect() instead"
+                "cannot make the host-client device or read its routes: host clients' UDP to ClusterIPs is aimed at connect() instead"
             );
             None
         }
