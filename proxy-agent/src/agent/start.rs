@@ -108,10 +108,10 @@ pub(super) fn load(cfg: &Settings) -> Result<(Started, bpf::Loaded), AgentError>
     Ok((started, loaded))
 }
 
-/// The host-client device and its routes as found, made ready when host clients' UDP to ClusterIPs
-/// is to be translated per packet (socket LB on, `udpPerPacket`); `None`
-/// otherwise, or when it cannot be made (UDP is then aimed at `connect()`,
-/// as before, and the log says why).
+/// The host-client device, made ready, and its routes as found, when host
+/// clients' UDP to ClusterIPs is to be translated per packet (socket LB on,
+/// `udpPerPacket`); `None` otherwise, or when either cannot be had (UDP is
+/// then aimed at `connect()`, as before, and the log says why).
 fn host_device(
     cfg: &Settings,
 ) -> Option<(
