@@ -37,6 +37,10 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     // The lab's control plane: its certificates and keys, etcd's gateway.
     "openssl",
     "curl",
+    // Host clients' UDP (issue 42): a DNS resolver from Debian (dig) asking
+    // DNS servers (dnsmasq) in pods through a ClusterIP.
+    "bind9-dnsutils",
+    "dnsmasq-base",
 ];
 /// The Rust target of the image's static agent.
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";

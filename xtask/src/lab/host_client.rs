@@ -71,6 +71,23 @@ fn bin() -> Result<PathBuf> {
 }
 
 impl Lab {
+    /// Makes `cmd` start as a host process of node `node` (a program from
+    /// the machine, `dig` say): in the node's network namespace and its
+    /// cgroup, where its socket hooks serve it, as [`Lab::host_client`].
+    pub fn as_host_process(&self, node: &str, cmd: &mut Command) -> Result<()> {
+        let n = self
+            .info
+            .nodes
+            .iter()
+            .find(|n| n.name == node)
+            .with_context(|| format!("no node {node}"))?;
+        let Some(cg) = &n.cgroup else {
+            bail!("this machine has no cgroup v2 hierarchy: no host processes");
+        };
+        netns::enter_netns_on_spawn(cmd, &n.netns)?;
+        super::cgroup::join_on_spawn(cmd, cg)
+    }
+
     /// A host client of node `node` (`node-1`): in its network namespace and
     /// its cgroup, so that the node's socket hooks serve it.
     pub fn host_client(&self, node: &str) -> Result<HostClient> {
