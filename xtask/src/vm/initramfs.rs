@@ -1,5 +1,5 @@
 //! The guest's initramfs: busybox, the modules the guest loads (virtio, 9p,
-//! overlay, veth, sch_ingress, cls_bpf; sctp for its step) in dependency
+//! overlay, veth, bridge, sch_ingress, cls_bpf; sctp for its step) in dependency
 //! order, and an init that mounts the host's root filesystem read-only over
 //! 9p with a tmpfs overlay, keeps a checkout under `/tmp` visible, chroots
 //! and runs the host's script.
@@ -19,6 +19,8 @@ const GUEST_MODULES: &[&str] = &[
     "9p",
     "overlay",
     "veth",
+    // The switch of a lab of two nodes (the host-client step's).
+    "bridge",
     "sch_ingress",
     "cls_bpf",
 ];
