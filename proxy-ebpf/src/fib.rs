@@ -10,7 +10,9 @@ use aya_ebpf::{
         bpf_fib_lookup as FibParams, bpf_redir_neigh, xdp_action, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
+    helpers::{
+        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_type,
+    },
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{csum, iface_flags, stat, HOST_DEV_MAC, IPPROTO_TCP};
@@ -23,6 +25,8 @@ use crate::{
 };
 
 const AF_INET: u8 = 2;
+/// `skb->pkt_type` of a frame addressed to this host.
+const PACKET_HOST: u32 = 0;
 /// `bpf_redirect`'s flag for the device's ingress.
 const BPF_F_INGRESS: u64 = 1;
 
@@ -190,7 +194,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     if ctx.store(0, &head, 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    send(p)
+    send(ctx, p)
 }
 
 /// The bytes of a frame [`deliver`] writes back: up to the end of the IPv4
@@ -226,18 +230,27 @@ pub fn redirect(ctx: &TcContext, p: &FibParams, rc: u32) -> (i32, u32) {
     if ctx.store(0, &macs, 0).is_err() {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
-    send(p)
+    send(ctx, p)
 }
 
 /// The redirect of a tc frame whose MACs are the FIB's (`p`):
 /// `bpf_redirect_peer` into a pod, `bpf_redirect` otherwise.
 #[inline(always)]
-fn send(p: &FibParams) -> (i32, u32) {
+fn send(ctx: &TcContext, p: &FibParams) -> (i32, u32) {
     let pod = match IFACE_V1.get_ptr(p.ifindex) {
         // SAFETY: map value pointer, read once.
         Some(i) => (unsafe { (*i).flags } & iface_flags::POD) != 0,
         None => false,
     };
+    // SAFETY: the context pointer is valid for this program run.
+    if pod && unsafe { (*ctx.skb.skb).pkt_type } != PACKET_HOST {
+        // A frame the host-client device sent is not addressed to its
+        // peer (the stack took it for another host's); kernels before
+        // 5.16 keep that type through `bpf_redirect_peer`, and the pod's
+        // stack would drop it.
+        // SAFETY: helper on this program's context.
+        unsafe { bpf_skb_change_type(ctx.skb.skb as *mut _, PACKET_HOST) };
+    }
     // SAFETY: plain helpers taking an ifindex.
     let r = unsafe {
         if pod {
