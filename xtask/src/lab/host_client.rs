@@ -82,7 +82,7 @@ impl Lab {
             .find(|n| n.name == node)
             .with_context(|| format!("no node {node}"))?;
         let Some(cg) = &n.cgroup else {
-            bail!("this machine has no cgroup v2 hierarchy: no host processes");
+            bail!("this machine has no cgroup v2 hierarchy: no host clients");
         };
         netns::enter_netns_on_spawn(cmd, &n.netns)?;
         super::cgroup::join_on_spawn(cmd, cg)
@@ -91,21 +91,11 @@ impl Lab {
     /// A host client of node `node` (`node-1`): in its network namespace and
     /// its cgroup, so that the node's socket hooks serve it.
     pub fn host_client(&self, node: &str) -> Result<HostClient> {
-        let n = self
-            .info
-            .nodes
-            .iter()
-            .find(|n| n.name == node)
-            .with_context(|| format!("no node {node}"))?;
-        let Some(cg) = &n.cgroup else {
-            bail!("this machine has no cgroup v2 hierarchy: no host clients");
-        };
         let mut cmd = Command::new(bin()?);
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        netns::enter_netns_on_spawn(&mut cmd, &n.netns)?;
-        super::cgroup::join_on_spawn(&mut cmd, cg)?;
+        self.as_host_process(node, &mut cmd)?;
         let mut child = cmd.spawn().context("spawn lab-host-client")?;
         let stdin = child.stdin.take().context("stdin")?;
         let stdout = BufReader::new(child.stdout.take().context("stdout")?);
