@@ -71,9 +71,10 @@ fn cluster_ip_at(desired: &model::DesiredState, addr: std::net::IpAddr) -> bool 
 /// The ClusterIP routes to the host-client device: every one compared at an
 /// initial or full sync (and all of them again when the node's address, their
 /// source, changed), the changed frontends' addresses otherwise. Also the
-/// IPv4 hairpin address, the source a host client's flow to a backend at
-/// the node's own address is given: its answers must come back through the
-/// device too.
+/// IPv4 hairpin address: while the node's address is unknown to the
+/// datapath, a host client's flow to a backend at that address is given it
+/// as its source (otherwise the frontend's), and its answers must come back
+/// through the device too.
 fn sync_routes(
     cfg: &Settings,
     routes: &mut crate::host::svc_device::ServiceRoutes,
