@@ -51,6 +51,12 @@ pub(super) struct Observers {
     pub(super) service_routes: Option<crate::host::svc_device::ServiceRoutes>,
 }
 
+/// Whether a desired frontend is a ClusterIP (routed to the host-client
+/// device).
+fn is_cluster_ip((k, f): (&model::FrontendKey, &model::Frontend)) -> bool {
+    k.scope == proxy_common::SCOPE_INTERNAL && f.flags & proxy_common::svc_flags::CLUSTER_IP != 0
+}
+
 /// Whether a frontend of `desired` at `addr` is a ClusterIP.
 fn cluster_ip_at(desired: &model::DesiredState, addr: std::net::IpAddr) -> bool {
     let at = |port, proto, scope| model::FrontendKey {
@@ -62,10 +68,7 @@ fn cluster_ip_at(desired: &model::DesiredState, addr: std::net::IpAddr) -> bool 
     desired
         .frontends
         .range(at(0, 0, 0)..=at(u16::MAX, u8::MAX, u8::MAX))
-        .any(|(k, f)| {
-            k.scope == proxy_common::SCOPE_INTERNAL
-                && f.flags & proxy_common::svc_flags::CLUSTER_IP != 0
-        })
+        .any(is_cluster_ip)
 }
 
 /// The ClusterIP routes to the host-client device: every one compared at an
@@ -94,10 +97,7 @@ fn sync_routes(
         let mut want: BTreeSet<std::net::IpAddr> = desired
             .frontends
             .iter()
-            .filter(|(k, f)| {
-                k.scope == proxy_common::SCOPE_INTERNAL
-                    && f.flags & proxy_common::svc_flags::CLUSTER_IP != 0
-            })
+            .filter(|&e| is_cluster_ip(e))
             .map(|(k, _)| k.addr)
             .collect();
         if hairpin_routed {

@@ -25,8 +25,8 @@ use std::{
 };
 
 use netlink_packet_core::{
-    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
-    NLM_F_REPLACE, NLM_F_REQUEST,
+    ErrorMessage, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE,
+    NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST,
 };
 use netlink_packet_route::{
     link::LinkMessage,
@@ -113,10 +113,7 @@ impl Rtnl {
                     if let NetlinkPayload::Error(e) = m.payload {
                         let i = m.header.sequence_number.wrapping_sub(first) as usize;
                         if let Some(slot @ None) = got.get_mut(i) {
-                            *slot = Some(match e.code {
-                                None => Ok(()),
-                                Some(c) => Err(io::Error::from_raw_os_error(-c.get())),
-                            });
+                            *slot = Some(nack(&e).map_or(Ok(()), Err));
                             left -= 1;
                         }
                     }
@@ -149,9 +146,7 @@ impl Rtnl {
             let mut err = None;
             each_message(&rx[..len], |m| match m.payload {
                 NetlinkPayload::Done(_) => done = true,
-                NetlinkPayload::Error(e) => {
-                    err = e.code.map(|c| io::Error::from_raw_os_error(-c.get()))
-                }
+                NetlinkPayload::Error(e) => err = nack(&e),
                 NetlinkPayload::InnerMessage(inner) => out.push(inner),
                 _ => {}
             })?;
@@ -186,15 +181,18 @@ impl Rtnl {
                 found = Ok(l.header.index)
             }
             NetlinkPayload::Error(e) => {
-                found = Err(e
-                    .code
-                    .map(|c| io::Error::from_raw_os_error(-c.get()))
-                    .unwrap_or_else(|| io::Error::other("empty answer to RTM_GETLINK")))
+                found =
+                    Err(nack(&e).unwrap_or_else(|| io::Error::other("empty answer to RTM_GETLINK")))
             }
             _ => {}
         })?;
         found
     }
+}
+
+/// The error an answer reports; `None` for an acknowledgement.
+fn nack(e: &ErrorMessage) -> Option<io::Error> {
+    e.code.map(|c| io::Error::from_raw_os_error(-c.get()))
 }
 
 /// Calls `f` on each netlink message in `buf`.
@@ -384,52 +382,45 @@ impl ServiceRoutes {
         m
     }
 
+    /// Routes `addrs` (replacing a route there), with the routes' source
+    /// when `with_src`; returns those the kernel refused that source for
+    /// (EINVAL: the node's address is not on an interface here).
+    fn add(&mut self, addrs: &[IpAddr], with_src: bool, report: &mut RouteReport) -> Vec<IpAddr> {
+        let msgs = addrs
+            .iter()
+            .map(|a| RouteNetlinkMessage::NewRoute(self.message(*a, with_src)))
+            .collect();
+        let outcomes = match self.nl.requests(msgs, NLM_F_CREATE | NLM_F_REPLACE) {
+            Ok(outcomes) => outcomes,
+            Err(e) => {
+                report
+                    .failed
+                    .extend(addrs.iter().map(|a| (*a, e.to_string())));
+                return Vec::new();
+            }
+        };
+        let mut refused_src = Vec::new();
+        for (a, o) in addrs.iter().zip(outcomes) {
+            match o {
+                Ok(()) => {
+                    self.routed.insert(*a);
+                    report.added += 1;
+                }
+                Err(e) if with_src && e.raw_os_error() == Some(libc::EINVAL) => {
+                    refused_src.push(*a)
+                }
+                Err(e) => report.failed.push((*a, e.to_string())),
+            }
+        }
+        refused_src
+    }
+
     /// Routes `add` (replacing a route there) and unroutes `del`.
     fn apply(&mut self, add: Vec<IpAddr>, del: Vec<IpAddr>, report: &mut RouteReport) {
-        let adds: Vec<_> = add
-            .iter()
-            .map(|a| RouteNetlinkMessage::NewRoute(self.message(*a, true)))
-            .collect();
-        match self.nl.requests(adds, NLM_F_CREATE | NLM_F_REPLACE) {
-            Ok(outcomes) => {
-                let mut retry = Vec::new();
-                for (a, o) in add.iter().zip(outcomes) {
-                    match o {
-                        Ok(()) => {
-                            self.routed.insert(*a);
-                            report.added += 1;
-                        }
-                        // The node's address is not (yet) on an interface
-                        // here: the kernel picks the source.
-                        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => retry.push(*a),
-                        Err(e) => report.failed.push((*a, e.to_string())),
-                    }
-                }
-                let msgs = retry
-                    .iter()
-                    .map(|a| RouteNetlinkMessage::NewRoute(self.message(*a, false)))
-                    .collect();
-                match self.nl.requests(msgs, NLM_F_CREATE | NLM_F_REPLACE) {
-                    Ok(outcomes) => {
-                        for (a, o) in retry.iter().zip(outcomes) {
-                            match o {
-                                Ok(()) => {
-                                    self.routed.insert(*a);
-                                    report.added += 1;
-                                }
-                                Err(e) => report.failed.push((*a, e.to_string())),
-                            }
-                        }
-                    }
-                    Err(e) => report
-                        .failed
-                        .extend(retry.iter().map(|a| (*a, e.to_string()))),
-                }
-            }
-            Err(e) => report
-                .failed
-                .extend(add.iter().map(|a| (*a, e.to_string()))),
-        }
+        // Where the node's address is not (yet) on an interface, the kernel
+        // picks the source.
+        let retry = self.add(&add, true, report);
+        self.add(&retry, false, report);
         let dels: Vec<_> = del
             .iter()
             .map(|a| RouteNetlinkMessage::DelRoute(self.message(*a, false)))
