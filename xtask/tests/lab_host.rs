@@ -239,6 +239,28 @@ fn udp_vip(lab: &Lab, service: &str, port: u16, six: bool) -> SocketAddr {
     }
 }
 
+/// Pod `name` of app `app` on `node`, serving UDP port 53.
+fn udp53_pod(app: &str, name: &str, node: &str) -> Pod {
+    Pod::new(name, app).node(node).port(53, "UDP")
+}
+
+/// A two-node lab `name` (dual-stack, and `6` appended, when `six`) with a
+/// UDP Service `app` on port 53 (IPv6-only when `six`) and `pods`.
+fn udp53_lab(name: &str, app: &str, pods: &[Pod], six: bool) -> LabTest {
+    let mut svc = Svc::new(app).selector(app).port(Port::udp("u", 53));
+    if six {
+        svc = svc.ipv6_only();
+    }
+    let lab_test = LabTest::new(&format!("{name}{}", if six { "6" } else { "" }))
+        .nodes(2)
+        .yaml(&svc_and_pods(&svc, pods));
+    if six {
+        lab_test.dual_stack()
+    } else {
+        lab_test
+    }
+}
+
 /// The pod that answered a `hostname` request.
 fn answered_by(r: &HostReply) -> Option<&str> {
     r.text().and_then(|t| t.split_whitespace().next())
@@ -300,19 +322,8 @@ fn until_answered_by(c: &mut HostClient, name: &str, pod: &str, what: &str) -> D
 /// ClusterIP throughout. The agent killed and restarted, the socket goes on
 /// with the agent gone and after.
 fn connected_udp_across_backend_changes(six: bool) {
-    let mut svc = Svc::new("dns").selector("dns").port(Port::udp("u", 53));
-    if six {
-        svc = svc.ipv6_only();
-    }
-    let pod = |name: &str, node: &str| Pod::new(name, "dns").node(node).port(53, "UDP");
-    let yaml = manifests(&[&svc, &pod("dns-1", "node-1")]);
-    let mut lab_test = LabTest::new(if six { "udpc6" } else { "udpc" })
-        .nodes(2)
-        .yaml(&yaml);
-    if six {
-        lab_test = lab_test.dual_stack();
-    }
-    lab_test.run(|lab| {
+    let pod = |name: &str, node: &str| udp53_pod("dns", name, node);
+    udp53_lab("udpc", "dns", &[pod("dns-1", "node-1")], six).run(|lab| {
         let vip = udp_vip(lab, "dns", 53, six);
         let mut c = host(lab, "node-1");
         let r = c.udp_connect("resolver", vip).expect("open");
@@ -419,19 +430,11 @@ fn connected_udp6_keeps_its_socket_across_backend_changes() {
 /// the backend the flow went to is removed, the same socket's next
 /// datagrams go to the other one.
 fn unconnected_udp_keeps_its_port(six: bool) {
-    let mut svc = Svc::new("echo").selector("echo").port(Port::udp("u", 53));
-    if six {
-        svc = svc.ipv6_only();
-    }
-    let pod = |name: &str, node: &str| Pod::new(name, "echo").node(node).port(53, "UDP");
-    let yaml = manifests(&[&svc, &pod("echo-1", "node-1"), &pod("echo-2", "node-2")]);
-    let mut lab_test = LabTest::new(if six { "udpu6" } else { "udpu" })
-        .nodes(2)
-        .yaml(&yaml);
-    if six {
-        lab_test = lab_test.dual_stack();
-    }
-    lab_test.run(|lab| {
+    let pods = [
+        udp53_pod("echo", "echo-1", "node-1"),
+        udp53_pod("echo", "echo-2", "node-2"),
+    ];
+    udp53_lab("udpu", "echo", &pods, six).run(|lab| {
         let vip = udp_vip(lab, "echo", 53, six);
         let node = lab.node_named("node-1").expect("node-1");
         let node_ip: std::net::IpAddr = if six {
