@@ -48,13 +48,25 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
         What::Services => {
             let p = maps.programmed()?;
             let mut out = Vec::new();
-            let row = |addr: SocketAddr, proto: u8, scope: u8, v: &SvcValue, backends| {
-                json!({
+            // `host_alias`, where there is one: the ClusterIP a host
+            // client's UDP to this frontend is aimed at
+            // (`SvcValue::host_alias`).
+            let row = |addr: SocketAddr,
+                       proto: u8,
+                       scope: u8,
+                       v: &SvcValue,
+                       backends,
+                       alias: Option<SocketAddr>| {
+                let mut row = json!({
                     "frontend": format!("{addr}/{}", proto_name(proto)),
                     "scope": if scope == proxy_common::SCOPE_INTERNAL { "internal" } else { "external" },
                     "rev_nat_id": v.rev_nat_id, "flags": v.flags, "backends": backends,
                     "algorithm": LbAlgorithm::of_flags(v.flags).name(),
-                })
+                });
+                if let Some(a) = alias {
+                    row["host_alias"] = json!(a.to_string());
+                }
+                row
             };
             for (k, v) in p.services.iter().filter(|(k, _)| k.slot == 0) {
                 let backends: Vec<String> = (1..=v.count)
@@ -65,7 +77,11 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                     })
                     .collect();
                 let at = SocketAddr::new(k.addr().into(), k.port());
-                out.push(row(at, k.proto, k.scope, v, backends));
+                let alias = (v.host_alias() != 0)
+                    .then(|| p.rev_nat.get(&v.host_alias()))
+                    .flatten()
+                    .map(|r| SocketAddr::new(r.addr().into(), r.port()));
+                out.push(row(at, k.proto, k.scope, v, backends, alias));
             }
             for (k, v) in p.services6.iter().filter(|(k, _)| k.slot == 0) {
                 let backends: Vec<String> = (1..=v.count)
@@ -76,7 +92,11 @@ pub fn run(a: InspectArgs) -> Result<(), BpfError> {
                     })
                     .collect();
                 let at = SocketAddr::new(k.addr().into(), k.port());
-                out.push(row(at, k.proto, k.scope, v, backends));
+                let alias = (v.host_alias() != 0)
+                    .then(|| p.rev_nat6.get(&v.host_alias()))
+                    .flatten()
+                    .map(|r| SocketAddr::new(r.addr().into(), r.port()));
+                out.push(row(at, k.proto, k.scope, v, backends, alias));
             }
             json!(out)
         }

@@ -46,6 +46,7 @@ fn frontend(k: &FrontendKey, backends: &[u8]) -> Frontend {
         affinity_timeout_s: 0,
         source_ranges: Vec::new(),
         retained: Vec::new(),
+        host_alias: None,
     }
 }
 
@@ -1437,6 +1438,7 @@ mod scale {
                     flags: 0,
                     affinity_timeout_s: 0,
                     source_ranges: Vec::new(),
+                    host_alias: None,
                 },
             );
             d.service_order
@@ -1847,4 +1849,67 @@ fn more_than_65535_frontends_get_ids_of_their_own_below_the_map_size() {
     let e = r.errors[0].1.to_string();
     assert!(e.contains("REVNAT4") && e.contains("65535"), "{e}");
     assert!(w.rev_nat_ids().values().all(|id| (1..=65_535).contains(id)));
+}
+
+/// Issue 42: slot 0 of a frontend with a host alias names the reverse-NAT
+/// id of that ClusterIP frontend, only while the ClusterIP is its own
+/// Service's: another Service owning the address gets 0 (one Service's host
+/// UDP is never aimed at another's ClusterIP), as does a ClusterIP that is
+/// gone. The entry an alias names is never deleted while it names it (the
+/// in-memory dataplane checks this after every operation), so its id is
+/// never another frontend's meanwhile.
+#[test]
+fn host_alias_names_its_own_services_cluster_ip_only() {
+    let cluster_ip = key(1, 53, IPPROTO_UDP);
+    let node_port = key(2, 30053, IPPROTO_UDP);
+    let mut d = desired(&[(cluster_ip, &[1, 2]), (node_port, &[1, 2])]);
+    let service = d.frontends[&cluster_ip].service.clone();
+    {
+        let np = d.frontends.get_mut(&node_port).unwrap();
+        np.service = service.clone();
+        np.host_alias = Some(cluster_ip);
+    }
+    let mut w = Writer::adopt(InMemory::default()).unwrap();
+    let alias = |w: &Writer<InMemory>| {
+        w.dataplane().programmed().services[&svc(&node_port, 0)].host_alias()
+    };
+    let rev_of = |w: &Writer<InMemory>, k: &FrontendKey| {
+        w.dataplane().programmed().services[&svc(k, 0)].rev_nat_id
+    };
+    assert!(w.sync(&d).errors.is_empty());
+    assert_ne!(alias(&w), 0);
+    assert_eq!(alias(&w), rev_of(&w, &cluster_ip));
+    assert_eq!(
+        w.dataplane().programmed().services[&svc(&cluster_ip, 0)].host_alias(),
+        0,
+        "the ClusterIP names none"
+    );
+
+    // Another Service owns the ClusterIP's address: the alias goes, when
+    // the frontends naming it are synced again (the model names them).
+    d.frontends.get_mut(&cluster_ip).unwrap().service = "default/other".into();
+    let changed = [cluster_ip, node_port].into_iter().collect();
+    let none = Default::default();
+    let changes = proxy_agent::dataplane::Changes {
+        frontends: &changed,
+        local_endpoints: &none,
+    };
+    assert!(w.sync_changed(&d, changes).errors.is_empty());
+    assert_eq!(alias(&w), 0, "aimed at another Service's ClusterIP");
+    d.frontends.get_mut(&cluster_ip).unwrap().service = service;
+    assert!(w.sync_changed(&d, changes).errors.is_empty());
+    assert_eq!(alias(&w), rev_of(&w, &cluster_ip));
+
+    // The ClusterIP gone (the NodePort still naming it): no alias, and its
+    // reverse-NAT entry goes once nothing names it.
+    let gone = rev_of(&w, &cluster_ip);
+    d.frontends.remove(&cluster_ip);
+    assert!(w.sync_changed(&d, changes).errors.is_empty());
+    assert_eq!(alias(&w), 0);
+    assert!(!w.dataplane().programmed().rev_nat.contains_key(&gone));
+    assert!(
+        w.dataplane().violations().is_empty(),
+        "{:?}",
+        w.dataplane().violations()
+    );
 }

@@ -335,7 +335,8 @@ pub mod svc_flags {
 /// Value of the services map.
 ///
 /// Slot 0 (the frontend): `count` backends, `rev_nat_id`, `flags`,
-/// `affinity_timeout_s`; `backend_id` is 0. Slot n ≥ 1: `backend_id` only.
+/// `affinity_timeout_s`, and in `backend_id` its host alias
+/// ([`SvcValue::host_alias`]). Slot n ≥ 1: `backend_id` only.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct SvcValue {
@@ -377,6 +378,22 @@ impl SvcValue {
     pub const fn with_maglev_size(mut self, size: u16) -> Self {
         self.maglev_size = size;
         self
+    }
+    /// This slot 0 with the host alias `rev_nat_id` (see
+    /// [`SvcValue::host_alias`]).
+    pub const fn with_host_alias(mut self, rev_nat_id: RevNatId) -> Self {
+        self.backend_id = rev_nat_id;
+        self
+    }
+    /// Slot 0 of an internal-scope NodePort, externalIP or load-balancer IP
+    /// frontend: the reverse-NAT id of its Service's ClusterIP frontend
+    /// (same family, port and protocol, same backends), to which the socket
+    /// hooks aim a host client's UDP so that its datagrams are translated
+    /// one by one like any to the ClusterIP; 0: none (the socket is aimed
+    /// at a backend). Slot 0 has no backend of its own, so its
+    /// `backend_id` carries it.
+    pub const fn host_alias(&self) -> RevNatId {
+        self.backend_id
     }
     pub const fn slot(backend_id: u32) -> Self {
         Self {
@@ -990,8 +1007,9 @@ pub mod stat {
     /// to its source points, so that strict reverse-path filters accept it.
     pub const REDIRECT_HOST: u32 = 52;
     /// A host client's UDP `connect()` or send to a ClusterIP, left
-    /// untranslated by the socket hooks: its packets are translated one by
-    /// one on the host-client device.
+    /// untranslated by the socket hooks, or to a frontend with a host alias,
+    /// aimed at that ClusterIP: its packets are translated one by one on
+    /// the host-client device.
     pub const SOCK_PER_PACKET: u32 = 53;
 
     /// Human names, indexed by code; `""` for unused codes.

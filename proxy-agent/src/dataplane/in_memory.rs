@@ -226,6 +226,12 @@ impl InMemory {
                     value.rev_nat_id
                 )),
             }
+            let alias = value.host_alias();
+            if alias != 0 && !self.state.rev_nat.contains_key(&alias) {
+                self.violations.push(format!(
+                    "after {op:?}: {key:?} host alias {alias} names no reverse-NAT entry"
+                ));
+            }
         }
         self.check6(op, check);
     }
@@ -276,6 +282,12 @@ impl InMemory {
                     "after {op:?}: {key:?} rev_nat_id {} has IPv6 entry {other:?}",
                     value.rev_nat_id
                 )),
+            }
+            let alias = value.host_alias();
+            if alias != 0 && !self.state.rev_nat6.contains_key(&alias) {
+                self.violations.push(format!(
+                    "after {op:?}: {key:?} host alias {alias} names no IPv6 reverse-NAT entry"
+                ));
             }
         }
     }

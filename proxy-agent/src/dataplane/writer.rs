@@ -326,6 +326,11 @@ pub struct Writer<D: Dataplane> {
     /// Reverse-NAT id → the frontends whose programmed slot 0 names it; kept
     /// with `frontends` by [`Writer::mirror_slot0`].
     slot0_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>>,
+    /// Reverse-NAT id → the frontends whose programmed slot 0 names it as
+    /// their host alias ([`SvcValue::host_alias`]); kept by
+    /// [`Writer::mirror_slot0`]. An entry so named is not deleted, so its
+    /// id is not given to another frontend while an alias names it.
+    alias_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>>,
     /// The desired frontends by backend address, as of the last sync.
     users: Users,
     /// Frontends the last sync failed or did not finish (and those using a
@@ -461,12 +466,16 @@ impl<D: Dataplane> Writer<D> {
         let maglev_tables = maglev::adopt_tables(&frontends, &programmed.maglev);
         let mut slot_refs: BTreeMap<u32, usize> = BTreeMap::new();
         let mut slot0_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>> = BTreeMap::new();
+        let mut alias_by_rev: BTreeMap<RevNatId, VecSet<FrontendKey>> = BTreeMap::new();
         for (key, e) in &frontends {
             for id in e.slots.values() {
                 *slot_refs.entry(*id).or_default() += 1;
             }
             if let Some(v) = e.slot0 {
                 slot0_by_rev.entry(v.rev_nat_id).or_default().insert(*key);
+                if v.host_alias() != 0 {
+                    alias_by_rev.entry(v.host_alias()).or_default().insert(*key);
+                }
             }
         }
         Ok(Self {
@@ -484,6 +493,7 @@ impl<D: Dataplane> Writer<D> {
             affinity_ids,
             slot_refs,
             slot0_by_rev,
+            alias_by_rev,
             users: Users::default(),
             unfinished: BTreeSet::new(),
             loose: Loose::default(),
@@ -768,6 +778,12 @@ impl<D: Dataplane> Writer<D> {
                     .entry(v.rev_nat_id)
                     .or_default()
                     .insert(*key);
+                if v.host_alias() != 0 {
+                    self.alias_by_rev
+                        .entry(v.host_alias())
+                        .or_default()
+                        .insert(*key);
+                }
                 self.loose.rev_nat.insert(v.rev_nat_id);
                 self.frontends.entry(*key).or_default().slot0.replace(v)
             }
@@ -775,6 +791,16 @@ impl<D: Dataplane> Writer<D> {
         };
         if let Some(old) = old {
             self.loose.rev_nat.insert(old.rev_nat_id);
+            let alias = old.host_alias();
+            if alias != 0 && value.map(|v| v.host_alias()) != Some(alias) {
+                self.loose.rev_nat.insert(alias);
+                if let Some(keys) = self.alias_by_rev.get_mut(&alias) {
+                    keys.remove(key);
+                    if keys.is_empty() {
+                        self.alias_by_rev.remove(&alias);
+                    }
+                }
+            }
             if value.map(|v| v.rev_nat_id) != Some(old.rev_nat_id) {
                 if let Some(keys) = self.slot0_by_rev.get_mut(&old.rev_nat_id) {
                     keys.remove(key);
@@ -786,9 +812,11 @@ impl<D: Dataplane> Writer<D> {
         }
     }
 
-    /// How many programmed slot 0 entries name reverse-NAT id `id`.
+    /// How many programmed slot 0 entries name reverse-NAT id `id`, as
+    /// their own or as their host alias.
     fn slot0_refs(&self, id: RevNatId) -> usize {
         self.slot0_by_rev.get(&id).map_or(0, VecSet::len)
+            + self.alias_by_rev.get(&id).map_or(0, VecSet::len)
     }
 
     /// Forgets `key`'s reverse-NAT id (its entry was deleted); the id is

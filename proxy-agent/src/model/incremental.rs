@@ -184,6 +184,9 @@ pub struct Incremental {
     local: LocalCounts,
     pod_warnings: BTreeMap<ObjectKey, Vec<ModelWarning>>,
     desired: DesiredState,
+    /// ClusterIP frontends whose owner changed in this update, with the
+    /// Services that lost and won them ([`Incremental::name_moved_aliases`]).
+    moved_aliases: Vec<(FrontendKey, Vec<ObjectKey>)>,
 }
 
 impl Incremental {
@@ -209,6 +212,7 @@ impl Incremental {
             local: LocalCounts::default(),
             pod_warnings: BTreeMap::new(),
             desired: DesiredState::default(),
+            moved_aliases: Vec::new(),
         }
     }
 
@@ -654,6 +658,7 @@ impl Incremental {
         for owned in owned_touched {
             self.resolve(owned, up);
         }
+        self.name_moved_aliases(up);
         for port in ports_touched {
             self.resolve_health_check(port, up);
         }
@@ -828,12 +833,64 @@ impl Incremental {
                 }
             }
         }
+        let owned_by = before[0].as_ref().map(|f| f.service.clone());
         for ((key, before), wanted) in keys.into_iter().zip(before).zip(wanted) {
             if before != wanted {
                 up.frontends.insert(key);
             }
             if let Some(fe) = wanted {
                 self.desired.frontends.insert(key, fe);
+            }
+        }
+        // A ClusterIP frontend whose owner changed: the frontends naming it
+        // as their host alias are named once every address is resolved.
+        if up.frontends.contains(&keys[0]) {
+            // Its owners by name: a Service computed again (all of them,
+            // after a change of the Node) has no claim installed, so
+            // `previous` does not name the one that owned it.
+            let owner = |service: Option<&Arc<str>>| {
+                service
+                    .and_then(|s| s.split_once('/'))
+                    .map(|(ns, name)| (Arc::from(ns), Arc::from(name)))
+            };
+            let services = [
+                owner(owned_by.as_ref()),
+                owner(self.desired.frontends.get(&keys[0]).map(|f| &f.service)),
+            ];
+            self.moved_aliases
+                .push((keys[0], services.into_iter().flatten().collect()));
+        }
+    }
+
+    /// Names in `up` the frontends of the Services that won or lost a
+    /// ClusterIP frontend ([`Incremental::install`]) which name it as their
+    /// host alias: the writer names it in their slot 0 only while their own
+    /// Service owns it (one Service's host UDP is never aimed at another's
+    /// ClusterIP), so they are written again.
+    fn name_moved_aliases(&mut self, up: &mut Update) {
+        for (alias, services) in std::mem::take(&mut self.moved_aliases) {
+            for k in &services {
+                let Some(out) = self.outputs.get(k) else {
+                    continue;
+                };
+                for (addr, port, proto) in out.claims.keys() {
+                    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+                        let key = FrontendKey {
+                            addr: *addr,
+                            port: *port,
+                            proto: *proto,
+                            scope,
+                        };
+                        if self
+                            .desired
+                            .frontends
+                            .get(&key)
+                            .is_some_and(|f| f.host_alias == Some(alias))
+                        {
+                            up.frontends.insert(key);
+                        }
+                    }
+                }
             }
         }
     }

@@ -516,11 +516,12 @@ pub(super) fn service_output(
             };
             let mut internal = with_backends(&base, internal_list, &categorized, &endpoints);
             internal.flags |= alg_internal.flags() | svc_flags::CLUSTER_IP;
-            claim(
-                frontend_key(*cluster_ip, svc_port, proto, SCOPE_INTERNAL),
-                internal,
-                true,
-            );
+            let cluster_ip_key = frontend_key(*cluster_ip, svc_port, proto, SCOPE_INTERNAL);
+            // Whether the ClusterIP chooses as the short circuit below does
+            // (not so under `internalTrafficPolicy: Local` with endpoints
+            // elsewhere): the host alias of the north-south frontends.
+            let same_choice = *internal_list == categorized.cluster;
+            claim(cluster_ip_key, internal, true);
 
             // North-south: (address, port, what it is), of this family.
             let of_family = |a: &&IpAddr| IpFamily::of(**a) == family;
@@ -554,6 +555,12 @@ pub(super) fn service_output(
             let mut short_circuit =
                 with_backends(&base, &categorized.cluster, &categorized, &endpoints);
             short_circuit.flags |= alg_internal.flags();
+            // A host client's UDP to these is aimed at the ClusterIP and
+            // translated per packet there (issue 42), when the ClusterIP
+            // chooses among the same backends.
+            if proto == proxy_common::IPPROTO_UDP && same_choice {
+                short_circuit.host_alias = Some(cluster_ip_key);
+            }
             if !targets.is_empty() {
                 // From outside: externalTrafficPolicy (`Local` only matters
                 // on an externally accessible port, which this one is).

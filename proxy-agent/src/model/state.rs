@@ -157,6 +157,14 @@ pub struct Frontend {
     /// only: kube-proxy applies the ranges to load-balancer IPs, not to
     /// NodePorts or externalIPs. Empty elsewhere.
     pub source_ranges: Vec<(IpAddr, u8)>,
+    /// Internal-scope UDP NodePort, externalIP and load-balancer-IP
+    /// frontends (and localhost NodePorts): the Service's ClusterIP frontend
+    /// of the same family, port and protocol, when it balances over the
+    /// same backends. A host client's UDP to this frontend is aimed at that
+    /// ClusterIP by the socket hooks and translated per packet there
+    /// ([`proxy_common::SvcValue::host_alias`]), so its socket keeps working
+    /// when a backend goes. `None` elsewhere.
+    pub host_alias: Option<FrontendKey>,
 }
 
 /// A `healthCheckNodePort` this node serves (kube-proxy

@@ -335,6 +335,26 @@ fn run(seed: u64, steps: usize, opts: ModelOptions) {
             changed.is_subset(&named),
             "seed {seed} step {step}: changed {changed:?}, update named {named:?} after {what}"
         );
+        // A frontend whose Service won or lost its host alias's ClusterIP
+        // is named too: the writer names the alias in its slot 0 only
+        // while its own Service owns that ClusterIP.
+        for (k, f) in &now.frontends {
+            let Some(alias) = f.host_alias else {
+                continue;
+            };
+            let owns = |d: &DesiredState| {
+                d.frontends
+                    .get(&alias)
+                    .is_some_and(|c| c.service == f.service)
+            };
+            if owns(&before) != owns(now) {
+                assert!(
+                    update.frontends.contains(k),
+                    "seed {seed} step {step}: {k} of {} won or lost its host alias {alias}, not named, after {what}",
+                    f.service
+                );
+            }
+        }
         let named: BTreeSet<String> = update
             .local_endpoints
             .iter()

@@ -20,6 +20,28 @@ use super::{
 use crate::model::{BackendAddr, DesiredState, FrontendKey};
 
 impl<D: Dataplane> Writer<D> {
+    /// The host alias of frontend `key` for its slot 0
+    /// ([`SvcValue::host_alias`]): the reverse-NAT id of the ClusterIP
+    /// frontend it names, while that frontend is its own Service's (the
+    /// desired state's owner: another Service claiming the address never
+    /// receives this one's host UDP) and has its reverse-NAT entry (an id
+    /// is kept only once it is written); 0 otherwise, and the socket hooks
+    /// aim the host's UDP at a backend.
+    fn host_alias(&self, key: &FrontendKey, desired: &DesiredState) -> RevNatId {
+        let fe = &desired.frontends[key];
+        fe.host_alias
+            .filter(|a| {
+                a.family() == key.family()
+                    && a.proto == key.proto
+                    && desired
+                        .frontends
+                        .get(a)
+                        .is_some_and(|c| c.service == fe.service)
+            })
+            .and_then(|a| self.rev_nat_ids.get(&a))
+            .unwrap_or(0)
+    }
+
     /// Every backend the frontends of `s.order` need, with its entry (see
     /// [`Writer::wanted_backend`]: those in slots are active; terminating
     /// ones that flows may still use (`retained`) stay in the map without a
@@ -324,7 +346,8 @@ impl<D: Dataplane> Writer<D> {
             let fe = &desired.frontends[key];
             // A target that did not fail has a reverse-NAT id.
             let rev = self.rev_nat_ids.as_map()[key];
-            let value = SvcValue::frontend(target.count, rev, fe.flags, fe.affinity_timeout_s);
+            let value = SvcValue::frontend(target.count, rev, fe.flags, fe.affinity_timeout_s)
+                .with_host_alias(self.host_alias(key, desired));
             // A Maglev frontend reads its new table once this is written.
             let Some(value) = self.with_maglev_table(key, value, s) else {
                 continue;
