@@ -28,10 +28,14 @@
 //! device (`HOST_UDP_PER_PACKET`): the socket keeps the ClusterIP, and its
 //! datagrams are translated one by one by the pod program on that device,
 //! so a backend change moves the next datagram of a connected socket, as
-//! with kube-proxy. Other connected UDP sockets (to externalIPs,
-//! load-balancer IPs, NodePorts) keep the backend they were aimed at; the
-//! agent destroys those whose backend is removed (socket diag
-//! `SOCK_DESTROY`), so the application sees an error and reconnects
+//! with kube-proxy. UDP to a NodePort (localhost's included), externalIP
+//! or load-balancer IP is aimed at its Service's ClusterIP, when the agent
+//! named it as the frontend's host alias (the ClusterIP chooses among the
+//! same backends), and so translated per packet too; the reverse hooks
+//! show the frontend the socket asked for. Other connected UDP sockets
+//! (`deliveryMode: stack`, no device, no alias) keep the backend they were
+//! aimed at; the agent destroys those whose backend is removed (socket
+//! diag `SOCK_DESTROY`), so the application sees an error and reconnects
 //! instead of sending into a void.
 
 // Map keys and values are passed by reference (`get_ptr(&key)`): by value,
@@ -53,7 +57,9 @@ use proxy_common::{
 use crate::{
     family::{Family, FiveTuple, V4, V6},
     lb,
-    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SVC4_V2, SVC6_V2},
+    maps::{
+        account, count, CONFIG_V3, REVNAT6_V2, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SVC4_V2, SVC6_V2,
+    },
     verdict::Verdict,
 };
 
@@ -187,6 +193,19 @@ trait SockFamily: Family {
     ) -> bool;
     /// The frontend socket `cookie` was aimed at `addr`:`port_be` from.
     fn recall(cookie: u64, addr: &Self::Addr, port_be: u16) -> Option<(Self::Addr, u16)>;
+    /// The ClusterIP frontend (address, port) that a frontend with host
+    /// alias `id` ([`SvcValue::host_alias`]) names: its reverse-NAT entry,
+    /// if a ClusterIP frontend with backends is programmed there under
+    /// that id (an alias left from a change the agent is still writing
+    /// names nothing, and the socket is aimed at a backend).
+    fn alias(proto: u8, id: RevNatId) -> Option<(Self::Addr, u16)>;
+}
+
+/// Whether `fe` is a ClusterIP frontend with backends, under reverse-NAT id
+/// `id`: what a host alias may name.
+#[inline(always)]
+fn alias_target(fe: &SvcValue, id: RevNatId) -> bool {
+    fe.flags & svc_flags::CLUSTER_IP != 0 && fe.rev_nat_id == id && fe.count != 0
 }
 
 /// The services-map key of a host client's frontend: internal scope, slot 0.
@@ -287,6 +306,14 @@ impl SockFamily for V4 {
             .get_ptr(&key)
             .map(|v| unsafe { ((*v).addr_be, (*v).port_be) })
     }
+
+    #[inline(always)]
+    fn alias(proto: u8, id: RevNatId) -> Option<(u32, u16)> {
+        let r = lb::rev_nat(id)?;
+        Self::frontend(proto, &r.addr_be, r.port_be)
+            .is_some_and(|fe| alias_target(&fe, id))
+            .then_some((r.addr_be, r.port_be))
+    }
 }
 
 impl SockFamily for V6 {
@@ -360,6 +387,15 @@ impl SockFamily for V6 {
             .get_ptr(&key)
             .map(|v| unsafe { ((*v).addr_be, (*v).port_be) })
     }
+
+    #[inline(always)]
+    fn alias(proto: u8, id: RevNatId) -> Option<(Addr6, u16)> {
+        // SAFETY: map value pointer, copied.
+        let r = REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })?;
+        Self::frontend(proto, &r.addr_be, r.port_be)
+            .is_some_and(|fe| alias_target(&fe, id))
+            .then_some((r.addr_be, r.port_be))
+    }
 }
 
 /// What a socket hook does with a destination.
@@ -399,16 +435,13 @@ fn aim<F: SockFamily>(
     let Some(fe) = F::frontend(proto, daddr, dport_be) else {
         return Forward::Proceed;
     };
-    if proto == IPPROTO_UDP
-        && fe.flags & svc_flags::CLUSTER_IP != 0
-        && fe.count != 0
-        && per_packet_udp()
-    {
+    // Without a backend the call is refused below, at once: an unconnected
+    // socket never hears of the datapath's ICMP reject.
+    let per_packet = proto == IPPROTO_UDP && fe.count != 0 && per_packet_udp();
+    if per_packet && fe.flags & svc_flags::CLUSTER_IP != 0 {
         // Its packets meet the pod program on the host-client device: a
         // connected socket stays connected to the ClusterIP, and a
         // backend change moves its next datagram, as with kube-proxy.
-        // Without a backend the call is refused below, at once: an
-        // unconnected socket never hears of the datapath's ICMP reject.
         count(stat::SOCK_PER_PACKET);
         return Forward::Proceed;
     }
@@ -418,6 +451,19 @@ fn aim<F: SockFamily>(
     }
     // SAFETY: helper on this program's context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if per_packet && fe.host_alias() != 0 {
+        // A NodePort, externalIP or load-balancer IP whose Service's
+        // ClusterIP chooses among the same backends: the socket is aimed
+        // at that ClusterIP, whose datagrams are translated one by one, and
+        // sees the frontend it asked for (the reverse hooks).
+        if let Some((cip, cport_be)) = F::alias(proto, fe.host_alias()) {
+            if !F::remember(cookie, &cip, cport_be, daddr, dport_be, fe.rev_nat_id) {
+                count(stat::SOCK_REVNAT_INSERT_FAILED);
+            }
+            count(stat::SOCK_PER_PACKET);
+            return Forward::To(cip, cport_be);
+        }
+    }
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let (backend_id, b, bport_be) =

@@ -239,15 +239,48 @@ fn udp_vip(lab: &Lab, service: &str, port: u16, six: bool) -> SocketAddr {
     }
 }
 
+/// Which frontend of a UDP Service on port 53 (NodePort [`NODE_PORT`]) a
+/// host client of node-1 sends to.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Via {
+    /// Its ClusterIP.
+    ClusterIp,
+    /// node-1's `nodeIP:nodePort` (its IPv6 address in IPv6 labs).
+    NodePort,
+    /// `127.0.0.1:nodePort` (IPv4 only, as kube-proxy's
+    /// `localhostNodePorts`).
+    LocalhostNodePort,
+}
+
+/// The address of `service`'s frontend `via` (of IPv6 when `six`).
+fn udp_target(lab: &Lab, service: &str, six: bool, via: Via) -> SocketAddr {
+    let node = lab.node_named("node-1").expect("node-1");
+    match via {
+        Via::ClusterIp => udp_vip(lab, service, 53, six),
+        Via::NodePort if six => {
+            SocketAddr::new(node.ip6.expect("node-1's IPv6 address").into(), NODE_PORT)
+        }
+        Via::NodePort => SocketAddr::new(node.ip.into(), NODE_PORT),
+        Via::LocalhostNodePort => SocketAddrV4::new(Ipv4Addr::LOCALHOST, NODE_PORT).into(),
+    }
+}
+
 /// Pod `name` of app `app` on `node`, serving UDP port 53.
 fn udp53_pod(app: &str, name: &str, node: &str) -> Pod {
     Pod::new(name, app).node(node).port(53, "UDP")
 }
 
 /// A two-node lab `name` (dual-stack, and `6` appended, when `six`) with a
-/// UDP Service `app` on port 53 (IPv6-only when `six`) and `pods`.
-fn udp53_lab(name: &str, app: &str, pods: &[Pod], six: bool) -> LabTest {
-    let mut svc = Svc::new(app).selector(app).port(Port::udp("u", 53));
+/// UDP Service `app` on port 53 (IPv6-only when `six`; of type NodePort,
+/// [`NODE_PORT`], unless `via` is its ClusterIP) and `pods`.
+fn udp53_lab(name: &str, app: &str, pods: &[Pod], six: bool, via: Via) -> LabTest {
+    let mut svc = Svc::new(app).selector(app);
+    svc = if via == Via::ClusterIp {
+        svc.port(Port::udp("u", 53))
+    } else {
+        svc.service_type("NodePort")
+            .port(Port::udp("u", 53).node_port(NODE_PORT))
+    };
     if six {
         svc = svc.ipv6_only();
     }
@@ -320,11 +353,18 @@ fn until_answered_by(c: &mut HostClient, name: &str, pod: &str, what: &str) -> D
 /// endpoint, the socket reads ECONNREFUSED (the datapath's ICMP reject, as
 /// kube-proxy's), and then it simply goes on. `getpeername()` is the
 /// ClusterIP throughout. The agent killed and restarted, the socket goes on
-/// with the agent gone and after.
-fn connected_udp_across_backend_changes(six: bool) {
+/// with the agent gone and after. The same holds for a socket connected to
+/// a NodePort (the node's address, or 127.0.0.1): the socket hooks aim it
+/// at the Service's ClusterIP, and its peer is still the NodePort.
+fn connected_udp_across_backend_changes(six: bool, via: Via) {
     let pod = |name: &str, node: &str| udp53_pod("dns", name, node);
-    udp53_lab("udpc", "dns", &[pod("dns-1", "node-1")], six).run(|lab| {
-        let vip = udp_vip(lab, "dns", 53, six);
+    let name = match via {
+        Via::ClusterIp => "udpc",
+        Via::NodePort => "udpcn",
+        Via::LocalhostNodePort => "udpcl",
+    };
+    udp53_lab(name, "dns", &[pod("dns-1", "node-1")], six, via).run(|lab| {
+        let vip = udp_target(lab, "dns", six, via);
         let mut c = host(lab, "node-1");
         let r = c.udp_connect("resolver", vip).expect("open");
         assert_eq!(
@@ -399,9 +439,17 @@ fn connected_udp_across_backend_changes(six: bool) {
         lab.wait_ready(lab.sync_timeout()).expect("ready");
         until_answered_by(&mut c, "resolver", "dns-4", "a new agent took over");
         assert_eq!(
-            stat(lab, "node-1", "sock_sendmsg"),
+            c.udp_peer("resolver").expect("getpeername"),
+            HostReply::Ok {
+                peer: vip.to_string(),
+                text: String::new()
+            },
+            "getpeername after everything"
+        );
+        assert_eq!(
+            stat(lab, "node-1", "sock_sendmsg") + stat(lab, "node-1", "sock_connect"),
             0,
-            "no datagram was aimed by the socket hooks"
+            "no socket was aimed at a backend by the socket hooks"
         );
         assert!(
             stat(lab, "node-1", "redirect_host") > 0,
@@ -413,13 +461,25 @@ fn connected_udp_across_backend_changes(six: bool) {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn connected_udp_keeps_its_socket_across_backend_changes() {
-    connected_udp_across_backend_changes(false);
+    connected_udp_across_backend_changes(false, Via::ClusterIp);
 }
 
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn connected_udp6_keeps_its_socket_across_backend_changes() {
-    connected_udp_across_backend_changes(true);
+    connected_udp_across_backend_changes(true, Via::ClusterIp);
+}
+
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn connected_udp_to_localhost_node_port_keeps_its_socket_across_backend_changes() {
+    connected_udp_across_backend_changes(false, Via::LocalhostNodePort);
+}
+
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn connected_udp6_to_a_node_port_keeps_its_socket_across_backend_changes() {
+    connected_udp_across_backend_changes(true, Via::NodePort);
 }
 
 /// An unconnected host socket's `sendto()` to a ClusterIP (issue 42): the
@@ -428,14 +488,20 @@ fn connected_udp6_keeps_its_socket_across_backend_changes() {
 /// host's own sockets never use one, so a socket the hooks aimed at the
 /// same backend from the same port cannot take this flow's answers). When
 /// the backend the flow went to is removed, the same socket's next
-/// datagrams go to the other one.
-fn unconnected_udp_keeps_its_port(six: bool) {
+/// datagrams go to the other one. Sent to a NodePort, every answer comes
+/// from the NodePort.
+fn unconnected_udp_keeps_its_port(six: bool, via: Via) {
     let pods = [
         udp53_pod("echo", "echo-1", "node-1"),
         udp53_pod("echo", "echo-2", "node-2"),
     ];
-    udp53_lab("udpu", "echo", &pods, six).run(|lab| {
-        let vip = udp_vip(lab, "echo", 53, six);
+    let name = if via == Via::ClusterIp {
+        "udpu"
+    } else {
+        "udpun"
+    };
+    udp53_lab(name, "echo", &pods, six, via).run(|lab| {
+        let vip = udp_target(lab, "echo", six, via);
         let node = lab.node_named("node-1").expect("node-1");
         let node_ip: std::net::IpAddr = if six {
             node.ip6.expect("node-1's IPv6 address").into()
@@ -505,13 +571,19 @@ fn unconnected_udp_keeps_its_port(six: bool) {
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn unconnected_udp_keeps_its_port_and_sees_the_cluster_ip() {
-    unconnected_udp_keeps_its_port(false);
+    unconnected_udp_keeps_its_port(false, Via::ClusterIp);
 }
 
 #[test]
 #[ignore = "needs root: run with cargo xtask test"]
 fn unconnected_udp6_keeps_its_port_and_sees_the_cluster_ip() {
-    unconnected_udp_keeps_its_port(true);
+    unconnected_udp_keeps_its_port(true, Via::ClusterIp);
+}
+
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn unconnected_udp_to_a_node_port_keeps_its_port_and_sees_the_node_port() {
+    unconnected_udp_keeps_its_port(false, Via::NodePort);
 }
 
 /// A DNS server from Debian (dnsmasq) in pod `pod`'s namespace, on port 53

@@ -18,6 +18,7 @@
 //! - `udpc-open <name> <ip:port>`: a connected UDP socket kept as `name`.
 //!   `ok <peer>`.
 //! - `udpc <name> <request>`: send and receive on it. `ok - <reply>`.
+//! - `udpc-peer <name>`: its `getpeername()`. `ok <peer>`.
 //! - `udpu-open <name> <ip:port>`: an unconnected UDP socket of that
 //!   address's family, bound now to an ephemeral port, kept as `name`.
 //!   `ok <local address>`.
@@ -208,6 +209,13 @@ fn main() {
                     };
                     go().unwrap_or_else(err)
                 }
+            },
+            "udpc-peer" => match sockets.get(a) {
+                None => format!("err other 0 no socket {a:?}"),
+                Some(s) => s
+                    .peer_addr()
+                    .map(|peer| format!("ok {peer}"))
+                    .unwrap_or_else(err),
             },
             _ => format!("err other 0 unknown command {cmd:?}"),
         };

@@ -171,6 +171,12 @@ impl HostClient {
         self.ask(&format!("tcps {name} {line}"))
     }
 
+    /// `getpeername()` of the connected UDP socket `name`, as the reply's
+    /// `peer`.
+    pub fn udp_peer(&mut self, name: &str) -> Result<HostReply> {
+        self.ask(&format!("udpc-peer {name}"))
+    }
+
     /// A request on the connected UDP socket `name` (`peer` is `-`).
     pub fn udp_send(&mut self, name: &str, request: &str) -> Result<HostReply> {
         self.ask(&format!("udpc {name} {request}"))

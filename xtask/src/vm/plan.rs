@@ -77,12 +77,14 @@ const LAB_SMOKE: &str = "s1_basic_endpoint_added_and_removed";
 const LAB_IPV6_SMOKE: &str = "d_lab_3_dual_stack_service_answers_on_both_cluster_ips";
 
 /// The host-client lab tests the kernel matrix runs beside the smoke: a
-/// host's connected UDP sockets to an IPv4 and an IPv6 ClusterIP across
+/// host's connected UDP sockets to an IPv4 and an IPv6 ClusterIP, and to a
+/// localhost NodePort (aimed at its ClusterIP by the socket hooks), across
 /// backend changes, through the host-client device (issue 42), whose
 /// per-packet path the verifier step's load (no device) leaves out.
 const LAB_HOST_TESTS: &[&str] = &[
     "connected_udp_keeps_its_socket_across_backend_changes",
     "connected_udp6_keeps_its_socket_across_backend_changes",
+    "connected_udp_to_localhost_node_port_keeps_its_socket_across_backend_changes",
 ];
 
 /// The SCTP lab test run before the guest loads sctp: the proxy must not
