@@ -1,9 +1,9 @@
 //! IPv6 map types: the IPv4 ones (in the crate root) with 128-bit addresses.
 //! The values that hold no address are shared with IPv4: a frontend's slots
-//! are [`crate::SvcValue`], a conntrack entry is a [`crate::Ct4Value`]
-//! (its `nat_addr_be` unused, see [`Ct6Key`]), and backend ids, reverse-NAT
-//! ids, Maglev tables, round-robin cursors and traffic counters share the
-//! IPv4 maps' id spaces and maps.
+//! are [`crate::SvcValue`]; a conntrack entry is a [`Ct6Value`] (the IPv4
+//! one with an IPv6 `nat_addr_be`); and backend ids, reverse-NAT ids, Maglev
+//! tables, round-robin cursors and traffic counters share the IPv4 maps' id
+//! spaces and maps.
 //!
 //! Addresses are four `u32` words in network byte order (the packet's 16
 //! bytes, read as native words): compared and copied a word at a time by the

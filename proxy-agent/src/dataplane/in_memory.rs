@@ -5,8 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     lb::{alg, maglev_chunks, MaglevChunk, MaglevKey, MAGLEV_CHUNK},
-    map_names, svc_flags, Backend4, Backend6, RevNat4, RevNat6, RevNatId, Svc4Key, Svc6Key,
-    SvcValue,
+    map_names, svc_flags, Backend4, RevNatId, Svc4Key, Svc6Key, SvcValue,
 };
 
 use super::{
@@ -14,25 +13,20 @@ use super::{
     ServiceKey, SourceRange,
 };
 
-/// One applied map operation, as recorded by [`InMemory`].
+/// One applied map operation, as recorded by [`InMemory`]: the entry's
+/// family is in its key or value, as the [`Dataplane`] takes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
-    PutBackend(u32, Backend4),
-    DeleteBackend(u32),
-    PutService(Svc4Key, SvcValue),
-    DeleteService(Svc4Key),
-    PutRevNat(RevNatId, RevNat4),
-    DeleteRevNat(RevNatId),
+    PutBackend(u32, BackendEntry),
+    DeleteBackend(Family, u32),
+    PutService(ServiceKey, SvcValue),
+    DeleteService(ServiceKey),
+    PutRevNat(RevNatId, RevNatEntry),
+    DeleteRevNat(Family, RevNatId),
     PutSourceRange(RevNatId, SourceRange),
     DeleteSourceRange(RevNatId, SourceRange),
     PutMaglevChunk(MaglevKey),
     DeleteMaglevChunk(MaglevKey),
-    PutBackend6(u32, Backend6),
-    DeleteBackend6(u32),
-    PutService6(Svc6Key, SvcValue),
-    DeleteService6(Svc6Key),
-    PutRevNat6(RevNatId, RevNat6),
-    DeleteRevNat6(RevNatId),
 }
 
 /// A [`Dataplane`] in BTreeMaps, for tests: capacities per map, an op log, an
@@ -181,8 +175,8 @@ impl InMemory {
             return;
         }
         let slot0s: Vec<(Svc4Key, SvcValue)> = match check {
-            Check::Nothing | Check::Frontend6(_) => Vec::new(),
-            Check::Frontend(key) => {
+            Check::Nothing | Check::Frontend(ServiceKey::V6(_)) => Vec::new(),
+            Check::Frontend(ServiceKey::V4(key)) => {
                 let key = key.with_slot(0);
                 self.state
                     .services
@@ -239,8 +233,8 @@ impl InMemory {
     /// [`InMemory::record`]'s check for the IPv6 frontends `check` names.
     fn check6(&mut self, op: Op, check: Check) {
         let slot0s: Vec<(Svc6Key, SvcValue)> = match check {
-            Check::Nothing | Check::Frontend(_) => Vec::new(),
-            Check::Frontend6(key) => {
+            Check::Nothing | Check::Frontend(ServiceKey::V4(_)) => Vec::new(),
+            Check::Frontend(ServiceKey::V6(key)) => {
                 let key = key.with_slot(0);
                 self.state
                     .services6
@@ -341,8 +335,7 @@ impl InMemory {
 #[derive(Clone, Copy)]
 enum Check {
     Nothing,
-    Frontend(Svc4Key),
-    Frontend6(Svc6Key),
+    Frontend(ServiceKey),
     All,
 }
 
@@ -351,7 +344,6 @@ impl Check {
     fn or_frontend(self, op: &Op) -> Self {
         match op {
             Op::PutService(key, _) | Op::DeleteService(key) => Check::Frontend(*key),
-            Op::PutService6(key, _) | Op::DeleteService6(key) => Check::Frontend6(*key),
             _ => self,
         }
     }
@@ -399,124 +391,109 @@ fn maglev_violation6(state: &Programmed, value: &SvcValue) -> Option<String> {
     maglev_violation(&as_v4, value)
 }
 
-/// Single operations, each recorded as one [`Op`] of its family's map.
+/// Single operations, each recorded as one [`Op`], in the map of the
+/// family its key or value names.
 impl InMemory {
-    pub fn put_backend6(&mut self, id: u32, backend: Backend6) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::BACKENDS6,
-            |s| &mut s.backends6,
-            self.cap_backends,
-            (id, backend),
-            Op::PutBackend6(id, backend),
-        )
+    pub fn put_backend(
+        &mut self,
+        id: u32,
+        entry: impl Into<BackendEntry>,
+    ) -> Result<(), DataplaneError> {
+        let entry = entry.into();
+        let (cap, op) = (self.cap_backends, Op::PutBackend(id, entry));
+        match entry {
+            BackendEntry::V4(b) => {
+                self.put_entry(map_names::BACKENDS, |s| &mut s.backends, cap, (id, b), op)
+            }
+            BackendEntry::V6(b) => {
+                self.put_entry(map_names::BACKENDS6, |s| &mut s.backends6, cap, (id, b), op)
+            }
+        }
     }
-    pub fn delete_backend6(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let op = Op::DeleteBackend6(id);
-        self.delete_entry(map_names::BACKENDS6, |s| &mut s.backends6, id, op)
+    pub fn delete_backend(&mut self, family: Family, id: u32) -> Result<(), DataplaneError> {
+        let op = Op::DeleteBackend(family, id);
+        match family {
+            Family::V4 => self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op),
+            Family::V6 => self.delete_entry(map_names::BACKENDS6, |s| &mut s.backends6, id, op),
+        }
     }
-    pub fn put_service6(&mut self, key: Svc6Key, value: SvcValue) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::SERVICES6,
-            |s| &mut s.services6,
-            self.cap_services,
-            (key, value),
-            Op::PutService6(key, value),
-        )
+    pub fn put_service(
+        &mut self,
+        key: impl Into<ServiceKey>,
+        value: SvcValue,
+    ) -> Result<(), DataplaneError> {
+        let key = key.into();
+        let (cap, op) = (self.cap_services, Op::PutService(key, value));
+        match key {
+            ServiceKey::V4(k) => self.put_entry(
+                map_names::SERVICES,
+                |s| &mut s.services,
+                cap,
+                (k, value),
+                op,
+            ),
+            ServiceKey::V6(k) => self.put_entry(
+                map_names::SERVICES6,
+                |s| &mut s.services6,
+                cap,
+                (k, value),
+                op,
+            ),
+        }
     }
-    pub fn delete_service6(&mut self, key: Svc6Key) -> Result<(), DataplaneError> {
-        let op = Op::DeleteService6(key);
-        self.delete_entry(map_names::SERVICES6, |s| &mut s.services6, key, op)
-    }
-    pub fn put_rev_nat6(&mut self, id: RevNatId, value: RevNat6) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::REV_NAT6,
-            |s| &mut s.rev_nat6,
-            self.cap_rev_nat,
-            (id, value),
-            Op::PutRevNat6(id, value),
-        )
-    }
-    pub fn delete_rev_nat6(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let op = Op::DeleteRevNat6(id);
-        self.delete_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, id, op)
-    }
-    pub fn put_backend(&mut self, id: u32, backend: Backend4) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::BACKENDS,
-            |s| &mut s.backends,
-            self.cap_backends,
-            (id, backend),
-            Op::PutBackend(id, backend),
-        )
-    }
-    pub fn delete_backend(&mut self, id: u32) -> Result<(), DataplaneError> {
-        let op = Op::DeleteBackend(id);
-        self.delete_entry(map_names::BACKENDS, |s| &mut s.backends, id, op)
-    }
-    pub fn put_service(&mut self, key: Svc4Key, value: SvcValue) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::SERVICES,
-            |s| &mut s.services,
-            self.cap_services,
-            (key, value),
-            Op::PutService(key, value),
-        )
-    }
-    pub fn delete_service(&mut self, key: Svc4Key) -> Result<(), DataplaneError> {
+    pub fn delete_service(&mut self, key: impl Into<ServiceKey>) -> Result<(), DataplaneError> {
+        let key = key.into();
         let op = Op::DeleteService(key);
-        self.delete_entry(map_names::SERVICES, |s| &mut s.services, key, op)
+        match key {
+            ServiceKey::V4(k) => self.delete_entry(map_names::SERVICES, |s| &mut s.services, k, op),
+            ServiceKey::V6(k) => {
+                self.delete_entry(map_names::SERVICES6, |s| &mut s.services6, k, op)
+            }
+        }
     }
-    pub fn put_rev_nat(&mut self, id: RevNatId, value: RevNat4) -> Result<(), DataplaneError> {
-        self.put_entry(
-            map_names::REV_NAT,
-            |s| &mut s.rev_nat,
-            self.cap_rev_nat,
-            (id, value),
-            Op::PutRevNat(id, value),
-        )
+    pub fn put_rev_nat(
+        &mut self,
+        id: RevNatId,
+        entry: impl Into<RevNatEntry>,
+    ) -> Result<(), DataplaneError> {
+        let entry = entry.into();
+        let (cap, op) = (self.cap_rev_nat, Op::PutRevNat(id, entry));
+        match entry {
+            RevNatEntry::V4(r) => {
+                self.put_entry(map_names::REV_NAT, |s| &mut s.rev_nat, cap, (id, r), op)
+            }
+            RevNatEntry::V6(r) => {
+                self.put_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, cap, (id, r), op)
+            }
+        }
     }
-    pub fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), DataplaneError> {
-        let op = Op::DeleteRevNat(id);
-        self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op)
+    pub fn delete_rev_nat(&mut self, family: Family, id: RevNatId) -> Result<(), DataplaneError> {
+        let op = Op::DeleteRevNat(family, id);
+        match family {
+            Family::V4 => self.delete_entry(map_names::REV_NAT, |s| &mut s.rev_nat, id, op),
+            Family::V6 => self.delete_entry(map_names::REV_NAT6, |s| &mut s.rev_nat6, id, op),
+        }
     }
 }
 
 impl Dataplane for InMemory {
     fn put_services(&mut self, entries: &[(ServiceKey, SvcValue)]) -> BatchOutcome {
-        each(entries, |(k, v)| match k {
-            ServiceKey::V4(k) => self.put_service(*k, *v),
-            ServiceKey::V6(k) => self.put_service6(*k, *v),
-        })
+        each(entries, |(k, v)| self.put_service(*k, *v))
     }
     fn delete_services(&mut self, keys: &[ServiceKey]) -> BatchOutcome {
-        each(keys, |k| match k {
-            ServiceKey::V4(k) => self.delete_service(*k),
-            ServiceKey::V6(k) => self.delete_service6(*k),
-        })
+        each(keys, |k| self.delete_service(*k))
     }
     fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> BatchOutcome {
-        each(entries, |(id, b)| match b {
-            BackendEntry::V4(b) => self.put_backend(*id, *b),
-            BackendEntry::V6(b) => self.put_backend6(*id, *b),
-        })
+        each(entries, |(id, b)| self.put_backend(*id, *b))
     }
     fn delete_backends(&mut self, ids: &[(Family, u32)]) -> BatchOutcome {
-        each(ids, |(f, id)| match f {
-            Family::V4 => self.delete_backend(*id),
-            Family::V6 => self.delete_backend6(*id),
-        })
+        each(ids, |(f, id)| self.delete_backend(*f, *id))
     }
     fn put_rev_nats(&mut self, entries: &[(RevNatId, RevNatEntry)]) -> BatchOutcome {
-        each(entries, |(id, r)| match r {
-            RevNatEntry::V4(r) => self.put_rev_nat(*id, *r),
-            RevNatEntry::V6(r) => self.put_rev_nat6(*id, *r),
-        })
+        each(entries, |(id, r)| self.put_rev_nat(*id, *r))
     }
     fn delete_rev_nats(&mut self, ids: &[(Family, RevNatId)]) -> BatchOutcome {
-        each(ids, |(f, id)| match f {
-            Family::V4 => self.delete_rev_nat(*id),
-            Family::V6 => self.delete_rev_nat6(*id),
-        })
+        each(ids, |(f, id)| self.delete_rev_nat(*f, *id))
     }
     fn prune_affinity(
         &mut self,

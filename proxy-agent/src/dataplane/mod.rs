@@ -208,6 +208,25 @@ pub enum ServiceKey {
     V6(Svc6Key),
 }
 
+/// Each family's entries into the family-keyed ones.
+macro_rules! from_family {
+    ($($t:ty => $e:ident :: $v:ident),* $(,)?) => {
+        $(impl From<$t> for $e {
+            fn from(x: $t) -> Self {
+                $e::$v(x)
+            }
+        })*
+    };
+}
+from_family!(
+    Svc4Key => ServiceKey::V4,
+    Svc6Key => ServiceKey::V6,
+    Backend4 => BackendEntry::V4,
+    Backend6 => BackendEntry::V6,
+    RevNat4 => RevNatEntry::V4,
+    RevNat6 => RevNatEntry::V6,
+);
+
 impl ServiceKey {
     /// Slot `slot` of frontend `key`.
     pub fn new(key: &FrontendKey, slot: u16) -> Self {
