@@ -491,28 +491,72 @@ fn aim<F: SockFamily>(
     Forward::To(b, bport_be)
 }
 
-/// `connect4` and `sendmsg4`: aims a socket sent to a frontend at a backend.
-#[inline(always)]
-pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
-    let sa = sock_addr(ctx);
-    let Some(proto) = protocol(sa) else {
-        return PROCEED;
-    };
-    if !served(ctx) || draining() {
-        return PROCEED;
+/// Where a hook's address (the destination of `connect`/`sendmsg`, the
+/// source or peer of `recvmsg`/`getpeername`) is in its context, and the
+/// family it is looked up in: the hooks below are written once over it.
+trait UserAddr {
+    type F: SockFamily;
+    fn get(sa: *mut bpf_sock_addr) -> (<Self::F as Family>::Addr, u16);
+    fn set(sa: *mut bpf_sock_addr, addr: &<Self::F as Family>::Addr, port_be: u16);
+}
+
+/// An IPv4 socket's `user_ip4`.
+struct Ip4;
+/// The IPv4 address in an IPv6 socket's IPv4-mapped `user_ip6` (a
+/// dual-stack socket reaching an IPv4 frontend): its last word.
+struct Mapped;
+/// An IPv6 socket's `user_ip6`.
+struct Ip6;
+
+impl UserAddr for Ip4 {
+    type F = V4;
+    #[inline(always)]
+    fn get(sa: *mut bpf_sock_addr) -> (u32, u16) {
+        // SAFETY: context fields readable by every IPv4 sock_addr hook.
+        unsafe { ((*sa).user_ip4, (*sa).user_port as u16) }
     }
-    // SAFETY: context fields writable by connect4 and sendmsg4.
-    let (daddr_be, dport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    match aim::<V4>(ctx, proto, &daddr_be, dport_be, translated) {
-        Forward::Proceed => PROCEED,
-        Forward::Fail(errno) => fail(errno),
-        Forward::To(addr_be, port_be) => {
-            // SAFETY: context fields writable by connect4 and sendmsg4.
-            unsafe {
-                (*sa).user_ip4 = addr_be;
-                (*sa).user_port = port_be as u32;
-            }
-            PROCEED
+    #[inline(always)]
+    fn set(sa: *mut bpf_sock_addr, addr: &u32, port_be: u16) {
+        // SAFETY: context fields writable by the IPv4 hooks.
+        unsafe {
+            (*sa).user_ip4 = *addr;
+            (*sa).user_port = port_be as u32;
+        }
+    }
+}
+
+impl UserAddr for Mapped {
+    type F = V4;
+    #[inline(always)]
+    fn get(sa: *mut bpf_sock_addr) -> (u32, u16) {
+        // SAFETY: context fields readable by every IPv6 sock_addr hook.
+        unsafe { ((*sa).user_ip6[3], (*sa).user_port as u16) }
+    }
+    #[inline(always)]
+    fn set(sa: *mut bpf_sock_addr, addr: &u32, port_be: u16) {
+        // SAFETY: context fields writable by the IPv6 hooks.
+        unsafe {
+            (*sa).user_ip6[3] = *addr;
+            (*sa).user_port = port_be as u32;
+        }
+    }
+}
+
+impl UserAddr for Ip6 {
+    type F = V6;
+    #[inline(always)]
+    fn get(sa: *mut bpf_sock_addr) -> (Addr6, u16) {
+        user_addr6(sa)
+    }
+    #[inline(always)]
+    fn set(sa: *mut bpf_sock_addr, addr: &Addr6, port_be: u16) {
+        // SAFETY: context fields writable by the IPv6 hooks.
+        unsafe {
+            (*sa).user_ip6[0] = addr[0];
+            (*sa).user_ip6[1] = addr[1];
+            (*sa).user_ip6[2] = addr[2];
+            (*sa).user_ip6[3] = addr[3];
+            (*sa).user_port = port_be as u32;
         }
     }
 }
@@ -534,16 +578,58 @@ fn user_addr6(sa: *mut bpf_sock_addr) -> (Addr6, u16) {
     }
 }
 
-/// Writes `addr`:`port_be` as an IPv6 socket's destination or peer.
+/// Whether an IPv6 socket's address is IPv4-mapped (`::ffff:a.b.c.d`).
 #[inline(always)]
-fn set_user_addr6(sa: *mut bpf_sock_addr, addr: &Addr6, port_be: u16) {
-    // SAFETY: context fields writable by the IPv6 hooks that call this.
-    unsafe {
-        (*sa).user_ip6[0] = addr[0];
-        (*sa).user_ip6[1] = addr[1];
-        (*sa).user_ip6[2] = addr[2];
-        (*sa).user_ip6[3] = addr[3];
-        (*sa).user_port = port_be as u32;
+fn mapped(sa: *mut bpf_sock_addr) -> bool {
+    // SAFETY: context fields readable by every IPv6 sock_addr hook.
+    unsafe { [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2]] == V4_MAPPED }
+}
+
+/// Aims the socket whose destination is at `U` ([`aim`]), if it is sent to
+/// a frontend.
+#[inline(always)]
+fn forward_at<U: UserAddr>(ctx: &SockAddrContext, proto: u8, translated: u32) -> i32 {
+    let sa = sock_addr(ctx);
+    let (daddr, dport_be) = U::get(sa);
+    match aim::<U::F>(ctx, proto, &daddr, dport_be, translated) {
+        Forward::Proceed => PROCEED,
+        Forward::Fail(errno) => fail(errno),
+        Forward::To(addr, port_be) => {
+            U::set(sa, &addr, port_be);
+            PROCEED
+        }
+    }
+}
+
+/// Shows the address at `U` as the frontend the socket was aimed from, if
+/// the hooks aimed it there.
+#[inline(always)]
+fn reverse_at<U: UserAddr>(ctx: &SockAddrContext) -> i32 {
+    let sa = sock_addr(ctx);
+    // SAFETY: helper on this program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let (addr, port_be) = U::get(sa);
+    if let Some((fe, fport_be)) = U::F::recall(cookie, &addr, port_be) {
+        U::set(sa, &fe, fport_be);
+        count(stat::SOCK_REVNAT);
+    }
+    PROCEED
+}
+
+/// The protocol of a call the forward hooks serve: a stream or datagram
+/// socket of the agent's namespace, while the datapath is not draining.
+#[inline(always)]
+fn forwarded(ctx: &SockAddrContext) -> Option<u8> {
+    let proto = protocol(sock_addr(ctx))?;
+    (served(ctx) && !draining()).then_some(proto)
+}
+
+/// `connect4` and `sendmsg4`: aims a socket sent to a frontend at a backend.
+#[inline(always)]
+pub fn forward(ctx: &SockAddrContext, translated: u32) -> i32 {
+    match forwarded(ctx) {
+        Some(proto) => forward_at::<Ip4>(ctx, proto, translated),
+        None => PROCEED,
     }
 }
 
@@ -553,35 +639,10 @@ fn set_user_addr6(sa: *mut bpf_sock_addr, addr: &Addr6, port_be: u16) {
 /// ones, and the socket is aimed at the backend's IPv4-mapped address.
 #[inline(always)]
 pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
-    let sa = sock_addr(ctx);
-    let Some(proto) = protocol(sa) else {
-        return PROCEED;
-    };
-    if !served(ctx) || draining() {
-        return PROCEED;
-    }
-    let (daddr_be, dport_be) = user_addr6(sa);
-    if daddr_be[..3] == V4_MAPPED {
-        return match aim::<V4>(ctx, proto, &daddr_be[3], dport_be, translated) {
-            Forward::Proceed => PROCEED,
-            Forward::Fail(errno) => fail(errno),
-            Forward::To(addr_be, port_be) => {
-                // SAFETY: context fields writable by connect6 and sendmsg6.
-                unsafe {
-                    (*sa).user_ip6[3] = addr_be;
-                    (*sa).user_port = port_be as u32;
-                }
-                PROCEED
-            }
-        };
-    }
-    match aim::<V6>(ctx, proto, &daddr_be, dport_be, translated) {
-        Forward::Proceed => PROCEED,
-        Forward::Fail(errno) => fail(errno),
-        Forward::To(b, port_be) => {
-            set_user_addr6(sa, &b, port_be);
-            PROCEED
-        }
+    match forwarded(ctx) {
+        Some(proto) if mapped(sock_addr(ctx)) => forward_at::<Mapped>(ctx, proto, translated),
+        Some(proto) => forward_at::<Ip6>(ctx, proto, translated),
+        None => PROCEED,
     }
 }
 
@@ -589,23 +650,10 @@ pub fn forward6(ctx: &SockAddrContext, translated: u32) -> i32 {
 /// as its frontend.
 #[inline(always)]
 pub fn reverse(ctx: &SockAddrContext) -> i32 {
-    let sa = sock_addr(ctx);
-    if protocol(sa).is_none() || !served(ctx) {
+    if protocol(sock_addr(ctx)).is_none() || !served(ctx) {
         return PROCEED;
     }
-    // SAFETY: helper on this program's context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // SAFETY: context fields readable and writable by these hooks.
-    let (addr_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    if let Some((fe_be, fport_be)) = V4::recall(cookie, &addr_be, port_be) {
-        // SAFETY: context fields as above.
-        unsafe {
-            (*sa).user_ip4 = fe_be;
-            (*sa).user_port = fport_be as u32;
-        }
-        count(stat::SOCK_REVNAT);
-    }
-    PROCEED
+    reverse_at::<Ip4>(ctx)
 }
 
 /// `recvmsg6` and `getpeername6`: as `recvmsg4` and `getpeername4`, for
@@ -616,23 +664,9 @@ pub fn reverse6(ctx: &SockAddrContext) -> i32 {
     if protocol(sa).is_none() || !served(ctx) {
         return PROCEED;
     }
-    // SAFETY: helper on this program's context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let (addr_be, port_be) = user_addr6(sa);
-    if addr_be[..3] == V4_MAPPED {
-        if let Some((fe_be, fport_be)) = V4::recall(cookie, &addr_be[3], port_be) {
-            // SAFETY: context fields readable and writable by these hooks.
-            unsafe {
-                (*sa).user_ip6[3] = fe_be;
-                (*sa).user_port = fport_be as u32;
-            }
-            count(stat::SOCK_REVNAT);
-        }
-        return PROCEED;
+    if mapped(sa) {
+        reverse_at::<Mapped>(ctx)
+    } else {
+        reverse_at::<Ip6>(ctx)
     }
-    if let Some((fe, fport_be)) = V6::recall(cookie, &addr_be, port_be) {
-        set_user_addr6(sa, &fe, fport_be);
-        count(stat::SOCK_REVNAT);
-    }
-    PROCEED
 }
