@@ -863,51 +863,43 @@ fn an_interface_address_added_later_serves_node_ports_and_stops_when_removed() {
 /// externalIP or a load-balancer IP is aimed at the Service's ClusterIP
 /// and translated per packet there: each such internal-scope UDP frontend
 /// names the ClusterIP frontend of its family and port as its host alias,
-/// while the ClusterIP chooses among the same backends. Not TCP (connect
-/// time), not the external scope, not the ClusterIP itself, and not under
+/// while the ClusterIP chooses among the same backends. Not the external
+/// scope, not the ClusterIP itself, not TCP (connect time), and not under
 /// `internalTrafficPolicy: Local` with endpoints elsewhere (the ClusterIP
 /// would then choose among fewer backends than the NodePort's short
 /// circuit to the cluster list).
 #[test]
 fn udp_north_south_frontends_name_the_cluster_ip_as_host_alias() {
-    let svc = |itp: &str| {
-        format!(
-            "---
-apiVersion: v1
-kind: Service
-metadata: {{name: web}}
-spec:
-  clusterIP: 198.19.0.1
-  type: LoadBalancer
-  externalIPs: [198.18.5.5]
-{itp}  ports:
-  - {{name: dns, port: 53, protocol: UDP, nodePort: 30053}}
-  - {{name: web, port: 80, protocol: TCP, nodePort: 30080}}
-status: {{loadBalancer: {{ingress: [{{ip: 198.18.6.6}}]}}}}
-"
-        )
-    };
-    let endpoints = slice(
-        "web-1",
-        "web",
-        "{name: dns, port: 5353, protocol: UDP}, {name: web, port: 8080, protocol: TCP}",
-        "{addresses: [198.18.1.1], nodeName: node-a}, {addresses: [198.18.1.2], nodeName: node-b}",
-    );
     let opts = ModelOptions {
         localhost_node_ports: true,
         ..Default::default()
     };
-    let cluster_ip = key("198.19.0.1", 53, IPPROTO_UDP);
+    let state_of = |proto: &str, itp: &str| {
+        let yaml = web_svc(
+            &format!("  type: LoadBalancer\n  externalIPs: [198.18.5.5]\n{itp}"),
+            &format!(", protocol: {proto}, nodePort: 30080"),
+            "status: {loadBalancer: {ingress: [{ip: 198.18.6.6}]}}\n",
+        ) + &two_nodes()
+            + &slice(
+                "web-1",
+                "web",
+                &format!("{{name: http, port: 8080, protocol: {proto}}}"),
+                "{addresses: [198.18.1.1], nodeName: node-a}, \
+                 {addresses: [198.18.1.2], nodeName: node-b}",
+            );
+        let (state, warnings) = desired_state_with(&snap(&yaml), "node-a", &opts);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        state
+    };
     let north_south = [
-        ("198.18.0.11", 30053),
-        ("127.0.0.1", 30053),
-        ("198.18.5.5", 53),
-        ("198.18.6.6", 53),
+        ("198.18.0.11", 30080),
+        ("127.0.0.1", 30080),
+        ("198.18.5.5", 80),
+        ("198.18.6.6", 80),
     ];
 
-    let yaml = svc("") + &two_nodes() + &endpoints;
-    let (state, warnings) = desired_state_with(&snap(&yaml), "node-a", &opts);
-    assert!(warnings.is_empty(), "{warnings:?}");
+    let cluster_ip = key("198.19.0.1", 80, IPPROTO_UDP);
+    let state = state_of("UDP", "");
     for (ip, port) in north_south {
         let fe = fe_at(&state, ip, port, IPPROTO_UDP, SCOPE_INTERNAL);
         assert_eq!(fe.host_alias, Some(cluster_ip), "{ip}:{port}");
@@ -916,16 +908,17 @@ status: {{loadBalancer: {{ingress: [{{ip: 198.18.6.6}}]}}}}
             let outside = fe_at(&state, ip, port, IPPROTO_UDP, SCOPE_EXTERNAL);
             assert_eq!(outside.host_alias, None, "{ip}:{port} from outside");
         }
-        let tcp_port = if port == 53 { 80 } else { 30080 };
-        let tcp = fe_at(&state, ip, tcp_port, IPPROTO_TCP, SCOPE_INTERNAL);
-        assert_eq!(tcp.host_alias, None, "{ip}:{tcp_port}/TCP");
     }
     assert_eq!(state.frontends[&cluster_ip].host_alias, None);
 
-    let yaml = svc("  internalTrafficPolicy: Local\n") + &two_nodes() + &endpoints;
-    let (state, warnings) = desired_state_with(&snap(&yaml), "node-a", &opts);
-    assert!(warnings.is_empty(), "{warnings:?}");
-    assert_eq!(addrs(&state.frontends[&cluster_ip]), ["198.18.1.1:5353"]);
+    let state = state_of("TCP", "");
+    assert_eq!(state.frontends.len(), 8, "{:?}", state.frontends.keys());
+    for (k, fe) in &state.frontends {
+        assert_eq!(fe.host_alias, None, "{k}: TCP keeps connect time");
+    }
+
+    let state = state_of("UDP", "  internalTrafficPolicy: Local\n");
+    assert_eq!(addrs(&state.frontends[&cluster_ip]), ["198.18.1.1:8080"]);
     for (ip, port) in north_south {
         let fe = fe_at(&state, ip, port, IPPROTO_UDP, SCOPE_INTERNAL);
         assert_eq!(fe.host_alias, None, "{ip}:{port} under Local");
