@@ -482,6 +482,60 @@ fn connected_udp6_to_a_node_port_keeps_its_socket_across_backend_changes() {
     connected_udp_across_backend_changes(true, Via::NodePort);
 }
 
+/// Where host UDP is aimed at `connect()` (here `--host-udp-per-packet
+/// false`; also under `deliveryMode: stack`, or a frontend without a host
+/// alias), the socket-destroy path is what stands between a connected
+/// socket and a void: when the backend it was aimed at leaves the Service,
+/// the agent destroys the socket, whose next send fails (`EDESTADDRREQ`,
+/// "disconnected") instead of going unanswered forever, and a reconnect
+/// reaches the backend that is there.
+#[test]
+#[ignore = "needs root: run with cargo xtask test"]
+fn without_the_per_packet_path_a_connected_udp_socket_fails_when_its_backend_goes() {
+    let pod = |name: &str, node: &str| udp53_pod("dns", name, node);
+    udp53_lab(
+        "udpd",
+        "dns",
+        &[pod("dns-1", "node-1")],
+        false,
+        Via::ClusterIp,
+    )
+    .args(&["--host-udp-per-packet", "false"])
+    .run(|lab| {
+        let vip = udp_vip(lab, "dns", 53, false);
+        let mut c = host(lab, "node-1");
+        c.udp_connect("resolver", vip).expect("open");
+        let r = c.udp_send("resolver", "hostname").expect("send");
+        assert_eq!(answered_by(&r), Some("dns-1"), "{r:?}");
+        assert!(
+            stat(lab, "node-1", "sock_connect") >= 1,
+            "the socket was aimed at its backend"
+        );
+        lab.apply(&manifests(&[&pod("dns-2", "node-2")]))
+            .expect("apply");
+        support::synced(lab);
+        delete_pod(lab, "dns-1");
+        let t = Instant::now();
+        loop {
+            let r = c.udp_send("resolver", "hostname").expect("send");
+            match r.error_kind() {
+                Some("disconnected") => break,
+                Some("timeout") => {}
+                _ => panic!("before the socket was destroyed: {r:?}"),
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the socket was not destroyed in 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!("destroyed after {:?}", t.elapsed());
+        c.udp_connect("resolver", vip).expect("reopen");
+        let r = c.udp_send("resolver", "hostname").expect("send");
+        assert_eq!(answered_by(&r), Some("dns-2"), "reconnected: {r:?}");
+    });
+}
+
 /// An unconnected host socket's `sendto()` to a ClusterIP (issue 42): the
 /// socket keeps its own port and every answer comes from the ClusterIP;
 /// the backend sees the node's address and a port of the SNAT range (the

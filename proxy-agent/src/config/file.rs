@@ -31,9 +31,10 @@ pub struct HostSocketLbFile {
     /// cgroup2 hierarchy (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a
     /// hybrid host). In a pod, mount the host's cgroup2 and give its path.
     pub cgroup_root: Option<PathBuf>,
-    /// UDP to ClusterIPs translated per packet (on by default), as
-    /// kube-proxy does: the agent routes ClusterIPs to a device of its own
-    /// where the pod program translates, so a connected socket keeps
+    /// UDP translated per packet (on by default), as kube-proxy does: the
+    /// agent routes ClusterIPs to a device of its own where the pod program
+    /// translates, and UDP to a NodePort, externalIP or load-balancer IP is
+    /// aimed at its Service's ClusterIP, so a connected socket keeps
     /// working when its backend changes. Off: UDP is aimed at a backend at
     /// `connect()` too, and a connected socket whose backend goes is
     /// destroyed.

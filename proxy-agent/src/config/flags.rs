@@ -37,8 +37,9 @@ pub struct RunArgs {
     /// processes, hostNetwork pods) on cgroup v2 hooks [default: true].
     #[arg(long, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub host_socket_lb: Option<bool>,
-    /// Host clients' UDP to ClusterIPs translated per packet on a device of
-    /// the agent's own, not aimed at `connect()` [default: true].
+    /// Host clients' UDP translated per packet (through the ClusterIPs,
+    /// routed to a device of the agent's own), not aimed at `connect()`
+    /// [default: true].
     #[arg(long, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub host_udp_per_packet: Option<bool>,
     /// The cgroup v2 directory the socket hooks attach to [default: the root
