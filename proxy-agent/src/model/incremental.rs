@@ -844,7 +844,10 @@ impl Incremental {
         }
         // A ClusterIP frontend whose owner changed: the frontends naming it
         // as their host alias are named once every address is resolved.
-        if up.frontends.contains(&keys[0]) {
+        // Only an owner change: a frontend that just changed (its backends)
+        // keeps the aliases naming it, and such changes are the common ones.
+        let owner_now = self.desired.frontends.get(&keys[0]).map(|f| &f.service);
+        if owned_by.as_ref() != owner_now {
             // Its owners by name: a Service computed again (all of them,
             // after a change of the Node) has no claim installed, so
             // `previous` does not name the one that owned it.
@@ -853,10 +856,7 @@ impl Incremental {
                     .and_then(|s| s.split_once('/'))
                     .map(|(ns, name)| (Arc::from(ns), Arc::from(name)))
             };
-            let services = [
-                owner(owned_by.as_ref()),
-                owner(self.desired.frontends.get(&keys[0]).map(|f| &f.service)),
-            ];
+            let services = [owner(owned_by.as_ref()), owner(owner_now)];
             self.moved_aliases
                 .push((keys[0], services.into_iter().flatten().collect()));
         }
