@@ -588,8 +588,9 @@ impl Flow6 {
     }
 }
 
+/// The IPv6 frontend that replies of reverse-NAT id `id` come from.
 #[inline(always)]
-fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
+pub fn rev_nat(id: proxy_common::RevNatId) -> Option<RevNat6> {
     // SAFETY: map value pointer, copied.
     REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })
 }

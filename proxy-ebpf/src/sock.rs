@@ -57,9 +57,7 @@ use proxy_common::{
 use crate::{
     family::{Family, FiveTuple, V4, V6},
     lb,
-    maps::{
-        account, count, CONFIG_V3, REVNAT6_V2, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SVC4_V2, SVC6_V2,
-    },
+    maps::{account, count, CONFIG_V3, SOCK_REVNAT4_V2, SOCK_REVNAT6_V2, SVC4_V2, SVC6_V2},
     verdict::Verdict,
 };
 
@@ -390,8 +388,7 @@ impl SockFamily for V6 {
 
     #[inline(always)]
     fn alias(proto: u8, id: RevNatId) -> Option<(Addr6, u16)> {
-        // SAFETY: map value pointer, copied.
-        let r = REVNAT6_V2.get_ptr(id).map(|r| unsafe { *r })?;
+        let r = crate::ipv6::rev_nat(id)?;
         Self::frontend(proto, &r.addr_be, r.port_be)
             .is_some_and(|fe| alias_target(&fe, id))
             .then_some((r.addr_be, r.port_be))
