@@ -6,13 +6,14 @@
 
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use proxy_common::{
-    conntrack::{alive, connection_oriented, forward_state, needs_refresh, reply_state, tcp},
+    conntrack::{
+        alive, connection_oriented, forward_state, needs_refresh, reply_state, tcp, CtEntry,
+    },
     ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
 };
 
 use crate::{
     family::{Family, V4},
-    lb::rev_nat,
     maps::{count, CT4_V2},
     parse::Packet,
 };
@@ -162,33 +163,41 @@ pub fn reply_seen(pkt: &Packet, rptr: *mut Ct4Value, r: &Ct4Value, rev: &RevNat4
 /// Whether the backend-side tuple `rkey` belongs to another live flow: one of
 /// another frontend (two frontends sharing a backend, hit from the same client
 /// address and port — field bug C6) whose SERVICE entry is still alive.
-pub fn reply_tuple_taken(
+#[inline(always)]
+pub fn reply_tuple_taken<F: Family>(
     cfg: &Config,
-    rkey: &Ct4Key,
+    rkey: &F::CtKey,
     rev_nat_id: proxy_common::RevNatId,
     now: u64,
 ) -> bool {
-    let Some(e) = CT4_V2.get_ptr(*rkey) else {
+    let Some(e) = F::ct(rkey) else {
         return false;
     };
-    // SAFETY: map value pointer, copied.
-    let e = unsafe { *e };
-    if e.rev_nat_id == rev_nat_id {
+    // SAFETY: map value pointer, read in place.
+    let e = unsafe { &*e };
+    if e.rev_nat_id() == rev_nat_id {
         // An earlier flow of the same frontend on the same tuple: reused.
         return false;
     }
-    live_service_of(cfg, rkey, &e, now).is_some_and(|o| o.backend_id == e.backend_id)
+    live_backend_of::<F>(cfg, rkey, e, now) == Some(e.backend_id())
 }
 
-/// The SERVICE entry of the flow whose REPLY entry `e` is at `rkey`, while
-/// that flow is alive.
+/// The backend of the flow whose REPLY entry `e` is at `rkey`, while that
+/// flow's SERVICE entry is alive.
 #[inline(always)]
-pub fn live_service_of(cfg: &Config, rkey: &Ct4Key, e: &Ct4Value, now: u64) -> Option<Ct4Value> {
-    let rev = rev_nat(e.rev_nat_id)?;
-    let o = CT4_V2.get_ptr(rkey.service_of_reply(e, &rev))?;
-    // SAFETY: map value pointer, copied.
-    let o = unsafe { *o };
-    alive(cfg, rkey.proto, &o, now).then_some(o)
+pub fn live_backend_of<F: Family>(
+    cfg: &Config,
+    rkey: &F::CtKey,
+    e: &F::CtValue,
+    now: u64,
+) -> Option<u32> {
+    let rev = F::rev_nat_ptr(e.rev_nat_id())?;
+    // SAFETY: map value pointer, read in place.
+    let skey = F::service_of_reply(rkey, e, unsafe { &*rev });
+    let o = F::ct(&skey)?;
+    // SAFETY: map value pointer, read in place.
+    let o = unsafe { &*o };
+    alive(cfg, F::ct_proto(rkey), o, now).then_some(o.backend_id())
 }
 
 /// Creates the SERVICE entry `sval` of a new flow `mine` at `skey`, and

@@ -1,19 +1,23 @@
 //! The address family as a type: what differs between IPv4 and IPv6 for the
-//! code written once over both (backend selection: the keys, maps and hash
-//! inputs of each family). [`V4`] and [`V6`] are used as type parameters
+//! code written once over both (backend selection, the conntrack liveness
+//! checks and the SNAT port choice: the keys, maps and hash inputs of each
+//! family). [`V4`] and [`V6`] are used as type parameters
 //! only; every accessor is `#[inline(always)]`, so a generic function
 //! compiles to the same code as its former per-family twin.
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey};
 use proxy_common::{
+    conntrack::CtEntry,
     ipv6::{fold6, Addr6},
-    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, RevNatId, SourceRange4,
-    SourceRange6, Svc4Key, Svc6Key, SOURCE_RANGE_ID_BITS,
+    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key,
+    Ct6Value, RevNat4, RevNat6, RevNatId, SourceRange4, SourceRange6, Svc4Key, Svc6Key,
+    SOURCE_RANGE_ID_BITS,
 };
 
 use crate::maps::{
-    AFFINITY4_V2, AFFINITY6_V2, BACKEND4_V1, BACKEND6_V1, SRCRANGE4_V2, SRCRANGE6_V2, SVC4_V2,
-    SVC6_V2,
+    AFFINITY4_V2, AFFINITY6_V2, BACKEND4_V1, BACKEND6_V1, CT4_V2, CT6_V2, HANDOVER4_V1,
+    HANDOVER6_V1, REVNAT4_V2, REVNAT6_V2, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2,
+    SVC4_V2, SVC6_V2,
 };
 
 /// IPv4 (and IPv6 sockets to IPv4-mapped addresses, in the socket hooks).
@@ -45,6 +49,34 @@ pub trait Family {
     /// Whether `client` may open flows to the frontend `rev_nat_id` (its
     /// `loadBalancerSourceRanges`).
     fn source_allowed(rev_nat_id: RevNatId, client: &Self::Addr) -> bool;
+
+    /// A conntrack key (either direction).
+    type CtKey;
+    /// A conntrack entry.
+    type CtValue: CtEntry;
+    /// The frontend replies of a reverse-NAT id come from.
+    type RevNat;
+
+    /// The conntrack entry at `key`.
+    fn ct(key: &Self::CtKey) -> Option<*mut Self::CtValue>;
+    /// The frontend replies of reverse-NAT id `id` come from.
+    fn rev_nat_ptr(id: RevNatId) -> Option<*const Self::RevNat>;
+    /// The SERVICE key of the flow whose REPLY entry `e` is at `rkey`, to
+    /// the frontend `rev`.
+    fn service_of_reply(rkey: &Self::CtKey, e: &Self::CtValue, rev: &Self::RevNat) -> Self::CtKey;
+    /// The protocol of the flow at `key`.
+    fn ct_proto(key: &Self::CtKey) -> u8;
+    /// Sets the destination port of `key` (a REPLY key's: the node's
+    /// source port the backend sees).
+    fn set_dport(key: &mut Self::CtKey, port_be: u16);
+    /// The handover entry at `key` ([`crate::maps::HANDOVER4_V1`]).
+    fn handover(key: &Self::CtKey) -> Option<*const u64>;
+    /// When a search found the SNAT port space of `space` (a REPLY key with
+    /// port 0) full ([`crate::maps::SNAT_FULL4_V1`]).
+    fn snat_full(space: &Self::CtKey) -> Option<*const u64>;
+    /// Records that a search found the SNAT port space of `space` full at
+    /// `now`.
+    fn set_snat_full(space: &Self::CtKey, now: u64);
 }
 
 /// What backend selection reads of a flow: its 5-tuple, the addresses by
@@ -109,6 +141,50 @@ impl Family for V4 {
         };
         SRCRANGE4_V2.get(&key).is_some()
     }
+
+    type CtKey = Ct4Key;
+    type CtValue = Ct4Value;
+    type RevNat = RevNat4;
+
+    #[inline(always)]
+    fn ct(key: &Ct4Key) -> Option<*mut Ct4Value> {
+        CT4_V2.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat4> {
+        REVNAT4_V2.get_ptr(id)
+    }
+
+    #[inline(always)]
+    fn service_of_reply(rkey: &Ct4Key, e: &Ct4Value, rev: &RevNat4) -> Ct4Key {
+        rkey.service_of_reply(e, rev)
+    }
+
+    #[inline(always)]
+    fn ct_proto(key: &Ct4Key) -> u8 {
+        key.proto
+    }
+
+    #[inline(always)]
+    fn set_dport(key: &mut Ct4Key, port_be: u16) {
+        key.dport_be = port_be;
+    }
+
+    #[inline(always)]
+    fn handover(key: &Ct4Key) -> Option<*const u64> {
+        HANDOVER4_V1.get_ptr(key)
+    }
+
+    #[inline(always)]
+    fn snat_full(space: &Ct4Key) -> Option<*const u64> {
+        SNAT_FULL4_V1.get_ptr(space)
+    }
+
+    #[inline(always)]
+    fn set_snat_full(space: &Ct4Key, now: u64) {
+        let _ = SNAT_FULL4_V1.insert(space, now, BPF_ANY as u64);
+    }
 }
 
 impl Family for V6 {
@@ -162,5 +238,49 @@ impl Family for V6 {
             },
         };
         SRCRANGE6_V2.get(&key).is_some()
+    }
+
+    type CtKey = Ct6Key;
+    type CtValue = Ct6Value;
+    type RevNat = RevNat6;
+
+    #[inline(always)]
+    fn ct(key: &Ct6Key) -> Option<*mut Ct6Value> {
+        CT6_V2.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat6> {
+        REVNAT6_V2.get_ptr(id)
+    }
+
+    #[inline(always)]
+    fn service_of_reply(rkey: &Ct6Key, e: &Ct6Value, rev: &RevNat6) -> Ct6Key {
+        rkey.service_of_reply(e, rev)
+    }
+
+    #[inline(always)]
+    fn ct_proto(key: &Ct6Key) -> u8 {
+        key.proto
+    }
+
+    #[inline(always)]
+    fn set_dport(key: &mut Ct6Key, port_be: u16) {
+        key.dport_be = port_be;
+    }
+
+    #[inline(always)]
+    fn handover(key: &Ct6Key) -> Option<*const u64> {
+        HANDOVER6_V1.get_ptr(key)
+    }
+
+    #[inline(always)]
+    fn snat_full(space: &Ct6Key) -> Option<*const u64> {
+        SNAT_FULL6_V1.get_ptr(space)
+    }
+
+    #[inline(always)]
+    fn set_snat_full(space: &Ct6Key, now: u64) {
+        let _ = SNAT_FULL6_V1.insert(space, now, BPF_ANY as u64);
     }
 }

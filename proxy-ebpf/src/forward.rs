@@ -200,8 +200,8 @@ fn new_flow(
     let mut rkey = mine.reply_key(pkt);
     // One call site of the port search (its loop is verified once per site).
     let snat_node = flags & ct_flags::SNAT_PORT != 0;
-    if snat_node || conntrack::reply_tuple_taken(cfg, &rkey, fe.rev_nat_id, now) {
-        let Some(port_be) = nat::free_nat_port(cfg, &mut rkey, now) else {
+    if snat_node || conntrack::reply_tuple_taken::<V4>(cfg, &rkey, fe.rev_nat_id, now) {
+        let Some(port_be) = nat::free_nat_port::<V4>(cfg, &mut rkey, now) else {
             // The flow as chosen, for tc's search of the whole range
             // ([`nat::search_nat_port`], [`commit_searched`]).
             *flow = mine;

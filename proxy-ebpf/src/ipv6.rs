@@ -47,10 +47,7 @@ use aya_ebpf::{
         BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{PerCpuArray, ProgramArray},
-    helpers::{
-        bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
-        bpf_skb_change_tail,
-    },
+    helpers::{bpf_csum_diff, bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     macros::btf_map,
     programs::TcContext,
 };
@@ -58,7 +55,7 @@ use proxy_common::{
     backend_state, config_flags,
     conntrack::{
         alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
-        tcp_state, NSEC_PER_SEC,
+        tcp_state,
     },
     crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Backend6, Config, Ct6Key, Ct6Value,
     Frag6Key, FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
@@ -67,11 +64,7 @@ use proxy_common::{
 
 use crate::{
     family::{Family, V6},
-    maps::{
-        account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SNAT_FULL6_V1,
-        SVC6_V2,
-    },
-    nat::PortWalk,
+    maps::{account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -103,7 +96,6 @@ const SCTP_CHUNK_OFF: usize = 12;
 const AF_INET6: u8 = 10;
 const IPPROTO_ICMPV6: u8 = 58;
 /// Random source ports tried when a new flow's backend-side tuple is taken.
-const NAT_PORT_ATTEMPTS: u32 = 8;
 const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
 
 /// The fixed IPv6 header, as in the packet.
@@ -856,9 +848,12 @@ pub fn new_flow(
         nat_addr_be,
     };
     *rkey = flow.reply_key(pkt);
-    if flags & ct_flags::SNAT_PORT != 0 || reply_tuple_taken(cfg, rkey, fe.rev_nat_id, now) {
+    if flags & ct_flags::SNAT_PORT != 0
+        || crate::conntrack::reply_tuple_taken::<V6>(cfg, rkey, fe.rev_nat_id, now)
+    {
         // On failure `flow` and `rkey` stay as chosen, for the search.
-        let port_be = free_nat_port(cfg, rkey, now)?;
+        let port_be = crate::nat::free_nat_port::<V6>(cfg, rkey, now)
+            .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
         ported(flow, port_be);
     }
     commit(cfg, pkt, skey, fe, flow, sval, now);
@@ -938,137 +933,15 @@ fn commit(
     }
 }
 
-/// Whether backend-side tuple `rkey` belongs to another frontend's live flow.
-#[inline(always)]
-fn reply_tuple_taken(
-    cfg: &Config,
-    rkey: &Ct6Key,
-    rev_nat_id: proxy_common::RevNatId,
-    now: u64,
-) -> bool {
-    let Some(e) = CT6_V2.get_ptr(rkey) else {
-        return false;
-    };
-    // SAFETY: map value pointer, read in place.
-    let e = unsafe { &*e };
-    if e.rev_nat_id == rev_nat_id {
-        return false;
-    }
-    live_service_of(cfg, rkey, e, now) == Some(e.backend_id)
-}
-
-/// The backend of the live flow whose REPLY entry `e` is at `rkey`.
-#[inline(always)]
-fn live_service_of(cfg: &Config, rkey: &Ct6Key, e: &Ct6Value, now: u64) -> Option<u32> {
-    let rev = REVNAT6_V2.get_ptr(e.rev_nat_id)?;
-    // SAFETY: map value pointer, read in place.
-    let skey = rkey.service_of_reply(e, unsafe { &*rev });
-    let o = CT6_V2.get_ptr(&skey)?;
-    // SAFETY: map value pointer, read in place.
-    let o = unsafe { &*o };
-    alive(cfg, rkey.proto, o, now).then_some(o.backend_id)
-}
-
-/// A free source port from the SNAT range: [`NAT_PORT_ATTEMPTS`] random
-/// tries (then, in the `SEARCH` build, [`search_nat_port`]).
-#[inline(always)]
-fn free_nat_port(cfg: &Config, rkey: &mut Ct6Key, now: u64) -> Result<u16, Verdict> {
-    let none = Verdict::Drop(stat::DROP_NO_FREE_PORT);
-    let (min, size) = crate::nat::snat_range(cfg).ok_or(none)?;
-    let size = core::num::NonZeroU32::new(size).ok_or(none)?;
-    for _ in 0..NAT_PORT_ATTEMPTS {
-        // SAFETY: helper without arguments.
-        let r = unsafe { bpf_get_prandom_u32() };
-        let port_be = ((min + r % size) as u16).to_be();
-        rkey.dport_be = port_be;
-        if !port_in_use(cfg, rkey, now) {
-            return Ok(port_be);
-        }
-    }
-    Err(none)
-}
-
-/// Whether the backend-side tuple `rkey` belongs to a flow still alive (or
-/// being created: a REPLY entry younger than a second), ours or one the
-/// kernel masqueraded before the takeover.
-#[inline(always)]
-fn port_in_use(cfg: &Config, rkey: &Ct6Key, now: u64) -> bool {
-    match CT6_V2.get_ptr(rkey) {
-        Some(e) => {
-            // SAFETY: map value pointer, read in place.
-            let e = unsafe { &*e };
-            now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
-                || live_service_of(cfg, rkey, e, now).is_some()
-        }
-        None => crate::nat::masqueraded_by_kernel(HANDOVER6_V1.get_ptr(rkey), now),
-    }
-}
-
 /// A free source port for the new flow in the scratch entry (its
-/// backend-side tuple in `rkey`) after [`free_nat_port`]'s random tries all
-/// failed: every port of the SNAT range, from a random one on, as IPv4's
-/// `nat::search_nat_port` (`bpf_loop`; a port space found full is not
-/// searched again for [`proxy_common::SNAT_SEARCH_BACKOFF_NS`],
-/// `SNAT_FULL6_V1`). `None` when no port is free, or within the back-off.
+/// backend-side tuple in `rkey`) after the random tries of
+/// [`crate::nat::free_nat_port`] all failed: [`crate::nat::search_port`].
+/// A BPF call of its own, from `run_flow`'s frame.
 #[inline(never)]
 fn search_nat_port() -> Option<u16> {
-    let cfg = config().ok()?;
     let sc = scratch().ok()?;
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let (min, size) = crate::nat::snat_range(cfg)?;
-    let size_nz = core::num::NonZeroU32::new(size)?;
-    // SAFETY: this CPU's scratch entry: the new flow's backend-side tuple,
-    // whose port is the one being tried.
-    let rkey = unsafe { &mut (*sc).rkey };
-    rkey.dport_be = 0;
-    if let Some(full) = SNAT_FULL6_V1.get_ptr(&*rkey) {
-        // SAFETY: LRU value pointer, read once.
-        if now.saturating_sub(unsafe { *full }) < proxy_common::SNAT_SEARCH_BACKOFF_NS {
-            return None;
-        }
-    }
-    count(stat::SNAT_PORT_SEARCH);
-    // The tuple stays in the scratch entry's `rkey`: only the walk is on
-    // the stack.
-    let mut s = PortWalk::new(now, min, size_nz);
-    // SAFETY: `search_step` is a BPF subprogram of the callback's
-    // signature; `s` outlives the call.
-    unsafe {
-        aya_ebpf::helpers::bpf_loop(
-            size,
-            search_step as *const () as *mut core::ffi::c_void,
-            (&mut s as *mut PortWalk).cast(),
-            0,
-        )
-    };
-    if s.found_be == 0 {
-        rkey.dport_be = 0;
-        let _ = SNAT_FULL6_V1.insert(&*rkey, &now, BPF_ANY as u64);
-        return None;
-    }
-    Some(s.found_be)
-}
-
-/// One port of a [`search_nat_port`]: 1 (stop) when port `start + index`
-/// (wrapping in the range) is free, 0 (go on) otherwise.
-#[inline(never)]
-extern "C" fn search_step(index: u32, ctx: *mut core::ffi::c_void) -> i64 {
-    // SAFETY: `ctx` is the `PortWalk` in `search_nat_port`'s frame, which
-    // waits for `bpf_loop` to return.
-    let s = unsafe { &mut *ctx.cast::<PortWalk>() };
-    let (Ok(cfg), Ok(sc)) = (config(), scratch()) else {
-        return 1;
-    };
-    // SAFETY: this CPU's scratch entry (the same program run's).
-    let rkey = unsafe { &mut (*sc).rkey };
-    let port_be = s.port_be(index);
-    rkey.dport_be = port_be;
-    if port_be == 0 || port_in_use(cfg, rkey, s.now) {
-        return 0;
-    }
-    s.found_be = port_be;
-    1
+    // SAFETY: this CPU's scratch entry: the new flow's backend-side tuple.
+    crate::nat::search_port::<V6>(unsafe { &(*sc).rkey })
 }
 
 /// The REPLY entry of `flow`: written for a new flow, and again for a

@@ -6,20 +6,22 @@
 //! checksum updates).
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     cty::c_void,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{
-    backend_state, conntrack::NSEC_PER_SEC, crc32c, csum, ct_flags, stat, svc_flags, Backend4,
-    Config, Ct4Key, Ct4Value, RevNat4, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    SNAT_SEARCH_BACKOFF_NS,
+    backend_state,
+    conntrack::{CtEntry, NSEC_PER_SEC},
+    crc32c, csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Value, RevNat4, SvcValue,
+    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SNAT_SEARCH_BACKOFF_NS,
 };
 
 use crate::{
     conntrack::{self, Flow},
-    maps::{count, CONFIG_V3, CT4_V2, HANDOVER4_V1, SNAT_FULL4_V1},
+    family::{Family, V4},
+    maps::{count, CONFIG_V3},
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_FRAG_OFF, IP_MF},
     verdict::Verdict,
 };
@@ -123,7 +125,7 @@ pub fn snat_for(
 /// whether or not the garbage collector has deleted its entries yet. `None`
 /// when every port tried is in use.
 #[inline(always)]
-pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
+pub fn free_nat_port<F: Family>(cfg: &Config, rkey: &mut F::CtKey, now: u64) -> Option<u16> {
     let (min, size) = snat_range(cfg)?;
     // Never 0 (checked apart so that the compiler sees it: a remainder by
     // zero would be a panic path, which BPF has no way to take).
@@ -132,8 +134,8 @@ pub fn free_nat_port(cfg: &Config, rkey: &mut Ct4Key, now: u64) -> Option<u16> {
         // SAFETY: helper without arguments.
         let r = unsafe { bpf_get_prandom_u32() };
         let port_be = ((min + r % size) as u16).to_be();
-        rkey.dport_be = port_be;
-        if !port_in_use(cfg, rkey, now) {
+        F::set_dport(rkey, port_be);
+        if !port_in_use::<F>(cfg, rkey, now) {
             return Some(port_be);
         }
     }
@@ -153,8 +155,8 @@ pub fn snat_range(cfg: &Config) -> Option<(u32, u32)> {
 }
 
 /// Where one search of the whole SNAT range stands, in the searching
-/// frame (IPv4's [`search_nat_port`] and IPv6's): every port of the range
-/// once, from a random one on.
+/// frame ([`search_port`]): every port of the range once, from a random one
+/// on.
 #[repr(C)]
 pub struct PortWalk {
     pub now: u64,
@@ -197,13 +199,25 @@ impl PortWalk {
     }
 }
 
-/// One search of the whole SNAT range for an IPv4 flow: `bpf_loop` hands
-/// [`search_step`] a pointer to it.
+/// One search of the whole SNAT range: `bpf_loop` hands [`search_step`] a
+/// pointer to it.
 #[repr(C)]
-struct Search {
+struct Search<K> {
     /// The backend-side tuple; its port is the one being tried.
-    rkey: Ct4Key,
+    rkey: K,
     walk: PortWalk,
+}
+
+/// A free source port for an IPv4 flow, after [`free_nat_port`]'s random
+/// tries all failed: [`search_port`] for the flow's backend-side tuple.
+///
+/// `flow`: the new flow as [`crate::forward::decide`] chose it.
+///
+/// tc only, from the program's top frame: a BPF call of its own, so that it
+/// and the callback's frame stack on the program's frame, not on `decide`'s.
+#[inline(never)]
+pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
+    search_port::<V4>(&flow.reply_key(pkt))
 }
 
 /// A free source port for a flow whose backend-side tuple is `rkey`, after
@@ -212,26 +226,27 @@ struct Search {
 /// `bpf_loop` (Linux 5.17; only the tc programs built with `SEARCH` call it,
 /// and the agent loads those only where the kernel has the helper). A port
 /// space found full is not searched again for
-/// [`SNAT_SEARCH_BACKOFF_NS`]: each search costs up to two lookups per port
-/// of the range (tens of thousands), and a flood of first packets to a
-/// saturated backend must not cost that per packet. `None` when no port is
-/// free, or within the back-off.
+/// [`SNAT_SEARCH_BACKOFF_NS`] (`SNAT_FULL4_V1`, `SNAT_FULL6_V1`): each
+/// search costs up to two lookups per port of the range (tens of
+/// thousands), and a flood of first packets to a saturated backend must not
+/// cost that per packet. `None` when no port is free, or within the
+/// back-off.
 ///
-/// `flow`: the new flow as [`crate::forward::decide`] chose it.
-///
-/// tc only, from the program's top frame: a BPF call of its own, so that it
-/// and the callback's frame stack on the program's frame, not on `decide`'s.
-#[inline(never)]
-pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
+/// Inlined into each family's BPF call of its own ([`search_nat_port`],
+/// `ipv6::search_nat_port`).
+#[inline(always)]
+pub fn search_port<F: Family>(rkey: &F::CtKey) -> Option<u16>
+where
+    F::CtKey: Copy,
+{
     let cfg = CONFIG_V3.get(0)?;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let rkey = flow.reply_key(pkt);
     let (min, size) = snat_range(cfg)?;
     let size_nz = core::num::NonZeroU32::new(size)?;
-    let mut space = rkey;
-    space.dport_be = 0;
-    if let Some(full) = SNAT_FULL4_V1.get_ptr(space) {
+    let mut space = *rkey;
+    F::set_dport(&mut space, 0);
+    if let Some(full) = F::snat_full(&space) {
         // SAFETY: LRU value pointer, read once.
         if now.saturating_sub(unsafe { *full }) < SNAT_SEARCH_BACKOFF_NS {
             return None;
@@ -239,7 +254,7 @@ pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
     }
     count(stat::SNAT_PORT_SEARCH);
     let mut s = Search {
-        rkey,
+        rkey: space,
         walk: PortWalk::new(now, min, size_nz),
     };
     // SAFETY: `search_step` is a BPF subprogram of the callback's signature;
@@ -247,31 +262,32 @@ pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
     unsafe {
         bpf_loop(
             size,
-            search_step as *const () as *mut c_void,
-            (&mut s as *mut Search).cast(),
+            search_step::<F> as *const () as *mut c_void,
+            (&mut s as *mut Search<F::CtKey>).cast(),
             0,
         )
     };
     if s.walk.found_be == 0 {
-        let _ = SNAT_FULL4_V1.insert(space, now, BPF_ANY as u64);
+        F::set_dport(&mut s.rkey, 0);
+        F::set_snat_full(&s.rkey, now);
         return None;
     }
     Some(s.walk.found_be)
 }
 
-/// One port of a [`search_nat_port`]: 1 (stop) when port `start + index`
+/// One port of a [`search_port`]: 1 (stop) when port `start + index`
 /// (wrapping in the range) is free, 0 (go on) otherwise.
 #[inline(never)]
-extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
-    // SAFETY: `ctx` is the `Search` in `search_nat_port`'s frame, which
-    // waits for `bpf_loop` to return.
-    let s = unsafe { &mut *ctx.cast::<Search>() };
+extern "C" fn search_step<F: Family>(index: u32, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Search` in `search_port`'s frame, which waits
+    // for `bpf_loop` to return.
+    let s = unsafe { &mut *ctx.cast::<Search<F::CtKey>>() };
     let Some(cfg) = CONFIG_V3.get(0) else {
         return 1;
     };
     let port_be = s.walk.port_be(index);
-    s.rkey.dport_be = port_be;
-    if port_be == 0 || port_in_use(cfg, &s.rkey, s.walk.now) {
+    F::set_dport(&mut s.rkey, port_be);
+    if port_be == 0 || port_in_use::<F>(cfg, &s.rkey, s.walk.now) {
         return 0;
     }
     s.walk.found_be = port_be;
@@ -282,14 +298,16 @@ extern "C" fn search_step(index: u32, ctx: *mut c_void) -> i64 {
 /// being created: a REPLY entry younger than a second), ours or one the
 /// kernel masqueraded before the takeover ([`masqueraded_by_kernel`]).
 #[inline(always)]
-fn port_in_use(cfg: &Config, rkey: &Ct4Key, now: u64) -> bool {
-    let Some(e) = CT4_V2.get_ptr(*rkey) else {
-        return masqueraded_by_kernel(HANDOVER4_V1.get_ptr(*rkey), now);
-    };
-    // SAFETY: map value pointer, copied.
-    let e = unsafe { *e };
-    now.saturating_sub(e.last_seen_ns) < NSEC_PER_SEC
-        || conntrack::live_service_of(cfg, rkey, &e, now).is_some()
+pub fn port_in_use<F: Family>(cfg: &Config, rkey: &F::CtKey, now: u64) -> bool {
+    match F::ct(rkey) {
+        Some(e) => {
+            // SAFETY: map value pointer, read in place.
+            let e = unsafe { &*e };
+            now.saturating_sub(e.last_seen_ns()) < NSEC_PER_SEC
+                || conntrack::live_backend_of::<F>(cfg, rkey, e, now).is_some()
+        }
+        None => masqueraded_by_kernel(F::handover(rkey), now),
+    }
 }
 
 /// Whether the handover entry of a backend-side tuple (`entry`, `dir`
