@@ -44,7 +44,7 @@ pub fn decide(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Verdict
 
 /// The datapath's configuration, once an agent of this layout wrote it.
 #[inline(always)]
-fn config() -> Result<&'static Config, Verdict> {
+pub fn config() -> Result<&'static Config, Verdict> {
     match CONFIG_V3.get(0) {
         Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
         _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),

@@ -59,12 +59,13 @@ use proxy_common::{
     },
     crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Backend6, Config, Ct6Key, Ct6Value,
     Frag6Key, FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
+    SCOPE_EXTERNAL,
 };
 
 use crate::{
     family::{Family, V6},
-    maps::{account, count, CONFIG_V3, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
+    forward::config,
+    maps::{account, count, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -483,15 +484,6 @@ fn reject(ctx: &TcContext) -> (i32, u32) {
     // SAFETY: plain helper taking an ifindex.
     let r = unsafe { bpf_redirect(ifindex, 0) };
     (r as i32, stat::REJECT_NO_BACKEND)
-}
-
-/// The datapath's configuration, once an agent of this layout wrote it.
-#[inline(always)]
-pub fn config() -> Result<&'static Config, Verdict> {
-    match CONFIG_V3.get(0) {
-        Some(cfg) if cfg.layout_version == MAP_LAYOUT_VERSION => Ok(cfg),
-        _ => Err(Verdict::Pass(stat::PASS_UNCONFIGURED)),
-    }
 }
 
 /// Per-CPU room for the packet and the forward path's larger values: the
