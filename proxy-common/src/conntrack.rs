@@ -153,6 +153,22 @@ pub fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
     f
 }
 
+/// Whether a packet of `proto` with `tcp_flags` (SCTP's from [`sctp_flags`])
+/// reopens the tuple of the entry with [`ct_flags`] `entry_flags`: a SYN
+/// (no ACK) reusing a closed connection (time-wait: FINs both ways; or
+/// reset). It is a new connection, balanced anew, as the kernel's conntrack
+/// kills such an entry and lets the SYN through NAT again. Kept, the entry
+/// would pin the client's next connection on that tuple to the old backend,
+/// even one no longer among the endpoints (no longer ready) while it is
+/// still in the backend map.
+#[inline(always)]
+pub fn reopens(proto: u8, tcp_flags: u8, entry_flags: u16) -> bool {
+    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
+    connection_oriented(proto)
+        && tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
+        && (entry_flags & ct_flags::TCP_CLOSING != 0 || entry_flags & fins == fins)
+}
+
 /// The state bits of an entry after a packet from the client: TCP and SCTP
 /// (`tcp_flags` from [`sctp_flags`]) as [`tcp_state`]; UDP becomes a stream
 /// once it goes on after a reply.
@@ -284,6 +300,24 @@ mod tests {
             last_seen_ns,
             ..Ct4Value::default()
         }
+    }
+
+    #[test]
+    fn only_a_syn_reopens_a_closed_connection() {
+        use ct_flags::*;
+        let both_fins = TCP_FIN_FWD | TCP_FIN_REV;
+        for proto in [IPPROTO_TCP, IPPROTO_SCTP] {
+            // Closed (reset, or FINs both ways): a SYN is a new connection.
+            assert!(reopens(proto, tcp::SYN, TCP_CLOSING));
+            assert!(reopens(proto, tcp::SYN, both_fins));
+            // Not a bare SYN, or not closed: the flow goes on.
+            assert!(!reopens(proto, tcp::SYN | tcp::ACK, TCP_CLOSING));
+            assert!(!reopens(proto, tcp::ACK, both_fins));
+            assert!(!reopens(proto, tcp::SYN, TCP_FIN_FWD));
+            assert!(!reopens(proto, tcp::SYN, 0));
+        }
+        // A datagram never reopens anything.
+        assert!(!reopens(IPPROTO_UDP, tcp::SYN, TCP_CLOSING));
     }
 
     #[test]

@@ -6,71 +6,87 @@
 
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use proxy_common::{
-    conntrack::{
-        alive, connection_oriented, forward_state, needs_refresh, reply_state, tcp, CtEntry,
-    },
-    ct_dir, ct_flags, stat, Backend4, Config, Ct4Key, Ct4Value, RevNat4,
+    conntrack::{alive, forward_state, needs_refresh, reopens, reply_state, CtEntry},
+    ct_dir, ct_flags, stat, Config, Ct4Key, Ct4Value, RevNat4,
 };
 
 use crate::{
-    family::{Family, V4},
+    family::{Family, FlowPacket, V4},
     maps::{count, CT4_V2},
     parse::Packet,
 };
 
-/// The state of one flow as the forward path needs it.
-#[derive(Clone, Copy, Default)]
-pub struct Flow {
+/// The state of one flow as the forward path needs it, either family.
+pub struct Flow<F: Family> {
     pub backend_id: u32,
-    pub backend: Backend4,
+    pub backend: F::Backend,
     /// [`ct_flags`] of the SERVICE entry.
     pub flags: u16,
     /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
-    pub nat_addr_be: u32,
+    pub nat_addr_be: F::Addr,
     /// With [`ct_flags::SNAT_PORT`]: the source port the backend sees.
     pub nat_port_be: u16,
 }
 
-impl Flow {
+impl<F: Family> Clone for Flow<F> {
     #[inline(always)]
-    fn of(v: &Ct4Value, backend: Backend4) -> Self {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F: Family> Copy for Flow<F> {}
+
+impl<F: Family> Default for Flow<F> {
+    #[inline(always)]
+    fn default() -> Self {
         Flow {
-            backend_id: v.backend_id,
+            backend_id: 0,
+            backend: F::Backend::default(),
+            flags: 0,
+            nat_port_be: 0,
+            nat_addr_be: F::Addr::default(),
+        }
+    }
+}
+
+impl<F: Family> Flow<F> {
+    /// The flow of entry `v`, to `backend`.
+    #[inline(always)]
+    pub fn of(v: &F::CtValue, backend: F::Backend) -> Self {
+        let (nat_addr_be, nat_port_be) = F::ct_nat(v);
+        Flow {
+            backend_id: v.backend_id(),
             backend,
-            flags: v.flags,
-            nat_addr_be: v.nat_addr_be,
-            nat_port_be: v.nat_port_be,
+            flags: v.flags(),
+            nat_port_be,
+            nat_addr_be,
         }
     }
 
     /// The client's address and port as the backend sees them (after SNAT).
     #[inline(always)]
-    pub fn client_seen(&self, pkt: &Packet) -> (u32, u16) {
+    pub fn client_seen(&self, pkt: &F::Packet) -> (F::Addr, u16) {
         (
             if self.flags & ct_flags::SNAT_ADDR != 0 {
                 self.nat_addr_be
             } else {
-                pkt.saddr_be
+                *pkt.saddr()
             },
             if self.flags & ct_flags::SNAT_PORT != 0 {
                 self.nat_port_be
             } else {
-                pkt.sport_be
+                pkt.sport_be()
             },
         )
     }
 
     /// The REPLY key of this flow.
     #[inline(always)]
-    pub fn reply_key(&self, pkt: &Packet) -> Ct4Key {
+    pub fn reply_key(&self, pkt: &F::Packet) -> F::CtKey {
         let (addr, port) = self.client_seen(pkt);
-        Ct4Key::reply(
-            pkt.proto,
-            self.backend.addr_be,
-            self.backend.port_be,
-            addr,
-            port,
-        )
+        let (baddr, bport) = F::backend_at(&self.backend);
+        F::reply_key(pkt.proto(), baddr, bport, addr, port)
     }
 }
 
@@ -81,43 +97,34 @@ impl Flow {
 /// (An out-parameter, not `Option<Flow>`: LLVM may read the undefined payload
 /// of a `None` speculatively, which the verifier refuses.)
 #[inline(always)]
-pub fn lookup(cfg: &Config, pkt: &Packet, skey: &Ct4Key, now: u64, flow: &mut Flow) -> bool {
-    let Some(ct) = CT4_V2.get_ptr_mut(*skey) else {
+pub fn lookup<F: Family>(
+    cfg: &Config,
+    pkt: &F::Packet,
+    skey: &F::CtKey,
+    now: u64,
+    flow: &mut Flow<F>,
+) -> bool {
+    let Some(ct) = F::ct(skey) else {
         return false;
     };
     // SAFETY: LRU value pointer; fields are read and written individually.
     let c = unsafe { &mut *ct };
-    if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
+    if !alive(cfg, pkt.proto(), c, now) || reopens(pkt.proto(), pkt.tcp_flags(), c.flags()) {
         return false;
     }
-    let Some(b) = V4::backend(c.backend_id) else {
+    let Some(b) = F::backend(c.backend_id()) else {
         return false;
     };
-    let flags = if pkt.l4_present {
-        forward_state(c.flags, pkt.proto, pkt.tcp_flags)
+    let flags = if pkt.l4_present() {
+        forward_state(c.flags(), pkt.proto(), pkt.tcp_flags())
     } else {
-        c.flags
+        c.flags()
     };
     if needs_refresh(c, flags, now) {
-        c.flags = flags;
-        c.last_seen_ns = now;
+        F::ct_refresh(c, flags, now);
     }
     *flow = Flow::of(c, b);
     true
-}
-
-/// Whether `pkt` is a SYN (no ACK) reusing the tuple of TCP flow `c` once it
-/// closed (time-wait: FINs both ways; or reset): a new connection, balanced
-/// anew, as the kernel's conntrack kills such an entry and lets the SYN
-/// through NAT again. Kept, the entry would pin the client's next
-/// connection on that tuple to the old backend, even one no longer among
-/// the endpoints (no longer ready) while it is still in the backend map.
-#[inline(always)]
-fn reopens(pkt: &Packet, c: &Ct4Value) -> bool {
-    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
-    connection_oriented(pkt.proto)
-        && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
-        && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
 }
 
 /// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
@@ -210,9 +217,9 @@ pub fn create(
     pkt: &Packet,
     skey: &Ct4Key,
     sval: &Ct4Value,
-    mine: &Flow,
+    mine: &Flow<V4>,
     now: u64,
-    flow: &mut Flow,
+    flow: &mut Flow<V4>,
 ) {
     *flow = *mine;
     if CT4_V2.insert(*skey, *sval, BPF_NOEXIST as u64).is_ok() {
@@ -223,7 +230,7 @@ pub fn create(
         let w = unsafe { *w };
         // A racing first packet's entry is followed; a closed flow's, whose
         // tuple this SYN reuses, is replaced.
-        if alive(cfg, pkt.proto, &w, now) && !reopens(pkt, &w) {
+        if alive(cfg, pkt.proto, &w, now) && !reopens(pkt.proto, pkt.tcp_flags, w.flags) {
             if let Some(wb) = V4::backend(w.backend_id) {
                 *flow = Flow::of(&w, wb);
                 return;
@@ -241,7 +248,7 @@ pub fn create(
 #[inline(always)]
 pub fn ensure_reply(
     pkt: &Packet,
-    flow: &Flow,
+    flow: &Flow<V4>,
     rev_nat_id: proxy_common::RevNatId,
     established: bool,
     now: u64,

@@ -19,21 +19,26 @@ use crate::maps::{
     HANDOVER6_V1, REVNAT4_V2, REVNAT6_V2, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2,
     SVC4_V2, SVC6_V2,
 };
+use crate::{ipv6::Packet6, parse::Packet};
 
 /// IPv4 (and IPv6 sockets to IPv4-mapped addresses, in the socket hooks).
+#[derive(Clone, Copy, Default)]
 pub struct V4;
 /// IPv6.
+#[derive(Clone, Copy, Default)]
 pub struct V6;
 
 /// An address family's keys and maps.
 pub trait Family {
     /// An address, network order.
-    type Addr: Copy;
+    type Addr: Copy + Default;
     /// The services-map key (a frontend at slot 0, its backends at
     /// 1..=count).
     type SvcKey;
     /// A backend's address and port.
-    type Backend: Copy;
+    type Backend: Copy + Default;
+    /// A parsed packet.
+    type Packet: FlowPacket<Self::Addr>;
 
     /// `addr` as the 32 bits the flow and source hashes take (IPv6: its
     /// four words folded).
@@ -57,6 +62,23 @@ pub trait Family {
     /// The frontend replies of a reverse-NAT id come from.
     type RevNat;
 
+    /// The backend's address and port.
+    fn backend_at(b: &Self::Backend) -> (Self::Addr, u16);
+    /// The source address and port a SNATed flow's entry `v` gives it
+    /// (meaningful under [`proxy_common::ct_flags::SNAT_ADDR`] and
+    /// [`proxy_common::ct_flags::SNAT_PORT`]).
+    fn ct_nat(v: &Self::CtValue) -> (Self::Addr, u16);
+    /// Writes the state `flags` and the last-seen time `now` of entry `c`.
+    fn ct_refresh(c: &mut Self::CtValue, flags: u16, now: u64);
+    /// The REPLY key of a flow of `proto`: the backend at `backend_addr`,
+    /// `backend_port_be` answering the client as the backend sees it.
+    fn reply_key(
+        proto: u8,
+        backend_addr: Self::Addr,
+        backend_port_be: u16,
+        client_addr: Self::Addr,
+        client_port_be: u16,
+    ) -> Self::CtKey;
     /// The conntrack entry at `key`.
     fn ct(key: &Self::CtKey) -> Option<*mut Self::CtValue>;
     /// The frontend replies of reverse-NAT id `id` come from.
@@ -79,6 +101,18 @@ pub trait Family {
     fn set_snat_full(space: &Self::CtKey, now: u64);
 }
 
+/// What the conntrack code reads of a parsed packet of either family.
+pub trait FlowPacket<A> {
+    fn proto(&self) -> u8;
+    /// TCP's header flags (SCTP's first chunk as TCP flags).
+    fn tcp_flags(&self) -> u8;
+    /// Whether the packet carries its L4 header (not a later fragment):
+    /// only those move a flow's state.
+    fn l4_present(&self) -> bool;
+    fn saddr(&self) -> &A;
+    fn sport_be(&self) -> u16;
+}
+
 /// What backend selection reads of a flow: its 5-tuple, the addresses by
 /// reference (an IPv6 address is 16 bytes of the caller's).
 pub struct FiveTuple<'a, F: Family> {
@@ -93,6 +127,7 @@ impl Family for V4 {
     type Addr = u32;
     type SvcKey = Svc4Key;
     type Backend = Backend4;
+    type Packet = Packet;
 
     #[inline(always)]
     fn fold(addr: &u32) -> u32 {
@@ -147,8 +182,29 @@ impl Family for V4 {
     type RevNat = RevNat4;
 
     #[inline(always)]
+    fn backend_at(b: &Backend4) -> (u32, u16) {
+        (b.addr_be, b.port_be)
+    }
+
+    #[inline(always)]
+    fn ct_nat(v: &Ct4Value) -> (u32, u16) {
+        (v.nat_addr_be, v.nat_port_be)
+    }
+
+    #[inline(always)]
+    fn ct_refresh(c: &mut Ct4Value, flags: u16, now: u64) {
+        c.flags = flags;
+        c.last_seen_ns = now;
+    }
+
+    #[inline(always)]
+    fn reply_key(proto: u8, b_addr: u32, b_port_be: u16, c_addr: u32, c_port_be: u16) -> Ct4Key {
+        Ct4Key::reply(proto, b_addr, b_port_be, c_addr, c_port_be)
+    }
+
+    #[inline(always)]
     fn ct(key: &Ct4Key) -> Option<*mut Ct4Value> {
-        CT4_V2.get_ptr_mut(key)
+        CT4_V2.get_ptr_mut(*key)
     }
 
     #[inline(always)]
@@ -191,6 +247,7 @@ impl Family for V6 {
     type Addr = Addr6;
     type SvcKey = Svc6Key;
     type Backend = Backend6;
+    type Packet = Packet6;
 
     #[inline(always)]
     fn fold(addr: &Addr6) -> u32 {
@@ -245,6 +302,33 @@ impl Family for V6 {
     type RevNat = RevNat6;
 
     #[inline(always)]
+    fn backend_at(b: &Backend6) -> (Addr6, u16) {
+        (b.addr_be, b.port_be)
+    }
+
+    #[inline(always)]
+    fn ct_nat(v: &Ct6Value) -> (Addr6, u16) {
+        (v.nat_addr_be, v.nat_port_be)
+    }
+
+    #[inline(always)]
+    fn ct_refresh(c: &mut Ct6Value, flags: u16, now: u64) {
+        c.flags = flags;
+        c.last_seen_ns = now;
+    }
+
+    #[inline(always)]
+    fn reply_key(
+        proto: u8,
+        b_addr: Addr6,
+        b_port_be: u16,
+        c_addr: Addr6,
+        c_port_be: u16,
+    ) -> Ct6Key {
+        Ct6Key::reply(proto, b_addr, b_port_be, c_addr, c_port_be)
+    }
+
+    #[inline(always)]
     fn ct(key: &Ct6Key) -> Option<*mut Ct6Value> {
         CT6_V2.get_ptr_mut(key)
     }
@@ -282,5 +366,51 @@ impl Family for V6 {
     #[inline(always)]
     fn set_snat_full(space: &Ct6Key, now: u64) {
         let _ = SNAT_FULL6_V1.insert(space, now, BPF_ANY as u64);
+    }
+}
+
+impl FlowPacket<u32> for Packet {
+    #[inline(always)]
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+    #[inline(always)]
+    fn tcp_flags(&self) -> u8 {
+        self.tcp_flags
+    }
+    #[inline(always)]
+    fn l4_present(&self) -> bool {
+        self.l4_present
+    }
+    #[inline(always)]
+    fn saddr(&self) -> &u32 {
+        &self.saddr_be
+    }
+    #[inline(always)]
+    fn sport_be(&self) -> u16 {
+        self.sport_be
+    }
+}
+
+impl FlowPacket<Addr6> for Packet6 {
+    #[inline(always)]
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+    #[inline(always)]
+    fn tcp_flags(&self) -> u8 {
+        self.tcp_flags
+    }
+    #[inline(always)]
+    fn l4_present(&self) -> bool {
+        self.fragment != crate::ipv6::FRAGMENT_LATER
+    }
+    #[inline(always)]
+    fn saddr(&self) -> &Addr6 {
+        &self.saddr_be
+    }
+    #[inline(always)]
+    fn sport_be(&self) -> u16 {
+        self.sport_be
     }
 }

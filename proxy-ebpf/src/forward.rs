@@ -35,7 +35,7 @@ pub const FROM_XDP: u8 = 0x80;
 /// `mode`: the frontend scope, or-ed with [`FROM_XDP`]. A BPF function call of
 /// its own (the verifier limits the stack of one frame); a BPF call takes at
 /// most five arguments.
-pub fn decide(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Verdict {
+pub fn decide(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow<V4>) -> Verdict {
     match decide_inner(pkt, fe, mode, flow) {
         Ok(code) => Verdict::Deliver(code),
         Err(v) => v,
@@ -52,7 +52,12 @@ pub fn config() -> Result<&'static Config, Verdict> {
 }
 
 #[inline(always)]
-fn decide_inner(pkt: &Packet, fe: &SvcValue, mode: u8, flow: &mut Flow) -> Result<u32, Verdict> {
+fn decide_inner(
+    pkt: &Packet,
+    fe: &SvcValue,
+    mode: u8,
+    flow: &mut Flow<V4>,
+) -> Result<u32, Verdict> {
     let xdp = mode & FROM_XDP != 0;
     let cfg = config()?;
     // SAFETY: helper without arguments.
@@ -156,7 +161,7 @@ fn new_flow(
     fe: &SvcValue,
     mode: u8,
     now: u64,
-    flow: &mut Flow,
+    flow: &mut Flow<V4>,
 ) -> Result<(), Verdict> {
     let scope = mode & !FROM_XDP;
     let external = scope == SCOPE_EXTERNAL;
@@ -224,7 +229,7 @@ fn new_flow(
 /// [`decide`]'s (the verifier limits the combined stack of nested calls to
 /// 512 bytes).
 #[inline(never)]
-pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow, port_be: u16) -> Verdict {
+pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow<V4>, port_be: u16) -> Verdict {
     let Ok(cfg) = config() else {
         return Verdict::Pass(stat::PASS_UNCONFIGURED);
     };
@@ -241,7 +246,7 @@ pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow, port_be: u1
 /// New flow `mine` gets source port `port_be`: SNATed to the node
 /// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
 #[inline(always)]
-fn ported(mine: &mut Flow, port_be: u16) {
+fn ported(mine: &mut Flow<V4>, port_be: u16) {
     count(if mine.flags & ct_flags::SNAT_PORT != 0 {
         stat::SNAT_NODE
     } else {
@@ -258,9 +263,9 @@ fn commit(
     pkt: &Packet,
     skey: &Ct4Key,
     fe: &SvcValue,
-    mine: &Flow,
+    mine: &Flow<V4>,
     now: u64,
-    flow: &mut Flow,
+    flow: &mut Flow<V4>,
 ) {
     let sval = Ct4Value {
         backend_id: mine.backend_id,

@@ -54,12 +54,10 @@ use aya_ebpf::{
 use proxy_common::{
     backend_state, config_flags,
     conntrack::{
-        alive, connection_oriented, forward_state, needs_refresh, reply_state, sctp_flags, tcp,
-        tcp_state,
+        alive, connection_oriented, needs_refresh, reopens, reply_state, sctp_flags, tcp, tcp_state,
     },
-    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Backend6, Config, Ct6Key, Ct6Value,
-    Frag6Key, FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    SCOPE_EXTERNAL,
+    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Config, Ct6Key, Ct6Value, Frag6Key,
+    FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
 };
 
 use crate::{
@@ -133,7 +131,7 @@ pub struct Packet6 {
 
 pub const FRAGMENT_NONE: u8 = 0;
 const FRAGMENT_FIRST: u8 = 1;
-const FRAGMENT_LATER: u8 = 2;
+pub(crate) const FRAGMENT_LATER: u8 = 2;
 /// The fragment header's offset (13 bits, then 2 reserved, then M).
 const IP6_FRAG_OFFSET: u16 = 0xfff8;
 const IP6_FRAG_MORE: u16 = 0x0001;
@@ -519,58 +517,7 @@ pub fn scratch() -> Result<*mut Scratch6, Verdict> {
 }
 
 /// One IPv6 flow as the forward path needs it.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct Flow6 {
-    pub(crate) backend_id: u32,
-    pub(crate) backend: Backend6,
-    pub(crate) flags: u16,
-    pub(crate) nat_port_be: u16,
-    /// With [`ct_flags::SNAT_ADDR`]: the source address the backend sees.
-    pub(crate) nat_addr_be: Addr6,
-}
-
-impl Flow6 {
-    #[inline(always)]
-    fn of(v: &Ct6Value, backend: Backend6) -> Self {
-        Flow6 {
-            backend_id: v.backend_id,
-            backend,
-            flags: v.flags,
-            nat_port_be: v.nat_port_be,
-            nat_addr_be: v.nat_addr_be,
-        }
-    }
-
-    /// The client's address and port as the backend sees them.
-    #[inline(always)]
-    pub fn client_seen(&self, pkt: &Packet6) -> (Addr6, u16) {
-        (
-            if self.flags & ct_flags::SNAT_ADDR != 0 {
-                self.nat_addr_be
-            } else {
-                pkt.saddr_be
-            },
-            if self.flags & ct_flags::SNAT_PORT != 0 {
-                self.nat_port_be
-            } else {
-                pkt.sport_be
-            },
-        )
-    }
-
-    #[inline(always)]
-    fn reply_key(&self, pkt: &Packet6) -> Ct6Key {
-        let (addr, port) = self.client_seen(pkt);
-        Ct6Key::reply(
-            pkt.proto,
-            self.backend.addr_be,
-            self.backend.port_be,
-            addr,
-            port,
-        )
-    }
-}
+pub type Flow6 = crate::conntrack::Flow<V6>;
 
 /// The IPv6 frontend that replies of reverse-NAT id `id` come from.
 #[inline(always)]
@@ -666,7 +613,7 @@ pub fn established(pkt: &Packet6) -> u32 {
     // `flow` are the flow's.
     let (skey, flow) = unsafe { (&mut (*sc).skey, &mut (*sc).flow) };
     *skey = pkt.ct_key(ct_dir::SERVICE);
-    if lookup(cfg, pkt, skey, now, flow) {
+    if crate::conntrack::lookup::<V6>(cfg, pkt, skey, now, flow) {
         ESTABLISHED
     } else if crate::forward::handed_over(
         HANDOVER6_V1.get_ptr_mut(&*skey),
@@ -724,43 +671,6 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
         return Verdict::Pass(stat::DELIVER_STACK);
     }
     Verdict::Deliver(code)
-}
-
-/// The tracked flow of `skey` while alive and its backend exists (as
-/// IPv4's `conntrack::lookup`).
-#[inline(always)]
-fn lookup(cfg: &Config, pkt: &Packet6, skey: &Ct6Key, now: u64, flow: &mut Flow6) -> bool {
-    let Some(ct) = CT6_V2.get_ptr_mut(skey) else {
-        return false;
-    };
-    // SAFETY: LRU value pointer; fields read and written individually.
-    let c = unsafe { &mut *ct };
-    if !alive(cfg, pkt.proto, c, now) || reopens(pkt, c) {
-        return false;
-    }
-    let Some(b) = V6::backend(c.backend_id) else {
-        return false;
-    };
-    let flags = if pkt.fragment == FRAGMENT_LATER {
-        c.flags
-    } else {
-        forward_state(c.flags, pkt.proto, pkt.tcp_flags)
-    };
-    if needs_refresh(c, flags, now) {
-        c.flags = flags;
-        c.last_seen_ns = now;
-    }
-    *flow = Flow6::of(c, b);
-    true
-}
-
-/// A SYN reusing a closed TCP (or SCTP) tuple: a new flow.
-#[inline(always)]
-fn reopens(pkt: &Packet6, c: &Ct6Value) -> bool {
-    let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
-    connection_oriented(pkt.proto)
-        && pkt.tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
-        && (c.flags & ct_flags::TCP_CLOSING != 0 || c.flags & fins == fins)
 }
 
 /// A new flow to frontend `fe` (as IPv4's `forward::new_flow`): source
@@ -832,7 +742,7 @@ pub fn new_flow(
         }
     }
     // The flow as chosen, in `flow` (replaced below by a racing packet's).
-    *flow = Flow6 {
+    *flow = crate::conntrack::Flow {
         backend_id,
         backend: b,
         flags,
@@ -913,7 +823,7 @@ fn commit(
     if let Some(w) = CT6_V2.get_ptr(skey) {
         // SAFETY: map value pointer, read in place.
         let w = unsafe { &*w };
-        if alive(cfg, pkt.proto, w, now) && !reopens(pkt, w) {
+        if alive(cfg, pkt.proto, w, now) && !reopens(pkt.proto, pkt.tcp_flags, w.flags) {
             if let Some(wb) = V6::backend(w.backend_id) {
                 *flow = Flow6::of(w, wb);
                 return;

@@ -44,7 +44,7 @@ pub struct Tuple {
 /// The tuple a packet of `flow` is sent on with: to its backend, from the
 /// client as the backend sees it.
 #[inline(always)]
-pub fn forward_tuple(pkt: &Packet, flow: &Flow) -> Tuple {
+pub fn forward_tuple(pkt: &Packet, flow: &Flow<V4>) -> Tuple {
     let (saddr_be, sport_be) = flow.client_seen(pkt);
     Tuple {
         saddr_be,
@@ -216,7 +216,7 @@ struct Search<K> {
 /// tc only, from the program's top frame: a BPF call of its own, so that it
 /// and the callback's frame stack on the program's frame, not on `decide`'s.
 #[inline(never)]
-pub fn search_nat_port(pkt: &Packet, flow: &Flow) -> Option<u16> {
+pub fn search_nat_port(pkt: &Packet, flow: &Flow<V4>) -> Option<u16> {
     search_port::<V4>(&flow.reply_key(pkt))
 }
 

@@ -15,6 +15,7 @@ use proxy_common::{ct_flags, stat, SvcValue, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
+    family::V4,
     fib, forward, icmp, icmp_error,
     lb::{self, rev_nat},
     maps::{account, count, SVC4_V2},
@@ -114,7 +115,7 @@ fn translate<const SEARCH: bool>(
     scope: u8,
 ) -> Verdict {
     let mut slot = core::mem::MaybeUninit::uninit();
-    let flow: &mut Flow = crate::zeroed::zeroed(&mut slot);
+    let flow: &mut Flow<V4> = crate::zeroed::zeroed(&mut slot);
     let mut verdict = forward::decide(pkt, fe, scope, flow);
     if SEARCH && matches!(verdict, Verdict::Drop(stat::DROP_NO_FREE_PORT)) {
         // Random tries failed: the whole range, from this frame.
