@@ -20,6 +20,12 @@
 //! server last.
 //!
 //! Run with `cargo xtask test` (`#[ignore]`d under a plain `cargo test`).
+//!
+//! Why one file (about 1,200 lines): that one test is the file. Its cases
+//! share the lab and one harness (`Ctx`: the lab, a runtime in the control
+//! plane's namespace, kubectl, the audit log), and the scenario table runs
+//! through both sources against the same server. The file is in sections:
+//! the harness, objects and snapshots, the cases, the table, the test.
 
 use std::{
     collections::BTreeMap,

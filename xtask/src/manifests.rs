@@ -10,6 +10,13 @@
 //! [`crate::netns::ipv6_twin`]). The agent's manifests source makes one
 //! EndpointSlice per family of a Pod's `podIPs` (`addressType` IPv4 or IPv6),
 //! standing in for the EndpointSlice controller.
+//!
+//! Why one file (about 1,200 lines): most of it is the [`Allocator`], one set
+//! of pools (ClusterIPs of both families, NodePorts, pod IPs per node) that
+//! Services and Pods are completed against as an API server fills them in
+//! (`ipFamilyPolicy`, `ipFamilies`, `clusterIPs`, allocations kept on
+//! update), and its tests, which check those rules case by case. Parsing and
+//! rendering, the short part, come first.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

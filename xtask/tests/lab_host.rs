@@ -12,6 +12,14 @@
 //!
 //! Run as root: `cargo xtask test`, or
 //! `cargo build -p proxy-agent --bins && cargo test -p xtask --test lab_host -- --include-ignored`.
+//!
+//! Why one file (about 1,200 lines): every test drives `lab-host-client` in
+//! a node's namespace and cgroup through the same helpers (`host`,
+//! `assert_every`, `svc_and_pods`), and the VM kernel matrix runs the
+//! connected-UDP tests from this binary by name (`xtask/src/vm/plan.rs`).
+//! The file is in sections: ClusterIPs and NodePorts from the node, UDP
+//! sockets across backend changes, DNS, agent restarts, source ranges, then
+//! IPv6.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, SocketAddrV6};

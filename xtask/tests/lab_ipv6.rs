@@ -63,6 +63,13 @@
 //! On failure the agents' log tails and `proxy-agent inspect
 //! services|stats|conntrack` (of every node) are printed before the lab is
 //! torn down; set `KPR_LAB_DIAG=1` to print them after every test.
+//!
+//! Why one file (about 1,500 lines): the tables above are one map of section
+//! C's rows and of the IPv6 runs of other sections, and the tests share the
+//! IPv6 helpers (`pods_answer_directly6` before each Service check,
+//! `node_port6`, `service_families`, the large echoes); the VM kernel matrix
+//! runs D-lab-3 from this binary by name (`xtask/src/vm/plan.rs`). The file
+//! is in sections: the D rows, then the IPv6 runs of S and K rows.
 
 use std::collections::BTreeMap;
 use std::io;

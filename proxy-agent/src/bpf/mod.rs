@@ -13,6 +13,16 @@
 //! | `pins.rs` | pinned maps checked against this build on adoption: resized, reset or refused |
 //! | `migrations.rs` | the `_V1` layouts (16-bit reverse-NAT ids) and their migration to `_V2` |
 //! | `links.rs` | [`Attacher`]: tc and XDP links, pinned and taken over on restart; `cleanup` |
+//!
+//! Why one file (about 800 lines): loading is one ordered sequence
+//! (`load_inner`, `load_checked`): pins checked against this build, maps of
+//! older layouts migrated before any program of the new object can be
+//! tail-called, the tc programs with their fallback build, then the IPv6
+//! programs, XDP and the socket hooks as far as the kernel takes them; the
+//! migrations finish only just before attach (`finish_migrations`). The types
+//! that sequence fills (`Loaded`, `PortSearch`, `Migration`,
+//! `PendingMigration`) stay beside it, and the submodules take their imports
+//! from here (`use super::*`).
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},

@@ -11,6 +11,13 @@
 //! writer keeps reference counts (slots per backend id, slot 0 entries per
 //! reverse-NAT id) and an index of the desired frontends by backend address
 //! (`users.rs`) so that neither needs a walk over the whole state.
+//!
+//! Why one file (about 1,000 lines): the phases are in `writer/`, but the
+//! [`Writer`]'s mirror of what is programmed and the indexes kept with it
+//! (`slot_refs`, `slot0_by_rev`, `alias_by_rev`, `loose`, `unfinished`) are
+//! built in one place, [`Writer::adopt`], and kept in a few others
+//! (`mirror_slot`, `mirror_slot0`, `run`); they stay beside the struct that
+//! declares them, so that the invariants between them are read together.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;

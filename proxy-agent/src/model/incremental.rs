@@ -15,6 +15,13 @@
 //! `creationTimestamp`, the current owner of a frontend keeps it (as
 //! [`ModelOptions::current_owners`] says for a computation from scratch).
 //!
+//! Why one file (about 1,000 lines): [`Incremental`] is one piece of state
+//! whose indexes must agree after every change: the objects, each Service's
+//! output, the claimants and conflicts of every frontend and
+//! `healthCheckNodePort`, and the counts of local endpoints. `apply`,
+//! `recompute`, `resolve` and `install` each update several of them, so they
+//! stay in the file that declares them.
+//!
 //! [`desired_state_with`]: super::desired_state_with
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;

@@ -2,6 +2,12 @@
 //! (both removed on drop, also when a test panics), the real object loaded
 //! with the agent's `bpf::load`, its maps filled by the agent's own `Writer`,
 //! and `BPF_PROG_TEST_RUN` of any of its programs inside that namespace.
+//!
+//! Why one file (about 700 lines): the pool of loaded objects and the map
+//! reset are one mechanism. A harness's object goes back to `POOL` on drop
+//! only once `reset_maps` has emptied its maps as a new load has them, and a
+//! reset that finds a per-CPU entry at or above `PER_CPU_RESET_BOUND` fails
+//! the test right there; the pool, the reset and that bound are read together.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},

@@ -27,6 +27,12 @@
 //! Services of different ports, as kube-proxy and the agent allow: both
 //! key a frontend on address, port and protocol). Up to [`MAX_SERVICES`]
 //! Services.
+//!
+//! Why one file (about 1,000 lines): the iptables, nftables and manifests
+//! renderings are three views of one list of [`Entry`]s and must agree on
+//! every Service's (VIP, port), chain names and hashes; the tests (about 300
+//! lines) check them against each other and against the reference script,
+//! so the address plan, the three renderers and their tests stay together.
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

@@ -22,6 +22,13 @@
 //! Service and of an EndpointSlice of its own, [`BARRIER`]): an agent whose
 //! sync logged a `source_revision` at or past the barrier's has programmed
 //! everything written before it.
+//!
+//! Why one file (about 1,200 lines): each step of a change pushed to the API
+//! server (the applied view, the statuses, the allocations read back, the
+//! wait for the controller's slices against [`expected_endpoints`], the
+//! deletions a kubelet confirms, the barriers) reads and updates one
+//! `ApiState`, what the lab last wrote; `reconcile.rs` runs the steps in that
+//! order, and they stay beside the state they share.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

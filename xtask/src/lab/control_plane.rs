@@ -18,6 +18,14 @@
 //! The lab plays the kubelet only ([`super::api`]): Node objects, Pods and
 //! their status. Every request goes through the built `kubectl` with an
 //! admin kubeconfig, run inside the control plane's namespace.
+//!
+//! Why one file (about 800 lines): the components' command lines
+//! (`etcd_args`, `apiserver_args`, `controller_manager_args`) name the
+//! certificates and keys [`Pki`] makes and the kubeconfigs
+//! `create_control_plane` writes, and starting and stopping them (tests
+//! restart kube-apiserver and etcd that way) keeps their pids in the one
+//! [`ControlPlaneInfo`] of lab.json. Split apart, a file the lab writes and
+//! the flag that reads it would be in different files.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};

@@ -67,6 +67,14 @@
 //! server and EndpointSlices from the EndpointSlice controller; the lab
 //! only plays the kubelet. Everything else, the address plan included, is
 //! the same.
+//!
+//! Why one file (about 900 lines): [`Lab`]'s private fields are filled in
+//! two places only, `start` (from a [`LabBuilder`]) and `attach` (from
+//! lab.json), and `teardown` undoes what `start` made (kube-proxy and the
+//! agents, containers, the control plane, servers, namespaces, cgroups, pin
+//! directories), so the three stay beside the struct and its builder. The
+//! rest is the address plan above and its constants, which the submodules
+//! import from here.
 
 mod api;
 mod cgroup;
