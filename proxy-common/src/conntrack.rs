@@ -153,20 +153,26 @@ pub fn tcp_state(prev: u16, tcp_flags: u8) -> u16 {
     f
 }
 
-/// Whether a packet of `proto` with `tcp_flags` (SCTP's from [`sctp_flags`])
-/// reopens the tuple of the entry with [`ct_flags`] `entry_flags`: a SYN
-/// (no ACK) reusing a closed connection (time-wait: FINs both ways; or
-/// reset). It is a new connection, balanced anew, as the kernel's conntrack
-/// kills such an entry and lets the SYN through NAT again. Kept, the entry
-/// would pin the client's next connection on that tuple to the old backend,
-/// even one no longer among the endpoints (no longer ready) while it is
-/// still in the backend map.
+/// Whether TCP header flags `tcp_flags` (SCTP's from [`sctp_flags`]) are a
+/// bare SYN (no ACK): a connection opening.
+///
+/// A bare SYN on a [`closed`] entry reopens its tuple (the datapath's
+/// conntrack lookup): a new connection, balanced anew, as the kernel's
+/// conntrack kills such an entry and lets the SYN through NAT again. Kept,
+/// the entry would pin the client's next connection on that tuple to the
+/// old backend, even one no longer among the endpoints (no longer ready)
+/// while it is still in the backend map.
 #[inline(always)]
-pub fn reopens(proto: u8, tcp_flags: u8, entry_flags: u16) -> bool {
+pub const fn bare_syn(tcp_flags: u8) -> bool {
+    tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
+}
+
+/// Whether connection entry `e` is closed: reset, or FINs both ways
+/// (time-wait). See [`bare_syn`].
+#[inline(always)]
+pub fn closed<E: CtEntry>(e: &E) -> bool {
     let fins = ct_flags::TCP_FIN_FWD | ct_flags::TCP_FIN_REV;
-    connection_oriented(proto)
-        && tcp_flags & (tcp::SYN | tcp::ACK) == tcp::SYN
-        && (entry_flags & ct_flags::TCP_CLOSING != 0 || entry_flags & fins == fins)
+    e.flags() & ct_flags::TCP_CLOSING != 0 || e.flags() & fins == fins
 }
 
 /// The state bits of an entry after a packet from the client: TCP and SCTP
@@ -303,21 +309,23 @@ mod tests {
     }
 
     #[test]
-    fn only_a_syn_reopens_a_closed_connection() {
+    fn only_a_bare_syn_on_a_closed_connection_opens_it_anew() {
         use ct_flags::*;
-        let both_fins = TCP_FIN_FWD | TCP_FIN_REV;
-        for proto in [IPPROTO_TCP, IPPROTO_SCTP] {
-            // Closed (reset, or FINs both ways): a SYN is a new connection.
-            assert!(reopens(proto, tcp::SYN, TCP_CLOSING));
-            assert!(reopens(proto, tcp::SYN, both_fins));
-            // Not a bare SYN, or not closed: the flow goes on.
-            assert!(!reopens(proto, tcp::SYN | tcp::ACK, TCP_CLOSING));
-            assert!(!reopens(proto, tcp::ACK, both_fins));
-            assert!(!reopens(proto, tcp::SYN, TCP_FIN_FWD));
-            assert!(!reopens(proto, tcp::SYN, 0));
-        }
-        // A datagram never reopens anything.
-        assert!(!reopens(IPPROTO_UDP, tcp::SYN, TCP_CLOSING));
+        let e = |flags: u16| entry(flags, 0);
+        // Closed: reset, or FINs both ways.
+        assert!(closed(&e(TCP_CLOSING)));
+        assert!(closed(&e(TCP_FIN_FWD | TCP_FIN_REV)));
+        assert!(!closed(&e(TCP_FIN_FWD)));
+        assert!(!closed(&e(TCP_FIN_REV)));
+        assert!(!closed(&e(0)));
+        // A bare SYN opens; a SYN-ACK, an ACK or a FIN does not.
+        assert!(bare_syn(tcp::SYN));
+        assert!(!bare_syn(tcp::SYN | tcp::ACK));
+        assert!(!bare_syn(tcp::ACK));
+        assert!(!bare_syn(tcp::FIN | tcp::ACK));
+        // SCTP's INIT is a bare SYN.
+        assert!(bare_syn(sctp_flags(sctp::INIT)));
+        assert!(!bare_syn(sctp_flags(sctp::INIT_ACK)));
     }
 
     #[test]

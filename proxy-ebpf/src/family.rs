@@ -58,24 +58,23 @@ pub trait Family {
     /// A conntrack key (either direction).
     type CtKey;
     /// A conntrack entry.
-    type CtValue: CtEntry;
+    type CtValue: CtEntry + Copy;
     /// The frontend replies of a reverse-NAT id come from.
-    type RevNat;
+    type RevNat: Copy;
 
-    /// The backend's address and port.
-    fn backend_at(b: &Self::Backend) -> (Self::Addr, u16);
-    /// The source address and port a SNATed flow's entry `v` gives it
-    /// (meaningful under [`proxy_common::ct_flags::SNAT_ADDR`] and
+    /// The source address a SNATed flow's entry `v` gives it (meaningful
+    /// under [`proxy_common::ct_flags::SNAT_ADDR`]).
+    fn ct_nat_addr(v: &Self::CtValue) -> Self::Addr;
+    /// The source port a SNATed flow's entry `v` gives it (meaningful under
     /// [`proxy_common::ct_flags::SNAT_PORT`]).
-    fn ct_nat(v: &Self::CtValue) -> (Self::Addr, u16);
+    fn ct_nat_port(v: &Self::CtValue) -> u16;
     /// Writes the state `flags` and the last-seen time `now` of entry `c`.
     fn ct_refresh(c: &mut Self::CtValue, flags: u16, now: u64);
-    /// The REPLY key of a flow of `proto`: the backend at `backend_addr`,
-    /// `backend_port_be` answering the client as the backend sees it.
+    /// The REPLY key of a flow of `proto`: `backend` answering the client
+    /// as the backend sees it.
     fn reply_key(
         proto: u8,
-        backend_addr: Self::Addr,
-        backend_port_be: u16,
+        backend: &Self::Backend,
         client_addr: Self::Addr,
         client_port_be: u16,
     ) -> Self::CtKey;
@@ -182,13 +181,13 @@ impl Family for V4 {
     type RevNat = RevNat4;
 
     #[inline(always)]
-    fn backend_at(b: &Backend4) -> (u32, u16) {
-        (b.addr_be, b.port_be)
+    fn ct_nat_addr(v: &Ct4Value) -> u32 {
+        v.nat_addr_be
     }
 
     #[inline(always)]
-    fn ct_nat(v: &Ct4Value) -> (u32, u16) {
-        (v.nat_addr_be, v.nat_port_be)
+    fn ct_nat_port(v: &Ct4Value) -> u16 {
+        v.nat_port_be
     }
 
     #[inline(always)]
@@ -198,8 +197,8 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn reply_key(proto: u8, b_addr: u32, b_port_be: u16, c_addr: u32, c_port_be: u16) -> Ct4Key {
-        Ct4Key::reply(proto, b_addr, b_port_be, c_addr, c_port_be)
+    fn reply_key(proto: u8, b: &Backend4, client_addr: u32, client_port_be: u16) -> Ct4Key {
+        Ct4Key::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
     }
 
     #[inline(always)]
@@ -234,12 +233,12 @@ impl Family for V4 {
 
     #[inline(always)]
     fn snat_full(space: &Ct4Key) -> Option<*const u64> {
-        SNAT_FULL4_V1.get_ptr(space)
+        SNAT_FULL4_V1.get_ptr(*space)
     }
 
     #[inline(always)]
     fn set_snat_full(space: &Ct4Key, now: u64) {
-        let _ = SNAT_FULL4_V1.insert(space, now, BPF_ANY as u64);
+        let _ = SNAT_FULL4_V1.insert(*space, now, BPF_ANY as u64);
     }
 }
 
@@ -302,13 +301,13 @@ impl Family for V6 {
     type RevNat = RevNat6;
 
     #[inline(always)]
-    fn backend_at(b: &Backend6) -> (Addr6, u16) {
-        (b.addr_be, b.port_be)
+    fn ct_nat_addr(v: &Ct6Value) -> Addr6 {
+        v.nat_addr_be
     }
 
     #[inline(always)]
-    fn ct_nat(v: &Ct6Value) -> (Addr6, u16) {
-        (v.nat_addr_be, v.nat_port_be)
+    fn ct_nat_port(v: &Ct6Value) -> u16 {
+        v.nat_port_be
     }
 
     #[inline(always)]
@@ -318,14 +317,8 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn reply_key(
-        proto: u8,
-        b_addr: Addr6,
-        b_port_be: u16,
-        c_addr: Addr6,
-        c_port_be: u16,
-    ) -> Ct6Key {
-        Ct6Key::reply(proto, b_addr, b_port_be, c_addr, c_port_be)
+    fn reply_key(proto: u8, b: &Backend6, client_addr: Addr6, client_port_be: u16) -> Ct6Key {
+        Ct6Key::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
     }
 
     #[inline(always)]

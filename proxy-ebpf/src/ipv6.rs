@@ -54,7 +54,7 @@ use aya_ebpf::{
 use proxy_common::{
     backend_state, config_flags,
     conntrack::{
-        alive, connection_oriented, needs_refresh, reopens, reply_state, sctp_flags, tcp, tcp_state,
+        alive, connection_oriented, needs_refresh, reply_state, sctp_flags, tcp, tcp_state,
     },
     crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Config, Ct6Key, Ct6Value, Frag6Key,
     FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
@@ -823,7 +823,7 @@ fn commit(
     if let Some(w) = CT6_V2.get_ptr(skey) {
         // SAFETY: map value pointer, read in place.
         let w = unsafe { &*w };
-        if alive(cfg, pkt.proto, w, now) && !reopens(pkt.proto, pkt.tcp_flags, w.flags) {
+        if alive(cfg, pkt.proto, w, now) && !crate::conntrack::reopens::<V6>(pkt, w) {
             if let Some(wb) = V6::backend(w.backend_id) {
                 *flow = Flow6::of(w, wb);
                 return;

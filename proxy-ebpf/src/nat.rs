@@ -253,8 +253,10 @@ where
         }
     }
     count(stat::SNAT_PORT_SEARCH);
+    // The tuple as the flow has it (the port is the callback's to set);
+    // `space` stays apart for the record below.
     let mut s = Search {
-        rkey: space,
+        rkey: *rkey,
         walk: PortWalk::new(now, min, size_nz),
     };
     // SAFETY: `search_step` is a BPF subprogram of the callback's signature;
@@ -268,8 +270,7 @@ where
         )
     };
     if s.walk.found_be == 0 {
-        F::set_dport(&mut s.rkey, 0);
-        F::set_snat_full(&s.rkey, now);
+        F::set_snat_full(&space, now);
         return None;
     }
     Some(s.walk.found_be)
@@ -301,10 +302,10 @@ extern "C" fn search_step<F: Family>(index: u32, ctx: *mut c_void) -> i64 {
 pub fn port_in_use<F: Family>(cfg: &Config, rkey: &F::CtKey, now: u64) -> bool {
     match F::ct(rkey) {
         Some(e) => {
-            // SAFETY: map value pointer, read in place.
-            let e = unsafe { &*e };
+            // SAFETY: map value pointer, copied.
+            let e = unsafe { *e };
             now.saturating_sub(e.last_seen_ns()) < NSEC_PER_SEC
-                || conntrack::live_backend_of::<F>(cfg, rkey, e, now).is_some()
+                || conntrack::live_backend_of::<F>(cfg, rkey, &e, now).is_some()
         }
         None => masqueraded_by_kernel(F::handover(rkey), now),
     }
