@@ -3,12 +3,22 @@
 //! entries before its programs run, and the flow state again just before it
 //! attaches them, so established flows, session affinity, source ranges and
 //! the programmed Services carry over.
+//!
+//! The pinned maps of an earlier run in general, too: a map of an older
+//! layout migrated (one with no migration dropped), and pinned maps checked
+//! on adoption, a changed size taking effect.
+//!
+//! Why one file (about 850 lines): every test here pins maps as another
+//! agent or another configuration left them and loads this build over
+//! them; they make such maps one way (`create_map`, under `pin_map` and
+//! `create_hash_map`), and the `_V1` upgrade is the main use of the
+//! migrations the older-layout test checks on its own.
 
 use std::{mem::size_of, net::Ipv4Addr, path::Path};
 
 use aya::maps::{lpm_trie::Key as LpmKey, HashMap, LpmTrie, Map, MapData};
 use proxy_agent::{
-    bpf::migrations::v1,
+    bpf::{migrations::v1, MapSizes},
     model::{DesiredState, Frontend},
 };
 use proxy_common::{
@@ -23,7 +33,7 @@ use proxy_testkit::kit::frame::tcp;
 use proxy_testkit::kit::{
     check::parse_checked,
     frame::{tcp4, ACK, PSH, SYN},
-    harness::{be, fe, Harness, TC_ACT_SHOT},
+    harness::{be, fe, Harness, PinDir, TC_ACT_SHOT},
 };
 
 const BPF_MAP_TYPE_HASH: u32 = 1;
@@ -33,7 +43,7 @@ const BPF_F_NO_PREALLOC: u32 = 1;
 
 /// Creates a map as an older agent's object would have and pins it at `path`.
 fn pin_map(path: &Path, map_type: u32, key_size: u32, value_size: u32, flags: u32) -> MapData {
-    let fd = super::create_map(map_type, key_size, value_size, 4096, flags);
+    let fd = create_map(map_type, key_size, value_size, 4096, flags);
     let data = MapData::from_fd(fd).expect("map data");
     data.pin(path).expect("pin");
     data
@@ -551,4 +561,289 @@ fn every_map_of_16_bit_reverse_nat_ids_is_migrated_field_by_field() {
     assert_eq!(maglev.len(), 1);
     assert_eq!(maglev[0].0, MaglevKey::new(wide, 1, 3));
     assert_eq!(maglev[0].1, chunk);
+}
+
+/// Map layouts carry a version in their names. A pinned map of an older
+/// layout (here an affinity map `AFFINITY4_V0` whose value kept the last use
+/// in seconds, made on purpose) is migrated into the current map when the
+/// agent loads, and its pin removed; an old map with no migration is dropped.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn pinned_maps_of_an_older_layout_are_migrated() {
+    use aya::maps::{HashMap as AyaHashMap, Map, MapData};
+    use proxy_agent::bpf::{load_with_migrations, Migration};
+    use proxy_common::{Affinity4Key, AffinityValue};
+
+    /// The "old" value layout: 8 bytes, last use in whole seconds.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct AffinityV0 {
+        backend_id: u32,
+        last_used_s: u32,
+    }
+    // SAFETY: a #[repr(C)] struct of integers without implicit padding.
+    unsafe impl aya::Pod for AffinityV0 {}
+
+    fn run(old: MapData, new: &mut Map) -> Result<(usize, usize), aya::maps::MapError> {
+        let old: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
+            AyaHashMap::try_from(Map::HashMap(old))?;
+        let mut new: AyaHashMap<&mut MapData, Affinity4Key, AffinityValue> =
+            AyaHashMap::try_from(new)?;
+        let mut n = 0;
+        for kv in old.iter() {
+            let (k, v) = kv?;
+            let value = AffinityValue {
+                backend_id: v.backend_id,
+                _pad: 0,
+                last_used_ns: u64::from(v.last_used_s) * 1_000_000_000,
+            };
+            new.insert(k, value, 0)?;
+            n += 1;
+        }
+        Ok((n, 0))
+    }
+    const MIGRATIONS: &[Migration] = &[Migration {
+        from: "AFFINITY4_V0",
+        to: map_names::AFFINITY,
+        run,
+        again_before_attach: false,
+    }];
+
+    let pins = PinDir::new(&format!("kpr-pkt-{}-mig", std::process::id()));
+    let pin_dir = pins.path();
+    std::fs::create_dir_all(pin_dir).unwrap();
+    // Pin old-layout maps, as an older agent would have left them.
+    let pin_old = |name: &str, value_size: u32, entries: &[(Affinity4Key, AffinityV0)]| {
+        let fd = create_hash_map(8, value_size, 1024);
+        let data = MapData::from_fd(fd).unwrap();
+        data.pin(pin_dir.join(name)).unwrap();
+        let mut m: AyaHashMap<MapData, Affinity4Key, AffinityV0> =
+            AyaHashMap::try_from(Map::HashMap(data)).unwrap();
+        for (k, v) in entries {
+            m.insert(k, v, 0).unwrap();
+        }
+    };
+    let key = Affinity4Key {
+        client_be: u32::from_ne_bytes(CLIENT.octets()),
+        rev_nat_id: 7,
+    };
+    pin_old(
+        "AFFINITY4_V0",
+        8,
+        &[(
+            key,
+            AffinityV0 {
+                backend_id: 42,
+                last_used_s: 1234,
+            },
+        )],
+    );
+    pin_old("FOO4_V0", 8, &[]);
+
+    let mut loaded = load_with_migrations(pin_dir, MapSizes::default(), MIGRATIONS).expect("load");
+    assert!(
+        pin_dir.join("AFFINITY4_V0").exists(),
+        "the old pin stays until the programs are attached"
+    );
+    loaded.finish_migrations();
+    assert!(
+        !pin_dir.join("AFFINITY4_V0").exists(),
+        "old pin removed after migration"
+    );
+    assert!(
+        !pin_dir.join("FOO4_V0").exists(),
+        "an old map with no migration is dropped"
+    );
+    let m: AyaHashMap<MapData, Affinity4Key, AffinityValue> =
+        AyaHashMap::try_from(loaded.ebpf.take_map(map_names::AFFINITY).unwrap()).unwrap();
+    let v = m.get(&key, 0).expect("migrated entry");
+    assert_eq!((v.backend_id, v.last_used_ns), (42, 1_234_000_000_000));
+}
+
+/// Pinned maps are checked on adoption (issue 15). A changed size setting
+/// takes effect: the conntrack and backends maps of an earlier run are made
+/// anew at the configured size, their entries copied (those that fit; the
+/// rest counted); a state map of another layout under the same name is
+/// refused, naming the map, the field, the expected and the found value, and
+/// left untouched; a cache of another layout starts empty.
+#[test]
+#[ignore = "needs root: run with `cargo xtask test`"]
+fn pinned_maps_are_checked_on_adoption_and_a_changed_size_takes_effect() {
+    use aya::maps::{HashMap as AyaHashMap, MapData};
+    use proxy_agent::bpf::{expected_maps, load, pinned_def};
+    use proxy_common::{Backend4, Ct4Key, Ct4Value};
+
+    let pins = PinDir::new(&format!("kpr-pkt-{}-pinsize", std::process::id()));
+    let pin_dir = pins.path();
+    let small = MapSizes {
+        conntrack: 1024,
+        backends: 512,
+        ..MapSizes::default()
+    };
+    {
+        let mut loaded = load(pin_dir, small).expect("first load");
+        let mut be: AyaHashMap<&mut MapData, u32, Backend4> =
+            AyaHashMap::try_from(loaded.ebpf.map_mut(map_names::BACKENDS).unwrap()).unwrap();
+        for id in 1..=3u32 {
+            let b = Backend4::new(Ipv4Addr::new(198, 18, 1, id as u8), 8080, IPPROTO_TCP, 1);
+            be.insert(id, b, 0).unwrap();
+        }
+        let mut ct: AyaHashMap<&mut MapData, Ct4Key, Ct4Value> =
+            AyaHashMap::try_from(loaded.ebpf.map_mut(map_names::CONNTRACK).unwrap()).unwrap();
+        for port in [40001u16, 40002] {
+            let k = Ct4Key {
+                sport_be: port.to_be(),
+                proto: IPPROTO_TCP,
+                ..Ct4Key::default()
+            };
+            let v = Ct4Value {
+                backend_id: 2,
+                ..Ct4Value::default()
+            };
+            ct.insert(k, v, 0).unwrap();
+        }
+    }
+    let max = |name: &str| pinned_def(&pin_dir.join(name)).unwrap().max_entries;
+    assert_eq!(
+        (max(map_names::CONNTRACK), max(map_names::BACKENDS)),
+        (1024, 512)
+    );
+
+    // A bigger conntrack and a backends map too small for the 3 entries.
+    let changed = MapSizes {
+        conntrack: 2048,
+        backends: 2,
+        ..MapSizes::default()
+    };
+    let loaded = load(pin_dir, changed).expect("load with the new sizes");
+    assert_eq!(
+        (max(map_names::CONNTRACK), max(map_names::BACKENDS)),
+        (2048, 2)
+    );
+    drop(loaded);
+    let ct: AyaHashMap<MapData, Ct4Key, Ct4Value> = AyaHashMap::try_from(
+        aya::maps::Map::LruHashMap(MapData::from_pin(pin_dir.join(map_names::CONNTRACK)).unwrap()),
+    )
+    .unwrap();
+    assert_eq!(ct.keys().count(), 2, "conntrack entries carried over");
+    let be: AyaHashMap<MapData, u32, Backend4> = AyaHashMap::try_from(aya::maps::Map::HashMap(
+        MapData::from_pin(pin_dir.join(map_names::BACKENDS)).unwrap(),
+    ))
+    .unwrap();
+    assert_eq!(be.keys().count(), 2, "as many backends as fit");
+    let leftovers: Vec<_> = std::fs::read_dir(pin_dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with(proxy_agent::bpf::OLD_SUFFIX)
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    // An agent stopped while a map was set aside (pinned only as
+    // `CT4_V1_OLD`): the next start puts it back and adopts its entries.
+    let ct_pin = pin_dir.join(map_names::CONNTRACK);
+    let aside = pin_dir.join(format!(
+        "{}{}",
+        map_names::CONNTRACK,
+        proxy_agent::bpf::OLD_SUFFIX
+    ));
+    MapData::from_pin(&ct_pin).unwrap().pin(&aside).unwrap();
+    std::fs::remove_file(&ct_pin).unwrap();
+    drop(load(pin_dir, changed).expect("load after an interrupted replacement"));
+    assert!(!aside.exists(), "the set-aside pin is gone");
+    let ct: AyaHashMap<MapData, Ct4Key, Ct4Value> = AyaHashMap::try_from(
+        aya::maps::Map::LruHashMap(MapData::from_pin(&ct_pin).unwrap()),
+    )
+    .unwrap();
+    assert_eq!(ct.keys().count(), 2, "its entries kept");
+
+    // Another layout under a state map's name: refused, nothing changed.
+    let bad = PinDir::new(&format!("kpr-pkt-{}-pinbad", std::process::id()));
+    std::fs::create_dir_all(bad.path()).unwrap();
+    let expected = expected_maps(MapSizes::default()).unwrap();
+    let svc = &expected[map_names::SERVICES];
+    let pin = bad.path().join(map_names::SERVICES);
+    MapData::from_fd(create_hash_map(4, svc.value_size, 64))
+        .unwrap()
+        .pin(&pin)
+        .unwrap();
+    // And one under a cache's name: it starts empty, as this build makes it.
+    let frag = bad.path().join(map_names::FRAGMENTS);
+    MapData::from_fd(create_hash_map(4, 4, 16))
+        .unwrap()
+        .pin(&frag)
+        .unwrap();
+    let err = load(bad.path(), MapSizes::default())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains(map_names::SERVICES)
+            && err.contains(&format!(
+                "key size is 4, this build expects {}",
+                svc.key_size
+            )),
+        "{err}"
+    );
+    assert_eq!(pinned_def(&pin).unwrap().key_size, 4, "left as it was");
+    std::fs::remove_file(&pin).unwrap();
+    load(bad.path(), MapSizes::default()).expect("load with the cache reset");
+    assert_eq!(
+        pinned_def(&frag).unwrap(),
+        expected[map_names::FRAGMENTS],
+        "the cache was made anew"
+    );
+}
+
+/// A plain BPF hash map (for the migration tests' "old" maps).
+fn create_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> std::os::fd::OwnedFd {
+    create_map(1, key_size, value_size, max_entries, 0)
+}
+
+/// A BPF map of `map_type` (`BPF_MAP_TYPE_*`) with `flags`, as an older
+/// agent's object would have made it.
+fn create_map(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    #[repr(C)]
+    struct Attr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        _rest: [u8; 108],
+    }
+    let attr = Attr {
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        map_flags: flags,
+        _rest: [0; 108],
+    };
+    // SAFETY: BPF_MAP_CREATE (0) with a zero-padded attribute of the size given.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            &attr as *const Attr,
+            std::mem::size_of::<Attr>() as u32,
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a new fd we own.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
 }

@@ -5,8 +5,9 @@
 //! still build and link once: `services` (Pods and EndpointSlices to a
 //! ClusterIP's backends, ignored Services, invalid input), `policies`
 //! (traffic policies, terminating endpoints, topology hints),
-//! `northsouth` (NodePort, externalIPs, load-balancer IPs,
-//! `nodePortAddresses`) and `health_and_claims` (health checks, this node's
+//! `northsouth` (NodePort, externalIPs, load-balancer IPs),
+//! `node_port_addresses` (`nodePortAddresses`, the addresses of the external
+//! interfaces) and `health_and_claims` (health checks, this node's
 //! endpoints, frontends two Services claim). This file holds the fixtures
 //! they share.
 use std::path::Path;
@@ -21,6 +22,7 @@ mod health_and_claims;
 mod incremental;
 mod lb;
 mod mutated;
+mod node_port_addresses;
 mod northsouth;
 mod ownership;
 mod policies;
