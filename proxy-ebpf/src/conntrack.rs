@@ -10,13 +10,12 @@ use proxy_common::{
         alive, bare_syn, closed, connection_oriented, forward_state, needs_refresh, reply_state,
         CtEntry,
     },
-    ct_dir, ct_flags, stat, Config, Ct4Key, Ct4Value, RevNat4,
+    ct_dir, ct_flags, stat, Config,
 };
 
 use crate::{
-    family::{Family, FlowPacket, V4},
-    maps::{count, CT4_V2},
-    parse::Packet,
+    family::{Family, FlowPacket},
+    maps::count,
 };
 
 /// The state of one flow as the forward path needs it, either family.
@@ -83,6 +82,19 @@ impl<F: Family> Flow<F> {
         )
     }
 
+    /// This new flow gets source port `port_be`: SNATed to the node
+    /// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
+    #[inline(always)]
+    pub fn ported(&mut self, port_be: u16) {
+        count(if self.flags & ct_flags::SNAT_PORT != 0 {
+            stat::SNAT_NODE
+        } else {
+            stat::SNAT_PORT_COLLISION
+        });
+        self.nat_port_be = port_be;
+        self.flags |= ct_flags::SNAT_PORT;
+    }
+
     /// The REPLY key of this flow.
     #[inline(always)]
     pub fn reply_key(&self, pkt: &F::Packet) -> F::CtKey {
@@ -141,8 +153,8 @@ pub fn reopens<F: Family>(pkt: &F::Packet, c: &F::CtValue) -> bool {
 
 /// The REPLY entry of the packet's tuple, if it is a reply of a tracked flow.
 #[inline(always)]
-pub fn lookup_reply(pkt: &Packet) -> Option<(*mut Ct4Value, Ct4Value)> {
-    let ct = CT4_V2.get_ptr_mut(pkt.ct_key(ct_dir::REPLY))?;
+pub fn lookup_reply<F: Family>(pkt: &F::Packet) -> Option<(*mut F::CtValue, F::CtValue)> {
+    let ct = F::ct_of_packet(pkt, ct_dir::REPLY)?;
     // SAFETY: a map value pointer, read once into a copy.
     Some((ct, unsafe { *ct }))
 }
@@ -156,26 +168,28 @@ pub fn lookup_reply(pkt: &Packet) -> Option<(*mut Ct4Value, Ct4Value)> {
 /// then the SERVICE entry, whose state and age the datapath and the garbage
 /// collector judge the flow by.
 #[inline(always)]
-pub fn reply_seen(pkt: &Packet, rptr: *mut Ct4Value, r: &Ct4Value, rev: &RevNat4, now: u64) {
-    let rflags = reply_state(r.flags, pkt.proto, pkt.tcp_flags);
+pub fn reply_seen<F: Family>(
+    pkt: &F::Packet,
+    rptr: *mut F::CtValue,
+    r: &F::CtValue,
+    rev: &F::RevNat,
+    now: u64,
+) {
+    let rflags = reply_state(r.flags(), pkt.proto(), pkt.tcp_flags());
     if !needs_refresh(r, rflags, now) {
         return;
     }
     // SAFETY: LRU value pointer; fields written individually.
-    unsafe {
-        (*rptr).flags = rflags;
-        (*rptr).last_seen_ns = now;
-    }
-    let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(r, rev);
-    let Some(s) = CT4_V2.get_ptr_mut(skey) else {
+    F::ct_refresh(unsafe { &mut *rptr }, rflags, now);
+    let skey = F::service_of_reply(&F::pkt_ct_key(pkt, ct_dir::REPLY), r, rev);
+    let Some(s) = F::ct(&skey) else {
         return;
     };
     // SAFETY: LRU value pointer; fields read and written individually.
-    unsafe {
-        if (*s).backend_id == r.backend_id {
-            (*s).flags = reply_state((*s).flags, pkt.proto, pkt.tcp_flags);
-            (*s).last_seen_ns = now;
-        }
+    let s = unsafe { &mut *s };
+    if s.backend_id() == r.backend_id() {
+        let flags = reply_state(s.flags(), pkt.proto(), pkt.tcp_flags());
+        F::ct_refresh(s, flags, now);
     }
 }
 
@@ -219,37 +233,35 @@ pub fn live_backend_of<F: Family>(
     alive(cfg, F::ct_proto(rkey), &o, now).then_some(o.backend_id())
 }
 
-/// Creates the SERVICE entry `sval` of a new flow `mine` at `skey`, and
-/// sets `flow` to the flow as it stands. A racing first packet of the same
-/// flow on another CPU may have won: its choice is followed rather than the
-/// flow split (field bug K8).
+/// Creates the SERVICE entry `sval` ([`Family::service_entry`]) of the new
+/// flow in `flow` at `skey`, and leaves in `flow` the flow as it stands. A
+/// racing first packet of the same flow on another CPU may have won: its
+/// choice is followed rather than the flow split (field bug K8).
 #[inline(always)]
-pub fn create(
+pub fn create<F: Family>(
     cfg: &Config,
-    pkt: &Packet,
-    skey: &Ct4Key,
-    sval: &Ct4Value,
-    mine: &Flow<V4>,
+    pkt: &F::Packet,
+    skey: &F::CtKey,
+    sval: &F::CtValue,
     now: u64,
-    flow: &mut Flow<V4>,
+    flow: &mut Flow<F>,
 ) {
-    *flow = *mine;
-    if CT4_V2.insert(*skey, *sval, BPF_NOEXIST as u64).is_ok() {
+    if F::ct_insert(skey, sval, BPF_NOEXIST as u64).is_ok() {
         return;
     }
-    if let Some(w) = CT4_V2.get_ptr(*skey) {
+    if let Some(w) = F::ct(skey) {
         // SAFETY: map value pointer, copied.
         let w = unsafe { *w };
         // A racing first packet's entry is followed; a closed flow's, whose
         // tuple this SYN reuses, is replaced.
-        if alive(cfg, pkt.proto, &w, now) && !reopens::<V4>(pkt, &w) {
-            if let Some(wb) = V4::backend(w.backend_id) {
+        if alive(cfg, pkt.proto(), &w, now) && !reopens::<F>(pkt, &w) {
+            if let Some(wb) = F::backend(w.backend_id()) {
                 *flow = Flow::of(&w, wb);
                 return;
             }
         }
     }
-    if CT4_V2.insert(*skey, *sval, BPF_ANY as u64).is_err() {
+    if F::ct_insert(skey, sval, BPF_ANY as u64).is_err() {
         count(stat::CT_INSERT_FAILED);
     }
 }
@@ -258,28 +270,28 @@ pub fn create(
 /// tracked flow whose reply entry the LRU evicted, so replies are always
 /// translated.
 #[inline(always)]
-pub fn ensure_reply(
-    pkt: &Packet,
-    flow: &Flow<V4>,
+pub fn ensure_reply<F: Family>(
+    pkt: &F::Packet,
+    flow: &Flow<F>,
     rev_nat_id: proxy_common::RevNatId,
     established: bool,
     now: u64,
 ) {
     let rkey = flow.reply_key(pkt);
-    let restore = established && CT4_V2.get_ptr(rkey).is_none();
+    let restore = established && F::ct(&rkey).is_none();
     if restore {
         count(stat::CT_REPLY_RESTORED);
     }
     if !established || restore {
-        let rval = Ct4Value::reply_of(
+        let rval = F::reply_entry(
             flow.backend_id,
             rev_nat_id,
             flow.flags,
-            pkt.saddr_be,
-            pkt.sport_be,
+            *pkt.saddr(),
+            pkt.sport_be(),
             now,
         );
-        if CT4_V2.insert(rkey, rval, BPF_ANY as u64).is_err() {
+        if F::ct_insert(&rkey, &rval, BPF_ANY as u64).is_err() {
             count(stat::CT_INSERT_FAILED);
         }
     }

@@ -19,7 +19,7 @@ use crate::maps::{
     HANDOVER6_V1, REVNAT4_V2, REVNAT6_V2, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2,
     SVC4_V2, SVC6_V2,
 };
-use crate::{ipv6::Packet6, parse::Packet};
+use crate::{conntrack::Flow, ipv6::Packet6, parse::Packet};
 
 /// IPv4 (and IPv6 sockets to IPv4-mapped addresses, in the socket hooks).
 #[derive(Clone, Copy, Default)]
@@ -78,6 +78,26 @@ pub trait Family {
         client_addr: Self::Addr,
         client_port_be: u16,
     ) -> Self::CtKey;
+    /// The packet's conntrack key in direction `dir` (its tuple as sent).
+    fn pkt_ct_key(pkt: &Self::Packet, dir: u8) -> Self::CtKey;
+    /// The SERVICE entry of new flow `flow` to frontend `rev_nat_id`.
+    fn service_entry(flow: &Flow<Self>, rev_nat_id: RevNatId, now: u64) -> Self::CtValue
+    where
+        Self: Sized;
+    /// The REPLY entry of a flow (`Ct4Value::reply_of`).
+    fn reply_entry(
+        backend_id: u32,
+        rev_nat_id: RevNatId,
+        flags: u16,
+        client_addr: Self::Addr,
+        client_port_be: u16,
+        now: u64,
+    ) -> Self::CtValue;
+    /// Writes the conntrack entry `v` at `key` (`flags`: `BPF_ANY`,
+    /// `BPF_NOEXIST`).
+    fn ct_insert(key: &Self::CtKey, v: &Self::CtValue, flags: u64) -> Result<(), i32>;
+    /// The conntrack entry of the packet's tuple in direction `dir`.
+    fn ct_of_packet(pkt: &Self::Packet, dir: u8) -> Option<*mut Self::CtValue>;
     /// The conntrack entry at `key`.
     fn ct(key: &Self::CtKey) -> Option<*mut Self::CtValue>;
     /// The frontend replies of reverse-NAT id `id` come from.
@@ -202,6 +222,52 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn pkt_ct_key(pkt: &Packet, dir: u8) -> Ct4Key {
+        pkt.ct_key(dir)
+    }
+
+    #[inline(always)]
+    fn service_entry(flow: &Flow<V4>, rev_nat_id: RevNatId, now: u64) -> Ct4Value {
+        Ct4Value {
+            backend_id: flow.backend_id,
+            nat_addr_be: flow.nat_addr_be,
+            rev_nat_id,
+            flags: flow.flags,
+            nat_port_be: flow.nat_port_be,
+            last_seen_ns: now,
+        }
+    }
+
+    #[inline(always)]
+    fn reply_entry(
+        backend_id: u32,
+        rev_nat_id: RevNatId,
+        flags: u16,
+        client_addr: u32,
+        client_port_be: u16,
+        now: u64,
+    ) -> Ct4Value {
+        Ct4Value::reply_of(
+            backend_id,
+            rev_nat_id,
+            flags,
+            client_addr,
+            client_port_be,
+            now,
+        )
+    }
+
+    #[inline(always)]
+    fn ct_insert(key: &Ct4Key, v: &Ct4Value, flags: u64) -> Result<(), i32> {
+        CT4_V2.insert(*key, *v, flags)
+    }
+
+    #[inline(always)]
+    fn ct_of_packet(pkt: &Packet, dir: u8) -> Option<*mut Ct4Value> {
+        CT4_V2.get_ptr_mut(pkt.ct_key(dir))
+    }
+
+    #[inline(always)]
     fn ct(key: &Ct4Key) -> Option<*mut Ct4Value> {
         CT4_V2.get_ptr_mut(*key)
     }
@@ -319,6 +385,53 @@ impl Family for V6 {
     #[inline(always)]
     fn reply_key(proto: u8, b: &Backend6, client_addr: Addr6, client_port_be: u16) -> Ct6Key {
         Ct6Key::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
+    }
+
+    #[inline(always)]
+    fn pkt_ct_key(pkt: &Packet6, dir: u8) -> Ct6Key {
+        pkt.ct_key(dir)
+    }
+
+    #[inline(always)]
+    fn service_entry(flow: &Flow<V6>, rev_nat_id: RevNatId, now: u64) -> Ct6Value {
+        Ct6Value {
+            backend_id: flow.backend_id,
+            rev_nat_id,
+            flags: flow.flags,
+            nat_port_be: flow.nat_port_be,
+            nat_addr_be: flow.nat_addr_be,
+            _pad2: 0,
+            last_seen_ns: now,
+        }
+    }
+
+    #[inline(always)]
+    fn reply_entry(
+        backend_id: u32,
+        rev_nat_id: RevNatId,
+        flags: u16,
+        client_addr: Addr6,
+        client_port_be: u16,
+        now: u64,
+    ) -> Ct6Value {
+        Ct6Value::reply_of(
+            backend_id,
+            rev_nat_id,
+            flags,
+            client_addr,
+            client_port_be,
+            now,
+        )
+    }
+
+    #[inline(always)]
+    fn ct_insert(key: &Ct6Key, v: &Ct6Value, flags: u64) -> Result<(), i32> {
+        CT6_V2.insert(key, v, flags)
+    }
+
+    #[inline(always)]
+    fn ct_of_packet(pkt: &Packet6, dir: u8) -> Option<*mut Ct6Value> {
+        CT6_V2.get_ptr_mut(pkt.ct_key(dir))
     }
 
     #[inline(always)]

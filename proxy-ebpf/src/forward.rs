@@ -7,7 +7,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     backend_state, config_flags, conntrack::connection_oriented, conntrack::tcp,
-    conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config, Ct4Key, Ct4Value, SvcValue,
+    conntrack::tcp_state, ct_dir, ct_flags, stat, svc_flags, Config, Ct4Key, SvcValue,
     MAP_LAYOUT_VERSION, SCOPE_EXTERNAL,
 };
 
@@ -212,9 +212,11 @@ fn new_flow(
             *flow = mine;
             return Err(Verdict::Drop(stat::DROP_NO_FREE_PORT));
         };
-        ported(&mut mine, port_be);
+        mine.ported(port_be);
     }
-    commit(cfg, pkt, skey, fe, &mine, now, flow);
+    let sval = V4::service_entry(&mine, fe.rev_nat_id, now);
+    *flow = mine;
+    conntrack::create(cfg, pkt, skey, &sval, now, flow);
     Ok(())
 }
 
@@ -236,44 +238,11 @@ pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow<V4>, port_be
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let mut mine = *flow;
-    ported(&mut mine, port_be);
+    mine.ported(port_be);
     let skey = pkt.ct_key(ct_dir::SERVICE);
-    commit(cfg, pkt, &skey, fe, &mine, now, flow);
+    let sval = V4::service_entry(&mine, fe.rev_nat_id, now);
+    *flow = mine;
+    conntrack::create(cfg, pkt, &skey, &sval, now, flow);
     conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, false, now);
     Verdict::Deliver(stat::FWD_NEW)
-}
-
-/// New flow `mine` gets source port `port_be`: SNATed to the node
-/// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
-#[inline(always)]
-fn ported(mine: &mut Flow<V4>, port_be: u16) {
-    count(if mine.flags & ct_flags::SNAT_PORT != 0 {
-        stat::SNAT_NODE
-    } else {
-        stat::SNAT_PORT_COLLISION
-    });
-    mine.nat_port_be = port_be;
-    mine.flags |= ct_flags::SNAT_PORT;
-}
-
-/// Creates the SERVICE entry of new flow `mine` ([`conntrack::create`]).
-#[inline(always)]
-fn commit(
-    cfg: &Config,
-    pkt: &Packet,
-    skey: &Ct4Key,
-    fe: &SvcValue,
-    mine: &Flow<V4>,
-    now: u64,
-    flow: &mut Flow<V4>,
-) {
-    let sval = Ct4Value {
-        backend_id: mine.backend_id,
-        nat_addr_be: mine.nat_addr_be,
-        rev_nat_id: fe.rev_nat_id,
-        flags: mine.flags,
-        nat_port_be: mine.nat_port_be,
-        last_seen_ns: now,
-    };
-    conntrack::create(cfg, pkt, skey, &sval, mine, now, flow);
 }

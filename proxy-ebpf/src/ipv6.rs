@@ -44,7 +44,7 @@ use aya_ebpf::{
     bindings::{
         bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0,
-        BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
+        BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{PerCpuArray, ProgramArray},
     helpers::{bpf_csum_diff, bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
@@ -53,17 +53,15 @@ use aya_ebpf::{
 };
 use proxy_common::{
     backend_state, config_flags,
-    conntrack::{
-        alive, connection_oriented, needs_refresh, reply_state, sctp_flags, tcp, tcp_state,
-    },
-    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Config, Ct6Key, Ct6Value, Frag6Key,
-    FragPorts, RevNat6, Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+    conntrack::{connection_oriented, sctp_flags, tcp, tcp_state},
+    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Ct6Key, Frag6Key, FragPorts, RevNat6,
+    Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
 };
 
 use crate::{
     family::{Family, V6},
     forward::config,
-    maps::{account, count, CT6_V2, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
+    maps::{account, count, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
     verdict::Verdict,
 };
@@ -159,7 +157,7 @@ impl Packet6 {
     }
 
     #[inline(always)]
-    fn ct_key(&self, dir: u8) -> Ct6Key {
+    pub(crate) fn ct_key(&self, dir: u8) -> Ct6Key {
         Ct6Key {
             saddr_be: self.saddr_be,
             daddr_be: self.daddr_be,
@@ -494,7 +492,6 @@ pub struct Scratch6 {
     pub(crate) flow: Flow6,
     pub(crate) skey: Ct6Key,
     pub(crate) rkey: Ct6Key,
-    pub(crate) entry: Ct6Value,
     pub(crate) to: Tuple6,
     /// The packet, as parsed. In the map, not on the stack: what the
     /// verifier knows of a value read back from a map is its type, not the
@@ -644,9 +641,7 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
     let established = meta & META_ESTABLISHED != 0;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Err(v) = ensure_reply(pkt, flow, rev_nat_id, established, now) {
-        return v;
-    }
+    crate::conntrack::ensure_reply(pkt, flow, rev_nat_id, established, now);
     account(ctx.len() as u64, rev_nat_id, flow.backend_id);
     let (saddr_be, sport_be) = flow.client_seen(pkt);
     *to = Tuple6 {
@@ -693,8 +688,8 @@ pub fn new_flow(
     let now = unsafe { bpf_ktime_get_ns() };
     let sc = scratch()?;
     // SAFETY: this CPU's scratch entry: `skey` (written by `decide`, the
-    // caller), `rkey` and `entry` are used here only while this runs.
-    let (skey, rkey, sval) = unsafe { (&(*sc).skey, &mut (*sc).rkey, &mut (*sc).entry) };
+    // caller); `rkey` is used here only while this runs.
+    let (skey, rkey) = unsafe { (&(*sc).skey, &mut (*sc).rkey) };
     let external = key.scope == SCOPE_EXTERNAL;
     if fe.flags & svc_flags::SOURCE_RANGES != 0 && !V6::source_allowed(fe.rev_nat_id, &pkt.saddr_be)
     {
@@ -756,9 +751,10 @@ pub fn new_flow(
         // On failure `flow` and `rkey` stay as chosen, for the search.
         let port_be = crate::nat::free_nat_port::<V6>(cfg, rkey, now)
             .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
-        ported(flow, port_be);
+        flow.ported(port_be);
     }
-    commit(cfg, pkt, skey, fe, flow, sval, now);
+    let sval = V6::service_entry(flow, fe.rev_nat_id, now);
+    crate::conntrack::create(cfg, pkt, skey, &sval, now, flow);
     Ok(())
 }
 
@@ -771,68 +767,12 @@ fn commit_searched(pkt: &Packet6, fe: &SvcValue, port_be: u16) -> Result<(), Ver
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let sc = scratch()?;
-    // SAFETY: this CPU's scratch entry: the new flow's `skey` and `flow`,
-    // and `entry`, free while this runs.
-    let (skey, flow, sval) = unsafe { (&(*sc).skey, &mut (*sc).flow, &mut (*sc).entry) };
-    ported(flow, port_be);
-    commit(cfg, pkt, skey, fe, flow, sval, now);
+    // SAFETY: this CPU's scratch entry: the new flow's `skey` and `flow`.
+    let (skey, flow) = unsafe { (&(*sc).skey, &mut (*sc).flow) };
+    flow.ported(port_be);
+    let sval = V6::service_entry(flow, fe.rev_nat_id, now);
+    crate::conntrack::create(cfg, pkt, skey, &sval, now, flow);
     Ok(())
-}
-
-/// New flow `flow` gets source port `port_be`: SNATed to the node
-/// (`SNAT_PORT` already set), or moved off a tuple another flow holds.
-#[inline(always)]
-fn ported(flow: &mut Flow6, port_be: u16) {
-    count(if flow.flags & ct_flags::SNAT_PORT != 0 {
-        stat::SNAT_NODE
-    } else {
-        stat::SNAT_PORT_COLLISION
-    });
-    flow.nat_port_be = port_be;
-    flow.flags |= ct_flags::SNAT_PORT;
-}
-
-/// Creates the SERVICE entry (at `skey`) of new flow `flow`, built in
-/// `sval`; where a racing first packet of the same flow won, its choice is
-/// followed and `flow` becomes it (field bug K8).
-#[inline(always)]
-fn commit(
-    cfg: &Config,
-    pkt: &Packet6,
-    skey: &Ct6Key,
-    fe: &SvcValue,
-    flow: &mut Flow6,
-    sval: &mut Ct6Value,
-    now: u64,
-) {
-    *sval = Ct6Value {
-        backend_id: flow.backend_id,
-        rev_nat_id: fe.rev_nat_id,
-        flags: flow.flags,
-        nat_port_be: flow.nat_port_be,
-        nat_addr_be: flow.nat_addr_be,
-        _pad2: 0,
-        last_seen_ns: now,
-    };
-    if CT6_V2.insert(skey, &*sval, BPF_NOEXIST as u64).is_ok() {
-        return;
-    }
-    // A racing first packet of the same flow won: its choice is followed
-    // (field bug K8); a closed flow's entry whose tuple this SYN reuses is
-    // replaced.
-    if let Some(w) = CT6_V2.get_ptr(skey) {
-        // SAFETY: map value pointer, read in place.
-        let w = unsafe { &*w };
-        if alive(cfg, pkt.proto, w, now) && !crate::conntrack::reopens::<V6>(pkt, w) {
-            if let Some(wb) = V6::backend(w.backend_id) {
-                *flow = Flow6::of(w, wb);
-                return;
-            }
-        }
-    }
-    if CT6_V2.insert(skey, &*sval, BPF_ANY as u64).is_err() {
-        count(stat::CT_INSERT_FAILED);
-    }
 }
 
 /// A free source port for the new flow in the scratch entry (its
@@ -844,40 +784,6 @@ fn search_nat_port() -> Option<u16> {
     let sc = scratch().ok()?;
     // SAFETY: this CPU's scratch entry: the new flow's backend-side tuple.
     crate::nat::search_port::<V6>(unsafe { &(*sc).rkey })
-}
-
-/// The REPLY entry of `flow`: written for a new flow, and again for a
-/// tracked one whose entry the LRU evicted.
-#[inline(always)]
-pub fn ensure_reply(
-    pkt: &Packet6,
-    flow: &Flow6,
-    rev_nat_id: proxy_common::RevNatId,
-    established: bool,
-    now: u64,
-) -> Result<(), Verdict> {
-    let sc = scratch()?;
-    // SAFETY: this CPU's scratch entry; `new_flow` is done with these.
-    let (rkey, rval) = unsafe { (&mut (*sc).rkey, &mut (*sc).entry) };
-    *rkey = flow.reply_key(pkt);
-    let restore = established && CT6_V2.get_ptr(&*rkey).is_none();
-    if restore {
-        count(stat::CT_REPLY_RESTORED);
-    }
-    if !established || restore {
-        *rval = Ct6Value::reply_of(
-            flow.backend_id,
-            rev_nat_id,
-            flow.flags,
-            pkt.saddr_be,
-            pkt.sport_be,
-            now,
-        );
-        if CT6_V2.insert(&*rkey, &*rval, BPF_ANY as u64).is_err() {
-            count(stat::CT_INSERT_FAILED);
-        }
-    }
-    Ok(())
 }
 
 /// The reply direction of a tracked flow: the source back to the frontend,
@@ -913,11 +819,9 @@ pub fn reply_plan(
     last_hook: bool,
     to: &mut Tuple6,
 ) -> Result<(proxy_common::RevNatId, u32), Verdict> {
-    let Some(rptr) = CT6_V2.get_ptr_mut(pkt.ct_key(ct_dir::REPLY)) else {
+    let Some((rptr, ct)) = crate::conntrack::lookup_reply::<V6>(pkt) else {
         return Err(Verdict::Pass(stat::PASS_NO_SERVICE));
     };
-    // SAFETY: a map value pointer, read once into a copy.
-    let ct = unsafe { *rptr };
     if ct.flags & ct_flags::VIA_STACK != 0 && !last_hook {
         return Err(Verdict::Pass(stat::PASS_REPLY_VIA_STACK));
     }
@@ -926,24 +830,7 @@ pub fn reply_plan(
     };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let rflags = reply_state(ct.flags, pkt.proto, pkt.tcp_flags);
-    if needs_refresh(&ct, rflags, now) {
-        // SAFETY: LRU value pointer; fields written individually.
-        unsafe {
-            (*rptr).flags = rflags;
-            (*rptr).last_seen_ns = now;
-        }
-        let skey = pkt.ct_key(ct_dir::REPLY).service_of_reply(&ct, &rev);
-        if let Some(s) = CT6_V2.get_ptr_mut(skey) {
-            // SAFETY: LRU value pointer; fields read and written individually.
-            unsafe {
-                if (*s).backend_id == ct.backend_id {
-                    (*s).flags = reply_state((*s).flags, pkt.proto, pkt.tcp_flags);
-                    (*s).last_seen_ns = now;
-                }
-            }
-        }
-    }
+    crate::conntrack::reply_seen::<V6>(pkt, rptr, &ct, &rev, now);
     to.saddr_be = rev.addr_be;
     to.sport_be = rev.port_be;
     to.daddr_be = if ct.flags & ct_flags::SNAT_ADDR != 0 {

@@ -160,7 +160,7 @@ fn translate<const SEARCH: bool>(
 /// see its replies as they see its forward packets (from the backend); the
 /// first hook a reply meets passes it untouched.
 fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool, last_hook: bool) -> Verdict {
-    let Some((rptr, ct)) = conntrack::lookup_reply(pkt) else {
+    let Some((rptr, ct)) = conntrack::lookup_reply::<V4>(pkt) else {
         return Verdict::Pass(stat::PASS_NO_SERVICE);
     };
     if !l4_complete {
@@ -177,7 +177,7 @@ fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool, last_hook: bool) 
     let _ = parse::load_tcp_flags(ctx, pkt);
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    conntrack::reply_seen(pkt, rptr, &ct, &rev, now);
+    conntrack::reply_seen::<V4>(pkt, rptr, &ct, &rev, now);
     account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
     let to = nat::reverse_tuple(pkt, &ct, &rev);
     match nat::rewrite(ctx, pkt, &to) {

@@ -12,6 +12,7 @@ use proxy_common::{ct_flags, stat, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
+    family::V4,
     fib,
     forward::{self, FROM_XDP},
     lb::{self, rev_nat},
@@ -68,14 +69,14 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
             };
             (to, code, fe.rev_nat_id, flow.backend_id)
         } else {
-            let (rptr, ct) = conntrack::lookup_reply(&pkt).ok_or(DEFER)?;
+            let (rptr, ct) = conntrack::lookup_reply::<V4>(&pkt).ok_or(DEFER)?;
             if ct.flags & ct_flags::VIA_STACK != 0 {
                 // Reverse-translated at tc egress towards the client.
                 return Err(DEFER);
             }
             let rev = rev_nat(ct.rev_nat_id).ok_or(DEFER)?;
             // SAFETY: helper without arguments.
-            conntrack::reply_seen(&pkt, rptr, &ct, &rev, unsafe { bpf_ktime_get_ns() });
+            conntrack::reply_seen::<V4>(&pkt, rptr, &ct, &rev, unsafe { bpf_ktime_get_ns() });
             let to = nat::reverse_tuple(&pkt, &ct, &rev);
             (to, stat::FWD_REPLY, ct.rev_nat_id, ct.backend_id)
         };

@@ -246,9 +246,7 @@ fn chosen(
     let flow = unsafe { &(*sc).flow };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    if ipv6::ensure_reply(pkt, flow, rev_nat_id, established, now).is_err() {
-        return 0;
-    }
+    crate::conntrack::ensure_reply(pkt, flow, rev_nat_id, established, now);
     if flow.backend.state & backend_state::LOCAL != 0 {
         return 0;
     }
