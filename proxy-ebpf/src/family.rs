@@ -19,7 +19,7 @@ use crate::maps::{
     HANDOVER6_V1, REVNAT4_V2, REVNAT6_V2, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2,
     SVC4_V2, SVC6_V2,
 };
-use crate::{conntrack::Flow, ipv6::Packet6, parse::Packet};
+use crate::{conntrack::Flow, parse::Packet, parse6::Packet6};
 
 /// IPv4 (and IPv6 sockets to IPv4-mapped addresses, in the socket hooks).
 #[derive(Clone, Copy, Default)]
@@ -509,7 +509,7 @@ impl FlowPacket<Addr6> for Packet6 {
     }
     #[inline(always)]
     fn l4_present(&self) -> bool {
-        self.fragment != crate::ipv6::FRAGMENT_LATER
+        self.fragment != crate::parse6::FRAGMENT_LATER
     }
     #[inline(always)]
     fn saddr(&self) -> &Addr6 {

@@ -42,9 +42,10 @@ use proxy_common::{
 
 use crate::{
     icmp_error::inner_l4_check,
-    ipv6::{self, Ipv6Hdr, Packet6},
+    ipv6,
     maps::{BACKEND6_V1, CT6_V2, REVNAT6_V2},
     parse::ETH_HLEN,
+    parse6::{Ipv6Hdr, Packet6},
     verdict::Verdict,
 };
 

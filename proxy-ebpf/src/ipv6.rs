@@ -13,14 +13,17 @@
 //! node's IPv6 address and a port of its own for external traffic to
 //! another node's backend under `externalTrafficPolicy: Cluster`), another
 //! source port where the backend-side tuple is taken (field bug C6) — DNAT
-//! with the L4 checksum kept valid (the pseudo-header's 128-bit addresses
-//! through `bpf_csum_diff`; SCTP's CRC32c for its ports), delivery by FIB
+//! with the L4 checksum kept valid ([`crate::rewrite6`]), delivery by FIB
 //! lookup and redirect, reverse NAT of replies. A frontend without
-//! endpoints is answered with an ICMPv6 port unreachable.
+//! endpoints is answered with an ICMPv6 port unreachable. Backend
+//! selection, conntrack and the SNAT port choice are the IPv4 path's own
+//! code, generic over the family ([`crate::family`]); what differs stays
+//! here and beside it: parsing ([`crate::parse6`]), the rewrite, the
+//! reject, the delivery.
 //!
 //! Extension headers: hop-by-hop, destination options and a fragment header
-//! are walked (up to [`MAX_EXT_HEADERS`] in all); a routing header or any
-//! other passes untouched (`pass_ipv6_ext_header`). Fragments are followed
+//! are walked (up to [`crate::parse6::MAX_EXT_HEADERS`] in all); a routing
+//! header or any other passes untouched (`pass_ipv6_ext_header`). Fragments are followed
 //! as IPv4's: a first fragment's ports are recorded (`FRAG6_V1`) for the
 //! later ones, which carry no L4 header and get only their addresses
 //! rewritten; a later fragment whose first was not seen passes untouched
@@ -42,27 +45,29 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup as FibParams, BPF_ANY, BPF_FIB_LKUP_RET_NOT_FWDED,
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_MARK_MANGLED_0,
-        BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
     },
     btf_maps::{PerCpuArray, ProgramArray},
-    helpers::{bpf_csum_diff, bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
     macros::btf_map,
     programs::TcContext,
 };
 use proxy_common::{
     backend_state, config_flags,
-    conntrack::{connection_oriented, sctp_flags, tcp, tcp_state},
-    crc32c, csum, ct_dir, ct_flags, stat, svc_flags, Addr6, Ct6Key, Frag6Key, FragPorts, RevNat6,
-    Svc6Key, SvcValue, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+    conntrack::{connection_oriented, tcp, tcp_state},
+    csum, ct_dir, ct_flags, stat, svc_flags, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL,
 };
 
 use crate::{
     family::{Family, V6},
     forward::config,
-    maps::{account, count, FRAG6_V1, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
+    maps::{account, count, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
+    parse6::{
+        parse, Packet6, Tuple6, AF_INET6, FRAGMENT_LATER, IP6_HLEN, IP6_HOP_OFF, IPPROTO_ICMPV6,
+    },
+    rewrite6::rewrite,
     verdict::Verdict,
 };
 
@@ -78,254 +83,6 @@ pub const TAIL_POD_INGRESS6: u32 = 0;
 pub const TAIL_EXT_INGRESS6: u32 = 1;
 /// [`TAIL6_V1`] index of `pod_egress6`.
 pub const TAIL_POD_EGRESS6: u32 = 2;
-
-const IP6_HLEN: usize = 40;
-const IP6_HOP_OFF: usize = ETH_HLEN + 7;
-const IP6_SRC_OFF: usize = ETH_HLEN + 8;
-const IP6_DST_OFF: usize = ETH_HLEN + 24;
-const NEXTHDR_HOP: u8 = 0;
-const NEXTHDR_FRAGMENT: u8 = 44;
-const NEXTHDR_DEST: u8 = 60;
-/// Hop-by-hop and destination-options headers walked before the L4 header.
-pub const MAX_EXT_HEADERS: usize = 4;
-const TCP_FLAGS_OFF: usize = 13;
-const SCTP_CHUNK_OFF: usize = 12;
-const AF_INET6: u8 = 10;
-const IPPROTO_ICMPV6: u8 = 58;
-/// Random source ports tried when a new flow's backend-side tuple is taken.
-const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
-
-/// The fixed IPv6 header, as in the packet.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Ipv6Hdr {
-    pub vtc_flow_be: u32,
-    pub payload_len_be: u16,
-    pub nexthdr: u8,
-    pub hop_limit: u8,
-    pub saddr_be: Addr6,
-    pub daddr_be: Addr6,
-}
-const _: () = assert!(size_of::<Ipv6Hdr>() == IP6_HLEN);
-
-/// What the parser found, as in the packet.
-#[derive(Clone, Copy, Default)]
-pub struct Packet6 {
-    pub(crate) l4_off: usize,
-    pub(crate) csum_off: usize,
-    pub(crate) proto: u8,
-    pub(crate) tcp_flags: u8,
-    pub(crate) saddr_be: Addr6,
-    pub(crate) daddr_be: Addr6,
-    pub(crate) sport_be: u16,
-    pub(crate) dport_be: u16,
-    /// The L4 length (payload after the extension headers).
-    pub(crate) l4_len: u16,
-    /// [`FRAGMENT_NONE`], [`FRAGMENT_FIRST`] (the L4 header is there) or
-    /// [`FRAGMENT_LATER`] (no L4 header: ports from the fragment map, only
-    /// addresses are rewritten).
-    pub(crate) fragment: u8,
-}
-
-pub const FRAGMENT_NONE: u8 = 0;
-const FRAGMENT_FIRST: u8 = 1;
-pub(crate) const FRAGMENT_LATER: u8 = 2;
-/// The fragment header's offset (13 bits, then 2 reserved, then M).
-const IP6_FRAG_OFFSET: u16 = 0xfff8;
-const IP6_FRAG_MORE: u16 = 0x0001;
-
-impl Packet6 {
-    /// What backend selection reads of the packet ([`crate::lb::select`]).
-    #[inline(always)]
-    pub fn five_tuple(&self) -> crate::family::FiveTuple<'_, crate::family::V6> {
-        crate::family::FiveTuple {
-            saddr: &self.saddr_be,
-            daddr: &self.daddr_be,
-            sport_be: self.sport_be,
-            dport_be: self.dport_be,
-            proto: self.proto,
-        }
-    }
-
-    /// What delivery reads of a translated ICMPv6 error: its outer
-    /// addresses.
-    #[inline(always)]
-    pub fn set_error_addrs(&mut self, saddr_be: &Addr6, daddr_be: &Addr6) {
-        self.proto = IPPROTO_ICMPV6;
-        self.saddr_be = *saddr_be;
-        self.daddr_be = *daddr_be;
-    }
-
-    #[inline(always)]
-    pub(crate) fn ct_key(&self, dir: u8) -> Ct6Key {
-        Ct6Key {
-            saddr_be: self.saddr_be,
-            daddr_be: self.daddr_be,
-            sport_be: self.sport_be,
-            dport_be: self.dport_be,
-            proto: self.proto,
-            dir,
-            _pad: [0; 2],
-        }
-    }
-}
-
-/// A translated 4-tuple.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct Tuple6 {
-    pub saddr_be: Addr6,
-    pub daddr_be: Addr6,
-    pub sport_be: u16,
-    pub dport_be: u16,
-}
-
-/// Parses an IPv6 tc frame into `pkt`, up to its L4 ports (and TCP flags,
-/// or the SCTP flags its first chunk stands for); 0, else the counter of a
-/// frame passed untouched. A BPF call of its own: the IPv6 header it reads
-/// is not kept in the entry's frame, under those of the calls after it
-/// (the verifier's 512 bytes are for the whole chain).
-#[inline(never)]
-fn parse(ctx: &TcContext, pkt: &mut Packet6) -> u32 {
-    match parse_inner(ctx) {
-        Ok(p) => {
-            *pkt = p;
-            0
-        }
-        Err(Verdict::Pass(c) | Verdict::Drop(c) | Verdict::Deliver(c) | Verdict::Reject(c)) => c,
-    }
-}
-
-#[inline(always)]
-fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
-    let malformed = Verdict::Pass(stat::PASS_MALFORMED);
-    let ip = tc_load::<Ipv6Hdr>(ctx, ETH_HLEN).map_err(|_| malformed)?;
-    if u32::from_be(ip.vtc_flow_be) >> 28 != 6 {
-        return Err(malformed);
-    }
-    let mut nh = ip.nexthdr;
-    let mut off = ETH_HLEN + IP6_HLEN;
-    // The fragment header's identification and offset field, once seen.
-    let mut frag: Option<(u32, u16)> = None;
-    for _ in 0..MAX_EXT_HEADERS {
-        if nh == NEXTHDR_FRAGMENT && frag.is_none() {
-            let h = ctx.load::<[u8; 8]>(off).map_err(|_| malformed)?;
-            nh = h[0];
-            frag = Some((
-                u32::from_ne_bytes([h[4], h[5], h[6], h[7]]),
-                u16::from_be_bytes([h[2], h[3]]),
-            ));
-            off += 8;
-            continue;
-        }
-        if nh != NEXTHDR_HOP && nh != NEXTHDR_DEST {
-            break;
-        }
-        let h = ctx.load::<[u8; 2]>(off).map_err(|_| malformed)?;
-        nh = h[0];
-        off += (h[1] as usize + 1) * 8;
-    }
-    if nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP {
-        return Err(Verdict::Pass(
-            if nh == NEXTHDR_HOP
-                || nh == NEXTHDR_DEST
-                || nh == NEXTHDR_FRAGMENT
-                || nh == 43
-                || nh == 51
-                || nh == 50
-            {
-                stat::PASS_IPV6_EXT_HEADER
-            } else {
-                stat::PASS_OTHER_PROTO
-            },
-        ));
-    }
-    let ext_len = off - ETH_HLEN - IP6_HLEN;
-    let l4_len = (u16::from_be(ip.payload_len_be) as usize).saturating_sub(ext_len) as u16;
-    let (csum, l4_min) = if nh == IPPROTO_TCP {
-        (16, 20)
-    } else if nh == IPPROTO_SCTP {
-        (8, 16)
-    } else {
-        (6, 8)
-    };
-    let mut fragment = FRAGMENT_NONE;
-    if let Some((id_be, offset_field)) = frag {
-        let key = Frag6Key {
-            saddr_be: ip.saddr_be,
-            daddr_be: ip.daddr_be,
-            id_be,
-            proto: nh,
-            _pad: [0; 3],
-        };
-        if offset_field & IP6_FRAG_OFFSET != 0 {
-            // A later fragment: its ports are those its first one carried,
-            // and it has no L4 header.
-            let Some(p) = FRAG6_V1.get_ptr(&key) else {
-                return Err(Verdict::Pass(stat::PASS_FRAGMENT));
-            };
-            // SAFETY: map value pointer, copied.
-            let p = unsafe { *p };
-            return Ok(Packet6 {
-                l4_off: off,
-                csum_off: off + csum,
-                proto: nh,
-                tcp_flags: 0,
-                saddr_be: ip.saddr_be,
-                daddr_be: ip.daddr_be,
-                sport_be: p.sport_be,
-                dport_be: p.dport_be,
-                l4_len,
-                fragment: FRAGMENT_LATER,
-            });
-        }
-        if offset_field & IP6_FRAG_MORE != 0 {
-            fragment = FRAGMENT_FIRST;
-        }
-    }
-    // The whole L4 header must be there (the verdict of a packet that is
-    // neither a frontend's nor a reply's is the stack's).
-    if (ctx.len() as usize) < off + l4_min {
-        return Err(malformed);
-    }
-    let ports = tc_load::<[u16; 2]>(ctx, off).map_err(|_| malformed)?;
-    if fragment == FRAGMENT_FIRST {
-        if let Some((id_be, _)) = frag {
-            // A first fragment: its ports, for the fragments that follow.
-            let key = Frag6Key {
-                saddr_be: ip.saddr_be,
-                daddr_be: ip.daddr_be,
-                id_be,
-                proto: nh,
-                _pad: [0; 3],
-            };
-            let v = FragPorts {
-                sport_be: ports[0],
-                dport_be: ports[1],
-            };
-            let _ = FRAG6_V1.insert(&key, &v, BPF_ANY as u64);
-            count(stat::FRAGMENT_TRACKED);
-        }
-    }
-    let mut tcp_flags = 0;
-    if nh == IPPROTO_TCP {
-        tcp_flags = tc_load::<u8>(ctx, off + TCP_FLAGS_OFF).map_err(|_| malformed)?;
-    } else if nh == IPPROTO_SCTP {
-        tcp_flags = sctp_flags(tc_load::<u8>(ctx, off + SCTP_CHUNK_OFF).map_err(|_| malformed)?);
-    }
-    Ok(Packet6 {
-        l4_off: off,
-        csum_off: off + csum,
-        proto: nh,
-        tcp_flags,
-        saddr_be: ip.saddr_be,
-        daddr_be: ip.daddr_be,
-        sport_be: ports[0],
-        dport_be: ports[1],
-        l4_len,
-        fragment,
-    })
-}
 
 /// The IPv6 tc ingress path for frontends of `scope`: a packet to a
 /// frontend is translated and delivered; a reply of a tracked flow gets its
@@ -844,111 +601,6 @@ pub fn reply_plan(
         pkt.dport_be
     };
     Ok((ct.rev_nat_id, ct.backend_id))
-}
-
-// --- rewrite -----------------------------------------------------------------
-
-#[inline(always)]
-fn l4_flags(pkt: &Packet6) -> u64 {
-    if pkt.proto == IPPROTO_UDP {
-        BPF_F_MARK_MANGLED_0 as u64
-    } else {
-        0
-    }
-}
-
-/// Rewrites the address at `off` from `old` to `new`, the L4 checksum (its
-/// pseudo-header) following; IPv6 has no header checksum.
-#[inline(always)]
-fn rewrite_addr(
-    ctx: &TcContext,
-    pkt: &Packet6,
-    off: usize,
-    old: &Addr6,
-    new: &Addr6,
-) -> Result<(), Verdict> {
-    if old == new {
-        return Ok(());
-    }
-    // SCTP's checksum covers no address; a later fragment has no L4 header.
-    if pkt.proto != IPPROTO_SCTP && pkt.fragment != FRAGMENT_LATER {
-        // SAFETY: two 16-byte buffers on the stack, sizes given; the helper
-        // only reads them.
-        let diff = unsafe {
-            bpf_csum_diff(
-                old.as_ptr() as *mut u32,
-                16,
-                new.as_ptr() as *mut u32,
-                16,
-                0,
-            )
-        };
-        if diff < 0 {
-            return Err(REWRITE_FAILED);
-        }
-        ctx.l4_csum_replace(
-            pkt.csum_off,
-            0,
-            diff as u64,
-            BPF_F_PSEUDO_HDR as u64 | l4_flags(pkt),
-        )
-        .map_err(|_| REWRITE_FAILED)?;
-    }
-    ctx.store(off, new, 0).map_err(|_| REWRITE_FAILED)
-}
-
-#[inline(always)]
-fn rewrite_port(
-    ctx: &TcContext,
-    pkt: &Packet6,
-    off: usize,
-    old: u16,
-    new: u16,
-) -> Result<(), Verdict> {
-    if old == new || pkt.fragment == FRAGMENT_LATER {
-        return Ok(());
-    }
-    if pkt.proto != IPPROTO_SCTP {
-        ctx.l4_csum_replace(pkt.csum_off, old as u64, new as u64, 2 | l4_flags(pkt))
-            .map_err(|_| REWRITE_FAILED)?;
-    }
-    ctx.store(off, &new, 0).map_err(|_| REWRITE_FAILED)
-}
-
-#[inline(always)]
-fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
-    let (s, d) = (sport_be.to_ne_bytes(), dport_be.to_ne_bytes());
-    u32::from_ne_bytes([s[0], s[1], d[0], d[1]])
-}
-
-/// Rewrites a frame to tuple `to`, checksums kept valid (SCTP: its CRC32c
-/// for the ports; its checksum covers no address).
-#[inline(always)]
-fn rewrite(ctx: &TcContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
-    if pkt.proto == IPPROTO_SCTP && pkt.fragment != FRAGMENT_LATER {
-        let old = ports_word(pkt.sport_be, pkt.dport_be);
-        let new = ports_word(to.sport_be, to.dport_be);
-        if old != new && pkt.fragment == FRAGMENT_FIRST {
-            // The CRC covers the whole packet, whose length this fragment
-            // does not give (as IPv4's `drop_sctp_fragment`).
-            return Err(Verdict::Drop(stat::DROP_SCTP_FRAGMENT));
-        }
-        if old != new {
-            let stored = ctx.load::<u32>(pkt.csum_off).map_err(|_| REWRITE_FAILED)?;
-            let crc = crc32c::update_ports(stored, pkt.l4_len, old, new);
-            ctx.store(pkt.csum_off, &crc, 0)
-                .map_err(|_| REWRITE_FAILED)?;
-        }
-    }
-    rewrite_addr(ctx, pkt, IP6_DST_OFF, &pkt.daddr_be, &to.daddr_be)?;
-    pkt.daddr_be = to.daddr_be;
-    rewrite_port(ctx, pkt, pkt.l4_off + 2, pkt.dport_be, to.dport_be)?;
-    pkt.dport_be = to.dport_be;
-    rewrite_addr(ctx, pkt, IP6_SRC_OFF, &pkt.saddr_be, &to.saddr_be)?;
-    pkt.saddr_be = to.saddr_be;
-    rewrite_port(ctx, pkt, pkt.l4_off, pkt.sport_be, to.sport_be)?;
-    pkt.sport_be = to.sport_be;
-    Ok(())
 }
 
 // --- delivery ----------------------------------------------------------------

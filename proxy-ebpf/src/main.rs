@@ -51,6 +51,8 @@ mod lb;
 mod maps;
 mod nat;
 mod parse;
+mod parse6;
+mod rewrite6;
 mod sock;
 mod tc;
 mod verdict;

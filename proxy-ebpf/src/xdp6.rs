@@ -28,11 +28,10 @@ use proxy_common::{
 };
 
 use crate::{
-    ipv6::{
-        self, Ipv6Hdr, Packet6, Tuple6, ESTABLISHED, ETH_P_IPV6, FRAGMENT_NONE, NOT_ESTABLISHED,
-    },
+    ipv6::{self, ESTABLISHED, ETH_P_IPV6, NOT_ESTABLISHED},
     maps::{account, count, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
+    parse6::{Ipv6Hdr, Packet6, Tuple6, FRAGMENT_NONE},
     verdict::Verdict,
 };
 
