@@ -142,6 +142,53 @@ pub struct FiveTuple<'a, F: Family> {
     pub proto: u8,
 }
 
+/// The [`Family`] accessors whose bodies are the same for both families'
+/// conntrack types (key, entry, reverse NAT, address, backend, packet).
+macro_rules! conntrack_accessors {
+    ($key:ty, $value:ty, $rev:ty, $addr:ty, $backend:ty, $packet:ty) => {
+        #[inline(always)]
+        fn ct_nat_addr(v: &$value) -> $addr {
+            v.nat_addr_be
+        }
+
+        #[inline(always)]
+        fn ct_nat_port(v: &$value) -> u16 {
+            v.nat_port_be
+        }
+
+        #[inline(always)]
+        fn ct_refresh(c: &mut $value, flags: u16, now: u64) {
+            c.flags = flags;
+            c.last_seen_ns = now;
+        }
+
+        #[inline(always)]
+        fn reply_key(proto: u8, b: &$backend, client_addr: $addr, client_port_be: u16) -> $key {
+            <$key>::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
+        }
+
+        #[inline(always)]
+        fn pkt_ct_key(pkt: &$packet, dir: u8) -> $key {
+            pkt.ct_key(dir)
+        }
+
+        #[inline(always)]
+        fn service_of_reply(rkey: &$key, e: &$value, rev: &$rev) -> $key {
+            rkey.service_of_reply(e, rev)
+        }
+
+        #[inline(always)]
+        fn ct_proto(key: &$key) -> u8 {
+            key.proto
+        }
+
+        #[inline(always)]
+        fn set_dport(key: &mut $key, port_be: u16) {
+            key.dport_be = port_be;
+        }
+    };
+}
+
 impl Family for V4 {
     type Addr = u32;
     type SvcKey = Svc4Key;
@@ -200,31 +247,7 @@ impl Family for V4 {
     type CtValue = Ct4Value;
     type RevNat = RevNat4;
 
-    #[inline(always)]
-    fn ct_nat_addr(v: &Ct4Value) -> u32 {
-        v.nat_addr_be
-    }
-
-    #[inline(always)]
-    fn ct_nat_port(v: &Ct4Value) -> u16 {
-        v.nat_port_be
-    }
-
-    #[inline(always)]
-    fn ct_refresh(c: &mut Ct4Value, flags: u16, now: u64) {
-        c.flags = flags;
-        c.last_seen_ns = now;
-    }
-
-    #[inline(always)]
-    fn reply_key(proto: u8, b: &Backend4, client_addr: u32, client_port_be: u16) -> Ct4Key {
-        Ct4Key::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
-    }
-
-    #[inline(always)]
-    fn pkt_ct_key(pkt: &Packet, dir: u8) -> Ct4Key {
-        pkt.ct_key(dir)
-    }
+    conntrack_accessors!(Ct4Key, Ct4Value, RevNat4, u32, Backend4, Packet);
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V4>, rev_nat_id: RevNatId, now: u64) -> Ct4Value {
@@ -275,21 +298,6 @@ impl Family for V4 {
     #[inline(always)]
     fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat4> {
         REVNAT4_V2.get_ptr(id)
-    }
-
-    #[inline(always)]
-    fn service_of_reply(rkey: &Ct4Key, e: &Ct4Value, rev: &RevNat4) -> Ct4Key {
-        rkey.service_of_reply(e, rev)
-    }
-
-    #[inline(always)]
-    fn ct_proto(key: &Ct4Key) -> u8 {
-        key.proto
-    }
-
-    #[inline(always)]
-    fn set_dport(key: &mut Ct4Key, port_be: u16) {
-        key.dport_be = port_be;
     }
 
     #[inline(always)]
@@ -366,31 +374,7 @@ impl Family for V6 {
     type CtValue = Ct6Value;
     type RevNat = RevNat6;
 
-    #[inline(always)]
-    fn ct_nat_addr(v: &Ct6Value) -> Addr6 {
-        v.nat_addr_be
-    }
-
-    #[inline(always)]
-    fn ct_nat_port(v: &Ct6Value) -> u16 {
-        v.nat_port_be
-    }
-
-    #[inline(always)]
-    fn ct_refresh(c: &mut Ct6Value, flags: u16, now: u64) {
-        c.flags = flags;
-        c.last_seen_ns = now;
-    }
-
-    #[inline(always)]
-    fn reply_key(proto: u8, b: &Backend6, client_addr: Addr6, client_port_be: u16) -> Ct6Key {
-        Ct6Key::reply(proto, b.addr_be, b.port_be, client_addr, client_port_be)
-    }
-
-    #[inline(always)]
-    fn pkt_ct_key(pkt: &Packet6, dir: u8) -> Ct6Key {
-        pkt.ct_key(dir)
-    }
+    conntrack_accessors!(Ct6Key, Ct6Value, RevNat6, Addr6, Backend6, Packet6);
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V6>, rev_nat_id: RevNatId, now: u64) -> Ct6Value {
@@ -442,21 +426,6 @@ impl Family for V6 {
     #[inline(always)]
     fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat6> {
         REVNAT6_V2.get_ptr(id)
-    }
-
-    #[inline(always)]
-    fn service_of_reply(rkey: &Ct6Key, e: &Ct6Value, rev: &RevNat6) -> Ct6Key {
-        rkey.service_of_reply(e, rev)
-    }
-
-    #[inline(always)]
-    fn ct_proto(key: &Ct6Key) -> u8 {
-        key.proto
-    }
-
-    #[inline(always)]
-    fn set_dport(key: &mut Ct6Key, port_be: u16) {
-        key.dport_be = port_be;
     }
 
     #[inline(always)]

@@ -192,13 +192,7 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     };
     let mut fragment = FRAGMENT_NONE;
     if let Some((id_be, offset_field)) = frag {
-        let key = Frag6Key {
-            saddr_be: ip.saddr_be,
-            daddr_be: ip.daddr_be,
-            id_be,
-            proto: nh,
-            _pad: [0; 3],
-        };
+        let key = frag_key(&ip, id_be, nh);
         if offset_field & IP6_FRAG_OFFSET != 0 {
             // A later fragment: its ports are those its first one carried,
             // and it has no L4 header.
@@ -233,13 +227,7 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
     if fragment == FRAGMENT_FIRST {
         if let Some((id_be, _)) = frag {
             // A first fragment: its ports, for the fragments that follow.
-            let key = Frag6Key {
-                saddr_be: ip.saddr_be,
-                daddr_be: ip.daddr_be,
-                id_be,
-                proto: nh,
-                _pad: [0; 3],
-            };
+            let key = frag_key(&ip, id_be, nh);
             let v = FragPorts {
                 sport_be: ports[0],
                 dport_be: ports[1],
@@ -266,4 +254,17 @@ fn parse_inner(ctx: &TcContext) -> Result<Packet6, Verdict> {
         l4_len,
         fragment,
     })
+}
+
+/// The fragment-map key of the datagram `id_be` of protocol `nh` with
+/// header `ip` (`FRAG6_V1`).
+#[inline(always)]
+fn frag_key(ip: &Ipv6Hdr, id_be: u32, nh: u8) -> Frag6Key {
+    Frag6Key {
+        saddr_be: ip.saddr_be,
+        daddr_be: ip.daddr_be,
+        id_be,
+        proto: nh,
+        _pad: [0; 3],
+    }
 }
