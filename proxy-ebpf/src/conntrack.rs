@@ -224,9 +224,7 @@ pub fn live_backend_of<F: Family>(
     e: &F::CtValue,
     now: u64,
 ) -> Option<u32> {
-    let rev = F::rev_nat_ptr(e.rev_nat_id())?;
-    // SAFETY: map value pointer, copied.
-    let rev = unsafe { *rev };
+    let rev = F::rev_nat(e.rev_nat_id())?;
     let o = F::ct(&F::service_of_reply(rkey, e, &rev))?;
     // SAFETY: map value pointer, copied.
     let o = unsafe { *o };

@@ -16,8 +16,7 @@ use proxy_common::{
 
 use crate::maps::{
     AFFINITY4_V2, AFFINITY6_V2, BACKEND4_V1, BACKEND6_V1, CT4_V2, CT6_V2, HANDOVER4_V1,
-    HANDOVER6_V1, REVNAT4_V2, REVNAT6_V2, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2,
-    SVC4_V2, SVC6_V2,
+    HANDOVER6_V1, SNAT_FULL4_V1, SNAT_FULL6_V1, SRCRANGE4_V2, SRCRANGE6_V2, SVC4_V2, SVC6_V2,
 };
 use crate::{conntrack::Flow, parse::Packet, parse6::Packet6};
 
@@ -56,11 +55,11 @@ pub trait Family {
     fn source_allowed(rev_nat_id: RevNatId, client: &Self::Addr) -> bool;
 
     /// A conntrack key (either direction).
-    type CtKey;
+    type CtKey: Copy;
     /// A conntrack entry.
     type CtValue: CtEntry + Copy;
     /// The frontend replies of a reverse-NAT id come from.
-    type RevNat: Copy;
+    type RevNat;
 
     /// The source address a SNATed flow's entry `v` gives it (meaningful
     /// under [`proxy_common::ct_flags::SNAT_ADDR`]).
@@ -100,8 +99,9 @@ pub trait Family {
     fn ct_of_packet(pkt: &Self::Packet, dir: u8) -> Option<*mut Self::CtValue>;
     /// The conntrack entry at `key`.
     fn ct(key: &Self::CtKey) -> Option<*mut Self::CtValue>;
-    /// The frontend replies of reverse-NAT id `id` come from.
-    fn rev_nat_ptr(id: RevNatId) -> Option<*const Self::RevNat>;
+    /// The frontend replies of reverse-NAT id `id` come from
+    /// ([`crate::lb::rev_nat`], [`crate::ipv6::rev_nat`]).
+    fn rev_nat(id: RevNatId) -> Option<Self::RevNat>;
     /// The SERVICE key of the flow whose REPLY entry `e` is at `rkey`, to
     /// the frontend `rev`.
     fn service_of_reply(rkey: &Self::CtKey, e: &Self::CtValue, rev: &Self::RevNat) -> Self::CtKey;
@@ -296,8 +296,8 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat4> {
-        REVNAT4_V2.get_ptr(id)
+    fn rev_nat(id: RevNatId) -> Option<RevNat4> {
+        crate::lb::rev_nat(id)
     }
 
     #[inline(always)]
@@ -424,8 +424,8 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn rev_nat_ptr(id: RevNatId) -> Option<*const RevNat6> {
-        REVNAT6_V2.get_ptr(id)
+    fn rev_nat(id: RevNatId) -> Option<RevNat6> {
+        crate::ipv6::rev_nat(id)
     }
 
     #[inline(always)]

@@ -235,10 +235,7 @@ pub fn search_nat_port(pkt: &Packet, flow: &Flow<V4>) -> Option<u16> {
 /// Inlined into each family's BPF call of its own ([`search_nat_port`],
 /// `ipv6::search_nat_port`).
 #[inline(always)]
-pub fn search_port<F: Family>(rkey: &F::CtKey) -> Option<u16>
-where
-    F::CtKey: Copy,
-{
+pub fn search_port<F: Family>(rkey: &F::CtKey) -> Option<u16> {
     let cfg = CONFIG_V3.get(0)?;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
