@@ -9,8 +9,8 @@ use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey};
 use proxy_common::{
     conntrack::CtEntry,
     ipv6::{fold6, Addr6},
-    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, RevNat4, RevNat6, RevNatId, SourceRange4, SourceRange6, Svc4Key, Svc6Key,
+    Affinity4Key, Affinity6Key, AffinityValue, Backend4, Backend6, Config, Ct4Key, Ct4Value,
+    Ct6Key, Ct6Value, RevNat4, RevNat6, RevNatId, SourceRange4, SourceRange6, Svc4Key, Svc6Key,
     SOURCE_RANGE_ID_BITS,
 };
 
@@ -30,7 +30,7 @@ pub struct V6;
 /// An address family's keys and maps.
 pub trait Family {
     /// An address, network order.
-    type Addr: Copy + Default;
+    type Addr: Copy + Default + PartialEq;
     /// The services-map key (a frontend at slot 0, its backends at
     /// 1..=count).
     type SvcKey;
@@ -53,6 +53,16 @@ pub trait Family {
     /// Whether `client` may open flows to the frontend `rev_nat_id` (its
     /// `loadBalancerSourceRanges`).
     fn source_allowed(rev_nat_id: RevNatId, client: &Self::Addr) -> bool;
+    /// A backend's address.
+    fn backend_addr(b: &Self::Backend) -> Self::Addr;
+    /// A backend's port.
+    fn backend_port(b: &Self::Backend) -> u16;
+    /// A backend's [`proxy_common::backend_state`].
+    fn backend_state(b: &Self::Backend) -> u8;
+    /// The node's own address in this family (unset: the default, zero).
+    fn node_addr(cfg: &Config) -> Self::Addr;
+    /// The source address of hairpin flows in this family (unset: zero).
+    fn hairpin_addr(cfg: &Config) -> Self::Addr;
 
     /// A conntrack key (either direction).
     type CtKey: Copy;
@@ -105,13 +115,19 @@ pub trait Family {
     /// The SERVICE key of the flow whose REPLY entry `e` is at `rkey`, to
     /// the frontend `rev`.
     fn service_of_reply(rkey: &Self::CtKey, e: &Self::CtValue, rev: &Self::RevNat) -> Self::CtKey;
+    /// The address replies from the frontend `rev` come from.
+    fn rev_addr(rev: &Self::RevNat) -> Self::Addr;
+    /// The port replies from the frontend `rev` come from.
+    fn rev_port(rev: &Self::RevNat) -> u16;
     /// The protocol of the flow at `key`.
     fn ct_proto(key: &Self::CtKey) -> u8;
     /// Sets the destination port of `key` (a REPLY key's: the node's
     /// source port the backend sees).
     fn set_dport(key: &mut Self::CtKey, port_be: u16);
     /// The handover entry at `key` ([`crate::maps::HANDOVER4_V1`]).
-    fn handover(key: &Self::CtKey) -> Option<*const u64>;
+    fn handover(key: &Self::CtKey) -> Option<*mut u64>;
+    /// Writes the handover entry at `key`: passed to the stack until `until`.
+    fn set_handover(key: &Self::CtKey, until: u64);
     /// When a search found the SNAT port space of `space` (a REPLY key with
     /// port 0) full ([`crate::maps::SNAT_FULL4_V1`]).
     fn snat_full(space: &Self::CtKey) -> Option<*const u64>;
@@ -129,7 +145,9 @@ pub trait FlowPacket<A> {
     /// only those move a flow's state.
     fn l4_present(&self) -> bool;
     fn saddr(&self) -> &A;
+    fn daddr(&self) -> &A;
     fn sport_be(&self) -> u16;
+    fn dport_be(&self) -> u16;
 }
 
 /// What backend selection reads of a flow: its 5-tuple, the addresses by
@@ -140,6 +158,18 @@ pub struct FiveTuple<'a, F: Family> {
     pub sport_be: u16,
     pub dport_be: u16,
     pub proto: u8,
+}
+
+/// The 5-tuple of `pkt` ([`FiveTuple`]).
+#[inline(always)]
+pub fn five_tuple<F: Family>(pkt: &F::Packet) -> FiveTuple<'_, F> {
+    FiveTuple {
+        saddr: pkt.saddr(),
+        daddr: pkt.daddr(),
+        sport_be: pkt.sport_be(),
+        dport_be: pkt.dport_be(),
+        proto: pkt.proto(),
+    }
 }
 
 /// The [`Family`] accessors whose bodies are the same for both families'
@@ -180,6 +210,31 @@ macro_rules! conntrack_accessors {
         #[inline(always)]
         fn ct_proto(key: &$key) -> u8 {
             key.proto
+        }
+
+        #[inline(always)]
+        fn rev_addr(rev: &$rev) -> $addr {
+            rev.addr_be
+        }
+
+        #[inline(always)]
+        fn rev_port(rev: &$rev) -> u16 {
+            rev.port_be
+        }
+
+        #[inline(always)]
+        fn backend_addr(b: &$backend) -> $addr {
+            b.addr_be
+        }
+
+        #[inline(always)]
+        fn backend_port(b: &$backend) -> u16 {
+            b.port_be
+        }
+
+        #[inline(always)]
+        fn backend_state(b: &$backend) -> u8 {
+            b.state
         }
 
         #[inline(always)]
@@ -301,8 +356,23 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn handover(key: &Ct4Key) -> Option<*const u64> {
-        HANDOVER4_V1.get_ptr(key)
+    fn handover(key: &Ct4Key) -> Option<*mut u64> {
+        HANDOVER4_V1.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn set_handover(key: &Ct4Key, until: u64) {
+        let _ = HANDOVER4_V1.insert(key, until, 0);
+    }
+
+    #[inline(always)]
+    fn node_addr(cfg: &Config) -> u32 {
+        cfg.node_addr_be
+    }
+
+    #[inline(always)]
+    fn hairpin_addr(cfg: &Config) -> u32 {
+        cfg.hairpin_addr_be
     }
 
     #[inline(always)]
@@ -429,8 +499,23 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn handover(key: &Ct6Key) -> Option<*const u64> {
-        HANDOVER6_V1.get_ptr(key)
+    fn handover(key: &Ct6Key) -> Option<*mut u64> {
+        HANDOVER6_V1.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn set_handover(key: &Ct6Key, until: u64) {
+        let _ = HANDOVER6_V1.insert(key, &until, 0);
+    }
+
+    #[inline(always)]
+    fn node_addr(cfg: &Config) -> Addr6 {
+        cfg.node6_be
+    }
+
+    #[inline(always)]
+    fn hairpin_addr(cfg: &Config) -> Addr6 {
+        cfg.hairpin6_be
     }
 
     #[inline(always)]
@@ -462,8 +547,16 @@ impl FlowPacket<u32> for Packet {
         &self.saddr_be
     }
     #[inline(always)]
+    fn daddr(&self) -> &u32 {
+        &self.daddr_be
+    }
+    #[inline(always)]
     fn sport_be(&self) -> u16 {
         self.sport_be
+    }
+    #[inline(always)]
+    fn dport_be(&self) -> u16 {
+        self.dport_be
     }
 }
 
@@ -485,7 +578,15 @@ impl FlowPacket<Addr6> for Packet6 {
         &self.saddr_be
     }
     #[inline(always)]
+    fn daddr(&self) -> &Addr6 {
+        &self.daddr_be
+    }
+    #[inline(always)]
     fn sport_be(&self) -> u16 {
         self.sport_be
+    }
+    #[inline(always)]
+    fn dport_be(&self) -> u16 {
+        self.dport_be
     }
 }

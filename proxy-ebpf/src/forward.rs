@@ -13,9 +13,9 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Flow},
-    family::{Family, V4},
+    family::{five_tuple, Family, FlowPacket, V4},
     lb,
-    maps::{count, CONFIG_V3, HANDOVER4_V1},
+    maps::{count, CONFIG_V3},
     nat,
     parse::Packet,
     verdict::Verdict,
@@ -78,21 +78,22 @@ fn decide_inner(
             // A later fragment of a flow that is not tracked: nothing to follow.
             return Err(Verdict::Pass(stat::PASS_FRAGMENT));
         }
-        if handed_over(
-            HANDOVER4_V1.get_ptr_mut(skey),
-            pkt.proto,
-            pkt.tcp_flags,
+        if let Some(code) = left_to_stack::<V4>(cfg, pkt, &skey, now) {
+            return Err(Verdict::Pass(code));
+        }
+        let scope = mode & !FROM_XDP;
+        let mut rkey = Ct4Key::default();
+        new_flow::<V4>(
+            cfg,
+            pkt,
+            &skey,
+            &lb::frontend_key(pkt, scope),
+            fe,
+            scope == SCOPE_EXTERNAL,
             now,
-        ) {
-            return Err(Verdict::Pass(stat::PASS_HANDOVER));
-        }
-        if cfg.flags & config_flags::DRAINING != 0 {
-            // Handing the node back, or not taken over yet: new flows are
-            // the other proxy's, for as long as they last.
-            let _ = HANDOVER4_V1.insert(skey, drained_until(pkt.proto, now), 0);
-            return Err(Verdict::Pass(stat::PASS_DRAINING));
-        }
-        new_flow(cfg, pkt, &skey, fe, mode, now, flow)?;
+            &mut rkey,
+            flow,
+        )?;
     }
     conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, established, now);
     if xdp && flow.backend.state & backend_state::LOCAL != 0 {
@@ -107,6 +108,30 @@ fn decide_inner(
     } else {
         stat::FWD_NEW
     })
+}
+
+/// An untracked packet that this datapath leaves to the stack, either
+/// family: its counter (`PASS_HANDOVER`, `PASS_DRAINING`), or `None` when
+/// it is a new flow of ours. A flow the kernel's conntrack translated
+/// before the takeover ([`handed_over`]); while draining, every new flow,
+/// recorded so that its later packets follow it.
+#[inline(always)]
+pub fn left_to_stack<F: Family>(
+    cfg: &Config,
+    pkt: &F::Packet,
+    skey: &F::CtKey,
+    now: u64,
+) -> Option<u32> {
+    if handed_over(F::handover(skey), pkt.proto(), pkt.tcp_flags(), now) {
+        return Some(stat::PASS_HANDOVER);
+    }
+    if cfg.flags & config_flags::DRAINING != 0 {
+        // Handing the node back, or not taken over yet: new flows are
+        // the other proxy's, for as long as they last.
+        F::set_handover(skey, drained_until(pkt.proto(), now));
+        return Some(stat::PASS_DRAINING);
+    }
+    None
 }
 
 /// Whether an untracked packet belongs to a flow the kernel's conntrack
@@ -150,28 +175,39 @@ pub fn drained_until(proto: u8, now: u64) -> u64 {
     }
 }
 
-/// A new flow to frontend `fe`: source ranges checked, a backend selected,
-/// its SNAT and source port chosen, its SERVICE entry created; `flow` is
-/// the flow as it stands (ours, or a racing packet's).
+/// A new flow to frontend `fe` (at `fkey`), either family: source ranges
+/// checked, a backend selected, its SNAT ([`nat::snat_for`]) and source
+/// port chosen, its SERVICE entry created ([`commit`]); `flow` is the flow
+/// as it stands (ours, or a racing packet's). The Maglev handoff is
+/// `Err(Deliver(FWD_HANDOFF))`, `flow` naming the backend. Where no random
+/// source port was free (`Err(Drop(DROP_NO_FREE_PORT))`), `flow` and `rkey`
+/// (its backend-side tuple) are left as chosen, for tc's search of the
+/// whole range ([`nat::search_port`]).
+///
+/// `rkey` is the caller's room for the backend-side tuple: IPv6 keeps it in
+/// its per-CPU scratch entry, out of the verifier's 512 bytes of stack.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn new_flow(
+pub fn new_flow<F: Family>(
     cfg: &Config,
-    pkt: &Packet,
-    skey: &Ct4Key,
+    pkt: &F::Packet,
+    skey: &F::CtKey,
+    fkey: &F::SvcKey,
     fe: &SvcValue,
-    mode: u8,
+    external: bool,
     now: u64,
-    flow: &mut Flow<V4>,
+    rkey: &mut F::CtKey,
+    flow: &mut Flow<F>,
 ) -> Result<(), Verdict> {
-    let scope = mode & !FROM_XDP;
-    let external = scope == SCOPE_EXTERNAL;
-    let client_be = pkt.saddr_be;
     // Every source, as kube-proxy's firewall chain: external clients, pods.
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !V4::source_allowed(fe.rev_nat_id, &client_be) {
+    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !F::source_allowed(fe.rev_nat_id, pkt.saddr()) {
         return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
     }
-    let (backend_id, b) = lb::select(&pkt.five_tuple(), &lb::frontend_key(pkt, scope), fe, now)?;
-    if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
+    let (backend_id, b) = lb::select(&five_tuple::<F>(pkt), fkey, fe, now)?;
+    if external
+        && fe.flags & svc_flags::HANDOFF != 0
+        && F::backend_state(&b) & backend_state::LOCAL == 0
+    {
         // Maglev handoff: the backend's node picks the same backend and
         // translates; this node only forwards, keeping no state, so any node
         // the router sends the flow to forwards it alike.
@@ -179,7 +215,8 @@ fn new_flow(
         flow.backend = b;
         return Err(Verdict::Deliver(stat::FWD_HANDOFF));
     }
-    let (mut flags, nat_addr_be) = nat::snat_for(cfg, fe, &b, client_be, pkt.daddr_be, external);
+    let (mut flags, nat_addr_be) =
+        nat::snat_for::<F>(cfg, fe, &b, pkt.saddr(), pkt.daddr(), external);
     // Short-lived until the backend answers (a first packet that is not a
     // SYN included).
     flags |= ct_flags::UNREPLIED;
@@ -188,36 +225,46 @@ fn new_flow(
         // address of this node, or the hairpin one, it would drop).
         flags |= ct_flags::VIA_STACK;
     }
-    if connection_oriented(pkt.proto) {
-        flags |= tcp_state(0, pkt.tcp_flags);
-        if pkt.tcp_flags & tcp::SYN == 0 {
+    if connection_oriented(pkt.proto()) {
+        flags |= tcp_state(0, pkt.tcp_flags());
+        if pkt.tcp_flags() & tcp::SYN == 0 {
             count(stat::CT_NEW_MIDSTREAM);
         }
     }
-    let mut mine = Flow {
+    *flow = Flow {
         backend_id,
         backend: b,
         flags,
         nat_addr_be,
         nat_port_be: 0,
     };
-    // The backend-side tuple must not belong to another live flow.
-    let mut rkey = mine.reply_key(pkt);
-    // One call site of the port search (its loop is verified once per site).
-    let snat_node = flags & ct_flags::SNAT_PORT != 0;
-    if snat_node || conntrack::reply_tuple_taken::<V4>(cfg, &rkey, fe.rev_nat_id, now) {
-        let Some(port_be) = nat::free_nat_port::<V4>(cfg, &mut rkey, now) else {
-            // The flow as chosen, for tc's search of the whole range
-            // ([`nat::search_nat_port`], [`commit_searched`]).
-            *flow = mine;
-            return Err(Verdict::Drop(stat::DROP_NO_FREE_PORT));
-        };
-        mine.ported(port_be);
+    // The backend-side tuple must not belong to another live flow. One call
+    // site of the port choice (its loop is verified once per site).
+    *rkey = flow.reply_key(pkt);
+    if flags & ct_flags::SNAT_PORT != 0
+        || conntrack::reply_tuple_taken::<F>(cfg, rkey, fe.rev_nat_id, now)
+    {
+        let port_be = nat::free_nat_port::<F>(cfg, rkey, now)
+            .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
+        flow.ported(port_be);
     }
-    let sval = V4::service_entry(&mine, fe.rev_nat_id, now);
-    *flow = mine;
-    conntrack::create(cfg, pkt, skey, &sval, now, flow);
+    commit(cfg, pkt, skey, fe.rev_nat_id, now, flow);
     Ok(())
+}
+
+/// The SERVICE entry of new flow `flow` (to the frontend `rev_nat_id`) at
+/// `skey` ([`conntrack::create`]): `flow` is then the flow as it stands.
+#[inline(always)]
+pub fn commit<F: Family>(
+    cfg: &Config,
+    pkt: &F::Packet,
+    skey: &F::CtKey,
+    rev_nat_id: proxy_common::RevNatId,
+    now: u64,
+    flow: &mut Flow<F>,
+) {
+    let sval = F::service_entry(flow, rev_nat_id, now);
+    conntrack::create(cfg, pkt, skey, &sval, now, flow);
 }
 
 /// A new flow whose random port tries all failed ([`decide`] returned
@@ -237,12 +284,15 @@ pub fn commit_searched(pkt: &Packet, fe: &SvcValue, flow: &mut Flow<V4>, port_be
     };
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let mut mine = *flow;
-    mine.ported(port_be);
-    let skey = pkt.ct_key(ct_dir::SERVICE);
-    let sval = V4::service_entry(&mine, fe.rev_nat_id, now);
-    *flow = mine;
-    conntrack::create(cfg, pkt, &skey, &sval, now, flow);
+    flow.ported(port_be);
+    commit(
+        cfg,
+        pkt,
+        &pkt.ct_key(ct_dir::SERVICE),
+        fe.rev_nat_id,
+        now,
+        flow,
+    );
     conntrack::ensure_reply(pkt, flow, fe.rev_nat_id, false, now);
     Verdict::Deliver(stat::FWD_NEW)
 }

@@ -54,15 +54,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    backend_state, config_flags,
-    conntrack::{connection_oriented, tcp, tcp_state},
-    csum, ct_dir, ct_flags, stat, svc_flags, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL,
+    csum, ct_dir, ct_flags, stat, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL,
 };
 
 use crate::{
-    family::{Family, V6},
+    family::V6,
     forward::config,
-    maps::{account, count, HANDOVER6_V1, REVNAT6_V2, SVC6_V2},
+    maps::{account, count, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
     parse6::{
         parse, Packet6, Tuple6, AF_INET6, FRAGMENT_LATER, IP6_HLEN, IP6_HOP_OFF, IPPROTO_ICMPV6,
@@ -369,19 +367,8 @@ pub fn established(pkt: &Packet6) -> u32 {
     *skey = pkt.ct_key(ct_dir::SERVICE);
     if crate::conntrack::lookup::<V6>(cfg, pkt, skey, now, flow) {
         ESTABLISHED
-    } else if crate::forward::handed_over(
-        HANDOVER6_V1.get_ptr_mut(&*skey),
-        pkt.proto,
-        pkt.tcp_flags,
-        now,
-    ) {
-        stat::PASS_HANDOVER
-    } else if cfg.flags & config_flags::DRAINING != 0 {
-        let until = crate::forward::drained_until(pkt.proto, now);
-        let _ = HANDOVER6_V1.insert(&*skey, &until, 0);
-        stat::PASS_DRAINING
     } else {
-        NOT_ESTABLISHED
+        crate::forward::left_to_stack::<V6>(cfg, pkt, skey, now).unwrap_or(NOT_ESTABLISHED)
     }
 }
 
@@ -400,13 +387,7 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
     let now = unsafe { bpf_ktime_get_ns() };
     crate::conntrack::ensure_reply(pkt, flow, rev_nat_id, established, now);
     account(ctx.len() as u64, rev_nat_id, flow.backend_id);
-    let (saddr_be, sport_be) = flow.client_seen(pkt);
-    *to = Tuple6 {
-        saddr_be,
-        sport_be,
-        daddr_be: flow.backend.addr_be,
-        dport_be: flow.backend.port_be,
-    };
+    *to = crate::nat::forward_tuple(pkt, flow);
     if let Err(v) = rewrite(ctx, pkt, to) {
         return v;
     }
@@ -425,14 +406,9 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
     Verdict::Deliver(code)
 }
 
-/// A new flow to frontend `fe` (as IPv4's `forward::new_flow`): source
-/// ranges, a backend selected (or the Maglev handoff, `Err(Deliver
-/// (FWD_HANDOFF))` with `flow` set), the SNAT it needs — the hairpin
-/// address for a pod reaching itself, the node's address and a port of its
-/// own for external traffic to a backend on another node
-/// (`externalTrafficPolicy: Cluster`) — and a source port of its own where
-/// the backend-side tuple is another live flow's; its SERVICE entry. A BPF
-/// call of its own (the verifier's stack is per frame).
+/// A new flow to frontend `fe` (at `key`): [`crate::forward::new_flow`],
+/// with the flow's SERVICE key and backend-side tuple in the scratch entry.
+/// A BPF call of its own (the verifier's stack is per frame).
 #[inline(never)]
 pub fn new_flow(
     pkt: &Packet6,
@@ -444,75 +420,12 @@ pub fn new_flow(
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let sc = scratch()?;
-    // SAFETY: this CPU's scratch entry: `skey` (written by `decide`, the
-    // caller); `rkey` is used here only while this runs.
+    // SAFETY: this CPU's scratch entry: `skey` (written by `established`,
+    // the caller's first step); `rkey` is the flow's backend-side tuple,
+    // kept for the search.
     let (skey, rkey) = unsafe { (&(*sc).skey, &mut (*sc).rkey) };
     let external = key.scope == SCOPE_EXTERNAL;
-    if fe.flags & svc_flags::SOURCE_RANGES != 0 && !V6::source_allowed(fe.rev_nat_id, &pkt.saddr_be)
-    {
-        return Err(Verdict::Drop(stat::DROP_SOURCE_RANGE));
-    }
-    let (backend_id, b) = crate::lb::select(&pkt.five_tuple(), key, fe, now)?;
-    if external && fe.flags & svc_flags::HANDOFF != 0 && b.state & backend_state::LOCAL == 0 {
-        flow.backend_id = backend_id;
-        flow.backend = b;
-        return Err(Verdict::Deliver(stat::FWD_HANDOFF));
-    }
-    let mut flags = ct_flags::UNREPLIED;
-    let mut nat_addr_be = [0u32; 4];
-    if !external && pkt.saddr_be == cfg.node6_be && cfg.node6_be != [0; 4] {
-        // The node itself (a host client): a port of the SNAT range, or to
-        // a backend at its own address the frontend's address, as IPv4's
-        // `nat::snat_for` says.
-        if b.addr_be == pkt.saddr_be {
-            flags |= ct_flags::SNAT_ADDR;
-            nat_addr_be = pkt.daddr_be;
-        } else {
-            flags |= ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
-            nat_addr_be = cfg.node6_be;
-        }
-    } else if !external && b.addr_be == pkt.saddr_be && cfg.hairpin6_be != [0; 4] {
-        // A pod reaching itself: its own address as the source would be
-        // dropped by its stack as a martian.
-        flags |= ct_flags::SNAT_ADDR;
-        nat_addr_be = cfg.hairpin6_be;
-    } else if external
-        && b.state & backend_state::LOCAL == 0
-        && fe.flags & svc_flags::EXTERNAL_LOCAL == 0
-        && cfg.node6_be != [0; 4]
-    {
-        flags |= ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT;
-        nat_addr_be = cfg.node6_be;
-    }
-    if cfg.flags & config_flags::DELIVER_VIA_STACK != 0 && flags & ct_flags::SNAT_ADDR == 0 {
-        flags |= ct_flags::VIA_STACK;
-    }
-    if connection_oriented(pkt.proto) {
-        flags |= tcp_state(0, pkt.tcp_flags);
-        if pkt.tcp_flags & tcp::SYN == 0 {
-            count(stat::CT_NEW_MIDSTREAM);
-        }
-    }
-    // The flow as chosen, in `flow` (replaced below by a racing packet's).
-    *flow = crate::conntrack::Flow {
-        backend_id,
-        backend: b,
-        flags,
-        nat_port_be: 0,
-        nat_addr_be,
-    };
-    *rkey = flow.reply_key(pkt);
-    if flags & ct_flags::SNAT_PORT != 0
-        || crate::conntrack::reply_tuple_taken::<V6>(cfg, rkey, fe.rev_nat_id, now)
-    {
-        // On failure `flow` and `rkey` stay as chosen, for the search.
-        let port_be = crate::nat::free_nat_port::<V6>(cfg, rkey, now)
-            .ok_or(Verdict::Drop(stat::DROP_NO_FREE_PORT))?;
-        flow.ported(port_be);
-    }
-    let sval = V6::service_entry(flow, fe.rev_nat_id, now);
-    crate::conntrack::create(cfg, pkt, skey, &sval, now, flow);
-    Ok(())
+    crate::forward::new_flow::<V6>(cfg, pkt, skey, key, fe, external, now, rkey, flow)
 }
 
 /// The new flow in the scratch entry's `flow`, for which
@@ -527,8 +440,7 @@ fn commit_searched(pkt: &Packet6, fe: &SvcValue, port_be: u16) -> Result<(), Ver
     // SAFETY: this CPU's scratch entry: the new flow's `skey` and `flow`.
     let (skey, flow) = unsafe { (&(*sc).skey, &mut (*sc).flow) };
     flow.ported(port_be);
-    let sval = V6::service_entry(flow, fe.rev_nat_id, now);
-    crate::conntrack::create(cfg, pkt, skey, &sval, now, flow);
+    crate::forward::commit(cfg, pkt, skey, fe.rev_nat_id, now, flow);
     Ok(())
 }
 
@@ -588,18 +500,7 @@ pub fn reply_plan(
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     crate::conntrack::reply_seen::<V6>(pkt, rptr, &ct, &rev, now);
-    to.saddr_be = rev.addr_be;
-    to.sport_be = rev.port_be;
-    to.daddr_be = if ct.flags & ct_flags::SNAT_ADDR != 0 {
-        ct.nat_addr_be
-    } else {
-        pkt.daddr_be
-    };
-    to.dport_be = if ct.flags & ct_flags::SNAT_PORT != 0 {
-        ct.nat_port_be
-    } else {
-        pkt.dport_be
-    };
+    *to = crate::nat::reverse_tuple::<V6>(pkt, &ct, &rev);
     Ok((ct.rev_nat_id, ct.backend_id))
 }
 

@@ -14,13 +14,13 @@ use aya_ebpf::{
 use proxy_common::{
     backend_state,
     conntrack::{CtEntry, NSEC_PER_SEC},
-    crc32c, csum, ct_flags, stat, svc_flags, Backend4, Config, Ct4Value, RevNat4, SvcValue,
-    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, SNAT_SEARCH_BACKOFF_NS,
+    crc32c, csum, ct_flags, stat, svc_flags, Config, SvcValue, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP, SNAT_SEARCH_BACKOFF_NS,
 };
 
 use crate::{
     conntrack::{self, Flow},
-    family::{Family, V4},
+    family::{Family, FlowPacket, V4},
     maps::{count, CONFIG_V3},
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_CSUM_OFF, IP_FRAG_OFF, IP_MF},
     verdict::Verdict,
@@ -33,10 +33,13 @@ use crate::{
 /// kernel of the matrix.
 const NAT_PORT_ATTEMPTS: u32 = 8;
 
-/// A translated 4-tuple (network byte order).
-pub struct Tuple {
-    pub saddr_be: u32,
-    pub daddr_be: u32,
+/// A translated 4-tuple (network byte order), either family (IPv4's by
+/// default; [`crate::parse6::Tuple6`] is IPv6's).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Tuple<A = u32> {
+    pub saddr_be: A,
+    pub daddr_be: A,
     pub sport_be: u16,
     pub dport_be: u16,
 }
@@ -44,32 +47,37 @@ pub struct Tuple {
 /// The tuple a packet of `flow` is sent on with: to its backend, from the
 /// client as the backend sees it.
 #[inline(always)]
-pub fn forward_tuple(pkt: &Packet, flow: &Flow<V4>) -> Tuple {
+pub fn forward_tuple<F: Family>(pkt: &F::Packet, flow: &Flow<F>) -> Tuple<F::Addr> {
     let (saddr_be, sport_be) = flow.client_seen(pkt);
     Tuple {
         saddr_be,
         sport_be,
-        daddr_be: flow.backend.addr_be,
-        dport_be: flow.backend.port_be,
+        daddr_be: F::backend_addr(&flow.backend),
+        dport_be: F::backend_port(&flow.backend),
     }
 }
 
-/// The tuple a reply (REPLY entry `ct`) is sent on with: from the frontend
-/// `rev`, to the client's own address and port.
+/// The tuple a reply of the flow of REPLY entry `ct` (to frontend `rev`)
+/// is sent on: from the frontend, to the client's own address and port
+/// where the flow was SNATed.
 #[inline(always)]
-pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
+pub fn reverse_tuple<F: Family>(
+    pkt: &F::Packet,
+    ct: &F::CtValue,
+    rev: &F::RevNat,
+) -> Tuple<F::Addr> {
     Tuple {
-        saddr_be: rev.addr_be,
-        sport_be: rev.port_be,
-        daddr_be: if ct.flags & ct_flags::SNAT_ADDR != 0 {
-            ct.nat_addr_be
+        saddr_be: F::rev_addr(rev),
+        sport_be: F::rev_port(rev),
+        daddr_be: if ct.flags() & ct_flags::SNAT_ADDR != 0 {
+            F::ct_nat_addr(ct)
         } else {
-            pkt.daddr_be
+            *pkt.daddr()
         },
-        dport_be: if ct.flags & ct_flags::SNAT_PORT != 0 {
-            ct.nat_port_be
+        dport_be: if ct.flags() & ct_flags::SNAT_PORT != 0 {
+            F::ct_nat_port(ct)
         } else {
-            pkt.dport_be
+            pkt.dport_be()
         },
     }
 }
@@ -91,30 +99,34 @@ pub fn reverse_tuple(pkt: &Packet, ct: &Ct4Value, rev: &RevNat4) -> Tuple {
 ///   node's address and a port of its own, so replies come back through
 ///   this node.
 #[inline(always)]
-pub fn snat_for(
+pub fn snat_for<F: Family>(
     cfg: &Config,
     fe: &SvcValue,
-    b: &Backend4,
-    client_be: u32,
-    frontend_be: u32,
+    b: &F::Backend,
+    client: &F::Addr,
+    frontend: &F::Addr,
     external: bool,
-) -> (u16, u32) {
-    if !external && client_be == cfg.node_addr_be && client_be != 0 {
-        if b.addr_be == client_be {
-            (ct_flags::SNAT_ADDR, frontend_be)
+) -> (u16, F::Addr) {
+    let unset = F::Addr::default();
+    let node = F::node_addr(cfg);
+    let hairpin = F::hairpin_addr(cfg);
+    let backend = F::backend_addr(b);
+    if !external && *client == node && node != unset {
+        if backend == *client {
+            (ct_flags::SNAT_ADDR, *frontend)
         } else {
-            (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, client_be)
+            (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, node)
         }
-    } else if !external && b.addr_be == client_be && cfg.hairpin_addr_be != 0 {
-        (ct_flags::SNAT_ADDR, cfg.hairpin_addr_be)
+    } else if !external && backend == *client && hairpin != unset {
+        (ct_flags::SNAT_ADDR, hairpin)
     } else if external
-        && b.state & backend_state::LOCAL == 0
+        && F::backend_state(b) & backend_state::LOCAL == 0
         && fe.flags & svc_flags::EXTERNAL_LOCAL == 0
-        && cfg.node_addr_be != 0
+        && node != unset
     {
-        (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, cfg.node_addr_be)
+        (ct_flags::SNAT_ADDR | ct_flags::SNAT_PORT, node)
     } else {
-        (0, 0)
+        (0, unset)
     }
 }
 
@@ -304,7 +316,7 @@ pub fn port_in_use<F: Family>(cfg: &Config, rkey: &F::CtKey, now: u64) -> bool {
             now.saturating_sub(e.last_seen_ns()) < NSEC_PER_SEC
                 || conntrack::live_backend_of::<F>(cfg, rkey, &e, now).is_some()
         }
-        None => masqueraded_by_kernel(F::handover(rkey), now),
+        None => masqueraded_by_kernel(F::handover(rkey).map(|p| p as *const u64), now),
     }
 }
 

@@ -70,18 +70,6 @@ pub struct Packet {
 }
 
 impl Packet {
-    /// What backend selection reads of the packet ([`crate::lb::select`]).
-    #[inline(always)]
-    pub fn five_tuple(&self) -> crate::family::FiveTuple<'_, crate::family::V4> {
-        crate::family::FiveTuple {
-            saddr: &self.saddr_be,
-            daddr: &self.daddr_be,
-            sport_be: self.sport_be,
-            dport_be: self.dport_be,
-            proto: self.proto,
-        }
-    }
-
     /// The packet of IPv4 header `ip` whose L4 header (or, for a later
     /// fragment, payload) starts at `l4_off`, with L4 checksum at `csum_off`.
     #[inline(always)]

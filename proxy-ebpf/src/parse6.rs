@@ -76,18 +76,6 @@ pub(crate) const IP6_FRAG_OFFSET: u16 = 0xfff8;
 pub(crate) const IP6_FRAG_MORE: u16 = 0x0001;
 
 impl Packet6 {
-    /// What backend selection reads of the packet ([`crate::lb::select`]).
-    #[inline(always)]
-    pub fn five_tuple(&self) -> crate::family::FiveTuple<'_, crate::family::V6> {
-        crate::family::FiveTuple {
-            saddr: &self.saddr_be,
-            daddr: &self.daddr_be,
-            sport_be: self.sport_be,
-            dport_be: self.dport_be,
-            proto: self.proto,
-        }
-    }
-
     /// What delivery reads of a translated ICMPv6 error: its outer
     /// addresses.
     #[inline(always)]
@@ -111,15 +99,8 @@ impl Packet6 {
     }
 }
 
-/// A translated 4-tuple.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct Tuple6 {
-    pub saddr_be: Addr6,
-    pub daddr_be: Addr6,
-    pub sport_be: u16,
-    pub dport_be: u16,
-}
+/// A translated IPv6 4-tuple.
+pub type Tuple6 = crate::nat::Tuple<Addr6>;
 
 /// Parses an IPv6 tc frame into `pkt`, up to its L4 ports (and TCP flags,
 /// or the SCTP flags its first chunk stands for); 0, else the counter of a

@@ -179,7 +179,7 @@ fn reply(ctx: &TcContext, pkt: &mut Packet, l4_complete: bool, last_hook: bool) 
     let now = unsafe { bpf_ktime_get_ns() };
     conntrack::reply_seen::<V4>(pkt, rptr, &ct, &rev, now);
     account(ctx.len() as u64, ct.rev_nat_id, ct.backend_id);
-    let to = nat::reverse_tuple(pkt, &ct, &rev);
+    let to = nat::reverse_tuple::<V4>(pkt, &ct, &rev);
     match nat::rewrite(ctx, pkt, &to) {
         Ok(()) => Verdict::Deliver(stat::FWD_REPLY),
         Err(v) => v,

@@ -77,7 +77,7 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
             let rev = rev_nat(ct.rev_nat_id).ok_or(DEFER)?;
             // SAFETY: helper without arguments.
             conntrack::reply_seen::<V4>(&pkt, rptr, &ct, &rev, unsafe { bpf_ktime_get_ns() });
-            let to = nat::reverse_tuple(&pkt, &ct, &rev);
+            let to = nat::reverse_tuple::<V4>(&pkt, &ct, &rev);
             (to, stat::FWD_REPLY, ct.rev_nat_id, ct.backend_id)
         };
     let sent = transmit(ctx, &mut pkt, &to, code)?;

@@ -249,11 +249,7 @@ fn chosen(
     if flow.backend.state & backend_state::LOCAL != 0 {
         return 0;
     }
-    let (saddr_be, sport_be) = flow.client_seen(pkt);
-    to.saddr_be = saddr_be;
-    to.sport_be = sport_be;
-    to.daddr_be = flow.backend.addr_be;
-    to.dport_be = flow.backend.port_be;
+    *to = crate::nat::forward_tuple(pkt, flow);
     if established {
         stat::FWD_ESTABLISHED
     } else {
