@@ -387,7 +387,7 @@ fn finish(ctx: &TcContext, pkt: &mut Packet6, meta: u32) -> Verdict {
     let now = unsafe { bpf_ktime_get_ns() };
     crate::conntrack::ensure_reply(pkt, flow, rev_nat_id, established, now);
     account(ctx.len() as u64, rev_nat_id, flow.backend_id);
-    *to = crate::nat::forward_tuple(pkt, flow);
+    crate::nat::forward_into(to, pkt, flow);
     if let Err(v) = rewrite(ctx, pkt, to) {
         return v;
     }
@@ -500,7 +500,7 @@ pub fn reply_plan(
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     crate::conntrack::reply_seen::<V6>(pkt, rptr, &ct, &rev, now);
-    *to = crate::nat::reverse_tuple::<V6>(pkt, &ct, &rev);
+    crate::nat::reverse_into::<V6>(to, pkt, &ct, &rev);
     Ok((ct.rev_nat_id, ct.backend_id))
 }
 

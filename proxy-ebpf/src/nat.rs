@@ -48,13 +48,20 @@ pub struct Tuple<A = u32> {
 /// client as the backend sees it.
 #[inline(always)]
 pub fn forward_tuple<F: Family>(pkt: &F::Packet, flow: &Flow<F>) -> Tuple<F::Addr> {
+    let mut to = Tuple::default();
+    forward_into(&mut to, pkt, flow);
+    to
+}
+
+/// [`forward_tuple`] written into `to` field by field (see
+/// [`reverse_into`]).
+#[inline(always)]
+pub fn forward_into<F: Family>(to: &mut Tuple<F::Addr>, pkt: &F::Packet, flow: &Flow<F>) {
     let (saddr_be, sport_be) = flow.client_seen(pkt);
-    Tuple {
-        saddr_be,
-        sport_be,
-        daddr_be: F::backend_addr(&flow.backend),
-        dport_be: F::backend_port(&flow.backend),
-    }
+    to.saddr_be = saddr_be;
+    to.sport_be = sport_be;
+    to.daddr_be = F::backend_addr(&flow.backend);
+    to.dport_be = F::backend_port(&flow.backend);
 }
 
 /// The tuple a reply of the flow of REPLY entry `ct` (to frontend `rev`)
@@ -66,20 +73,32 @@ pub fn reverse_tuple<F: Family>(
     ct: &F::CtValue,
     rev: &F::RevNat,
 ) -> Tuple<F::Addr> {
-    Tuple {
-        saddr_be: F::rev_addr(rev),
-        sport_be: F::rev_port(rev),
-        daddr_be: if ct.flags() & ct_flags::SNAT_ADDR != 0 {
-            F::ct_nat_addr(ct)
-        } else {
-            *pkt.daddr()
-        },
-        dport_be: if ct.flags() & ct_flags::SNAT_PORT != 0 {
-            F::ct_nat_port(ct)
-        } else {
-            pkt.dport_be()
-        },
-    }
+    let mut to = Tuple::default();
+    reverse_into::<F>(&mut to, pkt, ct, rev);
+    to
+}
+
+/// [`reverse_tuple`] written into `to` field by field (IPv6's is in its
+/// per-CPU scratch entry: a whole tuple built first would be on the stack).
+#[inline(always)]
+pub fn reverse_into<F: Family>(
+    to: &mut Tuple<F::Addr>,
+    pkt: &F::Packet,
+    ct: &F::CtValue,
+    rev: &F::RevNat,
+) {
+    to.saddr_be = F::rev_addr(rev);
+    to.sport_be = F::rev_port(rev);
+    to.daddr_be = if ct.flags() & ct_flags::SNAT_ADDR != 0 {
+        F::ct_nat_addr(ct)
+    } else {
+        *pkt.daddr()
+    };
+    to.dport_be = if ct.flags() & ct_flags::SNAT_PORT != 0 {
+        F::ct_nat_port(ct)
+    } else {
+        pkt.dport_be()
+    };
 }
 
 /// The SNAT a new flow from `client_be` to backend `b` through the

@@ -249,7 +249,7 @@ fn chosen(
     if flow.backend.state & backend_state::LOCAL != 0 {
         return 0;
     }
-    *to = crate::nat::forward_tuple(pkt, flow);
+    crate::nat::forward_into(to, pkt, flow);
     if established {
         stat::FWD_ESTABLISHED
     } else {
