@@ -1,7 +1,8 @@
 //! The independent checker: RFC 1071 checksums computed here, from the bytes,
 //! without any code of the datapath, and a parser that verifies every checksum
 //! of an output frame of either family (IPv4 header, TCP/UDP over either
-//! pseudo-header, ICMP, ICMPv6, SCTP's CRC32c).
+//! pseudo-header, ICMP, ICMPv6, SCTP's CRC32c) — and of the packet an ICMP or
+//! ICMPv6 error quotes.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
@@ -115,6 +116,42 @@ impl Parsed {
     pub fn tuple(&self) -> (IpAddr, u16, IpAddr, u16) {
         (self.src, self.sport, self.dst, self.dport)
     }
+
+    /// The packet an ICMP or ICMPv6 error quotes (what follows its 8-byte
+    /// header) as a frame of its own behind the error's Ethernet header,
+    /// for [`parse_checked`].
+    pub fn quoted_frame(&self) -> Vec<u8> {
+        let ethertype: u16 = if self.src.is_ipv4() { 0x0800 } else { 0x86dd };
+        let mut f = Vec::with_capacity(14 + self.l4.len());
+        f.extend_from_slice(&self.dmac);
+        f.extend_from_slice(&self.smac);
+        f.extend_from_slice(&ethertype.to_be_bytes());
+        f.extend_from_slice(&self.l4[8..]);
+        f
+    }
+}
+
+/// (source, source port, destination, destination port) of a frame of
+/// either family whose L4 header starts at `l4_off` (after IPv4 options or
+/// IPv6 extension headers), every checksum verified ([`parse_checked`]).
+pub fn tuple_checked(frame: &[u8], l4_off: usize) -> (IpAddr, u16, IpAddr, u16) {
+    let p = parse_checked(frame);
+    assert_eq!(p.l4_off, l4_off, "where the L4 header starts");
+    p.tuple()
+}
+
+/// The tuple of the packet an ICMP or ICMPv6 error (`err`, of its family's
+/// ICMP) quotes, the quote checked as a frame of its own by
+/// [`parse_checked`]: its IPv4 header checksum, its length, and its L4
+/// checksum — so the quote must hold the whole packet.
+pub fn quoted_tuple(err: &Parsed) -> (IpAddr, u16, IpAddr, u16) {
+    let icmp = if err.src.is_ipv4() {
+        IPPROTO_ICMP
+    } else {
+        IPPROTO_ICMPV6
+    };
+    assert_eq!(err.proto, icmp, "an ICMP error of the frame's family");
+    parse_checked(&err.quoted_frame()).tuple()
 }
 
 /// (source, source port, destination, destination port) of either family,

@@ -1,15 +1,16 @@
 //! Frame builders: Ethernet + IPv4 or IPv6 + TCP/UDP/SCTP with valid
-//! checksums, IPv4 fragments and options, IPv6 extension headers. The
-//! family-neutral builders (`tcp`, `udp`, `sctp`) take either family's
-//! addresses, so one table of cases serves both; names that carry a family
-//! (`tcp4`, `ipv4_*`, `frame6`) build what only that family has. The L4
-//! segment builders (`tcp_segment`, `udp_segment`, `sctp_packet`) are
+//! checksums, ICMP and ICMPv6 errors quoting a packet, IPv4 fragments and
+//! options, IPv6 extension headers. The family-neutral builders (`tcp`,
+//! `udp`, `sctp`, `icmp_error`) take either family's addresses, so one
+//! table of cases serves both; names that carry a family (`tcp4`, `ipv4_*`,
+//! `frame6`, `ipv6_*`) build what only that family has. The L4 segment
+//! builders (`tcp_segment`, `udp_segment`, `sctp_packet`) are
 //! family-neutral.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_ICMP, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use super::check::{crc32c, ip_csum, l4_csum4, l4_csum6, NEXTHDR_FRAGMENT};
+use super::check::{crc32c, ip_csum, l4_csum4, l4_csum6, IPPROTO_ICMPV6, NEXTHDR_FRAGMENT};
 
 /// MACs of every built frame: from the "client" (`SRC_MAC`) to the "node".
 pub const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
@@ -271,6 +272,68 @@ pub fn frame6(
     f
 }
 
+/// An IPv6 options header (hop-by-hop, next header 0, or destination
+/// options, 60) of `(len8 + 1) * 8` bytes, its options one PadN filling it;
+/// the next-header byte is left for [`frame6`] to chain.
+pub fn ipv6_options_header(len8: u8) -> Vec<u8> {
+    let mut h = vec![0u8; (usize::from(len8) + 1) * 8];
+    h[1] = len8;
+    h[2] = 1; // PadN
+    h[3] = (h.len() - 4) as u8;
+    h
+}
+
+/// An 8-byte IPv6 routing header (next header 43): type 0, no segments
+/// left; the next-header byte is left for [`frame6`] to chain.
+pub fn ipv6_routing_header() -> Vec<u8> {
+    vec![0; 8]
+}
+
+/// An IPv6 fragment header ([`NEXTHDR_FRAGMENT`]): the fragment's offset in
+/// 8-byte units (13 bits, then the more-fragments bit) and identification
+/// `id`; the next-header byte is left for [`frame6`] to chain.
+pub fn ipv6_fragment_header(offset8: u16, more: bool, id: u32) -> Vec<u8> {
+    let field = (offset8 << 3) | u16::from(more);
+    let mut h = vec![0, 0];
+    h.extend_from_slice(&field.to_be_bytes());
+    h.extend_from_slice(&id.to_be_bytes());
+    h
+}
+
+/// An ICMP error (ICMPv6 for IPv6 addresses) from `src` to `dst` of
+/// `(type, code)`, about `about`: an Ethernet frame of the same family,
+/// whose IP packet, at most `keep` bytes of it, is quoted. `mtu` fills the
+/// low half of the 4 bytes after the checksum (the next-hop MTU of
+/// IPv4's fragmentation needed, the MTU of ICMPv6's packet too big; unused
+/// by the other errors). The checksum is valid: ICMP's over the message,
+/// ICMPv6's over the IPv6 pseudo-header too.
+pub fn icmp_error(
+    src: impl Into<IpAddr>,
+    dst: impl Into<IpAddr>,
+    (ty, code): (u8, u8),
+    mtu: u16,
+    about: &[u8],
+    keep: usize,
+) -> Vec<u8> {
+    let packet = &about[14..];
+    let mut msg = vec![ty, code, 0, 0, 0, 0];
+    msg.extend_from_slice(&mtu.to_be_bytes());
+    msg.extend_from_slice(&packet[..packet.len().min(keep)]);
+    match (src.into(), dst.into()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let c = ip_csum(&msg);
+            msg[2..4].copy_from_slice(&c.to_be_bytes());
+            ipv4(s, d, IPPROTO_ICMP, &msg)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let c = l4_csum6(s, d, IPPROTO_ICMPV6, &msg);
+            msg[2..4].copy_from_slice(&c.to_be_bytes());
+            frame6(s, d, IPPROTO_ICMPV6, &[], msg)
+        }
+        (s, d) => panic!("{s} and {d} are of two families"),
+    }
+}
+
 /// Ethernet + IP of `src`'s family (IPv4: as [`ipv4`]; IPv6: as
 /// [`frame6`] without extension headers) + `seg`, its TCP/UDP checksum
 /// filled in (SCTP's CRC32c as `seg` has it; IPv6 recomputes it).
@@ -337,4 +400,51 @@ fn ethernet(ethertype: u16) -> Vec<u8> {
     p.extend_from_slice(&SRC_MAC);
     p.extend_from_slice(&ethertype.to_be_bytes());
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kit::check::{parse_checked, quoted_tuple, tuple, tuple_checked};
+
+    /// An error of either family parses with every checksum valid, and its
+    /// quote is the packet it is about.
+    #[test]
+    fn icmp_errors_of_both_families_quote_their_packet() {
+        let v4 = (Ipv4Addr::new(192, 0, 2, 1), Ipv4Addr::new(192, 0, 2, 2));
+        let v6 = (
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1),
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 2),
+        );
+        for (a, b, ty) in [
+            (v4.0.into(), v4.1.into(), (3, 4)),
+            (IpAddr::V6(v6.0), IpAddr::V6(v6.1), (2, 0)),
+        ] {
+            let about = tcp(a, 40000, b, 80, SYN, b"hello");
+            let err = parse_checked(&icmp_error(b, a, ty, 1280, &about, 1500));
+            assert_eq!((err.src, err.dst), (b, a));
+            assert_eq!(&err.l4[..2], &[ty.0, ty.1]);
+            assert_eq!(&err.l4[6..8], &1280u16.to_be_bytes());
+            assert_eq!(err.quoted_frame()[14..], about[14..]);
+            assert_eq!(quoted_tuple(&err), tuple(a, 40000, b, 80));
+        }
+    }
+
+    /// Extension headers chain in the order given and are walked by the
+    /// checker; a fragment header's fields sit where RFC 8200 puts them.
+    #[test]
+    fn ipv6_extension_headers_are_chained() {
+        let (a, b) = (
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1),
+            Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 2),
+        );
+        let ext = [(0, ipv6_options_header(0)), (60, ipv6_options_header(1))];
+        let f = frame6(a, b, IPPROTO_TCP, &ext, tcp_segment(1, 2, SYN, b""));
+        assert_eq!(tuple_checked(&f, L4_OFF6 + 24), tuple(a, 1, b, 2));
+        assert_eq!(
+            ipv6_fragment_header(4, false, 7),
+            [0, 0, 0, 0x20, 0, 0, 0, 7]
+        );
+        assert_eq!(ipv6_fragment_header(0, true, 7), [0, 0, 0, 1, 0, 0, 0, 7]);
+    }
 }
