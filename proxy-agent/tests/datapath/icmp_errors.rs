@@ -3,12 +3,15 @@
 //! the packet they are about with the translated tuple; the datapath
 //! translates them with their flow, inner and outer headers, as netfilter's
 //! NAT does for `RELATED` packets, so path-MTU discovery and ECONNREFUSED
-//! work through frontends. Every output is checked here independently: the
-//! outer IPv4 and ICMP checksums (`parse_checked`), the inner IPv4 checksum,
-//! and the inner TCP/UDP checksum over the inner segment, which these errors
-//! carry whole.
+//! work through frontends. Every output is checked independently by the
+//! kit's checker: the outer IPv4 and ICMP checksums (`parse_checked`), the
+//! inner IPv4 checksum, and the inner TCP/UDP checksum over the inner
+//! segment, which these errors carry whole (`quoted_tuple`).
 use super::*;
-use proxy_testkit::kit::frame::ipv4;
+use proxy_testkit::kit::{
+    check::{quoted_tuple, Parsed},
+    frame::{icmp_error, ipv4},
+};
 
 /// A router between the nodes (or between a node and an external client).
 const ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 1);
@@ -16,26 +19,6 @@ const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_FRAG_NEEDED: u8 = 4;
 const ICMP_TIME_EXCEEDED: u8 = 11;
-
-/// An ICMP error from `src` to `dst` about `about` (an Ethernet frame: its
-/// IPv4 packet, at most `keep` bytes of it, is quoted), with a valid ICMP
-/// checksum; `mtu` is the next-hop MTU of a fragmentation needed.
-fn icmp_error(
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    (ty, code): (u8, u8),
-    mtu: u16,
-    about: &[u8],
-    keep: usize,
-) -> Vec<u8> {
-    let quoted = &about[14..about.len().min(14 + keep)];
-    let mut msg = vec![ty, code, 0, 0, 0, 0];
-    msg.extend_from_slice(&mtu.to_be_bytes());
-    msg.extend_from_slice(quoted);
-    let c = kit::check::ip_csum(&msg);
-    msg[2..4].copy_from_slice(&c.to_be_bytes());
-    ipv4(src, dst, IPPROTO_ICMP, &msg)
-}
 
 /// A router's fragmentation needed (next-hop MTU `mtu`) to `dst` about
 /// `about`, quoting it whole.
@@ -49,28 +32,6 @@ fn frag_needed(dst: Ipv4Addr, mtu: u16, about: &[u8]) -> Vec<u8> {
         1500,
     )
 }
-
-/// What an output error says about the packet it quotes: the inner IPv4
-/// header's checksum is valid, and so is the inner L4 checksum (the quote
-/// holds the whole segment); returns the inner tuple.
-fn quoted_tuple(out: &Parsed) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
-    assert_eq!(out.proto, IPPROTO_ICMP);
-    let inner = &out.l4[8..];
-    assert_eq!(kit::check::ip_csum(&inner[..20]), 0, "inner IPv4 checksum");
-    let src = Ipv4Addr::new(inner[12], inner[13], inner[14], inner[15]);
-    let dst = Ipv4Addr::new(inner[16], inner[17], inner[18], inner[19]);
-    let tot = u16::from_be_bytes([inner[2], inner[3]]) as usize;
-    let seg = &inner[20..tot];
-    assert_eq!(
-        l4_csum4(src, dst, inner[9], seg),
-        0,
-        "inner L4 checksum (over the whole quoted segment)"
-    );
-    let port = |at: usize| u16::from_be_bytes([seg[at], seg[at + 1]]);
-    (src, port(0), dst, port(2))
-}
-
-use kit::check::Parsed;
 
 /// `err` through `prog`: redirected (to its client or backend), every
 /// checksum valid; the output parsed.
@@ -138,7 +99,7 @@ fn frag_needed_about_a_clients_segment_reaches_it_from_the_frontend() {
         assert_eq!(&o.l4[6..8], &1000u16.to_be_bytes(), "the MTU is kept");
         assert_eq!(
             quoted_tuple(&o),
-            (CLIENT, 40000, VIP, 80),
+            tuple(CLIENT, 40000, VIP, 80),
             "{prog:?}: the quote is the client's own segment"
         );
         assert_eq!(o.ttl, 63, "forwarded: TTL decremented");
@@ -177,7 +138,7 @@ fn a_backends_port_unreachable_reaches_the_udp_client_from_the_frontend() {
     );
     let o = delivered(&h, PodIngress, &err);
     assert_eq!((o.src, o.dst), (VIP.into(), CLIENT.into()));
-    assert_eq!(quoted_tuple(&o), (CLIENT, 41000, VIP, 53));
+    assert_eq!(quoted_tuple(&o), tuple(CLIENT, 41000, VIP, 53));
     // A UDP checksum of 0 ("none") stays 0.
     let (_, bare) = h.run(&udp4_no_csum(CLIENT, 41001, VIP, 53, b"query"));
     let err = icmp_error(
@@ -238,7 +199,7 @@ fn frag_needed_about_a_snated_segment_reaches_the_external_client() {
         (NODE.into(), EXT_CLIENT.into()),
         "to the client's own address"
     );
-    assert_eq!(quoted_tuple(&o), (EXT_CLIENT, 42000, NODE, 30080));
+    assert_eq!(quoted_tuple(&o), tuple(EXT_CLIENT, 42000, NODE, 30080));
 }
 
 /// A router between the node and an external client sends fragmentation
@@ -288,7 +249,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         (ROUTER.into(), B1.into()),
         "the router's error, to the backend"
     );
-    assert_eq!(quoted_tuple(&o), (B1, 8080, EXT_CLIENT, 43000));
+    assert_eq!(quoted_tuple(&o), tuple(B1, 8080, EXT_CLIENT, 43000));
     assert_eq!(h.stats()[&stat::ICMP_ERROR_TO_BACKEND], 1);
     // Remote backend, SNATed: a time exceeded this time.
     let (_, seg) = h.run_prog(ExtIngress, &tcp4(EXT_CLIENT, 43001, NODE, 30080, SYN, b""));
@@ -305,7 +266,7 @@ fn frag_needed_about_a_reply_reaches_the_backend() {
         (NODE.into(), REMOTE.into()),
         "from the node, as SNAT has it"
     );
-    assert_eq!(quoted_tuple(&o), (REMOTE, 8080, NODE, port));
+    assert_eq!(quoted_tuple(&o), tuple(REMOTE, 8080, NODE, port));
 }
 
 /// What is not an error about a translated flow's first fragment passes
@@ -371,7 +332,7 @@ fn with_stack_delivery_errors_are_translated_at_the_last_hook() {
     assert_eq!(rc, Pass.code(PodIngress), "egress: on towards the client");
     let o = parse_checked(&out);
     assert_eq!((o.src, o.dst), (VIP.into(), CLIENT.into()));
-    assert_eq!(quoted_tuple(&o), (CLIENT, 40000, VIP, 80));
+    assert_eq!(quoted_tuple(&o), tuple(CLIENT, 40000, VIP, 80));
 }
 
 /// SCTP (issue 12): a router's fragmentation needed about a client's SCTP
