@@ -22,8 +22,11 @@ use std::net::Ipv6Addr;
 
 use super::*;
 use proxy_common::{IPPROTO_SCTP, SCOPE_EXTERNAL, SCOPE_INTERNAL};
-use proxy_testkit::kit::check::{crc32c, fold, sum16};
-use proxy_testkit::kit::frame::{frame6, sctp_packet, udp_segment, ETH_P_IPV6, L4_OFF6};
+use proxy_testkit::kit::check::{l4_csum6, sctp_checksum, NEXTHDR_FRAGMENT};
+use proxy_testkit::kit::frame::{
+    frame6, ipv6_fragment_header, ipv6_options_header, ipv6_routing_header, sctp_packet,
+    udp_segment, ETH_P_IPV6, L4_OFF6,
+};
 
 /// A well-formed frame's (source, sport, destination, dport, protocol).
 type Tuple = (IpAddr, u16, IpAddr, u16, u8);
@@ -92,7 +95,7 @@ fn well_formed(f: &[u8]) -> Option<Tuple> {
                 && (l4[6..8] == [0, 0] || l4_csum4(src, dst, proto, l4) == 0)
         }
         IPPROTO_ICMP => l4.len() >= 8 && kit::check::ip_csum(l4) == 0,
-        IPPROTO_SCTP => l4.len() >= 16 && l4[8..12] == kit::check::sctp_checksum(l4),
+        IPPROTO_SCTP => l4.len() >= 16 && l4[8..12] == sctp_checksum(l4),
         _ => false,
     };
     if !ok {
@@ -302,14 +305,7 @@ fn well_formed6(f: &[u8]) -> Option<Tuple> {
         walked += 1;
     }
     let l4 = &f[off..];
-    let csum_ok = |proto: u8| {
-        let mut pseudo = Vec::new();
-        pseudo.extend_from_slice(&src.octets());
-        pseudo.extend_from_slice(&dst.octets());
-        pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
-        pseudo.extend_from_slice(&[0, 0, 0, proto]);
-        fold(sum16(&pseudo) + sum16(l4)) == 0
-    };
+    let csum_ok = |proto: u8| l4_csum6(src, dst, proto, l4) == 0;
     let ok = match nh {
         IPPROTO_TCP => l4.len() >= 20 && csum_ok(nh),
         IPPROTO_UDP => {
@@ -318,14 +314,7 @@ fn well_formed6(f: &[u8]) -> Option<Tuple> {
                 && l4[6..8] != [0, 0]
                 && csum_ok(nh)
         }
-        IPPROTO_SCTP => {
-            let mut p = l4.to_vec();
-            if p.len() < 16 {
-                return None;
-            }
-            p[8..12].fill(0);
-            l4[8..12] == crc32c(&p).to_le_bytes()
-        }
+        IPPROTO_SCTP => l4.len() >= 16 && l4[8..12] == sctp_checksum(l4),
         _ => false,
     };
     ok.then(|| {
@@ -358,12 +347,7 @@ fn random_valid6(rng: &mut Rng, fes: &[Frontend]) -> Vec<u8> {
     for k in 0..rng.below(MAX_EXT_FUZZ as u64 + 1) {
         // Hop-by-hop only first; options of 8 to 24 bytes (PadN).
         let t = if k == 0 && rng.chance(50) { 0 } else { 60 };
-        let units = rng.below(3) as usize;
-        let mut h = vec![0u8; (units + 1) * 8];
-        h[1] = units as u8;
-        h[2] = 1;
-        h[3] = (h.len() - 4) as u8;
-        ext.push((t, h));
+        ext.push((t, ipv6_options_header(rng.below(3) as u8)));
     }
     let seg = if proto == IPPROTO_UDP {
         udp_segment(sport, dport, &payload)
@@ -404,9 +388,9 @@ fn mutate6(rng: &mut Rng, frame: &mut Vec<u8>) {
             // length runs past the frame; payload length kept consistent.
             let nh = frame[20];
             let (t, mut h) = match rng.below(4) {
-                0 => (44, vec![0, 0, 0, 1, 0, 0, 0, 7]),
-                1 => (44, vec![0, 0, 0, 0x20, 0, 0, 0, 7]),
-                2 => (43, vec![0, 0, 0, 0, 0, 0, 0, 0]),
+                0 => (NEXTHDR_FRAGMENT, ipv6_fragment_header(0, true, 7)),
+                1 => (NEXTHDR_FRAGMENT, ipv6_fragment_header(4, false, 7)),
+                2 => (43, ipv6_routing_header()),
                 _ => (60, vec![0, 200, 1, 4, 0, 0, 0, 0]),
             };
             h[0] = nh;
