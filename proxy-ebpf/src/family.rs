@@ -5,7 +5,10 @@
 //! only; every accessor is `#[inline(always)]`, so a generic function
 //! compiles to the same code as its former per-family twin.
 
-use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key as LpmKey};
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup as FibParams, BPF_ANY},
+    btf_maps::lpm_trie::Key as LpmKey,
+};
 use proxy_common::{
     conntrack::CtEntry,
     ipv6::{fold6, Addr6},
@@ -59,6 +62,10 @@ pub trait Family {
     fn backend_port(b: &Self::Backend) -> u16;
     /// A backend's [`proxy_common::backend_state`].
     fn backend_state(b: &Self::Backend) -> u8;
+    /// The family's `AF_*` number (`bpf_fib_lookup`'s `family`).
+    const AF: u8;
+    /// Writes `saddr` and `daddr` into FIB lookup parameters `p`.
+    fn fib_addrs(p: &mut FibParams, saddr: &Self::Addr, daddr: &Self::Addr);
     /// The node's own address in this family (unset: the default, zero).
     fn node_addr(cfg: &Config) -> Self::Addr;
     /// The source address of hairpin flows in this family (unset: zero).
@@ -245,6 +252,8 @@ macro_rules! conntrack_accessors {
 }
 
 impl Family for V4 {
+    /// `AF_INET`.
+    const AF: u8 = 2;
     type Addr = u32;
     type SvcKey = Svc4Key;
     type Backend = Backend4;
@@ -366,6 +375,12 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn fib_addrs(p: &mut FibParams, saddr: &u32, daddr: &u32) {
+        p.__bindgen_anon_3.ipv4_src = *saddr;
+        p.__bindgen_anon_4.ipv4_dst = *daddr;
+    }
+
+    #[inline(always)]
     fn node_addr(cfg: &Config) -> u32 {
         cfg.node_addr_be
     }
@@ -387,6 +402,7 @@ impl Family for V4 {
 }
 
 impl Family for V6 {
+    const AF: u8 = crate::parse6::AF_INET6;
     type Addr = Addr6;
     type SvcKey = Svc6Key;
     type Backend = Backend6;
@@ -506,6 +522,12 @@ impl Family for V6 {
     #[inline(always)]
     fn set_handover(key: &Ct6Key, until: u64) {
         let _ = HANDOVER6_V1.insert(key, &until, 0);
+    }
+
+    #[inline(always)]
+    fn fib_addrs(p: &mut FibParams, saddr: &Addr6, daddr: &Addr6) {
+        p.__bindgen_anon_3.ipv6_src = *saddr;
+        p.__bindgen_anon_4.ipv6_dst = *daddr;
     }
 
     #[inline(always)]

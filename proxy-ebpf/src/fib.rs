@@ -18,13 +18,15 @@ use aya_ebpf::{
 use proxy_common::{csum, iface_flags, stat, HOST_DEV_MAC, IPPROTO_TCP};
 
 use crate::{
+    family::{Family, V4, V6},
     maps::{count, IFACE_V1},
     nat::Tuple,
     parse::{tc_load, xdp_ptr, Ipv4Hdr, Packet, ETH_HLEN, IP_TTL_OFF},
+    parse6::{Packet6, Tuple6, IP6_HOP_OFF},
     zeroed::zeroed,
 };
 
-const AF_INET: u8 = 2;
+const PASS_FIB_MISS: u32 = stat::PASS_FIB_MISS;
 /// `skb->pkt_type` of a frame addressed to this host.
 const PACKET_HOST: u32 = 0;
 /// `bpf_redirect`'s flag for the device's ingress.
@@ -72,27 +74,26 @@ pub fn to_host(ctx: &TcContext, code: u32) -> Option<(i32, u32)> {
 /// nibble).
 const TCP_DOFF_OFF: usize = 12;
 
-/// Fills `slot` with the FIB lookup parameters for an IPv4 packet of
-/// `pkt`'s protocol, on tuple `to`, arriving on `ifindex`, whose MTU check is
-/// on IPv4 length `tot_len` (0: no length; see [`tc_tot_len`]). In place:
-/// see [`zeroed`].
+/// Fills `slot` with the FIB lookup parameters for a packet of either
+/// family and protocol `proto`, on tuple `to`, arriving on `ifindex`, whose
+/// MTU check is on length `tot_len` (0: no length; see [`tc_tot_len`]). In
+/// place: see [`zeroed`].
 #[inline(always)]
-fn fib_params<'a>(
+fn fib_params<'a, F: Family>(
     slot: &'a mut MaybeUninit<FibParams>,
-    pkt: &Packet,
-    to: &Tuple,
+    proto: u8,
+    to: &Tuple<F::Addr>,
     ifindex: u32,
     tot_len: u16,
 ) -> &'a mut FibParams {
     let p = zeroed(slot);
-    p.family = AF_INET;
-    p.l4_protocol = pkt.proto;
+    p.family = F::AF;
+    p.l4_protocol = proto;
     p.sport = to.sport_be;
     p.dport = to.dport_be;
     p.__bindgen_anon_1.tot_len = tot_len;
     p.ifindex = ifindex;
-    p.__bindgen_anon_3.ipv4_src = to.saddr_be;
-    p.__bindgen_anon_4.ipv4_dst = to.daddr_be;
+    F::fib_addrs(p, &to.saddr_be, &to.daddr_be);
     p
 }
 
@@ -131,7 +132,7 @@ fn tc_tot_len(ctx: &TcContext, pkt: &Packet) -> u16 {
 /// a FIB lookup; falls back to the stack when the FIB has no answer.
 pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     count(code);
-    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
+    let pass = (TC_ACT_OK, PASS_FIB_MISS);
     let to = Tuple {
         saddr_be: pkt.saddr_be,
         daddr_be: pkt.daddr_be,
@@ -140,9 +141,9 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     };
     let mut slot = MaybeUninit::uninit();
     // SAFETY: the context pointer is valid for this program run.
-    let p = fib_params(
+    let p = fib_params::<V4>(
         &mut slot,
-        pkt,
+        pkt.proto,
         &to,
         unsafe { (*ctx.skb.skb).ifindex },
         tc_tot_len(ctx, pkt),
@@ -195,6 +196,58 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
         return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
     }
     send(ctx, p)
+}
+
+/// Delivers a translated IPv6 tc frame (counted under `code`) as
+/// [`deliver`] does IPv4's: FIB lookup, hop limit decremented, then
+/// [`redirect`]. A BPF call of its own: its FIB parameters are not in the
+/// frame of the IPv6 path's entry.
+#[inline(never)]
+pub fn deliver6(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
+    count(code);
+    let pass = (TC_ACT_OK, PASS_FIB_MISS);
+    let to = Tuple6 {
+        saddr_be: pkt.saddr_be,
+        daddr_be: pkt.daddr_be,
+        sport_be: pkt.sport_be,
+        dport_be: pkt.dport_be,
+    };
+    let mut slot = MaybeUninit::uninit();
+    // No length: the kernel checks the frame against the output device
+    // (GSO frames included), see [`tc_tot_len`].
+    // SAFETY: the context pointer is valid for this program run.
+    let p = fib_params::<V6>(
+        &mut slot,
+        pkt.proto,
+        &to,
+        unsafe { (*ctx.skb.skb).ifindex },
+        0,
+    );
+    // SAFETY: params points to a stack struct of the size given.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            p as *mut _,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    } as u32;
+    if rc == BPF_FIB_LKUP_RET_NOT_FWDED {
+        return to_host(ctx, code).unwrap_or(pass);
+    }
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        return pass;
+    }
+    let Ok(hop) = tc_load::<u8>(ctx, IP6_HOP_OFF) else {
+        return pass;
+    };
+    if hop <= 1 {
+        return (TC_ACT_OK, stat::PASS_TTL);
+    }
+    if ctx.store(IP6_HOP_OFF, &(hop - 1), 0).is_err() {
+        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
+    }
+    redirect(ctx, p, rc)
 }
 
 /// The bytes of a frame [`deliver`] writes back: up to the end of the IPv4
@@ -262,19 +315,20 @@ fn send(ctx: &TcContext, p: &FibParams) -> (i32, u32) {
     (r as i32, stat::REDIRECT)
 }
 
-/// The FIB's answer for the translated tuple `to` of an XDP frame, written
-/// in `slot` (the caller's frame: no copy of it is returned): the output
-/// device and MACs, when XDP can send there itself (a complete answer, not a
-/// pod).
+/// The FIB's answer for the translated tuple `to` of an XDP frame of
+/// either family (protocol `proto`, length `tot_len`), written in `slot`
+/// (the caller's frame: no copy of it is returned): the output device and
+/// MACs, when XDP can send there itself (a complete answer, not a pod).
 #[inline(always)]
-pub fn xdp_fib<'a>(
+pub fn xdp_fib<'a, F: Family>(
     ctx: &XdpContext,
-    pkt: &Packet,
-    to: &Tuple,
+    proto: u8,
+    to: &Tuple<F::Addr>,
+    tot_len: u16,
     slot: &'a mut MaybeUninit<FibParams>,
 ) -> Option<&'a FibParams> {
     // An XDP frame is one wire frame: its own length is the one to check.
-    let p = fib_params(slot, pkt, to, ctx.ingress_ifindex() as u32, pkt.tot_len);
+    let p = fib_params::<F>(slot, proto, to, ctx.ingress_ifindex() as u32, tot_len);
     xdp_lookup(ctx, p).then_some(&*p)
 }
 
@@ -282,7 +336,7 @@ pub fn xdp_fib<'a>(
 /// holds (answered in `p`): whether XDP can send the frame there itself (a
 /// complete answer, not a pod, which tc delivers to).
 #[inline(always)]
-pub fn xdp_lookup(ctx: &XdpContext, p: &mut FibParams) -> bool {
+fn xdp_lookup(ctx: &XdpContext, p: &mut FibParams) -> bool {
     // SAFETY: params points to a stack struct of the size given.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -295,15 +349,12 @@ pub fn xdp_lookup(ctx: &XdpContext, p: &mut FibParams) -> bool {
     rc == BPF_FIB_LKUP_RET_SUCCESS && IFACE_V1.get_ptr(p.ifindex).is_none()
 }
 
-/// TTL, MACs, then XDP_TX (same device) or XDP_REDIRECT.
+/// TTL, MACs, then XDP_TX (same device) or XDP_REDIRECT ([`xdp_out`]).
 pub fn xdp_send(ctx: &XdpContext, p: &FibParams) -> (u32, u32) {
-    let (Some(ip), Some(eth)) = (
-        xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN),
-        xdp_ptr::<[u8; 12]>(ctx, 0),
-    ) else {
+    let Some(ip) = xdp_ptr::<Ipv4Hdr>(ctx, ETH_HLEN) else {
         return (xdp_action::XDP_DROP, stat::DROP_REWRITE_FAILED);
     };
-    // SAFETY: bounds-checked frame pointers.
+    // SAFETY: bounds-checked frame pointer.
     unsafe {
         if (*ip).ttl <= 1 {
             // Translated already; the stack answers with time exceeded.
@@ -313,11 +364,23 @@ pub fn xdp_send(ctx: &XdpContext, p: &FibParams) -> (u32, u32) {
         (*ip).ttl -= 1;
         let new = [u16::from_ne_bytes([(*ip).ttl, (*ip).proto]), 0, 0, 0, 0, 0];
         (*ip).check = csum::update((*ip).check, &old, &new);
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&p.dmac);
-        macs[6..].copy_from_slice(&p.smac);
-        *eth = macs;
     }
+    xdp_out(ctx, p)
+}
+
+/// The send of an XDP frame of either family, its TTL or hop limit already
+/// decremented: the FIB's MACs (`p`), then XDP_TX (same device) or
+/// XDP_REDIRECT.
+#[inline(always)]
+pub fn xdp_out(ctx: &XdpContext, p: &FibParams) -> (u32, u32) {
+    let Some(eth) = xdp_ptr::<[u8; 12]>(ctx, 0) else {
+        return (xdp_action::XDP_DROP, stat::DROP_REWRITE_FAILED);
+    };
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&p.dmac);
+    macs[6..].copy_from_slice(&p.smac);
+    // SAFETY: bounds-checked frame pointer.
+    unsafe { *eth = macs };
     if p.ifindex == ctx.ingress_ifindex() as u32 {
         return (xdp_action::XDP_TX, stat::XDP_TX);
     }

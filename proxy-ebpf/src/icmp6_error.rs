@@ -42,7 +42,6 @@ use proxy_common::{
 
 use crate::{
     icmp_error::inner_l4_check,
-    ipv6,
     maps::{BACKEND6_V1, CT6_V2, REVNAT6_V2},
     parse::ETH_HLEN,
     parse6::{Ipv6Hdr, Packet6},
@@ -130,7 +129,7 @@ pub fn translate(ctx: &TcContext, last_hook: bool) -> (i32, u32) {
         v => v,
     };
     match verdict {
-        Verdict::Deliver(code) => ipv6::deliver(ctx, &pkt, code),
+        Verdict::Deliver(code) => crate::fib::deliver6(ctx, &pkt, code),
         Verdict::Drop(code) => (TC_ACT_SHOT, code),
         Verdict::Pass(code) | Verdict::Reject(code) => (TC_ACT_OK, code),
     }

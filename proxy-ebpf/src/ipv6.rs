@@ -41,30 +41,21 @@
 // against its 512 bytes for the whole chain of calls.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
-use core::mem::size_of;
-
 use aya_ebpf::{
-    bindings::{
-        bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
-    },
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
     btf_maps::{PerCpuArray, ProgramArray},
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    helpers::bpf_ktime_get_ns,
     macros::btf_map,
     programs::TcContext,
 };
-use proxy_common::{
-    csum, ct_dir, ct_flags, stat, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL,
-};
+use proxy_common::{ct_dir, ct_flags, stat, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL};
 
 use crate::{
     family::V6,
     forward::config,
     maps::{account, count, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
-    parse6::{
-        parse, Packet6, Tuple6, AF_INET6, FRAGMENT_LATER, IP6_HLEN, IP6_HOP_OFF, IPPROTO_ICMPV6,
-    },
+    parse6::{parse, Packet6, Tuple6, FRAGMENT_LATER, IPPROTO_ICMPV6},
     rewrite6::rewrite,
     verdict::Verdict,
 };
@@ -132,7 +123,7 @@ fn run_flow<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
         None => reply(ctx, pkt, false),
     };
     match verdict {
-        Verdict::Deliver(code) => deliver(ctx, pkt, code),
+        Verdict::Deliver(code) => crate::fib::deliver6(ctx, pkt, code),
         v => act(ctx, v),
     }
 }
@@ -169,72 +160,8 @@ fn act(ctx: &TcContext, v: Verdict) -> (i32, u32) {
     match v {
         Verdict::Pass(c) | Verdict::Deliver(c) => (TC_ACT_OK, c),
         Verdict::Drop(c) => (TC_ACT_SHOT, c),
-        Verdict::Reject(_) => reject(ctx),
+        Verdict::Reject(_) => crate::icmp::reject6(ctx),
     }
-}
-
-const REJECT6_LEN: usize = ETH_HLEN + IP6_HLEN + 8 + IP6_HLEN + 8;
-const ICMPV6_DEST_UNREACH: u8 = 1;
-const ICMPV6_PORT_UNREACH: u8 = 4;
-
-/// The reject of an IPv6 frontend without endpoints: an ICMPv6 destination
-/// unreachable (port unreachable) from the frontend back to the client,
-/// quoting the client's IPv6 header and the first 8 bytes after it, as
-/// kube-proxy's REJECT answers (`icmp6-port-unreachable`); rate-limited with
-/// IPv4's rejects, dropped over the limit. A BPF call of its own (its
-/// buffer is not in the entry's frame).
-#[inline(never)]
-fn reject(ctx: &TcContext) -> (i32, u32) {
-    if !crate::icmp::allowed() {
-        return (TC_ACT_SHOT, stat::DROP_REJECT_RATE_LIMITED);
-    }
-    let failed = (TC_ACT_SHOT, stat::DROP_REJECT_FAILED);
-    let mut buf = [0u8; REJECT6_LEN];
-    let Ok(quoted) = ctx.load::<[u8; IP6_HLEN + 8]>(ETH_HLEN) else {
-        return failed;
-    };
-    let Ok(eth) = ctx.load::<[u8; 12]>(0) else {
-        return failed;
-    };
-    buf[..6].copy_from_slice(&eth[6..12]);
-    buf[6..12].copy_from_slice(&eth[..6]);
-    buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
-    let ip = ETH_HLEN;
-    let msg_len = (8 + IP6_HLEN + 8) as u16;
-    buf[ip] = 0x60;
-    buf[ip + 4..ip + 6].copy_from_slice(&msg_len.to_be_bytes());
-    buf[ip + 6] = IPPROTO_ICMPV6;
-    buf[ip + 7] = 64;
-    // From the frontend (the quoted destination) to the client (its source).
-    buf[ip + 8..ip + 24].copy_from_slice(&quoted[24..40]);
-    buf[ip + 24..ip + 40].copy_from_slice(&quoted[8..24]);
-    let icmp = ip + IP6_HLEN;
-    buf[icmp] = ICMPV6_DEST_UNREACH;
-    buf[icmp + 1] = ICMPV6_PORT_UNREACH;
-    buf[icmp + 8..].copy_from_slice(&quoted);
-    // The checksum covers the pseudo-header (addresses, length, next
-    // header) and the message.
-    let mut sum: u32 = u16::from_ne_bytes([0, msg_len as u8]) as u32
-        + u16::from_ne_bytes([0, IPPROTO_ICMPV6]) as u32;
-    let mut i = ip + 8;
-    while i + 1 < REJECT6_LEN {
-        sum += u16::from_ne_bytes([buf[i], buf[i + 1]]) as u32;
-        i += 2;
-    }
-    let c = !csum::fold(sum);
-    buf[icmp + 2..icmp + 4].copy_from_slice(&c.to_ne_bytes());
-    // SAFETY: the context pointer is valid for this program run.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REJECT6_LEN as u32, 0) } != 0 {
-        return failed;
-    }
-    if ctx.store(0, &buf, 0).is_err() {
-        return failed;
-    }
-    // SAFETY: the context pointer is valid for this program run.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: plain helper taking an ifindex.
-    let r = unsafe { bpf_redirect(ifindex, 0) };
-    (r as i32, stat::REJECT_NO_BACKEND)
 }
 
 /// Per-CPU room for the packet and the forward path's larger values: the
@@ -502,53 +429,4 @@ pub fn reply_plan(
     crate::conntrack::reply_seen::<V6>(pkt, rptr, &ct, &rev, now);
     crate::nat::reverse_into::<V6>(to, pkt, &ct, &rev);
     Ok((ct.rev_nat_id, ct.backend_id))
-}
-
-// --- delivery ----------------------------------------------------------------
-
-/// Delivers a translated frame (counted under `code`): FIB lookup, hop limit
-/// decremented, MACs, then `bpf_redirect_peer` into a pod or
-/// `bpf_redirect(_neigh)`; to the stack when the FIB has no answer. A BPF
-/// call of its own: its FIB parameters are not in the entry's frame.
-#[inline(never)]
-pub fn deliver(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
-    count(code);
-    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
-    let mut slot = core::mem::MaybeUninit::uninit();
-    let p: &mut FibParams = crate::zeroed::zeroed(&mut slot);
-    p.family = AF_INET6;
-    p.l4_protocol = pkt.proto;
-    p.sport = pkt.sport_be;
-    p.dport = pkt.dport_be;
-    // SAFETY: the context pointer is valid for this program run.
-    p.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // No length: the kernel checks the frame against the output device
-    // (GSO frames included), see IPv4's `fib::tc_tot_len`.
-    p.__bindgen_anon_3.ipv6_src = pkt.saddr_be;
-    p.__bindgen_anon_4.ipv6_dst = pkt.daddr_be;
-    // SAFETY: params points to a stack struct of the size given.
-    let rc = unsafe {
-        bpf_fib_lookup(
-            ctx.skb.skb as *mut _,
-            p as *mut _,
-            size_of::<FibParams>() as i32,
-            0,
-        )
-    } as u32;
-    if rc == BPF_FIB_LKUP_RET_NOT_FWDED {
-        return crate::fib::to_host(ctx, code).unwrap_or(pass);
-    }
-    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
-        return pass;
-    }
-    let Ok(hop) = tc_load::<u8>(ctx, IP6_HOP_OFF) else {
-        return pass;
-    };
-    if hop <= 1 {
-        return (TC_ACT_OK, stat::PASS_TTL);
-    }
-    if ctx.store(IP6_HOP_OFF, &(hop - 1), 0).is_err() {
-        return (TC_ACT_SHOT, stat::DROP_REWRITE_FAILED);
-    }
-    crate::fib::redirect(ctx, p, rc)
 }

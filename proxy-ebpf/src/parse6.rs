@@ -33,6 +33,7 @@ pub(crate) const NEXTHDR_DEST: u8 = 60;
 pub const MAX_EXT_HEADERS: usize = 4;
 pub(crate) const TCP_FLAGS_OFF: usize = 13;
 pub(crate) const SCTP_CHUNK_OFF: usize = 12;
+/// `AF_INET6`: [`crate::family::V6`]'s `AF`.
 pub(crate) const AF_INET6: u8 = 10;
 pub(crate) const IPPROTO_ICMPV6: u8 = 58;
 

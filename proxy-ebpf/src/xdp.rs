@@ -104,7 +104,7 @@ fn transmit(
     code: u32,
 ) -> Result<(u32, u32), Verdict> {
     let mut slot = core::mem::MaybeUninit::uninit();
-    let fib = fib::xdp_fib(ctx, pkt, to, &mut slot).ok_or(DEFER)?;
+    let fib = fib::xdp_fib::<V4>(ctx, pkt.proto, to, pkt.tot_len, &mut slot).ok_or(DEFER)?;
     if code != stat::FWD_HANDOFF {
         nat::xdp_rewrite(ctx, pkt, to)?;
     }

@@ -15,10 +15,7 @@
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup as FibParams, xdp_action},
-    btf_maps::ProgramArray,
-    helpers::{bpf_ktime_get_ns, bpf_redirect},
-    macros::btf_map,
+    bindings::xdp_action, btf_maps::ProgramArray, helpers::bpf_ktime_get_ns, macros::btf_map,
     programs::XdpContext,
 };
 use proxy_common::{
@@ -28,6 +25,7 @@ use proxy_common::{
 };
 
 use crate::{
+    family::V6,
     ipv6::{self, ESTABLISHED, ETH_P_IPV6, NOT_ESTABLISHED},
     maps::{account, count, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
@@ -53,7 +51,6 @@ pub fn is_ipv6(ctx: &XdpContext) -> bool {
 /// Handed to tc untouched (not counted here: tc counts the packet).
 const DEFER: Verdict = Verdict::Pass(stat::XDP_DEFERRED);
 const L4_OFF: usize = ETH_HLEN + 40;
-const AF_INET6: u8 = 10;
 const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
 
 /// Runs the IPv6 XDP path; returns the XDP action and its counter
@@ -269,42 +266,22 @@ fn transmit(
     code: u32,
 ) -> Result<(u32, u32), Verdict> {
     let mut slot = core::mem::MaybeUninit::uninit();
-    let p: &mut FibParams = crate::zeroed::zeroed(&mut slot);
-    p.family = AF_INET6;
-    p.l4_protocol = pkt.proto;
-    p.sport = to.sport_be;
-    p.dport = to.dport_be;
-    p.__bindgen_anon_1.tot_len = pkt.l4_len.saturating_add(40);
-    p.ifindex = ctx.ingress_ifindex() as u32;
-    p.__bindgen_anon_3.ipv6_src = to.saddr_be;
-    p.__bindgen_anon_4.ipv6_dst = to.daddr_be;
-    if !crate::fib::xdp_lookup(ctx, p) {
-        return Err(DEFER);
-    }
+    let p = crate::fib::xdp_fib::<V6>(ctx, pkt.proto, to, pkt.l4_len.saturating_add(40), &mut slot)
+        .ok_or(DEFER)?;
     if code != stat::FWD_HANDOFF {
         rewrite(ctx, pkt, to)?;
     }
     let ip = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
-    let eth = xdp_ptr::<[u8; 12]>(ctx, 0).ok_or(REWRITE_FAILED)?;
     count(code);
-    // SAFETY: bounds-checked frame pointers.
+    // SAFETY: bounds-checked frame pointer.
     unsafe {
         if (*ip).hop_limit <= 1 {
             // Translated already; the stack answers with time exceeded.
             return Ok((xdp_action::XDP_PASS, stat::PASS_TTL));
         }
         (*ip).hop_limit -= 1;
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&p.dmac);
-        macs[6..].copy_from_slice(&p.smac);
-        *eth = macs;
     }
-    if p.ifindex == ctx.ingress_ifindex() as u32 {
-        return Ok((xdp_action::XDP_TX, stat::XDP_TX));
-    }
-    // SAFETY: plain helper taking an ifindex.
-    let r = unsafe { bpf_redirect(p.ifindex, 0) } as u32;
-    Ok((r, stat::XDP_REDIRECT))
+    Ok(crate::fib::xdp_out(ctx, p))
 }
 
 /// Rewrites the frame's addresses and ports in place to `to`, the L4
