@@ -15,11 +15,18 @@
 //! source port where the backend-side tuple is taken (field bug C6) — DNAT
 //! with the L4 checksum kept valid ([`crate::rewrite6`]), delivery by FIB
 //! lookup and redirect, reverse NAT of replies. A frontend without
-//! endpoints is answered with an ICMPv6 port unreachable. Backend
-//! selection, conntrack and the SNAT port choice are the IPv4 path's own
-//! code, generic over the family ([`crate::family`]); what differs stays
-//! here and beside it: parsing ([`crate::parse6`]), the rewrite, the
-//! reject, the delivery.
+//! endpoints is answered with an ICMPv6 port unreachable. Every step is the
+//! IPv4 path's own code, generic over the family ([`crate::family`]):
+//! backend selection, conntrack, a new flow's choice and its SNAT
+//! ([`crate::forward::new_flow`]), the SNAT port choice, the translated
+//! tuples, the FIB lookup and send; what differs between the families
+//! stays beside its IPv4 twin: parsing ([`crate::parse6`]), the rewrite
+//! ([`crate::rewrite6`]), the hop limit ([`crate::fib::deliver6`]), the
+//! ICMPv6 reject ([`crate::icmp::reject6`]). What is this file's own is the
+//! order of the steps: IPv6 keys and entries are 40 bytes, so the packet,
+//! the flow and its keys live in this CPU's scratch entry ([`Scratch6`]),
+//! and each step is a BPF call of its own, made from the entry's frame,
+//! where IPv4's path ([`crate::tc`]) keeps them on the stack of one call.
 //!
 //! Extension headers: hop-by-hop, destination options and a fragment header
 //! are walked (up to [`crate::parse6::MAX_EXT_HEADERS`] in all); a routing

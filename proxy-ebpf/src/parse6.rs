@@ -10,15 +10,19 @@
 
 use core::mem::size_of;
 
-use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    programs::{TcContext, XdpContext},
+};
 use proxy_common::{
     conntrack::sctp_flags, stat, Addr6, Ct6Key, Frag6Key, FragPorts, IPPROTO_SCTP, IPPROTO_TCP,
     IPPROTO_UDP,
 };
 
 use crate::{
+    ipv6::ETH_P_IPV6,
     maps::{count, FRAG6_V1},
-    parse::{tc_load, ETH_HLEN},
+    parse::{tc_load, xdp_ptr, ETH_HLEN},
     verdict::Verdict,
 };
 
@@ -249,4 +253,60 @@ fn frag_key(ip: &Ipv6Hdr, id_be: u32, nh: u8) -> Frag6Key {
         proto: nh,
         _pad: [0; 3],
     }
+}
+
+/// Where the XDP path reads the L4 header: right after the IPv6 header
+/// (frames with extension headers are left to tc).
+pub(crate) const XDP_L4_OFF: usize = ETH_HLEN + IP6_HLEN;
+
+/// The XDP path's parse ([`crate::xdp6`]): an IPv6 frame without extension headers, TCP or UDP with a complete
+/// header, read in place into `pkt` (field by field: `pkt` is in the
+/// scratch entry, and a whole `Packet6` built first would be on the stack).
+/// False when XDP leaves the frame to tc.
+#[inline(always)]
+pub fn parse_xdp(ctx: &XdpContext, pkt: &mut Packet6) -> bool {
+    let Some(eth_proto) = xdp_ptr::<u16>(ctx, 12) else {
+        return false;
+    };
+    // SAFETY: bounds-checked frame pointer.
+    if u16::from_be(unsafe { *eth_proto }) != ETH_P_IPV6 {
+        return false;
+    }
+    let Some(ip) = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN) else {
+        return false;
+    };
+    // SAFETY: bounds-checked frame pointer.
+    let (vtc, nh) = unsafe { ((*ip).vtc_flow_be, (*ip).nexthdr) };
+    if u32::from_be(vtc) >> 28 != 6 || (nh != IPPROTO_TCP && nh != IPPROTO_UDP) {
+        return false;
+    }
+    let l4_len = if nh == IPPROTO_TCP { 20 } else { 8 };
+    if ctx.data() + XDP_L4_OFF + l4_len > ctx.data_end() {
+        return false;
+    }
+    let Some(ports) = xdp_ptr::<[u16; 2]>(ctx, XDP_L4_OFF) else {
+        return false;
+    };
+    let mut tcp_flags = 0;
+    if nh == IPPROTO_TCP {
+        let Some(f) = xdp_ptr::<u8>(ctx, XDP_L4_OFF + 13) else {
+            return false;
+        };
+        // SAFETY: bounds-checked frame pointer.
+        tcp_flags = unsafe { *f };
+    }
+    // SAFETY: bounds-checked frame pointers, copied.
+    unsafe {
+        pkt.saddr_be = (*ip).saddr_be;
+        pkt.daddr_be = (*ip).daddr_be;
+        pkt.l4_len = u16::from_be((*ip).payload_len_be);
+        pkt.sport_be = (*ports)[0];
+        pkt.dport_be = (*ports)[1];
+    }
+    pkt.l4_off = XDP_L4_OFF;
+    pkt.csum_off = XDP_L4_OFF + if nh == IPPROTO_TCP { 16 } else { 6 };
+    pkt.proto = nh;
+    pkt.tcp_flags = tcp_flags;
+    pkt.fragment = FRAGMENT_NONE;
+    true
 }

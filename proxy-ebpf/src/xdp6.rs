@@ -2,8 +2,10 @@
 //! frames): as IPv4's [`crate::xdp`], external traffic to backends on other
 //! nodes (DNAT, SNAT to the node's IPv6 address) and their replies are
 //! translated at the driver and sent back out (XDP_TX) or to another device
-//! (XDP_REDIRECT) after a FIB lookup, with the flow decisions of the tc path
-//! ([`crate::ipv6`]). Everything else — flows to local backends (their
+//! (XDP_REDIRECT) after a FIB lookup ([`crate::fib::xdp_fib`],
+//! [`crate::fib::xdp_out`], IPv4's too), with the flow decisions of the tc
+//! path ([`crate::ipv6`]); its parse and in-place rewrite are beside their
+//! IPv4 twins ([`crate::parse6::parse_xdp`], [`crate::rewrite6::xdp_rewrite`]). Everything else — flows to local backends (their
 //! conntrack entries written first, so tc keeps the backend chosen here),
 //! extension headers, fragments, SCTP, no backend (tc rejects), a new flow
 //! none of whose source ports was free, packets without a usable FIB answer
@@ -18,18 +20,15 @@ use aya_ebpf::{
     bindings::xdp_action, btf_maps::ProgramArray, helpers::bpf_ktime_get_ns, macros::btf_map,
     programs::XdpContext,
 };
-use proxy_common::{
-    backend_state,
-    csum::{apply, diff128, diff16},
-    stat, Svc6Key, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
-};
+use proxy_common::{backend_state, stat, Svc6Key, SCOPE_EXTERNAL};
 
 use crate::{
     family::V6,
     ipv6::{self, ESTABLISHED, ETH_P_IPV6, NOT_ESTABLISHED},
     maps::{account, count, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
-    parse6::{Ipv6Hdr, Packet6, Tuple6, FRAGMENT_NONE},
+    parse6::{parse_xdp, Ipv6Hdr, Packet6, Tuple6},
+    rewrite6::xdp_rewrite,
     verdict::Verdict,
 };
 
@@ -50,7 +49,6 @@ pub fn is_ipv6(ctx: &XdpContext) -> bool {
 
 /// Handed to tc untouched (not counted here: tc counts the packet).
 const DEFER: Verdict = Verdict::Pass(stat::XDP_DEFERRED);
-const L4_OFF: usize = ETH_HLEN + 40;
 const REWRITE_FAILED: Verdict = Verdict::Drop(stat::DROP_REWRITE_FAILED);
 
 /// Runs the IPv6 XDP path; returns the XDP action and its counter
@@ -76,65 +74,13 @@ fn path(ctx: &XdpContext) -> u64 {
     (u64::from(action) << 32) | u64::from(code)
 }
 
-/// An IPv6 frame without extension headers, TCP or UDP with a complete
-/// header, read in place into `pkt` (field by field: `pkt` is in the
-/// scratch entry, and a whole `Packet6` built first would be on the stack).
-/// False when XDP leaves the frame to tc.
-#[inline(always)]
-fn parse(ctx: &XdpContext, pkt: &mut Packet6) -> bool {
-    let Some(eth_proto) = xdp_ptr::<u16>(ctx, 12) else {
-        return false;
-    };
-    // SAFETY: bounds-checked frame pointer.
-    if u16::from_be(unsafe { *eth_proto }) != ETH_P_IPV6 {
-        return false;
-    }
-    let Some(ip) = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN) else {
-        return false;
-    };
-    // SAFETY: bounds-checked frame pointer.
-    let (vtc, nh) = unsafe { ((*ip).vtc_flow_be, (*ip).nexthdr) };
-    if u32::from_be(vtc) >> 28 != 6 || (nh != IPPROTO_TCP && nh != IPPROTO_UDP) {
-        return false;
-    }
-    let l4_len = if nh == IPPROTO_TCP { 20 } else { 8 };
-    if ctx.data() + L4_OFF + l4_len > ctx.data_end() {
-        return false;
-    }
-    let Some(ports) = xdp_ptr::<[u16; 2]>(ctx, L4_OFF) else {
-        return false;
-    };
-    let mut tcp_flags = 0;
-    if nh == IPPROTO_TCP {
-        let Some(f) = xdp_ptr::<u8>(ctx, L4_OFF + 13) else {
-            return false;
-        };
-        // SAFETY: bounds-checked frame pointer.
-        tcp_flags = unsafe { *f };
-    }
-    // SAFETY: bounds-checked frame pointers, copied.
-    unsafe {
-        pkt.saddr_be = (*ip).saddr_be;
-        pkt.daddr_be = (*ip).daddr_be;
-        pkt.l4_len = u16::from_be((*ip).payload_len_be);
-        pkt.sport_be = (*ports)[0];
-        pkt.dport_be = (*ports)[1];
-    }
-    pkt.l4_off = L4_OFF;
-    pkt.csum_off = L4_OFF + if nh == IPPROTO_TCP { 16 } else { 6 };
-    pkt.proto = nh;
-    pkt.tcp_flags = tcp_flags;
-    pkt.fragment = FRAGMENT_NONE;
-    true
-}
-
 #[inline(always)]
 fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     let sc = ipv6::scratch()?;
     // SAFETY: this CPU's scratch entry: `pkt` and `to` are this
     // packet's (the flow's fields are the flow functions').
     let (pkt, to) = unsafe { (&mut (*sc).pkt, &mut (*sc).to) };
-    if !parse(ctx, pkt) {
+    if !parse_xdp(ctx, pkt) {
         return Err(DEFER);
     }
     let len = (ctx.data_end() - ctx.data()) as u64;
@@ -269,7 +215,7 @@ fn transmit(
     let p = crate::fib::xdp_fib::<V6>(ctx, pkt.proto, to, pkt.l4_len.saturating_add(40), &mut slot)
         .ok_or(DEFER)?;
     if code != stat::FWD_HANDOFF {
-        rewrite(ctx, pkt, to)?;
+        xdp_rewrite(ctx, pkt, to)?;
     }
     let ip = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
     count(code);
@@ -282,46 +228,4 @@ fn transmit(
         (*ip).hop_limit -= 1;
     }
     Ok(crate::fib::xdp_out(ctx, p))
-}
-
-/// Rewrites the frame's addresses and ports in place to `to`, the L4
-/// checksum updated incrementally over the pseudo-header.
-#[inline(always)]
-fn rewrite(ctx: &XdpContext, pkt: &mut Packet6, to: &Tuple6) -> Result<(), Verdict> {
-    let diff = diff128(&pkt.saddr_be, &to.saddr_be)
-        + diff128(&pkt.daddr_be, &to.daddr_be)
-        + diff16(pkt.sport_be, to.sport_be)
-        + diff16(pkt.dport_be, to.dport_be);
-    // A constant offset per protocol: one read back from the scratch entry
-    // is a number the verifier knows no bound of.
-    let c = if pkt.proto == IPPROTO_TCP {
-        xdp_ptr::<u16>(ctx, L4_OFF + 16)
-    } else {
-        xdp_ptr::<u16>(ctx, L4_OFF + 6)
-    }
-    .ok_or(REWRITE_FAILED)?;
-    let ip = xdp_ptr::<Ipv6Hdr>(ctx, ETH_HLEN).ok_or(REWRITE_FAILED)?;
-    let ports = xdp_ptr::<[u16; 2]>(ctx, L4_OFF).ok_or(REWRITE_FAILED)?;
-    // SAFETY: bounds-checked frame pointers.
-    unsafe {
-        let old = *c;
-        // A UDP checksum of 0 (not allowed over IPv6, but sent) stays; a
-        // computed 0 is sent as 0xffff.
-        if !(pkt.proto == IPPROTO_UDP && old == 0) {
-            let v = apply(old, diff);
-            *c = if v == 0 && pkt.proto == IPPROTO_UDP {
-                0xffff
-            } else {
-                v
-            };
-        }
-        (*ip).saddr_be = to.saddr_be;
-        (*ip).daddr_be = to.daddr_be;
-        *ports = [to.sport_be, to.dport_be];
-    }
-    pkt.saddr_be = to.saddr_be;
-    pkt.daddr_be = to.daddr_be;
-    pkt.sport_be = to.sport_be;
-    pkt.dport_be = to.dport_be;
-    Ok(())
 }
