@@ -105,25 +105,26 @@ fn next_header(ctx: &TcContext) -> u8 {
     tc_load::<u8>(ctx, ETH_HLEN + 6).unwrap_or(0xff)
 }
 
-#[inline(never)]
-fn run_flow<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
-    let Ok(sc) = scratch() else {
-        return (TC_ACT_OK, stat::PASS_MALFORMED);
-    };
+/// The frame, parsed into this CPU's scratch entry; else the action to
+/// pass it untouched with.
+#[inline(always)]
+fn parsed(ctx: &TcContext) -> Result<&'static mut Packet6, (i32, u32)> {
+    let sc = scratch().map_err(|_| (TC_ACT_OK, stat::PASS_MALFORMED))?;
     // SAFETY: this CPU's scratch entry; `pkt` is this packet's.
     let pkt = unsafe { &mut (*sc).pkt };
-    let code = parse(ctx, pkt);
-    if code != 0 {
-        return (TC_ACT_OK, code);
+    match parse(ctx, pkt) {
+        0 => Ok(pkt),
+        code => Err((TC_ACT_OK, code)),
     }
-    let key = Svc6Key {
-        addr_be: pkt.daddr_be,
-        port_be: pkt.dport_be,
-        slot: 0,
-        proto: pkt.proto,
-        scope,
-        _pad: [0; 2],
+}
+
+#[inline(never)]
+fn run_flow<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
+    let pkt = match parsed(ctx) {
+        Ok(pkt) => pkt,
+        Err(pass) => return pass,
     };
+    let key = crate::lb::frontend_key6(pkt, scope);
     let verdict = match SVC6_V2.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
         Some(fe) => translate::<SEARCH>(ctx, pkt, &key, &unsafe { *fe }),
@@ -147,15 +148,10 @@ pub fn run_egress(ctx: &TcContext) -> (i32, u32) {
 
 #[inline(never)]
 fn run_egress_flow(ctx: &TcContext) -> (i32, u32) {
-    let Ok(sc) = scratch() else {
-        return (TC_ACT_OK, stat::PASS_MALFORMED);
+    let pkt = match parsed(ctx) {
+        Ok(pkt) => pkt,
+        Err(pass) => return pass,
     };
-    // SAFETY: this CPU's scratch entry; `pkt` is this packet's.
-    let pkt = unsafe { &mut (*sc).pkt };
-    let code = parse(ctx, pkt);
-    if code != 0 {
-        return (TC_ACT_OK, code);
-    }
     match reply(ctx, pkt, true) {
         Verdict::Drop(code) => (TC_ACT_SHOT, code),
         Verdict::Pass(c) | Verdict::Deliver(c) | Verdict::Reject(c) => (TC_ACT_OK, c),

@@ -84,14 +84,7 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
         return Err(DEFER);
     }
     let len = (ctx.data_end() - ctx.data()) as u64;
-    let key = Svc6Key {
-        addr_be: pkt.daddr_be,
-        port_be: pkt.dport_be,
-        slot: 0,
-        proto: pkt.proto,
-        scope: SCOPE_EXTERNAL,
-        _pad: [0; 2],
-    };
+    let key = crate::lb::frontend_key6(pkt, SCOPE_EXTERNAL);
     let (code, rev_nat_id, backend_id) = match SVC6_V2.get_ptr(&key) {
         Some(fe) => {
             // SAFETY: map value pointer, copied.
