@@ -37,6 +37,10 @@ pub(super) fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// What an agent logs once a pod or client veth has its ingress program
+/// (`agent/links.rs`); the egress program's line comes before it.
+const POD_ATTACHED: &str = "attached pod program";
+
 /// What each agent of a lab adds to [`Lab::wait_ready`]'s bound: a start
 /// has the kernel verify every program, about 2.7 s of CPU on the 2-core
 /// machines CI runs on, and a lab's agents start together (two 6-node labs
@@ -206,10 +210,11 @@ impl Lab {
         self.wait_markers(&[0], &marks, timeout, "a sync")
     }
 
-    /// Waits until every running agent logged an attachment (a line
-    /// containing `attached`) naming each host-side veth of its node's pods
-    /// and clients and, with a switch and an agent that takes
-    /// `--external-interfaces`, its `eth0`. The agents attach from a netlink
+    /// Waits until every running agent logged an attachment naming each
+    /// host-side veth of its node's pods and clients (`attached pod
+    /// program`: the ingress program, logged after the egress one) and, with
+    /// a switch and an agent that takes `--external-interfaces`, its `eth0`
+    /// (a line containing `attached`). The agents attach from a netlink
     /// watch, independently of their syncs: `sync complete` can come before
     /// the attachments, and traffic in between bypasses the datapath.
     pub fn wait_attached(&mut self, timeout: Duration) -> Result<()> {
@@ -221,36 +226,37 @@ impl Lab {
                 if n.agent.is_none() {
                     continue;
                 }
-                let mut ifs: Vec<&str> = Vec::new();
+                // (interface, what its attachment line says)
+                let mut ifs: Vec<(&str, &str)> = Vec::new();
                 if self.info.client.node == n.name
                     || (n.name == NODE_NAME && self.info.client.node.is_empty())
                 {
-                    ifs.push(&self.info.client.host_if);
+                    ifs.push((&self.info.client.host_if, POD_ATTACHED));
                 }
                 ifs.extend(
                     self.info
                         .clients
                         .iter()
                         .filter(|c| c.node == n.name || (c.node.is_empty() && n.name == NODE_NAME))
-                        .map(|c| c.host_if.as_str()),
+                        .map(|c| (c.host_if.as_str(), POD_ATTACHED)),
                 );
                 ifs.extend(
                     self.info
                         .pods
                         .iter()
                         .filter(|p| p.node == n.name)
-                        .map(|p| p.host_if.as_str()),
+                        .map(|p| (p.host_if.as_str(), POD_ATTACHED)),
                 );
                 if ext && !n.eth.is_empty() {
-                    ifs.push(&n.eth);
+                    ifs.push((&n.eth, "attached"));
                 }
-                ifs.retain(|i| !i.is_empty());
+                ifs.retain(|(i, _)| !i.is_empty());
                 let log = std::fs::read_to_string(&n.agent_log).unwrap_or_default();
-                for i in ifs {
+                for (i, attached) in ifs {
                     let quoted = format!("\"{i}\"");
                     let bare = format!("={i}");
                     let found = log.lines().any(|l| {
-                        l.contains("attached")
+                        l.contains(attached)
                             && !l.contains("detached")
                             && (l.contains(&quoted)
                                 || l.split_whitespace().any(|w| w.ends_with(&bare)))
