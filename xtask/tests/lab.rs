@@ -15,63 +15,14 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use xtask::client::{self, http_get_in, reply_text};
-use xtask::Lab;
 
 mod support;
 use support::fixtures::{manifests, Pod, Port, Svc};
 use support::flows::{self, Placement};
-use support::{assert_tcp_refused, delete_pod, frontend, tcp_hostname, tcp_hostnames, LabTest, T};
-
-// ---------------------------------------------------------------- lab runner
-
-/// The lab tests' wait for the agent ([`LabTest::ready`]): its first sync
-/// and its attachments ([`wait_attached`]), up to the lab's sync timeout
-/// (the default, 15 s).
-fn ready(lab: &mut Lab) {
-    lab.wait_ready(lab.sync_timeout())
-        .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-    wait_attached(lab);
-}
-
-/// Waits until the agent logged `attached pod program` for the host-side
-/// veth of every client and pod of the lab. The agent attaches its programs
-/// from a netlink watch, independently of its syncs: `sync complete` (what
-/// `wait_ready`/`wait_synced` wait for) can come before the attachments, and
-/// traffic in between bypasses the datapath.
-fn wait_attached(lab: &Lab) {
-    let mut ifs: Vec<String> = vec![lab.client().host_if.clone()];
-    ifs.extend(lab.info().clients.iter().map(|c| c.host_if.clone()));
-    ifs.extend(lab.pods().iter().map(|p| p.host_if.clone()));
-    ifs.retain(|i| !i.is_empty());
-    let t = Instant::now();
-    let sync_timeout = lab.sync_timeout();
-    let deadline = t + sync_timeout;
-    loop {
-        let log = lab.agent_log();
-        let missing: Vec<&String> = ifs
-            .iter()
-            .filter(|i| {
-                !log.lines()
-                    .any(|l| l.contains("attached pod program") && l.contains(&format!("\"{i}\"")))
-            })
-            .collect();
-        if missing.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "agent did not attach to {missing:?} within {sync_timeout:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// `wait_synced` after a manifest change, then [`wait_attached`].
-fn synced(lab: &mut Lab) {
-    lab.wait_synced(lab.sync_timeout())
-        .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
-    wait_attached(lab);
-}
+use support::{
+    assert_answered_by, assert_tcp_refused, delete_pod, frontend, synced, tcp_hostname,
+    tcp_hostnames, LabTest, T,
+};
 
 // ---------------------------------------------------------------- requests
 
@@ -82,12 +33,6 @@ fn udp_hostname(
     timeout: Duration,
 ) -> io::Result<String> {
     client::udp_request(ns, addr, b"hostname", timeout, bind_port).map(|r| reply_text(&r))
-}
-
-/// Asserts that `n` connections to `addr` all succeed and are answered by
-/// exactly the pods `expected`.
-fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    support::assert_answered_by(ns, addr, "TCP", n, expected, what)
 }
 
 // ================================================================ tests
@@ -103,18 +48,18 @@ fn s1_basic_endpoint_added_and_removed() {
         &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
         &Pod::new("pod-1", "web").port(80, "TCP"),
     ]);
-    LabTest::new("s1").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s1").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
-        assert_answered_by(&ns, vip, 10, &["pod-1"], "S1 pod-1 only");
+        assert_answered_by(&ns, vip, "TCP", 10, &["pod-1"], "S1 pod-1 only");
 
         lab.apply(&Pod::new("pod-2", "web").port(80, "TCP").yaml())
             .unwrap();
         synced(lab);
-        assert_answered_by(&ns, vip, 60, &["pod-1", "pod-2"], "S1 pod-1 + pod-2");
+        assert_answered_by(&ns, vip, "TCP", 60, &["pod-1", "pod-2"], "S1 pod-1 + pod-2");
 
         let _ = delete_pod(lab, "pod-1");
-        assert_answered_by(&ns, vip, 30, &["pod-2"], "S1 pod-1 deleted");
+        assert_answered_by(&ns, vip, "TCP", 30, &["pod-2"], "S1 pod-1 deleted");
 
         let _ = delete_pod(lab, "pod-2");
         assert_tcp_refused(&ns, vip, "S1 no pods left");
@@ -136,12 +81,12 @@ fn s2_multiport_named_target_ports() {
         &Pod::new("pod-1", "multi").named_port("svc1", 100, "TCP"),
         &Pod::new("pod-2", "multi").named_port("svc2", 101, "TCP"),
     ]);
-    LabTest::new("s2").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s2").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let p80 = frontend(lab, "multi", 80, "TCP");
         let p81 = frontend(lab, "multi", 81, "TCP");
-        assert_answered_by(&ns, p80, 20, &["pod-1"], "S2 port 80 -> svc1");
-        assert_answered_by(&ns, p81, 20, &["pod-2"], "S2 port 81 -> svc2");
+        assert_answered_by(&ns, p80, "TCP", 20, &["pod-1"], "S2 port 80 -> svc1");
+        assert_answered_by(&ns, p81, "TCP", 20, &["pod-2"], "S2 port 81 -> svc2");
     });
 }
 
@@ -157,7 +102,7 @@ fn s4_client_ip_preserved_through_cluster_ip() {
             .port(Port::tcp("http", 8080)),
         &Pod::new("echo-1", "echo").port(8080, "TCP"),
     ]);
-    LabTest::new("s4").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s4").yaml(&yaml).run(|lab| {
         let client = lab.client().clone();
         let vip = frontend(lab, "echo", 8080, "TCP");
         for i in 0..5 {
@@ -187,7 +132,7 @@ fn s5_hairpin_pod_reaches_itself_through_its_service() {
             .port(Port::tcp("http", 8080)),
         &Pod::new("hp-1", "hp").port(8080, "TCP"),
     ]);
-    LabTest::new("s5").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s5").yaml(&yaml).run(|lab| {
         let p = lab.pod("hp-1").expect("pod hp-1").clone();
         let vip = frontend(lab, "hairpin", 8080, "TCP");
         for i in 0..5 {
@@ -221,7 +166,7 @@ fn s6_s7_services_up_down_and_recreated() {
         yaml += &Pod::new(&format!("{s}-1"), s).yaml();
         yaml += &Pod::new(&format!("{s}-2"), s).yaml();
     }
-    LabTest::new("s6_s7").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s6_s7").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip: BTreeMap<&str, SocketAddrV4> = ["a", "b", "c"]
             .into_iter()
@@ -231,6 +176,7 @@ fn s6_s7_services_up_down_and_recreated() {
             assert_answered_by(
                 &ns,
                 *addr,
+                "TCP",
                 30,
                 &[&format!("{s}-1"), &format!("{s}-2")],
                 &format!("S6 svc-{s} up"),
@@ -257,6 +203,7 @@ fn s6_s7_services_up_down_and_recreated() {
         assert_answered_by(
             &ns,
             vip["b"],
+            "TCP",
             30,
             &["b-1", "b-2"],
             "S6 svc-b after svc-a down",
@@ -264,6 +211,7 @@ fn s6_s7_services_up_down_and_recreated() {
         assert_answered_by(
             &ns,
             vip["c"],
+            "TCP",
             30,
             &["c-1", "c-2"],
             "S6 svc-c after svc-a down",
@@ -280,7 +228,7 @@ fn s6_s7_services_up_down_and_recreated() {
         synced(lab);
         let d = frontend(lab, "svc-d", 80, "TCP");
         println!("S6: new svc-d at {d} (svc-a was at {})", vip["a"]);
-        assert_answered_by(&ns, d, 30, &["d-1", "d-2"], "S6 new svc-d");
+        assert_answered_by(&ns, d, "TCP", 30, &["d-1", "d-2"], "S6 new svc-d");
 
         // S7: recreate svc-a (and its pods) with a new ClusterIP.
         let new_ip = "198.19.0.200";
@@ -300,8 +248,15 @@ fn s6_s7_services_up_down_and_recreated() {
             vip["a"].ip(),
             "S7: recreated service has a new VIP"
         );
-        assert_answered_by(&ns, a2, 30, &["a-1", "a-2"], "S7 recreated svc-a");
-        assert_answered_by(&ns, vip["b"], 10, &["b-1", "b-2"], "S7 svc-b still up");
+        assert_answered_by(&ns, a2, "TCP", 30, &["a-1", "a-2"], "S7 recreated svc-a");
+        assert_answered_by(
+            &ns,
+            vip["b"],
+            "TCP",
+            10,
+            &["b-1", "b-2"],
+            "S7 svc-b still up",
+        );
     });
 }
 
@@ -318,7 +273,7 @@ fn s29_k4_no_endpoints_rejected_from_pod() {
         .port(Port::tcp("http", 80))
         .port(Port::udp("dns", 53))
         .yaml();
-    LabTest::new("s29_k4").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s29_k4").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let tcp = frontend(lab, "empty", 80, "TCP");
         let udp = frontend(lab, "empty", 53, "UDP");
@@ -363,7 +318,7 @@ fn udp_port_unreachable_from_a_backend_reaches_the_client() {
             .port(Port::udp("dns", 53).target_port(5999)),
         &Pod::new("deaf-1", "deaf").port(80, "TCP"),
     ]);
-    let lab_test = LabTest::new("udp_unreach").yaml(&yaml).ready(ready);
+    let lab_test = LabTest::new("udp_unreach").yaml(&yaml);
     lab_test.run(|lab| {
         let ns = lab.client().netns.clone();
         let udp = frontend(lab, "deaf", 53, "UDP");
@@ -396,10 +351,10 @@ fn s45_named_target_port_differs_per_endpoint() {
         &Pod::new("pod-1", "mut").named_port("http", 8080, "TCP"),
         &Pod::new("pod-2", "mut").named_port("http", 9090, "TCP"),
     ]);
-    LabTest::new("s45").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("s45").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "mutable", 8001, "TCP");
-        assert_answered_by(&ns, vip, 60, &["pod-1", "pod-2"], "S45 8080 + 9090");
+        assert_answered_by(&ns, vip, "TCP", 60, &["pod-1", "pod-2"], "S45 8080 + 9090");
 
         let _ = delete_pod(lab, "pod-1");
         lab.apply(
@@ -412,6 +367,7 @@ fn s45_named_target_port_differs_per_endpoint() {
         assert_answered_by(
             &ns,
             vip,
+            "TCP",
             60,
             &["pod-2", "pod-3"],
             "S45 9090 + 8000 after replacement",
@@ -434,7 +390,7 @@ fn n19_large_tcp_request_echoed() {
         &Svc::new("echo").selector("echo").port(Port::tcp("tcp", 80)),
         &Pod::new("echo-1", "echo"),
     ]);
-    LabTest::new("n19").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("n19").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "TCP");
         let data = payload_2000();
@@ -464,7 +420,7 @@ fn n20_large_udp_datagram_echoed() {
         &Svc::new("echo").selector("echo").port(Port::udp("udp", 80)),
         &Pod::new("echo-1", "echo").port(80, "UDP"),
     ]);
-    LabTest::new("n20").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("n20").yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "echo", 80, "UDP");
         // The path works for small datagrams first.
@@ -508,7 +464,7 @@ fn k1_udp_flow_leaves_deleted_endpoint() {
         &Pod::new("pod-a", "statsd").port(8125, "UDP"),
         &Pod::new("pod-b", "statsd").port(8125, "UDP"),
     ]);
-    LabTest::new("k1").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("k1").yaml(&yaml).run(|lab| {
         flows::k1_udp_flow_leaves_deleted_endpoint(
             lab,
             &Placement {
@@ -529,7 +485,7 @@ fn k2_udp_zero_to_one_endpoint_same_source_port() {
         .selector("dns")
         .port(Port::udp("dns", 53))
         .yaml();
-    LabTest::new("k2").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("k2").yaml(&yaml).run(|lab| {
         flows::k2_udp_zero_to_one_endpoint(
             lab,
             &Placement {
@@ -552,7 +508,7 @@ fn distribution_three_pods_3000_connections() {
         &Pod::new("web-2", "web"),
         &Pod::new("web-3", "web"),
     ]);
-    let lab_test = LabTest::new("distribution").yaml(&yaml).ready(ready);
+    let lab_test = LabTest::new("distribution").yaml(&yaml);
     lab_test.run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
@@ -615,7 +571,7 @@ fn metrics_counters_move_with_real_traffic() {
         &Svc::new("web").selector("web").port(Port::tcp("http", 80)),
         &Pod::new("web-1", "web"),
     ]);
-    LabTest::new("metrics").yaml(&yaml).ready(ready).run(|lab| {
+    LabTest::new("metrics").yaml(&yaml).run(|lab| {
         let node_ns = lab.node().netns.clone();
         let metrics = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
         let vip = frontend(lab, "web", 80, "TCP");

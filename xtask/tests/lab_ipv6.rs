@@ -1413,7 +1413,7 @@ fn s17_ipv6_no_listener_on_node_port() {
         no_listener(lab, "before");
         lab.delete_service("web")
             .unwrap_or_else(|e| panic!("delete_service: {e:#}"));
-        support::synced_nodes(lab);
+        support::synced(lab);
         assert_refused6(&x, np, "TCP", 2, "S17 IPv6 deleted");
         support::apply(lab, &svc.yaml());
         assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 IPv6 re-created");

@@ -19,23 +19,19 @@
 //! sysctl, iptables metric).
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::Ipv4Addr;
 
 use xtask::client::{self, reply_text};
 
 mod support;
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 use support::flows::{self, Placement};
-use support::{assert_tcp_dropped, client_on, delete_pod, frontend, synced_nodes, LabTest, T};
+use support::{
+    assert_answered_by, assert_tcp_dropped, client_on, delete_pod, frontend, synced, LabTest, T,
+};
 
 /// Connections per client when checking which pods answer.
 const N: usize = 30;
-
-/// Asserts that `n` connections from `ns` to `addr` all succeed and are
-/// answered by exactly the pods `expected`.
-fn assert_answered_by(ns: &str, addr: SocketAddrV4, n: usize, expected: &[&str], what: &str) {
-    support::assert_answered_by(ns, addr, "TCP", n, expected, what)
-}
 
 // ================================================================ tests
 
@@ -54,7 +50,14 @@ fn cross_node_cluster_ip_reaches_pod_on_other_node() {
     LabTest::new("cross-node").nodes(2).yaml(&yaml).run(|lab| {
         let ns = lab.client().netns.clone();
         let vip = frontend(lab, "web", 80, "TCP");
-        assert_answered_by(&ns, vip, 10, &["web-2"], "cross-node TCP from node-1");
+        assert_answered_by(
+            &ns,
+            vip,
+            "TCP",
+            10,
+            &["web-2"],
+            "cross-node TCP from node-1",
+        );
         let peer = client::tcp_request(&ns, vip, b"clientip\n", T).map(|r| reply_text(&r));
         let want = format!("{}:", lab.client().ip);
         assert!(
@@ -91,8 +94,8 @@ fn s31_internal_traffic_policy_local_pod_to_pod() {
         let c1 = client_on(lab, "node-1").netns;
         let c2 = client_on(lab, "node-2").netns;
         let c3 = client_on(lab, "node-3").netns;
-        assert_answered_by(&c1, vip, N, &["web-n1"], "S31 client on node-1");
-        assert_answered_by(&c2, vip, N, &["web-n2"], "S31 client on node-2");
+        assert_answered_by(&c1, vip, "TCP", N, &["web-n1"], "S31 client on node-1");
+        assert_answered_by(&c2, vip, "TCP", N, &["web-n2"], "S31 client on node-2");
         assert_tcp_dropped(&c3, vip, 3, "S31 client on node-3 (no local endpoint)");
     });
 }
@@ -129,12 +132,13 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let c1 = client_on(lab, "node-1").netns;
         let c2 = client_on(lab, "node-2").netns;
         assert_answered_by(
             &c1,
             vip,
+            "TCP",
             N,
             &["term-n1"],
             "S36 client on node-1 (local terminating)",
@@ -142,6 +146,7 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
         assert_answered_by(
             &c2,
             vip,
+            "TCP",
             N,
             &["ready-n2"],
             "S36 client on node-2 (local ready)",
@@ -154,10 +159,11 @@ fn s36_itp_local_falls_back_to_local_terminating_endpoint() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         assert_answered_by(
             &c1,
             vip,
+            "TCP",
             N,
             &["term-n1"],
             "S36 only terminating left, client on node-1",
@@ -251,7 +257,7 @@ fn zone_per_node(test: &str, distribution: &str) {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in [
             ("node-1", &["server-a"][..]),
@@ -259,7 +265,7 @@ fn zone_per_node(test: &str, distribution: &str) {
             ("node-3", &["server-a", "server-b"][..]),
         ] {
             let c = client_on(lab, node).netns;
-            assert_answered_by(&c, vip, N, want, &format!("{test} client on {node}"));
+            assert_answered_by(&c, vip, "TCP", N, want, &format!("{test} client on {node}"));
         }
     });
 }
@@ -298,11 +304,11 @@ fn zones_two_nodes(test: &str, distribution: &str, node_hints: bool, expect: &[(
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let vip = frontend(lab, "web", 80, "TCP");
         for (node, want) in expect {
             let c = client_on(lab, node).netns;
-            assert_answered_by(&c, vip, N, want, &format!("{test} client on {node}"));
+            assert_answered_by(&c, vip, "TCP", N, want, &format!("{test} client on {node}"));
         }
     });
 }
@@ -415,11 +421,11 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let c1 = client_on(lab, "node-1").netns;
         let c2 = client_on(lab, "node-2").netns;
-        assert_answered_by(&c1, vip, N, &["server-0"], "T6 client on node-1");
-        assert_answered_by(&c2, vip, N, &["server-1"], "T6 client on node-2");
+        assert_answered_by(&c1, vip, "TCP", N, &["server-0"], "T6 client on node-1");
+        assert_answered_by(&c2, vip, "TCP", N, &["server-1"], "T6 client on node-2");
 
         lab.apply(
             &Slice::new("web-1", "web")
@@ -428,11 +434,12 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         delete_pod(lab, "server-0");
         assert_answered_by(
             &c1,
             vip,
+            "TCP",
             N,
             &["server-1"],
             "T6 server-0 gone, client on node-1",
@@ -440,6 +447,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
         assert_answered_by(
             &c2,
             vip,
+            "TCP",
             N,
             &["server-1"],
             "T6 server-0 gone, client on node-2",
@@ -452,7 +460,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let s0b = Ep::of(lab, "server-0b").node_hint();
         lab.apply(
             &Slice::new("web-1", "web")
@@ -461,10 +469,11 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
                 .yaml(),
         )
         .unwrap();
-        synced_nodes(lab);
+        synced(lab);
         assert_answered_by(
             &c1,
             vip,
+            "TCP",
             N,
             &["server-0b"],
             "T6 server recreated, client on node-1",
@@ -472,6 +481,7 @@ fn t6_prefer_same_node_fallback_when_endpoint_unavailable() {
         assert_answered_by(
             &c2,
             vip,
+            "TCP",
             N,
             &["server-1"],
             "T6 server recreated, client on node-2",
@@ -498,7 +508,7 @@ fn p2_itp_local_cluster_ip_dropped_without_local_endpoint() {
         let c1 = client_on(lab, "node-1").netns;
         let c2 = client_on(lab, "node-2").netns;
         assert_tcp_dropped(&c1, vip, 2, "P2 client on node-1 (endpoint only on node-2)");
-        assert_answered_by(&c2, vip, 10, &["web-n2"], "P2 client on node-2");
+        assert_answered_by(&c2, vip, "TCP", 10, &["web-n2"], "P2 client on node-2");
     });
 }
 

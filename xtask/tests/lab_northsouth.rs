@@ -43,8 +43,8 @@ mod support;
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 // `T` (2 s) is also how long a drop takes to show.
 use support::{
-    assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip, listeners,
-    listens_on, stat, synced_nodes, LabTest, T,
+    apply, assert_answered_by, assert_tcp_dropped, count_answers, frontend as cluster_ip,
+    listeners, listens_on, stat, synced, LabTest, T,
 };
 
 /// Connections per check of which pods answer.
@@ -102,12 +102,6 @@ fn with_lab_mode(test: &str, mode: &str, nodes: usize, yaml: &str, f: &impl Fn(&
         .yaml(yaml)
         .args(&["--acceleration", mode])
         .run(f)
-}
-
-/// `apply`, then every agent's sync, then attachments.
-fn apply(lab: &mut Lab, yaml: &str) {
-    lab.apply(yaml).unwrap_or_else(|e| panic!("apply: {e:#}"));
-    synced_nodes(lab);
 }
 
 /// The external client's namespace.
@@ -605,7 +599,7 @@ fn s17_no_listener_on_node_port() {
             );
         }
         lab.delete_service("web").unwrap();
-        synced_nodes(lab);
+        synced(lab);
         assert_refused(&x, np, "TCP", 2, "S17 deleted");
         apply(lab, &s.yaml());
         assert_answered_by(&x, np, "TCP", 3, &["web-1"], "S17 re-created");
@@ -784,7 +778,7 @@ fn s34_e3_health_check_node_port() {
         assert_hcnp(lab, "node-2", HCNP, 200, "lb", 1);
         // Deleted: no listener left.
         lab.delete_service("lb").unwrap();
-        synced_nodes(lab);
+        synced(lab);
         for node in ["node-1", "node-2", "node-3"] {
             assert_hcnp_closed(lab, node, HCNP);
             let ss = listeners(lab, node);
@@ -1075,7 +1069,7 @@ fn c1_udp_nodeport_flow_follows_backend_as_backends_cycle() {
         );
         let t = Instant::now();
         lab.delete_pod("backend1").unwrap();
-        synced_nodes(lab);
+        synced(lab);
         let mut got = Vec::new();
         let ok = loop {
             let r = ask();
@@ -1205,7 +1199,7 @@ fn n14_n16_nodeport_stops_answering_after_delete() {
         }
         let t = Instant::now();
         lab.delete_service("gone").unwrap();
-        synced_nodes(lab);
+        synced(lab);
         println!("N14/N16: delete synced in {} ms", t.elapsed().as_millis());
         for (np, proto) in addrs {
             assert_no_answer(&x, np, proto, 10, "N14/N16 after the delete");

@@ -32,8 +32,8 @@ mod support;
 use support::fixtures::{manifests, tcp_and_udp, Ep, Pod, Slice, Svc};
 use support::flows::connect_from;
 use support::{
-    agent_bin, all_answered, apply, assert_answered_by, assert_tcp_refused, tcp_hostname, LabTest,
-    Stream, T,
+    agent_bin, all_answered, apply, assert_answered_by, assert_tcp_refused, attached, tcp_hostname,
+    LabTest, Stream, T,
 };
 
 // ---------------------------------------------------------------- manifests
@@ -104,8 +104,7 @@ fn s21_n17_session_affinity_client_ip_tcp() {
         let ns1 = lab.client().netns.clone();
         let p1 = sticky(&ns1, vip, "TCP", 30, "S21 client-1");
         let c2 = lab.add_client("c2").expect("add client c2");
-        lab.wait_attached(lab.sync_timeout())
-            .expect("attached to c2");
+        attached(lab);
         let p2 = sticky(&c2.netns, vip, "TCP", 30, "S21 client-2");
         // Still the same for client-1 after client-2's connections.
         assert_eq!(sticky(&ns1, vip, "TCP", 15, "S21 client-1 again"), p1);
@@ -137,8 +136,7 @@ fn n18_session_affinity_client_ip_udp() {
         let ns1 = lab.client().netns.clone();
         let p1 = sticky(&ns1, vip, "UDP", 30, "N18 client-1");
         let c2 = lab.add_client("c2").expect("add client c2");
-        lab.wait_attached(lab.sync_timeout())
-            .expect("attached to c2");
+        attached(lab);
         let p2 = sticky(&c2.netns, vip, "UDP", 30, "N18 client-2");
         println!("N18: client-1 -> {p1}, client-2 -> {p2}");
     });

@@ -49,14 +49,13 @@ use std::time::{Duration, Instant};
 
 use support::fixtures::{manifests, Ep, Pod, Port, Slice, Svc};
 use support::flows::connect_from;
-use support::LabTest;
+// `T` (2 s): an answer within it, else "no answer".
+use support::{attached, LabTest, T};
 use xtask::client::{self, reply_text};
 use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
 use xtask::lab::HostReply;
 use xtask::Lab;
 
-/// Timeout of one request: an answer within it, else "no answer".
-const T: Duration = Duration::from_secs(2);
 /// How long a proxy may take to come up or to sync.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections per check of which backends answer.
@@ -805,8 +804,7 @@ fn start(lab: &mut Lab, p: Proxy) {
         Proxy::Agent => {
             lab.start_agent().expect("start agent");
             lab.wait_ready(lab.sync_timeout()).expect("agents ready");
-            lab.wait_attached(lab.sync_timeout())
-                .expect("agents attached");
+            attached(lab);
         }
     }
     // Everything the lab wrote is programmed.

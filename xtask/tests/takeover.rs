@@ -32,13 +32,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::fixtures::{manifests, Pod, Port, Svc};
-use support::{LabTest, Stream, UdpProbe};
+use support::{attached, LabTest, Stream, UdpProbe, T};
 use xtask::client;
 use xtask::lab::kube_proxy::{KubeProxyMode, KubeProxyOptions};
 use xtask::lab::{HostClient, HostReply};
 use xtask::Lab;
 
-const T: Duration = Duration::from_secs(2);
 /// `web`'s externalIP, routed to node-1 by the external client.
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 201);
 /// Established TCP connections per path.
@@ -309,8 +308,7 @@ fn takeover(lab: &mut Lab, origin: Instant) {
         );
         lab.start_agent_on(&n).expect("start agent");
         lab.wait_ready(lab.sync_timeout()).expect("agent ready");
-        lab.wait_attached(lab.sync_timeout())
-            .expect("agent attached");
+        attached(lab);
         // The operator's step 1: the pod's readiness probe asks the
         // agent's own port, Ready while kube-proxy still holds 10256.
         let netns = lab
@@ -642,8 +640,7 @@ fn kube_proxy_flows_of_both_families_outlive_its_rules() {
             for n in nodes(lab) {
                 lab.start_agent_on(&n).expect("start agent");
                 lab.wait_ready(lab.sync_timeout()).expect("agent ready");
-                lab.wait_attached(lab.sync_timeout())
-                    .expect("agent attached");
+                attached(lab);
             }
             for n in nodes(lab) {
                 lab.stop_kube_proxy_on(&n)

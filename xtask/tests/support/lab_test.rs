@@ -29,8 +29,7 @@ use super::{attached, diagnostics, diagnostics_nodes, run_lab};
 ///
 /// The sync timeout (default [`DEFAULT_SYNC_TIMEOUT`], 15 s) is recorded
 /// on the lab ([`Lab::sync_timeout`]), where [`super::synced`],
-/// [`super::apply`], [`super::attached`], [`super::synced_nodes`] and
-/// [`super::client_on`] read it.
+/// [`super::apply`], [`super::attached`] and [`super::client_on`] read it.
 #[derive(Clone)]
 pub struct LabTest {
     name: String,
@@ -175,8 +174,7 @@ impl LabTest {
                     None => {
                         lab.wait_ready(lab.sync_timeout())
                             .unwrap_or_else(|e| panic!("agent not ready: {e:#}"));
-                        lab.wait_attached(lab.sync_timeout())
-                            .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+                        attached(lab);
                     }
                 },
                 |lab| diagnostics(lab, self.inspect_lines),

@@ -210,15 +210,15 @@ pub fn run_lab<F: FnOnce(&mut Lab)>(
     }
 }
 
-/// Waits (up to the lab's [`Lab::sync_timeout`]) for the agent's sync after
-/// the last manifest write, and its attachments; returns how long that took.
+/// Waits (up to the lab's [`Lab::sync_timeout`]) for every agent's sync
+/// after the last manifest write, then [`attached`]; returns how long that
+/// took. One node or several: [`Lab::wait_synced`] waits for every agent.
 pub fn synced(lab: &mut Lab) -> Duration {
     let sync_timeout = lab.sync_timeout();
     let t = Instant::now();
     lab.wait_synced(sync_timeout)
         .unwrap_or_else(|e| panic!("agent did not sync: {e:#}"));
-    lab.wait_attached(sync_timeout)
-        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
+    attached(lab);
     t.elapsed()
 }
 
@@ -229,20 +229,12 @@ pub fn apply(lab: &mut Lab, yaml: &str) -> Duration {
 }
 
 /// Waits (up to the lab's [`Lab::sync_timeout`]) for every agent's
-/// attachments (multi-node labs).
+/// attachments ([`Lab::wait_attached`]: the `attached pod program` line of
+/// each pod's and client's host-side veth, and `eth0`'s).
 pub fn attached(lab: &mut Lab) {
     let sync_timeout = lab.sync_timeout();
     lab.wait_attached(sync_timeout)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-}
-
-/// `wait_synced` on every agent after a manifest change (up to the lab's
-/// [`Lab::sync_timeout`]), then [`attached`] (multi-node labs).
-pub fn synced_nodes(lab: &mut Lab) {
-    let sync_timeout = lab.sync_timeout();
-    lab.wait_synced(sync_timeout)
-        .unwrap_or_else(|e| panic!("agents did not sync: {e:#}"));
-    attached(lab);
+        .unwrap_or_else(|e| panic!("agent not attached: {e:#}"));
 }
 
 /// Waits (up to 5 s) until the host-side veth `host_if` of the deleted pod
