@@ -1,7 +1,10 @@
 //! Helpers shared by the lab tests (`tests/lab*.rs`): the lab runner with
-//! diagnostics on failure, requests counting which pod answered, and the
-//! assertions built on them; the typed builders of the objects the tests
-//! write are in [`fixtures`]. A test starts its lab with [`LabTest`]. Each test file includes it with `mod support;`.
+//! diagnostics on failure, the waits for the agents, requests counting
+//! which pod answered, and the assertions built on them. Beside it: the
+//! typed builders of the objects the tests write ([`fixtures`]), long-lived
+//! connections ([`Stream`], `stream.rs`) and background UDP clients
+//! ([`UdpProbe`], `udp_probe.rs`). A test starts its lab with [`LabTest`].
+//! Each test file includes it with `mod support;`.
 
 // Each test file is its own crate and uses only part of this module: what one
 // file leaves unused would otherwise warn as dead code in that crate.
@@ -11,26 +14,28 @@ pub mod bulk;
 pub mod fixtures;
 pub mod flows;
 mod lab_test;
+mod stream;
+mod udp_probe;
 
 // Not every test file starts its labs with it (some build theirs for
-// `run_lab`).
+// `run_lab`), holds a stream or runs a probe.
 #[allow(unused_imports)]
 pub use lab_test::LabTest;
+#[allow(unused_imports)]
+pub use stream::Stream;
+#[allow(unused_imports)]
+pub use udp_probe::{describe, ms_since, Shot, UdpProbe};
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream, UdpSocket};
+use std::io::{self, BufRead, BufReader};
+use std::net::{SocketAddr, SocketAddrV4};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use xtask::client::{self, reply_text, Request};
 use xtask::lab::LabBuilder;
-use xtask::netns::in_netns;
 use xtask::{Endpoint, Lab};
 
 /// Timeout of one request.
@@ -497,243 +502,6 @@ pub fn assert_tcp_dropped(ns: &str, addr: impl Into<SocketAddr>, tries: usize, w
             ),
         }
     }
-}
-
-// ---------------------------------------------------------------- streams
-
-/// A long-lived connection (the lab server's `stream`): every line sent is
-/// answered with `<pod> <line>`.
-pub struct Stream {
-    /// The pod that answered the greeting.
-    pub pod: String,
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-    /// Exchanges that worked.
-    pub exchanges: usize,
-    /// When and how it broke (set by a test that keeps going without it).
-    pub broken: Option<(Instant, String)>,
-}
-
-impl Stream {
-    /// Starts the stream on a connected socket (reads and writes time out
-    /// after [`T`]).
-    pub fn from_tcp(s: TcpStream) -> io::Result<Stream> {
-        s.set_read_timeout(Some(T))?;
-        s.set_write_timeout(Some(T))?;
-        let mut writer = s.try_clone()?;
-        writer.write_all(b"stream\n")?;
-        let mut reader = BufReader::new(s);
-        let mut greeting = String::new();
-        if reader.read_line(&mut greeting)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "no greeting"));
-        }
-        let pod = greeting
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        Ok(Stream {
-            pod,
-            reader,
-            writer,
-            exchanges: 0,
-            broken: None,
-        })
-    }
-
-    /// Connects to `vip` (within [`T`]) from the current namespace.
-    pub fn open_here(vip: impl Into<SocketAddr>) -> io::Result<Stream> {
-        Stream::from_tcp(TcpStream::connect_timeout(&vip.into(), T)?)
-    }
-
-    /// Connects to `vip` from namespace `ns`; panics if that fails.
-    pub fn open(ns: &str, vip: impl Into<SocketAddr>) -> Stream {
-        let vip = vip.into();
-        in_netns(ns, move || Stream::open_here(vip))
-            .and_then(|r| r)
-            .unwrap_or_else(|e| panic!("stream to {vip}: {e}"))
-    }
-
-    /// One exchange (`ping <tag>`); the answer must come from the stream's
-    /// pod. EOF is an error (`UnexpectedEof`).
-    pub fn ping(&mut self, tag: impl std::fmt::Display) -> io::Result<()> {
-        self.writer.write_all(format!("ping {tag}\n").as_bytes())?;
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF"));
-        }
-        let expected = format!("{} ping {tag}", self.pod);
-        if line.trim_end() != expected {
-            return Err(io::Error::other(format!(
-                "got {line:?}, expected {expected:?}"
-            )));
-        }
-        self.exchanges += 1;
-        Ok(())
-    }
-
-    /// `n` exchanges (`<what>-<i>`) that must all work.
-    pub fn pings(&mut self, n: usize, what: &str) {
-        for i in 0..n {
-            self.ping(format!("{what}-{i}"))
-                .unwrap_or_else(|e| panic!("{what}: stream to {} exchange {i}: {e}", self.pod));
-        }
-    }
-}
-
-// ---------------------------------------------------------------- UDP probe
-
-/// What one datagram of a [`UdpProbe`] got.
-#[derive(Debug, Clone)]
-pub struct Shot {
-    pub sent: Instant,
-    pub result: Result<String, io::ErrorKind>,
-}
-
-/// One UDP socket bound to a fixed source port, connected to a VIP, sending
-/// `hostname` every `interval` (like a statsd or DNS client) until stopped
-/// or `max` has passed.
-pub struct UdpProbe {
-    stop: Arc<AtomicBool>,
-    shots: Arc<Mutex<Vec<Shot>>>,
-    handle: JoinHandle<io::Result<io::Result<()>>>,
-}
-
-impl UdpProbe {
-    /// Waits up to `interval` for each answer; at most 1000 datagrams.
-    pub fn start(
-        ns: &str,
-        addr: impl Into<SocketAddr>,
-        bind_port: u16,
-        interval: Duration,
-        max: Duration,
-    ) -> Self {
-        Self::spawn(ns, addr.into(), bind_port, interval, interval, max, 1000)
-    }
-
-    /// Waits up to `read_timeout` for each answer; no cap on the number of
-    /// datagrams (until stopped or `max` has passed).
-    pub fn start_waiting(
-        ns: &str,
-        addr: impl Into<SocketAddr>,
-        bind_port: u16,
-        interval: Duration,
-        read_timeout: Duration,
-        max: Duration,
-    ) -> Self {
-        Self::spawn(
-            ns,
-            addr.into(),
-            bind_port,
-            interval,
-            read_timeout,
-            max,
-            usize::MAX,
-        )
-    }
-
-    fn spawn(
-        ns: &str,
-        addr: SocketAddr,
-        bind_port: u16,
-        interval: Duration,
-        read_timeout: Duration,
-        max: Duration,
-        max_shots: usize,
-    ) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let shots = Arc::new(Mutex::new(Vec::new()));
-        let (flag, out) = (stop.clone(), shots.clone());
-        let ns = ns.to_string();
-        let handle = std::thread::spawn(move || {
-            in_netns(&ns, move || -> io::Result<()> {
-                let local = match addr {
-                    SocketAddr::V4(_) => {
-                        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, bind_port))
-                    }
-                    SocketAddr::V6(_) => {
-                        SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, bind_port, 0, 0))
-                    }
-                };
-                let sock = UdpSocket::bind(local)?;
-                sock.connect(addr)?;
-                sock.set_read_timeout(Some(read_timeout))?;
-                let begin = Instant::now();
-                let mut buf = vec![0u8; 65536];
-                for _ in 0..max_shots {
-                    if flag.load(Ordering::SeqCst) || begin.elapsed() >= max {
-                        break;
-                    }
-                    let sent = Instant::now();
-                    let result = match sock.send(b"hostname") {
-                        Err(e) => Err(e.kind()),
-                        Ok(_) => match sock.recv(&mut buf) {
-                            Ok(n) => Ok(reply_text(&buf[..n])),
-                            Err(e) => Err(match e.kind() {
-                                io::ErrorKind::WouldBlock => io::ErrorKind::TimedOut,
-                                k => k,
-                            }),
-                        },
-                    };
-                    out.lock().unwrap().push(Shot { sent, result });
-                    let spent = sent.elapsed();
-                    if spent < interval {
-                        std::thread::sleep(interval - spent);
-                    }
-                }
-                Ok(())
-            })
-        });
-        UdpProbe {
-            stop,
-            shots,
-            handle,
-        }
-    }
-
-    /// What the probe got so far.
-    pub fn snapshot(&self) -> Vec<Shot> {
-        self.shots.lock().unwrap().clone()
-    }
-
-    pub fn finish(self) -> Vec<Shot> {
-        self.stop.store(true, Ordering::SeqCst);
-        let shots = self.shots.clone();
-        self.handle
-            .join()
-            .expect("probe thread panicked")
-            .expect("enter client namespace")
-            .expect("probe socket");
-        let v = shots.lock().unwrap().clone();
-        v
-    }
-}
-
-/// Signed milliseconds from `origin` to `t`.
-pub fn ms_since(origin: Instant, t: Instant) -> i64 {
-    if t >= origin {
-        (t - origin).as_millis() as i64
-    } else {
-        -((origin - t).as_millis() as i64)
-    }
-}
-
-/// The shots as `+<ms>:<answer or error>`, from `origin`.
-pub fn describe(shots: &[Shot], origin: Instant) -> String {
-    shots
-        .iter()
-        .map(|s| {
-            format!(
-                "{:+}ms:{}",
-                ms_since(origin, s.sent),
-                match &s.result {
-                    Ok(n) => n.clone(),
-                    Err(k) => format!("{k:?}"),
-                }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// `n` requests `proto` to `addr` from the host client `c`; answers by pod
