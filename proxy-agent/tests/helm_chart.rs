@@ -16,6 +16,11 @@
 //!
 //! Needs `cargo xtask setup` (helm and kubectl in `<target>/kube/bin`,
 //! kubernetes-validate in `<target>/venv`); run by `cargo xtask test`.
+//!
+//! Why one file (about 950 lines): every test reads or renders the one
+//! chart through the same few helpers (`chart_dir`, `helm`, `template`,
+//! `documents`), and over a quarter of the file is [`cases`], the one
+//! table of values that both the lint and the render tests walk.
 
 use std::{
     collections::BTreeMap,

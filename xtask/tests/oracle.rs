@@ -38,6 +38,12 @@
 //! kernel is built without it.
 //!
 //! Run with `cargo xtask test` (`#[ignore]`d under a plain `cargo test`).
+//!
+//! Why one file (about 1,200 lines): both tests run the same phases
+//! (`start`, `observe`, `stop` for each proxy, the machine's rules before
+//! and after) and compare what they saw against the one table [`KEPT`],
+//! whose keys are the observations' own names; most of the rest is
+//! `observe`, one client action after another on the one lab.
 
 mod support;
 
