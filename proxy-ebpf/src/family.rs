@@ -519,6 +519,8 @@ impl Family for V6 {
         HANDOVER6_V1.get_ptr_mut(key)
     }
 
+    // By reference, as the IPv6 path passed it (see `ipv6.rs`).
+    #[allow(clippy::needless_borrows_for_generic_args)]
     #[inline(always)]
     fn set_handover(key: &Ct6Key, until: u64) {
         let _ = HANDOVER6_V1.insert(key, &until, 0);
