@@ -343,6 +343,15 @@ impl Harness {
         })
     }
 
+    /// Leaves this harness's object out of the pool when it is dropped (it
+    /// is unloaded instead): for a user whose ids go beyond what a reset
+    /// zeroes on 5.10 (the per-CPU arrays' first 4,096 entries), such as
+    /// `prog_cost` at N = 10,000, where a pooled harness would fail its
+    /// drop.
+    pub fn unpooled(&mut self) {
+        self.reusable = false;
+    }
+
     /// As an agent restarted (or upgraded) on the node: the object is loaded
     /// again over the pins the previous one left (adopted, or migrated from
     /// older layouts), and a new writer adopts what they hold. Nothing is
