@@ -45,6 +45,9 @@ pub trait Family {
     /// `addr` as the 32 bits the flow and source hashes take (IPv6: its
     /// four words folded).
     fn fold(addr: &Self::Addr) -> u32;
+    /// The services-map key of the frontend `pkt` is sent to, in `scope`
+    /// (slot 0).
+    fn frontend_key(pkt: &Self::Packet, scope: u8) -> Self::SvcKey;
     /// The backend id in `slot` of the frontend at `key`.
     fn slot_backend(key: &Self::SvcKey, slot: u16) -> Option<u32>;
     /// The backend with id `id`.
@@ -180,9 +183,22 @@ pub fn five_tuple<F: Family>(pkt: &F::Packet) -> FiveTuple<'_, F> {
 }
 
 /// The [`Family`] accessors whose bodies are the same for both families'
-/// conntrack types (key, entry, reverse NAT, address, backend, packet).
+/// types (conntrack key, entry, reverse NAT, address, backend, packet,
+/// services-map key).
 macro_rules! conntrack_accessors {
-    ($key:ty, $value:ty, $rev:ty, $addr:ty, $backend:ty, $packet:ty) => {
+    ($key:ty, $value:ty, $rev:ty, $addr:ty, $backend:ty, $packet:ty, $svc:ident) => {
+        #[inline(always)]
+        fn frontend_key(pkt: &$packet, scope: u8) -> $svc {
+            $svc {
+                addr_be: pkt.daddr_be,
+                port_be: pkt.dport_be,
+                slot: 0,
+                proto: pkt.proto,
+                scope,
+                _pad: [0; 2],
+            }
+        }
+
         #[inline(always)]
         fn ct_nat_addr(v: &$value) -> $addr {
             v.nat_addr_be
@@ -311,7 +327,7 @@ impl Family for V4 {
     type CtValue = Ct4Value;
     type RevNat = RevNat4;
 
-    conntrack_accessors!(Ct4Key, Ct4Value, RevNat4, u32, Backend4, Packet);
+    conntrack_accessors!(Ct4Key, Ct4Value, RevNat4, u32, Backend4, Packet, Svc4Key);
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V4>, rev_nat_id: RevNatId, now: u64) -> Ct4Value {
@@ -460,7 +476,7 @@ impl Family for V6 {
     type CtValue = Ct6Value;
     type RevNat = RevNat6;
 
-    conntrack_accessors!(Ct6Key, Ct6Value, RevNat6, Addr6, Backend6, Packet6);
+    conntrack_accessors!(Ct6Key, Ct6Value, RevNat6, Addr6, Backend6, Packet6, Svc6Key);
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V6>, rev_nat_id: RevNatId, now: u64) -> Ct6Value {

@@ -87,7 +87,7 @@ fn decide_inner(
             cfg,
             pkt,
             &skey,
-            &lb::frontend_key(pkt, scope),
+            &V4::frontend_key(pkt, scope),
             fe,
             scope == SCOPE_EXTERNAL,
             now,

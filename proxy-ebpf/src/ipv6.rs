@@ -58,7 +58,7 @@ use aya_ebpf::{
 use proxy_common::{ct_dir, ct_flags, stat, Ct6Key, RevNat6, Svc6Key, SvcValue, SCOPE_EXTERNAL};
 
 use crate::{
-    family::V6,
+    family::{Family, V6},
     forward::config,
     maps::{account, count, REVNAT6_V2, SVC6_V2},
     parse::{tc_load, ETH_HLEN},
@@ -124,7 +124,7 @@ fn run_flow<const SEARCH: bool>(ctx: &TcContext, scope: u8) -> (i32, u32) {
         Ok(pkt) => pkt,
         Err(pass) => return pass,
     };
-    let key = crate::lb::frontend_key6(pkt, scope);
+    let key = V6::frontend_key(pkt, scope);
     let verdict = match SVC6_V2.get_ptr(&key) {
         // SAFETY: a map value pointer, read once into a copy.
         Some(fe) => translate::<SEARCH>(ctx, pkt, &key, &unsafe { *fe }),

@@ -9,43 +9,14 @@ use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     conntrack::NSEC_PER_SEC,
     lb::{alg, flow_hash, source_hash, MaglevKey, MAGLEV_CHUNK},
-    stat, svc_flags, AffinityValue, RevNat4, Svc4Key, Svc6Key, SvcValue,
+    stat, svc_flags, AffinityValue, RevNat4, SvcValue,
 };
 
 use crate::{
     family::{Family, FiveTuple},
     maps::{count, MAGLEV4_V2, REVNAT4_V2, RR4_V1},
-    parse::Packet,
-    parse6::Packet6,
     verdict::Verdict,
 };
-
-/// The services-map key of the frontend a packet is sent to, in `scope`
-/// (slot 0).
-#[inline(always)]
-pub fn frontend_key(pkt: &Packet, scope: u8) -> Svc4Key {
-    Svc4Key {
-        addr_be: pkt.daddr_be,
-        port_be: pkt.dport_be,
-        slot: 0,
-        proto: pkt.proto,
-        scope,
-        _pad: [0; 2],
-    }
-}
-
-/// [`frontend_key`] of an IPv6 packet.
-#[inline(always)]
-pub fn frontend_key6(pkt: &Packet6, scope: u8) -> Svc6Key {
-    Svc6Key {
-        addr_be: pkt.daddr_be,
-        port_be: pkt.dport_be,
-        slot: 0,
-        proto: pkt.proto,
-        scope,
-        _pad: [0; 2],
-    }
-}
 
 /// The frontend that replies of reverse-NAT id `id` come from.
 #[inline(always)]

@@ -15,9 +15,9 @@ use proxy_common::{ct_flags, stat, SvcValue, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
-    family::V4,
+    family::{Family, V4},
     fib, forward, icmp, icmp_error,
-    lb::{self, rev_nat},
+    lb::rev_nat,
     maps::{account, count, SVC4_V2},
     nat,
     parse::{self, Ipv4Hdr, Packet},
@@ -88,7 +88,7 @@ fn steps<const SEARCH: bool>(
     l4_end: usize,
     scope: u8,
 ) -> Verdict {
-    let frontend = SVC4_V2.get_ptr(lb::frontend_key(pkt, scope));
+    let frontend = SVC4_V2.get_ptr(V4::frontend_key(pkt, scope));
     let l4_complete = ctx.len() as usize >= l4_end;
     let Some(frontend) = frontend else {
         // Not for a frontend: perhaps a reply of a tracked flow.

@@ -12,10 +12,10 @@ use proxy_common::{ct_flags, stat, SCOPE_EXTERNAL};
 
 use crate::{
     conntrack::{self, Flow},
-    family::V4,
+    family::{Family, V4},
     fib,
     forward::{self, FROM_XDP},
-    lb::{self, rev_nat},
+    lb::rev_nat,
     maps::{account, count, SVC4_V2},
     nat::{self, Tuple},
     parse::{self, Packet},
@@ -42,7 +42,7 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
     let mut pkt = parse::parse_xdp(ctx)?;
     let len = (ctx.data_end() - ctx.data()) as u64;
     let (to, code, rev_nat_id, backend_id): (Tuple, u32, proxy_common::RevNatId, u32) =
-        if let Some(fe) = SVC4_V2.get_ptr(lb::frontend_key(&pkt, SCOPE_EXTERNAL)) {
+        if let Some(fe) = SVC4_V2.get_ptr(V4::frontend_key(&pkt, SCOPE_EXTERNAL)) {
             // SAFETY: map value pointer, copied.
             let fe = unsafe { *fe };
             let mut flow = Flow::default();

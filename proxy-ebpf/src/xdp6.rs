@@ -23,7 +23,7 @@ use aya_ebpf::{
 use proxy_common::{backend_state, stat, Svc6Key, SCOPE_EXTERNAL};
 
 use crate::{
-    family::V6,
+    family::{Family, V6},
     ipv6::{self, ESTABLISHED, ETH_P_IPV6, NOT_ESTABLISHED},
     maps::{account, count, SVC6_V2},
     parse::{xdp_ptr, ETH_HLEN},
@@ -84,7 +84,7 @@ fn try_run(ctx: &XdpContext) -> Result<(u32, u32), Verdict> {
         return Err(DEFER);
     }
     let len = (ctx.data_end() - ctx.data()) as u64;
-    let key = crate::lb::frontend_key6(pkt, SCOPE_EXTERNAL);
+    let key = V6::frontend_key(pkt, SCOPE_EXTERNAL);
     let (code, rev_nat_id, backend_id) = match SVC6_V2.get_ptr(&key) {
         Some(fe) => {
             // SAFETY: map value pointer, copied.
