@@ -1,5 +1,7 @@
 //! What the kernel's verifier says of each program (root): instructions it
-//! processed, and the program's size after translation and JIT. The split of
+//! processed, the stack depth of each of its functions (the program's own
+//! frame first, then each BPF call's, from the same statistics line), and
+//! the program's size after translation and JIT. The split of
 //! the datapath into modules, a new kernel or a new toolchain must not make
 //! these grow unnoticed.
 //!
@@ -89,8 +91,9 @@ fn main() -> anyhow::Result<()> {
 fn print_info(name: &str, info: &ProgramInfo) {
     let show = |v: Option<u32>| v.map_or_else(|| "?".to_owned(), |v| v.to_string());
     let logged = stats_log::take_processed();
+    let stack = stats_log::take_stack_depth().unwrap_or_else(|| "?".to_owned());
     println!(
-        "{name:<18} verified_insns {:>6}  (log: processed {:>6})  xlated {:>6} B  jited {:>6} B",
+        "{name:<18} verified_insns {:>6}  (log: processed {:>6})  xlated {:>6} B  jited {:>6} B  stack {stack}",
         show(info.verified_instruction_count()),
         show(logged),
         show(info.size_translated()),
@@ -115,6 +118,11 @@ mod stats_log {
 
     static BUSY: AtomicBool = AtomicBool::new(false);
     static PROCESSED: AtomicU32 = AtomicU32::new(NONE);
+    /// The log's "stack depth 96+0+48" (its part after the key), and its
+    /// length (0: none); written under BUSY, read once the load returned.
+    const STACK_MAX: usize = 256;
+    static STACK_LEN: AtomicU32 = AtomicU32::new(0);
+    static mut STACK: [u8; STACK_MAX] = [0; STACK_MAX];
     static mut LOG: [u8; LOG_LEN] = [0; LOG_LEN];
     static mut ATTR: [u8; ATTR_MAX] = [0; ATTR_MAX];
 
@@ -123,6 +131,19 @@ mod stats_log {
             NONE => None,
             n => Some(n),
         }
+    }
+
+    /// The stack depth of each function of the last program loaded, as the
+    /// verifier logged it ("96+0+48": the program's frame, then each BPF
+    /// call's).
+    pub fn take_stack_depth() -> Option<String> {
+        let len = STACK_LEN.swap(0, Ordering::SeqCst) as usize;
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: written before the load returned; no load is running.
+        let stack = unsafe { &*core::ptr::addr_of!(STACK) };
+        Some(String::from_utf8_lossy(&stack[..len]).into_owned())
     }
 
     unsafe fn raw(n: i64, a: [i64; 6]) -> i64 {
@@ -189,6 +210,9 @@ mod stats_log {
                 // SAFETY: the kernel wrote a NUL-terminated log into LOG.
                 let log = unsafe { &*core::ptr::addr_of!(LOG) };
                 PROCESSED.store(parse(log).unwrap_or(NONE), Ordering::SeqCst);
+                // SAFETY: our buffer (BUSY: one user at a time).
+                let stack = unsafe { &mut *core::ptr::addr_of_mut!(STACK) };
+                STACK_LEN.store(stack_depth(log, stack) as u32, Ordering::SeqCst);
             }
             BUSY.store(false, Ordering::SeqCst);
         }
@@ -198,6 +222,27 @@ mod stats_log {
             return -1;
         }
         ret
+    }
+
+    /// "stack depth 96+0+48" in a NUL-terminated log: its depths copied into
+    /// `out`; their length (0 when there is none).
+    fn stack_depth(log: &[u8], out: &mut [u8]) -> usize {
+        const KEY: &[u8] = b"stack depth ";
+        let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
+        let log = &log[..end];
+        let Some(i) = log.windows(KEY.len()).position(|w| w == KEY) else {
+            return 0;
+        };
+        let depths = log[i + KEY.len()..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit() || **b == b'+')
+            .take(out.len());
+        let mut n = 0;
+        for (o, b) in out.iter_mut().zip(depths) {
+            *o = *b;
+            n += 1;
+        }
+        n
     }
 
     /// "processed 1234 insns" in a NUL-terminated log.
@@ -219,6 +264,10 @@ mod stats_log {
 #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
 mod stats_log {
     pub fn take_processed() -> Option<u32> {
+        None
+    }
+
+    pub fn take_stack_depth() -> Option<String> {
         None
     }
 }
