@@ -245,6 +245,8 @@ fn ipv6_packet_too_big_reaches_the_client_translated() {
     for prog in [Prog::ExtIngress, Prog::PodIngress] {
         let (rc, out) = h.run_prog(prog, &ptb);
         assert_eq!(rc, TC_ACT_OK, "{prog:?}");
+        // The ICMPv6 message right after the IPv6 header.
+        assert_eq!(out[20], IPPROTO_ICMPV6, "{prog:?}");
         let o = parse_checked(&out);
         assert_eq!((o.src, o.dst), (VIP6.into(), CLIENT6.into()), "{prog:?}");
         assert_eq!(
@@ -290,6 +292,7 @@ fn ipv6_error_about_a_reply_goes_on_to_the_backend() {
     // Destination unreachable, its unused field as a packet too big's MTU.
     let unreach = icmp_error(router, NODE6, (1, 0), 1280, &reply, ICMP6_QUOTE);
     let (_, out) = h.run_prog(Prog::ExtIngress, &unreach);
+    assert_eq!(out[20], IPPROTO_ICMPV6);
     let o = parse_checked(&out);
     assert_eq!((o.src, o.dst), (NODE6.into(), REMOTE6.into()));
     assert_eq!(quoted_tuple(&o), tuple(REMOTE6, 5353, NODE6, nat_port));
