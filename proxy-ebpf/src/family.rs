@@ -267,6 +267,71 @@ macro_rules! conntrack_accessors {
     };
 }
 
+/// The [`Family`] accessors of the maps whose bodies are the same for both
+/// families but for the map and type names.
+macro_rules! map_accessors {
+    (
+        $svc_map:ident, $svc:ty, $backend_map:ident, $backend:ty,
+        $affinity_map:ident, $affinity_key:ident, $addr:ty,
+        $ct_map:ident, $value:ty, $packet:ty
+    ) => {
+        #[inline(always)]
+        fn slot_backend(key: &$svc, slot: u16) -> Option<u32> {
+            // SAFETY: map value pointer, read once.
+            $svc_map
+                .get_ptr(key.with_slot(slot))
+                .map(|sv| unsafe { (*sv).backend_id })
+        }
+
+        #[inline(always)]
+        fn backend(id: u32) -> Option<$backend> {
+            // SAFETY: map value pointer, copied.
+            $backend_map.get_ptr(id).map(|b| unsafe { *b })
+        }
+
+        #[inline(always)]
+        fn affinity(client: &$addr, rev_nat_id: RevNatId) -> Option<*mut AffinityValue> {
+            $affinity_map.get_ptr_mut($affinity_key {
+                client_be: *client,
+                rev_nat_id,
+            })
+        }
+
+        #[inline(always)]
+        fn set_affinity(client: &$addr, rev_nat_id: RevNatId, v: &AffinityValue) {
+            let key = $affinity_key {
+                client_be: *client,
+                rev_nat_id,
+            };
+            let _ = $affinity_map.insert(key, *v, BPF_ANY as u64);
+        }
+
+        #[inline(always)]
+        fn reply_entry(
+            backend_id: u32,
+            rev_nat_id: RevNatId,
+            flags: u16,
+            client_addr: $addr,
+            client_port_be: u16,
+            now: u64,
+        ) -> $value {
+            <$value>::reply_of(
+                backend_id,
+                rev_nat_id,
+                flags,
+                client_addr,
+                client_port_be,
+                now,
+            )
+        }
+
+        #[inline(always)]
+        fn ct_of_packet(pkt: &$packet, dir: u8) -> Option<*mut $value> {
+            $ct_map.get_ptr_mut(pkt.ct_key(dir))
+        }
+    };
+}
+
 impl Family for V4 {
     /// `AF_INET`.
     const AF: u8 = 2;
@@ -278,37 +343,6 @@ impl Family for V4 {
     #[inline(always)]
     fn fold(addr: &u32) -> u32 {
         *addr
-    }
-
-    #[inline(always)]
-    fn slot_backend(key: &Svc4Key, slot: u16) -> Option<u32> {
-        // SAFETY: map value pointer, read once.
-        SVC4_V2
-            .get_ptr(key.with_slot(slot))
-            .map(|sv| unsafe { (*sv).backend_id })
-    }
-
-    #[inline(always)]
-    fn backend(id: u32) -> Option<Backend4> {
-        // SAFETY: map value pointer, copied.
-        BACKEND4_V1.get_ptr(id).map(|b| unsafe { *b })
-    }
-
-    #[inline(always)]
-    fn affinity(client: &u32, rev_nat_id: RevNatId) -> Option<*mut AffinityValue> {
-        AFFINITY4_V2.get_ptr_mut(Affinity4Key {
-            client_be: *client,
-            rev_nat_id,
-        })
-    }
-
-    #[inline(always)]
-    fn set_affinity(client: &u32, rev_nat_id: RevNatId, v: &AffinityValue) {
-        let key = Affinity4Key {
-            client_be: *client,
-            rev_nat_id,
-        };
-        let _ = AFFINITY4_V2.insert(key, *v, BPF_ANY as u64);
     }
 
     #[inline(always)]
@@ -328,6 +362,18 @@ impl Family for V4 {
     type RevNat = RevNat4;
 
     conntrack_accessors!(Ct4Key, Ct4Value, RevNat4, u32, Backend4, Packet, Svc4Key);
+    map_accessors!(
+        SVC4_V2,
+        Svc4Key,
+        BACKEND4_V1,
+        Backend4,
+        AFFINITY4_V2,
+        Affinity4Key,
+        u32,
+        CT4_V2,
+        Ct4Value,
+        Packet
+    );
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V4>, rev_nat_id: RevNatId, now: u64) -> Ct4Value {
@@ -342,32 +388,8 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn reply_entry(
-        backend_id: u32,
-        rev_nat_id: RevNatId,
-        flags: u16,
-        client_addr: u32,
-        client_port_be: u16,
-        now: u64,
-    ) -> Ct4Value {
-        Ct4Value::reply_of(
-            backend_id,
-            rev_nat_id,
-            flags,
-            client_addr,
-            client_port_be,
-            now,
-        )
-    }
-
-    #[inline(always)]
     fn ct_insert(key: &Ct4Key, v: &Ct4Value, flags: u64) -> Result<(), i32> {
         CT4_V2.insert(*key, *v, flags)
-    }
-
-    #[inline(always)]
-    fn ct_of_packet(pkt: &Packet, dir: u8) -> Option<*mut Ct4Value> {
-        CT4_V2.get_ptr_mut(pkt.ct_key(dir))
     }
 
     #[inline(always)]
@@ -430,37 +452,6 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn slot_backend(key: &Svc6Key, slot: u16) -> Option<u32> {
-        // SAFETY: map value pointer, read once.
-        SVC6_V2
-            .get_ptr(key.with_slot(slot))
-            .map(|sv| unsafe { (*sv).backend_id })
-    }
-
-    #[inline(always)]
-    fn backend(id: u32) -> Option<Backend6> {
-        // SAFETY: map value pointer, copied.
-        BACKEND6_V1.get_ptr(id).map(|b| unsafe { *b })
-    }
-
-    #[inline(always)]
-    fn affinity(client: &Addr6, rev_nat_id: RevNatId) -> Option<*mut AffinityValue> {
-        AFFINITY6_V2.get_ptr_mut(Affinity6Key {
-            client_be: *client,
-            rev_nat_id,
-        })
-    }
-
-    #[inline(always)]
-    fn set_affinity(client: &Addr6, rev_nat_id: RevNatId, v: &AffinityValue) {
-        let key = Affinity6Key {
-            client_be: *client,
-            rev_nat_id,
-        };
-        let _ = AFFINITY6_V2.insert(key, *v, BPF_ANY as u64);
-    }
-
-    #[inline(always)]
     fn source_allowed(rev_nat_id: RevNatId, client: &Addr6) -> bool {
         let key = LpmKey {
             prefix_len: SOURCE_RANGE_ID_BITS + 128,
@@ -477,6 +468,18 @@ impl Family for V6 {
     type RevNat = RevNat6;
 
     conntrack_accessors!(Ct6Key, Ct6Value, RevNat6, Addr6, Backend6, Packet6, Svc6Key);
+    map_accessors!(
+        SVC6_V2,
+        Svc6Key,
+        BACKEND6_V1,
+        Backend6,
+        AFFINITY6_V2,
+        Affinity6Key,
+        Addr6,
+        CT6_V2,
+        Ct6Value,
+        Packet6
+    );
 
     #[inline(always)]
     fn service_entry(flow: &Flow<V6>, rev_nat_id: RevNatId, now: u64) -> Ct6Value {
@@ -492,32 +495,8 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn reply_entry(
-        backend_id: u32,
-        rev_nat_id: RevNatId,
-        flags: u16,
-        client_addr: Addr6,
-        client_port_be: u16,
-        now: u64,
-    ) -> Ct6Value {
-        Ct6Value::reply_of(
-            backend_id,
-            rev_nat_id,
-            flags,
-            client_addr,
-            client_port_be,
-            now,
-        )
-    }
-
-    #[inline(always)]
     fn ct_insert(key: &Ct6Key, v: &Ct6Value, flags: u64) -> Result<(), i32> {
         CT6_V2.insert(key, v, flags)
-    }
-
-    #[inline(always)]
-    fn ct_of_packet(pkt: &Packet6, dir: u8) -> Option<*mut Ct6Value> {
-        CT6_V2.get_ptr_mut(pkt.ct_key(dir))
     }
 
     #[inline(always)]
