@@ -5,11 +5,12 @@
 //! (XDP_REDIRECT) after a FIB lookup ([`crate::fib::xdp_fib`],
 //! [`crate::fib::xdp_out`], IPv4's too), with the flow decisions of the tc
 //! path ([`crate::ipv6`]); its parse and in-place rewrite are beside their
-//! IPv4 twins ([`crate::parse6::parse_xdp`], [`crate::rewrite6::xdp_rewrite`]). Everything else — flows to local backends (their
-//! conntrack entries written first, so tc keeps the backend chosen here),
-//! extension headers, fragments, SCTP, no backend (tc rejects), a new flow
-//! none of whose source ports was free, packets without a usable FIB answer
-//! — is passed on to tc untouched.
+//! IPv4 twins ([`crate::parse6::parse_xdp`],
+//! [`crate::rewrite6::xdp_rewrite`]). Everything else — flows to local
+//! backends (their conntrack entries written first, so tc keeps the backend
+//! chosen here), extension headers, fragments, SCTP, no backend (tc
+//! rejects), a new flow none of whose source ports was free, packets without
+//! a usable FIB answer — is passed on to tc untouched.
 
 // Map keys and values are passed by reference (`get_ptr(&key)`): by value,
 // each call's copy of a 40-byte IPv6 key takes stack the verifier counts
