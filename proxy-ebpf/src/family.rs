@@ -277,9 +277,9 @@ macro_rules! map_accessors {
     ) => {
         #[inline(always)]
         fn slot_backend(key: &$svc, slot: u16) -> Option<u32> {
-            // SAFETY: map value pointer, read once.
             $svc_map
                 .get_ptr(key.with_slot(slot))
+                // SAFETY: map value pointer, read once.
                 .map(|sv| unsafe { (*sv).backend_id })
         }
 
