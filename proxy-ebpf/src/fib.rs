@@ -26,7 +26,6 @@ use crate::{
     zeroed::zeroed,
 };
 
-const PASS_FIB_MISS: u32 = stat::PASS_FIB_MISS;
 /// `skb->pkt_type` of a frame addressed to this host.
 const PACKET_HOST: u32 = 0;
 /// `bpf_redirect`'s flag for the device's ingress.
@@ -161,7 +160,7 @@ fn tc_tot_len(ctx: &TcContext, pkt: &Packet) -> u16 {
 /// a FIB lookup; falls back to the stack when the FIB has no answer.
 pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
     count(code);
-    let pass = (TC_ACT_OK, PASS_FIB_MISS);
+    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
     let to = Tuple {
         saddr_be: pkt.saddr_be,
         daddr_be: pkt.daddr_be,
@@ -220,7 +219,7 @@ pub fn deliver(ctx: &TcContext, pkt: &Packet, code: u32) -> (i32, u32) {
 #[inline(never)]
 pub fn deliver6(ctx: &TcContext, pkt: &Packet6, code: u32) -> (i32, u32) {
     count(code);
-    let pass = (TC_ACT_OK, PASS_FIB_MISS);
+    let pass = (TC_ACT_OK, stat::PASS_FIB_MISS);
     let to = Tuple6 {
         saddr_be: pkt.saddr_be,
         daddr_be: pkt.daddr_be,

@@ -335,7 +335,7 @@ pub fn port_in_use<F: Family>(cfg: &Config, rkey: &F::CtKey, now: u64) -> bool {
             now.saturating_sub(e.last_seen_ns()) < NSEC_PER_SEC
                 || conntrack::live_backend_of::<F>(cfg, rkey, &e, now).is_some()
         }
-        None => masqueraded_by_kernel(F::handover(rkey).map(|p| p as *const u64), now),
+        None => masqueraded_by_kernel(F::handover(rkey), now),
     }
 }
 
@@ -344,7 +344,7 @@ pub fn port_in_use<F: Family>(cfg: &Config, rkey: &F::CtKey, now: u64) -> bool {
 /// holds that port of the node toward that backend: the agent lists them
 /// from the kernel's conntrack (`host::handover`).
 #[inline(always)]
-pub fn masqueraded_by_kernel(entry: Option<*const u64>, now: u64) -> bool {
+pub fn masqueraded_by_kernel(entry: Option<*mut u64>, now: u64) -> bool {
     // SAFETY: a value of the handover map, read once.
     entry.is_some_and(|until| unsafe { *until } >= now)
 }

@@ -289,7 +289,7 @@ pub fn parse_xdp(ctx: &XdpContext, pkt: &mut Packet6) -> bool {
     };
     let mut tcp_flags = 0;
     if nh == IPPROTO_TCP {
-        let Some(f) = xdp_ptr::<u8>(ctx, XDP_L4_OFF + 13) else {
+        let Some(f) = xdp_ptr::<u8>(ctx, XDP_L4_OFF + TCP_FLAGS_OFF) else {
             return false;
         };
         // SAFETY: bounds-checked frame pointer.
